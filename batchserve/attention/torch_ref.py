@@ -1,0 +1,103 @@
+"""PyTorch reference attention over the paged pool (CPU path and test oracle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchserve.attention.base import AttentionBackend, SeqLayout, slots_of
+
+# Requests with at most this many rows are padded into one batched SDPA call; longer ones
+# (prompt chunks) run alone so that one long chunk does not pad every short row to its size.
+SMALL_Q = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Requests attended together as one padded batch."""
+
+    kv_slots: torch.Tensor  # [B, max_kv] pool slots (padding points at slot 0, masked out)
+    q_rows: torch.Tensor  # [B, max_q] rows of the packed step (padding repeats row 0)
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool
+    out_rows: torch.Tensor  # [n_valid] packed rows this group produces
+    valid: torch.Tensor  # [n_valid] indices into the flattened [B * max_q] output
+
+
+@dataclass(frozen=True, slots=True)
+class TorchMetadata:
+    backend: TorchReferenceBackend
+    slot_mapping: torch.Tensor  # [T] pool slot of each new token
+    groups: tuple[_Group, ...]
+    num_tokens: int
+
+
+class TorchReferenceBackend(AttentionBackend):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = torch.device(device)
+
+    def build_metadata(self, seqs: list[SeqLayout], num_tokens: int, slot_mapping: torch.Tensor) -> TorchMetadata:
+        small = [s for s in seqs if s.q_len <= SMALL_Q]
+        groups = [self._group([s]) for s in seqs if s.q_len > SMALL_Q]
+        if small:
+            groups.append(self._group(small))
+        return TorchMetadata(self, slot_mapping.to(self.device), tuple(groups), num_tokens)
+
+    def _group(self, seqs: list[SeqLayout]) -> _Group:
+        b = len(seqs)
+        max_q = max(s.q_len for s in seqs)
+        max_kv = max(s.kv_len for s in seqs)
+        kv_slots = torch.zeros(b, max_kv, dtype=torch.long)
+        q_rows = torch.zeros(b, max_q, dtype=torch.long)
+        mask = torch.zeros(b, 1, max_q, max_kv, dtype=torch.bool)
+        mask[:, :, :, 0] = True  # padding rows see one (ignored) key, so softmax stays finite
+        out_rows, valid = [], []
+        for i, s in enumerate(seqs):
+            kv_slots[i, : s.kv_len] = slots_of(s.block_ids, self.block_size, torch.arange(s.kv_len))
+            rows = torch.arange(s.q_start, s.q_start + s.q_len)
+            q_rows[i, : s.q_len] = rows
+            mask[i, 0, : s.q_len, :] = False
+            mask[i, 0, : s.q_len, : s.kv_len] = s.mask()
+            out_rows.append(rows)
+            valid.append(torch.arange(i * max_q, i * max_q + s.q_len))
+        dev = self.device
+        return _Group(
+            kv_slots.to(dev), q_rows.to(dev), mask.to(dev), torch.cat(out_rows).to(dev), torch.cat(valid).to(dev)
+        )
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchMetadata, scale: float
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [slots, Hkv, D]
+        k_cache.index_copy_(0, metadata.slot_mapping, k[0].transpose(0, 1))  # [T, Hkv, D]
+        v_cache.index_copy_(0, metadata.slot_mapping, v[0].transpose(0, 1))
+        num_heads, head_dim = q.shape[1], q.shape[3]
+        out = q.new_empty(metadata.num_tokens, num_heads, head_dim)  # [T, Hq, D]
+        for g in metadata.groups:
+            qg = q[0][:, g.q_rows].transpose(0, 1)  # [B, Hq, max_q, D]
+            kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
+            vg = v_cache[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            og = og.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * max_q, Hq, D]
+            out.index_copy_(0, g.out_rows, og[g.valid])
+        return out.unsqueeze(0)  # [1, T, Hq, D]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        src, dst = src.to(self.device), dst.to(self.device)
+        # Advanced indexing gathers before it scatters, so overlapping src/dst are safe.
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]

@@ -1,0 +1,45 @@
+"""LLMA-style single-branch drafts copied from the request's own prompt and output."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from batchserve.draft.base import NoDrafter
+from batchserve.draft.tree import DraftTree
+
+
+class SingleBranchDrafter(NoDrafter):
+    """Find the longest suffix of the request's tokens that occurred earlier in them and copy
+    what followed its most recent earlier occurrence ("Inference with Reference").
+
+    Stateless: everything it needs is the token list the scheduler passes in.
+    """
+
+    def __init__(self, max_match: int = 8, min_match: int = 1) -> None:
+        self.max_match = max_match
+        self.min_match = min_match
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        n = len(token_ids)
+        if max_tokens < 1 or n < 2:
+            return None
+        for match_len in range(min(self.max_match, n - 1), self.min_match - 1, -1):
+            start = self._last_occurrence(token_ids, match_len)
+            if start is not None:
+                copy_from = start + match_len
+                copied = list(token_ids[copy_from : copy_from + max_tokens])
+                if copied:
+                    return DraftTree.chain(copied)
+        return None
+
+    @staticmethod
+    def _last_occurrence(token_ids: Sequence[int], match_len: int) -> int | None:
+        """Start of the latest occurrence of the last `match_len` tokens, ending before the end."""
+        n = len(token_ids)
+        suffix = list(token_ids[n - match_len :])
+        first = suffix[0]
+        # Scan right to left so the most recent (most local) context wins.
+        for start in range(n - match_len - 1, -1, -1):
+            if token_ids[start] == first and list(token_ids[start : start + match_len]) == suffix:
+                return start
+        return None

