@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
-from batchserve.draft import make_drafter
+from batchserve.draft import Drafter, make_drafter
 from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams
 from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler, SchedulerOutput
 
@@ -61,7 +61,9 @@ class GenerationResult:
 class EngineCore:
     """Scheduler + runner + drafter + detokenizer; `step()` runs one model step."""
 
-    def __init__(self, config: EngineConfig | None = None, model: Any = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, model: Any = None, tokenizer: Any = None, drafter: Drafter | None = None
+    ) -> None:
         import torch
 
         from batchserve.attention import TorchReferenceBackend
@@ -90,7 +92,7 @@ class EngineCore:
         )
         self.runner = ModelRunner(model, backend)
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
-        self.drafter = make_drafter(config.draft.method, config.draft.max_match, config.draft.min_match)
+        self.drafter = drafter if drafter is not None else make_drafter(config.draft.method, config.draft.max_match, config.draft.min_match)
         self.scheduler = Scheduler(
             config.scheduler, config.draft, BlockAllocator(num_blocks, config.cache.block_size), self.drafter,
             on_token=self._on_token,
@@ -346,6 +348,7 @@ class LLM:
         config: EngineConfig | None = None,
         hf_model: Any = None,
         tokenizer: Any = None,
+        drafter: Drafter | None = None,
     ) -> None:
         if config is None:
             config = EngineConfig(
@@ -354,7 +357,7 @@ class LLM:
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
                 draft=DraftConfig(method=draft, decoding_length=decoding_length),  # type: ignore[arg-type]
             )
-        self.engine = EngineCore(config, hf_model, tokenizer)
+        self.engine = EngineCore(config, hf_model, tokenizer, drafter)
 
     @property
     def tokenizer(self) -> Any:

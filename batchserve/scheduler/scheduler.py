@@ -42,7 +42,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
-        self._started: set[str] = set()  # requests the drafter has seen
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -59,6 +58,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.drafter.on_request_start(req.request_id, req.prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are free before the next step. False if unknown."""
@@ -81,9 +81,7 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        if req.request_id in self._started:
-            self._started.discard(req.request_id)
-            self.drafter.on_request_finish(req.request_id)
+        self.drafter.on_request_finish(req.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,9 +126,6 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if req.request_id not in self._started:
-                self._started.add(req.request_id)
-                self.drafter.on_request_start(req.request_id, req.prompt_token_ids)
             scheduled.append(item)
             budget -= item.num_tokens
 

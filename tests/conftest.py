@@ -1,0 +1,106 @@
+"""Shared fixtures: a tiny random Llama built in-process, and the real SmolLM2 (once per session)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+TINY_VOCAB = 256
+
+
+def make_tiny_tokenizer() -> Any:
+    """A byte-level tokenizer whose 256 ids are the 256 bytes (no merges, no specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel maps byte b to a printable char; order the vocab by byte value.
+    mapping = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
+    assert set(mapping.values()) == set(byte_chars)
+    vocab = {mapping[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _bytes_to_unicode() -> list[str]:
+    # The GPT-2 byte -> printable-char table, in byte order.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        head_dim=16,
+        max_position_embeddings=1024,
+        initializer_range=0.3,  # spread logits: random weights must not produce near-ties
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Any:
+    """The reference copy: keeps HF's own attention, for `generate`."""
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[Any, Any]:
+    """(model, tokenizer) with HF attention, float32, for reference generations."""
+    from batchserve.runner import load_model
+
+    try:
+        return load_model(None, "float32")
+    except FileNotFoundError as e:  # pragma: no cover - make test installs it
+        pytest.fail(str(e))
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF `generate` greedy continuation (no eos stop unless the model config has one)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            pad_token_id=model.generation_config.pad_token_id or 0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def tiny_llm(drafter: Any = None, **kwargs: Any) -> Any:
+    """An offline LLM over a fresh copy of the tiny model (the runner swaps its attention)."""
+    from batchserve import LLM
+
+    kwargs.setdefault("max_num_batched_tokens", 1024)
+    return LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), drafter=drafter, **kwargs)

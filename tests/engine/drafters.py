@@ -1,0 +1,94 @@
+"""Test drafters: an oracle that knows the true continuation, and random trees."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from batchserve.draft import DraftTree, NoDrafter
+
+
+def random_tree(rng: random.Random, size: int, vocab: int, first: list[int] | None = None) -> DraftTree:
+    """A random tree of `size` nodes; `first`, if given, is planted as a chain from the root."""
+    tokens: list[int] = []
+    parents: list[int | None] = []
+    children: dict[int | None, set[int]] = {}
+    for i, tok in enumerate(first or []):
+        parent = i - 1 if i else None
+        tokens.append(tok)
+        parents.append(parent)
+        children.setdefault(parent, set()).add(tok)
+    while len(tokens) < size:
+        parent = rng.choice([None, *range(len(tokens))])
+        used = children.setdefault(parent, set())
+        if len(used) >= vocab:
+            continue
+        tok = rng.randrange(vocab)
+        while tok in used:
+            tok = rng.randrange(vocab)
+        used.add(tok)
+        tokens.append(tok)
+        parents.append(parent)
+    # Shuffle into another topological order so indices do not follow insertion.
+    order = _random_topological_order(rng, parents)
+    index = {old: new for new, old in enumerate(order)}
+    return DraftTree(
+        tuple(tokens[o] for o in order),
+        tuple(None if parents[o] is None else index[parents[o]] for o in order),  # type: ignore[index]
+    )
+
+
+def _random_topological_order(rng: random.Random, parents: list[int | None]) -> list[int]:
+    ready = [i for i, p in enumerate(parents) if p is None]
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p is not None:
+            kids.setdefault(p, []).append(i)
+    order: list[int] = []
+    while ready:
+        node = ready.pop(rng.randrange(len(ready)))
+        order.append(node)
+        ready.extend(kids.get(node, []))
+    return order
+
+
+class RandomTreeDrafter(NoDrafter):
+    """Random trees of random shapes, up to `max_nodes` nodes."""
+
+    def __init__(self, seed: int, vocab: int, max_nodes: int = 64) -> None:
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.max_nodes = max_nodes
+        self.proposed = 0
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        size = self.rng.randint(0, min(self.max_nodes, max_tokens))
+        if size == 0:
+            return None
+        self.proposed += size
+        return random_tree(self.rng, size, self.vocab)
+
+
+class OracleDrafter(NoDrafter):
+    """Knows each request's true output: proposes its next `depth` tokens as one branch,
+    with random siblings and random subtrees around it."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], seed: int, vocab: int, depth: int = 6) -> None:
+        self.truth = truth  # prompt -> full true output
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.depth = depth
+        self.prompts: dict[str, tuple[int, ...]] = {}
+
+    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self.prompts[request_id] = tuple(prompt_token_ids)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        prompt = self.prompts[request_id]
+        out = self.truth[prompt]
+        done = len(token_ids) - len(prompt)
+        branch = out[done : done + min(self.depth, max_tokens)]
+        if not branch:
+            return None
+        size = self.rng.randint(len(branch), max(len(branch), max_tokens))
+        return random_tree(self.rng, size, self.vocab, first=branch)
