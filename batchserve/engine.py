@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,31 +268,17 @@ class AsyncEngine:
             self._task = None
         self._executor.shutdown(wait=True)
 
-    async def generate(
+    def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs step by step; the last one has `finished` set.
-
-        Validation errors raise ValueError at the first `__anext__`. Leaving the iteration
-        early (break, cancellation) aborts the request and frees its KV blocks.
-        """
+    ) -> RequestStream:
+        """Submit a request and return its stream of per-step outputs (the last one has
+        `finished` set). Raises ValueError at once for invalid input."""
         self.start()
         req = self.core.add_request(prompt, params, request_id)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.request_id] = queue
         self._wakeup.set()
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            self._queues.pop(req.request_id, None)
-            if not finished:
-                self.core.abort(req.request_id)
+        return RequestStream(self, req.request_id, queue)
 
     def abort(self, request_id: str) -> bool:
         out = self.core.abort(request_id)
@@ -324,6 +310,54 @@ class AsyncEngine:
             self.num_steps += 1
             self._dispatch(outputs)
             await asyncio.sleep(0)  # let new requests and aborts in before the next step
+
+
+class RequestStream:
+    """Async iterator over one request's outputs.
+
+    Closing it early (`aclose()`, leaving `async with`, cancelling the task awaiting it, or
+    dropping the last reference after `break`) aborts the request and frees its KV blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[RequestOutput]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if out.finished:
+            self._done = True
+            self.engine._queues.pop(self.request_id, None)
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self.engine._queues.pop(self.request_id, None)
+            self.engine.core.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class LLM:
