@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check batchserve tests
+	$(BIN)/ruff check batchserve tests benchmarks
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

@@ -74,9 +74,7 @@ class DraftConfig:
         if self.decoding_length < 0:
             raise ValueError(f"decoding_length must be >= 0, got {self.decoding_length}")
         if not 1 <= self.min_match <= self.max_match:
-            raise ValueError(
-                f"need 1 <= min_match <= max_match, got {self.min_match} and {self.max_match}"
-            )
+            raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match} and {self.max_match}")
 
 
 @dataclass(frozen=True, slots=True)

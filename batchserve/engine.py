@@ -62,7 +62,11 @@ class EngineCore:
     """Scheduler + runner + drafter + detokenizer; `step()` runs one model step."""
 
     def __init__(
-        self, config: EngineConfig | None = None, model: Any = None, tokenizer: Any = None, drafter: Drafter | None = None
+        self,
+        config: EngineConfig | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        drafter: Drafter | None = None,
     ) -> None:
         import torch
 
@@ -87,14 +91,24 @@ class EngineCore:
             bytes_per_block *= torch.finfo(dtype).bits // 8
             num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // bytes_per_block))
         backend = TorchReferenceBackend(
-            mc.num_hidden_layers, num_blocks, config.cache.block_size, num_kv_heads, head_dim, dtype,
+            mc.num_hidden_layers,
+            num_blocks,
+            config.cache.block_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
             next(model.parameters()).device,
         )
         self.runner = ModelRunner(model, backend)
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
-        self.drafter = drafter if drafter is not None else make_drafter(config.draft.method, config.draft.max_match, config.draft.min_match)
+        if drafter is None:
+            drafter = make_drafter(config.draft.method, config.draft.max_match, config.draft.min_match)
+        self.drafter = drafter
         self.scheduler = Scheduler(
-            config.scheduler, config.draft, BlockAllocator(num_blocks, config.cache.block_size), self.drafter,
+            config.scheduler,
+            config.draft,
+            BlockAllocator(num_blocks, config.cache.block_size),
+            self.drafter,
             on_token=self._on_token,
         )
         self._text: dict[str, _TextState] = {}
@@ -124,7 +138,9 @@ class EngineCore:
                 raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
         return ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
         """Validate and enqueue; raises ValueError (naming the field) before touching the scheduler."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -190,7 +206,7 @@ class EngineCore:
         out = self.schedule()
         try:
             result = self.execute(out)
-        except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+        except Exception as e:
             return self.fail(out, e)
         return self.update(out, result)
 
@@ -303,7 +319,7 @@ class AsyncEngine:
             out = self.core.schedule()
             try:
                 result = await loop.run_in_executor(self._executor, self.core.execute, out)
-            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            except Exception as e:
                 outputs = self.core.fail(out, e)
             else:
                 outputs = self.core.update(out, result)

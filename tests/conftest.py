@@ -92,7 +92,10 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
             pad_token_id=model.generation_config.pad_token_id or 0,
         )
     return out[0, len(prompt_ids) :].tolist()

@@ -11,7 +11,7 @@ CODE_PROMPTS = [
     "from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
     '    """Check if in given list of numbers, are any two numbers closer to each other than\n'
     "    given threshold.\n    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n"
-    "    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n    \"\"\"\n",
+    '    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n    """\n',
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
     "        self.items.append(item)\n\n    def pop(self):\n",
     "-- Top 5 customers by total order value in 2023\nSELECT c.name, SUM(o.total) AS value\nFROM customers c\n",

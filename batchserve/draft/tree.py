@@ -42,7 +42,8 @@ class DraftTree:
     @classmethod
     def chain(cls, tokens: list[int] | tuple[int, ...]) -> DraftTree:
         """A single branch: each token the child of the previous one."""
-        return cls(tuple(tokens), tuple([None] + list(range(len(tokens) - 1)))[: len(tokens)])
+        parents: list[int | None] = [None, *range(len(tokens) - 1)]
+        return cls(tuple(tokens), tuple(parents[: len(tokens)]))
 
     def ancestors(self, i: int) -> list[int]:
         """Node i's ancestors (excluding the root) and itself, from the top down."""

@@ -51,7 +51,9 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> tuple[Path, str |
     raise FileNotFoundError(f"model path {p} does not exist")
 
 
-def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
+def load_model(
+    path: str | os.PathLike[str] | None = None, dtype: str = "float32", device: str = "cpu"
+) -> tuple[Any, Any]:
     """(model, tokenizer), model in eval mode on `device`. Offline: nothing is downloaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

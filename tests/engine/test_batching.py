@@ -66,7 +66,7 @@ async def test_abort_mid_stream_frees_blocks():
 
     # The documented way: leaving `async with` closes the stream.
     async with engine.generate([5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True)) as stream:
-        async for out in stream:
+        async for _ in stream:
             break
     _assert_pool_full(engine.core)
 

@@ -30,7 +30,7 @@ def test_seeded_sampling_identical_with_drafts_on_and_off(params):
     # Random trees: mostly rejected. Oracle trees: the sampled continuation, mostly accepted.
     random_drafts = tiny_llm(RandomTreeDrafter(3, TINY_VOCAB), decoding_length=32).generate(PROMPTS, params)
     oracle = tiny_llm(OracleDrafter(truth, 4, TINY_VOCAB, depth=8), decoding_length=32).generate(PROMPTS, params)
-    for p, a, b, c in zip(PROMPTS, plain, random_drafts, oracle):
+    for a, b, c in zip(plain, random_drafts, oracle, strict=True):
         assert len(set(a.token_ids)) > 5  # really sampled, not stuck on one token
         assert b.token_ids == a.token_ids
         assert c.token_ids == a.token_ids
@@ -39,11 +39,14 @@ def test_seeded_sampling_identical_with_drafts_on_and_off(params):
 
 def test_same_seed_same_text_different_seed_different_text():
     llm = tiny_llm(None, draft="none")
-    a, b, c = llm.generate([PROMPTS[0]] * 3, [
-        SamplingParams(max_new_tokens=32, temperature=1.0, seed=5),
-        SamplingParams(max_new_tokens=32, temperature=1.0, seed=5),
-        SamplingParams(max_new_tokens=32, temperature=1.0, seed=6),
-    ])
+    a, b, c = llm.generate(
+        [PROMPTS[0]] * 3,
+        [
+            SamplingParams(max_new_tokens=32, temperature=1.0, seed=5),
+            SamplingParams(max_new_tokens=32, temperature=1.0, seed=5),
+            SamplingParams(max_new_tokens=32, temperature=1.0, seed=6),
+        ],
+    )
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
 
@@ -73,8 +76,9 @@ def test_first_token_distribution_matches_softmax(tiny_model, temperature, top_k
 
     n = 3000
     llm = tiny_llm(None, draft="none", max_num_seqs=64)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=s)
-              for s in range(n)]
+    params = [
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=s) for s in range(n)
+    ]
     results = llm.generate([prompt] * n, params)
     counts = torch.zeros(TINY_VOCAB, dtype=torch.float64)
     for r in results:

