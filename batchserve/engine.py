@@ -29,7 +29,6 @@ class _TextState:
     stop: tuple[str, ...]
     text: str = ""
     num_emitted_chars: int = 0  # text[:num_emitted_chars] has been handed out
-    first_token_time: float | None = None
 
     @property
     def holdback(self) -> int:
@@ -202,6 +201,16 @@ class EngineCore:
         message = f"{type(error).__name__}: {error}"
         return [self._output(req, [], error=message) for req in self.scheduler.fail(out)]
 
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """Last resort after an unexpected engine error: end every request with ERROR."""
+        logger.exception("engine loop failed; failing all %d requests", len(self.scheduler.requests), exc_info=error)
+        message = f"{type(error).__name__}: {error}"
+        outputs = []
+        for req in list(self.scheduler.requests.values()):
+            self.scheduler.finish(req, FinishReason.ERROR)
+            outputs.append(self._output(req, [], error=message))
+        return outputs
+
     def step(self) -> list[RequestOutput]:
         out = self.schedule()
         try:
@@ -215,8 +224,6 @@ class EngineCore:
     def _on_token(self, req: Request, token_id: int) -> bool:
         """Detokenize one new token; True if a stop string now appears (text cut before it)."""
         state = self._text[req.request_id]
-        if state.first_token_time is None:
-            state.first_token_time = time.monotonic()
         piece = state.stream.step(self.tokenizer.backend_tokenizer, token_id)
         if not piece:
             return False
@@ -231,7 +238,7 @@ class EngineCore:
 
     def _output(self, req: Request, new_tokens: list[int], error: str | None = None) -> RequestOutput:
         finished = req.is_finished
-        state = self._text[req.request_id] if finished is False else self._text.pop(req.request_id)
+        state = self._text.pop(req.request_id) if finished else self._text[req.request_id]
         end = len(state.text) if finished else max(state.num_emitted_chars, len(state.text) - state.holdback)
         new_text = state.text[state.num_emitted_chars : end]
         state.num_emitted_chars = end
@@ -316,13 +323,16 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            out = self.core.schedule()
             try:
-                result = await loop.run_in_executor(self._executor, self.core.execute, out)
-            except Exception as e:
-                outputs = self.core.fail(out, e)
-            else:
-                outputs = self.core.update(out, result)
+                out = self.core.schedule()
+                try:
+                    result = await loop.run_in_executor(self._executor, self.core.execute, out)
+                except Exception as e:  # a failed forward fails its own requests only
+                    outputs = self.core.fail(out, e)
+                else:
+                    outputs = self.core.update(out, result)
+            except Exception as e:  # never leave a stream waiting forever
+                outputs = self.core.fail_all(e)
             self.num_steps += 1
             self._dispatch(outputs)
             await asyncio.sleep(0)  # let new requests and aborts in before the next step
@@ -428,13 +438,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         core = self.engine
-        # Validate everything first so a bad prompt leaves nothing half-submitted.
-        for p in prompts:
-            core.tokenize(p)
+        # Tokenize and check every prompt first so a bad one leaves nothing half-submitted.
+        token_ids = [core.tokenize(p) for p in prompts]
         requests = []
         try:
-            for p, sp in zip(prompts, params):
-                requests.append(core.add_request(p, sp))
+            for ids, sp in zip(token_ids, params):
+                requests.append(core.add_request(ids, sp))
         except ValueError:
             for r in requests:
                 core.abort(r.request_id)

@@ -198,3 +198,22 @@ async def test_async_engine_survives_failed_step(monkeypatch):
     assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == 5
     _assert_pool_full(engine.core)
     await engine.stop()
+
+
+async def test_unexpected_loop_error_ends_streams_instead_of_hanging(monkeypatch):
+    engine = AsyncEngine(_core())
+    real_schedule = engine.core.scheduler.schedule
+    state = {"fail": True}
+
+    def broken():
+        if state.pop("fail", False):
+            raise RuntimeError("scheduler bug")
+        return real_schedule()
+
+    monkeypatch.setattr(engine.core.scheduler, "schedule", broken)
+    outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
+    assert outs[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in outs[-1].error
+    outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    _assert_pool_full(engine.core)
+    await engine.stop()
