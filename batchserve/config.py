@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-DraftMethod = Literal["none", "llma"]
-DRAFT_METHODS: tuple[str, ...] = ("none", "llma")
+DraftMethod = Literal["none", "llma", "lookahead"]
+DRAFT_METHODS: tuple[str, ...] = ("none", "llma", "lookahead")
+DraftLayout = Literal["hierarchical", "parallel", "single"]
+DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,20 +63,37 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class DraftConfig:
-    """Speculation: which drafter proposes trees and how many tokens each may hold."""
+    """Speculation: which drafter proposes trees, their shape and how many tokens they hold.
 
-    method: DraftMethod = "llma"
+    `lookahead` is the trie of prompt and output n-grams (the Lookahead paper); `llma` copies
+    a single branch from the request's own text; `none` decodes plainly.
+    """
+
+    method: DraftMethod = "lookahead"
     decoding_length: int = 16  # draft tokens per request per step (tree nodes, root excluded)
-    max_match: int = 8  # LLMA: longest suffix tried when looking for a copy source
-    min_match: int = 1  # LLMA: shortest suffix accepted as a match
+    layout: DraftLayout = "hierarchical"  # lookahead: prefix-merged tree, disjoint chains, or one chain
+    branch_length: int = 12  # lookahead: n-gram length inserted into the trie
+    max_match: int = 4  # longest suffix of the request's tokens tried as a match key
+    min_match: int = 1  # shortest suffix accepted as a match key
+    prompt_weight: float = 100.0  # lookahead: a request's own prompt/output n-gram counts this much more
+    trie_capacity: int = 200_000  # lookahead: output-trie nodes before decay-and-prune
+    warmup_path: str | None = None  # lookahead: JSONL of earlier outputs ({"text"} or {"token_ids"})
 
     def __post_init__(self) -> None:
         if self.method not in DRAFT_METHODS:
             raise ValueError(f"draft method must be one of {DRAFT_METHODS}, got {self.method!r}")
+        if self.layout not in DRAFT_LAYOUTS:
+            raise ValueError(f"draft layout must be one of {DRAFT_LAYOUTS}, got {self.layout!r}")
         if self.decoding_length < 0:
             raise ValueError(f"decoding_length must be >= 0, got {self.decoding_length}")
+        if self.branch_length < 2:
+            raise ValueError(f"branch_length must be >= 2, got {self.branch_length}")
         if not 1 <= self.min_match <= self.max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match} and {self.max_match}")
+        if self.prompt_weight <= 0:
+            raise ValueError(f"prompt_weight must be > 0, got {self.prompt_weight}")
+        if self.trie_capacity < 1:
+            raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
 
 
 @dataclass(frozen=True, slots=True)

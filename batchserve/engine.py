@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
-from batchserve.draft import Drafter, make_drafter
+from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams
 from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler, SchedulerOutput
 
@@ -101,7 +101,10 @@ class EngineCore:
         self.runner = ModelRunner(model, backend)
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
         if drafter is None:
-            drafter = make_drafter(config.draft.method, config.draft.max_match, config.draft.min_match)
+            drafter = make_drafter(config.draft)
+            if isinstance(drafter, TrieDrafter) and config.draft.warmup_path:
+                n = drafter.warm_up_file(config.draft.warmup_path, self.tokenize)
+                logger.info("warmed the lookahead trie with %d sequences from %s", n, config.draft.warmup_path)
         self.drafter = drafter
         self.scheduler = Scheduler(
             config.scheduler,
@@ -397,8 +400,9 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        draft: str = "llma",
+        draft: str = "lookahead",
         decoding_length: int = 16,
+        draft_layout: str = "hierarchical",
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         block_size: int = 16,
@@ -415,7 +419,7 @@ class LLM:
                 model=ModelConfig(path=model, dtype=dtype),
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-                draft=DraftConfig(method=draft, decoding_length=decoding_length),  # type: ignore[arg-type]
+                draft=DraftConfig(method=draft, decoding_length=decoding_length, layout=draft_layout),  # type: ignore[arg-type]
             )
         self.engine = EngineCore(config, hf_model, tokenizer, drafter)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from batchserve.config import DRAFT_LAYOUTS
+
 
 class FinishReason(enum.Enum):
     LENGTH = "length"  # max_new_tokens or the model's context reached
@@ -33,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     decoding_length: int | None = None  # per-request draft budget; None = the engine's, 0 = off
+    draft_layout: str | None = None  # lookahead layout: hierarchical, parallel or single; None = the engine's
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so the params stay hashable.
@@ -56,6 +59,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
         if self.decoding_length is not None and self.decoding_length < 0:
             raise ValueError(f"decoding_length must be >= 0, got {self.decoding_length}")
+        if self.draft_layout is not None and self.draft_layout not in DRAFT_LAYOUTS:
+            raise ValueError(f"draft_layout must be one of {DRAFT_LAYOUTS}, got {self.draft_layout!r}")
 
     @property
     def greedy(self) -> bool:

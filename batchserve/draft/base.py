@@ -14,8 +14,8 @@ class Drafter(Protocol):
     All calls come from the engine's loop thread, between model steps.
     """
 
-    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        """A request was admitted (its prompt may be indexed)."""
+    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None) -> None:
+        """A request arrived (its prompt may be indexed); `layout` is its draft-shape override."""
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         """New output tokens were committed for the request."""
@@ -30,7 +30,7 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: never proposes anything."""
 
-    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None) -> None:
         pass
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:

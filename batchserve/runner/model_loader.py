@@ -51,17 +51,28 @@ def resolve_model_path(path: str | os.PathLike[str] | None) -> tuple[Path, str |
     raise FileNotFoundError(f"model path {p} does not exist")
 
 
-def load_model(
-    path: str | os.PathLike[str] | None = None, dtype: str = "float32", device: str = "cpu"
-) -> tuple[Any, Any]:
-    """(model, tokenizer), model in eval mode on `device`. Offline: nothing is downloaded."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
+    """Only the tokenizer (with its chat template) of a model, without loading weights."""
+    from transformers import AutoTokenizer
 
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    return AutoTokenizer.from_pretrained(directory, **kwargs)
+
+
+def load_model(
+    path: str | os.PathLike[str] | None = None, dtype: str = "float32", device: str = "cpu"
+) -> tuple[Any, Any]:
+    """(model, tokenizer), model in eval mode on `device`. Offline: nothing is downloaded."""
+    from transformers import AutoModelForCausalLM
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
     model.to(device).eval()
     return model, tokenizer

@@ -58,7 +58,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.drafter.on_request_start(req.request_id, req.prompt_token_ids)
+        self.drafter.on_request_start(req.request_id, req.prompt_token_ids, req.params.draft_layout)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are free before the next step. False if unknown."""

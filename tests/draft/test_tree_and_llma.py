@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from batchserve.draft import DraftTree, NoDrafter, SingleBranchDrafter, make_drafter
+from batchserve.config import DraftConfig
+from batchserve.draft import DraftTree, NoDrafter, SingleBranchDrafter, TrieDrafter, make_drafter
 from tests.engine.drafters import random_tree
 
 
@@ -66,7 +67,8 @@ def test_llma_budget_and_no_match():
 
 
 def test_make_drafter():
-    assert isinstance(make_drafter("none"), NoDrafter)
-    assert isinstance(make_drafter("llma"), SingleBranchDrafter)
-    with pytest.raises(ValueError, match="unknown draft method"):
-        make_drafter("magic")
+    assert isinstance(make_drafter(DraftConfig(method="none")), NoDrafter)
+    assert isinstance(make_drafter(DraftConfig(method="llma")), SingleBranchDrafter)
+    assert isinstance(make_drafter(DraftConfig(method="lookahead")), TrieDrafter)
+    with pytest.raises(ValueError, match="draft method"):
+        DraftConfig(method="magic")  # type: ignore[arg-type]

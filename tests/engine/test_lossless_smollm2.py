@@ -39,17 +39,26 @@ def engine_model():
     return load_model(None, "float32")
 
 
-def _config(method: str, **cache) -> EngineConfig:
+def _config(method: str, layout: str = "hierarchical", **cache) -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(block_size=16, kv_cache_memory_gb=0.25, **cache),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-        draft=DraftConfig(method=method, decoding_length=16),  # type: ignore[arg-type]
+        draft=DraftConfig(method=method, decoding_length=16, layout=layout),  # type: ignore[arg-type]
     )
 
 
-@pytest.mark.parametrize("method", ["llma", "none"])
-async def test_staggered_concurrent_greedy_equals_hf(engine_model, prompts, reference, method):
-    engine = AsyncEngine(EngineCore(_config(method), *engine_model))
+@pytest.mark.parametrize(
+    ("method", "layout"),
+    [
+        ("lookahead", "hierarchical"),
+        ("lookahead", "parallel"),
+        ("lookahead", "single"),
+        ("llma", "single"),
+        ("none", "single"),
+    ],
+)
+async def test_staggered_concurrent_greedy_equals_hf(engine_model, prompts, reference, method, layout):
+    engine = AsyncEngine(EngineCore(_config(method, layout), *engine_model))
     batch_sizes: list[int] = []
 
     async def run(i: int, prompt: list[int]) -> list[int]:
@@ -72,13 +81,29 @@ async def test_staggered_concurrent_greedy_equals_hf(engine_model, prompts, refe
     alloc = engine.core.scheduler.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
     engine.core.scheduler.check_integrity()
+    if method == "lookahead":  # every prompt's branches were eliminated; only outputs remain
+        assert engine.core.drafter.num_nodes == engine.core.drafter.output.num_nodes
 
 
 def test_preempted_requests_still_equal_hf(engine_model, prompts, reference):
-    # 40 blocks of 16 slots cannot hold 16 requests of 20-600 tokens: preemption must happen.
-    llm = LLM(config=_config("llma", num_blocks=48), hf_model=engine_model[0], tokenizer=engine_model[1])
+    # 48 blocks of 16 slots cannot hold 16 requests of 20-600 tokens: preemption must happen.
+    llm = LLM(config=_config("lookahead", num_blocks=48), hf_model=engine_model[0], tokenizer=engine_model[1])
     results = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert sum(r.stats.num_preemptions for r in results) > 0
     assert [r.token_ids for r in results] == reference
-    # The single-branch drafter found something to copy in these prompts.
+    # The trie found something to draft in these prompts.
     assert sum(r.stats.draft_tokens_accepted for r in results) > 0
+
+
+def test_trie_reuses_the_requests_own_output(engine_model, smollm2):
+    """A prompt that makes the model repeat a phrase it was not given: the trie drafts the
+    repeats from the request's own earlier output."""
+    from tests.prompts import chat
+
+    tokenizer = engine_model[1]
+    prompt = chat(tokenizer, "Write the multiplication table of 7 from 7 x 1 to 7 x 12, one line each.")
+    llm = LLM(config=_config("lookahead"), hf_model=engine_model[0], tokenizer=tokenizer)
+    r = llm.generate([prompt], SamplingParams(max_new_tokens=96))[0]
+    assert r.token_ids == hf_greedy(smollm2[0], prompt, 96)
+    assert r.text.count(" × 1 = ") >= 4 and " × " not in tokenizer.decode(prompt)  # repeats of its own phrase
+    assert r.tokens_per_step > 1.5, (r.tokens_per_step, r.text)

@@ -1,0 +1,205 @@
+"""The Lookahead trie drafter: each procedure of the paper, one test or more."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from batchserve.config import DraftConfig
+from batchserve.draft import DraftTree, TrieDrafter
+from batchserve.draft.simulate import simulate
+from batchserve.draft.trie import Trie
+
+
+def _drafter(**kw) -> TrieDrafter:
+    kw.setdefault("branch_length", 6)
+    return TrieDrafter(DraftConfig(**kw))
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of a tree."""
+    return {tuple(tree.tokens[j] for j in tree.ancestors(i)) for i in range(len(tree))}
+
+
+def test_trie_counts_every_run_up_to_branch_length():
+    t = Trie()
+    t.insert_sequence([1, 2, 1, 2, 3], branch_length=3)
+    assert t.find([1]).count == 2 and t.find([1, 2]).count == 2 and t.find([2, 3]).count == 1
+    assert t.find([1, 2, 1]).count == 1 and t.find([1, 2, 1, 2]) is None  # longer than 3
+    # On-the-fly insertion of the same tokens one by one gives the same counts.
+    u = Trie()
+    seen: list[int] = []
+    for tok in [1, 2, 1, 2, 3]:
+        seen.append(tok)
+        u.insert_last(seen[-3:])
+    for key in ([1], [2], [1, 2], [2, 1], [1, 2, 1], [2, 1, 2], [1, 2, 3], [2, 3], [3]):
+        assert u.find(key).count == t.find(key).count, key
+    assert u.num_nodes == t.num_nodes
+
+
+def test_prompt_branches_are_inserted_at_start():
+    d = _drafter()
+    d.on_request_start("a", [5, 6, 7, 8, 9, 5, 6])
+    tree = d.propose("a", [5, 6, 7, 8, 9, 5, 6], 4)
+    assert tree is not None and tree.tokens[:3] == (7, 8, 9)
+
+
+def test_own_output_is_reused_on_the_fly():
+    d = _drafter()
+    prompt = [1, 2, 3]
+    d.on_request_start("a", prompt)
+    phrase = [40, 41, 42, 43, 44]
+    d.on_tokens_accepted("a", [*phrase, 9])
+    # Before the request finishes, its own output already drafts the phrase again.
+    tree = d.propose("a", [*prompt, *phrase, 9, 40], 4)
+    assert tree is not None and (41, 42, 43, 44) in _paths(tree)
+
+
+def test_other_requests_outputs_are_shared_but_prompts_are_not():
+    d = _drafter()
+    d.on_request_start("a", [100, 101, 102, 103])  # prompt only
+    d.on_tokens_accepted("a", [7, 8, 9, 10])  # output
+    d.on_request_start("b", [1])
+    assert d.propose("b", [1, 7], 4).tokens[:3] == (8, 9, 10)  # a's output, seen by b
+    assert d.propose("b", [1, 100], 4) is None  # a's prompt stays a's own
+
+
+def test_branch_elimination_leaves_no_trace_of_a_finished_prompt():
+    d = _drafter()
+    d.on_request_start("warm", [1, 2])
+    d.on_tokens_accepted("warm", [3, 4, 5])
+    d.on_request_finish("warm")
+    before = (d.num_nodes, d.output.num_nodes)
+    prompt = [90, 91, 92, 93, 94, 95, 96]
+    d.on_request_start("a", prompt)
+    assert d.num_nodes > before[0]
+    d.on_request_finish("a")
+    assert (d.num_nodes, d.output.num_nodes) == before
+    assert not d.has_request("a")
+    d.on_request_start("b", [1])
+    assert d.propose("b", [1, 90], 8) is None  # nothing of a's prompt is retrievable
+
+
+def test_pruning_keeps_the_output_trie_under_capacity_and_keeps_frequent_nodes():
+    d = _drafter(trie_capacity=500)
+    rng = random.Random(0)
+    frequent = [7, 7, 8, 9]
+    d.on_request_start("a", [1])
+    for _ in range(300):
+        d.on_tokens_accepted("a", [rng.randrange(1000) for _ in range(5)] + frequent)
+        assert d.output.num_nodes <= 500 + 6 * 9  # pruned as soon as one update overflows
+    assert d.output.find(frequent) is not None and d.output.find(frequent).count >= 1
+    # Counts were halved at least once: the frequent run was seen 300 times.
+    assert d.output.find(frequent).count < 300
+    # The node counter is exact after pruning.
+    stack, n = [d.output.root], -1
+    while stack:
+        node = stack.pop()
+        n += 1
+        stack.extend(node.children.values())
+    assert n == d.output.num_nodes
+
+
+def test_multi_stage_retrieval_prefers_the_longest_match_then_fills_from_shorter():
+    d = _drafter(max_match=3, branch_length=8)
+    d.warm_up([[1, 2, 3, 50, 51], [9, 3, 60, 61], [9, 3, 60, 61], [9, 3, 60, 61]])
+    d.on_request_start("a", [0])
+    # Key [2, 3] matches the first run: 50 51 comes first although 3 -> 60 is more frequent.
+    tree = d.propose("a", [0, 1, 2, 3], 2)
+    assert tree.tokens == (50, 51)
+    # With more budget, the shorter match [3] adds its branch (60 61) to the same tree.
+    tree = d.propose("a", [0, 1, 2, 3], 4)
+    assert _paths(tree) >= {(50,), (50, 51), (60,), (60, 61)}
+    # No match of any length: no draft.
+    assert d.propose("a", [0, 77], 4) is None
+
+
+def test_own_prompt_outranks_global_output():
+    d = _drafter()
+    d.warm_up([[5, 6, 30, 31]] * 20)  # globally frequent continuation of 5 6
+    d.on_request_start("a", [5, 6, 70, 71, 1])
+    tree = d.propose("a", [5, 6, 70, 71, 1, 5, 6], 2)
+    assert tree.tokens == (70, 71)
+    d2 = _drafter(prompt_weight=0.01)  # without the weighting, the global branch wins
+    d2.warm_up([[5, 6, 30, 31]] * 20)
+    d2.on_request_start("a", [5, 6, 70, 71, 1])
+    assert d2.propose("a", [5, 6, 70, 71, 1, 5, 6], 2).tokens == (30, 31)
+
+
+def test_layouts():
+    corpus = [[1, 10, 11, 12], [1, 10, 11, 13], [1, 10, 14], [1, 20, 21]]
+    tokens = [0, 1]
+    hier = _drafter(layout="hierarchical")
+    hier.warm_up(corpus)
+    hier.on_request_start("a", [0])
+    t = hier.propose("a", tokens, 16)
+    # Shared prefixes merged: 10 appears once with children 11 and 14.
+    assert t.tokens.count(10) == 1 and _paths(t) >= {(10, 11, 12), (10, 11, 13), (10, 14), (20, 21)}
+
+    par = _drafter(layout="parallel")
+    par.warm_up(corpus)
+    par.on_request_start("a", [0])
+    t = par.propose("a", tokens, 16)
+    # Disjoint chains, one per first token, heaviest path under each.
+    assert all(t.parents[i] is None or t.parents[i] == i - 1 for i in range(len(t)))
+    assert _paths(t) >= {(10, 11, 12), (20, 21)} and (10, 14) not in _paths(t)
+
+    single = _drafter(layout="single")
+    single.warm_up(corpus)
+    single.on_request_start("a", [0])
+    t = single.propose("a", tokens, 16)
+    assert t.tokens == (10, 11, 12) and t.parents == (None, 0, 1)
+
+    # Per-request override of the server's layout.
+    hier.on_request_start("b", [0], layout="single")
+    assert hier.propose("b", tokens, 16).tokens == (10, 11, 12)
+    with pytest.raises(ValueError, match="layout"):
+        hier.on_request_start("c", [0], layout="zigzag")
+
+
+@pytest.mark.parametrize("layout", ["hierarchical", "parallel", "single"])
+def test_proposals_always_satisfy_tree_invariants(layout):
+    rng = random.Random(1)
+    d = _drafter(layout=layout, branch_length=8, trie_capacity=3000)
+    d.warm_up([[rng.randrange(12) for _ in range(50)] for _ in range(20)])
+    for r in range(20):
+        tokens = [rng.randrange(12) for _ in range(rng.randint(1, 30))]
+        d.on_request_start(f"r{r}", tokens)
+        for _ in range(10):
+            budget = rng.randint(1, 64)
+            tree = d.propose(f"r{r}", tokens, budget)
+            if tree is None:
+                continue
+            assert 1 <= len(tree) <= budget
+            for i, p in enumerate(tree.parents):  # DraftTree itself rejects duplicate siblings
+                assert p is None or p < i
+            new = [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+            tokens += new
+            d.on_tokens_accepted(f"r{r}", new)
+        d.on_request_finish(f"r{r}")
+
+
+def test_warm_up_file(tmp_path):
+    path = tmp_path / "warm.jsonl"
+    path.write_text(json.dumps({"token_ids": [1, 2, 3]}) + "\n\n" + json.dumps({"text": "ab"}) + "\n")
+    d = _drafter()
+    assert d.warm_up_file(path, tokenize=lambda s: [ord(c) for c in s]) == 2
+    assert d.output.find([1, 2, 3]) is not None and d.output.find([97, 98]) is not None
+    with pytest.raises(ValueError, match="tokenizer"):
+        _drafter().warm_up_file(path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"token_ids": [1]}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        _drafter().warm_up_file(bad)
+
+
+def test_simulation_counts_steps():
+    d = _drafter()
+    out = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6]
+    res = simulate(d, "s", [1, 2], out, decoding_length=8)
+    assert res.tokens == len(out)
+    # The repeat is drafted from the request's own output once it has been seen.
+    assert res.steps < len(out) and res.tokens_per_step > 1.5
+    assert not d.has_request("s")  # finished and eliminated
