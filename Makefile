@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup test test-fast lint serve simulate clean
+.PHONY: setup bench-setup test test-fast lint serve proto simulate clean
 
 setup: $(STAMP)
 
@@ -38,9 +38,14 @@ test: $(STAMP) lint
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The gRPC server on 127.0.0.1:50051 with the default model; metrics on :9090. Ctrl-C drains and exits.
 serve: $(STAMP)
-	@echo "batchserve: the gRPC server arrives with the gRPC issue; the engine is usable today:"
-	@echo "  $(BIN)/python -c \"from batchserve import LLM; print(LLM().generate(['def fib(n):'])[0].text)\""
+	$(BIN)/batchserve serve --host 127.0.0.1 --port 50051 --metrics-port 9090 $(SERVE_ARGS)
+
+# Regenerate batchserve/v1 from protos/ (a test fails when they disagree).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/batchserve/v1/generation.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -17,6 +17,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (off if unset)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--max-batch-size", type=int, default=16, help="running requests at once")
+    serve.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens per forward")
+    serve.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size")
+    serve.add_argument("--block-size", type=int, default=16, help="KV slots per block")
+    serve.add_argument("--draft", default="lookahead", choices=["none", "llma", "lookahead"])
+    serve.add_argument("--decoding-length", type=int, default=16, help="draft tokens per request per step")
+    serve.add_argument("--draft-layout", default="hierarchical", choices=["hierarchical", "parallel", "single"])
+    serve.add_argument("--warmup", default=None, help="JSONL of earlier outputs to warm the trie with")
+    serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    serve.add_argument("--log-level", default="INFO")
+
+    gen = sub.add_parser("generate", help="send one request to a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    gen.add_argument("--max-new-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with the result")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
     bench.add_argument("--dataset", default="humaneval,sharegpt", help="humaneval, sharegpt or both (comma-separated)")
@@ -27,8 +56,106 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig(
+            model=ModelConfig(path=args.model, dtype=args.dtype),
+            cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_tokens_per_step
+            ),
+            draft=DraftConfig(
+                method=args.draft,
+                decoding_length=args.decoding_length,
+                layout=args.draft_layout,
+                warmup_path=args.warmup,
+            ),
+        )
+        from batchserve.server.app import ServerConfig
+
+        server_config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            max_waiting_requests=args.max_waiting,
+            grace_seconds=args.grace,
+        )
+    except ValueError as e:
+        print(f"batchserve serve: {e}", file=sys.stderr)
+        return 2
+    from batchserve.engine import AsyncEngine, EngineCore
+    from batchserve.runner.model_loader import resolve_model_path
+    from batchserve.server.app import BatchServer, serve_forever
+
+    try:
+        core = EngineCore(config)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"batchserve serve: {e}", file=sys.stderr)
+        return 2
+    directory, gguf = resolve_model_path(args.model)
+    server = BatchServer(
+        AsyncEngine(core), server_config, model_name=str(directory / gguf if gguf else directory), dtype=args.dtype
+    )
+    asyncio.run(serve_forever(server))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    import grpc
+
+    from batchserve.server.client import FINISH_REASON_NAMES, Client
+
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    kwargs = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+    with Client(args.target, timeout=args.timeout) as client:
+        try:
+            if args.stream and not args.json:
+                for chunk in client.stream(prompt, **kwargs):
+                    print(chunk.text, end="", flush=True)
+                print()
+                return 0
+            r = client.generate(prompt, **kwargs)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "request_id": r.request_id,
+                    "text": r.text,
+                    "token_ids": list(r.token_ids),
+                    "finish_reason": FINISH_REASON_NAMES[r.finish_reason],
+                    "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens},
+                    "stats": {
+                        "steps": r.stats.steps,
+                        "draft_tokens_proposed": r.stats.draft_tokens_proposed,
+                        "draft_tokens_accepted": r.stats.draft_tokens_accepted,
+                        "tokens_per_step": round(r.stats.tokens_per_step, 3),
+                    },
+                },
+                ensure_ascii=False,
+            )
+        )
+    else:
+        print(r.text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "bench":
         if not args.simulate:
             print("batchserve bench: only --simulate is available so far", file=sys.stderr)

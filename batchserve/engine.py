@@ -140,6 +140,20 @@ class EngineCore:
                 raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
         return ids
 
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat messages rendered with the model's chat template."""
+        if not messages:
+            raise ValueError("input.chat: no messages")
+        for i, m in enumerate(messages):
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise ValueError(
+                    f"input.chat.messages[{i}].role must be system, user or assistant, got {m.get('role')!r}"
+                )
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("input.chat: the model has no chat template; send text or token_ids")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:

@@ -1,0 +1,1 @@
+"""The gRPC front end: the only package that knows gRPC and Prometheus."""

@@ -1,0 +1,119 @@
+"""The gRPC server: TextGeneration, health, reflection, metrics, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from batchserve.engine import AsyncEngine
+from batchserve.server.metrics import Metrics
+from batchserve.server.servicer import ServiceInfo, TextGenerationServicer
+from batchserve.v1 import generation_pb2 as pb
+from batchserve.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("batchserve.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    metrics_port: int | None = None  # None = no metrics endpoint
+    max_waiting_requests: int = 256  # beyond this, RESOURCE_EXHAUSTED
+    grace_seconds: float = 30.0  # in-flight requests get this long to finish at shutdown
+    drain_seconds: float = 0.0  # NOT_SERVING this long before the listener closes
+    max_message_bytes: int = 64 * 2**20
+    keepalive_time_ms: int = 20_000
+    keepalive_timeout_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.grace_seconds < 0 or self.drain_seconds < 0:
+            raise ValueError("grace_seconds and drain_seconds must be >= 0")
+
+
+class BatchServer:
+    """Owns the grpc.aio server around one AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str = "", dtype: str = "") -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics(engine)
+        self.servicer = TextGenerationServicer(
+            engine, self.metrics, ServiceInfo(model_name, dtype, config.max_waiting_requests)
+        )
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        c = self.config
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", c.max_message_bytes),
+                ("grpc.max_receive_message_length", c.max_message_bytes),
+                ("grpc.keepalive_time_ms", c.keepalive_time_ms),
+                ("grpc.keepalive_timeout_ms", c.keepalive_timeout_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.http2.max_pings_without_data", 0),
+            ]
+        )
+        pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        self.port = server.add_insecure_port(f"{c.host}:{c.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {c.host}:{c.port}")
+        self.engine.start()
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if c.metrics_port is not None:
+            self.metrics.serve(c.metrics_port, c.host)
+        logger.info("serving %s on %s:%d", SERVICE_NAME, c.host, self.port)
+        return self.port
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING, refuse new requests, let in-flight ones finish within the grace
+        period, then cancel what is left and stop the engine."""
+        if self._server is None or self._stopped.is_set():
+            return
+        logger.info("shutting down: NOT_SERVING, %.0fs grace for in-flight requests", self.config.grace_seconds)
+        await self.health.enter_graceful_shutdown()
+        self.servicer.draining = True
+        if self.config.drain_seconds:
+            await asyncio.sleep(self.config.drain_seconds)
+        await self._server.stop(self.config.grace_seconds)
+        await self.engine.stop()
+        self._stopped.set()
+        logger.info("stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve_forever(server: BatchServer) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    await stop.wait()
+    await server.shutdown()

@@ -1,0 +1,83 @@
+"""Proto <-> engine conversion. Every invalid field raises ValueError naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchserve.engine import EngineCore
+from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams
+from batchserve.v1 import generation_pb2 as pb
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def prompt_of(request: Any, core: EngineCore) -> list[int]:
+    """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise ValueError("input: one of text, token_ids or chat is required")
+    if kind == "text":
+        if not request.text:
+            raise ValueError("input.text: prompt is empty")
+        return core.tokenize(request.text)
+    if kind == "token_ids":
+        if not request.token_ids.ids:
+            raise ValueError("input.token_ids: prompt is empty")
+        try:
+            return core.tokenize(list(request.token_ids.ids))
+        except ValueError as e:
+            raise ValueError(f"input.token_ids: {e}") from None
+    messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    return core.render_chat(messages)
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    s, la = request.sampling, request.lookahead
+    kwargs: dict[str, Any] = {}
+    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos"):
+        if s.HasField(name):
+            kwargs[name] = getattr(s, name)
+    stops = []
+    for i, raw in enumerate(s.stop):
+        try:
+            stops.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"sampling.stop[{i}]: not valid UTF-8") from None
+    kwargs["stop"] = stops
+    kwargs["stop_token_ids"] = list(s.stop_token_ids)
+    if la.HasField("enable") and not la.enable:
+        kwargs["decoding_length"] = 0
+    elif la.HasField("decoding_length"):
+        kwargs["decoding_length"] = la.decoding_length
+    if la.HasField("layout"):
+        kwargs["draft_layout"] = la.layout
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"sampling: {e}") from None
+
+
+def stats_pb(stats: RequestStats, num_output_tokens: int) -> pb.SpeculationStats:
+    return pb.SpeculationStats(
+        steps=stats.steps,
+        draft_tokens_proposed=stats.draft_tokens_proposed,
+        draft_tokens_accepted=stats.draft_tokens_accepted,
+        tokens_per_step=num_output_tokens / stats.steps if stats.steps else 0.0,
+    )
+
+
+def stream_chunk(out: RequestOutput) -> pb.GenerateStreamResponse:
+    return pb.GenerateStreamResponse(
+        request_id=out.request_id,
+        text=out.new_text,
+        token_ids=out.new_token_ids,
+        finish_reason=FINISH_REASONS[out.finish_reason] if out.finish_reason else pb.FINISH_REASON_UNSPECIFIED,
+        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens),
+        stats=stats_pb(out.stats, out.num_output_tokens),
+    )

@@ -1,0 +1,113 @@
+"""Prometheus metrics (`batchserve_*`), modelled on vLLM's and SGLang's names."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from batchserve.engine import AsyncEngine
+from batchserve.request import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16, 32, 64)
+
+
+class Metrics:
+    def __init__(self, engine: AsyncEngine, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        sched = engine.core.scheduler
+        Gauge("batchserve_num_requests_running", "Requests in the running batch", registry=r).set_function(
+            lambda: sched.num_running
+        )
+        Gauge("batchserve_num_requests_waiting", "Requests waiting for admission", registry=r).set_function(
+            lambda: sched.num_waiting
+        )
+        Gauge("batchserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r).set_function(
+            lambda: sched.allocator.usage
+        )
+        Gauge("batchserve_kv_cache_free_blocks", "Free KV blocks", registry=r).set_function(
+            lambda: sched.allocator.num_free_blocks
+        )
+        Gauge("batchserve_engine_steps", "Model steps run since start", registry=r).set_function(
+            lambda: engine.num_steps
+        )
+        self.ttft = Histogram(
+            "batchserve_time_to_first_token_seconds", "Time to first token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "batchserve_inter_token_latency_seconds",
+            "Time per output token after the first",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "batchserve_e2e_request_latency_seconds", "Request latency", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.queue = Histogram(
+            "batchserve_request_queue_time_seconds",
+            "Time waiting before the first step",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = Counter("batchserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("batchserve_generation_tokens", "Tokens generated", registry=r)
+        self.draft_proposed = Counter("batchserve_draft_tokens_proposed", "Draft tokens verified", registry=r)
+        self.draft_accepted = Counter("batchserve_draft_tokens_accepted", "Draft tokens accepted", registry=r)
+        self.request_steps = Counter("batchserve_request_steps", "Per-request steps that emitted tokens", registry=r)
+        Gauge(
+            "batchserve_mean_accepted_tokens_per_step",
+            "Accepted draft tokens per request step, since start",
+            registry=r,
+        ).set_function(lambda: self.draft_accepted._value.get() / max(1.0, self.request_steps._value.get()))
+        self.tokens_per_step = Histogram(
+            "batchserve_request_tokens_per_step",
+            "Per finished request: output tokens / steps",
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.finished = Counter("batchserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter("batchserve_requests_rejected", "Requests refused before running", ["code"], registry=r)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+@dataclass(slots=True)
+class RequestTracker:
+    """Per-request timing, fed every output of one request."""
+
+    metrics: Metrics
+    start: float = field(default_factory=time.monotonic)
+    last: float | None = None
+    num_tokens: int = 0
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        n = len(out.new_token_ids)
+        if n:
+            if self.last is None:
+                self.metrics.ttft.observe(now - self.start)
+                if out.stats.queue_seconds is not None:
+                    self.metrics.queue.observe(out.stats.queue_seconds)
+            else:
+                per_token = (now - self.last) / n
+                for _ in range(n):
+                    self.metrics.itl.observe(per_token)
+            self.last = now
+            self.num_tokens += n
+            self.metrics.generation_tokens.inc(n)
+        if out.finished:
+            m = self.metrics
+            m.e2e.observe(now - self.start)
+            m.prompt_tokens.inc(out.num_prompt_tokens)
+            m.draft_proposed.inc(out.stats.draft_tokens_proposed)
+            m.draft_accepted.inc(out.stats.draft_tokens_accepted)
+            m.request_steps.inc(out.stats.steps)
+            if out.stats.steps:
+                m.tokens_per_step.observe(out.num_output_tokens / out.stats.steps)
+            m.finished.labels(out.finish_reason.value if out.finish_reason else "unknown").inc()

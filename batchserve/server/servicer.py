@@ -1,0 +1,144 @@
+"""The TextGeneration servicer: gRPC in, engine requests out."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from batchserve.engine import AsyncEngine, RequestStream
+from batchserve.request import RequestOutput
+from batchserve.server import convert
+from batchserve.server.metrics import Metrics
+from batchserve.v1 import generation_pb2 as pb
+from batchserve.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("batchserve.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    model: str
+    dtype: str
+    max_waiting_requests: int
+
+
+class TextGenerationServicer(pb_grpc.TextGenerationServicer):
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, info: ServiceInfo) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.info = info
+        self.draining = False  # set at shutdown: new requests get UNAVAILABLE
+
+    # ---- RPCs ----------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        text: list[str] = []
+        token_ids: list[int] = []
+        last: RequestOutput | None = None
+        async for out in self._run(request, context):
+            text.append(out.new_text)
+            token_ids.extend(out.new_token_ids)
+            last = out
+        assert last is not None and last.finish_reason is not None
+        return pb.GenerateResponse(
+            request_id=last.request_id,
+            text="".join(text),
+            token_ids=token_ids,
+            finish_reason=convert.FINISH_REASONS[last.finish_reason],
+            usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens),
+            stats=convert.stats_pb(last.stats, last.num_output_tokens),
+        )
+
+    async def StreamGenerate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async for out in self._run(request, context):
+            # Steps that only held back text (a possible stop string, half a character) and
+            # emitted no token send nothing; the last message is always sent.
+            if out.new_token_ids or out.new_text or out.finished:
+                yield convert.stream_chunk(out)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            ids = convert.prompt_of(request, self.engine.core)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        core = self.engine.core
+        cfg = core.config
+        return pb.ModelInfo(
+            model=self.info.model,
+            vocab_size=core.vocab_size,
+            max_model_len=core.max_model_len,
+            eos_token_ids=sorted(core.eos_token_ids),
+            dtype=self.info.dtype,
+            draft_method=cfg.draft.method,
+            decoding_length=cfg.draft.decoding_length,
+            max_batch_size=cfg.scheduler.max_num_seqs,
+            max_waiting_requests=self.info.max_waiting_requests,
+        )
+
+    # ---- one request ---------------------------------------------------------------------
+
+    async def _run(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate, submit and stream one request; leaving early (client cancel, deadline)
+        aborts it in the engine, which frees its KV blocks before the next step."""
+        if self.draining:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        core = self.engine.core
+        if core.scheduler.num_waiting >= self.info.max_waiting_requests:
+            await self._reject(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"waiting queue is full ({self.info.max_waiting_requests} requests); retry later",
+            )
+        request_id = request.request_id or uuid.uuid4().hex
+        stream: RequestStream | None = None
+        error: str | None = None
+        try:
+            prompt = convert.prompt_of(request, core)
+            params = convert.sampling_params(request)
+            stream = self.engine.generate(prompt, params, request_id)
+        except ValueError as e:
+            error = str(e)
+        if stream is None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, error or "invalid request")
+        assert stream is not None
+        tracker = self.metrics.track()
+        start = time.monotonic()
+        last: RequestOutput | None = None
+        try:
+            async with stream:
+                async for out in stream:
+                    tracker.observe(out)
+                    last = out
+                    yield out
+        finally:
+            if last is None or not last.finished:
+                self.metrics.finished.labels("cancelled").inc()
+                logger.info("request %s cancelled by the client after %.2fs", request_id, time.monotonic() - start)
+            else:
+                logger.info(
+                    "request %s finished: %d prompt + %d output tokens, %s, %.2fs, %.2f tokens/step",
+                    request_id,
+                    last.num_prompt_tokens,
+                    last.num_output_tokens,
+                    last.finish_reason.value,
+                    time.monotonic() - start,
+                    last.num_output_tokens / max(1, last.stats.steps),
+                )
+        if last is not None and last.error is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"engine error: {last.error}")
+
+    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.rejected.labels(code.name).inc()
+        await context.abort(code, message)

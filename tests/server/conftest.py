@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import grpc
+import pytest
+
+from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+from batchserve.engine import AsyncEngine, EngineCore
+from batchserve.server.app import BatchServer, ServerConfig
+from batchserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+
+def tiny_core(max_num_seqs: int = 8, num_blocks: int = 512) -> EngineCore:
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
+        draft=DraftConfig(decoding_length=8),
+    )
+    return EngineCore(config, make_tiny_model(), tokenizer)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    def __init__(self, server: BatchServer, channel: grpc.aio.Channel) -> None:
+        self.server = server
+        self.channel = channel
+        self.stub = pb_grpc.TextGenerationStub(channel)
+
+    @property
+    def core(self) -> EngineCore:
+        return self.server.engine.core
+
+
+async def start_server(core: EngineCore | None = None, **server_kwargs: Any) -> Running:
+    server_kwargs.setdefault("port", 0)
+    server = BatchServer(AsyncEngine(core or tiny_core()), ServerConfig(**server_kwargs), model_name="tiny")
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return Running(server, channel)
+
+
+@pytest.fixture
+async def running():
+    r = await start_server(metrics_port=free_port())
+    yield r
+    await r.channel.close()
+    await r.server.shutdown()

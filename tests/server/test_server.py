@@ -1,0 +1,289 @@
+"""A real server on a loopback port and a real gRPC client."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from batchserve import SamplingParams
+from batchserve.cli import main as cli_main
+from batchserve.engine import LLM
+from batchserve.server.app import SERVICE_NAME
+from batchserve.server.client import build_request
+from batchserve.v1 import generation_pb2 as pb
+from tests.conftest import make_tiny_model
+from tests.server.conftest import start_server, tiny_core
+
+
+def _offline(prompts, params):
+    core = tiny_core()
+    llm = LLM.__new__(LLM)
+    llm.engine = core
+    return llm.generate(prompts, params)
+
+
+async def _stream(stub, req):
+    chunks = [c async for c in stub.StreamGenerate(req)]
+    return chunks
+
+
+async def test_unary_and_stream_match_offline_generate(running):
+    stub = running.stub
+    inputs = ["héllo wörld, 漢字", [5, 6, 7, 8], [{"role": "user", "content": "ünïcode?"}]]
+    offline_prompts = [running.core.tokenize(inputs[0]), inputs[1], running.core.render_chat(inputs[2])]
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=7)
+    expected = _offline(offline_prompts, params)
+    for prompt, exp in zip(inputs, expected, strict=True):
+        req = build_request(prompt, max_new_tokens=40, temperature=0.9, seed=7)
+        unary = await stub.Generate(req)
+        chunks = await _stream(stub, req)
+        assert list(unary.token_ids) == exp.token_ids
+        assert [t for c in chunks for t in c.token_ids] == exp.token_ids
+        assert "".join(c.text for c in chunks) == unary.text == exp.text
+        assert unary.finish_reason == pb.FINISH_REASON_LENGTH
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+        assert unary.usage.prompt_tokens == len(exp.prompt_token_ids) and unary.usage.completion_tokens == 40
+        assert chunks[-1].usage.completion_tokens == 40
+        # Step counts depend on the (shared, learning) trie, so only their consistency is checked.
+        assert 1 <= unary.stats.steps <= 40
+        assert unary.stats.tokens_per_step == pytest.approx(40 / unary.stats.steps)
+        assert chunks[-1].stats.draft_tokens_accepted == 40 - chunks[-1].stats.steps
+    assert any(ord(ch) > 127 for ch in unary.text)  # the byte-level model emits non-ASCII text
+
+
+async def test_32_concurrent_streams(running):
+    prompts = [[i + 1, (7 * i) % 200 + 3, 9] for i in range(32)]
+    expected = _offline(prompts, SamplingParams(max_new_tokens=24))
+    outs = await asyncio.gather(*(_stream(running.stub, build_request(p, max_new_tokens=24)) for p in prompts))
+    for chunks, exp in zip(outs, expected, strict=True):
+        assert [t for c in chunks for t in c.token_ids] == exp.token_ids
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({}, "input"),
+        ({"text": ""}, "input.text"),
+        ({"token_ids": []}, "input"),
+        ({"token_ids": [1, 256]}, "input.token_ids"),
+        ({"token_ids": [1, -5]}, "input.token_ids"),
+        ({"token_ids": [1] * 1024}, "context"),
+        ({"chat": []}, "input"),
+        ({"chat": [{"role": "robot", "content": "hi"}]}, "role"),
+        ({"token_ids": [1], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"token_ids": [1], "temperature": -1.0}, "temperature"),
+        ({"token_ids": [1], "top_p": 1.5}, "top_p"),
+        ({"token_ids": [1], "top_k": -2}, "top_k"),
+        ({"token_ids": [1], "stop_token_ids": [999]}, "stop_token_ids"),
+        ({"token_ids": [1], "layout": "zigzag"}, "draft_layout"),
+        ({"token_ids": [1], "decoding_length": -1}, "decoding_length"),
+    ],
+)
+async def test_invalid_input_is_invalid_argument_naming_the_field(running, request_kwargs, field):
+    req = pb.GenerateRequest()
+    kw = dict(request_kwargs)
+    if "text" in kw:
+        req.text = kw.pop("text")
+    elif "token_ids" in kw:
+        req.token_ids.ids.extend(kw.pop("token_ids"))
+        req.token_ids.SetInParent()
+    elif "chat" in kw:
+        req.chat.SetInParent()
+        req.chat.messages.extend(pb.ChatMessage(**m) for m in kw.pop("chat"))
+    template = build_request([1], **kw)
+    req.sampling.CopyFrom(template.sampling)
+    req.lookahead.CopyFrom(template.lookahead)
+    for call in (running.stub.Generate, running.stub.StreamGenerate):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            result = call(req)
+            if hasattr(result, "__aiter__"):
+                async for _ in result:
+                    pass
+            else:
+                await result
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in e.value.details()
+    # Still serving.
+    ok = await running.stub.Generate(build_request([1, 2], max_new_tokens=3))
+    assert ok.usage.completion_tokens == 3
+
+
+async def test_malformed_utf8_stop_string(running):
+    req = build_request([1, 2], max_new_tokens=3)
+    req.sampling.stop.append(b"\xff\xfe")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await running.stub.Generate(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.stop[0]" in e.value.details()
+
+
+async def test_full_waiting_queue_is_resource_exhausted():
+    r = await start_server(tiny_core(max_num_seqs=1), max_waiting_requests=1)
+    try:
+        long = build_request([1, 2, 3], max_new_tokens=400, ignore_eos=True)
+        first = r.stub.StreamGenerate(long)
+        await first.read()  # running
+        second = r.stub.StreamGenerate(long)
+        while r.core.scheduler.num_waiting < 1:
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await r.stub.Generate(long)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        first.cancel()
+        second.cancel()
+        ok = await r.stub.Generate(build_request([4], max_new_tokens=2))
+        assert ok.usage.completion_tokens == 2
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+async def _wait_pool_full(core, timeout: float = 5.0) -> None:
+    alloc = core.scheduler.allocator
+    for _ in range(int(timeout / 0.01)):
+        if alloc.num_free_blocks == alloc.num_blocks and not core.scheduler.requests:
+            core.scheduler.check_integrity()
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"blocks not freed: {alloc.num_free_blocks}/{alloc.num_blocks}")
+
+
+def _metric(port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exposed")
+
+
+async def test_cancel_and_deadline_free_blocks(running):
+    port = running.server.config.metrics_port
+    call = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=1000, ignore_eos=True))
+    await call.read()
+    await call.read()
+    assert _metric(port, "batchserve_kv_cache_free_blocks") < running.core.scheduler.allocator.num_blocks
+    call.cancel()
+    await _wait_pool_full(running.core)
+    assert _metric(port, "batchserve_kv_cache_free_blocks") == running.core.scheduler.allocator.num_blocks
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=1000, ignore_eos=True), timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await _wait_pool_full(running.core)
+    assert _metric(port, 'batchserve_requests_finished_total{finish_reason="cancelled"}') >= 1
+
+
+async def test_health_reflection_metrics_tokenize_and_model_info(running):
+    health = health_pb2_grpc.HealthStub(running.channel)
+    for service in ("", SERVICE_NAME):
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    refl = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+    responses = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = [s.name async for r in responses for s in r.list_services_response.service]
+    assert SERVICE_NAME == "batchserve.v1.TextGeneration" and SERVICE_NAME in names and "grpc.health.v1.Health" in names
+
+    await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=5))
+    port = running.server.config.metrics_port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in (
+        "batchserve_num_requests_running",
+        "batchserve_num_requests_waiting",
+        "batchserve_kv_cache_usage_ratio",
+        "batchserve_time_to_first_token_seconds_bucket",
+        "batchserve_inter_token_latency_seconds_bucket",
+        "batchserve_e2e_request_latency_seconds_bucket",
+        "batchserve_request_queue_time_seconds_bucket",
+        "batchserve_prompt_tokens_total",
+        "batchserve_generation_tokens_total",
+        "batchserve_draft_tokens_proposed_total",
+        "batchserve_draft_tokens_accepted_total",
+        "batchserve_mean_accepted_tokens_per_step",
+        "batchserve_requests_finished_total",
+    ):
+        assert name in body, name
+    assert _metric(port, "batchserve_generation_tokens_total") >= 5
+    assert _metric(port, "batchserve_prompt_tokens_total") >= 3
+
+    tok = await running.stub.Tokenize(pb.TokenizeRequest(text="hi"))
+    assert list(tok.token_ids) == [104, 105]
+    info = await running.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.vocab_size == 256 and info.max_model_len == 1024 and info.draft_method == "lookahead"
+
+
+async def test_shutdown_not_serving_then_in_flight_completes():
+    r = await start_server(drain_seconds=0.5, grace_seconds=30)
+    health = health_pb2_grpc.HealthStub(r.channel)
+    call = r.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=60, ignore_eos=True))
+    await call.read()
+    shutdown = asyncio.create_task(r.server.shutdown())
+    await asyncio.sleep(0.1)
+    resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await r.stub.Generate(build_request([1], max_new_tokens=2))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = []
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        rest.append(chunk)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 60
+    await shutdown
+    await r.channel.close()
+
+
+async def test_cli_generate_json(running):
+    import json
+
+    port = running.server.port
+    out = await asyncio.to_thread(
+        _capture, ["generate", "--target", f"127.0.0.1:{port}", "--json", "--max-new-tokens", "6", "hello"]
+    )
+    obj = json.loads(out)
+    assert obj["finish_reason"] == "length" and len(obj["token_ids"]) == 6
+    assert obj["usage"] == {"prompt_tokens": 5, "completion_tokens": 6}
+    assert set(obj["stats"]) == {"steps", "draft_tokens_proposed", "draft_tokens_accepted", "tokens_per_step"}
+
+
+def _capture(argv):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli_main(argv) == 0
+    return buf.getvalue()
+
+
+def test_generated_code_is_fresh(tmp_path):
+    """batchserve/v1 is committed; it must be what the .proto generates today."""
+    from pathlib import Path
+
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[2]
+    proto = root / "protos" / "batchserve" / "v1" / "generation.proto"
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{root / 'protos'}",
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            str(proto),
+        ]
+    )
+    assert rc == 0
+    for name in ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"):
+        assert (tmp_path / "batchserve" / "v1" / name).read_text() == (root / "batchserve" / "v1" / name).read_text(), (
+            f"{name} is stale: run `make proto`"
+        )
+
+
+_ = make_tiny_model  # the server tests build their own tiny engines via tiny_core

@@ -1,0 +1,70 @@
+"""`batchserve serve` as a process: SIGTERM drains in-flight requests and exits cleanly."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchserve.server.client import Client
+from batchserve.v1 import generation_pb2 as pb
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from tests.server.conftest import free_port
+
+
+def test_sigterm_lets_in_flight_requests_finish(tmp_path):
+    make_tiny_model().save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "batchserve.cli",
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--kv-cache-gb",
+            "0.01",
+            "--grace",
+            "30",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    break
+            except grpc.RpcError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.2)
+        client = Client(f"127.0.0.1:{port}")
+        stream = client.stream([1, 2, 3], max_new_tokens=300, ignore_eos=True)
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)
+        chunks = [first, *stream]
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(c.token_ids) for c in chunks) == 300
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+        assert "shutting down" in log and "finished: 3 prompt + 300 output tokens" in log
+        client.close()
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
