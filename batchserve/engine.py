@@ -437,6 +437,13 @@ class LLM:
             )
         self.engine = EngineCore(config, hf_model, tokenizer, drafter)
 
+    @classmethod
+    def from_core(cls, core: EngineCore) -> LLM:
+        """An offline front end over an already built engine."""
+        llm = cls.__new__(cls)
+        llm.engine = core
+        return llm
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -16,15 +16,11 @@ from batchserve.engine import LLM
 from batchserve.server.app import SERVICE_NAME
 from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2 as pb
-from tests.conftest import make_tiny_model
 from tests.server.conftest import start_server, tiny_core
 
 
 def _offline(prompts, params):
-    core = tiny_core()
-    llm = LLM.__new__(LLM)
-    llm.engine = core
-    return llm.generate(prompts, params)
+    return LLM.from_core(tiny_core()).generate(prompts, params)
 
 
 async def _stream(stub, req):
@@ -286,4 +282,31 @@ def test_generated_code_is_fresh(tmp_path):
         )
 
 
-_ = make_tiny_model  # the server tests build their own tiny engines via tiny_core
+async def test_engine_failure_is_internal_and_server_keeps_serving(running, monkeypatch):
+    runner = running.core.runner
+    real = runner.execute
+    state = {"fail": True}
+
+    def flaky(out):
+        if state.pop("fail", False):
+            raise RuntimeError("injected")
+        return real(out)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await running.stub.Generate(build_request([1, 2], max_new_tokens=4))
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "injected" in e.value.details()
+    ok = await running.stub.Generate(build_request([1, 2], max_new_tokens=4))
+    assert ok.finish_reason == pb.FINISH_REASON_LENGTH
+    await _wait_pool_full(running.core)
+
+
+async def test_request_id_in_use_is_invalid_argument(running):
+    call = running.stub.StreamGenerate(build_request([1, 2], request_id="same", max_new_tokens=500, ignore_eos=True))
+    first = await call.read()
+    assert first.request_id == "same"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await running.stub.Generate(build_request([1, 2], request_id="same", max_new_tokens=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+    call.cancel()
+    await _wait_pool_full(running.core)
