@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup test test-fast lint serve proto simulate clean
+.PHONY: setup bench-setup test test-fast lint serve proto load simulate clean
 
 setup: $(STAMP)
 
@@ -26,11 +26,15 @@ $(STAMP): pyproject.toml Makefile
 bench-setup: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 
+# Locust over gRPC against a fresh server on 127.0.0.1 (see load_tests/run.sh for the options).
+load: bench-setup
+	load_tests/run.sh --users 8 --spawn-rate 2 --duration 60s --out load_out $(LOAD_ARGS)
+
 simulate: bench-setup
 	$(BIN)/batchserve bench --simulate
 
 lint: $(STAMP)
-	$(BIN)/ruff check batchserve tests benchmarks
+	$(BIN)/ruff check batchserve tests benchmarks load_tests
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

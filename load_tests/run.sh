@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Start a batchserve server on 127.0.0.1, run Locust headless against it (bounded: it stops
+# by itself), write CSV and HTML reports, print a summary, stop the server gracefully.
+# Exits non-zero if any request failed other than by deliberate RESOURCE_EXHAUSTED shedding.
+#
+#   load_tests/run.sh --users 8 --spawn-rate 2 --duration 60s --out load_out [--model PATH] [--port 50151]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+USERS=8; SPAWN=2; DURATION=60s; OUT=load_out; MODEL=""; PORT=50151; METRICS_PORT=""; EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --users) USERS=$2; shift 2;;
+    --spawn-rate) SPAWN=$2; shift 2;;
+    --duration) DURATION=$2; shift 2;;
+    --out) OUT=$2; shift 2;;
+    --model) MODEL=$2; shift 2;;
+    --port) PORT=$2; shift 2;;
+    --metrics-port) METRICS_PORT=$2; shift 2;;
+    --) shift; EXTRA=("$@"); break;;
+    *) echo "unknown option $1" >&2; exit 2;;
+  esac
+done
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$OUT"
+
+SERVER_ARGS=(--host 127.0.0.1 --port "$PORT")
+[ -n "$MODEL" ] && SERVER_ARGS+=(--model "$MODEL")
+[ -n "$METRICS_PORT" ] && SERVER_ARGS+=(--metrics-port "$METRICS_PORT")
+"$PY" -m batchserve.cli serve "${SERVER_ARGS[@]}" "${EXTRA[@]}" >"$OUT/server.log" 2>&1 &
+SERVER=$!
+cleanup() { kill -TERM "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }
+trap cleanup EXIT
+
+# Wait for health SERVING (model load included), at most 5 minutes.
+"$PY" - "$PORT" "$SERVER" <<'PYEOF'
+import os, sys, time
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+port, pid = sys.argv[1], int(sys.argv[2])
+stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("server exited during start-up; see server.log")
+    try:
+        if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+            sys.exit(0)
+    except grpc.RpcError:
+        pass
+    time.sleep(0.5)
+sys.exit("server not healthy after 300 s")
+PYEOF
+
+rss() { ps -o rss= -p "$SERVER" | awk '{printf "%.0f MB", $1/1024}'; }
+echo "server memory at start: $(rss)" | tee "$OUT/memory.txt"
+# Locust's own run-time limit bounds the run; `timeout` is a second guard.
+case "$DURATION" in
+  *m) SECS=$(( ${DURATION%m} * 60 ));; *h) SECS=$(( ${DURATION%h} * 3600 ));; *s) SECS=${DURATION%s};; *) SECS=$DURATION;;
+esac
+timeout --signal=INT "$(( SECS + 180 ))" \
+  "$PY" -m locust -f load_tests/locustfile.py --headless --users "$USERS" --spawn-rate "$SPAWN" \
+  --run-time "$DURATION" --stop-timeout 120 --host "127.0.0.1:$PORT" \
+  --csv "$OUT/locust" --html "$OUT/report.html" --only-summary --exit-code-on-error 0 >"$OUT/locust.log" 2>&1 || true
+echo "server memory at end: $(rss)" | tee -a "$OUT/memory.txt"
+"$PY" load_tests/summarize.py "$OUT/locust"
