@@ -46,13 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result")
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
+    bench = sub.add_parser("bench", help="benchmarks against peers (or --simulate: drafts without the model)")
     bench.add_argument("--dataset", default="humaneval,sharegpt", help="humaneval, sharegpt or both (comma-separated)")
-    bench.add_argument("--decoding-lengths", type=_ints, default=[4, 8, 16, 32, 64])
-    bench.add_argument("--num-samples", type=int, default=164, help="samples per dataset (half dev, half test)")
-    bench.add_argument("--model", default=None, help="model whose tokenizer to use (default: SmolLM2)")
-    bench.add_argument("--no-speed", action="store_true", help="skip the trie timing and memory measurement")
+    bench.add_argument("--model", default=None, help="model (default: SmolLM2)")
+    bench.add_argument("--num-prompts", type=int, default=16, help="test prompts per dataset")
+    bench.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16], help="requests in flight")
+    bench.add_argument(
+        "--methods",
+        default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
+        help="comma-separated: hf, hf-prompt-lookup, hf-batch, none, llma, parallel, lookahead, lookahead-cold",
+    )
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--decoding-length", type=int, default=16)
+    bench.add_argument("--out", default="bench_out", help="directory for results.json, report.md, throughput.png")
+    bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
+    bench.add_argument("--decoding-lengths", type=_ints, default=[4, 8, 16, 32, 64], help="--simulate only")
+    bench.add_argument("--num-samples", type=int, default=164, help="--simulate: samples per dataset (half dev)")
+    bench.add_argument("--no-speed", action="store_true", help="--simulate: skip the trie timing and memory")
     return parser
 
 
@@ -157,17 +167,49 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench":
-        if not args.simulate:
-            print("batchserve bench: only --simulate is available so far", file=sys.stderr)
-            return 2
-        datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-        unknown = set(datasets) - {"humaneval", "sharegpt"}
-        if unknown:
-            print(f"batchserve bench: unknown dataset(s) {sorted(unknown)}", file=sys.stderr)
-            return 2
+        return _bench(args)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    unknown = set(datasets) - {"humaneval", "sharegpt"}
+    if unknown or not datasets:
+        print(f"batchserve bench: unknown dataset(s) {sorted(unknown)}", file=sys.stderr)
+        return 2
+    if args.simulate:
         from benchmarks.simulate import main as simulate_main
 
         simulate_main(datasets, args.decoding_lengths, args.num_samples, args.model, speed=not args.no_speed)
+        return 0
+    from pathlib import Path
+
+    from benchmarks.bench import METHODS, run, summary_table
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        print(f"batchserve bench: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
+        return 2
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
+        print("batchserve bench: --num-prompts, --max-new-tokens and --batch-sizes must be >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    rows = run(
+        datasets,
+        methods,
+        args.batch_sizes,
+        args.num_prompts,
+        args.max_new_tokens,
+        out,
+        args.model,
+        args.decoding_length,
+    )
+    print(summary_table(rows))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")
+    if any(r.lossless is False for r in rows):
+        print("batchserve bench: some outputs differ from HF greedy (lossless=false): a bug", file=sys.stderr)
+        return 1
     return 0
 
 

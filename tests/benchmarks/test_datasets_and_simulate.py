@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from batchserve.cli import main
@@ -42,7 +44,15 @@ def test_bench_simulate_cli(capsys):
     assert "| trie hierarchical | " in out and "| llma (suffix copy) | " in out and "L=16" in out
 
 
-@pytest.mark.parametrize("argv", [["bench"], ["bench", "--simulate", "--dataset", "imagenet"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--dataset", "imagenet"],
+        ["bench", "--simulate", "--dataset", "imagenet"],
+        ["bench", "--methods", "vllm"],
+        ["bench", "--num-prompts", "0"],
+    ],
+)
 def test_bench_cli_refuses_what_it_cannot_do(argv, capsys):
     assert main(argv) == 2
     assert "batchserve bench:" in capsys.readouterr().err
@@ -51,3 +61,64 @@ def test_bench_cli_refuses_what_it_cannot_do(argv, capsys):
 def test_bench_cli_rejects_malformed_numbers():
     with pytest.raises(SystemExit):
         main(["bench", "--simulate", "--decoding-lengths", "a,b"])
+
+
+@pytest.mark.slow
+def test_bench_against_peers_writes_results_report_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    assert (
+        main(
+            [
+                "bench",
+                "--dataset",
+                "humaneval",
+                "--num-prompts",
+                "2",
+                "--batch-sizes",
+                "1,2",
+                "--methods",
+                "hf,hf-prompt-lookup,hf-batch,none,lookahead",
+                "--max-new-tokens",
+                "6",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rows = json.loads((out / "results.json").read_text())
+    keys = {
+        "method",
+        "dataset",
+        "batch_size",
+        "num_prompts",
+        "output_tokens",
+        "seconds",
+        "tokens_per_s",
+        "tokens_per_step",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "lossless",
+    }
+    assert all(keys <= set(r) for r in rows)
+    by = {(r["method"], r["batch_size"]): r for r in rows}
+    assert set(by) == {
+        ("hf", 1),
+        ("hf-prompt-lookup", 1),
+        ("hf-batch", 1),
+        ("hf-batch", 2),
+        ("none", 1),
+        ("none", 2),
+        ("lookahead", 1),
+        ("lookahead", 2),
+    }
+    for m in ("none", "lookahead"):
+        for b in (1, 2):
+            assert by[(m, b)]["lossless"] is True and by[(m, b)]["output_tokens"] == by[("hf", 1)]["output_tokens"]
+    assert by[("hf", 1)]["lossless"] is None
+    assert all(r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
+    report = (out / "report.md").read_text()
+    assert "| lookahead | 2 |" in report and "vs hf-batch" in report
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,299 @@
+"""`batchserve bench`: batchserve's drafters against real peers, one run, one machine.
+
+Batch size b means b requests in flight at once (a closed loop: the next prompt starts when
+one finishes). Every batchserve output is compared with HF `generate` greedy (`lossless`).
+Writes DIR/results.json, DIR/report.md and DIR/throughput.png.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.datasets import humaneval, sharegpt, split
+from benchmarks.simulate import encode
+
+PEERS = ("hf", "hf-prompt-lookup", "hf-batch")
+BATCHSERVE = {  # method -> (draft method, layout, warm trie)
+    "none": ("none", "hierarchical", False),
+    "llma": ("llma", "single", False),
+    "parallel": ("lookahead", "parallel", True),
+    "lookahead": ("lookahead", "hierarchical", True),
+    "lookahead-cold": ("lookahead", "hierarchical", False),
+}
+METHODS = PEERS + tuple(BATCHSERVE)
+
+
+@dataclass(slots=True)
+class Row:
+    method: str
+    dataset: str
+    batch_size: int
+    num_prompts: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    tokens_per_step: float | None
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    lossless: bool | None
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _row(method, dataset, b, outputs, seconds, ttfts, tpots, tokens_per_step, lossless) -> Row:
+    n = sum(len(o) for o in outputs)
+    return Row(
+        method,
+        dataset,
+        b,
+        len(outputs),
+        n,
+        round(seconds, 3),
+        round(n / seconds, 2),
+        None if tokens_per_step is None else round(tokens_per_step, 3),
+        round(_pct(ttfts, 0.5), 4),
+        round(_pct(ttfts, 0.99), 4),
+        round(_pct(tpots, 0.5), 4),
+        round(_pct(tpots, 0.99), 4),
+        lossless,
+    )
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(model, prompts: list[list[int]], max_new: int, eos: int, lookup: int | None, desc: str):
+    outputs, ttfts, tpots = [], [], []
+    t0 = time.perf_counter()
+    for ids in tqdm(prompts, desc=desc, leave=False):
+        x = torch.tensor([ids])
+        timer = _FirstTokenTimer()
+        start = time.perf_counter()
+        kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        with torch.no_grad():
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new,
+                pad_token_id=eos,
+                streamer=timer,
+                **kwargs,
+            )
+        end = time.perf_counter()
+        toks = out[0, len(ids) :].tolist()
+        outputs.append(toks)
+        first = timer.first or end
+        ttfts.append(first - start)
+        if len(toks) > 1:
+            tpots.append((end - first) / (len(toks) - 1))
+    return outputs, time.perf_counter() - t0, ttfts, tpots
+
+
+def run_hf_batch(model, prompts: list[list[int]], max_new: int, b: int):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=model.generation_config.eos_token_id)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=b)
+    t0 = time.perf_counter()
+    results = model.generate_batch(
+        prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True, progress_bar=False
+    )
+    seconds = time.perf_counter() - t0
+    outputs, ttfts, tpots = [], [], []
+    for r in results.values():
+        outputs.append(list(r.generated_tokens))
+        ts = r.timestamps or []
+        started = r.lifespan[0] if r.lifespan[0] > 0 else r.created_time
+        if ts:
+            ttfts.append(ts[0] - started)
+            if len(ts) > 1:
+                tpots.append((ts[-1] - ts[0]) / (len(ts) - 1))
+    return outputs, seconds, ttfts, tpots
+
+
+def run_batchserve(engine_model, tokenizer, prompts, max_new, b, method, warm, decoding_length):
+    from batchserve import LLM, SamplingParams
+
+    draft, layout, warmed = BATCHSERVE[method]
+    llm = LLM(
+        draft=draft,
+        draft_layout=layout,
+        decoding_length=decoding_length,
+        max_num_seqs=b,
+        hf_model=engine_model,
+        tokenizer=tokenizer,
+        kv_cache_memory_gb=0.5,
+    )
+    if warmed:
+        llm.engine.drafter.warm_up(warm)
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=max_new), use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    ttfts, tpots = [], []
+    for r in results:
+        # Closed loop: a request "starts" when it is admitted (the previous one finished).
+        started = r.arrival_time + (r.stats.queue_seconds or 0.0)
+        ttfts.append(r.first_token_time - started)
+        if len(r.token_ids) > 1:
+            tpots.append((r.finish_time - r.first_token_time) / (len(r.token_ids) - 1))
+    steps = sum(r.stats.steps for r in results)
+    outputs = [r.token_ids for r in results]
+    return outputs, seconds, ttfts, tpots, sum(len(o) for o in outputs) / max(1, steps)
+
+
+def load_dataset(name: str, num_prompts: int, tokenizer):
+    if name == "humaneval":
+        samples = humaneval()
+    else:
+        samples = sharegpt(max(400, 2 * num_prompts))
+    dev, test = split(samples)
+    test_e = encode(test[:num_prompts], tokenizer)
+    warm = [e.output for e in encode(dev, tokenizer)]
+    return [e.prompt for e in test_e], warm
+
+
+def run(
+    datasets: list[str],
+    methods: list[str],
+    batch_sizes: list[int],
+    num_prompts: int,
+    max_new: int,
+    out_dir: Path,
+    model_path: str | None,
+    decoding_length: int = 16,
+) -> list[Row]:
+    from batchserve.runner import load_model
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ref_model, tokenizer = load_model(model_path, "float32")
+    engine_model = load_model(model_path, "float32")[0] if set(methods) & set(BATCHSERVE) else None
+    eos = tokenizer.eos_token_id
+    rows: list[Row] = []
+    total = len(datasets) * (
+        sum(m in ("hf", "hf-prompt-lookup") for m in methods)
+        + len(batch_sizes) * sum(m not in ("hf", "hf-prompt-lookup") for m in methods)
+    )
+    bar = tqdm(total=total, desc="bench", unit="run")
+    for dataset in datasets:
+        prompts, warm = load_dataset(dataset, num_prompts, tokenizer)
+        # The greedy reference; also the `hf` row.
+        reference, secs, ttfts, tpots = run_hf(ref_model, prompts, max_new, eos, None, f"{dataset} hf")
+        if "hf" in methods:
+            rows.append(_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
+            bar.update(1)
+        if "hf-prompt-lookup" in methods:
+            outs, secs, ttfts, tpots = run_hf(ref_model, prompts, max_new, eos, 10, f"{dataset} hf-prompt-lookup")
+            rows.append(_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
+            bar.update(1)
+        for b in batch_sizes:
+            if "hf-batch" in methods:
+                outs, secs, ttfts, tpots = run_hf_batch(ref_model, prompts, max_new, b)
+                rows.append(_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
+                bar.update(1)
+            for m in methods:
+                if m not in BATCHSERVE:
+                    continue
+                outs, secs, ttfts, tpots, tps = run_batchserve(
+                    engine_model, tokenizer, prompts, max_new, b, m, warm, decoding_length
+                )
+                rows.append(_row(m, dataset, b, outs, secs, ttfts, tpots, tps, outs == reference))
+                bar.update(1)
+                bar.set_postfix_str(f"{dataset} {m} b={b}: {rows[-1].tokens_per_s} tok/s")
+        (out_dir / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    bar.close()
+    write_report(rows, out_dir, num_prompts, max_new, decoding_length)
+    plot(rows, out_dir / "throughput.png")
+    return rows
+
+
+def write_report(rows: list[Row], out_dir: Path, num_prompts: int, max_new: int, decoding_length: int) -> None:
+    lines = [
+        f"# batchserve benchmark\n\n{num_prompts} prompts per dataset, {max_new} new tokens, greedy, "
+        f"decoding length {decoding_length}, {torch.get_num_threads()} CPU threads. Batch size b = b requests "
+        "in flight (closed loop). `vs hf`: tokens/s over HF `generate` at batch 1; `vs hf-batch`: over HF "
+        "`generate_batch` at the same batch size.\n"
+    ]
+    for dataset in dict.fromkeys(r.dataset for r in rows):
+        rs = [r for r in rows if r.dataset == dataset]
+        hf = next((r.tokens_per_s for r in rs if r.method == "hf"), None)
+        hfb = {r.batch_size: r.tokens_per_s for r in rs if r.method == "hf-batch"}
+        lines.append(f"\n## {dataset}\n")
+        lines.append(
+            "| method | batch | tokens/s | tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
+            "| vs hf | vs hf-batch | lossless |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(rs, key=lambda r: (r.batch_size, METHODS.index(r.method))):
+            vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
+            vs_hfb = f"{r.tokens_per_s / hfb[r.batch_size]:.2f}x" if r.batch_size in hfb else "-"
+            tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
+            lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
+            lines.append(
+                f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {tps} | {r.ttft_p50_s:.3f} / "
+                f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_hf} | {vs_hfb} "
+                f"| {lossless} |"
+            )
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for m in METHODS:
+            pts = sorted((r.batch_size, r.tokens_per_s) for r in rows if r.dataset == dataset and r.method == m)
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", label=m, linestyle="--" if m in PEERS else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (requests in flight)")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(dataset)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_table(rows: list[Row]) -> str:
+    return "\n".join(
+        f"{r.dataset:10} {r.method:17} b={r.batch_size:<3} {r.tokens_per_s:8.1f} tok/s "
+        f"{'' if r.tokens_per_step is None else f'{r.tokens_per_step:5.2f} tok/step'} "
+        f"lossless={r.lossless}"
+        for r in rows
+    )
