@@ -117,47 +117,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import json
+    # gRPC stays inside batchserve/server/.
+    from batchserve.server.client import generate_command
 
-    import grpc
-
-    from batchserve.server.client import FINISH_REASON_NAMES, Client
-
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    kwargs = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
-    with Client(args.target, timeout=args.timeout) as client:
-        try:
-            if args.stream and not args.json:
-                for chunk in client.stream(prompt, **kwargs):
-                    print(chunk.text, end="", flush=True)
-                print()
-                return 0
-            r = client.generate(prompt, **kwargs)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "request_id": r.request_id,
-                    "text": r.text,
-                    "token_ids": list(r.token_ids),
-                    "finish_reason": FINISH_REASON_NAMES[r.finish_reason],
-                    "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens},
-                    "stats": {
-                        "steps": r.stats.steps,
-                        "draft_tokens_proposed": r.stats.draft_tokens_proposed,
-                        "draft_tokens_accepted": r.stats.draft_tokens_accepted,
-                        "tokens_per_step": round(r.stats.tokens_per_step, 3),
-                    },
-                },
-                ensure_ascii=False,
-            )
-        )
-    else:
-        print(r.text)
-    return 0
+    return generate_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:
