@@ -28,12 +28,33 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size")
     serve.add_argument("--block-size", type=int, default=16, help="KV slots per block")
     serve.add_argument("--draft", default="lookahead", choices=["none", "llma", "lookahead"])
-    serve.add_argument("--decoding-length", type=int, default=16, help="draft tokens per request per step")
+    serve.add_argument(
+        "--draft-policy",
+        default="adaptive",
+        choices=["adaptive", "fixed"],
+        help="adaptive: per-request draft lengths from the cost profile and acceptance; fixed: --decoding-length",
+    )
+    serve.add_argument(
+        "--decoding-length",
+        type=int,
+        default=None,
+        help="draft tokens per request per step (fixed; default 16) or the per-request cap (adaptive; default 64)",
+    )
+    serve.add_argument("--profile", default=None, help="cost profile JSON (default: the per-device cache)")
     serve.add_argument("--draft-layout", default="hierarchical", choices=["hierarchical", "parallel", "single"])
     serve.add_argument("--warmup", default=None, help="JSONL of earlier outputs to warm the trie with")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     serve.add_argument("--log-level", default="INFO")
+
+    cal = sub.add_parser("calibrate", help="measure step time against tokens per step; save the cost profile")
+    cal.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2)")
+    cal.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    cal.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    cal.add_argument("--max-tokens", type=int, default=512, help="largest step to time (the server's tokens per step)")
+    cal.add_argument("--contexts", type=_ints, default=[64, 512, 2048], help="KV lengths to time at")
+    cal.add_argument("--repeats", type=int, default=5, help="timed runs per shape (median)")
+    cal.add_argument("--out", default=None, help="profile path (default: the per-device cache the server reads)")
 
     gen = sub.add_parser("generate", help="send one request to a running server")
     gen.add_argument("prompt")
@@ -82,9 +103,13 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             draft=DraftConfig(
                 method=args.draft,
-                decoding_length=args.decoding_length,
+                decoding_length=args.decoding_length
+                if args.decoding_length is not None
+                else (64 if args.draft_policy == "adaptive" else 16),
                 layout=args.draft_layout,
                 warmup_path=args.warmup,
+                adaptive=args.draft_policy == "adaptive",
+                profile_path=args.profile,
             ),
         )
         from batchserve.server.app import ServerConfig
@@ -116,6 +141,41 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from batchserve.engine import EngineCore
+    from batchserve.runner.calibrate import calibrate, format_profile, profile_path
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        if args.max_tokens < 1 or args.repeats < 1 or not args.contexts or min(args.contexts) < 0:
+            raise ValueError("--max-tokens and --repeats must be >= 1 and --contexts non-negative")
+        config = EngineConfig(
+            model=ModelConfig(path=args.model, dtype=args.dtype, device=device),
+            cache=CacheConfig(kv_cache_memory_gb=1.0),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max(16, args.max_tokens)),
+            draft=DraftConfig(method="none"),
+        )
+        core = EngineCore(config)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"batchserve calibrate: {e}", file=sys.stderr)
+        return 2
+    profile = calibrate(
+        core.runner,
+        max_tokens=args.max_tokens,
+        max_context=core.max_model_len,
+        contexts=tuple(sorted(set(args.contexts))),
+        repeats=args.repeats,
+    )
+    out = args.out or profile_path(profile.key)
+    profile.save(out)
+    print(format_profile(profile))
+    print(f"\nsaved to {out}")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     # gRPC stays inside batchserve/server/.
     from batchserve.server.client import generate_command
@@ -129,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
     if args.command == "bench":
         return _bench(args)
     return 0

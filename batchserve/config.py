@@ -70,7 +70,12 @@ class DraftConfig:
     """
 
     method: DraftMethod = "lookahead"
-    decoding_length: int = 16  # draft tokens per request per step (tree nodes, root excluded)
+    decoding_length: int = 16  # draft tokens per request per step (root excluded); the cap when adaptive
+    adaptive: bool = False  # choose each request's length every step from the cost profile and acceptance
+    profile_path: str | None = None  # adaptive: cost profile JSON; None = the per-device cache (calibrate if absent)
+    acceptance_decay: float = 0.3  # adaptive: weight of the newest verification in the acceptance EMA
+    explore: float = 0.05  # adaptive: per idle step, how far a request's estimates drift back to the pool's
+    min_gain: float = 0.02  # adaptive: never draft a node accepted less often than this
     layout: DraftLayout = "hierarchical"  # lookahead: prefix-merged tree, disjoint chains, or one chain
     branch_length: int = 12  # lookahead: n-gram length inserted into the trie
     max_match: int = 4  # longest suffix of the request's tokens tried as a match key
@@ -92,6 +97,12 @@ class DraftConfig:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match} and {self.max_match}")
         if self.prompt_weight <= 0:
             raise ValueError(f"prompt_weight must be > 0, got {self.prompt_weight}")
+        if not 0 < self.acceptance_decay <= 1:
+            raise ValueError(f"acceptance_decay must be in (0, 1], got {self.acceptance_decay}")
+        if not 0 <= self.explore <= 1:
+            raise ValueError(f"explore must be in [0, 1], got {self.explore}")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
         if self.trie_capacity < 1:
             raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
 

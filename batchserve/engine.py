@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +15,7 @@ from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfi
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams
 from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler, SchedulerOutput
+from batchserve.scheduler.budget import AcceptanceTracker, CostProfile, DraftBudgetPolicy
 
 logger = logging.getLogger("batchserve")
 
@@ -66,7 +67,10 @@ class EngineCore:
         model: Any = None,
         tokenizer: Any = None,
         drafter: Drafter | None = None,
+        cost_profile: CostProfile | None = None,
     ) -> None:
+        """`cost_profile` (adaptive decoding length) defaults to the cached one for this
+        model and device, measured on first use."""
         import torch
 
         from batchserve.attention import TorchReferenceBackend
@@ -106,12 +110,27 @@ class EngineCore:
                 n = drafter.warm_up_file(config.draft.warmup_path, self.tokenize)
                 logger.info("warmed the lookahead trie with %d sequences from %s", n, config.draft.warmup_path)
         self.drafter = drafter
+        self.cost_profile: CostProfile | None = None
+        budget_policy = None
+        if config.draft.adaptive and config.draft.method != "none":
+            if cost_profile is None:
+                from batchserve.runner.calibrate import load_or_calibrate
+
+                cost_profile = load_or_calibrate(
+                    self.runner, config.draft.profile_path, config.scheduler.max_num_batched_tokens, self.max_model_len
+                )
+            self.cost_profile = cost_profile
+            tracker = AcceptanceTracker(
+                max(1, config.draft.decoding_length), config.draft.acceptance_decay, config.draft.explore
+            )
+            budget_policy = DraftBudgetPolicy(cost_profile, tracker, config.draft.min_gain)
         self.scheduler = Scheduler(
             config.scheduler,
             config.draft,
             BlockAllocator(num_blocks, config.cache.block_size),
             self.drafter,
             on_token=self._on_token,
+            budget_policy=budget_policy,
         )
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
@@ -229,12 +248,23 @@ class EngineCore:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         out = self.schedule()
         try:
             result = self.execute(out)
         except Exception as e:
             return self.fail(out, e)
-        return self.update(out, result)
+        outputs = self.update(out, result)
+        self.observe_step_time(out, time.perf_counter() - t0)
+        return outputs
+
+    def observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """Teach the draft budget policy what a whole step costs beyond the forward."""
+        policy = self.scheduler.budget_policy
+        if policy is None or not out.requests:
+            return
+        context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
+        policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
 
     # ---- text ----------------------------------------------------------------------------
 
@@ -286,6 +316,8 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        # Called on the event loop after every step that ran (metrics); must not raise.
+        self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> AsyncEngine:
@@ -341,6 +373,7 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             try:
+                t0 = time.perf_counter()
                 out = self.core.schedule()
                 try:
                     result = await loop.run_in_executor(self._executor, self.core.execute, out)
@@ -348,9 +381,12 @@ class AsyncEngine:
                     outputs = self.core.fail(out, e)
                 else:
                     outputs = self.core.update(out, result)
+                    self.core.observe_step_time(out, time.perf_counter() - t0)
             except Exception as e:  # never leave a stream waiting forever
                 outputs = self.core.fail_all(e)
             self.num_steps += 1
+            for listener in self.step_listeners:
+                listener(out)
             self._dispatch(outputs)
             await asyncio.sleep(0)  # let new requests and aborts in before the next step
 
@@ -417,6 +453,7 @@ class LLM:
         draft: str = "lookahead",
         decoding_length: int = 16,
         draft_layout: str = "hierarchical",
+        adaptive: bool = False,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         block_size: int = 16,
@@ -427,15 +464,21 @@ class LLM:
         hf_model: Any = None,
         tokenizer: Any = None,
         drafter: Drafter | None = None,
+        cost_profile: CostProfile | None = None,
     ) -> None:
         if config is None:
             config = EngineConfig(
                 model=ModelConfig(path=model, dtype=dtype),
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-                draft=DraftConfig(method=draft, decoding_length=decoding_length, layout=draft_layout),  # type: ignore[arg-type]
+                draft=DraftConfig(
+                    method=draft,  # type: ignore[arg-type]
+                    decoding_length=decoding_length,
+                    layout=draft_layout,  # type: ignore[arg-type]
+                    adaptive=adaptive,
+                ),
             )
-        self.engine = EngineCore(config, hf_model, tokenizer, drafter)
+        self.engine = EngineCore(config, hf_model, tokenizer, drafter, cost_profile)
 
     @classmethod
     def from_core(cls, core: EngineCore) -> LLM:

@@ -20,12 +20,27 @@ from benchmarks.datasets import humaneval, sharegpt, split
 from benchmarks.simulate import encode
 
 PEERS = ("hf", "hf-prompt-lookup", "hf-batch")
-BATCHSERVE = {  # method -> (draft method, layout, warm trie)
-    "none": ("none", "hierarchical", False),
-    "llma": ("llma", "single", False),
-    "parallel": ("lookahead", "parallel", True),
-    "lookahead": ("lookahead", "hierarchical", True),
-    "lookahead-cold": ("lookahead", "hierarchical", False),
+FIXED_LENGTHS = (4, 16, 64)
+ADAPTIVE_CAP = 64  # lookahead-adaptive: the per-request cap on draft tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    draft: str
+    layout: str
+    warm: bool  # warm the trie on the dataset's dev outputs
+    adaptive: bool = False
+    decoding_length: int | None = None  # None: the run's --decoding-length
+
+
+BATCHSERVE = {
+    "none": Method("none", "hierarchical", False),
+    "llma": Method("llma", "single", False),
+    "parallel": Method("lookahead", "parallel", True),
+    "lookahead": Method("lookahead", "hierarchical", True),
+    "lookahead-cold": Method("lookahead", "hierarchical", False),
+    **{f"lookahead-{n}": Method("lookahead", "hierarchical", True, decoding_length=n) for n in FIXED_LENGTHS},
+    "lookahead-adaptive": Method("lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP),
 }
 METHODS = PEERS + tuple(BATCHSERVE)
 
@@ -45,6 +60,7 @@ class Row:
     tpot_p50_s: float
     tpot_p99_s: float
     lossless: bool | None
+    mean_decoding_length: float | None = None  # draft tokens per request step
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -139,20 +155,22 @@ def run_hf_batch(model, prompts: list[list[int]], max_new: int, b: int):
     return outputs, seconds, ttfts, tpots
 
 
-def run_batchserve(engine_model, tokenizer, prompts, max_new, b, method, warm, decoding_length):
+def run_batchserve(engine_model, tokenizer, prompts, max_new, b, method, warm, decoding_length, cost_profile=None):
     from batchserve import LLM, SamplingParams
 
-    draft, layout, warmed = BATCHSERVE[method]
+    m = BATCHSERVE[method]
     llm = LLM(
-        draft=draft,
-        draft_layout=layout,
-        decoding_length=decoding_length,
+        draft=m.draft,
+        draft_layout=m.layout,
+        decoding_length=m.decoding_length or decoding_length,
+        adaptive=m.adaptive,
         max_num_seqs=b,
         hf_model=engine_model,
         tokenizer=tokenizer,
         kv_cache_memory_gb=0.5,
+        cost_profile=cost_profile,
     )
-    if warmed:
+    if m.warm:
         llm.engine.drafter.warm_up(warm)
     t0 = time.perf_counter()
     results = llm.generate(prompts, SamplingParams(max_new_tokens=max_new), use_tqdm=False)
@@ -166,7 +184,8 @@ def run_batchserve(engine_model, tokenizer, prompts, max_new, b, method, warm, d
             tpots.append((r.finish_time - r.first_token_time) / (len(r.token_ids) - 1))
     steps = sum(r.stats.steps for r in results)
     outputs = [r.token_ids for r in results]
-    return outputs, seconds, ttfts, tpots, sum(len(o) for o in outputs) / max(1, steps)
+    mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
+    return outputs, seconds, ttfts, tpots, sum(len(o) for o in outputs) / max(1, steps), mean_len
 
 
 def load_dataset(name: str, num_prompts: int, tokenizer):
@@ -196,6 +215,14 @@ def run(
     ref_model, tokenizer = load_model(model_path, "float32")
     engine_model = load_model(model_path, "float32")[0] if set(methods) & set(BATCHSERVE) else None
     eos = tokenizer.eos_token_id
+    cost_profile = None
+    if any(BATCHSERVE[m].adaptive for m in methods if m in BATCHSERVE):
+        from batchserve import LLM
+
+        # The profile the server would use (cached per device, dtype and model; measured if absent).
+        probe = LLM(adaptive=True, hf_model=engine_model, tokenizer=tokenizer, kv_cache_memory_gb=0.5)
+        cost_profile = probe.engine.cost_profile
+        del probe
     rows: list[Row] = []
     total = len(datasets) * (
         sum(m in ("hf", "hf-prompt-lookup") for m in methods)
@@ -221,10 +248,11 @@ def run(
             for m in methods:
                 if m not in BATCHSERVE:
                     continue
-                outs, secs, ttfts, tpots, tps = run_batchserve(
-                    engine_model, tokenizer, prompts, max_new, b, m, warm, decoding_length
+                outs, secs, ttfts, tpots, tps, mean_len = run_batchserve(
+                    engine_model, tokenizer, prompts, max_new, b, m, warm, decoding_length, cost_profile
                 )
                 rows.append(_row(m, dataset, b, outs, secs, ttfts, tpots, tps, outs == reference))
+                rows[-1].mean_decoding_length = mean_len
                 bar.update(1)
                 bar.set_postfix_str(f"{dataset} {m} b={b}: {rows[-1].tokens_per_s} tok/s")
         (out_dir / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
@@ -246,22 +274,50 @@ def write_report(rows: list[Row], out_dir: Path, num_prompts: int, max_new: int,
         hf = next((r.tokens_per_s for r in rs if r.method == "hf"), None)
         hfb = {r.batch_size: r.tokens_per_s for r in rs if r.method == "hf-batch"}
         lines.append(f"\n## {dataset}\n")
+        none = {r.batch_size: r.tokens_per_s for r in rs if r.method == "none"}
         lines.append(
-            "| method | batch | tokens/s | tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
-            "| vs hf | vs hf-batch | lossless |"
+            "| method | batch | tokens/s | tokens/step | draft tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
+            "| vs hf | vs hf-batch | vs none | lossless |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(rs, key=lambda r: (r.batch_size, METHODS.index(r.method))):
             vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
             vs_hfb = f"{r.tokens_per_s / hfb[r.batch_size]:.2f}x" if r.batch_size in hfb else "-"
+            vs_none = f"{r.tokens_per_s / none[r.batch_size]:.2f}x" if r.batch_size in none else "-"
             tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
+            dl = "-" if r.mean_decoding_length is None else f"{r.mean_decoding_length:.1f}"
             lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
             lines.append(
-                f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {tps} | {r.ttft_p50_s:.3f} / "
-                f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_hf} | {vs_hfb} "
+                f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {tps} | {dl} | {r.ttft_p50_s:.3f} / "
+                f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_hf} | {vs_hfb} | {vs_none} "
                 f"| {lossless} |"
             )
+        lines.extend(adaptive_summary(rs))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def adaptive_summary(rows: list[Row]) -> list[str]:
+    """Adaptive decoding length against the best fixed length and against no speculation."""
+    fixed = [f"lookahead-{n}" for n in FIXED_LENGTHS]
+    out: list[str] = []
+    for b in sorted({r.batch_size for r in rows}):
+        at = {r.method: r for r in rows if r.batch_size == b}
+        ada, none = at.get("lookahead-adaptive"), at.get("none")
+        best = max((at[m] for m in fixed if m in at), key=lambda r: r.tokens_per_s, default=None)
+        if ada is None or none is None or best is None:
+            continue
+        if not out:
+            out = [
+                "\nAdaptive decoding length against the best fixed length and against `none`:\n",
+                "| batch | adaptive tok/s | best fixed | adaptive / best fixed | adaptive / none | mean draft tokens |",
+                "|---|---|---|---|---|---|",
+            ]
+        out.append(
+            f"| {b} | {ada.tokens_per_s:.1f} | {best.method} {best.tokens_per_s:.1f} | "
+            f"{ada.tokens_per_s / best.tokens_per_s:.2f}x | {ada.tokens_per_s / none.tokens_per_s:.2f}x | "
+            f"{ada.mean_decoding_length or 0:.1f} |"
+        )
+    return out
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -271,7 +327,22 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     datasets = list(dict.fromkeys(r.dataset for r in rows))
-    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 8), squeeze=False)
+    for ax, dataset in zip(axes[1], datasets):
+        for m in METHODS:
+            pts = sorted(
+                (r.batch_size, r.mean_decoding_length)
+                for r in rows
+                if r.dataset == dataset and r.method == m and r.mean_decoding_length is not None and m != "none"
+            )
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (requests in flight)")
+        ax.set_ylabel("mean draft tokens per request step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     for ax, dataset in zip(axes[0], datasets):
         for m in METHODS:
             pts = sorted((r.batch_size, r.tokens_per_s) for r in rows if r.dataset == dataset and r.method == m)

@@ -54,7 +54,8 @@ def slots_of(block_ids: tuple[int, ...] | list[int], block_size: int, positions:
 class AttentionBackend(ABC):
     """Owns the paged K/V storage and computes attention for a packed ragged step."""
 
-    block_size: int
+    block_size: int  # KV slots per block
+    num_blocks: int  # blocks in the pool
 
     @abstractmethod
     def build_metadata(self, seqs: list[SeqLayout], num_tokens: int, slot_mapping: torch.Tensor) -> Any:

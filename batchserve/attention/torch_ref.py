@@ -45,6 +45,7 @@ class TorchReferenceBackend(AttentionBackend):
         device: torch.device | str = "cpu",
     ) -> None:
         self.block_size = block_size
+        self.num_blocks = num_blocks
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)

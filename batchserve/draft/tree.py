@@ -45,6 +45,11 @@ class DraftTree:
         parents: list[int | None] = [None, *range(len(tokens) - 1)]
         return cls(tuple(tokens), tuple(parents[: len(tokens)]))
 
+    def prefix(self, n: int) -> DraftTree:
+        """The first `n` nodes: still a tree (parents precede children). Drafters emit nodes
+        best first, so this is the best `n`-node draft."""
+        return self if n >= len(self.tokens) else DraftTree(self.tokens[:n], self.parents[:n])
+
     def ancestors(self, i: int) -> list[int]:
         """Node i's ancestors (excluding the root) and itself, from the top down."""
         path: list[int] = []

@@ -14,11 +14,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft.base import Drafter
+from batchserve.draft.tree import DraftTree
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
+from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 # Called for each token appended to a request's output; True stops the request (stop string).
@@ -33,12 +36,14 @@ class Scheduler:
         allocator: BlockAllocator,
         drafter: Drafter,
         on_token: TokenHook | None = None,
+        budget_policy: DraftBudgetPolicy | None = None,
     ) -> None:
         self.config = config
         self.draft_config = draft_config
         self.allocator = allocator
         self.drafter = drafter
         self.on_token = on_token
+        self.budget_policy = budget_policy  # None: every request drafts `decoding_length` tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -83,6 +88,8 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
         self.drafter.on_request_finish(req.request_id)
+        if self.budget_policy is not None:
+            self.budget_policy.tracker.forget(req.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,6 +139,8 @@ class Scheduler:
             scheduled.append(item)
             budget -= item.num_tokens
 
+        # Drafts last: committed tokens and admissions come before speculation.
+        scheduled = self._add_drafts(scheduled, budget)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
 
@@ -149,6 +158,8 @@ class Scheduler:
                 continue  # a prompt chunk that does not reach the end yet
             num_accepted = result.num_accepted[item.request_id]
             req.num_computed_tokens += num_accepted
+            if self.budget_policy is not None:
+                self._observe_acceptance(item, emitted[:num_accepted])
             req.stats.steps += 1
             req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
             req.stats.draft_tokens_accepted += num_accepted
@@ -192,40 +203,94 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------
 
     def _try_schedule(self, req: Request, budget: int) -> ScheduledRequest | None:
-        """Plan `req`'s share of this step within `budget` tokens, or None if out of blocks."""
+        """Plan `req`'s committed tokens for this step within `budget`, or None if out of blocks."""
         num_pending = req.num_tokens - req.num_computed_tokens
         chunk = min(num_pending, budget)
-        sample = chunk == num_pending
-        draft = None
-        if sample:
-            max_draft = self._draft_limit(req, budget - chunk)
-            if max_draft > 0:
-                draft = self.drafter.propose(req.request_id, req.all_token_ids, max_draft)
-                if draft is not None and len(draft) == 0:
-                    draft = None
-        slots = req.num_computed_tokens + chunk
-        if not self._ensure_blocks(req, slots + (len(draft) if draft is not None else 0)):
-            if draft is None or not self._ensure_blocks(req, slots):
-                return None
-            draft = None  # speculation is optional; committed tokens are not
+        if not self._ensure_blocks(req, req.num_computed_tokens + chunk):
+            return None
         start = req.num_computed_tokens
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tuple(req.all_token_ids[start : start + chunk]),
             num_computed_tokens=start,
             block_ids=tuple(req.block_ids),
-            draft=draft,
-            sample=sample,
+            draft=None,
+            sample=chunk == num_pending,
             params=req.params,
         )
 
-    def _draft_limit(self, req: Request, tokens_left: int) -> int:
+    def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
+        """Hang a draft tree off every sampling request, within `budget` tokens in all.
+
+        Requests with their own `decoding_length` (and every request without a budget
+        policy) get up to that many tokens, first come first served; the policy shares what
+        is left among the others by expected gain.
+        """
+        trees: dict[str, DraftTree] = {}
+        adaptive: list[tuple[Request, DraftTree]] = []
+        for item in items:
+            req = self.requests[item.request_id]
+            limit = min(self._draft_limit(req), budget)
+            if not item.sample or limit <= 0:
+                continue
+            tree = self.drafter.propose(req.request_id, req.all_token_ids, limit)
+            if tree is None or len(tree) == 0:
+                continue
+            if self.budget_policy is None or req.params.decoding_length is not None:
+                trees[req.request_id] = tree
+                budget -= len(tree)
+            else:
+                adaptive.append((req, tree))
+        if adaptive:
+            assert self.budget_policy is not None
+            sampling = [self.requests[i.request_id] for i in items if i.sample]
+            decision = self.budget_policy.allocate(
+                [DraftCandidate(req.request_id, len(tree)) for req, tree in adaptive],
+                num_roots=len(sampling),
+                num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + sum(map(len, trees.values())),
+                context=sum(r.num_tokens for r in sampling) / len(sampling),
+                num_seqs=len(items),
+                token_budget=max(0, budget),
+            )
+            for req, tree in adaptive:
+                k = decision.lengths[req.request_id]
+                if k > 0:
+                    trees[req.request_id] = tree.prefix(k)
+        out = []
+        for item in items:
+            tree = trees.get(item.request_id)
+            if tree is not None:
+                req = self.requests[item.request_id]
+                # Speculation is optional: without blocks for the tree, the request goes without.
+                if self._ensure_blocks(req, item.num_computed_tokens + len(item.token_ids) + len(tree)):
+                    item = replace(item, draft=tree, block_ids=tuple(req.block_ids))
+            out.append(item)
+        return out
+
+    def _draft_limit(self, req: Request) -> int:
         length = req.params.decoding_length
         if length is None:
             length = self.draft_config.decoding_length
         remaining_out = req.params.max_new_tokens - len(req.output_token_ids) - 1
         remaining_ctx = req.max_total_len - req.num_tokens
-        return max(0, min(length, tokens_left, remaining_out, remaining_ctx))
+        return max(0, min(length, remaining_out, remaining_ctx))
+
+    def _observe_acceptance(self, item: ScheduledRequest, accepted: list[int]) -> None:
+        """Feed the tracker which draft ranks were on the accepted path."""
+        assert self.budget_policy is not None
+        tracker = self.budget_policy.tracker
+        tree = item.draft
+        if tree is None:
+            tracker.skipped(item.request_id)
+            return
+        ranks: list[int] = []
+        node = -1  # the root; children[node + 1] are its children
+        for tok in accepted:
+            node = tree.children[node + 1].get(tok, -2)
+            if node < 0:
+                break  # cannot happen for a verified path; never let stats break a step
+            ranks.append(node)
+        tracker.observe(item.request_id, len(tree), ranks)
 
     def _ensure_blocks(self, req: Request, num_slots: int) -> bool:
         need = self.allocator.blocks_for(num_slots) - len(req.block_ids)

@@ -9,9 +9,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from batchserve.engine import AsyncEngine
 from batchserve.request import RequestOutput
+from batchserve.scheduler import SchedulerOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16, 32, 64)
+DECODING_LENGTH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 class Metrics:
@@ -67,8 +70,36 @@ class Metrics:
             registry=r,
             buckets=TOKEN_BUCKETS,
         )
+        self.decoding_length = Histogram(
+            "batchserve_draft_decoding_length",
+            "Draft tokens chosen per request per step (0 = decoded without a draft)",
+            registry=r,
+            buckets=DECODING_LENGTH_BUCKETS,
+        )
+        self.step_tokens = Histogram(
+            "batchserve_step_tokens",
+            "Tokens in one forward (prompt chunks + roots + drafts)",
+            registry=r,
+            buckets=STEP_TOKEN_BUCKETS,
+        )
+        profile = engine.core.cost_profile
+        if profile is not None:
+            Gauge(
+                "batchserve_critical_decoding_length",
+                "Tokens per step whose forward costs within 10% of a one-token step (from the cost profile)",
+                registry=r,
+            ).set(profile.critical_decoding_length())
+        engine.step_listeners.append(self.observe_step)
         self.finished = Counter("batchserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter("batchserve_requests_rejected", "Requests refused before running", ["code"], registry=r)
+
+    def observe_step(self, out: SchedulerOutput) -> None:
+        if not out.requests:
+            return
+        self.step_tokens.observe(out.num_tokens)
+        for item in out.requests:
+            if item.sample:
+                self.decoding_length.observe(len(item.draft) if item.draft is not None else 0)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

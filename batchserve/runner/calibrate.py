@@ -1,0 +1,206 @@
+"""Measure forward time against tokens per step on this device (`batchserve calibrate`).
+
+Each measurement is a real `ModelRunner.execute` of a synthetic step: one request whose KV
+already holds `context` tokens, computing its last token plus a chain draft, so every row
+also pays for its logits and verification, as draft rows do in serving. The KV pool must be
+idle (nothing else running): the step writes into the first blocks of the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchserve.draft.tree import DraftTree
+from batchserve.request import SamplingParams
+from batchserve.runner.runner import ModelRunner
+from batchserve.scheduler.budget import CostProfile, non_increasing
+from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger("batchserve")
+
+TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+CONTEXTS = (64, 512, 2048)
+PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} x{torch.get_num_threads()} threads"
+
+
+def profile_key(model: Any) -> str:
+    """Names what the timings depend on: the model, its dtype, and the device."""
+    param = next(model.parameters())
+    name = Path(str(getattr(model.config, "_name_or_path", "") or type(model).__name__)).name or "model"
+    num_params = sum(p.numel() for p in model.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    return f"{name}-{num_params}-{dtype}-{_device_name(param.device)}"
+
+
+def profile_path(key: str) -> Path:
+    """Where the profile for `key` is cached ($BATCHSERVE_CACHE_DIR, else ~/.cache/batchserve)."""
+    root = Path(os.environ.get("BATCHSERVE_CACHE_DIR") or Path.home() / ".cache" / "batchserve")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[:80]
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    return root / "profiles" / f"{slug}-{digest}.json"
+
+
+def _step(runner: ModelRunner, contexts: list[int], num_tokens: int) -> SchedulerOutput:
+    """One request per entry of `contexts`, each computing 1 token plus a draft chain, with
+    `num_tokens` rows in all (split as evenly as possible)."""
+    bs = runner.backend.block_size
+    n = len(contexts)
+    reqs = []
+    next_block = 0
+    for i, ctx in enumerate(contexts):
+        rows = num_tokens // n + (1 if i < num_tokens % n else 0)
+        num_blocks = -(-(ctx + rows) // bs)
+        blocks = tuple(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        draft = DraftTree.chain([(7 * j + 3) % 97 + 1 for j in range(rows - 1)]) if rows > 1 else None
+        reqs.append(
+            ScheduledRequest(
+                request_id=f"calibrate-{i}",
+                token_ids=(1,),
+                num_computed_tokens=ctx,
+                block_ids=blocks,
+                draft=draft,
+                sample=True,
+                params=SamplingParams(max_new_tokens=rows + 1),
+            )
+        )
+    return SchedulerOutput(requests=tuple(reqs), finished_request_ids=())
+
+
+def _blocks_needed(runner: ModelRunner, contexts: list[int], num_tokens: int) -> int:
+    bs = runner.backend.block_size
+    return sum(-(-(c + num_tokens // len(contexts) + 1) // bs) for c in contexts)
+
+
+def _time_once(runner: ModelRunner, out: SchedulerOutput) -> float:
+    t0 = time.perf_counter()
+    runner.execute(out)  # ends in .tolist(): synchronizes the device
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _median_curve(runner: ModelRunner, steps: list[SchedulerOutput], repeats: int, tick: Any) -> list[float]:
+    """Median time of each step, measured round-robin so that drift on a shared machine
+    spreads over every point instead of bending one part of the curve."""
+    for out in steps:
+        runner.execute(out)  # warm-up (allocator, kernels)
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, out in enumerate(steps):
+            times[i].append(_time_once(runner, out))
+            tick()
+    # Forward time cannot fall as tokens are added: fit the closest non-decreasing curve.
+    medians = [statistics.median(t) for t in times]
+    return [-x for x in non_increasing([-m for m in medians])]
+
+
+def calibrate(
+    runner: ModelRunner,
+    *,
+    max_tokens: int = 512,
+    max_context: int = 4096,
+    contexts: tuple[int, ...] = CONTEXTS,
+    repeats: int = 5,
+    key: str | None = None,
+    progress: bool = True,
+) -> CostProfile:
+    """Time steps of 1 to `max_tokens` rows at each context (that fits the model and pool)."""
+    if max_tokens < 1 or repeats < 1:
+        raise ValueError("max_tokens and repeats must be >= 1")
+    counts = sorted({c for c in TOKEN_COUNTS if c <= max_tokens} | {max_tokens})
+    pool = runner.backend.num_blocks
+    usable = [c for c in contexts if c + max_tokens <= max_context and _blocks_needed(runner, [c], max_tokens) <= pool]
+    if not usable:  # a tiny pool or context window: measure the largest context that fits
+        usable = [max(0, min(max_context - max_tokens, pool * runner.backend.block_size - max_tokens - 1))]
+    n_seq = PER_SEQ_REQUESTS
+    while n_seq > 1 and _blocks_needed(runner, [usable[0]] * n_seq, n_seq) > pool:
+        n_seq //= 2
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=(len(usable) * len(counts) + 2) * repeats, desc="calibrate", unit="step")
+
+    def tick() -> None:
+        if bar is not None:
+            bar.update(1)
+
+    rows: list[tuple[float, ...]] = []
+    try:
+        for ctx in usable:
+            if bar is not None:
+                bar.set_postfix_str(f"context {ctx}")
+            rows.append(tuple(_median_curve(runner, [_step(runner, [ctx], n) for n in counts], repeats, tick)))
+        per_seq = 0.0
+        if n_seq > 1:
+            one, many = _median_curve(
+                runner, [_step(runner, [usable[0]], n_seq), _step(runner, [usable[0]] * n_seq, n_seq)], repeats, tick
+            )
+            per_seq = max(0.0, (many - one) / (n_seq - 1))
+    finally:
+        if bar is not None:
+            bar.close()
+        runner.release([f"calibrate-{i}" for i in range(n_seq)])
+    return CostProfile(
+        key=key or profile_key(runner.model),
+        token_counts=tuple(counts),
+        contexts=tuple(usable),
+        step_ms=tuple(rows),
+        per_seq_ms=per_seq,
+    )
+
+
+def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: int, max_context: int) -> CostProfile:
+    """The cached profile for this model and device, measuring (and saving) it if absent."""
+    key = profile_key(runner.model)
+    target = Path(path) if path is not None else profile_path(key)
+    if target.exists():
+        profile = CostProfile.load(target)
+        if profile.key != key:
+            logger.warning("cost profile %s was measured for %r, not %r", target, profile.key, key)
+        logger.info("cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
+        return profile
+    logger.info("no cost profile for %s yet; calibrating (once per device, dtype and model)", key)
+    profile = calibrate(runner, max_tokens=max_tokens, max_context=max_context, key=key)
+    profile.save(target)
+    logger.info("saved cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
+    return profile
+
+
+def format_profile(profile: CostProfile) -> str:
+    """The curve as a table plus the critical decoding length, for the CLI."""
+    lines = [f"cost profile for {profile.key}", ""]
+    header = "tokens/step " + "".join(f"{f'ctx {c}':>12}" for c in profile.contexts)
+    lines.append(header)
+    for i, n in enumerate(profile.token_counts):
+        lines.append(f"{n:>11} " + "".join(f"{row[i]:>9.1f} ms" for row in profile.step_ms))
+    lines.append(f"\neach further request in a step: +{profile.per_seq_ms:.2f} ms")
+    for c in profile.contexts:
+        lines.append(
+            f"critical decoding length at context {c}: {profile.critical_decoding_length(context=c)} tokens "
+            "(step time within 10% of a one-token step)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""Adaptive decoding length: how many draft tokens each request gets this step.
+
+Pure Python. Two inputs:
+- a `CostProfile`, measured once per device, dtype and model by `batchserve calibrate`:
+  forward time against tokens in the step, at a few context lengths;
+- an `AcceptanceTracker`: per request, an exponential moving average of how often the draft
+  node at each rank (the drafter's k-th best node) ends up on the accepted path, pooled
+  across requests as the prior for new ones.
+
+The rank-k estimate is exactly the expected number of extra tokens that node buys, so the
+policy can trade tokens against milliseconds:
+1. Decode-only optimum: over all requests' draft nodes sorted by expected gain, the count k*
+   maximising (roots + gain(k)) / time(roots + k). This is where extra tokens stop being
+   nearly free, and it gives tau = time per token at that optimum.
+2. With prefill chunks in the step (whose time is spent anyway) the same nodes are valued at
+   tau each: the count maximising gain(k) * tau - time(tokens + k). Without prefill this is
+   the same k* as step 1.
+Nodes expected to be accepted less often than `min_gain` are never drafted, so a request whose
+drafts keep failing gets none; while it gets none its estimates drift back toward the pooled
+prior (`explore`), so it is retried once the batch has room again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear; clamps below xs[0], extrapolates the last segment above xs[-1]."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_right(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    """Measured step time against tokens in the step (one sequence) at a few context lengths."""
+
+    key: str  # device, dtype and model this was measured for
+    token_counts: tuple[int, ...]  # ascending, tokens in the step
+    contexts: tuple[int, ...]  # ascending, KV length each query token attends to
+    step_ms: tuple[tuple[float, ...], ...]  # [context][token count] median milliseconds
+    per_seq_ms: float = 0.0  # extra cost of each further request in the step (its own tiny kernels)
+
+    def __post_init__(self) -> None:
+        if not self.token_counts or not self.contexts:
+            raise ValueError("a cost profile needs at least one token count and one context")
+        for name, xs in (("token_counts", self.token_counts), ("contexts", self.contexts)):
+            if list(xs) != sorted(set(xs)) or xs[0] < 0:
+                raise ValueError(f"{name} must be ascending and non-negative, got {xs}")
+        if len(self.step_ms) != len(self.contexts) or any(len(r) != len(self.token_counts) for r in self.step_ms):
+            raise ValueError("step_ms must be [len(contexts)][len(token_counts)]")
+        if any(t <= 0 for row in self.step_ms for t in row) or self.per_seq_ms < 0:
+            raise ValueError("times must be positive")
+
+    def curve(self, context: float = 0.0) -> list[float]:
+        """Step time per `token_counts` entry at one context length (interpolated)."""
+        return [
+            _interp(self.contexts, [row[i] for row in self.step_ms], context) for i in range(len(self.token_counts))
+        ]
+
+    def time_ms(
+        self, num_tokens: float, context: float = 0.0, num_seqs: int = 1, curve: list[float] | None = None
+    ) -> float:
+        """Predicted forward time of a step with `num_tokens` rows from `num_seqs` requests
+        whose mean context is `context` (pass `curve(context)` to skip recomputing it)."""
+        ys = curve if curve is not None else self.curve(context)
+        return _interp(self.token_counts, ys, num_tokens) + self.per_seq_ms * max(0, num_seqs - 1)
+
+    def critical_decoding_length(self, tolerance: float = 0.1, context: float | None = None) -> int:
+        """The largest measured token count whose step costs at most (1 + tolerance) times a
+        one-token step: up to here extra tokens are nearly free."""
+        ctx = self.contexts[0] if context is None else context
+        base = self.time_ms(1, ctx)
+        cdl = 1
+        for n in self.token_counts:
+            if self.time_ms(n, ctx) <= (1 + tolerance) * base:
+                cdl = max(cdl, n)
+        return cdl
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostProfile:
+        d = json.loads(text)
+        return cls(
+            key=str(d["key"]),
+            token_counts=tuple(int(x) for x in d["token_counts"]),
+            contexts=tuple(int(x) for x in d["contexts"]),
+            step_ms=tuple(tuple(float(t) for t in row) for row in d["step_ms"]),
+            per_seq_ms=float(d.get("per_seq_ms", 0.0)),
+        )
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)  # never leave a half-written profile behind
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a batchserve cost profile ({e})") from None
+
+
+def non_increasing(xs: Sequence[float]) -> list[float]:
+    """The closest non-increasing sequence (pool adjacent violators): keeps the total gain of
+    every prefix honest while letting the greedy take nodes in order."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for x in xs:
+        blocks.append([x, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks[-1]
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    out: list[float] = []
+    for m, n in blocks:
+        out.extend([m] * int(n))
+    return out
+
+
+class AcceptanceTracker:
+    """EMA per request and draft rank of "this node was on the accepted path"."""
+
+    def __init__(self, max_rank: int, decay: float = 0.3, explore: float = 0.05) -> None:
+        if max_rank < 1:
+            raise ValueError(f"max_rank must be >= 1, got {max_rank}")
+        self.decay = decay  # weight of the newest observation
+        self.explore = explore  # pull toward the prior per step without a draft
+        # Before any evidence: a geometric guess, optimistic enough that drafting starts.
+        self.prior = [0.6 * 0.8**j for j in range(max_rank)]
+        self._est: dict[str, list[float]] = {}
+
+    @property
+    def max_rank(self) -> int:
+        return len(self.prior)
+
+    def gains(self, request_id: str, n: int) -> list[float]:
+        """Expected extra tokens of the request's first `n` draft ranks, non-increasing."""
+        est = self._est.get(request_id, self.prior)
+        return non_increasing(est[: min(n, self.max_rank)])
+
+    def observe(self, request_id: str, num_offered: int, accepted_ranks: Iterable[int]) -> None:
+        """Record one verification: ranks [0, num_offered) were drafted, `accepted_ranks` hit."""
+        est = self._est.setdefault(request_id, list(self.prior))
+        hits = set(accepted_ranks)
+        a = self.decay
+        for j in range(min(num_offered, self.max_rank)):
+            x = 1.0 if j in hits else 0.0
+            est[j] += a * (x - est[j])
+            self.prior[j] += a * 0.25 * (x - self.prior[j])  # the pool learns more slowly
+        for j in range(num_offered, self.max_rank):
+            est[j] += self.explore * (self.prior[j] - est[j])
+
+    def skipped(self, request_id: str) -> None:
+        """The request sampled without a draft this step: drift toward the prior."""
+        self.observe(request_id, 0, ())
+
+    def forget(self, request_id: str) -> None:
+        self._est.pop(request_id, None)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCandidate:
+    """A request that samples this step and could carry up to `max_tokens` draft tokens."""
+
+    request_id: str
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetDecision:
+    """The policy's choice for one step (kept for metrics and tests)."""
+
+    lengths: dict[str, int]  # request id -> draft tokens
+    expected_gain: float  # expected accepted draft tokens in the whole step
+    predicted_ms: float  # predicted forward time with these drafts
+
+
+class DraftBudgetPolicy:
+    """Chooses every sampling request's decoding length for one step (module docstring)."""
+
+    def __init__(self, profile: CostProfile, tracker: AcceptanceTracker, min_gain: float = 0.02) -> None:
+        self.profile = profile
+        self.tracker = tracker
+        self.min_gain = min_gain
+        # Engine time per request per step that the forward-only profile does not see
+        # (scheduling, drafting, detokenizing), learnt from measured steps.
+        self.overhead_per_seq_ms = 0.0
+
+    def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
+        """Record a whole engine step's measured time (schedule + forward + update)."""
+        if num_tokens < 1 or num_seqs < 1:
+            return
+        extra = (elapsed_ms - self.profile.time_ms(num_tokens, context, num_seqs)) / num_seqs
+        self.overhead_per_seq_ms = max(0.0, self.overhead_per_seq_ms + 0.1 * (extra - self.overhead_per_seq_ms))
+
+    def allocate(
+        self,
+        candidates: Sequence[DraftCandidate],
+        *,
+        num_roots: int,
+        num_other_tokens: int = 0,
+        context: float = 0.0,
+        num_seqs: int | None = None,
+        token_budget: int | None = None,
+    ) -> BudgetDecision:
+        """`num_roots`: requests emitting a token this step (with or without a draft);
+        `num_other_tokens`: the step's other rows (prefill chunks, fixed-length drafts);
+        `context`: mean KV length of the step's rows; `token_budget`: most draft tokens."""
+        num_seqs = num_seqs if num_seqs is not None else max(1, num_roots)
+        cap = token_budget if token_budget is not None else sum(c.max_tokens for c in candidates)
+        # Each request's gains are non-increasing, so merging them in descending order takes
+        # every request's nodes as a prefix.
+        per_req = [
+            [(g, c.request_id) for g in self.tracker.gains(c.request_id, c.max_tokens) if g >= self.min_gain]
+            for c in candidates
+        ]
+        ranked = list(heapq.merge(*per_req, key=lambda x: -x[0]))[: max(0, cap)]
+        gain = [0.0]
+        for g, _ in ranked:
+            gain.append(gain[-1] + g)
+
+        curve = self.profile.curve(context)
+
+        overhead = self.overhead_per_seq_ms * num_seqs
+
+        def cost(extra: int, others: int) -> float:
+            return self.profile.time_ms(num_roots + others + extra, context, num_seqs, curve) + overhead
+
+        # 1. Decode-only optimum and the value of a token there.
+        best_k = max(range(len(gain)), key=lambda k: ((num_roots + gain[k]) / cost(k, 0), -k))
+        tau = cost(best_k, 0) / max(1e-9, num_roots + gain[best_k])
+        # 2. The rest of the step's rows are paid for anyway: value nodes at tau each.
+        if num_other_tokens > 0:
+            best_k = max(range(len(gain)), key=lambda k: (gain[k] * tau - cost(k, num_other_tokens), -k))
+        lengths = {c.request_id: 0 for c in candidates}
+        for _, rid in ranked[:best_k]:
+            lengths[rid] += 1
+        return BudgetDecision(lengths, gain[best_k], cost(best_k, num_other_tokens))

@@ -1,0 +1,93 @@
+"""Calibration on the tiny model: profile shape, caching, and the `batchserve calibrate` CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+from batchserve.engine import EngineCore
+from batchserve.runner import calibrate as cal
+from batchserve.scheduler.budget import CostProfile
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+
+def _core(num_blocks: int = 256, **draft) -> EngineCore:
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        draft=DraftConfig(**draft),
+    )
+    return EngineCore(config, make_tiny_model(), make_tiny_tokenizer())
+
+
+def test_calibrate_measures_a_non_decreasing_curve_per_context():
+    core = _core()
+    profile = cal.calibrate(core.runner, max_tokens=48, max_context=1024, contexts=(8, 128), repeats=2, progress=False)
+    assert profile.contexts == (8, 128)
+    assert profile.token_counts[0] == 1 and profile.token_counts[-1] == 48
+    assert set(profile.token_counts) <= set(cal.TOKEN_COUNTS) | {48}
+    for row in profile.step_ms:
+        assert all(a <= b for a, b in zip(row, row[1:]))
+        assert row[0] > 0
+    assert profile.per_seq_ms >= 0
+    assert profile.key == cal.profile_key(core.runner.model)
+    assert 1 <= profile.critical_decoding_length() <= 48
+    # The synthetic steps leave no runner state behind, and the engine still generates.
+    assert not core.runner._generators
+    core.add_request([1, 2, 3])
+    while core.has_work():
+        core.step()
+
+
+def test_calibrate_fits_what_the_pool_and_context_allow():
+    core = _core(num_blocks=8)  # 128 slots: neither 512 nor 2048 tokens of context fit
+    profile = cal.calibrate(core.runner, max_tokens=32, max_context=1024, repeats=1, progress=False)
+    assert len(profile.contexts) == 1 and profile.contexts[0] + 32 < 8 * 16
+    with pytest.raises(ValueError):
+        cal.calibrate(core.runner, max_tokens=0, progress=False)
+
+
+def test_engine_calibrates_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = cal.calibrate
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        kwargs["repeats"] = 1
+        kwargs["progress"] = False
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cal, "calibrate", counting)
+    first = _core(adaptive=True)
+    assert len(calls) == 1 and calls[0]["max_tokens"] == 64
+    saved = list((tmp_path / "profiles").glob("*.json"))
+    assert len(saved) == 1 and CostProfile.load(saved[0]) == first.cost_profile
+    second = _core(adaptive=True)
+    assert len(calls) == 1 and second.cost_profile == first.cost_profile
+    assert second.scheduler.budget_policy is not None
+    # No speculation, no profile needed.
+    assert _core(adaptive=True, method="none").cost_profile is None and len(calls) == 1
+
+
+def test_profile_path_is_per_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
+    a, b = cal.profile_path("m-1-float32-cpu x2"), cal.profile_path("m-1-bfloat16-cpu x2")
+    assert a != b and a.parent == tmp_path / "profiles" and " " not in a.name
+
+
+def test_calibrate_cli(tmp_path, capsys):
+    from batchserve.cli import main
+
+    model_dir = tmp_path / "tiny"
+    make_tiny_model().save_pretrained(model_dir)
+    make_tiny_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "profile.json"
+    argv = ["calibrate", "--model", str(model_dir), "--max-tokens", "16", "--contexts", "8,32", "--repeats", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "critical decoding length at context 8" in text and str(out) in text
+    profile = CostProfile.load(out)
+    assert profile.contexts == (8, 32) and profile.token_counts[-1] == 16
+    assert main(["calibrate", "--model", str(tmp_path / "missing")]) == 2
+    assert main(["calibrate", "--model", str(model_dir), "--max-tokens", "0"]) == 2
