@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
@@ -27,7 +29,7 @@ def test_calibrate_measures_a_non_decreasing_curve_per_context():
     assert profile.token_counts[0] == 1 and profile.token_counts[-1] == 48
     assert set(profile.token_counts) <= set(cal.TOKEN_COUNTS) | {48}
     for row in profile.step_ms:
-        assert all(a <= b for a, b in zip(row, row[1:]))
+        assert all(a <= b for a, b in itertools.pairwise(row))
         assert row[0] > 0
     assert profile.per_seq_ms >= 0
     assert profile.key == cal.profile_key(core.runner.model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from batchserve.config import DraftConfig, SchedulerConfig
@@ -78,14 +80,14 @@ def test_bad_profiles_are_refused(kwargs):
 def test_load_of_something_else_names_the_file(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')
-    with pytest.raises(ValueError, match="bad.json"):
+    with pytest.raises(ValueError, match=r"bad\.json"):
         CostProfile.load(bad)
 
 
 def test_non_increasing_keeps_prefix_totals_honest():
     xs = [0.6, 0.5, 0.1, 0.4, 0.3, 0.0]
     ys = non_increasing(xs)
-    assert all(a >= b for a, b in zip(ys, ys[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(ys))
     assert sum(ys) == pytest.approx(sum(xs))
     assert ys[:2] == xs[:2] and ys[2] == pytest.approx(0.8 / 3)
     assert non_increasing([]) == []
@@ -130,7 +132,7 @@ def test_policy_budget_shrinks_with_batch_size_and_never_exceeds_the_cap():
         assert sum(d.lengths.values()) <= 100
         means.append(sum(d.lengths.values()) / b)
     assert means[0] > means[-1] > 0
-    assert all(a >= b for a, b in zip(means, means[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(means))
 
 
 def test_policy_gives_failing_requests_nothing():
