@@ -22,7 +22,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (off if unset)")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto: bf16 on GPU, fp32 on CPU",
+    )
+    serve.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
+    serve.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "flashinfer", "torch"],
+        help="auto: FlashInfer on CUDA in fp16/bf16 when installed, else the PyTorch reference",
+    )
     serve.add_argument("--max-batch-size", type=int, default=16, help="running requests at once")
     serve.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens per forward")
     serve.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size")
@@ -49,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="measure step time against tokens per step; save the cost profile")
     cal.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2)")
-    cal.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    cal.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    cal.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    cal.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
+    cal.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
     cal.add_argument("--max-tokens", type=int, default=512, help="largest step to time (the server's tokens per step)")
     cal.add_argument("--contexts", type=_ints, default=[64, 512, 2048], help="KV lengths to time at")
     cal.add_argument("--repeats", type=int, default=5, help="timed runs per shape (median)")
@@ -79,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--decoding-length", type=int, default=16)
+    bench.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"])
+    bench.add_argument(
+        "--allow-mismatch", action="store_true", help="fp16/bf16: report outputs that differ from HF, do not fail"
+    )
     bench.add_argument("--out", default="bench_out", help="directory for results.json, report.md, throughput.png")
     bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
     bench.add_argument("--decoding-lengths", type=_ints, default=[4, 8, 16, 32, 64], help="--simulate only")
@@ -96,7 +113,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = EngineConfig(
-            model=ModelConfig(path=args.model, dtype=args.dtype),
+            model=ModelConfig(
+                path=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
+            ),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_tokens_per_step
@@ -135,25 +154,27 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     directory, gguf = resolve_model_path(args.model)
     server = BatchServer(
-        AsyncEngine(core), server_config, model_name=str(directory / gguf if gguf else directory), dtype=args.dtype
+        AsyncEngine(core),
+        server_config,
+        model_name=str(directory / gguf if gguf else directory),
+        dtype=str(next(core.runner.model.parameters()).dtype).removeprefix("torch."),
     )
     asyncio.run(serve_forever(server))
     return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    import torch
-
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
     from batchserve.engine import EngineCore
     from batchserve.runner.calibrate import calibrate, format_profile, profile_path
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         if args.max_tokens < 1 or args.repeats < 1 or not args.contexts or min(args.contexts) < 0:
             raise ValueError("--max-tokens and --repeats must be >= 1 and --contexts non-negative")
         config = EngineConfig(
-            model=ModelConfig(path=args.model, dtype=args.dtype, device=device),
+            model=ModelConfig(
+                path=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
+            ),
             cache=CacheConfig(kv_cache_memory_gb=1.0),
             scheduler=SchedulerConfig(max_num_batched_tokens=max(16, args.max_tokens)),
             draft=DraftConfig(method="none"),
@@ -229,10 +250,11 @@ def _bench(args: argparse.Namespace) -> int:
         out,
         args.model,
         args.decoding_length,
+        args.dtype,
     )
     print(summary_table(rows))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")
-    if any(r.lossless is False for r in rows):
+    if any(r.lossless is False for r in rows) and not args.allow_mismatch:
         print("batchserve bench: some outputs differ from HF greedy (lossless=false): a bug", file=sys.stderr)
         return 1
     return 0

@@ -9,6 +9,8 @@ DraftMethod = Literal["none", "llma", "lookahead"]
 DRAFT_METHODS: tuple[str, ...] = ("none", "llma", "lookahead")
 DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
+MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")  # batchserve.attention's, kept torch-free here
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,13 +18,16 @@ class ModelConfig:
     """Which model to load and how."""
 
     path: str | None = None  # local HF directory or .gguf file; None = SmolLM2-135M-Instruct
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto = cuda when available, else cpu
     max_model_len: int | None = None  # None = the model's max_position_embeddings
+    attention_backend: str = "auto"  # auto = flashinfer on CUDA (fp16/bf16) when installed, else torch
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -73,7 +73,7 @@ class EngineCore:
         model and device, measured on first use."""
         import torch
 
-        from batchserve.attention import TorchReferenceBackend
+        from batchserve.attention import make_backend, resolve_backend
         from batchserve.runner import ModelRunner, load_model
 
         self.config = config = config or EngineConfig()
@@ -93,14 +93,19 @@ class EngineCore:
             bytes_per_block = 2 * mc.num_hidden_layers * config.cache.block_size * num_kv_heads * head_dim
             bytes_per_block *= torch.finfo(dtype).bits // 8
             num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // bytes_per_block))
-        backend = TorchReferenceBackend(
-            mc.num_hidden_layers,
-            num_blocks,
-            config.cache.block_size,
-            num_kv_heads,
-            head_dim,
-            dtype,
-            next(model.parameters()).device,
+        param = next(model.parameters())
+        self.attention_backend = resolve_backend(config.model.attention_backend, param.device, dtype)
+        backend = make_backend(
+            self.attention_backend,
+            num_layers=mc.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            num_qo_heads=mc.num_attention_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=param.device,
+            sm_scale=_attention_scale(model),
         )
         self.runner = ModelRunner(model, backend)
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
@@ -459,7 +464,8 @@ class LLM:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory_gb: float = 1.0,
-        dtype: str = "float32",
+        dtype: str = "auto",
+        attention_backend: str = "auto",
         config: EngineConfig | None = None,
         hf_model: Any = None,
         tokenizer: Any = None,
@@ -468,7 +474,7 @@ class LLM:
     ) -> None:
         if config is None:
             config = EngineConfig(
-                model=ModelConfig(path=model, dtype=dtype),
+                model=ModelConfig(path=model, dtype=dtype, attention_backend=attention_backend),
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
                 draft=DraftConfig(
@@ -552,6 +558,15 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[r.request_id] for r in requests]
+
+
+def _attention_scale(model: Any) -> float | None:
+    """The softmax scale the model's attention layers pass (FlashInfer plans it per step)."""
+    for module in model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, float) and hasattr(module, "layer_idx"):
+            return scaling
+    return None
 
 
 def _progress(total: int, enabled: bool) -> Any:

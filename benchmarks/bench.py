@@ -208,12 +208,13 @@ def run(
     out_dir: Path,
     model_path: str | None,
     decoding_length: int = 16,
+    dtype: str = "float32",
 ) -> list[Row]:
     from batchserve.runner import load_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    ref_model, tokenizer = load_model(model_path, "float32")
-    engine_model = load_model(model_path, "float32")[0] if set(methods) & set(BATCHSERVE) else None
+    ref_model, tokenizer = load_model(model_path, dtype)
+    engine_model = load_model(model_path, dtype)[0] if set(methods) & set(BATCHSERVE) else None
     eos = tokenizer.eos_token_id
     cost_profile = None
     if any(BATCHSERVE[m].adaptive for m in methods if m in BATCHSERVE):

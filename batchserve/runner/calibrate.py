@@ -47,13 +47,15 @@ def _device_name(device: torch.device) -> str:
     return f"{cpu} x{torch.get_num_threads()} threads"
 
 
-def profile_key(model: Any) -> str:
-    """Names what the timings depend on: the model, its dtype, and the device."""
+def profile_key(runner: ModelRunner) -> str:
+    """Names what the timings depend on: the model, its dtype, the device and the attention backend."""
+    model = runner.model
     param = next(model.parameters())
     name = Path(str(getattr(model.config, "_name_or_path", "") or type(model).__name__)).name or "model"
     num_params = sum(p.numel() for p in model.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
-    return f"{name}-{num_params}-{dtype}-{_device_name(param.device)}"
+    backend = type(runner.backend).__name__.removesuffix("Backend")
+    return f"{name}-{num_params}-{dtype}-{_device_name(param.device)}-{backend}"
 
 
 def profile_path(key: str) -> Path:
@@ -165,7 +167,7 @@ def calibrate(
             bar.close()
         runner.release([f"calibrate-{i}" for i in range(n_seq)])
     return CostProfile(
-        key=key or profile_key(runner.model),
+        key=key or profile_key(runner),
         token_counts=tuple(counts),
         contexts=tuple(usable),
         step_ms=tuple(rows),
@@ -175,7 +177,7 @@ def calibrate(
 
 def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: int, max_context: int) -> CostProfile:
     """The cached profile for this model and device, measuring (and saving) it if absent."""
-    key = profile_key(runner.model)
+    key = profile_key(runner)
     target = Path(path) if path is not None else profile_path(key)
     if target.exists():
         profile = CostProfile.load(target)

@@ -62,12 +62,24 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
     return AutoTokenizer.from_pretrained(directory, **kwargs)
 
 
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str, str]:
+    """`auto` device: cuda when available, else cpu; `auto` dtype: bfloat16 on CUDA, float32 on CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
+    return device, dtype
+
+
 def load_model(
-    path: str | os.PathLike[str] | None = None, dtype: str = "float32", device: str = "cpu"
+    path: str | os.PathLike[str] | None = None, dtype: str = "auto", device: str = "auto"
 ) -> tuple[Any, Any]:
     """(model, tokenizer), model in eval mode on `device`. Offline: nothing is downloaded."""
     from transformers import AutoModelForCausalLM
 
+    device, dtype = resolve_device_dtype(device, dtype)
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file is not None:

@@ -38,7 +38,7 @@ def test_adaptive_with_good_drafts_is_lossless_and_drafts_deep(reference):
         assert r.token_ids == reference[tuple(p)]
     accepted = sum(r.stats.draft_tokens_accepted for r in results)
     steps = sum(r.stats.steps for r in results)
-    assert accepted / steps > 4  # the policy keeps drafting where drafts pay
+    assert accepted / steps > 3  # the policy keeps drafting where drafts pay
     llm.engine.scheduler.check_integrity()
     assert llm.engine.scheduler.allocator.num_free_blocks == llm.engine.scheduler.allocator.num_blocks
 

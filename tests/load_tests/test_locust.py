@@ -44,7 +44,12 @@ def test_short_locust_run(tmp_path):
         capture_output=True,
         text=True,
         timeout=400,
-        env={"PYTHON": sys.executable, "BATCHSERVE_MAX_PROMPT_CHARS": "600", "PATH": "/usr/bin:/bin"},
+        env={
+            "PYTHON": sys.executable,
+            "BATCHSERVE_MAX_PROMPT_CHARS": "600",
+            "PATH": "/usr/bin:/bin",
+            "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
+        },
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stats = {row["Name"]: row for row in csv.DictReader(open(out / "locust_stats.csv"))}

@@ -203,8 +203,12 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
         "batchserve_draft_tokens_accepted_total",
         "batchserve_mean_accepted_tokens_per_step",
         "batchserve_requests_finished_total",
+        "batchserve_draft_decoding_length_bucket",
+        "batchserve_step_tokens_bucket",
     ):
         assert name in body, name
+    assert _metric(port, "batchserve_step_tokens_count") >= 1
+    assert _metric(port, "batchserve_draft_decoding_length_count") >= 1
     assert _metric(port, "batchserve_generation_tokens_total") >= 5
     assert _metric(port, "batchserve_prompt_tokens_total") >= 3
 
@@ -310,3 +314,31 @@ async def test_request_id_in_use_is_invalid_argument(running):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
     call.cancel()
     await _wait_pool_full(running.core)
+
+
+async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_lengths():
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+    from batchserve.engine import EngineCore
+    from batchserve.scheduler.budget import CostProfile
+    from tests.conftest import make_tiny_model, make_tiny_tokenizer
+    from tests.server.conftest import free_port, start_server
+
+    counts = (1, 8, 24, 64, 256)
+    profile = CostProfile("synthetic", counts, (0,), (tuple(5.0 + max(0, n - 24) for n in counts),))
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128),
+        draft=DraftConfig(decoding_length=32, adaptive=True),
+    )
+    core = EngineCore(config, make_tiny_model(), make_tiny_tokenizer(), cost_profile=profile)
+    running = await start_server(core, metrics_port=free_port())
+    try:
+        await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=20, ignore_eos=True))
+        port = running.server.config.metrics_port
+        assert _metric(port, "batchserve_critical_decoding_length") == 24
+        steps = _metric(port, "batchserve_step_tokens_count")
+        assert steps >= 1 and _metric(port, "batchserve_draft_decoding_length_count") == steps
+        assert _metric(port, 'batchserve_step_tokens_bucket{le="128.0"}') == steps  # never over the budget
+    finally:
+        await running.channel.close()
+        await running.server.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -38,6 +39,8 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # The default adaptive policy calibrates on first start: into a fresh cache here.
+        env={**os.environ, "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache")},
     )
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -62,6 +65,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         assert proc.wait(timeout=60) == 0
         log = proc.stdout.read()
         assert "shutting down" in log and "finished: 3 prompt + 300 output tokens" in log
+        assert "calibrating" in log and len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
         client.close()
         channel.close()
     finally:

@@ -1,0 +1,151 @@
+"""FlashInfer attention over the paged pool (CUDA, float16/bfloat16).
+
+Same pool layout and semantics as the torch reference: K/V of the step are written by slot
+mapping, then every request's rows attend to its pages under its own boolean mask (prompt
+chunks causal, drafts as trees) in one `BatchPrefillWithPagedKVCacheWrapper` call per layer.
+The wrapper is planned once per step and created with `backend="fa2"`: custom masks run only
+on the FA2 kernels. RoPE stays in the HF model (positions from tree depth), so the kernel
+runs with `pos_encoding_mode="NONE"`.
+
+`flashinfer` is imported only when this backend is built (the `gpu` extra); `build_plan` is
+plain torch so that the index and mask construction is tested on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchserve.attention.base import AttentionBackend, SeqLayout
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
+
+
+@dataclass(frozen=True, slots=True)
+class PagedPlan:
+    """FlashInfer's inputs for one step, in its CSR page-table form (CPU tensors)."""
+
+    qo_indptr: torch.Tensor  # [B + 1] int32: request i's rows are [qo_indptr[i], qo_indptr[i + 1])
+    kv_indptr: torch.Tensor  # [B + 1] int32: request i's pages are kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+    kv_indices: torch.Tensor  # [num pages used] int32: physical page ids, in logical order
+    kv_last_page_len: torch.Tensor  # [B] int32 in [1, page_size]: valid slots of each request's last page
+    custom_mask: torch.Tensor  # [sum q_len_i * kv_len_i] bool: each request's [q_len, kv_len] mask, row-major
+
+
+def build_plan(seqs: list[SeqLayout], page_size: int) -> PagedPlan:
+    """The page table and flattened masks of a packed step; requests in packing order."""
+    qo, kv, indices, last, masks = [0], [0], [], [], []
+    for s in seqs:
+        if s.q_start != qo[-1]:
+            raise ValueError(f"requests must be packed back to back: row {s.q_start}, expected {qo[-1]}")
+        num_pages = -(-s.kv_len // page_size)
+        if num_pages > len(s.block_ids):
+            raise ValueError(f"{s.kv_len} KV slots need {num_pages} pages, the block table has {len(s.block_ids)}")
+        qo.append(qo[-1] + s.q_len)
+        kv.append(kv[-1] + num_pages)
+        indices.extend(s.block_ids[:num_pages])
+        last.append(s.kv_len - (num_pages - 1) * page_size)
+        masks.append(s.mask().reshape(-1))
+    i32 = torch.int32
+    return PagedPlan(
+        qo_indptr=torch.tensor(qo, dtype=i32),
+        kv_indptr=torch.tensor(kv, dtype=i32),
+        kv_indices=torch.tensor(indices, dtype=i32),
+        kv_last_page_len=torch.tensor(last, dtype=i32),
+        custom_mask=torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FlashInferMetadata:
+    backend: FlashInferBackend
+    slot_mapping: torch.Tensor  # [T] pool slot of each new token (on the device)
+    num_tokens: int
+
+
+class FlashInferBackend(AttentionBackend):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        sm_scale: float | None = None,
+    ) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the FlashInfer backend needs a CUDA device, got {device}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the FlashInfer backend runs float16 or bfloat16, got {dtype}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"query heads ({num_qo_heads}) must be a multiple of KV heads ({num_kv_heads})")
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise ValueError(
+                "the FlashInfer backend needs the `flashinfer-python` package (pip install 'batchserve[gpu]')"
+            ) from e
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.sm_scale = sm_scale if sm_scale is not None else head_dim**-0.5
+        # [L, pages, page_size, Hkv, D]: FlashInfer's NHD layout, and the same memory as the
+        # reference's [L, slots, Hkv, D] viewed page by page.
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+
+    def build_metadata(self, seqs: list[SeqLayout], num_tokens: int, slot_mapping: torch.Tensor) -> FlashInferMetadata:
+        plan = build_plan(seqs, self.block_size)
+        dev = self.device
+        # Planned once per step; every layer's run() reuses it.
+        self._wrapper.plan(
+            plan.qo_indptr.to(dev),
+            plan.kv_indptr.to(dev),
+            plan.kv_indices.to(dev),
+            plan.kv_last_page_len.to(dev),
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            custom_mask=plan.custom_mask.to(dev),
+            causal=False,
+            pos_encoding_mode="NONE",
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        return FlashInferMetadata(self, slot_mapping.to(dev), num_tokens)
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, scale: float
+    ) -> torch.Tensor:
+        if abs(scale - self.sm_scale) > 1e-6 * self.sm_scale:
+            raise ValueError(f"layer {layer_idx} uses scale {scale}, the step was planned with {self.sm_scale}")
+        slots = metadata.slot_mapping
+        hkv, d = self.num_kv_heads, self.head_dim
+        self.k_cache[layer_idx].view(-1, hkv, d).index_copy_(
+            0, slots, k[0].transpose(0, 1).to(self.dtype)
+        )  # [T, Hkv, D]
+        self.v_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, v[0].transpose(0, 1).to(self.dtype))
+        qt = q[0].transpose(0, 1).contiguous().to(self.dtype)  # [T, Hq, D]
+        out = self._wrapper.run(qt, (self.k_cache[layer_idx], self.v_cache[layer_idx]))  # [T, Hq, D]
+        return out.unsqueeze(0).to(q.dtype)  # [1, T, Hq, D]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        src, dst = src.to(self.device), dst.to(self.device)
+        for cache in (self.k_cache, self.v_cache):
+            flat = cache.view(cache.shape[0], -1, self.num_kv_heads, self.head_dim)  # [L, slots, Hkv, D]
+            flat[:, dst] = flat[:, src]

@@ -1,0 +1,69 @@
+"""End to end on a GPU: SmolLM2 with FlashInfer against the torch backend and HF greedy.
+
+In bf16/fp16 two correct attention kernels can round differently and flip a near-tie, so
+these tests report a mismatch rate (printed) and bound it instead of asserting equality.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from batchserve import LLM, SamplingParams
+from tests.prompts import CODE_PROMPTS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and importlib.util.find_spec("flashinfer")),
+        reason="needs CUDA and flashinfer-python",
+    ),
+]
+
+MAX_NEW = 64
+
+
+def _mismatch(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(fraction of prompts whose outputs differ, mean first-divergence position of those)."""
+    diverged = [
+        next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t))) for s, t in zip(a, b) if s != t
+    ]
+    return len(diverged) / len(a), (sum(diverged) / len(diverged) if diverged else float(MAX_NEW))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_flashinfer_engine_against_torch_backend_and_hf(dtype, smollm2):
+    _, tokenizer = smollm2
+    prompts = [tokenizer(p).input_ids for p in CODE_PROMPTS]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    outs = {}
+    for backend in ("flashinfer", "torch"):
+        llm = LLM(dtype=dtype, attention_backend=backend, decoding_length=16)
+        assert llm.engine.attention_backend == backend
+        outs[backend] = [r.token_ids for r in llm.generate(prompts, params)]
+        del llm
+    from batchserve.runner import load_model
+
+    hf, _ = load_model(None, dtype, "cuda")
+    hf_out = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            g = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+            )
+        hf_out.append(g[0, len(p) :].tolist())
+    vs_torch = _mismatch(outs["flashinfer"], outs["torch"])
+    vs_hf = _mismatch(outs["flashinfer"], hf_out)
+    for name, (rate, first) in (("the torch backend", vs_torch), ("HF greedy", vs_hf)):
+        print(f"\n{dtype}: flashinfer vs {name}: {rate:.0%} of prompts differ (mean first divergence {first:.0f})")
+    # Divergence from rounding is rare and late; a wrong mask or page table breaks almost every prompt early.
+    assert vs_torch[0] <= 0.25 and vs_torch[1] >= 8
+    assert vs_hf[0] <= 0.5 and vs_hf[1] >= 8
