@@ -87,15 +87,16 @@ def smollm2() -> tuple[Any, Any]:
         pytest.fail(str(e))
 
 
-def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
     """HF `generate` greedy continuation (no eos stop unless the model config has one)."""
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     with torch.no_grad():
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if ignore_eos else None,
             pad_token_id=model.generation_config.pad_token_id or 0,
         )
     return out[0, len(prompt_ids) :].tolist()

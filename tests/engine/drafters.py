@@ -92,3 +92,9 @@ class OracleDrafter(NoDrafter):
             return None
         size = self.rng.randint(len(branch), max(len(branch), max_tokens))
         return random_tree(self.rng, size, self.vocab, first=branch)
+
+
+def random_prompts(n: int, seed: int = 1, vocab: int = 256) -> list[list[int]]:
+    """`n` random prompts of 1 to 80 token ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, 80))] for _ in range(n)]

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from batchserve import SamplingParams
 from batchserve.scheduler.budget import CostProfile
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
-from tests.engine.drafters import OracleDrafter, RandomTreeDrafter
+from tests.engine.drafters import OracleDrafter, RandomTreeDrafter, random_prompts
 
 COUNTS = (1, 8, 16, 32, 64, 128, 256, 1024)
 # Flat up to 32 tokens, then 0.5 ms per token: a small GPU's shape.
 PROFILE = CostProfile("synthetic", COUNTS, (0,), (tuple(10.0 + 0.5 * max(0, n - 32) for n in COUNTS),))
 
 
-def _prompts(n: int, seed: int = 3) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
-    return {tuple(p): hf_greedy(tiny_model, p, 48) for p in _prompts(8)}
+    return {tuple(p): hf_greedy(tiny_model, p, 48) for p in random_prompts(8, seed=3)}
 
 
 def _llm(drafter, **kw):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from batchserve import LLM, SamplingParams
+from tests.conftest import hf_greedy
 from tests.prompts import CODE_PROMPTS
 
 pytestmark = [
@@ -48,18 +49,7 @@ def test_flashinfer_engine_against_torch_backend_and_hf(dtype, smollm2):
     from batchserve.runner import load_model
 
     hf, _ = load_model(None, dtype, "cuda")
-    hf_out = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        with torch.no_grad():
-            g = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_NEW,
-                min_new_tokens=MAX_NEW,
-            )
-        hf_out.append(g[0, len(p) :].tolist())
+    hf_out = [hf_greedy(hf, p, MAX_NEW, ignore_eos=True) for p in prompts]
     vs_torch = _mismatch(outs["flashinfer"], outs["torch"])
     vs_hf = _mismatch(outs["flashinfer"], hf_out)
     for name, (rate, first) in (("the torch backend", vs_torch), ("HF greedy", vs_hf)):

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
 from batchserve import SamplingParams
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
-from tests.engine.drafters import OracleDrafter, RandomTreeDrafter
-
-
-def _prompts(n: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 80))] for _ in range(n)]
+from tests.engine.drafters import OracleDrafter, RandomTreeDrafter, random_prompts
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
-    return {tuple(p): hf_greedy(tiny_model, p, 40) for p in _prompts(12)}
+    return {tuple(p): hf_greedy(tiny_model, p, 40) for p in random_prompts(12)}
 
 
 @pytest.mark.parametrize("depth", [1, 5, 16])
