@@ -31,7 +31,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     probs = warp_probs(logits, params)
     u = torch.rand((), generator=generator, dtype=torch.float64).item()
     cdf = torch.cumsum(probs.double(), dim=0)
-    idx = int(torch.searchsorted(cdf, torch.tensor(u * cdf[-1].item(), dtype=torch.float64), right=True))
+    target = torch.tensor(u * cdf[-1].item(), dtype=torch.float64, device=cdf.device)
+    idx = int(torch.searchsorted(cdf, target, right=True))
     idx = min(idx, probs.shape[0] - 1)
     while probs[idx] == 0:  # never land on a token the warp removed (float edge of the CDF)
         idx -= 1
