@@ -202,7 +202,7 @@ def format_profile(profile: CostProfile) -> str:
     lines.append(f"\neach further request in a step: +{profile.per_seq_ms:.2f} ms")
     for c in profile.contexts:
         lines.append(
-            f"critical decoding length at context {c}: {profile.critical_decoding_length(context=c)} tokens "
-            "(step time within 10% of a one-token step)"
+            f"critical decoding length at context {c}: {profile.critical_decoding_length(context=c)} "
+            "(the most tokens per step within 10% of a one-token step's time)"
         )
     return "\n".join(lines)
