@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--decoding-length", type=int, default=16)
+    bench.add_argument("--repeats", type=int, default=1, help="runs per batchserve method and batch (fastest kept)")
     bench.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"])
     bench.add_argument(
         "--allow-mismatch", action="store_true", help="fp16/bf16: report outputs that differ from HF, do not fail"
@@ -237,8 +238,17 @@ def _bench(args: argparse.Namespace) -> int:
     if bad or not methods:
         print(f"batchserve bench: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
-        print("batchserve bench: --num-prompts, --max-new-tokens and --batch-sizes must be >= 1", file=sys.stderr)
+    if (
+        args.num_prompts < 1
+        or args.max_new_tokens < 1
+        or args.repeats < 1
+        or not args.batch_sizes
+        or min(args.batch_sizes) < 1
+    ):
+        print(
+            "batchserve bench: --num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     rows = run(
@@ -251,6 +261,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.model,
         args.decoding_length,
         args.dtype,
+        args.repeats,
     )
     print(summary_table(rows))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")

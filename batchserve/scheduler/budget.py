@@ -159,7 +159,7 @@ class AcceptanceTracker:
         for j in range(min(num_offered, self.max_rank)):
             x = 1.0 if j in hits else 0.0
             est[j] += a * (x - est[j])
-            self.prior[j] += a * 0.25 * (x - self.prior[j])  # the pool learns more slowly
+            self.prior[j] += a * (x - self.prior[j])
         for j in range(num_offered, self.max_rank):
             est[j] += self.explore * (self.prior[j] - est[j])
 

@@ -64,7 +64,17 @@ def test_bench_cli_rejects_malformed_numbers():
 
 
 @pytest.mark.slow
-def test_bench_against_peers_writes_results_report_and_plot(tmp_path):
+def test_bench_against_peers_writes_results_report_and_plot(tmp_path, monkeypatch):
+    from batchserve.runner import calibrate as cal
+
+    # The adaptive method calibrates on first use: a small, fast calibration into a fresh cache.
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    real = cal.calibrate
+
+    def quick(runner, **kwargs):
+        return real(runner, max_tokens=16, contexts=(64,), repeats=1, progress=False, key=kwargs.get("key"))
+
+    monkeypatch.setattr(cal, "calibrate", quick)
     out = tmp_path / "bench"
     assert (
         main(
@@ -77,9 +87,11 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path):
                 "--batch-sizes",
                 "1,2",
                 "--methods",
-                "hf,hf-prompt-lookup,hf-batch,none,lookahead",
+                "hf,hf-prompt-lookup,hf-batch,none,lookahead,lookahead-4,lookahead-adaptive",
                 "--max-new-tokens",
                 "6",
+                "--repeats",
+                "2",
                 "--out",
                 str(out),
             ]
@@ -113,8 +125,15 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path):
         ("none", 2),
         ("lookahead", 1),
         ("lookahead", 2),
+        ("lookahead-4", 1),
+        ("lookahead-4", 2),
+        ("lookahead-adaptive", 1),
+        ("lookahead-adaptive", 2),
     }
-    for m in ("none", "lookahead"):
+    assert by[("lookahead-4", 1)]["mean_decoding_length"] <= 4 and by[("none", 1)]["mean_decoding_length"] == 0
+    report = (out / "report.md").read_text()
+    assert "fastest of 2 runs" in report and "adaptive / best fixed" in report
+    for m in ("none", "lookahead", "lookahead-4", "lookahead-adaptive"):
         for b in (1, 2):
             assert by[(m, b)]["lossless"] is True and by[(m, b)]["output_tokens"] == by[("hf", 1)]["output_tokens"]
     assert by[("hf", 1)]["lossless"] is None
