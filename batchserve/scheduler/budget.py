@@ -139,7 +139,8 @@ class AcceptanceTracker:
         self.decay = decay  # weight of the newest observation
         self.explore = explore  # pull toward the prior per step without a draft
         # Before any evidence: a geometric guess, optimistic enough that drafting starts.
-        self.prior = [0.6 * 0.8**j for j in range(max_rank)]
+        self.initial = [0.6 * 0.8**j for j in range(max_rank)]
+        self.prior = list(self.initial)  # pooled over requests: where new requests start
         self._est: dict[str, list[float]] = {}
 
     @property
@@ -159,9 +160,13 @@ class AcceptanceTracker:
         for j in range(min(num_offered, self.max_rank)):
             x = 1.0 if j in hits else 0.0
             est[j] += a * (x - est[j])
-            self.prior[j] += a * (x - self.prior[j])
+            self.prior[j] += a * 0.25 * (x - self.prior[j])  # the pool moves slower than one request
+        # Ranks not drafted drift back: the request's toward the pool's, and the pool's toward
+        # the initial guess. Without the second, a streak of failures could silence every
+        # request for good (no drafts, so no evidence that drafts would pay again).
         for j in range(num_offered, self.max_rank):
             est[j] += self.explore * (self.prior[j] - est[j])
+            self.prior[j] += self.explore * 0.25 * (self.initial[j] - self.prior[j])
 
     def skipped(self, request_id: str) -> None:
         """The request sampled without a draft this step: drift toward the prior."""
@@ -195,16 +200,29 @@ class DraftBudgetPolicy:
         self.profile = profile
         self.tracker = tracker
         self.min_gain = min_gain
-        # Engine time per request per step that the forward-only profile does not see
-        # (scheduling, drafting, detokenizing), learnt from measured steps.
+        # What measured decode steps cost beyond the profile, fitted online as
+        # per-request + per-token terms: engine work the forward-only profile does not see
+        # (scheduling, drafting, detokenizing) and calibration error on a noisy machine.
         self.overhead_per_seq_ms = 0.0
+        self.overhead_per_token_ms = 0.0
+        self._sxx = [0.0, 0.0, 0.0]  # decayed sums of seqs^2, seqs*tokens, tokens^2
+        self._sxr = [0.0, 0.0]  # decayed sums of seqs*residual, tokens*residual
 
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
-        """Record a whole engine step's measured time (schedule + forward + update)."""
+        """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
         if num_tokens < 1 or num_seqs < 1:
             return
-        extra = (elapsed_ms - self.profile.time_ms(num_tokens, context, num_seqs)) / num_seqs
-        self.overhead_per_seq_ms = max(0.0, self.overhead_per_seq_ms + 0.1 * (extra - self.overhead_per_seq_ms))
+        r = elapsed_ms - self.profile.time_ms(num_tokens, context, num_seqs)
+        d = 0.98  # about the last 50 steps
+        n, t = float(num_seqs), float(num_tokens)
+        sxx, sxr = self._sxx, self._sxr
+        sxx[0], sxx[1], sxx[2] = d * sxx[0] + n * n, d * sxx[1] + n * t, d * sxx[2] + t * t
+        sxr[0], sxr[1] = d * sxr[0] + n * r, d * sxr[1] + t * r
+        # Ridge-regularised 2x2 least squares; both terms are costs, so never negative.
+        a, b, c = sxx[0] + 1.0, sxx[1], sxx[2] + 1.0
+        det = a * c - b * b
+        self.overhead_per_seq_ms = max(0.0, (c * sxr[0] - b * sxr[1]) / det)
+        self.overhead_per_token_ms = max(0.0, (a * sxr[1] - b * sxr[0]) / det)
 
     def allocate(
         self,
@@ -237,7 +255,8 @@ class DraftBudgetPolicy:
         overhead = self.overhead_per_seq_ms * num_seqs
 
         def cost(extra: int, others: int) -> float:
-            return self.profile.time_ms(num_roots + others + extra, context, num_seqs, curve) + overhead
+            rows = num_roots + others + extra
+            return self.profile.time_ms(rows, context, num_seqs, curve) + overhead + self.overhead_per_token_ms * rows
 
         # 1. Decode-only optimum and the value of a token there.
         best_k = max(range(len(gain)), key=lambda k: ((num_roots + gain[k]) / cost(k, 0), -k))

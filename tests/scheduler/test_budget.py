@@ -106,7 +106,23 @@ def test_tracker_learns_failures_successes_and_the_pool():
         t.skipped("bad")
     assert t.gains("bad", 1)[0] > 0.5 * fresh[0]
     t.forget("good")
-    assert t.gains("good", 16) == fresh
+    assert t.gains("good", 16) == t.gains("never seen", 16)  # back to the pool
+
+
+def test_a_streak_of_failures_does_not_silence_drafting_for_good():
+    t = AcceptanceTracker(16)
+    policy = DraftBudgetPolicy(cpu_like(), t)
+    for _ in range(100):  # every request's drafts fail for a long while: the pool learns it too
+        for rid in ("a", "b"):
+            t.observe(rid, 16, [])
+    assert policy.allocate([DraftCandidate("a", 16)], num_roots=1).lengths["a"] == 0
+    # No drafts, no evidence: the estimates drift back until drafting is tried again.
+    steps = 0
+    while policy.allocate([DraftCandidate("a", 16)], num_roots=1).lengths["a"] == 0:
+        t.skipped("a")
+        steps += 1
+        assert steps < 500, "drafting never resumed"
+    assert steps > 5  # but not at once
 
 
 def test_policy_drafts_freely_while_tokens_are_free():
@@ -173,11 +189,25 @@ def test_measured_engine_overhead_makes_drafts_cheaper():
     policy = DraftBudgetPolicy(cpu_like(), trained({r: probs for r in rids}))
     cands = [DraftCandidate(r, 64) for r in rids]
     before = sum(policy.allocate(cands, num_roots=8).lengths.values())
-    for _ in range(100):  # each step really takes 40 ms per request more than the forward
-        policy.observe_step(8, 0, 8, cpu_like().time_ms(8) + 8 * 40)
+    for i in range(200):  # each step really takes 40 ms per request more than the forward
+        rows = 8 + i % 24
+        policy.observe_step(rows, 0, 8, cpu_like().time_ms(rows) + 8 * 40)
     assert policy.overhead_per_seq_ms == pytest.approx(40, rel=0.05)
+    assert policy.overhead_per_token_ms == pytest.approx(0, abs=0.1)
     after = sum(policy.allocate(cands, num_roots=8).lengths.values())
     assert after > before
+
+
+def test_measured_per_token_cost_makes_drafts_dearer():
+    probs = [0.5 * 0.9**j for j in range(64)]
+    policy = DraftBudgetPolicy(gpu_like(cdl=64), trained({"a": probs}))
+    before = policy.allocate([DraftCandidate("a", 64)], num_roots=1).lengths["a"]
+    for i in range(200):  # the profile calls rows free, but each really costs 2 ms
+        rows = 1 + i % 40
+        policy.observe_step(rows, 0, 1, gpu_like(cdl=64).time_ms(rows) + 2.0 * rows)
+    assert policy.overhead_per_token_ms == pytest.approx(2.0, rel=0.05)
+    after = policy.allocate([DraftCandidate("a", 64)], num_roots=1).lengths["a"]
+    assert after < before
 
 
 # ---- in the scheduler ---------------------------------------------------------------------
