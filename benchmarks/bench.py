@@ -336,6 +336,13 @@ def adaptive_summary(rows: list[Row]) -> list[str]:
     return out
 
 
+def _color(method: str) -> Any:
+    """One colour per method, the same in every panel."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](METHODS.index(method) % 20)
+
+
 def plot(rows: list[Row], path: Path) -> None:
     import matplotlib
 
@@ -353,7 +360,7 @@ def plot(rows: list[Row], path: Path) -> None:
             )
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", label=m)
+                ax.plot(xs, ys, marker="o", label=m, color=_color(m))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (requests in flight)")
         ax.set_ylabel("mean draft tokens per request step")
@@ -365,7 +372,7 @@ def plot(rows: list[Row], path: Path) -> None:
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", label=m, linestyle="--" if m in PEERS else "-")
+            ax.plot(xs, ys, marker="o", label=m, linestyle="--" if m in PEERS else "-", color=_color(m))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (requests in flight)")
         ax.set_ylabel("output tokens / s")
