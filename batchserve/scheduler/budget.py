@@ -142,6 +142,16 @@ class AcceptanceTracker:
         self.initial = [0.6 * 0.8**j for j in range(max_rank)]
         self.prior = list(self.initial)  # pooled over requests: where new requests start
         self._est: dict[str, list[float]] = {}
+        self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
+
+    def _monotone(self, request_id: str) -> list[float]:
+        est = self._est.get(request_id)
+        if est is None:
+            return non_increasing(self.prior)  # the pool moves with every observation: not cached
+        gains = self._gains.get(request_id)
+        if gains is None:
+            gains = self._gains[request_id] = non_increasing(est)
+        return gains
 
     @property
     def max_rank(self) -> int:
@@ -149,12 +159,12 @@ class AcceptanceTracker:
 
     def gains(self, request_id: str, n: int) -> list[float]:
         """Expected extra tokens of the request's first `n` draft ranks, non-increasing."""
-        est = self._est.get(request_id, self.prior)
-        return non_increasing(est[: min(n, self.max_rank)])
+        return self._monotone(request_id)[:n]
 
     def observe(self, request_id: str, num_offered: int, accepted_ranks: Iterable[int]) -> None:
         """Record one verification: ranks [0, num_offered) were drafted, `accepted_ranks` hit."""
         est = self._est.setdefault(request_id, list(self.prior))
+        self._gains.pop(request_id, None)
         hits = set(accepted_ranks)
         a = self.decay
         for j in range(min(num_offered, self.max_rank)):
@@ -174,6 +184,7 @@ class AcceptanceTracker:
 
     def forget(self, request_id: str) -> None:
         self._est.pop(request_id, None)
+        self._gains.pop(request_id, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,15 +193,6 @@ class DraftCandidate:
 
     request_id: str
     max_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetDecision:
-    """The policy's choice for one step (kept for metrics and tests)."""
-
-    lengths: dict[str, int]  # request id -> draft tokens
-    expected_gain: float  # expected accepted draft tokens in the whole step
-    predicted_ms: float  # predicted forward time with these drafts
 
 
 class DraftBudgetPolicy:
@@ -207,6 +209,11 @@ class DraftBudgetPolicy:
         self.overhead_per_token_ms = 0.0
         self._sxx = [0.0, 0.0, 0.0]  # decayed sums of seqs^2, seqs*tokens, tokens^2
         self._sxr = [0.0, 0.0]  # decayed sums of seqs*residual, tokens*residual
+
+    def useful_length(self, request_id: str, limit: int) -> int:
+        """How many of the request's best draft ranks clear `min_gain`: the most it could be
+        given, so there is no point in proposing more."""
+        return sum(1 for g in self.tracker.gains(request_id, limit) if g >= self.min_gain)
 
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
@@ -233,7 +240,7 @@ class DraftBudgetPolicy:
         context: float = 0.0,
         num_seqs: int | None = None,
         token_budget: int | None = None,
-    ) -> BudgetDecision:
+    ) -> dict[str, int]:
         """`num_roots`: requests emitting a token this step (with or without a draft);
         `num_other_tokens`: the step's other rows (prefill chunks, fixed-length drafts);
         `context`: mean KV length of the step's rows; `token_budget`: most draft tokens."""
@@ -267,4 +274,4 @@ class DraftBudgetPolicy:
         lengths = {c.request_id: 0 for c in candidates}
         for _, rid in ranked[:best_k]:
             lengths[rid] += 1
-        return BudgetDecision(lengths, gain[best_k], cost(best_k, num_other_tokens))
+        return lengths

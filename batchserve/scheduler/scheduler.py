@@ -226,34 +226,41 @@ class Scheduler:
         policy) get up to that many tokens, first come first served; the policy shares what
         is left among the others by expected gain.
         """
+        policy = self.budget_policy
         trees: dict[str, DraftTree] = {}
-        adaptive: list[tuple[Request, DraftTree]] = []
+        shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
         for item in items:
+            if not item.sample:
+                continue
             req = self.requests[item.request_id]
+            by_policy = policy is not None and req.params.decoding_length is None
             limit = min(self._draft_limit(req), budget)
-            if not item.sample or limit <= 0:
+            if by_policy and limit > 0:
+                assert policy is not None
+                limit = policy.useful_length(req.request_id, limit)  # never propose what cannot be given
+            if limit <= 0:
                 continue
             tree = self.drafter.propose(req.request_id, req.all_token_ids, limit)
             if tree is None or len(tree) == 0:
                 continue
-            if self.budget_policy is None or req.params.decoding_length is not None:
+            if by_policy:
+                shared.append((req, tree))
+            else:
                 trees[req.request_id] = tree
                 budget -= len(tree)
-            else:
-                adaptive.append((req, tree))
-        if adaptive:
-            assert self.budget_policy is not None
+        if shared:
+            assert policy is not None
             sampling = [self.requests[i.request_id] for i in items if i.sample]
-            decision = self.budget_policy.allocate(
-                [DraftCandidate(req.request_id, len(tree)) for req, tree in adaptive],
+            lengths = policy.allocate(
+                [DraftCandidate(req.request_id, len(tree)) for req, tree in shared],
                 num_roots=len(sampling),
                 num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + sum(map(len, trees.values())),
                 context=sum(r.num_tokens for r in sampling) / len(sampling),
                 num_seqs=len(items),
                 token_budget=max(0, budget),
             )
-            for req, tree in adaptive:
-                k = decision.lengths[req.request_id]
+            for req, tree in shared:
+                k = lengths[req.request_id]
                 if k > 0:
                     trees[req.request_id] = tree.prefix(k)
         out = []

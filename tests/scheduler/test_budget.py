@@ -115,10 +115,10 @@ def test_a_streak_of_failures_does_not_silence_drafting_for_good():
     for _ in range(100):  # every request's drafts fail for a long while: the pool learns it too
         for rid in ("a", "b"):
             t.observe(rid, 16, [])
-    assert policy.allocate([DraftCandidate("a", 16)], num_roots=1).lengths["a"] == 0
+    assert policy.allocate([DraftCandidate("a", 16)], num_roots=1)["a"] == 0
     # No drafts, no evidence: the estimates drift back until drafting is tried again.
     steps = 0
-    while policy.allocate([DraftCandidate("a", 16)], num_roots=1).lengths["a"] == 0:
+    while policy.allocate([DraftCandidate("a", 16)], num_roots=1)["a"] == 0:
         t.skipped("a")
         steps += 1
         assert steps < 500, "drafting never resumed"
@@ -128,14 +128,14 @@ def test_a_streak_of_failures_does_not_silence_drafting_for_good():
 def test_policy_drafts_freely_while_tokens_are_free():
     policy = DraftBudgetPolicy(gpu_like(cdl=64), trained({"a": [0.5] * 64}))
     one = policy.allocate([DraftCandidate("a", 64)], num_roots=1)
-    assert one.lengths["a"] >= 60  # 1 root + up to 63 drafts cost no more than one token
+    assert one["a"] >= 60  # 1 root + up to 63 drafts cost no more than one token
     # Sixteen requests share the same free room: about (64 - 16) / 16 tokens each.
     rids = [f"r{i}" for i in range(16)]
     policy = DraftBudgetPolicy(gpu_like(cdl=64), AcceptanceTracker(64))  # all at the same prior
     many = policy.allocate([DraftCandidate(r, 64) for r in rids], num_roots=16)
-    total = sum(many.lengths.values())
+    total = sum(many.values())
     assert 40 <= total <= 56
-    assert max(many.lengths.values()) - min(many.lengths.values()) <= 1  # equal gains, equal shares
+    assert max(many.values()) - min(many.values()) <= 1  # equal gains, equal shares
 
 
 def test_policy_budget_shrinks_with_batch_size_and_never_exceeds_the_cap():
@@ -145,8 +145,8 @@ def test_policy_budget_shrinks_with_batch_size_and_never_exceeds_the_cap():
         rids = [f"r{i}" for i in range(b)]
         policy = DraftBudgetPolicy(cpu_like(), trained({r: probs for r in rids}))
         d = policy.allocate([DraftCandidate(r, 64) for r in rids], num_roots=b, token_budget=100)
-        assert sum(d.lengths.values()) <= 100
-        means.append(sum(d.lengths.values()) / b)
+        assert sum(d.values()) <= 100
+        means.append(sum(d.values()) / b)
     assert means[0] > means[-1] > 0
     assert all(a >= b for a, b in itertools.pairwise(means))
 
@@ -156,7 +156,7 @@ def test_policy_gives_failing_requests_nothing():
     d = DraftBudgetPolicy(gpu_like(cdl=64), t).allocate(
         [DraftCandidate("good", 16), DraftCandidate("bad", 16)], num_roots=2
     )
-    assert d.lengths == {"good": 16, "bad": 0}
+    assert d == {"good": 16, "bad": 0}
 
 
 def test_policy_only_pays_for_drafts_that_beat_their_cost():
@@ -164,7 +164,7 @@ def test_policy_only_pays_for_drafts_that_beat_their_cost():
     # 80 ms: a node accepted 60% of the time pays, one accepted 5% of the time does not.
     t = trained({"a": [0.6] * 4 + [0.05] * 60}, steps=210)
     d = DraftBudgetPolicy(cpu_like(), t, min_gain=0.0).allocate([DraftCandidate("a", 64)], num_roots=1)
-    assert d.lengths["a"] == 4
+    assert d["a"] == 4
 
 
 def test_prefill_chunks_sharing_the_step_are_paid_for_anyway():
@@ -173,14 +173,14 @@ def test_prefill_chunks_sharing_the_step_are_paid_for_anyway():
     policy = DraftBudgetPolicy(gpu_like(cdl=64, slope=0.2), t)
     cands = [DraftCandidate(r, 64) for r in rids]
     alone = policy.allocate(cands, num_roots=4)
-    assert sum(alone.lengths.values()) == 60  # exactly the free room
+    assert sum(alone.values()) == 60  # exactly the free room
     # A 256-token prompt chunk takes the step past the free region, where a draft token
     # costs 0.2 ms: the sure nodes still pay for themselves, the 20% ones no longer do.
     shared = policy.allocate(cands, num_roots=4, num_other_tokens=256)
-    assert shared.lengths == {r: 4 for r in rids}
+    assert shared == {r: 4 for r in rids}
     # A chunk that still fits the free region only takes its own rows out of it.
     small = policy.allocate(cands, num_roots=4, num_other_tokens=8)
-    assert sum(small.lengths.values()) >= sum(alone.lengths.values()) - 8
+    assert sum(small.values()) >= sum(alone.values()) - 8
 
 
 def test_measured_engine_overhead_makes_drafts_cheaper():
@@ -188,25 +188,25 @@ def test_measured_engine_overhead_makes_drafts_cheaper():
     probs = [0.5 * 0.9**j for j in range(64)]
     policy = DraftBudgetPolicy(cpu_like(), trained({r: probs for r in rids}))
     cands = [DraftCandidate(r, 64) for r in rids]
-    before = sum(policy.allocate(cands, num_roots=8).lengths.values())
+    before = sum(policy.allocate(cands, num_roots=8).values())
     for i in range(200):  # each step really takes 40 ms per request more than the forward
         rows = 8 + i % 24
         policy.observe_step(rows, 0, 8, cpu_like().time_ms(rows) + 8 * 40)
     assert policy.overhead_per_seq_ms == pytest.approx(40, rel=0.05)
     assert policy.overhead_per_token_ms == pytest.approx(0, abs=0.1)
-    after = sum(policy.allocate(cands, num_roots=8).lengths.values())
+    after = sum(policy.allocate(cands, num_roots=8).values())
     assert after > before
 
 
 def test_measured_per_token_cost_makes_drafts_dearer():
     probs = [0.5 * 0.9**j for j in range(64)]
     policy = DraftBudgetPolicy(gpu_like(cdl=64), trained({"a": probs}))
-    before = policy.allocate([DraftCandidate("a", 64)], num_roots=1).lengths["a"]
+    before = policy.allocate([DraftCandidate("a", 64)], num_roots=1)["a"]
     for i in range(200):  # the profile calls rows free, but each really costs 2 ms
         rows = 1 + i % 40
         policy.observe_step(rows, 0, 1, gpu_like(cdl=64).time_ms(rows) + 2.0 * rows)
     assert policy.overhead_per_token_ms == pytest.approx(2.0, rel=0.05)
-    after = policy.allocate([DraftCandidate("a", 64)], num_roots=1).lengths["a"]
+    after = policy.allocate([DraftCandidate("a", 64)], num_roots=1)["a"]
     assert after < before
 
 
@@ -225,6 +225,37 @@ class WideDrafter(NoDrafter):
 
 def _req(rid: str, **kw) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=200, **kw), frozenset([0]), max_total_len=4096)
+
+
+class CountingDrafter(WideDrafter):
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def propose(self, request_id, token_ids, max_tokens):
+        self.asked.append(max_tokens)
+        return super().propose(request_id, token_ids, max_tokens)
+
+
+def test_scheduler_proposes_only_what_the_policy_could_give():
+    tracker = AcceptanceTracker(32)
+    drafter = CountingDrafter()
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=32, adaptive=True),
+        BlockAllocator(256, 4),
+        drafter,
+        budget_policy=DraftBudgetPolicy(gpu_like(cdl=16), tracker, min_gain=0.2),
+    )
+    s.add_request(_req("silenced"))
+    s.add_request(_req("good"))
+    for _ in range(50):
+        tracker.observe("silenced", 32, [])  # every draft rejected
+        tracker.observe("good", 5, range(5))  # its 5 nodes always accepted
+    out = s.schedule()
+    # Only the good request's 5 sure ranks clear min_gain: the trie is asked for exactly
+    # those, and not at all for the silenced request.
+    assert drafter.asked == [5]
+    assert {r.request_id: r.draft is None for r in out.requests} == {"silenced": True, "good": False}
 
 
 def test_scheduler_applies_policy_overrides_and_feeds_acceptance():
