@@ -9,9 +9,45 @@ import torch.nn.functional as F
 
 from batchserve.attention.base import AttentionBackend, SeqLayout, slots_of
 
-# Requests with at most this many rows are padded into one batched SDPA call; longer ones
-# (prompt chunks) run alone so that one long chunk does not pad every short row to its size.
-SMALL_Q = 64
+# Cost model for splitting a step's requests into padded SDPA batches, in units of one
+# (query row, key) pair: gathering a key from the pool costs about GATHER_COST pairs, and each
+# extra batch (one more gather + SDPA + scatter per layer) about BATCH_COST pairs.
+GATHER_COST = 2.0
+BATCH_COST = 2048.0
+
+
+def partition(seqs: list[SeqLayout]) -> list[list[SeqLayout]]:
+    """Split requests into padded batches that minimize the modeled work.
+
+    Requests sorted by rows are cut into runs; a run's padded work is its size times its
+    longest KV times (its most rows + GATHER_COST). Cuts go only between distinct row counts,
+    so this exact DP is quadratic in the number of distinct draft lengths, not of requests.
+    One long prompt chunk thus never pads every decode row to its size, and a few requests
+    with deep drafts do not pad the many without.
+    """
+    order = sorted(seqs, key=lambda s: s.q_len)
+    bounds = [i for i in range(1, len(order)) if order[i].q_len != order[i - 1].q_len] + [len(order)]
+    best = [0.0] * (len(bounds) + 1)  # best[k]: cost of order[:bounds[k-1]]
+    cut = [0] * (len(bounds) + 1)
+    for k in range(1, len(bounds) + 1):
+        end, max_q = bounds[k - 1], order[bounds[k - 1] - 1].q_len
+        best[k] = float("inf")
+        max_kv = 0
+        start = end
+        for j in range(k - 1, -1, -1):  # candidate batch: order[bounds[j-1] : end]
+            new_start = bounds[j - 1] if j else 0
+            max_kv = max([max_kv] + [s.kv_len for s in order[new_start:start]])
+            start = new_start
+            cost = best[j] + BATCH_COST + (end - start) * max_kv * (max_q + GATHER_COST)
+            if cost < best[k]:
+                best[k], cut[k] = cost, j
+    groups = []
+    k = len(bounds)
+    while k:
+        j = cut[k]
+        groups.append(order[bounds[j - 1] if j else 0 : bounds[k - 1]])
+        k = j
+    return groups[::-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +88,8 @@ class TorchReferenceBackend(AttentionBackend):
         self.device = torch.device(device)
 
     def build_metadata(self, seqs: list[SeqLayout], num_tokens: int, slot_mapping: torch.Tensor) -> TorchMetadata:
-        small = [s for s in seqs if s.q_len <= SMALL_Q]
-        groups = [self._group([s]) for s in seqs if s.q_len > SMALL_Q]
-        if small:
-            groups.append(self._group(small))
-        return TorchMetadata(self, slot_mapping.to(self.device), tuple(groups), num_tokens)
+        groups = tuple(self._group(g) for g in partition(seqs))
+        return TorchMetadata(self, slot_mapping.to(self.device), groups, num_tokens)
 
     def _group(self, seqs: list[SeqLayout]) -> _Group:
         b = len(seqs)

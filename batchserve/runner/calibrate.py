@@ -31,6 +31,9 @@ logger = logging.getLogger("batchserve")
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONTEXTS = (64, 512, 2048)
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
+# Bumped when what a profile measures changes (the attention backend's batching, the step
+# shapes), so that profiles measured before are remeasured instead of trusted.
+PROFILE_VERSION = 2
 
 
 def _device_name(device: torch.device) -> str:
@@ -55,7 +58,7 @@ def profile_key(runner: ModelRunner) -> str:
     num_params = sum(p.numel() for p in model.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     backend = type(runner.backend).__name__.removesuffix("Backend")
-    return f"{name}-{num_params}-{dtype}-{_device_name(param.device)}-{backend}"
+    return f"{name}-{num_params}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
 
 
 def profile_path(key: str) -> Path:
@@ -137,41 +140,44 @@ def calibrate(
     usable = [c for c in contexts if c + max_tokens <= max_context and _blocks_needed(runner, [c], max_tokens) <= pool]
     if not usable:  # a tiny pool or context window: measure the largest context that fits
         usable = [max(0, min(max_context - max_tokens, pool * runner.backend.block_size - max_tokens - 1))]
-    n_seq = PER_SEQ_REQUESTS
-    while n_seq > 1 and _blocks_needed(runner, [usable[0]] * n_seq, n_seq) > pool:
-        n_seq //= 2
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=(len(usable) * len(counts) + 2) * repeats, desc="calibrate", unit="step")
+        bar = tqdm(total=len(usable) * (len(counts) + 2) * repeats, desc="calibrate", unit="step")
 
     def tick() -> None:
         if bar is not None:
             bar.update(1)
 
     rows: list[tuple[float, ...]] = []
+    per_seq: list[float] = []
     try:
         for ctx in usable:
             if bar is not None:
                 bar.set_postfix_str(f"context {ctx}")
             rows.append(tuple(_median_curve(runner, [_step(runner, [ctx], n) for n in counts], repeats, tick)))
-        per_seq = 0.0
-        if n_seq > 1:
-            one, many = _median_curve(
-                runner, [_step(runner, [usable[0]], n_seq), _step(runner, [usable[0]] * n_seq, n_seq)], repeats, tick
-            )
-            per_seq = max(0.0, (many - one) / (n_seq - 1))
+            # The same rows from one request and from n: what each further request adds.
+            n = PER_SEQ_REQUESTS
+            while n > 1 and _blocks_needed(runner, [ctx] * n, n) > pool:
+                n //= 2
+            if n > 1:
+                one, many = _median_curve(runner, [_step(runner, [ctx], n), _step(runner, [ctx] * n, n)], repeats, tick)
+                per_seq.append(max(0.0, (many - one) / (n - 1)))
+            else:
+                per_seq.append(0.0)
+                for _ in range(2 * repeats):
+                    tick()
     finally:
         if bar is not None:
             bar.close()
-        runner.release([f"calibrate-{i}" for i in range(n_seq)])
+        runner.release([f"calibrate-{i}" for i in range(PER_SEQ_REQUESTS)])
     return CostProfile(
         key=key or profile_key(runner),
         token_counts=tuple(counts),
         contexts=tuple(usable),
         step_ms=tuple(rows),
-        per_seq_ms=per_seq,
+        per_seq_ms=tuple(per_seq),
     )
 
 
@@ -199,7 +205,9 @@ def format_profile(profile: CostProfile) -> str:
     lines.append(header)
     for i, n in enumerate(profile.token_counts):
         lines.append(f"{n:>11} " + "".join(f"{row[i]:>9.1f} ms" for row in profile.step_ms))
-    lines.append(f"\neach further request in a step: +{profile.per_seq_ms:.2f} ms")
+    lines.append("")
+    for c in profile.contexts:
+        lines.append(f"each further request in a step at context {c}: +{profile.seq_ms(c):.2f} ms")
     for c in profile.contexts:
         lines.append(
             f"critical decoding length at context {c}: {profile.critical_decoding_length(context=c)} "

@@ -28,6 +28,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -47,7 +48,9 @@ class CostProfile:
     token_counts: tuple[int, ...]  # ascending, tokens in the step
     contexts: tuple[int, ...]  # ascending, KV length each query token attends to
     step_ms: tuple[tuple[float, ...], ...]  # [context][token count] median milliseconds
-    per_seq_ms: float = 0.0  # extra cost of each further request in the step (its own tiny kernels)
+    # [context] extra cost of each further request in a step: its own attention batch row,
+    # the padding and gather of its KV, its metadata. Grows with context. Empty: none.
+    per_seq_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_counts or not self.contexts:
@@ -57,8 +60,10 @@ class CostProfile:
                 raise ValueError(f"{name} must be ascending and non-negative, got {xs}")
         if len(self.step_ms) != len(self.contexts) or any(len(r) != len(self.token_counts) for r in self.step_ms):
             raise ValueError("step_ms must be [len(contexts)][len(token_counts)]")
-        if any(t <= 0 for row in self.step_ms for t in row) or self.per_seq_ms < 0:
+        if any(t <= 0 for row in self.step_ms for t in row) or any(t < 0 for t in self.per_seq_ms):
             raise ValueError("times must be positive")
+        if self.per_seq_ms and len(self.per_seq_ms) != len(self.contexts):
+            raise ValueError("per_seq_ms must have one entry per context")
 
     def curve(self, context: float = 0.0) -> list[float]:
         """Step time per `token_counts` entry at one context length (interpolated)."""
@@ -72,7 +77,11 @@ class CostProfile:
         """Predicted forward time of a step with `num_tokens` rows from `num_seqs` requests
         whose mean context is `context` (pass `curve(context)` to skip recomputing it)."""
         ys = curve if curve is not None else self.curve(context)
-        return _interp(self.token_counts, ys, num_tokens) + self.per_seq_ms * max(0, num_seqs - 1)
+        return _interp(self.token_counts, ys, num_tokens) + self.seq_ms(context) * max(0, num_seqs - 1)
+
+    def seq_ms(self, context: float = 0.0) -> float:
+        """Cost of one more request in a step at this mean context."""
+        return max(0.0, _interp(self.contexts, self.per_seq_ms, context)) if self.per_seq_ms else 0.0
 
     def critical_decoding_length(self, tolerance: float = 0.1, context: float | None = None) -> int:
         """The largest measured token count whose step costs at most (1 + tolerance) times a
@@ -96,7 +105,7 @@ class CostProfile:
             token_counts=tuple(int(x) for x in d["token_counts"]),
             contexts=tuple(int(x) for x in d["contexts"]),
             step_ms=tuple(tuple(float(t) for t in row) for row in d["step_ms"]),
-            per_seq_ms=float(d.get("per_seq_ms", 0.0)),
+            per_seq_ms=_per_context(d.get("per_seq_ms", ()), len(d["contexts"])),
         )
 
     def save(self, path: str | Path) -> None:
@@ -112,6 +121,13 @@ class CostProfile:
             return cls.from_json(Path(path).read_text())
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a batchserve cost profile ({e})") from None
+
+
+def _per_context(value: Any, num_contexts: int) -> tuple[float, ...]:
+    """Per-context costs; one number (older profiles) applies at every context."""
+    if isinstance(value, (int, float)):
+        return (float(value),) * num_contexts
+    return tuple(float(x) for x in value)
 
 
 def non_increasing(xs: Sequence[float]) -> list[float]:

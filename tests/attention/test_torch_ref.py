@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 
 from batchserve.attention import SeqLayout, TorchReferenceBackend, slots_of
+from batchserve.attention.torch_ref import BATCH_COST, GATHER_COST, partition
 from tests.engine.drafters import random_tree
 
 
@@ -111,3 +113,38 @@ def test_copy_slots_moves_every_layer():
     torch.testing.assert_close(backend.k_cache[:, 4], before[:, 5])
     torch.testing.assert_close(backend.k_cache[:, 5], before[:, 7])
     torch.testing.assert_close(backend.k_cache[:, :4], before[:, :4])
+
+
+def _modeled_cost(groups: list[list[SeqLayout]]) -> float:
+    return sum(BATCH_COST + len(g) * max(s.kv_len for s in g) * (max(s.q_len for s in g) + GATHER_COST) for g in groups)
+
+
+def _layout(q_len: int, kv_len: int) -> SeqLayout:
+    return SeqLayout(0, q_len, kv_len - q_len, 1, (None,) * (q_len - 1), ())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_partition_is_the_cheapest_split_by_rows(seed):
+    rng = random.Random(seed)
+    seqs = [
+        _layout(rng.choice([1, 1, 1, 2, 3, 5, 9, 17, 120]), rng.randint(130, 2000)) for _ in range(rng.randint(1, 12))
+    ]
+    groups = partition(seqs)
+    assert sorted(id(s) for g in groups for s in g) == sorted(id(s) for s in seqs)  # each request once
+    # Brute force: every way to cut the requests sorted by rows between distinct row counts.
+    order = sorted(seqs, key=lambda s: s.q_len)
+    bounds = [i for i in range(1, len(order)) if order[i].q_len != order[i - 1].q_len]
+    best = min(
+        _modeled_cost([order[a:b] for a, b in itertools.pairwise([0, *cuts, len(order)])])
+        for r in range(len(bounds) + 1)
+        for cuts in itertools.combinations(bounds, r)
+    )
+    assert _modeled_cost(groups) == pytest.approx(best)
+
+
+def test_partition_keeps_decode_rows_apart_from_long_rows():
+    decode = [_layout(1, 400) for _ in range(15)]
+    assert partition([*decode, _layout(300, 700)]) == [decode, [_layout(300, 700)]]  # a prompt chunk
+    deep = _layout(9, 400)
+    assert partition([deep, *decode]) == [decode, [deep]]  # one deep draft does not pad 15 rows to 9
+    assert partition(decode) == [decode]  # alike requests share one batch

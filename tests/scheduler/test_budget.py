@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -51,10 +52,26 @@ def test_profile_interpolates_extrapolates_and_round_trips(tmp_path):
     assert p.time_ms(1024) == pytest.approx(80 + 2.5 * 1023)  # the last segment extended
     assert p.time_ms(1, context=1024) == pytest.approx(100.0)  # halfway to the 1.5x context row
     assert p.time_ms(1, context=9999) > p.time_ms(1, context=2048)
-    with_seqs = CostProfile("x", COUNTS, (0,), p.step_ms[:1], per_seq_ms=0.5)
+    with_seqs = CostProfile("x", COUNTS, (0, 2048), p.step_ms, per_seq_ms=(0.5, 2.5))
     assert with_seqs.time_ms(16, num_seqs=16) == pytest.approx(p.time_ms(16) + 7.5)
-    p.save(tmp_path / "p.json")
-    assert CostProfile.load(tmp_path / "p.json") == p
+    # Each further request costs more at longer contexts (its KV is gathered and padded).
+    assert with_seqs.time_ms(16, 1024, num_seqs=16) == pytest.approx(p.time_ms(16, 1024) + 15 * 1.5)
+    assert with_seqs.time_ms(16, 1024, num_seqs=1) == pytest.approx(p.time_ms(16, 1024))
+    for profile in (p, with_seqs):
+        profile.save(tmp_path / "p.json")
+        assert CostProfile.load(tmp_path / "p.json") == profile
+    with pytest.raises(ValueError, match="one entry per context"):
+        CostProfile("x", COUNTS, (0, 2048), p.step_ms, per_seq_ms=(0.5,))
+
+
+def test_profile_written_with_one_per_request_cost_still_loads(tmp_path):
+    p = cpu_like()
+    d = json.loads(p.to_json())
+    d["per_seq_ms"] = 0.4  # an older profile: one number for every context
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    old = CostProfile.load(tmp_path / "old.json")
+    assert old.per_seq_ms == (0.4,) * len(p.contexts)
+    assert old.seq_ms(777) == pytest.approx(0.4)
 
 
 def test_critical_decoding_length():
