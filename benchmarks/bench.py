@@ -268,11 +268,16 @@ def run(
                     bar.update(1)
                     bar.set_postfix_str(f"{dataset} {m} b={b}: {row.tokens_per_s} tok/s")
             rows.extend(best.values())
-        (out_dir / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+            _save(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
+        _save(rows, out_dir)
     bar.close()
     write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats)
     plot(rows, out_dir / "throughput.png")
     return rows
+
+
+def _save(rows: list[Row], out_dir: Path) -> None:
+    (out_dir / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
 
 
 def write_report(
