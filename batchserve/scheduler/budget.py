@@ -130,6 +130,43 @@ def _per_context(value: Any, num_contexts: int) -> tuple[float, ...]:
     return tuple(float(x) for x in value)
 
 
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a x = b for a small symmetric positive definite `a` (Gaussian elimination)."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b)]
+    for i in range(n):
+        for k in range(i + 1, n):
+            f = m[k][i] / m[i][i]
+            for j in range(i, n + 1):
+                m[k][j] -= f * m[i][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
+
+
+def _nonnegative_ridge(xx: list[list[float]], xr: list[float], rr: float, nonneg: tuple[int, ...]) -> list[float]:
+    """argmin |r - X beta|^2 + |beta|^2 with beta[i] >= 0 for i in `nonneg`, given the sums
+    X^T X, X^T r and r^T r: the best of the unconstrained fits on every subset of free
+    coefficients that keeps the signs (exact for these three coefficients)."""
+    n = len(xr)
+    best, best_obj = [0.0] * n, rr
+    for mask in range(1, 1 << n):
+        free = [i for i in range(n) if mask >> i & 1]
+        sub = _solve([[xx[i][j] + (1.0 if i == j else 0.0) for j in free] for i in free], [xr[i] for i in free])
+        if any(v < 0 for i, v in zip(free, sub) if i in nonneg):
+            continue
+        beta = [0.0] * n
+        for i, v in zip(free, sub):
+            beta[i] = v
+        # |r - X beta|^2 + |beta|^2 from the sums.
+        obj = rr - 2 * sum(beta[i] * xr[i] for i in range(n))
+        obj += sum(beta[i] * (xx[i][j] + (1.0 if i == j else 0.0)) * beta[j] for i in range(n) for j in range(n))
+        if obj < best_obj:
+            best, best_obj = beta, obj
+    return best
+
+
 def non_increasing(xs: Sequence[float]) -> list[float]:
     """The closest non-increasing sequence (pool adjacent violators): keeps the total gain of
     every prefix honest while letting the greedy take nodes in order."""
@@ -218,13 +255,18 @@ class DraftBudgetPolicy:
         self.profile = profile
         self.tracker = tracker
         self.min_gain = min_gain
-        # What measured decode steps cost beyond the profile, fitted online as
-        # per-request + per-token terms: engine work the forward-only profile does not see
-        # (scheduling, drafting, detokenizing) and calibration error on a noisy machine.
+        # Measured decode steps against the profile, fitted online as
+        #   elapsed = scale * profile + per_seq * requests + per_token * rows.
+        # `scale` absorbs the machine running uniformly faster or slower than when it was
+        # calibrated (other load, clocks); it leaves every decision unchanged, because the
+        # policy compares ratios. The two overheads are engine work the forward-only profile
+        # does not see (scheduling, drafting, detokenizing); they do move decisions.
+        self.scale = 1.0
         self.overhead_per_seq_ms = 0.0
         self.overhead_per_token_ms = 0.0
-        self._sxx = [0.0, 0.0, 0.0]  # decayed sums of seqs^2, seqs*tokens, tokens^2
-        self._sxr = [0.0, 0.0]  # decayed sums of seqs*residual, tokens*residual
+        self._xx = [[0.0] * 3 for _ in range(3)]  # decayed sums of x x^T, x = (profile, seqs, tokens)
+        self._xr = [0.0] * 3  # decayed sums of x * (elapsed - profile)
+        self._rr = 0.0  # decayed sum of (elapsed - profile)^2
 
     def useful_length(self, request_id: str, limit: int) -> int:
         """How many of the request's best draft ranks clear `min_gain`: the most it could be
@@ -235,17 +277,22 @@ class DraftBudgetPolicy:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
         if num_tokens < 1 or num_seqs < 1:
             return
-        r = elapsed_ms - self.profile.time_ms(num_tokens, context, num_seqs)
+        predicted = self.profile.time_ms(num_tokens, context, num_seqs)
+        x = (predicted, float(num_seqs), float(num_tokens))
+        r = elapsed_ms - predicted
         d = 0.98  # about the last 50 steps
-        n, t = float(num_seqs), float(num_tokens)
-        sxx, sxr = self._sxx, self._sxr
-        sxx[0], sxx[1], sxx[2] = d * sxx[0] + n * n, d * sxx[1] + n * t, d * sxx[2] + t * t
-        sxr[0], sxr[1] = d * sxr[0] + n * r, d * sxr[1] + t * r
-        # Ridge-regularised 2x2 least squares; both terms are costs, so never negative.
-        a, b, c = sxx[0] + 1.0, sxx[1], sxx[2] + 1.0
-        det = a * c - b * b
-        self.overhead_per_seq_ms = max(0.0, (c * sxr[0] - b * sxr[1]) / det)
-        self.overhead_per_token_ms = max(0.0, (a * sxr[1] - b * sxr[0]) / det)
+        self._rr = d * self._rr + r * r
+        for i in range(3):
+            self._xr[i] = d * self._xr[i] + x[i] * r
+            for j in range(3):
+                self._xx[i][j] = d * self._xx[i][j] + x[i] * x[j]
+        # Ridge least squares toward (scale 1, no overhead), overheads never negative. Where
+        # the data cannot tell a slower machine from per-request cost (every step the same
+        # size), the smallest coefficients win: a scale explains a uniform slowdown with the
+        # smallest one.
+        beta = _nonnegative_ridge(self._xx, self._xr, self._rr, nonneg=(1, 2))
+        self.scale = min(4.0, max(0.25, 1.0 + beta[0]))
+        self.overhead_per_seq_ms, self.overhead_per_token_ms = beta[1], beta[2]
 
     def allocate(
         self,
@@ -279,7 +326,8 @@ class DraftBudgetPolicy:
 
         def cost(extra: int, others: int) -> float:
             rows = num_roots + others + extra
-            return self.profile.time_ms(rows, context, num_seqs, curve) + overhead + self.overhead_per_token_ms * rows
+            forward = self.scale * self.profile.time_ms(rows, context, num_seqs, curve)
+            return forward + overhead + self.overhead_per_token_ms * rows
 
         # 1. Decode-only optimum and the value of a token there.
         best_k = max(range(len(gain)), key=lambda k: ((num_roots + gain[k]) / cost(k, 0), -k))

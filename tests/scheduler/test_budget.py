@@ -211,6 +211,7 @@ def test_measured_engine_overhead_makes_drafts_cheaper():
         policy.observe_step(rows, 0, 8, cpu_like().time_ms(rows) + 8 * 40)
     assert policy.overhead_per_seq_ms == pytest.approx(40, rel=0.05)
     assert policy.overhead_per_token_ms == pytest.approx(0, abs=0.1)
+    assert policy.scale == pytest.approx(1.0, abs=0.05)
     after = sum(policy.allocate(cands, num_roots=8).values())
     assert after > before
 
@@ -223,8 +224,29 @@ def test_measured_per_token_cost_makes_drafts_dearer():
         rows = 1 + i % 40
         policy.observe_step(rows, 0, 1, gpu_like(cdl=64).time_ms(rows) + 2.0 * rows)
     assert policy.overhead_per_token_ms == pytest.approx(2.0, rel=0.05)
+    assert policy.scale == pytest.approx(1.0, abs=0.05)
     after = policy.allocate([DraftCandidate("a", 64)], num_roots=1)["a"]
     assert after < before
+
+
+@pytest.mark.parametrize("slowdown", [0.7, 1.5, 3.0, 15.0])
+@pytest.mark.parametrize("num_seqs", [1, 16])
+def test_a_uniformly_slower_machine_changes_no_decision(slowdown, num_seqs):
+    """Other load on the machine stretches every step alike: the fit calls it a scale, not
+    a per-request or per-row cost, so draft lengths stay what the profile says."""
+    rids = [f"r{i}" for i in range(num_seqs)]
+    probs = [0.6 * 0.85**j for j in range(64)]
+    profile = CostProfile("x", COUNTS, (0, 2048), cpu_like().step_ms, per_seq_ms=(0.8, 25.0))
+    policy = DraftBudgetPolicy(profile, trained({r: probs for r in rids}))
+    cands = [DraftCandidate(r, 64) for r in rids]
+    before = policy.allocate(cands, num_roots=num_seqs, context=300)
+    for i in range(150):  # the steps the policy itself would run, drafts varying a little
+        rows = num_seqs + sum(before.values()) + (i % 5) - 2
+        policy.observe_step(max(1, rows), 300, num_seqs, slowdown * profile.time_ms(max(1, rows), 300, num_seqs))
+    limit = 1.05 if 4.0 >= slowdown >= 0.25 else None  # the scale is clamped to [0.25, 4]
+    if limit is not None:
+        assert policy.scale == pytest.approx(slowdown, rel=0.05)
+    assert policy.allocate(cands, num_roots=num_seqs, context=300) == before
 
 
 # ---- in the scheduler ---------------------------------------------------------------------
