@@ -269,7 +269,6 @@ def run(
                     bar.set_postfix_str(f"{dataset} {m} b={b}: {row.tokens_per_s} tok/s")
             rows.extend(best.values())
             _save(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
-        _save(rows, out_dir)
     bar.close()
     write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats)
     plot(rows, out_dir / "throughput.png")

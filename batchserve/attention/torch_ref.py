@@ -25,28 +25,27 @@ def partition(seqs: list[SeqLayout]) -> list[list[SeqLayout]]:
     One long prompt chunk thus never pads every decode row to its size, and a few requests
     with deep drafts do not pad the many without.
     """
+    if not seqs:
+        return []
     order = sorted(seqs, key=lambda s: s.q_len)
-    bounds = [i for i in range(1, len(order)) if order[i].q_len != order[i - 1].q_len] + [len(order)]
-    best = [0.0] * (len(bounds) + 1)  # best[k]: cost of order[:bounds[k-1]]
-    cut = [0] * (len(bounds) + 1)
-    for k in range(1, len(bounds) + 1):
-        end, max_q = bounds[k - 1], order[bounds[k - 1] - 1].q_len
-        best[k] = float("inf")
-        max_kv = 0
-        start = end
-        for j in range(k - 1, -1, -1):  # candidate batch: order[bounds[j-1] : end]
-            new_start = bounds[j - 1] if j else 0
-            max_kv = max([max_kv] + [s.kv_len for s in order[new_start:start]])
-            start = new_start
-            cost = best[j] + BATCH_COST + (end - start) * max_kv * (max_q + GATHER_COST)
+    # Runs of equal row count: run r is order[starts[r] : starts[r + 1]].
+    starts = [0] + [i for i in range(1, len(order)) if order[i].q_len != order[i - 1].q_len] + [len(order)]
+    num_runs = len(starts) - 1
+    run_kv = [max(s.kv_len for s in order[starts[r] : starts[r + 1]]) for r in range(num_runs)]
+    best = [0.0] + [float("inf")] * num_runs  # best[k]: cheapest split of runs [0, k)
+    cut = [0] * (num_runs + 1)  # the first run of the last batch in that split
+    for k in range(1, num_runs + 1):
+        max_q, max_kv = order[starts[k] - 1].q_len, 0
+        for j in range(k - 1, -1, -1):  # last batch = runs [j, k)
+            max_kv = max(max_kv, run_kv[j])
+            cost = best[j] + BATCH_COST + (starts[k] - starts[j]) * max_kv * (max_q + GATHER_COST)
             if cost < best[k]:
                 best[k], cut[k] = cost, j
     groups = []
-    k = len(bounds)
+    k = num_runs
     while k:
-        j = cut[k]
-        groups.append(order[bounds[j - 1] if j else 0 : bounds[k - 1]])
-        k = j
+        groups.append(order[starts[cut[k]] : starts[k]])
+        k = cut[k]
     return groups[::-1]
 
 
