@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
     cal.add_argument("--max-tokens", type=int, default=512, help="largest step to time (the server's tokens per step)")
     cal.add_argument("--contexts", type=_ints, default=[64, 512, 2048], help="KV lengths to time at")
-    cal.add_argument("--repeats", type=int, default=5, help="timed runs per shape (median)")
+    cal.add_argument("--repeats", type=int, default=9, help="timed runs per shape (lower quartile)")
     cal.add_argument("--out", default=None, help="profile path (default: the per-device cache the server reads)")
 
     gen = sub.add_parser("generate", help="send one request to a running server")

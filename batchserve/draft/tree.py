@@ -16,6 +16,10 @@ class DraftTree:
 
     tokens: tuple[int, ...]
     parents: tuple[int | None, ...]
+    # The drafter's estimate, per node, that the node ends up on the accepted path (e.g. the
+    # trie's n-gram frequency of the path); empty when the drafter has none. Never above the
+    # parent's: a node cannot be accepted without its parent.
+    scores: tuple[float, ...] = ()
     depths: tuple[int, ...] = field(init=False)  # root children have depth 1
     children: tuple[dict[int, int], ...] = field(init=False)  # per node (+1 for the root): token -> child
     # children[0] is the root's; children[i + 1] is node i's.
@@ -23,6 +27,10 @@ class DraftTree:
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("tokens and parents must have the same length")
+        if self.scores and len(self.scores) != len(self.tokens):
+            raise ValueError("scores must be empty or one per node")
+        if any(not 0.0 <= s <= 1.0 for s in self.scores):
+            raise ValueError("scores must be probabilities in [0, 1]")
         depths: list[int] = []
         children: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
         for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
@@ -48,7 +56,9 @@ class DraftTree:
     def prefix(self, n: int) -> DraftTree:
         """The first `n` nodes: still a tree (parents precede children). Drafters emit nodes
         best first, so this is the best `n`-node draft."""
-        return self if n >= len(self.tokens) else DraftTree(self.tokens[:n], self.parents[:n])
+        if n >= len(self.tokens):
+            return self
+        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
 
     def ancestors(self, i: int) -> list[int]:
         """Node i's ancestors (excluding the root) and itself, from the top down."""

@@ -113,25 +113,38 @@ class _TreeBuilder:
     budget: int
     tokens: list[int] = field(default_factory=list)
     parents: list[int | None] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # path probability under the trie
     index: dict[tuple[int | None, int], int] = field(default_factory=dict)
 
     @property
     def full(self) -> bool:
         return len(self.tokens) >= self.budget
 
-    def add(self, parent: int | None, tok: int) -> int:
+    def add(self, parent: int | None, tok: int, prob: float) -> int:
+        """Add (or find) the node; `prob` is its probability given its parent."""
+        score = prob * (1.0 if parent is None else self.scores[parent])
         idx = self.index.get((parent, tok))
         if idx is None:
             idx = self.index[(parent, tok)] = len(self.tokens)
             self.tokens.append(tok)
             self.parents.append(parent)
+            self.scores.append(score)
+        else:  # reached again from a shorter match: keep the more confident estimate
+            self.scores[idx] = max(self.scores[idx], score)
         return idx
 
     def has_root_child(self, tok: int) -> bool:
         return (None, tok) in self.index
 
     def tree(self) -> DraftTree | None:
-        return DraftTree(tuple(self.tokens), tuple(self.parents)) if self.tokens else None
+        if not self.tokens:
+            return None
+        # A later match can raise a parent's score above its children's: keep children at or below.
+        scores = list(self.scores)
+        for i, parent in enumerate(self.parents):
+            if parent is not None:
+                scores[i] = min(scores[i], scores[parent])
+        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(min(1.0, s) for s in scores))
 
 
 # A position in the merged view of a request's local trie and the global output trie.
@@ -248,35 +261,43 @@ class TrieDrafter:
                 kids[tok] = (child, kids[tok][1] if tok in kids else None)
         return kids
 
+    def _weighted_children(self, pair: _Pair) -> list[tuple[int, _Pair, float, float]]:
+        """(token, child, weight, probability given `pair`) for each continuation: the
+        probability is the child's share of all continuations' weight."""
+        kids = [(tok, child, self._weight(child)) for tok, child in self._children(pair).items()]
+        total = sum(w for _, _, w in kids)
+        return [(tok, child, w, w / total if total > 0 else 0.0) for tok, child, w in kids]
+
     def _best_first(self, start: _Pair, builder: _TreeBuilder) -> None:
         """Hierarchical: the heaviest nodes under the match, shared prefixes merged."""
-        heap: list[tuple[float, int, int | None, int, _Pair]] = []
+        heap: list[tuple[float, int, int | None, int, _Pair, float]] = []
         self._push_children(heap, start, None)
         while heap and not builder.full:
-            _, _, parent, tok, pair = heapq.heappop(heap)
-            idx = builder.add(parent, tok)
+            _, _, parent, tok, pair, prob = heapq.heappop(heap)
+            idx = builder.add(parent, tok, prob)
             self._push_children(heap, pair, idx)
 
     def _push_children(self, heap: list, pair: _Pair, parent: int | None) -> None:
-        for tok, child in self._children(pair).items():
-            heapq.heappush(heap, (-self._weight(child), next(self._tiebreak), parent, tok, child))
+        for tok, child, w, prob in self._weighted_children(pair):
+            heapq.heappush(heap, (-w, next(self._tiebreak), parent, tok, child, prob))
 
-    def _heaviest_chain(self, pair: _Pair, limit: int) -> list[int]:
-        chain: list[int] = []
+    def _heaviest_chain(self, pair: _Pair, limit: int) -> list[tuple[int, float]]:
+        """The heaviest path under `pair`: (token, probability given the previous) per step."""
+        chain: list[tuple[int, float]] = []
         while len(chain) < limit:
-            kids = self._children(pair)
+            kids = self._weighted_children(pair)
             if not kids:
                 break
-            tok, pair = max(kids.items(), key=lambda kv: self._weight(kv[1]))
-            chain.append(tok)
+            tok, pair, _, prob = max(kids, key=lambda k: k[2])
+            chain.append((tok, prob))
         return chain
 
-    def _add_chain(self, builder: _TreeBuilder, chain: list[int]) -> None:
+    def _add_chain(self, builder: _TreeBuilder, chain: list[tuple[int, float]]) -> None:
         parent: int | None = None
-        for tok in chain:
+        for tok, prob in chain:
             if builder.full:
                 return
-            parent = builder.add(parent, tok)
+            parent = builder.add(parent, tok, prob)
 
     def _single(self, start: _Pair, builder: _TreeBuilder) -> None:
         """Single branch (LLMA-like): the heaviest path under the match."""
@@ -285,14 +306,14 @@ class TrieDrafter:
     def _parallel(self, start: _Pair, builder: _TreeBuilder) -> None:
         """Parallel: disjoint chains, the heaviest path under each of the heaviest first
         tokens, each up to `branch_length`; no prefix sharing below the root."""
-        kids = sorted(self._children(start).items(), key=lambda kv: -self._weight(kv[1]))
-        for tok, pair in kids:
+        kids = sorted(self._weighted_children(start), key=lambda k: -k[2])
+        for tok, pair, _, prob in kids:
             if builder.full:
                 return
             if builder.has_root_child(tok):
                 continue  # an earlier (longer) match already has a branch starting with tok
             room = min(self.config.branch_length, builder.budget - len(builder.tokens))
-            self._add_chain(builder, [tok, *self._heaviest_chain(pair, room - 1)])
+            self._add_chain(builder, [(tok, prob), *self._heaviest_chain(pair, room - 1)])
 
     # ---- introspection -------------------------------------------------------------------
 

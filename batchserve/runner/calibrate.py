@@ -13,7 +13,6 @@ import logging
 import os
 import platform
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -23,17 +22,19 @@ import torch
 from batchserve.draft.tree import DraftTree
 from batchserve.request import SamplingParams
 from batchserve.runner.runner import ModelRunner
-from batchserve.scheduler.budget import CostProfile, non_increasing
+from batchserve.scheduler.budget import CostProfile
 from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("batchserve")
 
-TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Dense where drafts live: on CPU the curve is not monotone there (a matmul with 2 or 3 rows
+# can be slower than one with 8), and the policy should see the dips it can use.
+TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONTEXTS = (64, 512, 2048)
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def _device_name(device: torch.device) -> str:
@@ -107,9 +108,16 @@ def _time_once(runner: ModelRunner, out: SchedulerOutput) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _median_curve(runner: ModelRunner, steps: list[SchedulerOutput], repeats: int, tick: Any) -> list[float]:
-    """Median time of each step, measured round-robin so that drift on a shared machine
-    spreads over every point instead of bending one part of the curve."""
+def lower_quartile(times: list[float]) -> float:
+    """Interference on a shared machine only ever adds time, so the low end of a step's
+    timings is its own cost; the lower quartile is that without trusting one lucky run."""
+    return sorted(times)[len(times) // 4]
+
+
+def _curve(runner: ModelRunner, steps: list[SchedulerOutput], repeats: int, tick: Any) -> list[float]:
+    """Each step's time, measured round-robin so that drift on a shared machine spreads over
+    every point instead of bending one part of the curve. Not forced to be monotone: more
+    rows can be faster (matmul kernels change with the row count), and the policy uses it."""
     for out in steps:
         runner.execute(out)  # warm-up (allocator, kernels)
     times: list[list[float]] = [[] for _ in steps]
@@ -117,9 +125,7 @@ def _median_curve(runner: ModelRunner, steps: list[SchedulerOutput], repeats: in
         for i, out in enumerate(steps):
             times[i].append(_time_once(runner, out))
             tick()
-    # Forward time cannot fall as tokens are added: fit the closest non-decreasing curve.
-    medians = [statistics.median(t) for t in times]
-    return [-x for x in non_increasing([-m for m in medians])]
+    return [lower_quartile(t) for t in times]
 
 
 def calibrate(
@@ -128,7 +134,7 @@ def calibrate(
     max_tokens: int = 512,
     max_context: int = 4096,
     contexts: tuple[int, ...] = CONTEXTS,
-    repeats: int = 5,
+    repeats: int = 9,
     key: str | None = None,
     progress: bool = True,
 ) -> CostProfile:
@@ -156,13 +162,13 @@ def calibrate(
         for ctx in usable:
             if bar is not None:
                 bar.set_postfix_str(f"context {ctx}")
-            rows.append(tuple(_median_curve(runner, [_step(runner, [ctx], n) for n in counts], repeats, tick)))
+            rows.append(tuple(_curve(runner, [_step(runner, [ctx], n) for n in counts], repeats, tick)))
             # The same rows from one request and from n: what each further request adds.
             n = PER_SEQ_REQUESTS
             while n > 1 and _blocks_needed(runner, [ctx] * n, n) > pool:
                 n //= 2
             if n > 1:
-                one, many = _median_curve(runner, [_step(runner, [ctx], n), _step(runner, [ctx] * n, n)], repeats, tick)
+                one, many = _curve(runner, [_step(runner, [ctx], n), _step(runner, [ctx] * n, n)], repeats, tick)
                 per_seq.append(max(0.0, (many - one) / (n - 1)))
             else:
                 per_seq.append(0.0)

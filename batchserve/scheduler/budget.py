@@ -5,10 +5,13 @@ Pure Python. Two inputs:
   forward time against tokens in the step, at a few context lengths;
 - an `AcceptanceTracker`: per request, an exponential moving average of how often the draft
   node at each rank (the drafter's k-th best node) ends up on the accepted path, pooled
-  across requests as the prior for new ones.
+  across requests as the prior for new ones. Where the drafter also scores its nodes (the
+  trie's path frequency), a `ScoreCalibration` shared by all requests combines the two
+  into one probability, so a step whose drafts the trie is sure of gets more tokens than
+  one where it is guessing, beyond what the request's recent history says.
 
-The rank-k estimate is exactly the expected number of extra tokens that node buys, so the
-policy can trade tokens against milliseconds:
+A node's estimate is exactly the expected number of extra tokens it buys, so the policy can
+trade tokens against milliseconds:
 1. Decode-only optimum: over all requests' draft nodes sorted by expected gain, the count k*
    maximising (roots + gain(k)) / time(roots + k). This is where extra tokens stop being
    nearly free, and it gives tau = time per token at that optimum.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -167,6 +171,54 @@ def _nonnegative_ridge(xx: list[list[float]], xr: list[float], rr: float, nonneg
     return best
 
 
+def _logit(p: float) -> float:
+    p = min(1.0 - 1e-3, max(1e-3, p))
+    return math.log(p / (1.0 - p))
+
+
+class ScoreCalibration:
+    """P(node accepted) = sigmoid(a * logit(rank estimate) + b * logit(drafter score) + c),
+    fitted online to every verified node of every request.
+
+    The drafter's score alone is far too confident (a trie continuation seen once has score
+    1 and is accepted about a fifth of the time) and the rank estimate alone knows nothing
+    about this step's match; together they predict better than either. The fit is a
+    recursive Newton step with a decaying Hessian (about the last `1 / (1 - decay)` nodes),
+    started at (1, 0, 0): until evidence arrives, the rank estimate is used as it is.
+    """
+
+    def __init__(self, decay: float = 0.999, prior_strength: float = 20.0) -> None:
+        self.decay = decay
+        self.prior_strength = prior_strength  # Hessian floor: how hard the first nodes move the fit
+        self.weights = [1.0, 0.0, 0.0]
+        self._hess = [[prior_strength if i == j else 0.0 for j in range(3)] for i in range(3)]
+
+    def prob(self, rank_estimate: float, score: float) -> float:
+        z = self.weights[0] * _logit(rank_estimate) + self.weights[1] * _logit(score) + self.weights[2]
+        return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
+
+    def observe(self, rank_estimates: Sequence[float], scores: Sequence[float], hits: Sequence[bool]) -> None:
+        """One verified tree: each node's rank estimate and score then, and whether it hit."""
+        if not hits:
+            return
+        grad = [0.0] * 3
+        hess = [[0.0] * 3 for _ in range(3)]
+        for est, score, hit in zip(rank_estimates, scores, hits):
+            x = (_logit(est), _logit(score), 1.0)
+            p = self.prob(est, score)
+            for i in range(3):
+                grad[i] += (p - float(hit)) * x[i]
+                for j in range(3):
+                    hess[i][j] += p * (1.0 - p) * x[i] * x[j]
+        d, floor = self.decay ** len(hits), self.prior_strength
+        for i in range(3):
+            for j in range(3):
+                # The floor keeps the step bounded once old evidence has decayed away.
+                self._hess[i][j] = d * self._hess[i][j] + hess[i][j] + (1.0 - d) * (floor if i == j else 0.0)
+        step = _solve(self._hess, grad)
+        self.weights = [w - s for w, s in zip(self.weights, step)]
+
+
 def non_increasing(xs: Sequence[float]) -> list[float]:
     """The closest non-increasing sequence (pool adjacent violators): keeps the total gain of
     every prefix honest while letting the greedy take nodes in order."""
@@ -194,6 +246,7 @@ class AcceptanceTracker:
         # Before any evidence: a geometric guess, optimistic enough that drafting starts.
         self.initial = [0.6 * 0.8**j for j in range(max_rank)]
         self.prior = list(self.initial)  # pooled over requests: where new requests start
+        self.calibration = ScoreCalibration()  # for drafts whose nodes carry scores
         self._est: dict[str, list[float]] = {}
         self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
 
@@ -210,15 +263,36 @@ class AcceptanceTracker:
     def max_rank(self) -> int:
         return len(self.prior)
 
-    def gains(self, request_id: str, n: int) -> list[float]:
-        """Expected extra tokens of the request's first `n` draft ranks, non-increasing."""
-        return self._monotone(request_id)[:n]
+    def _rank_estimates(self, request_id: str, n: int) -> list[float]:
+        est = self._est.get(request_id, self.prior)
+        return est[:n] + [est[-1]] * max(0, n - len(est))
 
-    def observe(self, request_id: str, num_offered: int, accepted_ranks: Iterable[int]) -> None:
-        """Record one verification: ranks [0, num_offered) were drafted, `accepted_ranks` hit."""
+    def gains(self, request_id: str, n: int, scores: Sequence[float] = ()) -> list[float]:
+        """Expected extra tokens of the request's first `n` draft nodes, non-increasing.
+        With the drafter's `scores` for those nodes, each is calibrated against its score."""
+        if not scores:
+            return self._monotone(request_id)[:n]
+        ests = self._rank_estimates(request_id, min(n, len(scores)))
+        return non_increasing([self.calibration.prob(e, sc) for e, sc in zip(ests, scores)])
+
+    def upper_gains(self, request_id: str, n: int) -> list[float]:
+        """The most the first `n` nodes could be worth whatever the drafter's scores turn out
+        to be: what is worth proposing before the tree exists."""
+        ests = self._rank_estimates(request_id, n)
+        cal = self.calibration
+        return [max(g, cal.prob(e, 1.0), cal.prob(e, 0.0)) for g, e in zip(self._monotone(request_id)[:n], ests)]
+
+    def observe(
+        self, request_id: str, num_offered: int, accepted_ranks: Iterable[int], scores: Sequence[float] = ()
+    ) -> None:
+        """Record one verification: ranks [0, num_offered) were drafted, `accepted_ranks` hit;
+        `scores`: the drafter's score of each drafted node, if it gave them."""
         est = self._est.setdefault(request_id, list(self.prior))
         self._gains.pop(request_id, None)
         hits = set(accepted_ranks)
+        n = min(num_offered, len(scores), self.max_rank)
+        if n:  # calibrate against the estimates as they were when the draft was sized
+            self.calibration.observe(est[:n], scores[:n], [j in hits for j in range(n)])
         a = self.decay
         for j in range(min(num_offered, self.max_rank)):
             x = 1.0 if j in hits else 0.0
@@ -246,6 +320,7 @@ class DraftCandidate:
 
     request_id: str
     max_tokens: int
+    scores: tuple[float, ...] = ()  # the drafter's score of each proposed node, if any
 
 
 class DraftBudgetPolicy:
@@ -271,7 +346,7 @@ class DraftBudgetPolicy:
     def useful_length(self, request_id: str, limit: int) -> int:
         """How many of the request's best draft ranks clear `min_gain`: the most it could be
         given, so there is no point in proposing more."""
-        return sum(1 for g in self.tracker.gains(request_id, limit) if g >= self.min_gain)
+        return sum(1 for g in self.tracker.upper_gains(request_id, limit) if g >= self.min_gain)
 
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
@@ -312,7 +387,7 @@ class DraftBudgetPolicy:
         # Each request's gains are non-increasing, so merging them in descending order takes
         # every request's nodes as a prefix.
         per_req = [
-            [(g, c.request_id) for g in self.tracker.gains(c.request_id, c.max_tokens) if g >= self.min_gain]
+            [(g, c.request_id) for g in self.tracker.gains(c.request_id, c.max_tokens, c.scores) if g >= self.min_gain]
             for c in candidates
         ]
         ranked = list(heapq.merge(*per_req, key=lambda x: -x[0]))[: max(0, cap)]

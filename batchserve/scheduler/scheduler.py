@@ -252,7 +252,7 @@ class Scheduler:
             assert policy is not None
             sampling = [self.requests[i.request_id] for i in items if i.sample]
             lengths = policy.allocate(
-                [DraftCandidate(req.request_id, len(tree)) for req, tree in shared],
+                [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
                 num_roots=len(sampling),
                 num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + sum(map(len, trees.values())),
                 context=sum(r.num_tokens for r in sampling) / len(sampling),
@@ -297,7 +297,7 @@ class Scheduler:
             if node < 0:
                 break  # cannot happen for a verified path; never let stats break a step
             ranks.append(node)
-        tracker.observe(item.request_id, len(tree), ranks)
+        tracker.observe(item.request_id, len(tree), ranks, tree.scores)
 
     def _ensure_blocks(self, req: Request, num_slots: int) -> bool:
         need = self.allocator.blocks_for(num_slots) - len(req.block_ids)

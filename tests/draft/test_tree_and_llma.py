@@ -33,6 +33,16 @@ def test_tree_invariants_are_enforced(tokens, parents, message):
         DraftTree(tokens, parents)
 
 
+def test_tree_scores_are_per_node_probabilities_and_follow_prefixes():
+    t = DraftTree((5, 6, 7), (None, 0, None), (0.9, 0.5, 0.1))
+    assert t.prefix(2).scores == (0.9, 0.5) and t.prefix(9) is t
+    assert DraftTree((5, 6), (None, 0)).prefix(1).scores == ()  # a drafter without scores
+    with pytest.raises(ValueError, match="one per node"):
+        DraftTree((5, 6), (None, 0), (0.5,))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        DraftTree((5,), (None,), (1.5,))
+
+
 def test_chain_and_random_trees_hold_invariants():
     assert DraftTree.chain([4, 4, 4]).parents == (None, 0, 1)
     assert len(DraftTree.chain([])) == 0

@@ -116,6 +116,23 @@ def test_multi_stage_retrieval_prefers_the_longest_match_then_fills_from_shorter
     assert d.propose("a", [0, 77], 4) is None
 
 
+def test_scores_are_path_frequencies_under_the_match():
+    d = _drafter(max_match=2, min_match=2)
+    # After [1, 2]: 30 three times, 40 once; after [1, 2, 30]: 31 twice, 32 once.
+    d.warm_up([[1, 2, 30, 31], [1, 2, 30, 31], [1, 2, 30, 32], [1, 2, 40]])
+    d.on_request_start("a", [0])
+    tree = d.propose("a", [0, 1, 2], 8)
+    score = {tuple(tree.tokens[j] for j in tree.ancestors(i)): tree.scores[i] for i in range(len(tree))}
+    assert score[(30,)] == pytest.approx(0.75) and score[(40,)] == pytest.approx(0.25)
+    assert score[(30, 31)] == pytest.approx(0.75 * 2 / 3) and score[(30, 32)] == pytest.approx(0.25)
+    # Every layout scores its nodes, never a child above its parent.
+    for layout in ("parallel", "single"):
+        d.on_request_start(layout, [0], layout=layout)
+        t = d.propose(layout, [0, 1, 2], 8)
+        assert len(t.scores) == len(t) and t.scores[0] == pytest.approx(0.75)
+        assert all(p is None or t.scores[i] <= t.scores[p] for i, p in enumerate(t.parents))
+
+
 def test_own_prompt_outranks_global_output():
     d = _drafter()
     d.warm_up([[5, 6, 30, 31]] * 20)  # globally frequent continuation of 5 6
@@ -175,6 +192,7 @@ def test_proposals_always_satisfy_tree_invariants(layout):
             assert 1 <= len(tree) <= budget
             for i, p in enumerate(tree.parents):  # DraftTree itself rejects duplicate siblings
                 assert p is None or p < i
+                assert p is None or tree.scores[i] <= tree.scores[p]
             new = [rng.randrange(12) for _ in range(rng.randint(1, 4))]
             tokens += new
             d.on_tokens_accepted(f"r{r}", new)

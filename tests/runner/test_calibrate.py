@@ -22,15 +22,14 @@ def _core(num_blocks: int = 256, **draft) -> EngineCore:
     return EngineCore(config, make_tiny_model(), make_tiny_tokenizer())
 
 
-def test_calibrate_measures_a_non_decreasing_curve_per_context():
+def test_calibrate_measures_a_curve_per_context():
     core = _core()
     profile = cal.calibrate(core.runner, max_tokens=48, max_context=1024, contexts=(8, 128), repeats=2, progress=False)
     assert profile.contexts == (8, 128)
     assert profile.token_counts[0] == 1 and profile.token_counts[-1] == 48
     assert set(profile.token_counts) <= set(cal.TOKEN_COUNTS) | {48}
     for row in profile.step_ms:
-        assert all(a <= b for a, b in itertools.pairwise(row))
-        assert row[0] > 0
+        assert len(row) == len(profile.token_counts) and all(t > 0 for t in row)
     assert len(profile.per_seq_ms) == 2 and all(t >= 0 for t in profile.per_seq_ms)
     assert profile.key == cal.profile_key(core.runner)
     assert 1 <= profile.critical_decoding_length() <= 48
@@ -39,6 +38,29 @@ def test_calibrate_measures_a_non_decreasing_curve_per_context():
     core.add_request([1, 2, 3])
     while core.has_work():
         core.step()
+
+
+def test_calibrate_keeps_the_dips_and_ignores_interference(monkeypatch):
+    """A step with more rows may be faster (CPU matmul kernels change with the row count):
+    the profile keeps that. A slow run (another process on the machine) moves nothing."""
+    cost = {1: 10.0, 2: 30.0, 3: 28.0, 4: 14.0, 5: 15.0, 6: 16.0, 8: 18.0}
+    calls = itertools.count()
+
+    def fake_time(runner, out):
+        rows = sum(len(r.token_ids) + len(r.draft or ()) for r in out.requests)
+        # Every 3rd timing is disturbed; what one request's rows cost is the scripted table.
+        return cost.get(rows, 20.0 + rows) * (5.0 if next(calls) % 3 == 0 else 1.0)
+
+    monkeypatch.setattr(cal, "_time_once", fake_time)
+    profile = cal.calibrate(_core().runner, max_tokens=8, max_context=1024, contexts=(8,), repeats=6, progress=False)
+    assert profile.token_counts == (1, 2, 3, 4, 5, 6, 8)
+    assert profile.step_ms == ((10.0, 30.0, 28.0, 14.0, 15.0, 16.0, 18.0),)
+    assert profile.time_ms(4) < profile.time_ms(2)  # the policy sees the cheaper step
+
+
+def test_lower_quartile():
+    assert cal.lower_quartile([5.0]) == 5.0
+    assert cal.lower_quartile([9.0, 1.0, 100.0, 2.0, 3.0]) == 2.0  # not the single luckiest run
 
 
 def test_calibrate_fits_what_the_pool_and_context_allow():

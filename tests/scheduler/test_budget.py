@@ -16,6 +16,7 @@ from batchserve.scheduler.budget import (
     CostProfile,
     DraftBudgetPolicy,
     DraftCandidate,
+    ScoreCalibration,
     non_increasing,
 )
 
@@ -140,6 +141,56 @@ def test_a_streak_of_failures_does_not_silence_drafting_for_good():
         steps += 1
         assert steps < 500, "drafting never resumed"
     assert steps > 5  # but not at once
+
+
+def _feed(cal: ScoreCalibration, rate: dict[float, float], rounds: int, est: float = 0.3) -> None:
+    """Verified trees of 8 nodes: a node scored s hits a fraction rate[s] of the time."""
+    for r in range(rounds):
+        scores = [s for s in rate for _ in range(8 // len(rate))]
+        hits = [int((r + 1) * rate[s]) > int(r * rate[s]) for s in scores]
+        cal.observe([est] * len(scores), scores, hits)
+
+
+def test_calibration_starts_at_the_rank_estimate_and_learns_what_scores_mean():
+    cal = ScoreCalibration()
+    assert cal.prob(0.3, 0.01) == pytest.approx(0.3, abs=1e-6) == cal.prob(0.3, 1.0)
+    # The drafter is overconfident: its score-1 nodes hit 40%, its score-0.1 nodes 5%.
+    _feed(cal, {1.0: 0.4, 0.1: 0.05}, rounds=400)
+    assert cal.prob(0.3, 1.0) == pytest.approx(0.4, abs=0.05)
+    assert cal.prob(0.3, 0.1) == pytest.approx(0.05, abs=0.03)
+    # When what scores mean changes (another workload), the fit follows.
+    _feed(cal, {1.0: 0.8, 0.1: 0.3}, rounds=1000)
+    assert cal.prob(0.3, 1.0) == pytest.approx(0.8, abs=0.05)
+    assert cal.prob(0.3, 0.1) == pytest.approx(0.3, abs=0.05)
+
+
+def test_calibration_keeps_the_request_history_in_the_estimate():
+    cal = ScoreCalibration()
+    for r in range(600):  # same scores; the request whose ranks hit more often hits more
+        for est, rate in ((0.6, 0.6), (0.1, 0.1)):
+            cal.observe([est] * 8, [0.5] * 8, [int((r + 1) * rate) > int(r * rate)] * 8)
+    assert cal.prob(0.6, 0.5) == pytest.approx(0.6, abs=0.07)
+    assert cal.prob(0.1, 0.5) == pytest.approx(0.1, abs=0.05)
+
+
+def test_policy_drafts_where_the_drafter_is_sure():
+    t = trained({"a": [0.3] * 16, "b": [0.3] * 16})  # identical histories
+    _feed(t.calibration, {1.0: 0.6, 0.05: 0.02}, rounds=400)
+    sure, unsure = (1.0,) * 16, (0.05,) * 16
+    # (The history's estimates wander around 0.3; the fit only ever saw exactly 0.3.)
+    assert t.gains("a", 16, sure)[0] > 0.5 and t.gains("a", 16, unsure)[0] < 0.15
+    policy = DraftBudgetPolicy(cpu_like(slope=1.0), t)
+    d = policy.allocate([DraftCandidate("a", 16, sure), DraftCandidate("b", 16, unsure)], num_roots=2)
+    assert d["a"] > 0 and d["b"] == 0
+    # Proposal sizes are bounded by the best any score could do, so nothing sure is cut.
+    assert all(u >= g for u, g in zip(t.upper_gains("a", 16), t.gains("a", 16, sure)))
+
+
+def test_scored_gains_are_non_increasing_along_the_tree():
+    t = trained({"a": [0.5] * 8})
+    _feed(t.calibration, {1.0: 0.6, 0.05: 0.02}, rounds=200)
+    g = t.gains("a", 8, (0.05, 1.0, 1.0, 0.05, 1.0, 0.05, 0.05, 0.05))
+    assert len(g) == 8 and all(a >= b for a, b in itertools.pairwise(g))
 
 
 def test_policy_drafts_freely_while_tokens_are_free():
