@@ -92,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--decoding-length", type=int, default=16)
-    bench.add_argument("--repeats", type=int, default=1, help="runs per batchserve method and batch (fastest kept)")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per batchserve method and batch, in rounds")
+    bench.add_argument(
+        "--keep", default="fastest", choices=["fastest", "median"], help="which of the repeated runs is reported"
+    )
     bench.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"])
     bench.add_argument(
         "--allow-mismatch", action="store_true", help="fp16/bf16: report outputs that differ from HF, do not fail"
@@ -262,6 +265,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.decoding_length,
         args.dtype,
         args.repeats,
+        args.keep,
     )
     print(summary_table(rows))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")

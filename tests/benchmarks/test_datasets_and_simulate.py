@@ -141,3 +141,19 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path, monkeypatc
     report = (out / "report.md").read_text()
     assert "| lookahead | 2 |" in report and "vs hf-batch" in report
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch():
+    from benchmarks.bench import Row, pick_run
+
+    def row(tps: float, lossless: bool = True) -> Row:
+        return Row("none", "humaneval", 1, 2, 10, 1.0, tps, 1.0, 0.1, 0.1, 0.1, 0.1, lossless)
+
+    runs = [row(30.0), row(45.0), row(20.0)]  # one lucky run, one unlucky
+    assert pick_run(runs, "fastest").tokens_per_s == 45.0
+    assert pick_run(runs, "median").tokens_per_s == 30.0
+    assert pick_run([row(20.0), row(30.0)], "median").tokens_per_s == 20.0  # even count: the lower middle
+    marked = pick_run([row(30.0), row(45.0, lossless=False)], "median")
+    assert marked.tokens_per_s == 30.0 and marked.lossless is False
+    with pytest.raises(SystemExit):
+        main(["bench", "--keep", "mean"])
