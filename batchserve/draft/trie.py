@@ -144,7 +144,7 @@ class _TreeBuilder:
         for i, parent in enumerate(self.parents):
             if parent is not None:
                 scores[i] = min(scores[i], scores[parent])
-        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(min(1.0, s) for s in scores))
+        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(scores))
 
 
 # A position in the merged view of a request's local trie and the global output trie.

@@ -263,24 +263,21 @@ class AcceptanceTracker:
     def max_rank(self) -> int:
         return len(self.prior)
 
-    def _rank_estimates(self, request_id: str, n: int) -> list[float]:
-        est = self._est.get(request_id, self.prior)
-        return est[:n] + [est[-1]] * max(0, n - len(est))
-
     def gains(self, request_id: str, n: int, scores: Sequence[float] = ()) -> list[float]:
         """Expected extra tokens of the request's first `n` draft nodes, non-increasing.
         With the drafter's `scores` for those nodes, each is calibrated against its score."""
         if not scores:
             return self._monotone(request_id)[:n]
-        ests = self._rank_estimates(request_id, min(n, len(scores)))
+        ests = self._est.get(request_id, self.prior)[:n]
         return non_increasing([self.calibration.prob(e, sc) for e, sc in zip(ests, scores)])
 
     def upper_gains(self, request_id: str, n: int) -> list[float]:
         """The most the first `n` nodes could be worth whatever the drafter's scores turn out
         to be: what is worth proposing before the tree exists."""
-        ests = self._rank_estimates(request_id, n)
+        ests = self._est.get(request_id, self.prior)[:n]
         cal = self.calibration
-        return [max(g, cal.prob(e, 1.0), cal.prob(e, 0.0)) for g, e in zip(self._monotone(request_id)[:n], ests)]
+        best_score = 1.0 if cal.weights[1] >= 0 else 0.0  # the fit is monotone in the score
+        return [max(g, cal.prob(e, best_score)) for g, e in zip(self._monotone(request_id)[:n], ests)]
 
     def observe(
         self, request_id: str, num_offered: int, accepted_ranks: Iterable[int], scores: Sequence[float] = ()
