@@ -81,6 +81,7 @@ class DraftConfig:
     acceptance_decay: float = 0.3  # adaptive: weight of the newest verification in the acceptance EMA
     explore: float = 0.05  # adaptive: per idle step, how far a request's estimates drift back to the pool's
     min_gain: float = 0.02  # adaptive: never draft a node accepted less often than this
+    learn_step_costs: bool = True  # adaptive: refine the profile from measured steps (off: trust it as is)
     layout: DraftLayout = "hierarchical"  # lookahead: prefix-merged tree, disjoint chains, or one chain
     branch_length: int = 12  # lookahead: n-gram length inserted into the trie
     max_match: int = 4  # longest suffix of the request's tokens tried as a match key

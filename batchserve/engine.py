@@ -266,8 +266,10 @@ class EngineCore:
     def observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
         """Teach the draft budget policy what a whole step costs beyond the forward."""
         policy = self.scheduler.budget_policy
+        if policy is None or not self.config.draft.learn_step_costs:
+            return
         # Decode steps only: prompt-chunk rows need no logits and would skew the fit.
-        if policy is None or not out.requests or any(len(r.token_ids) > 1 for r in out.requests):
+        if not out.requests or any(len(r.token_ids) > 1 for r in out.requests):
             return
         context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
         policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchserve import SamplingParams
+from batchserve.config import DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.scheduler.budget import CostProfile
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
 from tests.engine.drafters import OracleDrafter, RandomTreeDrafter, random_prompts
@@ -19,8 +20,14 @@ def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): hf_greedy(tiny_model, p, 48) for p in random_prompts(8, seed=3)}
 
 
-def _llm(drafter, **kw):
-    return tiny_llm(drafter, adaptive=True, decoding_length=32, max_num_seqs=4, cost_profile=PROFILE, **kw)
+def _llm(drafter, learn_step_costs: bool = False):
+    # The policy's decisions under PROFILE alone: measured step times would refine it with
+    # this machine's cost per row, which differs from machine to machine.
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024),
+        draft=DraftConfig(adaptive=True, decoding_length=32, learn_step_costs=learn_step_costs),
+    )
+    return tiny_llm(drafter, config=config, cost_profile=PROFILE)
 
 
 def test_adaptive_with_good_drafts_is_lossless_and_drafts_deep(reference):
@@ -65,3 +72,27 @@ def test_per_request_override_bypasses_the_policy(reference):
     # Exactly 3 drafted and accepted every step: 48 tokens in 12 steps of 3 + 1.
     assert results[1].stats.steps == 12
     assert results[1].stats.draft_tokens_proposed == results[1].stats.draft_tokens_accepted == 36
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_measured_decode_steps_refine_the_profile_only_when_asked(reference, learn):
+    prompts = [list(p) for p in reference][:4]
+    llm = _llm(OracleDrafter(reference, seed=0, vocab=TINY_VOCAB, depth=12), learn_step_costs=learn)
+    policy = llm.engine.scheduler.budget_policy
+    seen: list[tuple[int, int]] = []
+    observe = policy.observe_step
+
+    def record(num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
+        seen.append((num_tokens, num_seqs))
+        observe(num_tokens, context, num_seqs, elapsed_ms)
+
+    policy.observe_step = record
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=16))
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference[tuple(p)][:16]
+    if not learn:
+        assert seen == [] and policy.scale == 1.0
+        return
+    # Every decode step is seen (prompt steps are not): one per step of the longest request.
+    assert seen and all(1 <= n_seqs <= 4 and rows >= n_seqs for rows, n_seqs in seen)
+    assert len(seen) >= max(r.stats.steps for r in results) - 1
