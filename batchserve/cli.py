@@ -83,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against peers (or --simulate: drafts without the model)")
     bench.add_argument("--dataset", default="humaneval,sharegpt", help="humaneval, sharegpt or both (comma-separated)")
     bench.add_argument("--model", default=None, help="model (default: SmolLM2)")
-    bench.add_argument("--num-prompts", type=int, default=16, help="test prompts per dataset")
+    bench.add_argument("--num-prompts", type=int, default=16, help="test prompts per dataset (at least)")
+    bench.add_argument(
+        "--waves",
+        type=int,
+        default=0,
+        help="batch b runs at least waves*b prompts, so the closed loop stays full (0: --num-prompts for all)",
+    )
     bench.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16], help="requests in flight")
     bench.add_argument(
         "--methods",
@@ -245,11 +251,12 @@ def _bench(args: argparse.Namespace) -> int:
         args.num_prompts < 1
         or args.max_new_tokens < 1
         or args.repeats < 1
+        or args.waves < 0
         or not args.batch_sizes
         or min(args.batch_sizes) < 1
     ):
         print(
-            "batchserve bench: --num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1",
+            "batchserve bench: --num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1, --waves >= 0",
             file=sys.stderr,
         )
         return 2
@@ -266,6 +273,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.dtype,
         args.repeats,
         args.keep,
+        args.waves,
     )
     print(summary_table(rows))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")

@@ -212,11 +212,16 @@ def run(
     dtype: str = "float32",
     repeats: int = 1,
     keep: str = "fastest",
+    waves: int = 0,
 ) -> list[Row]:
-    """`repeats` > 1 runs every batchserve (method, batch) that many times, in rounds over
-    the methods, and keeps the fastest run (`keep="fastest"`: interference on a shared
-    machine mostly slows a run down) or the median one (`keep="median"`: robust to a lucky
-    run as well as an unlucky one). Rounds spread drift over all methods alike. Every run is
+    """Batch size b runs max(`num_prompts`, `waves` * b) prompts: with too few, the loop
+    drains (the batch is below b for the last requests), and a method whose requests end at
+    different steps is measured at a smaller batch than b.
+
+    `repeats` > 1 runs every batchserve (method, batch) that many times, in rounds over the
+    methods, and keeps the fastest run (`keep="fastest"`: interference on a shared machine
+    mostly slows a run down) or the median one (`keep="median"`: robust to a lucky run as
+    well as an unlucky one). Rounds spread drift over all methods alike. Every run is
     checked for losslessness."""
     if keep not in KEEP:
         raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
@@ -234,6 +239,7 @@ def run(
         probe = LLM(adaptive=True, hf_model=engine_model, tokenizer=tokenizer, kv_cache_memory_gb=0.5)
         cost_profile = probe.engine.cost_profile
         del probe
+    count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     rows: list[Row] = []
     total = len(datasets) * (
         sum(m in ("hf", "hf-prompt-lookup") for m in methods)
@@ -241,17 +247,24 @@ def run(
     )
     bar = tqdm(total=total, desc="bench", unit="run")
     for dataset in datasets:
-        prompts, warm = load_dataset(dataset, num_prompts, tokenizer)
-        # The greedy reference; also the `hf` row.
-        reference, secs, ttfts, tpots = run_hf(ref_model, prompts, max_new, eos, None, f"{dataset} hf")
+        prompts, warm = load_dataset(dataset, max(count.values()), tokenizer)
+        # The greedy reference; its first `num_prompts` are also the `hf` row.
+        reference, secs, ttfts, tpots = run_hf(ref_model, prompts[:num_prompts], max_new, eos, None, f"{dataset} hf")
         if "hf" in methods:
             rows.append(_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
             bar.update(1)
+        if len(prompts) > num_prompts:
+            rest = run_hf(ref_model, prompts[num_prompts:], max_new, eos, None, f"{dataset} reference")[0]
+            reference = reference + rest
         if "hf-prompt-lookup" in methods:
-            outs, secs, ttfts, tpots = run_hf(ref_model, prompts, max_new, eos, 10, f"{dataset} hf-prompt-lookup")
+            outs, secs, ttfts, tpots = run_hf(
+                ref_model, prompts[:num_prompts], max_new, eos, 10, f"{dataset} hf-prompt-lookup"
+            )
             rows.append(_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
             bar.update(1)
+        all_prompts, all_reference = prompts, reference
         for b in batch_sizes:
+            prompts, reference = all_prompts[: count[b]], all_reference[: count[b]]
             if "hf-batch" in methods:
                 outs, secs, ttfts, tpots = run_hf_batch(ref_model, prompts, max_new, b)
                 rows.append(_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
@@ -272,7 +285,7 @@ def run(
             rows.extend(pick_run(rs, keep) for rs in runs.values())
             _save(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
     bar.close()
-    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep)
+    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves)
     plot(rows, out_dir / "throughput.png")
     return rows
 
@@ -299,10 +312,17 @@ def write_report(
     decoding_length: int,
     repeats: int = 1,
     keep: str = "fastest",
+    waves: int = 0,
 ) -> None:
     best_of = f" Each batchserve row is the {keep} of {repeats} runs, taken in rounds." if repeats > 1 else ""
+    prompts = f"{num_prompts} prompts per dataset"
+    if waves:
+        prompts = (
+            f"max({num_prompts}, {waves} x batch) prompts per dataset and batch size, so the loop stays full "
+            f"(the hf and hf-prompt-lookup rows: the first {num_prompts})"
+        )
     lines = [
-        f"# batchserve benchmark\n\n{num_prompts} prompts per dataset, {max_new} new tokens, greedy, "
+        f"# batchserve benchmark\n\n{prompts}, {max_new} new tokens, greedy, "
         f"decoding length {decoding_length}, {torch.get_num_threads()} CPU threads.{best_of} Batch size b = b requests "
         "in flight (closed loop). `vs hf`: tokens/s over HF `generate` at batch 1; `vs hf-batch`: over HF "
         "`generate_batch` at the same batch size.\n"

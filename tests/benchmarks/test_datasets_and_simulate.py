@@ -92,6 +92,8 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path, monkeypatc
                 "6",
                 "--repeats",
                 "2",
+                "--waves",
+                "2",  # batch 2 runs 4 prompts: the loop stays full
                 "--out",
                 str(out),
             ]
@@ -133,9 +135,15 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path, monkeypatc
     assert by[("lookahead-4", 1)]["mean_decoding_length"] <= 4 and by[("none", 1)]["mean_decoding_length"] == 0
     report = (out / "report.md").read_text()
     assert "fastest of 2 runs" in report and "adaptive / best fixed" in report
+    assert by[("hf", 1)]["num_prompts"] == by[("hf-prompt-lookup", 1)]["num_prompts"] == 2
+    assert by[("hf-batch", 2)]["num_prompts"] == 4
     for m in ("none", "lookahead", "lookahead-4", "lookahead-adaptive"):
+        assert by[(m, 1)]["num_prompts"] == 2 and by[(m, 2)]["num_prompts"] == 4
+        assert by[(m, 1)]["output_tokens"] == by[("hf", 1)]["output_tokens"]
+        assert by[(m, 2)]["output_tokens"] == by[("none", 2)]["output_tokens"]
         for b in (1, 2):
-            assert by[(m, b)]["lossless"] is True and by[(m, b)]["output_tokens"] == by[("hf", 1)]["output_tokens"]
+            assert by[(m, b)]["lossless"] is True
+    assert "max(2, 2 x batch) prompts" in report
     assert by[("hf", 1)]["lossless"] is None
     assert all(r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
     report = (out / "report.md").read_text()
