@@ -262,11 +262,10 @@ def run(
             )
             rows.append(_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
             bar.update(1)
-        all_prompts, all_reference = prompts, reference
         for b in batch_sizes:
-            prompts, reference = all_prompts[: count[b]], all_reference[: count[b]]
+            batch_prompts, batch_reference = prompts[: count[b]], reference[: count[b]]
             if "hf-batch" in methods:
-                outs, secs, ttfts, tpots = run_hf_batch(ref_model, prompts, max_new, b)
+                outs, secs, ttfts, tpots = run_hf_batch(ref_model, batch_prompts, max_new, b)
                 rows.append(_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
                 bar.update(1)
             runs: dict[str, list[Row]] = {}
@@ -275,9 +274,9 @@ def run(
                     if m not in BATCHSERVE:
                         continue
                     outs, secs, ttfts, tpots, tps, mean_len = run_batchserve(
-                        engine_model, tokenizer, prompts, max_new, b, m, warm, decoding_length, cost_profile
+                        engine_model, tokenizer, batch_prompts, max_new, b, m, warm, decoding_length, cost_profile
                     )
-                    row = _row(m, dataset, b, outs, secs, ttfts, tpots, tps, outs == reference)
+                    row = _row(m, dataset, b, outs, secs, ttfts, tpots, tps, outs == batch_reference)
                     row.mean_decoding_length = mean_len
                     runs.setdefault(m, []).append(row)
                     bar.update(1)
