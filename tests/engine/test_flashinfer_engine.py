@@ -50,10 +50,26 @@ def test_flashinfer_engine_against_torch_backend_and_hf(dtype, smollm2):
 
     hf, _ = load_model(None, dtype, "cuda")
     hf_out = [hf_greedy(hf, p, MAX_NEW, ignore_eos=True) for p in prompts]
+    del hf
+    hf32, _ = load_model(None, "float32", "cuda")
+    hf32_out = [hf_greedy(hf32, p, MAX_NEW, ignore_eos=True) for p in prompts]
     vs_torch = _mismatch(outs["flashinfer"], outs["torch"])
     vs_hf = _mismatch(outs["flashinfer"], hf_out)
-    for name, (rate, first) in (("the torch backend", vs_torch), ("HF greedy", vs_hf)):
-        print(f"\n{dtype}: flashinfer vs {name}: {rate:.0%} of prompts differ (mean first divergence {first:.0f})")
-    # Divergence from rounding is rare and late; a wrong mask or page table breaks almost every prompt early.
-    assert vs_torch[0] <= 0.25 and vs_torch[1] >= 8
-    assert vs_hf[0] <= 0.5 and vs_hf[1] >= 8
+    vs_fp32 = _mismatch(outs["flashinfer"], hf32_out)
+    # The format's own noise: HF in this dtype against HF in float32.
+    floor = _mismatch(hf_out, hf32_out)
+    for name, (rate, first) in (
+        ("flashinfer vs the torch backend", vs_torch),
+        ("flashinfer vs HF greedy", vs_hf),
+        ("flashinfer vs HF float32 greedy", vs_fp32),
+        ("HF greedy vs HF float32 greedy", floor),
+    ):
+        print(f"\n{dtype}: {name}: {rate:.0%} of prompts differ (mean first divergence {first:.0f})")
+    # A wrong mask or page table breaks almost every prompt within a few tokens.
+    assert vs_torch[1] >= 8 and vs_hf[1] >= 8 and vs_fp32[1] >= 8
+    # Rounding moves greedy output away from float32 by itself (in bf16 on the H100, HF's own
+    # greedy left float32's in 5 of 8 prompts): FlashInfer may not leave it much more often.
+    assert vs_fp32[0] <= floor[0] + 0.25
+    if dtype == "float16":
+        # fp16 keeps 3 more mantissa bits than bf16: near-ties are rare, so bound the rates directly.
+        assert vs_torch[0] <= 0.25 and vs_hf[0] <= 0.5
