@@ -67,9 +67,10 @@ def test_flashinfer_engine_against_torch_backend_and_hf(dtype, smollm2):
         print(f"\n{dtype}: {name}: {rate:.0%} of prompts differ (mean first divergence {first:.0f})")
     # A wrong mask or page table breaks almost every prompt within a few tokens.
     assert vs_torch[1] >= 8 and vs_hf[1] >= 8 and vs_fp32[1] >= 8
+    assert vs_hf[0] <= 0.5
     # Rounding moves greedy output away from float32 by itself (in bf16 on the H100, HF's own
     # greedy left float32's in 5 of 8 prompts): FlashInfer may not leave it much more often.
     assert vs_fp32[0] <= floor[0] + 0.25
     if dtype == "float16":
-        # fp16 keeps 3 more mantissa bits than bf16: near-ties are rare, so bound the rates directly.
-        assert vs_torch[0] <= 0.25 and vs_hf[0] <= 0.5
+        # fp16 keeps 3 more mantissa bits than bf16: near-ties are rare enough to bound this directly.
+        assert vs_torch[0] <= 0.25
