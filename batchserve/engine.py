@@ -14,7 +14,7 @@ from typing import Any
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams
-from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler, SchedulerOutput
+from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler, SchedulerOutput, StepPhases
 from batchserve.scheduler.budget import AcceptanceTracker, CostProfile, DraftBudgetPolicy
 
 logger = logging.getLogger("batchserve")
@@ -56,6 +56,18 @@ class GenerationResult:
     @property
     def tokens_per_step(self) -> float:
         return len(self.token_ids) / self.stats.steps if self.stats.steps else 0.0
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """One engine step on its way from schedule through execute to commit."""
+
+    start: float  # perf_counter() when scheduling began
+    out: SchedulerOutput = field(default_factory=lambda: SchedulerOutput((), ()))
+    result: RunnerOutput | None = None
+    schedule_error: Exception | None = None  # fails every request
+    forward_error: Exception | None = None  # fails this step's requests
+    phases: StepPhases = field(default_factory=StepPhases)
 
 
 class EngineCore:
@@ -139,6 +151,9 @@ class EngineCore:
         )
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
+        self.num_steps = 0
+        # Called after every step with its schedule and phase times (metrics, benchmarks).
+        self.step_listeners: list[Callable[[SchedulerOutput, StepPhases], None]] = []
 
     @staticmethod
     def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -222,20 +237,67 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- one step ------------------------------------------------------------------------
+    # ---- one step: schedule -> execute -> commit -------------------------------------------
+    # `step()` runs the three in a row; AsyncEngine runs `execute` in its worker thread. The
+    # PendingStep is handed from one to the next, never shared while both run.
 
-    def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+    def step(self) -> list[RequestOutput]:
+        step = self.schedule()
+        self.execute(step)
+        return self.commit(step)
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """The model forward; safe to run off the event loop (touches only runner state)."""
-        if not out.requests:
-            self.runner.release(out.finished_request_ids)
-            return RunnerOutput({}, {})
-        return self.runner.execute(out)
+    def schedule(self) -> PendingStep:
+        step = PendingStep(start=time.perf_counter())
+        try:
+            step.out = self.scheduler.schedule()
+        except Exception as e:  # commit fails every request: no stream may wait forever
+            step.schedule_error = e
+        step.phases.schedule = time.perf_counter() - step.start
+        return step
 
-    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        return [self._output(req, toks) for req, toks in self.scheduler.update(out, result)]
+    def execute(self, step: PendingStep) -> None:
+        """The forward; safe to run off the event loop (touches only runner state). Never raises."""
+        if step.schedule_error is not None:
+            return
+        try:
+            if step.out.requests:
+                step.result = self.runner.execute(step.out)
+            else:
+                self.runner.release(step.out.finished_request_ids)
+        except Exception as e:  # a failed forward fails its own requests only
+            step.forward_error = e
+
+    def commit(self, step: PendingStep) -> list[RequestOutput]:
+        """Apply a step's result on the loop thread: tokens, stops, outputs, metrics."""
+        t0 = time.perf_counter()
+        out = step.out
+        try:
+            if step.schedule_error is not None:
+                outputs = self.fail_all(step.schedule_error)
+            elif step.forward_error is not None:
+                outputs = self.fail(out, step.forward_error)
+            elif step.result is not None:
+                outputs = [self._output(req, toks) for req, toks in self.scheduler.update(out, step.result)]
+            else:
+                outputs = []
+        except Exception as e:  # never leave a stream waiting forever
+            outputs = self.fail_all(e)
+        phases = step.phases
+        if step.result is not None:
+            runner = step.result.phases
+            phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
+        end = time.perf_counter()
+        phases.commit = end - t0
+        phases.wall = end - step.start
+        if step.result is not None:
+            self.scheduler.observe_step(out, phases.wall)
+        self.num_steps += 1
+        for listener in self.step_listeners:
+            try:
+                listener(out, phases)
+            except Exception:  # metrics must never stop serving
+                logger.exception("step listener %r failed", listener)
+        return outputs
 
     def fail(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
         logger.exception("engine step failed; failing its %d requests", len(out.requests), exc_info=error)
@@ -251,28 +313,6 @@ class EngineCore:
             self.scheduler.finish(req, FinishReason.ERROR)
             outputs.append(self._output(req, [], error=message))
         return outputs
-
-    def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        out = self.schedule()
-        try:
-            result = self.execute(out)
-        except Exception as e:
-            return self.fail(out, e)
-        outputs = self.update(out, result)
-        self.observe_step_time(out, time.perf_counter() - t0)
-        return outputs
-
-    def observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
-        """Teach the draft budget policy what a whole step costs beyond the forward."""
-        policy = self.scheduler.budget_policy
-        if policy is None or not self.config.draft.learn_step_costs:
-            return
-        # Decode steps only: prompt-chunk rows need no logits and would skew the fit.
-        if not out.requests or any(len(r.token_ids) > 1 for r in out.requests):
-            return
-        context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
-        policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
 
     # ---- text ----------------------------------------------------------------------------
 
@@ -323,9 +363,14 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-step")
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.num_steps = 0
-        # Called on the event loop after every step that ran (metrics); must not raise.
-        self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+    @property
+    def step_listeners(self) -> list[Callable[[SchedulerOutput, StepPhases], None]]:
+        return self.core.step_listeners
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> AsyncEngine:
@@ -375,27 +420,15 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        core = self.core
         while True:
-            if not self.core.has_work():
+            if not core.has_work():
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            try:
-                t0 = time.perf_counter()
-                out = self.core.schedule()
-                try:
-                    result = await loop.run_in_executor(self._executor, self.core.execute, out)
-                except Exception as e:  # a failed forward fails its own requests only
-                    outputs = self.core.fail(out, e)
-                else:
-                    outputs = self.core.update(out, result)
-                    self.core.observe_step_time(out, time.perf_counter() - t0)
-            except Exception as e:  # never leave a stream waiting forever
-                outputs = self.core.fail_all(e)
-            self.num_steps += 1
-            for listener in self.step_listeners:
-                listener(out)
-            self._dispatch(outputs)
+            step = core.schedule()
+            await loop.run_in_executor(self._executor, core.execute, step)
+            self._dispatch(core.commit(step))
             await asyncio.sleep(0)  # let new requests and aborts in before the next step
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import torch
 
 from batchserve.attention.base import AttentionBackend, SeqLayout, slots_of
 from batchserve.runner.sampler import verify
-from batchserve.scheduler.output import RunnerOutput, SchedulerOutput
+from batchserve.scheduler.output import RunnerOutput, SchedulerOutput, StepPhases
 
 ATTN_IMPL = "batchserve"
 
@@ -61,6 +62,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
         self.release(out.finished_request_ids)
         bs = self.backend.block_size
         input_ids: list[int] = []
@@ -89,13 +91,17 @@ class ModelRunner:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
         keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)  # [K]
+        t1 = time.perf_counter()
         logits = self.model(
             input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, attn_metadata=metadata
         ).logits[0]  # [K, V]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the forward's phase ends when its logits exist
+        t2 = time.perf_counter()
         argmax = logits.argmax(dim=-1).tolist()  # greedy choice of every kept row, in one call
 
         emitted: dict[str, list[int]] = {}
-        num_accepted: dict[str, int] = {}
+        accepted_nodes: dict[str, list[int]] = {}
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []
         row = 0
@@ -108,7 +114,7 @@ class ModelRunner:
             tokens, accepted = verify(logits[rows], r.draft, r.params, generator, argmax[rows])
             row += 1 + n
             emitted[r.request_id] = tokens
-            num_accepted[r.request_id] = len(accepted)
+            accepted_nodes[r.request_id] = accepted
             # Compaction: accepted node i sits at logical slot base + i; it belongs at base + j.
             base = r.num_computed_tokens + len(r.token_ids)
             moves = [(base + i, base + j) for j, i in enumerate(accepted) if i != j]
@@ -118,7 +124,8 @@ class ModelRunner:
                 dst.append(slots_of(r.block_ids, self.backend.block_size, torch.tensor(d)))
         if src:
             self.backend.copy_slots(torch.cat(src), torch.cat(dst))
-        return RunnerOutput(emitted=emitted, num_accepted=num_accepted)
+        phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
+        return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self._generators.get(request_id)

@@ -1,7 +1,7 @@
 """Continuous batching and KV block bookkeeping (pure Python: no torch, no grpc)."""
 
 from batchserve.scheduler.block_allocator import BlockAllocator, NoFreeBlocksError
-from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -11,4 +11,5 @@ __all__ = [
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",
+    "StepPhases",
 ]

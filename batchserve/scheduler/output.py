@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from batchserve.draft.tree import DraftTree
 from batchserve.request import SamplingParams
@@ -43,4 +44,28 @@ class RunnerOutput:
     """What one forward produced, per request that had `sample` set."""
 
     emitted: dict[str, list[int]]  # accepted draft tokens followed by the model's own next token
-    num_accepted: dict[str, int]  # how many leading tokens of `emitted` came from the draft
+    accepted: dict[str, list[int]]  # draft node indices on the accepted path, root first (one per emitted draft token)
+    phases: StepPhases = field(default_factory=lambda: StepPhases())  # the runner's share: prepare, forward, verify
+
+
+@dataclass(slots=True)
+class StepPhases:
+    """Seconds one engine step spent in each phase; `wall` is the whole step, end to end.
+
+    schedule: batching, drafting and the draft budget; prepare: packing, slot mapping,
+    attention metadata and host-to-device copies; forward: the model (up to its logits being
+    ready); verify: token choice, tree walks and KV compaction; commit: appending tokens,
+    detokenizing, stop checks and outputs.
+    """
+
+    NAMES: ClassVar[tuple[str, ...]] = ("schedule", "prepare", "forward", "verify", "commit")
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+    wall: float = 0.0
+
+    def items(self) -> list[tuple[str, float]]:
+        return [(name, getattr(self, name)) for name in self.NAMES]

@@ -156,10 +156,11 @@ class Scheduler:
             emitted = result.emitted.get(item.request_id)
             if emitted is None:
                 continue  # a prompt chunk that does not reach the end yet
-            num_accepted = result.num_accepted[item.request_id]
+            accepted = result.accepted[item.request_id]
+            num_accepted = len(accepted)
             req.num_computed_tokens += num_accepted
             if self.budget_policy is not None:
-                self._observe_acceptance(item, emitted[:num_accepted])
+                self._observe_acceptance(item, accepted)
             req.stats.steps += 1
             req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
             req.stats.draft_tokens_accepted += num_accepted
@@ -283,21 +284,24 @@ class Scheduler:
         return max(0, min(length, remaining_out, remaining_ctx))
 
     def _observe_acceptance(self, item: ScheduledRequest, accepted: list[int]) -> None:
-        """Feed the tracker which draft ranks were on the accepted path."""
+        """Feed the tracker which draft ranks (node indices) were on the accepted path."""
         assert self.budget_policy is not None
         tracker = self.budget_policy.tracker
-        tree = item.draft
-        if tree is None:
+        if item.draft is None:
             tracker.skipped(item.request_id)
+        else:
+            tracker.observe(item.request_id, len(item.draft), accepted, item.draft.scores)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Teach the draft budget policy what a whole step costs, beyond the forward alone."""
+        policy = self.budget_policy
+        if policy is None or not self.draft_config.learn_step_costs:
             return
-        ranks: list[int] = []
-        node = -1  # the root; children[node + 1] are its children
-        for tok in accepted:
-            node = tree.children[node + 1].get(tok, -2)
-            if node < 0:
-                break  # cannot happen for a verified path; never let stats break a step
-            ranks.append(node)
-        tracker.observe(item.request_id, len(tree), ranks, tree.scores)
+        # Decode steps only: prompt-chunk rows need no logits and would skew the fit.
+        if not out.requests or any(len(r.token_ids) > 1 for r in out.requests):
+            return
+        context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
+        policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
 
     def _ensure_blocks(self, req: Request, num_slots: int) -> bool:
         need = self.allocator.blocks_for(num_slots) - len(req.block_ids)

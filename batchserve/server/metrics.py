@@ -9,11 +9,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from batchserve.engine import AsyncEngine
 from batchserve.request import RequestOutput
-from batchserve.scheduler import SchedulerOutput
+from batchserve.scheduler import SchedulerOutput, StepPhases
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 DECODING_LENGTH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -82,6 +83,13 @@ class Metrics:
             registry=r,
             buckets=STEP_TOKEN_BUCKETS,
         )
+        self.step_phase = Histogram(
+            "batchserve_step_phase_seconds",
+            "Time of one engine step in each phase (schedule, prepare, forward, verify, commit)",
+            ["phase"],
+            registry=r,
+            buckets=PHASE_BUCKETS,
+        )
         profile = engine.core.cost_profile
         if profile is not None:
             Gauge(
@@ -93,9 +101,11 @@ class Metrics:
         self.finished = Counter("batchserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter("batchserve_requests_rejected", "Requests refused before running", ["code"], registry=r)
 
-    def observe_step(self, out: SchedulerOutput) -> None:
+    def observe_step(self, out: SchedulerOutput, phases: StepPhases) -> None:
         if not out.requests:
             return
+        for name, seconds in phases.items():
+            self.step_phase.labels(name).observe(seconds)
         self.step_tokens.observe(out.num_tokens)
         for item in out.requests:
             if item.sample:

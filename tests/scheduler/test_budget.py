@@ -371,7 +371,7 @@ def test_scheduler_applies_policy_overrides_and_feeds_acceptance():
     # `auto` accepts its first two chain nodes (ranks 0 and 1): those ranks go up, rank 2 down.
     auto = drafts["auto"]
     emitted = {"auto": [10, 11, 99], "fixed": [99], "off": [99]}
-    accepted = {"auto": 2, "fixed": 0, "off": 0}
+    accepted = {"auto": [0, 1], "fixed": [], "off": []}
     before = tracker.gains("auto", 3)
     s.update(out, RunnerOutput(emitted, accepted))
     after = tracker._est["auto"]

@@ -50,7 +50,7 @@ def _fake_run(out: SchedulerOutput, accept_all: bool = False) -> RunnerOutput:
         if r.sample:
             n = len(r.draft) if (accept_all and r.draft is not None) else 0
             emitted[r.request_id] = [7] * n + [5]
-            accepted[r.request_id] = n
+            accepted[r.request_id] = list(range(n))  # a chain: node i is the i-th token
     return RunnerOutput(emitted, accepted)
 
 
