@@ -339,6 +339,9 @@ async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_l
         steps = _metric(port, "batchserve_step_tokens_count")
         assert steps >= 1 and _metric(port, "batchserve_draft_decoding_length_count") == steps
         assert _metric(port, 'batchserve_step_tokens_bucket{le="128.0"}') == steps  # never over the budget
+        for phase in ("schedule", "prepare", "forward", "verify", "commit"):  # every step times each phase
+            assert _metric(port, f'batchserve_step_phase_seconds_count{{phase="{phase}"}}') == steps, phase
+        assert _metric(port, 'batchserve_step_phase_seconds_sum{phase="forward"}') > 0
     finally:
         await running.channel.close()
         await running.server.shutdown()

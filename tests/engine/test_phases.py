@@ -1,0 +1,58 @@
+"""Step phase accounting: every step's phases are timed and add up to its wall time."""
+
+from __future__ import annotations
+
+from batchserve import SamplingParams
+from batchserve.scheduler import SchedulerOutput, StepPhases
+from tests.conftest import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from tests.engine.drafters import RandomTreeDrafter
+
+
+def _core():
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+    from batchserve.engine import EngineCore
+
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        draft=DraftConfig(decoding_length=8),
+    )
+    drafter = RandomTreeDrafter(seed=3, vocab=TINY_VOCAB, max_nodes=8)
+    return EngineCore(config, make_tiny_model(), make_tiny_tokenizer(), drafter)
+
+
+def test_phases_add_up_to_the_step_wall():
+    core = _core()
+    seen: list[tuple[SchedulerOutput, StepPhases]] = []
+    core.step_listeners.append(lambda out, phases: seen.append((out, phases)))
+    for i in range(8):
+        core.add_request([1 + i, 2, 3, 4, 5, 6] * (1 + i), SamplingParams(max_new_tokens=24, ignore_eos=True))
+    while core.has_work():
+        core.step()
+    assert len(seen) == core.num_steps >= 24
+    assert any(out.requests and any(r.draft for r in out.requests) for out, _ in seen)  # drafts were verified
+    for out, phases in seen:
+        times = dict(phases.items())
+        assert set(times) == {"schedule", "prepare", "forward", "verify", "commit"}
+        assert all(t >= 0 for t in times.values()) and phases.wall > 0
+        assert sum(times.values()) <= phases.wall * (1 + 1e-9)  # phases never overlap
+        if out.requests:
+            assert phases.forward > 0 and phases.prepare > 0 and phases.verify > 0
+    # What no phase covers (handing the step between them) is under 5% of the wall time.
+    covered = sum(sum(t for _, t in p.items()) for _, p in seen)
+    wall = sum(p.wall for _, p in seen)
+    assert covered >= 0.95 * wall, (covered, wall)
+
+
+def test_a_failing_listener_does_not_stop_the_engine():
+    core = _core()
+
+    def broken(out, phases):
+        raise RuntimeError("metrics bug")
+
+    core.step_listeners.append(broken)
+    core.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    outputs = []
+    while core.has_work():
+        outputs += core.step()
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == 5
