@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from batchserve.scheduler import SchedulerOutput, StepPhases
 from benchmarks.datasets import humaneval, sharegpt, split
 from benchmarks.simulate import encode
 
@@ -62,6 +63,10 @@ class Row:
     tpot_p99_s: float
     lossless: bool | None
     mean_decoding_length: float | None = None  # draft tokens per request step
+    # batchserve rows: engine steps, and ms per step in each phase (StepPhases.NAMES) and in all ("wall")
+    steps: int | None = None
+    phase_ms: dict[str, float] | None = None
+    overhead_ratio: float | None = None  # (step wall - forward) / step wall
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -173,6 +178,8 @@ def run_batchserve(engine_model, tokenizer, prompts, max_new, b, method, warm, d
     )
     if m.warm:
         llm.engine.drafter.warm_up(warm)
+    phases = PhaseTotals()
+    llm.engine.step_listeners.append(phases.add)
     t0 = time.perf_counter()
     results = llm.generate(prompts, SamplingParams(max_new_tokens=max_new), use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -186,7 +193,30 @@ def run_batchserve(engine_model, tokenizer, prompts, max_new, b, method, warm, d
     steps = sum(r.stats.steps for r in results)
     outputs = [r.token_ids for r in results]
     mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
-    return outputs, seconds, ttfts, tpots, sum(len(o) for o in outputs) / max(1, steps), mean_len
+    return outputs, seconds, ttfts, tpots, sum(len(o) for o in outputs) / max(1, steps), mean_len, phases
+
+
+@dataclass(slots=True)
+class PhaseTotals:
+    """Sums of the engine's step phases over a run (a step listener)."""
+
+    steps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*StepPhases.NAMES, "wall"), 0.0))
+
+    def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
+        if not out.requests:
+            return
+        self.steps += 1
+        for name, t in phases.items():
+            self.seconds[name] += t
+        self.seconds["wall"] += phases.wall
+
+    def apply(self, row: Row) -> None:
+        row.steps = self.steps
+        if self.steps:
+            row.phase_ms = {k: round(v * 1e3 / self.steps, 3) for k, v in self.seconds.items()}
+            wall = self.seconds["wall"]
+            row.overhead_ratio = round((wall - self.seconds["forward"]) / wall, 4) if wall else None
 
 
 def load_dataset(name: str, num_prompts: int, tokenizer):
@@ -273,11 +303,12 @@ def run(
                 for m in methods:
                     if m not in BATCHSERVE:
                         continue
-                    outs, secs, ttfts, tpots, tps, mean_len = run_batchserve(
+                    outs, secs, ttfts, tpots, tps, mean_len, phases = run_batchserve(
                         engine_model, tokenizer, batch_prompts, max_new, b, m, warm, decoding_length, cost_profile
                     )
                     row = _row(m, dataset, b, outs, secs, ttfts, tpots, tps, outs == batch_reference)
                     row.mean_decoding_length = mean_len
+                    phases.apply(row)
                     runs.setdefault(m, []).append(row)
                     bar.update(1)
                     bar.set_postfix_str(f"{dataset} {m} b={b}: {row.tokens_per_s} tok/s")
@@ -350,6 +381,7 @@ def write_report(
                 f"| {lossless} |"
             )
         lines.extend(adaptive_summary(rs))
+        lines.extend(phase_table(rs))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -374,6 +406,24 @@ def adaptive_summary(rows: list[Row]) -> list[str]:
             f"{ada.tokens_per_s / best.tokens_per_s:.2f}x | {ada.tokens_per_s / none.tokens_per_s:.2f}x | "
             f"{ada.mean_decoding_length or 0:.1f} |"
         )
+    return out
+
+
+def phase_table(rows: list[Row]) -> list[str]:
+    """Where a step goes: ms per engine step in each phase, and the share outside the forward."""
+    timed = [r for r in rows if r.phase_ms]
+    if not timed:
+        return []
+    names = (*StepPhases.NAMES, "wall")
+    out = [
+        "\nWhere a step goes (ms per engine step; overhead = (wall - forward) / wall):\n",
+        "| method | batch | steps | " + " | ".join(names) + " | overhead |",
+        "|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for r in sorted(timed, key=lambda r: (r.batch_size, METHODS.index(r.method))):
+        assert r.phase_ms is not None
+        cells = " | ".join(f"{r.phase_ms[n]:.2f}" for n in names)
+        out.append(f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {r.overhead_ratio:.3f} |")
     return out
 
 
