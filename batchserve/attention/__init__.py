@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from batchserve.attention.base import AttentionBackend, SeqLayout, slots_of
+from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, slots_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")
@@ -15,6 +15,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionBackend",
     "SeqLayout",
+    "StepLayout",
     "TorchReferenceBackend",
     "make_backend",
     "resolve_backend",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
+
+from batchserve.draft.tree import ancestor_mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,18 +34,107 @@ class SeqLayout:
         Chunk rows are causal over prefix + chunk; a draft node sees the prefix, the whole
         chunk (its root is the chunk's last token), its ancestors and itself.
         """
-        p, c, n = self.num_cached, self.num_chunk, len(self.draft_parents)
-        mask = torch.zeros(c + n, p + c + n, dtype=torch.bool)
-        mask[:, :p] = True
-        mask[:c, p : p + c] = torch.ones(c, c, dtype=torch.bool).tril_()
-        if n:
-            mask[c:, p : p + c] = True
-            tree = mask[c:, p + c :]  # [n, n] view: ancestor-or-self
-            for i, parent in enumerate(self.draft_parents):
-                if parent is not None:
-                    tree[i] = tree[parent]
-                tree[i, i] = True
+        alone = StepLayout.from_seqs([replace(self, q_start=0)])
+        return torch.from_numpy(alone.flat_masks().reshape(self.q_len, self.kv_len))
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """The whole packed step as host arrays: what every backend plans from.
+
+    Request i owns rows [qo_indptr[i], qo_indptr[i + 1]): first its `num_chunk` committed
+    tokens (causal among themselves), then its draft nodes (a tree hanging off the last chunk
+    token). Every row sees the request's `num_cached` prefix slots.
+    """
+
+    qo_indptr: np.ndarray  # [B + 1] int64
+    num_cached: np.ndarray  # [B] int64: K/V slots filled before this step
+    num_chunk: np.ndarray  # [B] int64: committed tokens computed this step
+    num_blocks: np.ndarray  # [B] int64: length of each request's block table
+    block_table: np.ndarray  # [B, W] int64: block tables (W >= max num_blocks; entries past num_blocks unused)
+    tree_masks: tuple[np.ndarray | None, ...]  # per request: its draft's [n, n] ancestor-or-self mask
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_cached)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def q_len(self) -> np.ndarray:  # [B]
+        return np.diff(self.qo_indptr)
+
+    @property
+    def kv_len(self) -> np.ndarray:  # [B]: keys each request's rows may see (prefix + this step)
+        return self.num_cached + self.q_len
+
+    @classmethod
+    def from_seqs(cls, seqs: list[SeqLayout]) -> StepLayout:
+        """The same step from per-request layouts (which must be packed back to back)."""
+        qo = [0]
+        for s in seqs:
+            if s.q_start != qo[-1]:
+                raise ValueError(f"requests must be packed back to back: row {s.q_start}, expected {qo[-1]}")
+            qo.append(qo[-1] + s.q_len)
+        width = max((len(s.block_ids) for s in seqs), default=0)
+        table = np.zeros((len(seqs), max(1, width)), np.int64)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.block_ids)] = s.block_ids
+        return cls(
+            qo_indptr=np.array(qo, np.int64),
+            num_cached=np.array([s.num_cached for s in seqs], np.int64),
+            num_chunk=np.array([s.num_chunk for s in seqs], np.int64),
+            num_blocks=np.array([len(s.block_ids) for s in seqs], np.int64),
+            block_table=table,
+            tree_masks=tuple(ancestor_mask(s.draft_parents) if s.draft_parents else None for s in seqs),
+        )
+
+    def step_mask(self, i: int) -> np.ndarray:
+        """[q_len, q_len] bool: which of this step's own tokens request i's rows may see."""
+        c, q = int(self.num_chunk[i]), int(self.qo_indptr[i + 1] - self.qo_indptr[i])
+        mask = np.zeros((q, q), dtype=bool)
+        mask[:c, :c] = np.tri(c, dtype=bool)
+        mask[c:, :c] = True  # draft nodes see the whole chunk (its last token is their root)
+        tree = self.tree_masks[i]
+        if tree is not None:
+            mask[c:, c:] = tree
         return mask
+
+    def padded_masks(self, idx: np.ndarray, max_q: int, max_kv: int) -> np.ndarray:
+        """[len(idx), max_q, max_kv] bool masks of requests `idx`; padding rows and keys are False."""
+        p, c, q = self.num_cached[idx], self.num_chunk[idx], self.q_len[idx]
+        rows = np.arange(max_q)[None, :, None]
+        keys = np.arange(max_kv)[None, None, :]
+        # Prefix for every row; the chunk causally; draft rows see the whole chunk.
+        seen = p[:, None, None] + np.minimum(rows, c[:, None, None] - 1) + 1
+        mask = (rows < q[:, None, None]) & (keys < seen)
+        for k, i in enumerate(idx.tolist()):
+            if self.tree_masks[i] is not None:  # only drafts need more than the formula
+                start = int(p[k])
+                mask[k, : q[k], start : start + q[k]] = self.step_mask(i)
+        return mask
+
+    def flat_masks(self) -> np.ndarray:
+        """[sum q_len * kv_len] bool: every request's [q_len, kv_len] mask, row-major, back to back."""
+        q, kv = self.q_len, self.kv_len
+        sizes = q * kv
+        flat = np.ones(int(sizes.sum()), dtype=bool)
+        offsets = np.concatenate(([0], np.cumsum(sizes)))
+        for i in np.flatnonzero(q > 1).tolist():  # single rows see everything: all True already
+            view = flat[offsets[i] : offsets[i + 1]].reshape(q[i], kv[i])
+            view[:, self.num_cached[i] :] = self.step_mask(i)
+        return flat
+
+    def kv_slots(self, idx: np.ndarray, max_kv: int, block_size: int) -> np.ndarray:
+        """[len(idx), max_kv] int64 pool slots of keys 0..kv_len of requests `idx` (padding: slot 0)."""
+        keys = np.arange(max_kv)
+        table = self.block_table[idx]
+        pages = np.minimum(keys // block_size, table.shape[1] - 1)
+        slots = table[:, pages] * block_size + keys % block_size
+        slots[keys[None, :] >= self.kv_len[idx][:, None]] = 0
+        return slots
 
 
 def slots_of(block_ids: tuple[int, ...] | list[int], block_size: int, positions: torch.Tensor) -> torch.Tensor:
@@ -58,7 +150,7 @@ class AttentionBackend(ABC):
     num_blocks: int  # blocks in the pool
 
     @abstractmethod
-    def build_metadata(self, seqs: list[SeqLayout], num_tokens: int, slot_mapping: torch.Tensor) -> Any:
+    def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> Any:
         """Per-step metadata, built once and shared by every layer.
 
         `slot_mapping` [num_tokens] gives the pool slot each new token's K/V is written to.

@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from batchserve.attention.base import AttentionBackend, SeqLayout
+from batchserve.attention.base import AttentionBackend, StepLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
 
@@ -34,27 +35,22 @@ class PagedPlan:
     custom_mask: torch.Tensor  # [sum q_len_i * kv_len_i] bool: each request's [q_len, kv_len] mask, row-major
 
 
-def build_plan(seqs: list[SeqLayout], page_size: int) -> PagedPlan:
-    """The page table and flattened masks of a packed step; requests in packing order."""
-    qo, kv, indices, last, masks = [0], [0], [], [], []
-    for s in seqs:
-        if s.q_start != qo[-1]:
-            raise ValueError(f"requests must be packed back to back: row {s.q_start}, expected {qo[-1]}")
-        num_pages = -(-s.kv_len // page_size)
-        if num_pages > len(s.block_ids):
-            raise ValueError(f"{s.kv_len} KV slots need {num_pages} pages, the block table has {len(s.block_ids)}")
-        qo.append(qo[-1] + s.q_len)
-        kv.append(kv[-1] + num_pages)
-        indices.extend(s.block_ids[:num_pages])
-        last.append(s.kv_len - (num_pages - 1) * page_size)
-        masks.append(s.mask().reshape(-1))
-    i32 = torch.int32
+def build_plan(step: StepLayout, page_size: int) -> PagedPlan:
+    """The page table and flattened masks of a packed step, in a few array operations."""
+    kv_len = step.kv_len
+    num_pages = -(-kv_len // page_size)  # [B]
+    short = np.flatnonzero(num_pages > step.num_blocks)
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"{kv_len[i]} KV slots need {num_pages[i]} pages, the block table has {step.num_blocks[i]}")
+    used = np.arange(step.block_table.shape[1])[None, :] < num_pages[:, None]  # [B, W]
+    as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
     return PagedPlan(
-        qo_indptr=torch.tensor(qo, dtype=i32),
-        kv_indptr=torch.tensor(kv, dtype=i32),
-        kv_indices=torch.tensor(indices, dtype=i32),
-        kv_last_page_len=torch.tensor(last, dtype=i32),
-        custom_mask=torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool),
+        qo_indptr=as32(step.qo_indptr),
+        kv_indptr=as32(np.concatenate(([0], np.cumsum(num_pages)))),
+        kv_indices=as32(step.block_table[used]),  # row-major: each request's pages in logical order
+        kv_last_page_len=as32(kv_len - (num_pages - 1) * page_size),
+        custom_mask=torch.from_numpy(step.flat_masks()),
     )
 
 
@@ -107,8 +103,8 @@ class FlashInferBackend(AttentionBackend):
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
 
-    def build_metadata(self, seqs: list[SeqLayout], num_tokens: int, slot_mapping: torch.Tensor) -> FlashInferMetadata:
-        plan = build_plan(seqs, self.block_size)
+    def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> FlashInferMetadata:
+        plan = build_plan(step, self.block_size)
         dev = self.device
         # Planned once per step; every layer's run() reuses it.
         self._wrapper.plan(
@@ -127,7 +123,7 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
-        return FlashInferMetadata(self, slot_mapping.to(dev), num_tokens)
+        return FlashInferMetadata(self, slot_mapping.to(dev), step.num_tokens)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, scale: float

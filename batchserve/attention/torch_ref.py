@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchserve.attention.base import AttentionBackend, SeqLayout, slots_of
+from batchserve.attention.base import AttentionBackend, StepLayout
 
 # Cost model for splitting a step's requests into padded SDPA batches, in units of one
 # (query row, key) pair: gathering a key from the pool costs about GATHER_COST pairs, and each
@@ -16,8 +17,8 @@ GATHER_COST = 2.0
 BATCH_COST = 2048.0
 
 
-def partition(seqs: list[SeqLayout]) -> list[list[SeqLayout]]:
-    """Split requests into padded batches that minimize the modeled work.
+def partition(q_len: np.ndarray, kv_len: np.ndarray) -> list[np.ndarray]:
+    """Split requests (by index) into padded batches that minimize the modeled work.
 
     Requests sorted by rows are cut into runs; a run's padded work is its size times its
     longest KV times (its most rows + GATHER_COST). Cuts go only between distinct row counts,
@@ -25,17 +26,18 @@ def partition(seqs: list[SeqLayout]) -> list[list[SeqLayout]]:
     One long prompt chunk thus never pads every decode row to its size, and a few requests
     with deep drafts do not pad the many without.
     """
-    if not seqs:
+    if not len(q_len):
         return []
-    order = sorted(seqs, key=lambda s: s.q_len)
+    order = np.argsort(q_len, kind="stable")
+    q, kv = q_len[order].tolist(), kv_len[order].tolist()
     # Runs of equal row count: run r is order[starts[r] : starts[r + 1]].
-    starts = [0] + [i for i in range(1, len(order)) if order[i].q_len != order[i - 1].q_len] + [len(order)]
+    starts = [0] + [i for i in range(1, len(q)) if q[i] != q[i - 1]] + [len(q)]
     num_runs = len(starts) - 1
-    run_kv = [max(s.kv_len for s in order[starts[r] : starts[r + 1]]) for r in range(num_runs)]
+    run_kv = [max(kv[starts[r] : starts[r + 1]]) for r in range(num_runs)]
     best = [0.0] + [float("inf")] * num_runs  # best[k]: cheapest split of runs [0, k)
     cut = [0] * (num_runs + 1)  # the first run of the last batch in that split
     for k in range(1, num_runs + 1):
-        max_q, max_kv = order[starts[k] - 1].q_len, 0
+        max_q, max_kv = q[starts[k] - 1], 0
         for j in range(k - 1, -1, -1):  # last batch = runs [j, k)
             max_kv = max(max_kv, run_kv[j])
             cost = best[j] + BATCH_COST + (starts[k] - starts[j]) * max_kv * (max_q + GATHER_COST)
@@ -86,30 +88,27 @@ class TorchReferenceBackend(AttentionBackend):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.device = torch.device(device)
 
-    def build_metadata(self, seqs: list[SeqLayout], num_tokens: int, slot_mapping: torch.Tensor) -> TorchMetadata:
-        groups = tuple(self._group(g) for g in partition(seqs))
-        return TorchMetadata(self, slot_mapping.to(self.device), groups, num_tokens)
+    def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> TorchMetadata:
+        q_len, kv_len = step.q_len, step.kv_len
+        groups = tuple(self._group(step, idx, q_len, kv_len) for idx in partition(q_len, kv_len))
+        return TorchMetadata(self, slot_mapping.to(self.device), groups, step.num_tokens)
 
-    def _group(self, seqs: list[SeqLayout]) -> _Group:
-        b = len(seqs)
-        max_q = max(s.q_len for s in seqs)
-        max_kv = max(s.kv_len for s in seqs)
-        kv_slots = torch.zeros(b, max_kv, dtype=torch.long)
-        q_rows = torch.zeros(b, max_q, dtype=torch.long)
-        mask = torch.zeros(b, 1, max_q, max_kv, dtype=torch.bool)
-        mask[:, :, :, 0] = True  # padding rows see one (ignored) key, so softmax stays finite
-        out_rows, valid = [], []
-        for i, s in enumerate(seqs):
-            kv_slots[i, : s.kv_len] = slots_of(s.block_ids, self.block_size, torch.arange(s.kv_len))
-            rows = torch.arange(s.q_start, s.q_start + s.q_len)
-            q_rows[i, : s.q_len] = rows
-            mask[i, 0, : s.q_len, :] = False
-            mask[i, 0, : s.q_len, : s.kv_len] = s.mask()
-            out_rows.append(rows)
-            valid.append(torch.arange(i * max_q, i * max_q + s.q_len))
+    def _group(self, step: StepLayout, idx: np.ndarray, q_len: np.ndarray, kv_len: np.ndarray) -> _Group:
+        q = q_len[idx]
+        max_q, max_kv = int(q.max()), int(kv_len[idx].max())
+        offsets = np.arange(max_q)
+        valid = offsets[None, :] < q[:, None]  # [B, max_q]
+        q_rows = np.where(valid, step.qo_indptr[idx][:, None] + offsets, 0)  # padding repeats row 0
+        mask = step.padded_masks(idx, max_q, max_kv)
+        mask[:, :, 0] |= ~valid  # padding rows see one (ignored) key, so softmax stays finite
+        flat_valid = np.flatnonzero(valid)
         dev = self.device
         return _Group(
-            kv_slots.to(dev), q_rows.to(dev), mask.to(dev), torch.cat(out_rows).to(dev), torch.cat(valid).to(dev)
+            kv_slots=torch.from_numpy(step.kv_slots(idx, max_kv, self.block_size)).to(dev),
+            q_rows=torch.from_numpy(q_rows).to(dev),
+            mask=torch.from_numpy(mask).unsqueeze(1).to(dev),
+            out_rows=torch.from_numpy(q_rows.reshape(-1)[flat_valid]).to(dev),
+            valid=torch.from_numpy(flat_valid).to(dev),
         )
 
     def forward(

@@ -2,7 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def ancestor_mask(parents: Sequence[int | None]) -> np.ndarray:
+    """[n, n] bool: row i is True at node i's ancestors (the root excluded) and at i itself.
+
+    Nodes are in topological order; one vectorized pass per tree level, not one per node.
+    """
+    n = len(parents)
+    mask = np.eye(n, dtype=bool)
+    depth: list[int] = []
+    for q in parents:  # parents precede children
+        depth.append(0 if q is None else depth[q] + 1)
+    if n:
+        par = np.array([-1 if q is None else q for q in parents], dtype=np.int64)
+        levels = np.array(depth)
+        for d in range(1, max(depth) + 1):
+            rows = np.flatnonzero(levels == d)
+            mask[rows] |= mask[par[rows]]
+    return mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +46,7 @@ class DraftTree:
     depths: tuple[int, ...] = field(init=False)  # root children have depth 1
     children: tuple[dict[int, int], ...] = field(init=False)  # per node (+1 for the root): token -> child
     # children[0] is the root's; children[i + 1] is node i's.
+    _mask: Any = field(init=False, default=None, repr=False, compare=False)  # ancestor_mask, built on first use
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -46,6 +70,13 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def mask(self) -> np.ndarray:
+        """[n, n] bool ancestor-or-self mask: what each node may attend to within the tree."""
+        if self._mask is None:
+            object.__setattr__(self, "_mask", ancestor_mask(self.parents))
+        return self._mask
 
     @classmethod
     def chain(cls, tokens: list[int] | tuple[int, ...]) -> DraftTree:

@@ -6,9 +6,11 @@ import random
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from batchserve.attention.base import AttentionBackend, SeqLayout, slots_of
+from batchserve.attention.base import AttentionBackend
+from batchserve.runner.batch import BlockTables, pack
 from batchserve.runner.sampler import verify
 from batchserve.scheduler.output import RunnerOutput, SchedulerOutput, StepPhases
 
@@ -55,77 +57,60 @@ class ModelRunner:
         self.backend = backend
         self.device = next(model.parameters()).device
         self._generators: dict[str, torch.Generator] = {}
+        self._tables = BlockTables()
 
     def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._tables.release(rid)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         self.release(out.finished_request_ids)
         bs = self.backend.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[SeqLayout] = []
-        slot_parts: list[torch.Tensor] = []
-        keep_rows: list[int] = []  # rows whose logits we need, request by request
-        for r in out.requests:
-            p, c = r.num_computed_tokens, len(r.token_ids)
-            draft = r.draft
-            n = len(draft) if draft is not None else 0
-            q_start = len(input_ids)
-            input_ids.extend(r.token_ids)
-            positions.extend(range(p, p + c))
-            if draft is not None:
-                input_ids.extend(draft.tokens)
-                # RoPE position of a node is its depth below the root (the chunk's last token).
-                positions.extend(p + c - 1 + d for d in draft.depths)
-            seqs.append(SeqLayout(q_start, c + n, p, c, draft.parents if draft else (), r.block_ids))
-            slot_parts.append(slots_of(r.block_ids, bs, torch.arange(p, p + c + n)))
-            if r.sample:
-                keep_rows.extend(range(q_start + c - 1, q_start + c + n))
-
-        num_tokens = len(input_ids)
-        metadata = self.backend.build_metadata(seqs, num_tokens, torch.cat(slot_parts))
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, T]
-        pos = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
-        keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)  # [K]
+        step = pack(out.requests, self._tables, bs)
+        ids, pos, slots, keep = self._to_device(step.input_ids, step.positions, step.slot_mapping, step.keep)
+        metadata = self.backend.build_metadata(step.layout, slots)
         t1 = time.perf_counter()
         logits = self.model(
-            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, attn_metadata=metadata
+            input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep, attn_metadata=metadata
         ).logits[0]  # [K, V]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the forward's phase ends when its logits exist
         t2 = time.perf_counter()
-        argmax = logits.argmax(dim=-1).tolist()  # greedy choice of every kept row, in one call
+        argmax = logits.argmax(dim=-1).tolist()  # greedy choice of every kept row: one device-to-host copy
 
         emitted: dict[str, list[int]] = {}
         accepted_nodes: dict[str, list[int]] = {}
-        src: list[torch.Tensor] = []
-        dst: list[torch.Tensor] = []
-        row = 0
-        for r in out.requests:
+        moves: list[tuple[int, int, int]] = []  # (request, from KV index, to KV index)
+        for i, r in enumerate(out.requests):
             if not r.sample:
                 continue
-            n = len(r.draft) if r.draft is not None else 0
-            rows = slice(row, row + 1 + n)
+            row = int(step.logit_start[i])
+            rows = slice(row, row + 1 + (len(r.draft) if r.draft is not None else 0))
             generator = None if r.params.greedy else self._generator(r.request_id, r.params.seed)
             tokens, accepted = verify(logits[rows], r.draft, r.params, generator, argmax[rows])
-            row += 1 + n
             emitted[r.request_id] = tokens
             accepted_nodes[r.request_id] = accepted
-            # Compaction: accepted node i sits at logical slot base + i; it belongs at base + j.
+            # Compaction: accepted node i sits at KV index base + i; it belongs at base + j.
             base = r.num_computed_tokens + len(r.token_ids)
-            moves = [(base + i, base + j) for j, i in enumerate(accepted) if i != j]
-            if moves:
-                s, d = zip(*moves)
-                src.append(slots_of(r.block_ids, self.backend.block_size, torch.tensor(s)))
-                dst.append(slots_of(r.block_ids, self.backend.block_size, torch.tensor(d)))
-        if src:
-            self.backend.copy_slots(torch.cat(src), torch.cat(dst))
+            moves.extend((i, base + node, base + j) for j, node in enumerate(accepted) if node != j)
+        if moves:
+            req, src, dst = (np.array(m, np.int64) for m in zip(*moves))
+            table = step.layout.block_table
+            to_slot = lambda kv: table[req, kv // bs] * bs + kv % bs  # noqa: E731
+            self.backend.copy_slots(torch.from_numpy(to_slot(src)), torch.from_numpy(to_slot(dst)))
         phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
         return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases)
+
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Host int64 arrays as device tensors: zero-copy on CPU, one pinned copy on CUDA."""
+        if self.device.type == "cpu":
+            return [torch.from_numpy(a) for a in arrays]
+        host = torch.from_numpy(np.concatenate(arrays)).pin_memory()
+        flat = host.to(self.device, non_blocking=True)
+        return list(flat.split([len(a) for a in arrays]))
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self._generators.get(request_id)

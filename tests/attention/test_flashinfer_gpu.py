@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from batchserve.attention import TorchReferenceBackend
+from batchserve.attention import StepLayout, TorchReferenceBackend
 from tests.attention.layouts import blocks_needed, random_step, slot_mapping
 
 pytestmark = [
@@ -50,8 +50,9 @@ def test_flashinfer_matches_the_reference(block_size, num_heads, num_kv_heads, h
     )
     slots = slot_mapping(seqs, block_size)
     scale = head_dim**-0.5
-    expected = ref.forward(layer, q.float(), k.float(), v.float(), ref.build_metadata(seqs, total, slots), scale)
-    got = fi.forward(layer, q, k, v, fi.build_metadata(seqs, total, slots), scale)
+    step = StepLayout.from_seqs(seqs)
+    expected = ref.forward(layer, q.float(), k.float(), v.float(), ref.build_metadata(step, slots), scale)
+    got = fi.forward(layer, q, k, v, fi.build_metadata(step, slots), scale)
     assert got.shape == expected.shape == (1, total, num_heads, head_dim)
     rel = ((got.float() - expected).norm() / expected.norm()).item()
     assert rel < 1e-2, rel

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchserve.attention import SeqLayout, TorchReferenceBackend, make_backend, resolve_backend
+from batchserve.attention import SeqLayout, StepLayout, TorchReferenceBackend, make_backend, resolve_backend
 from batchserve.attention.flashinfer_backend import FlashInferBackend, PagedPlan, build_plan
 from tests.attention.layouts import blocks_needed, random_step, slot_mapping
 
@@ -59,9 +59,10 @@ def test_plan_read_as_flashinfer_reads_it_matches_the_reference(block_size, num_
     k = torch.randn(1, num_kv_heads, total, head_dim)
     v = torch.randn(1, num_kv_heads, total, head_dim)
     scale = head_dim**-0.5
-    expected = ref.forward(layer, q, k, v, ref.build_metadata(seqs, total, slot_mapping(seqs, block_size)), scale)
+    step = StepLayout.from_seqs(seqs)
+    expected = ref.forward(layer, q, k, v, ref.build_metadata(step, slot_mapping(seqs, block_size)), scale)
 
-    plan = build_plan(seqs, block_size)
+    plan = build_plan(step, block_size)
     assert all(t.dtype == torch.int32 for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len))
     assert plan.qo_indptr[-1].item() == total
     assert ((plan.kv_last_page_len >= 1) & (plan.kv_last_page_len <= block_size)).all()
@@ -72,10 +73,14 @@ def test_plan_read_as_flashinfer_reads_it_matches_the_reference(block_size, num_
     torch.testing.assert_close(got.unsqueeze(0), expected, atol=1e-5, rtol=1e-5)
 
 
+def build_plan_of(seqs: list[SeqLayout], page_size: int) -> PagedPlan:
+    return build_plan(StepLayout.from_seqs(seqs), page_size)
+
+
 def test_plan_of_one_request_spells_out_its_pages_and_mask():
     # 5 cached + 1 chunk token + a 2-node chain: kv_len 8 over pages of 3 -> 3 pages, last holds 2.
     s = SeqLayout(q_start=0, q_len=3, num_cached=5, num_chunk=1, draft_parents=(None, 0), block_ids=(9, 4, 7, 2))
-    plan = build_plan([s], page_size=3)
+    plan = build_plan_of([s], page_size=3)
     assert plan.qo_indptr.tolist() == [0, 3] and plan.kv_indptr.tolist() == [0, 3]
     assert plan.kv_indices.tolist() == [9, 4, 7] and plan.kv_last_page_len.tolist() == [2]
     rows = plan.custom_mask.view(3, 8).int().tolist()
@@ -89,9 +94,9 @@ def test_plan_of_one_request_spells_out_its_pages_and_mask():
 def test_plan_refuses_unpacked_rows_and_short_block_tables():
     a = SeqLayout(0, 2, 0, 2, (), (0,))
     with pytest.raises(ValueError, match="packed"):
-        build_plan([a, SeqLayout(3, 1, 0, 1, (), (1,))], page_size=4)
+        build_plan_of([a, SeqLayout(3, 1, 0, 1, (), (1,))], page_size=4)
     with pytest.raises(ValueError, match="pages"):
-        build_plan([SeqLayout(0, 1, 8, 1, (), (0,))], page_size=4)
+        build_plan_of([SeqLayout(0, 1, 8, 1, (), (0,))], page_size=4)
 
 
 def test_backend_choice_on_this_machine():

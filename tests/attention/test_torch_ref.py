@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from batchserve.attention import SeqLayout, TorchReferenceBackend, slots_of
-from batchserve.attention.torch_ref import BATCH_COST, GATHER_COST, partition
+from batchserve.attention import SeqLayout, StepLayout, TorchReferenceBackend, slots_of
+from batchserve.attention.torch_ref import BATCH_COST, GATHER_COST
+from batchserve.attention.torch_ref import partition as partition_indices
 from tests.engine.drafters import random_tree
 
 
@@ -74,7 +76,7 @@ def test_reference_matches_naive_dense(block_size, num_heads, num_kv_heads, seed
     k = torch.randn(1, num_kv_heads, total, head_dim)
     v = torch.randn(1, num_kv_heads, total, head_dim)
     slot_mapping = torch.cat([slots_of(s.block_ids, block_size, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
-    meta = backend.build_metadata(seqs, total, slot_mapping)
+    meta = backend.build_metadata(StepLayout.from_seqs(seqs), slot_mapping)
     out = backend.forward(layer, q, k, v, meta, scale=head_dim**-0.5)  # [1, T, Hq, D]
     assert out.shape == (1, total, num_heads, head_dim)
 
@@ -117,6 +119,11 @@ def test_copy_slots_moves_every_layer():
 
 def _modeled_cost(groups: list[list[SeqLayout]]) -> float:
     return sum(BATCH_COST + len(g) * max(s.kv_len for s in g) * (max(s.q_len for s in g) + GATHER_COST) for g in groups)
+
+
+def partition(seqs: list[SeqLayout]) -> list[list[SeqLayout]]:
+    q, kv = np.array([s.q_len for s in seqs], np.int64), np.array([s.kv_len for s in seqs], np.int64)
+    return [[seqs[i] for i in group] for group in partition_indices(q, kv)]
 
 
 def _layout(q_len: int, kv_len: int) -> SeqLayout:
