@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--methods",
         default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
-        help="comma-separated: hf, hf-prompt-lookup, hf-batch, none, llma, parallel, lookahead, lookahead-cold",
+        help="comma-separated: hf, hf-static (static cache + compiled forward), hf-prompt-lookup, hf-batch, none, "
+        "llma, parallel, lookahead, lookahead-cold, lookahead-4|16|64, lookahead-adaptive",
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--decoding-length", type=int, default=16)

@@ -20,7 +20,8 @@ from batchserve.scheduler import SchedulerOutput, StepPhases
 from benchmarks.datasets import humaneval, sharegpt, split
 from benchmarks.simulate import encode
 
-PEERS = ("hf", "hf-prompt-lookup", "hf-batch")
+PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch")
+SINGLE = ("hf", "hf-static", "hf-prompt-lookup")  # peers that run one prompt at a time (batch 1)
 FIXED_LENGTHS = (4, 16, 64)
 ADAPTIVE_CAP = 64  # lookahead-adaptive: the per-request cap on draft tokens
 
@@ -111,14 +112,36 @@ class _FirstTokenTimer:
         pass
 
 
-def run_hf(model, prompts: list[list[int]], max_new: int, eos: int, lookup: int | None, desc: str):
+def static_cache_kwargs(model, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """HF `generate` at its fastest: a static KV cache sized once for every prompt (so shapes
+    recur) and a compiled forward (CUDA graphs on a GPU, inductor on a CPU)."""
+    from transformers import CompileConfig
+
+    cuda = model.device.type == "cuda"
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    return {
+        "cache_implementation": "static",
+        "max_cache_len": max(map(len, prompts)) + max_new,
+        "compile_config": config,
+    }
+
+
+def run_hf(model, prompts: list[list[int]], max_new: int, eos: int, lookup: int | None, desc: str, static=False):
     outputs, ttfts, tpots = [], [], []
+    kwargs: dict[str, Any] = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if static:
+        kwargs.update(static_cache_kwargs(model, prompts, max_new))
+        t0 = time.perf_counter()
+        with torch.no_grad():  # compile (and capture) outside the timed run
+            x = torch.tensor([prompts[0]], device=model.device)
+            model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, **kwargs)
+        tqdm.write(f"{desc}: compiled in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
     for ids in tqdm(prompts, desc=desc, leave=False):
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         timer = _FirstTokenTimer()
         start = time.perf_counter()
-        kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
         with torch.no_grad():
             out = model.generate(
                 x,
@@ -272,8 +295,7 @@ def run(
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     rows: list[Row] = []
     total = len(datasets) * (
-        sum(m in ("hf", "hf-prompt-lookup") for m in methods)
-        + len(batch_sizes) * sum(m not in ("hf", "hf-prompt-lookup") for m in methods) * repeats
+        sum(m in SINGLE for m in methods) + len(batch_sizes) * sum(m not in SINGLE for m in methods) * repeats
     )
     bar = tqdm(total=total, desc="bench", unit="run")
     for dataset in datasets:
@@ -286,6 +308,12 @@ def run(
         if len(prompts) > num_prompts:
             rest = run_hf(ref_model, prompts[num_prompts:], max_new, eos, None, f"{dataset} reference")[0]
             reference = reference + rest
+        if "hf-static" in methods:
+            outs, secs, ttfts, tpots = run_hf(
+                ref_model, prompts[:num_prompts], max_new, eos, None, f"{dataset} hf-static", static=True
+            )
+            rows.append(_row("hf-static", dataset, 1, outs, secs, ttfts, tpots, 1.0, outs == reference[:num_prompts]))
+            bar.update(1)
         if "hf-prompt-lookup" in methods:
             outs, secs, ttfts, tpots = run_hf(
                 ref_model, prompts[:num_prompts], max_new, eos, 10, f"{dataset} hf-prompt-lookup"
@@ -349,7 +377,7 @@ def write_report(
     if waves:
         prompts = (
             f"max({num_prompts}, {waves} x batch) prompts per dataset and batch size, so the loop stays full "
-            f"(the hf and hf-prompt-lookup rows: the first {num_prompts})"
+            f"(the {', '.join(SINGLE)} rows: the first {num_prompts})"
         )
     lines = [
         f"# batchserve benchmark\n\n{prompts}, {max_new} new tokens, greedy, "

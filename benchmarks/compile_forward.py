@@ -154,7 +154,8 @@ def bench_steps(model: Any, variants: Variants, names: list[str], repeats: int) 
     print(f"{'rows':22s}" + "".join(f"{n:>22s}" for n in names))
     for label in steps:
         base = lower_quartile(times["eager", label])
-        cells = [f"{lower_quartile(times[n, label]):9.1f} ({base / lower_quartile(times[n, label]):4.2f}x)" for n in names]
+        lq = [lower_quartile(times[n, label]) for n in names]
+        cells = [f"{t:9.1f} ({base / t:4.2f}x)" for t in lq]
         print(f"{label:22s}" + "".join(f"{x:>22s}" for x in cells))
     print("\nlogits vs eager:")
     for (name, label), msg in checks.items():
@@ -165,7 +166,7 @@ def check_generate(model: Any, tok: Any, variants: Variants, names: list[str], r
     from batchserve import LLM, SamplingParams
 
     llm = LLM(draft="none", hf_model=model, tokenizer=tok, kv_cache_memory_gb=0.25)
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=32)
     print("\ngreedy LLM(draft='none') vs HF generate, 4 prompts x 32 tokens:")
     for name in names:
         variants.use(name)  # after LLM(): it registered the plain attention hook
@@ -179,7 +180,9 @@ def hf_reference(model: Any, tok: Any) -> list[list[int]]:
     for p in PROMPTS:
         x = torch.tensor([tok(p).input_ids])
         with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32, min_new_tokens=32)
+            y = model.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32, pad_token_id=tok.eos_token_id
+            )
         out.append(y[0, x.shape[1] :].tolist())
     return out
 
