@@ -35,6 +35,10 @@ class PagedPlan:
     custom_mask: torch.Tensor  # [sum q_len_i * kv_len_i] bool: each request's [q_len, kv_len] mask, row-major
 
 
+def _int32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
 def build_plan(step: StepLayout, page_size: int) -> PagedPlan:
     """The page table and flattened masks of a packed step, in a few array operations."""
     kv_len = step.kv_len
@@ -44,12 +48,11 @@ def build_plan(step: StepLayout, page_size: int) -> PagedPlan:
         i = int(short[0])
         raise ValueError(f"{kv_len[i]} KV slots need {num_pages[i]} pages, the block table has {step.num_blocks[i]}")
     used = np.arange(step.block_table.shape[1])[None, :] < num_pages[:, None]  # [B, W]
-    as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
     return PagedPlan(
-        qo_indptr=as32(step.qo_indptr),
-        kv_indptr=as32(np.concatenate(([0], np.cumsum(num_pages)))),
-        kv_indices=as32(step.block_table[used]),  # row-major: each request's pages in logical order
-        kv_last_page_len=as32(kv_len - (num_pages - 1) * page_size),
+        qo_indptr=_int32(step.qo_indptr),
+        kv_indptr=_int32(np.concatenate(([0], np.cumsum(num_pages)))),
+        kv_indices=_int32(step.block_table[used]),  # row-major: each request's pages in logical order
+        kv_last_page_len=_int32(kv_len - (num_pages - 1) * page_size),
         custom_mask=torch.from_numpy(step.flat_masks()),
     )
 

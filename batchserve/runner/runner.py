@@ -11,10 +11,11 @@ import torch
 
 from batchserve.attention.base import AttentionBackend
 from batchserve.runner.batch import BlockTables, pack
-from batchserve.runner.sampler import verify
+from batchserve.runner.sampler import SampledRows, choose_tokens, verify
 from batchserve.scheduler.output import RunnerOutput, SchedulerOutput, StepPhases
 
 ATTN_IMPL = "batchserve"
+UNIFORM_CHUNK = 64  # uniforms drawn at a time from a sampling request's generator
 
 
 def _attention(
@@ -43,6 +44,12 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPL, lambda *args, **kwargs: None)
 
 
+def _slots(block_tables: np.ndarray, kv_index: np.ndarray, block_size: int) -> np.ndarray:
+    """[M] pool slots of KV indices [M], each in its own block table [M, W]."""
+    blocks = np.take_along_axis(block_tables, (kv_index // block_size)[:, None], axis=1)[:, 0]
+    return blocks * block_size + kv_index % block_size
+
+
 class ModelRunner:
     """Owns the model, the attention backend (and with it the KV pool) and per-request RNGs.
 
@@ -57,11 +64,13 @@ class ModelRunner:
         self.backend = backend
         self.device = next(model.parameters()).device
         self._generators: dict[str, torch.Generator] = {}
+        self._uniforms: dict[str, list[float]] = {}  # drawn but not yet used, per sampling request
         self._tables = BlockTables()
 
     def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._uniforms.pop(rid, None)
             self._tables.release(rid)
 
     @torch.inference_mode()
@@ -79,7 +88,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the forward's phase ends when its logits exist
         t2 = time.perf_counter()
-        argmax = logits.argmax(dim=-1).tolist()  # greedy choice of every kept row: one device-to-host copy
+        choices = choose_tokens(logits, self._sampled_rows(out, step.logit_start))  # one device-to-host copy
 
         emitted: dict[str, list[int]] = {}
         accepted_nodes: dict[str, list[int]] = {}
@@ -88,19 +97,18 @@ class ModelRunner:
             if not r.sample:
                 continue
             row = int(step.logit_start[i])
-            rows = slice(row, row + 1 + (len(r.draft) if r.draft is not None else 0))
-            generator = None if r.params.greedy else self._generator(r.request_id, r.params.seed)
-            tokens, accepted = verify(logits[rows], r.draft, r.params, generator, argmax[rows])
+            tokens, accepted = verify(r.draft, choices[row : row + 1 + (len(r.draft) if r.draft is not None else 0)])
             emitted[r.request_id] = tokens
             accepted_nodes[r.request_id] = accepted
+            if not r.params.greedy:
+                del self._uniforms[r.request_id][: len(tokens)]  # one uniform per emitted token
             # Compaction: accepted node i sits at KV index base + i; it belongs at base + j.
             base = r.num_computed_tokens + len(r.token_ids)
             moves.extend((i, base + node, base + j) for j, node in enumerate(accepted) if node != j)
         if moves:
             req, src, dst = (np.array(m, np.int64) for m in zip(*moves))
-            table = step.layout.block_table
-            to_slot = lambda kv: table[req, kv // bs] * bs + kv % bs  # noqa: E731
-            self.backend.copy_slots(torch.from_numpy(to_slot(src)), torch.from_numpy(to_slot(dst)))
+            table = step.layout.block_table[req]  # [M, W]
+            self.backend.copy_slots(torch.from_numpy(_slots(table, src, bs)), torch.from_numpy(_slots(table, dst, bs)))
         phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
         return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases)
 
@@ -112,10 +120,41 @@ class ModelRunner:
         flat = host.to(self.device, non_blocking=True)
         return list(flat.split([len(a) for a in arrays]))
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+    def _sampled_rows(self, out: SchedulerOutput, logit_start: np.ndarray) -> SampledRows | None:
+        """Parameters and uniforms of the kept rows of sampling (non-greedy) requests."""
+        rows: list[int] = []
+        params: list[tuple[float, int, float]] = []
+        uniforms: list[float] = []
+        for i, r in enumerate(out.requests):
+            if not r.sample or r.params.greedy:
+                continue
+            depths = (0, *r.draft.depths) if r.draft is not None else (0,)
+            stream = self._uniform_stream(r.request_id, r.params.seed, max(depths) + 1)
+            start = int(logit_start[i])
+            rows.extend(range(start, start + len(depths)))
+            params.extend([(r.params.temperature, r.params.top_k, r.params.top_p)] * len(depths))
+            uniforms.extend(stream[d] for d in depths)  # a row at depth d draws the d-th next uniform
+        if not rows:
+            return None
+        temperature, top_k, top_p = zip(*params)
+        dev = self.device
+        return SampledRows(
+            rows=torch.tensor(rows, device=dev),
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_k, device=dev),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
+            uniform=torch.tensor(uniforms, dtype=torch.float64, device=dev),
+        )
+
+    def _uniform_stream(self, request_id: str, seed: int | None, n: int) -> list[float]:
+        """The request's next `n` (or more) unused uniforms. Drawn from its seeded generator in
+        fixed chunks, so the stream is the same however many tokens each step consumes."""
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = torch.Generator(device="cpu")
+            gen = self._generators[request_id] = torch.Generator(device="cpu")
             gen.manual_seed(seed if seed is not None else random.getrandbits(63))
-            self._generators[request_id] = gen
-        return gen
+            self._uniforms[request_id] = []
+        stream = self._uniforms[request_id]
+        while len(stream) < n:
+            stream.extend(torch.rand(UNIFORM_CHUNK, generator=gen, dtype=torch.float64).tolist())
+        return stream

@@ -1,68 +1,81 @@
-"""Token selection and draft-tree verification for one request."""
+"""Token choice for every kept row of a step at once, and the draft-tree walk.
+
+Greedy rows take the argmax. Sampled rows warp their logits (temperature, top-k, top-p) and
+invert the CDF at one uniform each: a row at depth d of a request's tree uses the request's
+d-th unused uniform, so every emitted token consumes exactly one uniform of the request's
+own seeded stream, in order, with or without drafts. All choices come back in one
+device-to-host copy; the walk itself is a few dict lookups per accepted token.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from batchserve.draft.tree import DraftTree
-from batchserve.request import SamplingParams
 
 
-def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p. logits: [V] -> [V] float32."""
-    logits = logits.float() / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
+@dataclass(frozen=True, slots=True)
+class SampledRows:
+    """Per-row sampling parameters of the kept rows that sample (not greedy)."""
+
+    rows: torch.Tensor  # [S] int64: which kept rows sample
+    temperature: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64, 0 = no cut
+    top_p: torch.Tensor  # [S] float32
+    uniform: torch.Tensor  # [S] float64 in [0, 1)
+
+
+def warp_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, row by row. [S, V] -> [S, V] float32."""
+    x = logits.float() / temperature[:, None]
+    vocab = x.shape[-1]
+    cut_k = (top_k > 0) & (top_k < vocab)
+    if bool(cut_k.any()):
+        kmax = int(top_k[cut_k].max())
+        kth = x.topk(kmax, dim=-1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])  # [S, 1]
+        x = x.masked_fill(cut_k[:, None] & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    cut_p = top_p < 1.0
+    if bool(cut_p.any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = (cum - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs / probs.sum()
+        drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & cut_p[:, None]
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Exactly one uniform draw per token (inverse CDF), so a seeded request consumes its
-    random stream identically whether or not drafts are verified alongside."""
-    probs = warp_probs(logits, params)
-    u = torch.rand((), generator=generator, dtype=torch.float64).item()
-    cdf = torch.cumsum(probs.double(), dim=0)
-    target = torch.tensor(u * cdf[-1].item(), dtype=torch.float64, device=cdf.device)
-    idx = int(torch.searchsorted(cdf, target, right=True))
-    idx = min(idx, probs.shape[0] - 1)
-    while probs[idx] == 0:  # never land on a token the warp removed (float edge of the CDF)
-        idx -= 1
-    return idx
+def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int]:
+    """The model's choice at every kept row: argmax, or one inverse-CDF draw. logits: [K, V]."""
+    choice = logits.argmax(dim=-1)  # [K]
+    if sampled is not None:
+        probs = warp_rows(logits[sampled.rows], sampled.temperature, sampled.top_k, sampled.top_p)  # [S, V]
+        cdf = probs.double().cumsum(dim=-1)
+        target = (sampled.uniform * cdf[:, -1])[:, None]  # [S, 1]
+        idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)  # [S, 1]
+        # Never land on a token the warp removed (float edge of the CDF): step back to a kept one.
+        positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+        last_kept = torch.where(probs > 0, positions, -1).cummax(dim=-1).values  # [S, V]
+        choice[sampled.rows] = last_kept.gather(1, idx).squeeze(1)
+    return choice.tolist()
 
 
-def verify(
-    logits: torch.Tensor,
-    draft: DraftTree | None,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    argmax: list[int] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Walk the tree from the root and return (emitted tokens, accepted draft node indices).
+def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list[int]]:
+    """Walk the tree from the root; return (emitted tokens, accepted draft node indices).
 
-    logits: [1 + len(draft), V], row 0 for the root, row 1 + i for draft node i. At each
-    node the model's own choice (argmax, or one seeded draw) is taken; if a child carries it
-    the walk moves there, else it stops. The last emitted token is always the model's own.
-    `argmax`, when given, holds the greedy choice of every row (computed batched).
+    `choices[0]` is the model's token after the root, `choices[1 + i]` after draft node i. At
+    each node the model's choice is taken; if a child carries it the walk moves there, else it
+    stops. The last emitted token is always the model's own.
     """
     emitted: list[int] = []
     accepted: list[int] = []
     row = 0
     children = draft.children if draft is not None else ({},)
     while True:
-        if params.greedy:
-            tok = argmax[row] if argmax is not None else int(torch.argmax(logits[row]))
-        else:
-            assert generator is not None
-            tok = sample_token(logits[row], params, generator)
+        tok = choices[row]
         emitted.append(tok)
         child = children[row].get(tok)
         if child is None:

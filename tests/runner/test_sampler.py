@@ -1,0 +1,55 @@
+"""The batched token choice: greedy rows, sampled rows, the warp and the CDF's edges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchserve.draft.tree import DraftTree
+from batchserve.runner.sampler import SampledRows, choose_tokens, verify, warp_rows
+from tests.engine.test_sampling import reference_probs
+
+
+def _rows(rows, temperature, top_k, top_p, uniform) -> SampledRows:
+    return SampledRows(
+        rows=torch.tensor(rows),
+        temperature=torch.tensor(temperature, dtype=torch.float32),
+        top_k=torch.tensor(top_k),
+        top_p=torch.tensor(top_p, dtype=torch.float32),
+        uniform=torch.tensor(uniform, dtype=torch.float64),
+    )
+
+
+def test_warp_rows_matches_the_plain_one_row_warp():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 12, 0.8)]
+    t, k, p = (list(x) for x in zip(*params))
+    got = warp_rows(logits, torch.tensor(t), torch.tensor(k), torch.tensor(p))
+    for row, (temperature, top_k, top_p) in enumerate(params):
+        torch.testing.assert_close(got[row].double(), reference_probs(logits[row], temperature, top_k, top_p))
+
+
+def test_greedy_rows_take_the_argmax_and_sampled_rows_invert_the_cdf():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]]))
+    # Row 1 and 2 sample; CDF of row 1 is 0.4, 0.7, 0.9, 1.0.
+    choices = choose_tokens(logits, _rows([1, 2], [1.0, 1.0], [0, 0], [1.0, 1.0], [0.65, 0.0]))
+    assert choices == [3, 1, 0]
+    assert choose_tokens(logits, None) == [3, 0, 0]
+
+
+@pytest.mark.parametrize("u", [0.0, 0.3, 0.999999999])
+def test_a_draw_never_lands_on_a_removed_token(u):
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    # top-k 2 keeps tokens 0 and 1; any uniform lands on one of them.
+    (token,) = choose_tokens(logits, _rows([0], [1.0], [2], [1.0], [u]))
+    assert token in (0, 1)
+    (token,) = choose_tokens(logits, _rows([0], [1.0], [0], [0.5], [u]))  # top-p 0.5 keeps 0 and 1
+    assert token in (0, 1)
+
+
+def test_verify_follows_the_models_choices_down_the_tree():
+    tree = DraftTree((5, 6, 7, 8), (None, 0, None, 1))  # root -> 5 -> 6 -> 8, root -> 7
+    # Choices by row: root picks 5, node 0 picks 6, node 1 picks 9 (no child): emit 5 6 9.
+    assert verify(tree, [5, 6, 9, 0, 0]) == ([5, 6, 9], [0, 1])
+    assert verify(tree, [7, 0, 0, 3, 0]) == ([7, 3], [2])
+    assert verify(None, [4]) == ([4], [])
