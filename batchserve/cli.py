@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "flashinfer", "torch"],
         help="auto: FlashInfer on CUDA in fp16/bf16 when installed, else the PyTorch reference",
     )
+    serve.add_argument(
+        "--cpu-linear",
+        default="auto",
+        choices=["auto", "onednn", "torch"],
+        help="float32 on CPU: oneDNN's linear kernel (auto: when available) or torch's BLAS",
+    )
     serve.add_argument("--max-batch-size", type=int, default=16, help="running requests at once")
     serve.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens per forward")
     serve.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size")
@@ -64,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     cal.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
     cal.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
+    cal.add_argument(
+        "--cpu-linear",
+        default="auto",
+        choices=["auto", "onednn", "torch"],
+        help="float32 on CPU: oneDNN's linear kernel (auto: when available) or torch's BLAS",
+    )
     cal.add_argument("--max-tokens", type=int, default=512, help="largest step to time (the server's tokens per step)")
     cal.add_argument("--contexts", type=_ints, default=[64, 512, 2048], help="KV lengths to time at")
     cal.add_argument("--repeats", type=int, default=9, help="timed runs per shape (lower quartile)")
@@ -125,7 +137,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(
             model=ModelConfig(
-                path=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
+                path=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                attention_backend=args.attention_backend,
+                cpu_linear=args.cpu_linear,
             ),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_gb),
             scheduler=SchedulerConfig(
@@ -184,7 +200,11 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise ValueError("--max-tokens and --repeats must be >= 1 and --contexts non-negative")
         config = EngineConfig(
             model=ModelConfig(
-                path=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
+                path=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                attention_backend=args.attention_backend,
+                cpu_linear=args.cpu_linear,
             ),
             cache=CacheConfig(kv_cache_memory_gb=1.0),
             scheduler=SchedulerConfig(max_num_batched_tokens=max(16, args.max_tokens)),

@@ -11,6 +11,7 @@ DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")  # batchserve.attention's, kept torch-free here
+CPU_LINEAR: tuple[str, ...] = ("auto", "onednn", "torch")  # batchserve.runner.cpu_linear's
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +23,15 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     attention_backend: str = "auto"  # auto = flashinfer on CUDA (fp16/bf16) when installed, else torch
+    cpu_linear: str = "auto"  # auto = oneDNN's linear kernel for float32 on CPU when available; torch = BLAS
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -119,7 +119,7 @@ class EngineCore:
             device=param.device,
             sm_scale=_attention_scale(model),
         )
-        self.runner = ModelRunner(model, backend)
+        self.runner = ModelRunner(model, backend, config.model.cpu_linear)
         self.eos_token_ids = frozenset(self._eos_ids(model, tokenizer))
         if drafter is None:
             drafter = make_drafter(config.draft)
@@ -502,6 +502,7 @@ class LLM:
         kv_cache_memory_gb: float = 1.0,
         dtype: str = "auto",
         attention_backend: str = "auto",
+        cpu_linear: str = "auto",
         config: EngineConfig | None = None,
         hf_model: Any = None,
         tokenizer: Any = None,
@@ -510,7 +511,7 @@ class LLM:
     ) -> None:
         if config is None:
             config = EngineConfig(
-                model=ModelConfig(path=model, dtype=dtype, attention_backend=attention_backend),
+                model=ModelConfig(path=model, dtype=dtype, attention_backend=attention_backend, cpu_linear=cpu_linear),
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
                 scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
                 draft=DraftConfig(

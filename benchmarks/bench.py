@@ -33,6 +33,7 @@ class Method:
     warm: bool  # warm the trie on the dataset's dev outputs
     adaptive: bool = False
     decoding_length: int | None = None  # None: the run's --decoding-length
+    cpu_linear: str = "auto"  # "torch": the model's linear layers on torch's BLAS instead of oneDNN
 
 
 BATCHSERVE = {
@@ -43,6 +44,11 @@ BATCHSERVE = {
     "lookahead-cold": Method("lookahead", "hierarchical", False),
     **{f"lookahead-{n}": Method("lookahead", "hierarchical", True, decoding_length=n) for n in FIXED_LENGTHS},
     "lookahead-adaptive": Method("lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP),
+    # The same on torch's own CPU matmuls, to measure what oneDNN's linear kernel brings.
+    "none-blas": Method("none", "hierarchical", False, cpu_linear="torch"),
+    "lookahead-adaptive-blas": Method(
+        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_linear="torch"
+    ),
 }
 METHODS = PEERS + tuple(BATCHSERVE)
 KEEP = ("fastest", "median")  # which of the repeated runs stands for a (method, batch)
@@ -198,6 +204,7 @@ def run_batchserve(engine_model, tokenizer, prompts, max_new, b, method, warm, d
         tokenizer=tokenizer,
         kv_cache_memory_gb=0.5,
         cost_profile=cost_profile,
+        cpu_linear=m.cpu_linear,
     )
     if m.warm:
         llm.engine.drafter.warm_up(warm)
@@ -284,13 +291,15 @@ def run(
     ref_model, tokenizer = load_model(model_path, dtype)
     engine_model = load_model(model_path, dtype)[0] if set(methods) & set(BATCHSERVE) else None
     eos = tokenizer.eos_token_id
-    cost_profile = None
-    if any(BATCHSERVE[m].adaptive for m in methods if m in BATCHSERVE):
+    # The profiles the server would use (cached per device, dtype, model and kernels; measured if absent).
+    cost_profiles = {}
+    for cpu_linear in {BATCHSERVE[m].cpu_linear for m in methods if m in BATCHSERVE and BATCHSERVE[m].adaptive}:
         from batchserve import LLM
 
-        # The profile the server would use (cached per device, dtype and model; measured if absent).
-        probe = LLM(adaptive=True, hf_model=engine_model, tokenizer=tokenizer, kv_cache_memory_gb=0.5)
-        cost_profile = probe.engine.cost_profile
+        probe = LLM(
+            adaptive=True, hf_model=engine_model, tokenizer=tokenizer, kv_cache_memory_gb=0.5, cpu_linear=cpu_linear
+        )
+        cost_profiles[cpu_linear] = probe.engine.cost_profile
         del probe
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     rows: list[Row] = []
@@ -332,7 +341,15 @@ def run(
                     if m not in BATCHSERVE:
                         continue
                     outs, secs, ttfts, tpots, tps, mean_len, phases = run_batchserve(
-                        engine_model, tokenizer, batch_prompts, max_new, b, m, warm, decoding_length, cost_profile
+                        engine_model,
+                        tokenizer,
+                        batch_prompts,
+                        max_new,
+                        b,
+                        m,
+                        warm,
+                        decoding_length,
+                        cost_profiles.get(BATCHSERVE[m].cpu_linear),
                     )
                     row = _row(m, dataset, b, outs, secs, ttfts, tpots, tps, outs == batch_reference)
                     row.mean_decoding_length = mean_len

@@ -115,7 +115,7 @@ def bench_steps(model: Any, variants: Variants, names: list[str], repeats: int) 
     torch.manual_seed(0)
     backend.k_cache.normal_()  # a context that is not all zeros
     backend.v_cache.normal_()
-    runner = ModelRunner(model, backend)
+    runner = ModelRunner(model, backend, cpu_linear="torch")  # the variants choose the linear kernel
     cap = Capture(model)
     runner.model = cap
     steps, offset = {}, 0

@@ -58,7 +58,7 @@ def profile_key(runner: ModelRunner) -> str:
     name = Path(str(getattr(model.config, "_name_or_path", "") or type(model).__name__)).name or "model"
     num_params = sum(p.numel() for p in model.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
-    backend = type(runner.backend).__name__.removesuffix("Backend")
+    backend = type(runner.backend).__name__.removesuffix("Backend") + ("-onednn" if runner.onednn_linear else "")
     return f"{name}-{num_params}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
 
 

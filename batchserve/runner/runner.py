@@ -11,6 +11,7 @@ import torch
 
 from batchserve.attention.base import AttentionBackend
 from batchserve.runner.batch import BlockTables, pack
+from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.sampler import SampledRows, choose_tokens, verify
 from batchserve.scheduler.output import RunnerOutput, SchedulerOutput, StepPhases
 
@@ -57,9 +58,10 @@ class ModelRunner:
     SchedulerOutput, and the only state it keeps is tensors and generators.
     """
 
-    def __init__(self, model: Any, backend: AttentionBackend) -> None:
+    def __init__(self, model: Any, backend: AttentionBackend, cpu_linear: str = "auto") -> None:
         register_attention()
         model.set_attn_implementation(ATTN_IMPL)
+        self.onednn_linear = use_onednn_linear(model, cpu_linear)
         self.model = model
         self.backend = backend
         self.device = next(model.parameters()).device
