@@ -1,0 +1,37 @@
+"""oneDNN's linear kernel on CPU: switched on and off in place, same greedy choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchserve.runner.cpu_linear import onednn_available, use_onednn_linear
+from tests.conftest import make_tiny_model
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
+
+
+@needs_onednn
+def test_onednn_linear_switches_in_place_and_keeps_the_models_choices():
+    model = make_tiny_model()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids).logits
+        assert use_onednn_linear(model, "auto") is True
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all("forward" in m.__dict__ for m in linears)
+        fast = model(ids).logits
+        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+        assert torch.equal(fast.argmax(-1), plain.argmax(-1))
+        assert use_onednn_linear(model, "torch") is False
+        assert not any("forward" in m.__dict__ for m in linears)  # torch's own forward again
+        assert torch.equal(model(ids).logits, plain)
+
+
+def test_onednn_linear_is_refused_where_it_cannot_run():
+    half = make_tiny_model(dtype=torch.bfloat16)
+    assert use_onednn_linear(half, "auto") is False  # auto quietly keeps torch's kernels
+    with pytest.raises(ValueError, match="float32"):
+        use_onednn_linear(half, "onednn")
+    with pytest.raises(ValueError, match="cpu_linear"):
+        use_onednn_linear(half, "fast")
