@@ -11,6 +11,8 @@ There is no prefill or decode phase: a preempted request simply drops all its K/
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +25,11 @@ from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+def _by_arrival(req: Request) -> int:
+    return req.arrival_seq
+
 
 # Called for each token appended to a request's output; True stops the request (stop string).
 TokenHook = Callable[[Request, int], bool]
@@ -47,6 +54,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0  # since start
+        self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
 
     # ---- requests in and out -------------------------------------------------------------
@@ -62,6 +71,7 @@ class Scheduler:
                 f"holds {capacity}; lower max_new_tokens or enlarge the cache"
             )
         req.status = RequestStatus.WAITING
+        req.arrival_seq = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.drafter.on_request_start(req.request_id, req.prompt_token_ids, req.params.draft_layout)
@@ -108,7 +118,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
-        # Running requests first, oldest first; the youngest is preempted when blocks run out.
+        # Running requests first, oldest first; the youngest by arrival is preempted when blocks
+        # run out, so a readmitted request is never the next victim of the ones it preceded.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -135,7 +146,7 @@ class Scheduler:
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=_by_arrival)  # running stays in arrival order
             scheduled.append(item)
             budget -= item.num_tokens
 
@@ -327,6 +338,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.stats.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:

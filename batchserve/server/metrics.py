@@ -97,11 +97,20 @@ class Metrics:
                 "Tokens per step whose forward costs within 10% of a one-token step (from the cost profile)",
                 registry=r,
             ).set(profile.critical_decoding_length())
+        self.preemptions = Counter(
+            "batchserve_num_preemptions", "Requests preempted (their K/V dropped, recomputed later)", registry=r
+        )
+        self._preemptions_seen = 0
+        self._scheduler = sched
         engine.step_listeners.append(self.observe_step)
         self.finished = Counter("batchserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter("batchserve_requests_rejected", "Requests refused before running", ["code"], registry=r)
 
     def observe_step(self, out: SchedulerOutput, phases: StepPhases) -> None:
+        preemptions = self._scheduler.num_preemptions
+        if preemptions > self._preemptions_seen:
+            self.preemptions.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
         if not out.requests:
             return
         for name, seconds in phases.items():

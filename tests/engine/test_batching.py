@@ -217,3 +217,29 @@ async def test_unexpected_loop_error_ends_streams_instead_of_hanging(monkeypatch
     assert outs[-1].finish_reason is FinishReason.LENGTH
     _assert_pool_full(engine.core)
     await engine.stop()
+
+
+def test_preemption_takes_the_youngest_by_arrival_so_nobody_thrashes(tiny_model):
+    """16 requests arrive one step apart into a pool that holds a few of them. A readmitted
+    request keeps its place by arrival, so the victim is always a younger one: no request is
+    preempted over and over, and every output is still HF's greedy one."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(12, 30))] for _ in range(16)]
+    llm = tiny_llm(RandomTreeDrafter(2, TINY_VOCAB, 8), block_size=4, num_blocks=40, max_num_seqs=16)
+    core = llm.engine
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    pending = list(prompts)
+    requests, outputs = [], {}
+    while pending or core.has_work():
+        if pending:
+            requests.append(core.add_request(pending.pop(0), params))
+        for o in core.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        core.scheduler.check_integrity()
+    preemptions = [r.stats.num_preemptions for r in requests]
+    assert sum(preemptions) >= 8, preemptions  # the pool really was too small
+    assert max(preemptions) <= 3, preemptions
+    assert core.scheduler.num_preemptions == sum(preemptions)
+    for p, r in zip(prompts, requests):
+        assert outputs[r.request_id] == hf_greedy(tiny_model, p, 40)
+    _assert_pool_full(core)

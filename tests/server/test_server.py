@@ -205,6 +205,8 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
         "batchserve_requests_finished_total",
         "batchserve_draft_decoding_length_bucket",
         "batchserve_step_tokens_bucket",
+        "batchserve_num_preemptions_total",
+        "batchserve_step_phase_seconds_bucket",
     ):
         assert name in body, name
     assert _metric(port, "batchserve_step_tokens_count") >= 1
