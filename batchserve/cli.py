@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
+    import time
+
+    started = time.monotonic()
 
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -186,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=str(directory / gguf if gguf else directory),
         dtype=str(next(core.runner.model.parameters()).dtype).removeprefix("torch."),
     )
-    asyncio.run(serve_forever(server))
+    asyncio.run(serve_forever(server, started))
     return 0
 
 

@@ -31,6 +31,12 @@ logger = logging.getLogger("batchserve")
 # can be slower than one with 8), and the policy should see the dips it can use.
 TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONTEXTS = (64, 512, 2048)
+# What a server measures at its first start, in seconds rather than minutes: the shape of the
+# curve at one context, coarsely. The policy's online fit refines it from the steps it serves;
+# `batchserve calibrate` measures the whole curve.
+QUICK_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+QUICK_CONTEXTS = (512,)
+QUICK_REPEATS = 3
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
@@ -137,11 +143,12 @@ def calibrate(
     repeats: int = 9,
     key: str | None = None,
     progress: bool = True,
+    token_counts: tuple[int, ...] = TOKEN_COUNTS,
 ) -> CostProfile:
     """Time steps of 1 to `max_tokens` rows at each context (that fits the model and pool)."""
     if max_tokens < 1 or repeats < 1:
         raise ValueError("max_tokens and repeats must be >= 1")
-    counts = sorted({c for c in TOKEN_COUNTS if c <= max_tokens} | {max_tokens})
+    counts = sorted({c for c in token_counts if c <= max_tokens} | {max_tokens})
     pool = runner.backend.num_blocks
     usable = [c for c in contexts if c + max_tokens <= max_context and _blocks_needed(runner, [c], max_tokens) <= pool]
     if not usable:  # a tiny pool or context window: measure the largest context that fits
@@ -197,8 +204,24 @@ def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: 
             logger.warning("cost profile %s was measured for %r, not %r", target, profile.key, key)
         logger.info("cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
         return profile
-    logger.info("no cost profile for %s yet; calibrating (once per device, dtype and model)", key)
-    profile = calibrate(runner, max_tokens=max_tokens, max_context=max_context, key=key)
+    logger.info(
+        "no cost profile for %s yet: a quick one (%d step shapes x %d runs) before serving; the policy refines it "
+        "online, and `batchserve calibrate` measures the whole curve",
+        key,
+        len(QUICK_TOKEN_COUNTS) + 2,
+        QUICK_REPEATS + 1,
+    )
+    t0 = time.perf_counter()
+    profile = calibrate(
+        runner,
+        max_tokens=max_tokens,
+        max_context=max_context,
+        contexts=QUICK_CONTEXTS,
+        repeats=QUICK_REPEATS,
+        key=key,
+        token_counts=QUICK_TOKEN_COUNTS,
+    )
+    logger.info("quick cost profile measured in %.1f s", time.perf_counter() - t0)
     profile.save(target)
     logger.info("saved cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
     return profile

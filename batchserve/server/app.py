@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -108,12 +109,15 @@ class BatchServer:
         await self._stopped.wait()
 
 
-async def serve_forever(server: BatchServer) -> None:
-    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+async def serve_forever(server: BatchServer, started: float | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully. `started`: time.monotonic()
+    when the process began, for the ready line."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
+    port = await server.start()
+    since = f" {time.monotonic() - started:.1f} s after start" if started is not None else ""
+    logger.info("READY: health SERVING on %s:%d%s; Ctrl-C drains and stops", server.config.host, port, since)
     await stop.wait()
     await server.shutdown()

@@ -85,6 +85,8 @@ def test_engine_calibrates_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(cal, "calibrate", counting)
     first = _core(adaptive=True)
     assert len(calls) == 1 and calls[0]["max_tokens"] == 64
+    # A server's first start measures only the quick profile (seconds, not minutes).
+    assert calls[0]["token_counts"] == cal.QUICK_TOKEN_COUNTS and calls[0]["contexts"] == cal.QUICK_CONTEXTS
     saved = list((tmp_path / "profiles").glob("*.json"))
     assert len(saved) == 1 and CostProfile.load(saved[0]) == first.cost_profile
     second = _core(adaptive=True)
