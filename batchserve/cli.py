@@ -189,8 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=str(directory / gguf if gguf else directory),
         dtype=str(next(core.runner.model.parameters()).dtype).removeprefix("torch."),
     )
-    asyncio.run(serve_forever(server, started))
-    return 0
+    return asyncio.run(serve_forever(server, started))
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -8,13 +8,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams
-from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler, SchedulerOutput, StepPhases
+from batchserve.scheduler import BlockAllocator, RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput, StepPhases
 from batchserve.scheduler.budget import AcceptanceTracker, CostProfile, DraftBudgetPolicy
 
 logger = logging.getLogger("batchserve")
@@ -66,7 +66,7 @@ class PendingStep:
     out: SchedulerOutput = field(default_factory=lambda: SchedulerOutput((), ()))
     result: RunnerOutput | None = None
     schedule_error: Exception | None = None  # fails every request
-    forward_error: Exception | None = None  # fails this step's requests
+    failed: dict[str, Exception] = field(default_factory=dict)  # requests whose forward failed on their own
     phases: StepPhases = field(default_factory=StepPhases)
 
 
@@ -152,6 +152,7 @@ class EngineCore:
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.consecutive_failed_steps = 0  # steps in a row in which every request failed
         # Called after every step with its schedule and phase times (metrics, benchmarks).
         self.step_listeners: list[Callable[[SchedulerOutput, StepPhases], None]] = []
 
@@ -256,32 +257,61 @@ class EngineCore:
         return step
 
     def execute(self, step: PendingStep) -> None:
-        """The forward; safe to run off the event loop (touches only runner state). Never raises."""
+        """The forward; safe to run off the event loop (touches only runner state). Never raises.
+
+        A forward that raises is retried in halves, down to single requests, so that only the
+        requests that fail on their own are failed; the others' results stand (lossless: a
+        retried forward recomputes the same K/V into the same slots)."""
         if step.schedule_error is not None:
             return
+        out = step.out
+        if not out.requests:
+            self.runner.release(out.finished_request_ids)
+            return
         try:
-            if step.out.requests:
-                step.result = self.runner.execute(step.out)
-            else:
-                self.runner.release(step.out.finished_request_ids)
-        except Exception as e:  # a failed forward fails its own requests only
-            step.forward_error = e
+            step.result = self.runner.execute(out)
+        except Exception as e:
+            results = self._retry_in_halves(list(out.requests), e, step.failed)
+            step.result = _merge(results) if results else None
+
+    def _retry_in_halves(
+        self, requests: list[ScheduledRequest], error: Exception, failed: dict[str, Exception]
+    ) -> list[RunnerOutput]:
+        if len(requests) == 1:
+            failed[requests[0].request_id] = error
+            return []
+        results = []
+        mid = len(requests) // 2
+        for half in (requests[:mid], requests[mid:]):
+            try:
+                results.append(self.runner.execute(SchedulerOutput(tuple(half), ())))
+            except Exception as e:
+                results += self._retry_in_halves(half, e, failed)
+        return results
 
     def commit(self, step: PendingStep) -> list[RequestOutput]:
         """Apply a step's result on the loop thread: tokens, stops, outputs, metrics."""
         t0 = time.perf_counter()
         out = step.out
+        outputs: list[RequestOutput] = []
+        crashed = False
         try:
             if step.schedule_error is not None:
                 outputs = self.fail_all(step.schedule_error)
-            elif step.forward_error is not None:
-                outputs = self.fail(out, step.forward_error)
-            elif step.result is not None:
-                outputs = [self._output(req, toks) for req, toks in self.scheduler.update(out, step.result)]
             else:
-                outputs = []
+                for rid, error in step.failed.items():
+                    outputs += self.fail([rid], error)
+                if step.result is not None:
+                    done = out if not step.failed else replace(out, requests=_without(out.requests, step.failed))
+                    outputs += [self._output(req, toks) for req, toks in self.scheduler.update(done, step.result)]
         except Exception as e:  # never leave a stream waiting forever
-            outputs = self.fail_all(e)
+            crashed = True
+            outputs += self.fail_all(e)
+        # A failed step served nobody: scheduling or committing raised, or every forward did.
+        if crashed or step.schedule_error is not None or (out.requests and step.result is None):
+            self.consecutive_failed_steps += 1
+        elif out.requests:
+            self.consecutive_failed_steps = 0
         phases = step.phases
         if step.result is not None:
             runner = step.result.phases
@@ -289,7 +319,7 @@ class EngineCore:
         end = time.perf_counter()
         phases.commit = end - t0
         phases.wall = end - step.start
-        if step.result is not None:
+        if step.result is not None and not step.failed:
             self.scheduler.observe_step(out, phases.wall)
         self.num_steps += 1
         for listener in self.step_listeners:
@@ -299,20 +329,17 @@ class EngineCore:
                 logger.exception("step listener %r failed", listener)
         return outputs
 
-    def fail(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
-        logger.exception("engine step failed; failing its %d requests", len(out.requests), exc_info=error)
+    def fail(self, request_ids: list[str], error: BaseException) -> list[RequestOutput]:
+        """End these requests with ERROR (the step that ran them raised)."""
+        logger.error("engine step failed for %s", ", ".join(request_ids), exc_info=error)
         message = f"{type(error).__name__}: {error}"
-        return [self._output(req, [], error=message) for req in self.scheduler.fail(out)]
+        return [self._output(req, []) for req in self.scheduler.fail(request_ids, message)]
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """Last resort after an unexpected engine error: end every request with ERROR."""
-        logger.exception("engine loop failed; failing all %d requests", len(self.scheduler.requests), exc_info=error)
+        logger.error("engine loop failed; failing all %d requests", len(self.scheduler.requests), exc_info=error)
         message = f"{type(error).__name__}: {error}"
-        outputs = []
-        for req in list(self.scheduler.requests.values()):
-            self.scheduler.finish(req, FinishReason.ERROR)
-            outputs.append(self._output(req, [], error=message))
-        return outputs
+        return [self._output(req, []) for req in self.scheduler.fail(list(self.scheduler.requests), message)]
 
     # ---- text ----------------------------------------------------------------------------
 
@@ -331,7 +358,7 @@ class EngineCore:
                 return True
         return False
 
-    def _output(self, req: Request, new_tokens: list[int], error: str | None = None) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         finished = req.is_finished
         state = self._text.pop(req.request_id) if finished else self._text[req.request_id]
         end = len(state.text) if finished else max(state.num_emitted_chars, len(state.text) - state.holdback)
@@ -346,7 +373,7 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
             stats=req.stats,
-            error=error,
+            error=req.error,
         )
 
 
@@ -357,8 +384,15 @@ class AsyncEngine:
     thread, so RPCs keep flowing during a step; requests join and leave between steps.
     """
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, max_failed_steps: int = 3) -> None:
+        """`max_failed_steps`: after this many steps in a row that served nobody (every request
+        failed), the engine stops for good: a device that keeps failing needs a restart."""
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
         self.core = core
+        self.max_failed_steps = max_failed_steps
+        self.dead: str | None = None  # why the engine stopped for good; new requests are refused
+        self.died = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-step")
         self._wakeup = asyncio.Event()
@@ -397,7 +431,10 @@ class AsyncEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (the last one has
-        `finished` set). Raises ValueError at once for invalid input."""
+        `finished` set). Raises ValueError at once for invalid input, EngineDeadError once the
+        engine has stopped for good."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         self.start()
         req = self.core.add_request(prompt, params, request_id)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -428,8 +465,26 @@ class AsyncEngine:
                 continue
             step = core.schedule()
             await loop.run_in_executor(self._executor, core.execute, step)
-            self._dispatch(core.commit(step))
+            try:
+                self._dispatch(core.commit(step))
+            except Exception as e:  # a bug outside the step: count it and keep the loop alive
+                logger.exception("engine loop error")
+                core.consecutive_failed_steps += 1
+                self._dispatch(core.fail_all(e))
+            if core.consecutive_failed_steps >= self.max_failed_steps:
+                self._die(f"{core.consecutive_failed_steps} engine steps in a row failed; the engine needs a restart")
+                return
             await asyncio.sleep(0)  # let new requests and aborts in before the next step
+
+    def _die(self, reason: str) -> None:
+        logger.critical(reason)
+        self.dead = reason
+        self._dispatch(self.core.fail_all(EngineDeadError(reason)))
+        self.died.set()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped for good after repeated failed steps; the process should restart."""
 
 
 class RequestStream:
@@ -595,6 +650,21 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[r.request_id] for r in requests]
+
+
+def _merge(results: list[RunnerOutput]) -> RunnerOutput:
+    """One RunnerOutput from the forwards of disjoint groups of a step."""
+    merged = RunnerOutput({}, {})
+    for r in results:
+        merged.emitted.update(r.emitted)
+        merged.accepted.update(r.accepted)
+        for name, seconds in r.phases.items():
+            setattr(merged.phases, name, getattr(merged.phases, name) + seconds)
+    return merged
+
+
+def _without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -> tuple[ScheduledRequest, ...]:
+    return tuple(r for r in requests if r.request_id not in ids)
 
 
 def _attention_scale(model: Any) -> float | None:

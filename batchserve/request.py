@@ -101,6 +101,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why it ended with ERROR
     stats: RequestStats = field(default_factory=RequestStats)
 
     def __post_init__(self) -> None:

@@ -95,6 +95,7 @@ class ModelRunner:
         emitted: dict[str, list[int]] = {}
         accepted_nodes: dict[str, list[int]] = {}
         moves: list[tuple[int, int, int]] = []  # (request, from KV index, to KV index)
+        consumed: list[tuple[str, int]] = []  # (sampling request, uniforms its emitted tokens used)
         for i, r in enumerate(out.requests):
             if not r.sample:
                 continue
@@ -103,7 +104,7 @@ class ModelRunner:
             emitted[r.request_id] = tokens
             accepted_nodes[r.request_id] = accepted
             if not r.params.greedy:
-                del self._uniforms[r.request_id][: len(tokens)]  # one uniform per emitted token
+                consumed.append((r.request_id, len(tokens)))
             # Compaction: accepted node i sits at KV index base + i; it belongs at base + j.
             base = r.num_computed_tokens + len(r.token_ids)
             moves.extend((i, base + node, base + j) for j, node in enumerate(accepted) if node != j)
@@ -111,6 +112,9 @@ class ModelRunner:
             req, src, dst = (np.array(m, np.int64) for m in zip(*moves))
             table = step.layout.block_table[req]  # [M, W]
             self.backend.copy_slots(torch.from_numpy(_slots(table, src, bs)), torch.from_numpy(_slots(table, dst, bs)))
+        # Only now, with nothing left to raise: a retried step must find the same uniforms.
+        for rid, n in consumed:
+            del self._uniforms[rid][:n]
         phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
         return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases)
 

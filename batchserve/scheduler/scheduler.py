@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from batchserve.config import DraftConfig, SchedulerConfig
@@ -25,6 +26,8 @@ from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger("batchserve")
 
 
 def _by_arrival(req: Request) -> int:
@@ -97,7 +100,10 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        self.drafter.on_request_finish(req.request_id)
+        try:
+            self.drafter.on_request_finish(req.request_id)
+        except Exception:  # the request is finished and its blocks are free whatever the drafter does
+            logger.exception("the drafter failed to forget request %s", req.request_id)
         if self.budget_policy is not None:
             self.budget_policy.tracker.forget(req.request_id)
 
@@ -163,41 +169,55 @@ class Scheduler:
             req = self.requests.get(item.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += len(item.token_ids)
-            emitted = result.emitted.get(item.request_id)
-            if emitted is None:
-                continue  # a prompt chunk that does not reach the end yet
-            accepted = result.accepted[item.request_id]
-            num_accepted = len(accepted)
-            req.num_computed_tokens += num_accepted
-            if self.budget_policy is not None:
-                self._observe_acceptance(item, accepted)
-            req.stats.steps += 1
-            req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
-            req.stats.draft_tokens_accepted += num_accepted
-            appended: list[int] = []
-            reason: FinishReason | None = None
-            for tok in emitted:
-                req.output_token_ids.append(tok)
-                req.all_token_ids.append(tok)
-                appended.append(tok)
-                reason = self._stop_reason(req, tok)
-                if reason is not None:
-                    break
-            self.drafter.on_tokens_accepted(req.request_id, appended)
-            if reason is not None:
-                self.finish(req, reason)
-            else:
-                self._trim_blocks(req)
-            events.append((req, appended))
+            try:
+                event = self._commit(req, item, result)
+            except Exception as e:  # a bug met by one request (a stop hook, the drafter) ends only it
+                logger.exception("committing request %s failed", req.request_id)
+                self.fail([req.request_id], f"{type(e).__name__}: {e}")
+                event = (req, [])
+            if event is not None:
+                events.append(event)
         return events
 
-    def fail(self, out: SchedulerOutput) -> list[Request]:
-        """A step raised: finish its requests with ERROR (the others keep running)."""
+    def _commit(
+        self, req: Request, item: ScheduledRequest, result: RunnerOutput
+    ) -> tuple[Request, list[int]] | None:
+        """Apply one request's share of a step; None if it emitted nothing (a prompt chunk)."""
+        req.num_computed_tokens += len(item.token_ids)
+        emitted = result.emitted.get(item.request_id)
+        if emitted is None:
+            return None  # a prompt chunk that does not reach the end yet
+        accepted = result.accepted[item.request_id]
+        num_accepted = len(accepted)
+        req.num_computed_tokens += num_accepted
+        if self.budget_policy is not None:
+            self._observe_acceptance(item, accepted)
+        req.stats.steps += 1
+        req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
+        req.stats.draft_tokens_accepted += num_accepted
+        appended: list[int] = []
+        reason: FinishReason | None = None
+        for tok in emitted:
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
+            appended.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                break
+        self.drafter.on_tokens_accepted(req.request_id, appended)
+        if reason is not None:
+            self.finish(req, reason)
+        else:
+            self._trim_blocks(req)
+        return req, appended
+
+    def fail(self, request_ids: Iterable[str], error: str) -> list[Request]:
+        """Finish these requests with ERROR and `error` as their message (the others go on)."""
         failed = []
-        for item in out.requests:
-            req = self.requests.get(item.request_id)
+        for rid in request_ids:
+            req = self.requests.get(rid)
             if req is not None:
+                req.error = error
                 self.finish(req, FinishReason.ERROR)
                 failed.append(req)
         return failed
@@ -252,7 +272,11 @@ class Scheduler:
                 limit = policy.useful_length(req.request_id, limit)  # never propose what cannot be given
             if limit <= 0:
                 continue
-            tree = self.drafter.propose(req.request_id, req.all_token_ids, limit)
+            try:
+                tree = self.drafter.propose(req.request_id, req.all_token_ids, limit)
+            except Exception:  # speculation is optional: a drafter bug costs the draft, not the request
+                logger.exception("drafting for request %s failed; it decodes without a draft", req.request_id)
+                continue
             if tree is None or len(tree) == 0:
                 continue
             if by_policy:
@@ -263,16 +287,20 @@ class Scheduler:
         if shared:
             assert policy is not None
             sampling = [self.requests[i.request_id] for i in items if i.sample]
-            lengths = policy.allocate(
-                [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
-                num_roots=len(sampling),
-                num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + sum(map(len, trees.values())),
-                context=sum(r.num_tokens for r in sampling) / len(sampling),
-                num_seqs=len(items),
-                token_budget=max(0, budget),
-            )
+            try:
+                lengths = policy.allocate(
+                    [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
+                    num_roots=len(sampling),
+                    num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + sum(map(len, trees.values())),
+                    context=sum(r.num_tokens for r in sampling) / len(sampling),
+                    num_seqs=len(items),
+                    token_budget=max(0, budget),
+                )
+            except Exception:
+                logger.exception("the draft budget failed; this step decodes without policy drafts")
+                lengths = {}
             for req, tree in shared:
-                k = lengths[req.request_id]
+                k = lengths.get(req.request_id, 0)
                 if k > 0:
                     trees[req.request_id] = tree.prefix(k)
         out = []

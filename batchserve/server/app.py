@@ -109,9 +109,10 @@ class BatchServer:
         await self._stopped.wait()
 
 
-async def serve_forever(server: BatchServer, started: float | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then shut down gracefully. `started`: time.monotonic()
-    when the process began, for the ready line."""
+async def serve_forever(server: BatchServer, started: float | None = None) -> int:
+    """Run until SIGTERM or SIGINT, then shut down gracefully; or until the engine stops for
+    good, then report NOT_SERVING, shut down and return 1 so that a supervisor restarts the
+    process. `started`: time.monotonic() when the process began, for the ready line."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -119,5 +120,13 @@ async def serve_forever(server: BatchServer, started: float | None = None) -> No
     port = await server.start()
     since = f" {time.monotonic() - started:.1f} s after start" if started is not None else ""
     logger.info("READY: health SERVING on %s:%d%s; Ctrl-C drains and stops", server.config.host, port, since)
-    await stop.wait()
+    signalled = asyncio.create_task(stop.wait())
+    died = asyncio.create_task(server.engine.died.wait())
+    await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (signalled, died):
+        task.cancel()
     await server.shutdown()
+    if server.engine.dead is not None:
+        logger.critical("exiting with status 1: %s", server.engine.dead)
+        return 1
+    return 0

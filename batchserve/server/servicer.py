@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from batchserve.engine import AsyncEngine, RequestStream
+from batchserve.engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.request import RequestOutput
 from batchserve.server import convert
 from batchserve.server.metrics import Metrics
@@ -104,14 +104,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         stream: RequestStream | None = None
         error: str | None = None
+        code = grpc.StatusCode.INVALID_ARGUMENT
         try:
             prompt = convert.prompt_of(request, core)
             params = convert.sampling_params(request)
             stream = self.engine.generate(prompt, params, request_id)
         except ValueError as e:
             error = str(e)
+        except EngineDeadError as e:
+            code, error = grpc.StatusCode.UNAVAILABLE, f"engine stopped: {e}"
         if stream is None:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, error or "invalid request")
+            await self._reject(context, code, error or "invalid request")
         assert stream is not None
         tracker = self.metrics.track()
         start = time.monotonic()

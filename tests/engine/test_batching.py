@@ -145,7 +145,7 @@ def test_preemption_keeps_seeded_sampling():
     assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]
 
 
-def test_failed_step_fails_its_requests_and_engine_keeps_serving(tiny_model, monkeypatch):
+def test_a_transient_forward_failure_is_retried_and_nobody_fails(tiny_model, monkeypatch):
     core = _core()
     runner = core.runner
     real_execute = runner.execute
@@ -158,26 +158,21 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(tiny_model, mon
         return real_execute(out)
 
     monkeypatch.setattr(runner, "execute", flaky)
-    for i in range(3):
-        core.add_request([1, 2, 3 + i], SamplingParams(max_new_tokens=20), request_id=f"a{i}")
+    prompts = [[1, 2, 3 + i] for i in range(3)]
+    for i, p in enumerate(prompts):
+        core.add_request(p, SamplingParams(max_new_tokens=20), request_id=f"a{i}")
+    tokens: dict[str, list[int]] = {}
     finals = {}
     while core.has_work():
         for o in core.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:
                 finals[o.request_id] = o
-    assert {o.finish_reason for o in finals.values()} == {FinishReason.ERROR}
-    assert all("injected kernel failure" in (o.error or "") for o in finals.values())
-    _assert_pool_full(core)
-
-    # The engine serves the next requests normally.
-    core.add_request([4, 5, 6], SamplingParams(max_new_tokens=20), request_id="after")
-    toks = []
-    while core.has_work():
-        for o in core.step():
-            toks += o.new_token_ids
-            last = o
-    assert last.finish_reason is FinishReason.LENGTH
-    assert toks == hf_greedy(tiny_model, [4, 5, 6], 20)
+    assert calls["n"] > 3  # the failed forward was retried in smaller groups
+    assert {o.finish_reason for o in finals.values()} == {FinishReason.LENGTH}
+    for i, p in enumerate(prompts):
+        assert tokens[f"a{i}"] == hf_greedy(tiny_model, p, 20)
+    assert core.consecutive_failed_steps == 0
     _assert_pool_full(core)
 
 

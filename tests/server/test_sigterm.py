@@ -65,7 +65,8 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         assert proc.wait(timeout=60) == 0
         log = proc.stdout.read()
         assert "shutting down" in log and "finished: 3 prompt + 300 output tokens" in log
-        assert "calibrating" in log and len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
+        assert "quick cost profile measured" in log and len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
+        assert "READY: health SERVING" in log
         client.close()
         channel.close()
     finally:

@@ -1,0 +1,148 @@
+"""Faults injected at every point of a step: only the requests that must fail do, every
+stream gets its final message, and the engine goes on (or stops for good, loudly)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batchserve import AsyncEngine, FinishReason, SamplingParams
+from batchserve.engine import EngineCore, EngineDeadError
+from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, make_tiny_tokenizer
+from tests.engine.drafters import RandomTreeDrafter
+
+PROMPTS = {f"r{i}": [1 + i, 2, 3, 4 + i, 5] for i in range(5)}
+PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+
+def _core(drafter=None, adaptive: bool = False) -> EngineCore:
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+    from tests.scheduler.test_budget import gpu_like
+
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        draft=DraftConfig(decoding_length=8, adaptive=adaptive, learn_step_costs=False),
+    )
+    drafter = drafter or RandomTreeDrafter(1, TINY_VOCAB, 8)
+    profile = gpu_like(cdl=16) if adaptive else None
+    return EngineCore(config, make_tiny_model(), make_tiny_tokenizer(), drafter, cost_profile=profile)
+
+
+def _run(core: EngineCore) -> tuple[dict[str, list[int]], dict]:
+    for rid, p in PROMPTS.items():
+        core.add_request(p, PARAMS, request_id=rid)
+    tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    finals = {}
+    while core.has_work():
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                finals[o.request_id] = o
+    assert set(finals) == set(PROMPTS)  # every request got its final output
+    pool = core.scheduler.allocator
+    assert pool.num_free_blocks == pool.num_blocks and not core.scheduler.requests
+    core.scheduler.check_integrity()
+    return tokens, finals
+
+
+def _assert_only(finals: dict, bad: str, message: str, tokens: dict, tiny_model) -> None:
+    assert finals[bad].finish_reason is FinishReason.ERROR and message in (finals[bad].error or "")
+    for rid, p in PROMPTS.items():
+        if rid != bad:
+            assert finals[rid].finish_reason is FinishReason.LENGTH and finals[rid].error is None
+            assert tokens[rid] == hf_greedy(tiny_model, p, 16, ignore_eos=True)
+
+
+def test_a_request_whose_forward_always_fails_fails_alone(tiny_model, monkeypatch):
+    core = _core()
+    real = core.runner.execute
+
+    def poisoned(out):
+        if any(r.request_id == "r2" for r in out.requests):
+            raise RuntimeError("poisoned input")
+        return real(out)
+
+    monkeypatch.setattr(core.runner, "execute", poisoned)
+    tokens, finals = _run(core)
+    _assert_only(finals, "r2", "poisoned input", tokens, tiny_model)
+    assert core.consecutive_failed_steps == 0
+
+
+def test_a_drafter_that_raises_costs_the_draft_not_the_request(tiny_model):
+    class Broken(RandomTreeDrafter):
+        def propose(self, request_id, token_ids, max_tokens):
+            if request_id == "r1":
+                raise KeyError("trie bug")
+            return super().propose(request_id, token_ids, max_tokens)
+
+    tokens, finals = _run(_core(Broken(2, TINY_VOCAB, 8)))
+    for rid, p in PROMPTS.items():
+        assert finals[rid].finish_reason is FinishReason.LENGTH
+        assert tokens[rid] == hf_greedy(tiny_model, p, 16, ignore_eos=True)
+    assert finals["r1"].stats.draft_tokens_proposed == 0 < finals["r0"].stats.draft_tokens_proposed
+
+
+def test_a_draft_budget_that_raises_costs_the_drafts_not_the_requests(tiny_model, monkeypatch):
+    core = _core(adaptive=True)
+    policy = core.scheduler.budget_policy
+    assert policy is not None
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("budget bug")
+
+    monkeypatch.setattr(policy, "allocate", broken)
+    tokens, finals = _run(core)
+    for rid, p in PROMPTS.items():
+        assert finals[rid].finish_reason is FinishReason.LENGTH
+        assert tokens[rid] == hf_greedy(tiny_model, p, 16, ignore_eos=True)
+
+
+def test_a_commit_error_of_one_request_fails_only_it(tiny_model, monkeypatch):
+    core = _core()
+    real = core._on_token
+
+    def detokenizer_bug(req, token_id):
+        if req.request_id == "r3" and len(req.output_token_ids) == 5:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(req, token_id)
+
+    monkeypatch.setattr(core.scheduler, "on_token", detokenizer_bug)
+    tokens, finals = _run(core)
+    _assert_only(finals, "r3", "injected", tokens, tiny_model)
+
+
+def test_a_drafter_that_raises_while_forgetting_a_request_frees_it_anyway():
+    class Broken(RandomTreeDrafter):
+        def on_request_finish(self, request_id):
+            raise RuntimeError("forget bug")
+
+    _tokens, finals = _run(_core(Broken(3, TINY_VOCAB, 8)))
+    assert {o.finish_reason for o in finals.values()} == {FinishReason.LENGTH}
+
+
+async def test_an_engine_whose_every_step_fails_stops_for_good(monkeypatch):
+    engine = AsyncEngine(_core(), max_failed_steps=3)
+
+    def broken(out):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.core.runner, "execute", broken)
+
+    async def collect(rid):
+        return [o async for o in engine.generate(PROMPTS[rid], PARAMS, rid)]
+
+    results = await asyncio.wait_for(asyncio.gather(*(collect(rid) for rid in PROMPTS)), timeout=30)
+    for outs in results:
+        assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ERROR
+    # Steps failing one after another (requests may fail in different steps): the engine keeps
+    # going until max_failed_steps steps in a row served nobody, then stops and says why.
+    for _ in range(engine.max_failed_steps):
+        if engine.died.is_set():
+            break
+        assert (await asyncio.wait_for(collect("r0"), timeout=10))[-1].finish_reason is FinishReason.ERROR
+    assert engine.died.is_set() and engine.dead is not None and "3 engine steps in a row failed" in engine.dead
+    with pytest.raises(EngineDeadError):
+        engine.generate([1, 2, 3], PARAMS)
+    await engine.stop()
