@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--warmup", default=None, help="JSONL of earlier outputs to warm the trie with")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    serve.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="largest gRPC message (default: what a full context needs, about 1 MiB for SmolLM2)",
+    )
+    serve.add_argument("--max-stop-sequences", type=int, default=16, help="stop strings per request")
+    serve.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string")
     serve.add_argument("--log-level", default="INFO")
 
     cal = sub.add_parser("calibrate", help="measure step time against tokens per step; save the cost profile")
@@ -134,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
 
-    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -160,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
                 adaptive=args.draft_policy == "adaptive",
                 profile_path=args.profile,
             ),
+            limits=LimitsConfig(max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length),
         )
         from batchserve.server.app import ServerConfig
 
@@ -169,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             max_waiting_requests=args.max_waiting,
             grace_seconds=args.grace,
+            max_message_bytes=args.max_message_bytes,
         )
     except ValueError as e:
         print(f"batchserve serve: {e}", file=sys.stderr)

@@ -118,6 +118,21 @@ class DraftConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Bounds on what one request may ask for; every front end gets them from the engine."""
+
+    max_stop_sequences: int = 16  # stop strings per request
+    max_stop_length: int = 256  # characters per stop string
+    max_request_id_length: int = 128  # characters of [A-Za-z0-9._:-]
+    max_prompt_chars_per_token: int = 32  # text longer than this x the context is refused untokenized
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop_sequences", "max_stop_length", "max_request_id_length", "max_prompt_chars_per_token"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs, grouped by concern."""
 
@@ -125,3 +140,4 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     draft: DraftConfig = DraftConfig()
+    limits: LimitsConfig = LimitsConfig()

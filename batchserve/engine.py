@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from batchserve.scheduler.budget import AcceptanceTracker, CostProfile, DraftBud
 logger = logging.getLogger("batchserve")
 
 Prompt = str | Sequence[int]
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
 
 
 @dataclass(slots=True)
@@ -173,6 +175,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            self.check_text_size(len(prompt), "prompt")
             return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
         ids = list(prompt)
         for t in ids:
@@ -180,10 +183,17 @@ class EngineCore:
                 raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
         return ids
 
+    def check_text_size(self, num_chars: int, field: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing it."""
+        limit = self.max_model_len * self.config.limits.max_prompt_chars_per_token
+        if num_chars > limit:
+            raise ValueError(f"{field}: {num_chars} characters cannot fit a context of {self.max_model_len} tokens")
+
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of chat messages rendered with the model's chat template."""
         if not messages:
             raise ValueError("input.chat: no messages")
+        self.check_text_size(sum(len(m.get("content") or "") for m in messages), "input.chat")
         for i, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant"):
                 raise ValueError(
@@ -191,7 +201,10 @@ class EngineCore:
                 )
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("input.chat: the model has no chat template; send text or token_ids")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (jinja raise_exception, bad fields)
+            raise ValueError(f"input.chat: the model's chat template refused the messages: {e}") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def add_request(
@@ -212,6 +225,7 @@ class EngineCore:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is not a token id in [0, {self.vocab_size})")
+        self._check_limits(params, request_id)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid,
@@ -226,6 +240,23 @@ class EngineCore:
 
         self._text[rid] = _TextState(DecodeStream(skip_special_tokens=True), params.stop)
         return req
+
+    def _check_limits(self, params: SamplingParams, request_id: str | None) -> None:
+        limits = self.config.limits
+        if request_id is not None:
+            if not request_id or len(request_id) > limits.max_request_id_length or not REQUEST_ID.fullmatch(request_id):
+                raise ValueError(
+                    f"request_id: 1 to {limits.max_request_id_length} characters of A-Z a-z 0-9 . _ : - "
+                    f"(got {len(request_id)} characters)"
+                )
+        if len(params.stop) > limits.max_stop_sequences:
+            raise ValueError(f"stop: {len(params.stop)} stop strings, at most {limits.max_stop_sequences}")
+        for i, stop in enumerate(params.stop):
+            if len(stop) > limits.max_stop_length:
+                raise ValueError(f"stop[{i}]: {len(stop)} characters, at most {limits.max_stop_length}")
+        cap = self.config.draft.decoding_length
+        if params.decoding_length is not None and params.decoding_length > cap:
+            raise ValueError(f"decoding_length: {params.decoding_length} is above the server's cap of {cap}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel; the request's KV blocks are free when this returns."""
@@ -435,6 +466,9 @@ class AsyncEngine:
         engine has stopped for good."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if request_id is not None and request_id in self._queues:
+            # Still streaming (or finished but not yet read): never let a second caller touch it.
+            raise ValueError(f"request_id {request_id!r} is already in use")
         self.start()
         req = self.core.add_request(prompt, params, request_id)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -513,14 +547,21 @@ class RequestStream:
             raise
         if out.finished:
             self._done = True
-            self.engine._queues.pop(self.request_id, None)
+            self._unregister()
         return out
 
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self.engine._queues.pop(self.request_id, None)
-            self.engine.core.abort(self.request_id)
+            if self._unregister():  # only while the id is still ours: never abort a newer request
+                self.engine.core.abort(self.request_id)
+
+    def _unregister(self) -> bool:
+        queues = self.engine._queues
+        if queues.get(self.request_id) is self._queue:
+            del queues[self.request_id]
+            return True
+        return False
 
     async def aclose(self) -> None:
         self.close()

@@ -22,9 +22,12 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. `temperature == 0` means greedy."""
+    """How to pick tokens and when to stop. `temperature` 0 (or below 1e-5) means greedy."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -64,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing the logits by the temperature overflows; it is argmax anyway (as vLLM).
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from batchserve.engine import AsyncEngine
+from batchserve.engine import AsyncEngine, EngineCore
 from batchserve.server.metrics import Metrics
 from batchserve.server.servicer import ServiceInfo, TextGenerationServicer
 from batchserve.v1 import generation_pb2 as pb
@@ -30,7 +30,7 @@ class ServerConfig:
     max_waiting_requests: int = 256  # beyond this, RESOURCE_EXHAUSTED
     grace_seconds: float = 30.0  # in-flight requests get this long to finish at shutdown
     drain_seconds: float = 0.0  # NOT_SERVING this long before the listener closes
-    max_message_bytes: int = 64 * 2**20
+    max_message_bytes: int | None = None  # None = sized to the model's context (see message_limit)
     keepalive_time_ms: int = 20_000
     keepalive_timeout_ms: int = 10_000
 
@@ -41,6 +41,14 @@ class ServerConfig:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
+        if self.max_message_bytes is not None and self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+
+
+def message_limit(core: EngineCore) -> int:
+    """The largest request a full context can need: its text at the engine's characters-per-token
+    bound, 4 bytes per character in UTF-8, plus room for the other fields."""
+    return core.max_model_len * core.config.limits.max_prompt_chars_per_token * 4 + 64 * 1024
 
 
 class BatchServer:
@@ -60,10 +68,11 @@ class BatchServer:
 
     async def start(self) -> int:
         c = self.config
+        self.max_message_bytes = c.max_message_bytes or message_limit(self.engine.core)
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", c.max_message_bytes),
-                ("grpc.max_receive_message_length", c.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.keepalive_time_ms", c.keepalive_time_ms),
                 ("grpc.keepalive_timeout_ms", c.keepalive_timeout_ms),
                 ("grpc.keepalive_permit_without_calls", 1),
@@ -102,6 +111,7 @@ class BatchServer:
             await asyncio.sleep(self.config.drain_seconds)
         await self._server.stop(self.config.grace_seconds)
         await self.engine.stop()
+        self.servicer.close()
         self._stopped.set()
         logger.info("stopped")
 

@@ -25,6 +25,7 @@ def prompt_of(request: Any, core: EngineCore) -> list[int]:
     if kind == "text":
         if not request.text:
             raise ValueError("input.text: prompt is empty")
+        core.check_text_size(len(request.text), "input.text")
         return core.tokenize(request.text)
     if kind == "token_ids":
         if not request.token_ids.ids:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 
@@ -18,6 +21,7 @@ from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("batchserve.server")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +31,25 @@ class ServiceInfo:
     max_waiting_requests: int
 
 
+class _Refused(Exception):
+    """Internal: a request refused after its input was prepared."""
+
+
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     def __init__(self, engine: AsyncEngine, metrics: Metrics, info: ServiceInfo) -> None:
         self.engine = engine
         self.metrics = metrics
         self.info = info
         self.draining = False  # set at shutdown: new requests get UNAVAILABLE
+        # Tokenizing and chat templates run here, never on the event loop (an input at the size
+        # limit takes tens of ms to tokenize; every other stream would stall meanwhile).
+        self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-tokenize")
+
+    def close(self) -> None:
+        self._prepare.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
 
     # ---- RPCs ----------------------------------------------------------------------------
 
@@ -64,8 +81,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 yield convert.stream_chunk(out)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        if self.draining:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         try:
-            ids = convert.prompt_of(request, self.engine.core)
+            ids = await self._off_loop(convert.prompt_of, request, self.engine.core)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
@@ -95,7 +114,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         if self.draining:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         core = self.engine.core
-        if core.scheduler.num_waiting >= self.info.max_waiting_requests:
+        if self._queue_full():
             await self._reject(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -106,13 +125,18 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         error: str | None = None
         code = grpc.StatusCode.INVALID_ARGUMENT
         try:
-            prompt = convert.prompt_of(request, core)
             params = convert.sampling_params(request)
+            prompt = await self._off_loop(convert.prompt_of, request, core)
+            if self._queue_full():  # others may have arrived while this one was tokenized
+                code, error = grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full; retry later"
+                raise _Refused
             stream = self.engine.generate(prompt, params, request_id)
         except ValueError as e:
             error = str(e)
         except EngineDeadError as e:
             code, error = grpc.StatusCode.UNAVAILABLE, f"engine stopped: {e}"
+        except _Refused:
+            pass
         if stream is None:
             await self._reject(context, code, error or "invalid request")
         assert stream is not None
@@ -141,6 +165,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 )
         if last is not None and last.error is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"engine error: {last.error}")
+
+    def _queue_full(self) -> bool:
+        """Whether a new request would wait beyond the limit: the seats free at the next step
+        take waiting requests first, so only those beyond them count."""
+        sched = self.engine.core.scheduler
+        free_seats = max(0, self.engine.core.config.scheduler.max_num_seqs - sched.num_running)
+        return sched.num_waiting - free_seats >= self.info.max_waiting_requests
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.rejected.labels(code.name).inc()

@@ -80,11 +80,17 @@ async def test_32_concurrent_streams(running):
         ({"token_ids": [1], "stop_token_ids": [999]}, "stop_token_ids"),
         ({"token_ids": [1], "layout": "zigzag"}, "draft_layout"),
         ({"token_ids": [1], "decoding_length": -1}, "decoding_length"),
+        ({"token_ids": [1], "decoding_length": 9}, "decoding_length"),  # above the server's cap of 8
+        ({"token_ids": [1], "stop": ["x"] * 17}, "stop"),
+        ({"token_ids": [1], "stop": ["x" * 257]}, "stop[0]"),
+        ({"token_ids": [1], "request_id": "forged\nINFO request admin finished"}, "request_id"),
+        ({"token_ids": [1], "request_id": "x" * 129}, "request_id"),
+        ({"text": "a" * 40_000}, "input.text"),  # cannot fit 1024 tokens, refused untokenized
     ],
 )
 async def test_invalid_input_is_invalid_argument_naming_the_field(running, request_kwargs, field):
-    req = pb.GenerateRequest()
     kw = dict(request_kwargs)
+    req = pb.GenerateRequest(request_id=kw.pop("request_id", ""))
     if "text" in kw:
         req.text = kw.pop("text")
     elif "token_ids" in kw:
