@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--profile", default=None, help="cost profile JSON (default: the per-device cache)")
     serve.add_argument("--draft-layout", default="hierarchical", choices=["hierarchical", "parallel", "single"])
     serve.add_argument("--warmup", default=None, help="JSONL of earlier outputs to warm the trie with")
+    serve.add_argument("--warmup-scope", default="", help="the tenant key the warm-up corpus serves (default: '')")
+    serve.add_argument(
+        "--trie-scope",
+        default="tenant",
+        choices=["global", "tenant", "request"],
+        help="who shares output n-grams: every request, requests with the same tenant key (default; "
+        "requests without one share ''), or nobody",
+    )
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     serve.add_argument(
@@ -165,6 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
                 else (64 if args.draft_policy == "adaptive" else 16),
                 layout=args.draft_layout,
                 warmup_path=args.warmup,
+                warmup_scope=args.warmup_scope,
+                trie_scope=args.trie_scope,
                 adaptive=args.draft_policy == "adaptive",
                 profile_path=args.profile,
             ),

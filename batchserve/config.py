@@ -7,6 +7,7 @@ from typing import Literal
 
 DraftMethod = Literal["none", "llma", "lookahead"]
 DRAFT_METHODS: tuple[str, ...] = ("none", "llma", "lookahead")
+TRIE_SCOPES: tuple[str, ...] = ("global", "tenant", "request")
 DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
@@ -93,6 +94,10 @@ class DraftConfig:
     prompt_weight: float = 100.0  # lookahead: a request's own prompt/output n-gram counts this much more
     trie_capacity: int = 200_000  # lookahead: output-trie nodes before decay-and-prune
     warmup_path: str | None = None  # lookahead: JSONL of earlier outputs ({"text"} or {"token_ids"})
+    warmup_scope: str = ""  # lookahead: the scope (tenant key) the warm-up corpus is loaded into
+    # lookahead: who shares output n-grams. global: every request; tenant: requests with the same
+    # tenant key ("" for requests without one); request: each request drafts from its own text only.
+    trie_scope: str = "tenant"
 
     def __post_init__(self) -> None:
         if self.method not in DRAFT_METHODS:
@@ -113,6 +118,8 @@ class DraftConfig:
             raise ValueError(f"explore must be in [0, 1], got {self.explore}")
         if not 0 <= self.min_gain < 1:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if self.trie_scope not in TRIE_SCOPES:
+            raise ValueError(f"trie_scope must be one of {TRIE_SCOPES}, got {self.trie_scope!r}")
         if self.trie_capacity < 1:
             raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
 

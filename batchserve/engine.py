@@ -126,8 +126,13 @@ class EngineCore:
         if drafter is None:
             drafter = make_drafter(config.draft)
             if isinstance(drafter, TrieDrafter) and config.draft.warmup_path:
-                n = drafter.warm_up_file(config.draft.warmup_path, self.tokenize)
-                logger.info("warmed the lookahead trie with %d sequences from %s", n, config.draft.warmup_path)
+                n = drafter.warm_up_file(config.draft.warmup_path, self.tokenize, config.draft.warmup_scope)
+                logger.info(
+                    "warmed the lookahead trie (scope %r) with %d sequences from %s",
+                    config.draft.warmup_scope,
+                    n,
+                    config.draft.warmup_path,
+                )
         self.drafter = drafter
         self.cost_profile: CostProfile | None = None
         budget_policy = None
@@ -208,9 +213,10 @@ class EngineCore:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, tenant: str = ""
     ) -> Request:
-        """Validate and enqueue; raises ValueError (naming the field) before touching the scheduler."""
+        """Validate and enqueue; raises ValueError (naming the field) before touching the scheduler.
+        `tenant`: the isolation key whose drafts this request shares (see DraftConfig.trie_scope)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -225,7 +231,7 @@ class EngineCore:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is not a token id in [0, {self.vocab_size})")
-        self._check_limits(params, request_id)
+        self._check_limits(params, request_id, tenant)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid,
@@ -234,6 +240,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_total_len=self.max_model_len,
             arrival_time=time.monotonic(),
+            tenant=tenant,
         )
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
         from tokenizers.decoders import DecodeStream
@@ -241,13 +248,15 @@ class EngineCore:
         self._text[rid] = _TextState(DecodeStream(skip_special_tokens=True), params.stop)
         return req
 
-    def _check_limits(self, params: SamplingParams, request_id: str | None) -> None:
+    def _check_limits(self, params: SamplingParams, request_id: str | None, tenant: str) -> None:
         limits = self.config.limits
-        if request_id is not None:
-            if not request_id or len(request_id) > limits.max_request_id_length or not REQUEST_ID.fullmatch(request_id):
+        for field_name, value, required in (("request_id", request_id, True), ("tenant", tenant, False)):
+            if value is None or (not value and not required):
+                continue
+            if not value or len(value) > limits.max_request_id_length or not REQUEST_ID.fullmatch(value):
                 raise ValueError(
-                    f"request_id: 1 to {limits.max_request_id_length} characters of A-Z a-z 0-9 . _ : - "
-                    f"(got {len(request_id)} characters)"
+                    f"{field_name}: 1 to {limits.max_request_id_length} characters of A-Z a-z 0-9 . _ : - "
+                    f"(got {len(value)} characters)"
                 )
         if len(params.stop) > limits.max_stop_sequences:
             raise ValueError(f"stop: {len(params.stop)} stop strings, at most {limits.max_stop_sequences}")
@@ -459,7 +468,7 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, tenant: str = ""
     ) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (the last one has
         `finished` set). Raises ValueError at once for invalid input, EngineDeadError once the
@@ -470,7 +479,7 @@ class AsyncEngine:
             # Still streaming (or finished but not yet read): never let a second caller touch it.
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.start()
-        req = self.core.add_request(prompt, params, request_id)
+        req = self.core.add_request(prompt, params, request_id, tenant)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.request_id] = queue
         self._wakeup.set()

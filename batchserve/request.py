@@ -98,6 +98,7 @@ class Request:
     max_total_len: int  # prompt + output may not exceed this (model context)
     arrival_time: float = 0.0
     arrival_seq: int = 0  # the scheduler's arrival order (preemption takes the youngest)
+    tenant: str = ""  # isolation key: with trie_scope=tenant, drafts share n-grams only within it
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: all_token_ids[:num_computed_tokens] have K/V in the pool; the rest wait to be computed.
     all_token_ids: list[int] = field(default_factory=list)

@@ -14,8 +14,11 @@ class Drafter(Protocol):
     All calls come from the engine's loop thread, between model steps.
     """
 
-    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None) -> None:
-        """A request arrived (its prompt may be indexed); `layout` is its draft-shape override."""
+    def on_request_start(
+        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+    ) -> None:
+        """A request arrived (its prompt may be indexed); `layout` is its draft-shape override;
+        `scope` names the n-grams it may share with other requests (None: its own only)."""
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         """New output tokens were committed for the request."""
@@ -30,7 +33,9 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: never proposes anything."""
 
-    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None) -> None:
+    def on_request_start(
+        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+    ) -> None:
         pass
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:

@@ -1,9 +1,11 @@
 """The Lookahead trie drafter: n-grams of prompts and outputs, retrieved as draft trees.
 
 Two kinds of trie, one node type:
-- one *global output trie* shared by every request: n-grams of all generated text (and of
-  a warm-up corpus), inserted as tokens are accepted; frequencies decay and rare nodes are
-  pruned when it outgrows its capacity;
+- one *output trie per scope*, shared by the requests of that scope: n-grams of their
+  generated text (and of a warm-up corpus), inserted as tokens are accepted; frequencies
+  decay and rare nodes are pruned when the tries together outgrow their capacity. A scope
+  is a tenant key (or "" for everyone); a request with no scope reads and writes none, so
+  one tenant's output can never become another tenant's draft;
 - one *local trie* per live request: n-grams of its own prompt and output, weighted far
   above the global counts (branch weighting) and dropped whole when the request ends
   (branch elimination), so a finished request leaves no trace of its prompt.
@@ -104,6 +106,7 @@ class _RequestState:
     tokens: list[int]  # prompt + accepted output
     num_prompt: int
     layout: str | None = None  # per-request layout override
+    scope: str | None = ""  # the output trie it reads and feeds; None: its own n-grams only
 
 
 @dataclass(slots=True)
@@ -156,33 +159,60 @@ class TrieDrafter:
 
     def __init__(self, config: DraftConfig | None = None) -> None:
         self.config = config = config or DraftConfig(method="lookahead")
-        self.output = Trie()
+        self.outputs: dict[str, Trie] = {}  # output trie per scope
         self._requests: dict[str, _RequestState] = {}
         self._tiebreak = itertools.count()
 
+    @property
+    def output(self) -> Trie:
+        """The output trie of the shared scope "" (every request's under `trie_scope=global`)."""
+        return self._output("")
+
+    def _output(self, scope: str) -> Trie:
+        trie = self.outputs.get(scope)
+        if trie is None:
+            trie = self.outputs[scope] = Trie()
+        return trie
+
     # ---- Drafter interface ---------------------------------------------------------------
 
-    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None) -> None:
+    def on_request_start(
+        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+    ) -> None:
         if layout is not None and layout not in DRAFT_LAYOUTS:
             raise ValueError(f"draft layout must be one of {DRAFT_LAYOUTS}, got {layout!r}")
         local = Trie()
         local.insert_sequence(prompt_token_ids, self.config.branch_length)
-        self._requests[request_id] = _RequestState(local, list(prompt_token_ids), len(prompt_token_ids), layout)
+        self._requests[request_id] = _RequestState(
+            local, list(prompt_token_ids), len(prompt_token_ids), layout, scope
+        )
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         state = self._requests.get(request_id)
         if state is None:
             return
         b = self.config.branch_length
+        output = self._output(state.scope) if state.scope is not None else None
         for tok in token_ids:
             state.tokens.append(tok)
             window = state.tokens[-b:]
             state.local.insert_last(window)
-            # The global trie learns output only: runs that start after the prompt.
-            num_output = len(state.tokens) - state.num_prompt
-            self.output.insert_last(window, start=max(0, len(window) - num_output))
-        if self.output.num_nodes > self.config.trie_capacity:
-            self.output.prune()
+            if output is not None:
+                # The scope's trie learns output only: runs that start after the prompt.
+                num_output = len(state.tokens) - state.num_prompt
+                output.insert_last(window, start=max(0, len(window) - num_output))
+        self._keep_capacity()
+
+    def _keep_capacity(self) -> None:
+        """Decay and prune the largest output tries until all of them fit the capacity."""
+        total = sum(t.num_nodes for t in self.outputs.values())
+        while total > self.config.trie_capacity:
+            scope, largest = max(self.outputs.items(), key=lambda kv: kv[1].num_nodes)
+            before = largest.num_nodes
+            largest.prune()
+            total -= before - largest.num_nodes
+            if not largest.num_nodes:
+                del self.outputs[scope]
 
     def on_request_finish(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -192,6 +222,8 @@ class TrieDrafter:
             return None
         state = self._requests.get(request_id)
         local = state.local if state is not None else None
+        scope = state.scope if state is not None else None
+        output = self.outputs.get(scope) if scope is not None else None
         layout = (state.layout if state is not None else None) or self.config.layout
         builder = _TreeBuilder(max_tokens)
         expand = {"hierarchical": self._best_first, "parallel": self._parallel, "single": self._single}[layout]
@@ -200,7 +232,7 @@ class TrieDrafter:
         longest = min(self.config.max_match, len(token_ids), self.config.branch_length - 1)
         for m in range(longest, self.config.min_match - 1, -1):
             key = token_ids[-m:]
-            start = (local.find(key) if local is not None else None, self.output.find(key))
+            start = (local.find(key) if local is not None else None, output.find(key) if output is not None else None)
             if start[0] is None and start[1] is None:
                 continue
             expand(start, builder)
@@ -210,17 +242,19 @@ class TrieDrafter:
 
     # ---- warm-up -------------------------------------------------------------------------
 
-    def warm_up(self, sequences: Iterable[Sequence[int]]) -> int:
-        """Load earlier outputs into the global trie; returns how many sequences."""
+    def warm_up(self, sequences: Iterable[Sequence[int]], scope: str = "") -> int:
+        """Load earlier outputs into a scope's output trie; returns how many sequences."""
         n = 0
+        output = self._output(scope)
         for seq in sequences:
-            self.output.insert_sequence(seq, self.config.branch_length)
+            output.insert_sequence(seq, self.config.branch_length)
             n += 1
-            if self.output.num_nodes > self.config.trie_capacity:
-                self.output.prune()
+            self._keep_capacity()
         return n
 
-    def warm_up_file(self, path: str | Path, tokenize: Callable[[str], list[int]] | None = None) -> int:
+    def warm_up_file(
+        self, path: str | Path, tokenize: Callable[[str], list[int]] | None = None, scope: str = ""
+    ) -> int:
         """JSONL, one object per line with `token_ids` (list of ints) or `text` (needs `tokenize`)."""
         seqs: list[list[int]] = []
         with open(path, encoding="utf-8") as f:
@@ -239,7 +273,7 @@ class TrieDrafter:
                     seqs.append(tokenize(obj["text"]))
                 else:
                     raise ValueError(f'{path}:{lineno}: expected {{"token_ids": [...]}} or {{"text": "..."}}')
-        return self.warm_up(seqs)
+        return self.warm_up(seqs, scope)
 
     # ---- retrieval -----------------------------------------------------------------------
 
@@ -319,8 +353,8 @@ class TrieDrafter:
 
     @property
     def num_nodes(self) -> int:
-        """Nodes in the global output trie plus every live request's local trie."""
-        return self.output.num_nodes + sum(s.local.num_nodes for s in self._requests.values())
+        """Nodes in every output trie plus every live request's local trie."""
+        return sum(t.num_nodes for t in self.outputs.values()) + sum(s.local.num_nodes for s in self._requests.values())
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

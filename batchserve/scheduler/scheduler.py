@@ -77,7 +77,16 @@ class Scheduler:
         req.arrival_seq = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.drafter.on_request_start(req.request_id, req.prompt_token_ids, req.params.draft_layout)
+        self.drafter.on_request_start(
+            req.request_id, req.prompt_token_ids, req.params.draft_layout, scope=self._draft_scope(req)
+        )
+
+    def _draft_scope(self, req: Request) -> str | None:
+        """Whose output n-grams `req` drafts from and adds to; None: its own text only. A request
+        without speculation shares nothing: its text never becomes anyone's draft."""
+        if req.params.decoding_length == 0:
+            return None
+        return {"global": "", "tenant": req.tenant}.get(self.draft_config.trie_scope)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are free before the next step. False if unknown."""

@@ -28,9 +28,10 @@ def build_request(
     lookahead: bool | None = None,
     decoding_length: int | None = None,
     layout: str | None = None,
+    tenant: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids, or chat messages ({"role", "content"} dicts)."""
-    req = pb.GenerateRequest(request_id=request_id)
+    req = pb.GenerateRequest(request_id=request_id, tenant=tenant)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

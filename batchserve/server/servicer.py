@@ -31,6 +31,19 @@ class ServiceInfo:
     max_waiting_requests: int
 
 
+TENANT_METADATA = "x-batchserve-tenant"
+
+
+def _tenant(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    """The request's isolation key: its `tenant` field, else the x-batchserve-tenant metadata."""
+    if request.tenant:
+        return request.tenant
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_METADATA:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return ""
+
+
 class _Refused(Exception):
     """Internal: a request refused after its input was prepared."""
 
@@ -130,7 +143,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             if self._queue_full():  # others may have arrived while this one was tokenized
                 code, error = grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full; retry later"
                 raise _Refused
-            stream = self.engine.generate(prompt, params, request_id)
+            stream = self.engine.generate(prompt, params, request_id, tenant=_tenant(request, context))
         except ValueError as e:
             error = str(e)
         except EngineDeadError as e:

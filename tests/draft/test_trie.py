@@ -221,3 +221,17 @@ def test_simulation_counts_steps():
     # The repeat is drafted from the request's own output once it has been seen.
     assert res.steps < len(out) and res.tokens_per_step > 1.5
     assert not d.has_request("s")  # finished and eliminated
+
+
+def test_warm_up_goes_into_its_scope_and_drafts_only_there():
+    d = TrieDrafter(DraftConfig(method="lookahead", decoding_length=8, branch_length=6))
+    assert d.warm_up([[1, 2, 3, 4, 5, 6, 7]], scope="acme") == 1
+    d.on_request_start("ours", [9, 1, 2], scope="acme")
+    d.on_request_start("theirs", [9, 1, 2], scope="")
+    d.on_request_start("alone", [9, 1, 2], scope=None)
+    assert d.propose("ours", [9, 1, 2], 8).tokens[:3] == (3, 4, 5)
+    assert d.propose("theirs", [9, 1, 2], 8) is None  # nothing of acme's corpus outside acme
+    assert d.propose("alone", [9, 1, 2], 8) is None
+    # A scoped request's output feeds its own scope only.
+    d.on_tokens_accepted("theirs", [40, 41, 42])
+    assert d.outputs["acme"].find([40, 41]) is None and d.outputs[""].find([40, 41]) is not None

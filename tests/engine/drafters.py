@@ -80,7 +80,9 @@ class OracleDrafter(NoDrafter):
         self.depth = depth
         self.prompts: dict[str, tuple[int, ...]] = {}
 
-    def on_request_start(self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None) -> None:
+    def on_request_start(
+        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+    ) -> None:
         self.prompts[request_id] = tuple(prompt_token_ids)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:

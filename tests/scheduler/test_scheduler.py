@@ -25,7 +25,7 @@ class ChainDrafter(NoDrafter):
         self.n = n
         self.events: list[tuple[str, str]] = []
 
-    def on_request_start(self, request_id, prompt_token_ids, layout=None):
+    def on_request_start(self, request_id, prompt_token_ids, layout=None, scope=""):
         self.events.append(("start", request_id))
 
     def on_request_finish(self, request_id):

@@ -110,3 +110,16 @@ async def test_tokenize_is_refused_while_draining_and_capped(running):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await running.stub.Tokenize(pb.TokenizeRequest(text="hi"))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_the_tenant_comes_from_the_field_or_the_metadata(running):
+    drafter = running.core.drafter
+    await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=6), metadata=(("x-batchserve-tenant", "acme"),))
+    assert set(drafter.outputs) == {"acme"}
+    await running.stub.Generate(
+        build_request([1, 2, 3], max_new_tokens=6, tenant="zeta"), metadata=(("x-batchserve-tenant", "acme"),)
+    )
+    assert set(drafter.outputs) == {"acme", "zeta"}  # the field wins over the metadata
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=6, tenant="no spaces"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in e.value.details()
