@@ -72,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=0.0,
+        help="at shutdown, report NOT_SERVING this long (still serving) before refusing new calls",
+    )
+    serve.add_argument("--no-reflection", action="store_true", help="turn gRPC server reflection off")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", default=None, help="PEM CA bundle: require client certificates (mTLS)")
+    serve.add_argument(
         "--max-message-bytes",
         type=int,
         default=None,
@@ -188,7 +198,12 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             max_waiting_requests=args.max_waiting,
             grace_seconds=args.grace,
+            drain_seconds=args.drain_seconds,
             max_message_bytes=args.max_message_bytes,
+            reflection=not args.no_reflection,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
         )
     except ValueError as e:
         print(f"batchserve serve: {e}", file=sys.stderr)

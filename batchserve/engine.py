@@ -454,10 +454,13 @@ class AsyncEngine:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="batchserve-engine")
 
+    def abort_all(self) -> int:
+        """Cancel every request: each stream gets its final output (CANCELLED). Returns how many."""
+        return sum(self.abort(rid) for rid in list(self.core.scheduler.requests))
+
     async def stop(self) -> None:
         """Cancel every request and stop the step loop."""
-        for rid in list(self._queues):
-            self.abort(rid)
+        self.abort_all()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +21,7 @@ from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("batchserve.server")
+FLUSH_SECONDS = 2.0  # after the grace period: time for the final messages to leave
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 
@@ -31,6 +34,10 @@ class ServerConfig:
     grace_seconds: float = 30.0  # in-flight requests get this long to finish at shutdown
     drain_seconds: float = 0.0  # NOT_SERVING this long before the listener closes
     max_message_bytes: int | None = None  # None = sized to the model's context (see message_limit)
+    reflection: bool = True  # gRPC server reflection (grpcurl, grpcui)
+    tls_cert: str | None = None  # PEM certificate chain: serve TLS instead of plaintext
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_client_ca: str | None = None  # PEM CA bundle: require client certificates signed by it (mTLS)
     keepalive_time_ms: int = 20_000
     keepalive_timeout_ms: int = 10_000
 
@@ -43,6 +50,22 @@ class ServerConfig:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
         if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("client certificates (mTLS) need the server's own certificate and key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no file {path}")
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """grpc's TLS credentials from the PEM files, or None for plaintext."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        key, cert = Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes()
+        ca = Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def message_limit(core: EngineCore) -> int:
@@ -82,11 +105,14 @@ class BatchServer:
         )
         pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
-        self.port = server.add_insecure_port(f"{c.host}:{c.port}")
+        if c.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                server,
+            )
+        credentials = c.credentials()
+        address = f"{c.host}:{c.port}"
+        self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {c.host}:{c.port}")
         self.engine.start()
@@ -96,20 +122,34 @@ class BatchServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if c.metrics_port is not None:
             self.metrics.serve(c.metrics_port, c.host)
-        logger.info("serving %s on %s:%d", SERVICE_NAME, c.host, self.port)
+        logger.info("serving %s on %s:%d (%s)", SERVICE_NAME, c.host, self.port, "TLS" if credentials else "plaintext")
         return self.port
 
     async def shutdown(self) -> None:
-        """NOT_SERVING, refuse new requests, let in-flight ones finish within the grace
-        period, then cancel what is left and stop the engine."""
+        """NOT_SERVING at once; for `drain_seconds` load balancers route away while calls are
+        still taken; then new calls get UNAVAILABLE and in-flight requests have the grace period
+        to finish. Whatever is left then ends with CANCELLED (a final message and status, not a
+        cut connection) before the listener closes and the engine stops."""
         if self._server is None or self._stopped.is_set():
             return
-        logger.info("shutting down: NOT_SERVING, %.0fs grace for in-flight requests", self.config.grace_seconds)
+        c = self.config
+        logger.info(
+            "shutting down: NOT_SERVING, %.0f s drain, %.0f s grace for in-flight requests",
+            c.drain_seconds,
+            c.grace_seconds,
+        )
         await self.health.enter_graceful_shutdown()
+        if c.drain_seconds:
+            await asyncio.sleep(c.drain_seconds)
         self.servicer.draining = True
-        if self.config.drain_seconds:
-            await asyncio.sleep(self.config.drain_seconds)
-        await self._server.stop(self.config.grace_seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + c.grace_seconds
+        while self.engine.core.has_work() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        cancelled = self.engine.abort_all()
+        if cancelled:
+            logger.warning("grace period over: %d requests end CANCELLED", cancelled)
+        await self._server.stop(FLUSH_SECONDS)  # the final messages reach their clients
         await self.engine.stop()
         self.servicer.close()
         self._stopped.set()
@@ -125,8 +165,16 @@ async def serve_forever(server: BatchServer, started: float | None = None) -> in
     process. `started`: time.monotonic() when the process began, for the ready line."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():  # a second signal: no more waiting
+            logger.critical("second %s: exiting now", sig.name)
+            os._exit(128 + sig)
+        logger.info("%s: draining (send it again to exit at once)", sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     port = await server.start()
     since = f" {time.monotonic() - started:.1f} s after start" if started is not None else ""
     logger.info("READY: health SERVING on %s:%d%s; Ctrl-C drains and stops", server.config.host, port, since)

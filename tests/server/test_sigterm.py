@@ -73,3 +73,43 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    make_tiny_model().save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port)]
+        + ["--kv-cache-gb", "0.01", "--grace", "600", "--draft", "none"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    break
+            except grpc.RpcError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.2)
+        client = Client(f"127.0.0.1:{port}")
+        stream = client.stream([1, 2, 3], max_new_tokens=900, ignore_eos=True)
+        next(stream)
+        proc.send_signal(signal.SIGTERM)  # would wait up to 600 s for the stream
+        time.sleep(1.0)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 128 + signal.SIGTERM
+        assert "second SIGTERM: exiting now" in proc.stdout.read()
+        client.close()
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

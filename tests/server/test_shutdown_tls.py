@@ -1,0 +1,114 @@
+"""Shutdown (drain window, grace, final statuses), TLS and mTLS, reflection off."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from batchserve.engine import AsyncEngine
+from batchserve.server.app import BatchServer, ServerConfig
+from batchserve.server.client import build_request
+from batchserve.v1 import generation_pb2 as pb
+from batchserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.server.conftest import start_server, tiny_core
+
+
+async def test_drain_then_grace_then_every_stream_ends_with_a_final_status():
+    running = await start_server(drain_seconds=1.0, grace_seconds=0.5)
+    health = health_pb2_grpc.HealthStub(running.channel)
+    long = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=900, ignore_eos=True))
+    await long.read()
+    shutdown = asyncio.create_task(running.server.shutdown())
+    await asyncio.sleep(0.2)
+    # Draining: health says NOT_SERVING at once, but calls are still served so that load
+    # balancers can route away first.
+    status = (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    ok = await running.stub.Generate(build_request([4, 5], max_new_tokens=3))
+    assert ok.finish_reason == pb.FINISH_REASON_LENGTH
+    await asyncio.sleep(1.0)
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # after the drain window: refused
+        await running.stub.Generate(build_request([4, 5], max_new_tokens=3))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # The long stream outlives the grace period: it ends with CANCELLED, not a cut connection.
+    last = None
+    while (chunk := await long.read()) is not grpc.aio.EOF:
+        last = chunk
+    assert last is not None and last.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert await long.code() == grpc.StatusCode.OK
+    await asyncio.wait_for(shutdown, timeout=30)
+    await running.channel.close()
+
+
+async def test_reflection_can_be_turned_off():
+    running = await start_server(reflection=False)
+    try:
+        stub = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+                pass
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await running.channel.close()
+        await running.server.shutdown()
+
+
+def _certificate(directory, name: str) -> tuple[str, str]:
+    """A self-signed certificate for localhost and 127.0.0.1 (it is also its own CA)."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}"),
+            *("-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+async def test_tls_and_mutual_tls(tmp_path):
+    cert, key = _certificate(tmp_path, "server")
+    client_cert, client_key = _certificate(tmp_path, "client")
+    root = open(cert, "rb").read()
+    for mutual in (False, True):
+        config = ServerConfig(port=0, tls_cert=cert, tls_key=key, tls_client_ca=client_cert if mutual else None)
+        server = BatchServer(AsyncEngine(tiny_core()), config)
+        port = await server.start()
+        try:
+            identity = {
+                "private_key": open(client_key, "rb").read(),
+                "certificate_chain": open(client_cert, "rb").read(),
+            }
+            good = grpc.ssl_channel_credentials(root, **(identity if mutual else {}))
+            async with grpc.aio.secure_channel(f"localhost:{port}", good) as channel:
+                reply = await pb_grpc.TextGenerationStub(channel).Generate(build_request([1, 2], max_new_tokens=3))
+                assert reply.usage.completion_tokens == 3
+            # Plaintext, or (mTLS) TLS without a client certificate, is refused.
+            target = f"localhost:{port}"
+            channel = (
+                grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root))
+                if mutual
+                else grpc.aio.insecure_channel(target)
+            )
+            async with channel:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    stub = pb_grpc.TextGenerationStub(channel)
+                    await stub.Generate(build_request([1, 2], max_new_tokens=3), timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.shutdown()
+
+
+def test_tls_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="both"):
+        ServerConfig(tls_cert=str(tmp_path / "a.crt"))
+    with pytest.raises(ValueError, match="no file"):
+        ServerConfig(tls_cert=str(tmp_path / "a.crt"), tls_key=str(tmp_path / "a.key"))
