@@ -80,8 +80,10 @@ def test_a_second_signal_exits_at_once(tmp_path):
     make_tiny_tokenizer().save_pretrained(tmp_path)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port)]
-        + ["--kv-cache-gb", "0.01", "--grace", "600", "--draft", "none"],
+        [
+            *(sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port)),
+            *("--kv-cache-gb", "0.01", "--grace", "600", "--draft", "none"),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
