@@ -1,4 +1,5 @@
-"""`batchserve serve` as a process: SIGTERM drains in-flight requests and exits cleanly."""
+"""`batchserve serve` as a process: SIGTERM drains in-flight requests and exits cleanly; a
+second signal exits at once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,33 +19,20 @@ from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.server.conftest import free_port
 
 
-def test_sigterm_lets_in_flight_requests_finish(tmp_path):
+def _serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Client]:
+    """A server process on the tiny model, healthy, and a client of it."""
     make_tiny_model().save_pretrained(tmp_path)
     make_tiny_tokenizer().save_pretrained(tmp_path)
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchserve.cli",
-            "serve",
-            "--model",
-            str(tmp_path),
-            "--port",
-            str(port),
-            "--kv-cache-gb",
-            "0.01",
-            "--grace",
-            "30",
-        ],
+        [sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         # The default adaptive policy calibrates on first start: into a fresh cache here.
         env={**os.environ, "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache")},
     )
-    try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + 120
         while True:
@@ -55,7 +44,12 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "server did not become healthy"
             time.sleep(0.2)
-        client = Client(f"127.0.0.1:{port}")
+    return proc, Client(f"127.0.0.1:{port}")
+
+
+def test_sigterm_lets_in_flight_requests_finish(tmp_path):
+    proc, client = _serve(tmp_path, "--kv-cache-gb", "0.01", "--grace", "30")
+    try:
         stream = client.stream([1, 2, 3], max_new_tokens=300, ignore_eos=True)
         first = next(stream)
         proc.send_signal(signal.SIGTERM)
@@ -67,40 +61,16 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         assert "shutting down" in log and "finished: 3 prompt + 300 output tokens" in log
         assert "quick cost profile measured" in log and len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
         assert "READY: health SERVING" in log
-        client.close()
-        channel.close()
     finally:
+        client.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
 def test_a_second_signal_exits_at_once(tmp_path):
-    make_tiny_model().save_pretrained(tmp_path)
-    make_tiny_tokenizer().save_pretrained(tmp_path)
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port)),
-            *("--kv-cache-gb", "0.01", "--grace", "600", "--draft", "none"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, client = _serve(tmp_path, "--kv-cache-gb", "0.01", "--grace", "600", "--draft", "none")
     try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    break
-            except grpc.RpcError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.2)
-        client = Client(f"127.0.0.1:{port}")
         stream = client.stream([1, 2, 3], max_new_tokens=900, ignore_eos=True)
         next(stream)
         proc.send_signal(signal.SIGTERM)  # would wait up to 600 s for the stream
@@ -109,9 +79,8 @@ def test_a_second_signal_exits_at_once(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 128 + signal.SIGTERM
         assert "second SIGTERM: exiting now" in proc.stdout.read()
-        client.close()
-        channel.close()
     finally:
+        client.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
