@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup test test-fast lint serve proto load simulate gpu-stage clean
+.PHONY: setup bench-setup test test-fast lint serve proto load soak simulate gpu-stage clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ bench-setup: $(STAMP)
 # Locust over gRPC against a fresh server on 127.0.0.1 (see load_tests/run.sh for the options).
 load: bench-setup
 	load_tests/run.sh --users 8 --spawn-rate 2 --duration 60s --out load_out $(LOAD_ARGS)
+
+# 32 users for 10 minutes with cancels and short deadlines mixed in: no unexpected failure,
+# memory growth at most 5% from minute 2 on, and the KV pool back to full at idle.
+soak: bench-setup
+	load_tests/run.sh --users 32 --spawn-rate 4 --duration 10m --out soak_out $(LOAD_ARGS)
 
 simulate: bench-setup
 	$(BIN)/batchserve bench --simulate

@@ -5,8 +5,13 @@ prompts drawn from the benchmark datasets (HumanEval prompts, ShareGPT first tur
 mixed `max_new_tokens`. Streams report two events: "StreamGenerate TTFT" at the first
 chunk and "StreamGenerate" for the whole stream. Run it through `load_tests/run.sh`.
 
+Users also walk away: about one call in ten is a stream cancelled after its second chunk
+("StreamGenerate cancelled") or a Generate with a deadline too short to finish ("Generate
+deadline", a success when it ends DEADLINE_EXCEEDED), so that aborts free KV under load.
+
 Environment: BATCHSERVE_MAX_PROMPT_CHARS (default 1500), BATCHSERVE_MAX_NEW_TOKENS
-(comma-separated choices, default 16,32,64,128), BATCHSERVE_TIMEOUT (seconds, default 300).
+(comma-separated choices, default 16,32,64,128), BATCHSERVE_TIMEOUT (seconds, default 300),
+BATCHSERVE_SHORT_DEADLINE (seconds, default 0.3).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ grpc_gevent.init_gevent()  # let grpc cooperate with locust's gevent loop
 MAX_PROMPT_CHARS = int(os.environ.get("BATCHSERVE_MAX_PROMPT_CHARS", "1500"))
 MAX_NEW_TOKENS = [int(x) for x in os.environ.get("BATCHSERVE_MAX_NEW_TOKENS", "16,32,64,128").split(",")]
 TIMEOUT = float(os.environ.get("BATCHSERVE_TIMEOUT", "300"))
+SHORT_DEADLINE = float(os.environ.get("BATCHSERVE_SHORT_DEADLINE", "0.3"))
 FALLBACK_PROMPTS = ["def fibonacci(n):", "Write a haiku about the sea.", "List three uses of a hash map."]
 
 
@@ -72,7 +78,7 @@ class GenerationUser(User):
             context={},
         )
 
-    @task(1)
+    @task(5)
     def generate(self) -> None:
         start = time.perf_counter()
         try:
@@ -82,7 +88,7 @@ class GenerationUser(User):
             return
         self._fire("Generate", start, resp.usage.completion_tokens, None)
 
-    @task(2)
+    @task(10)
     def stream(self) -> None:
         start = time.perf_counter()
         tokens = 0
@@ -97,6 +103,38 @@ class GenerationUser(User):
             self._fire("StreamGenerate", start, tokens, RpcFailure(e))
             return
         self._fire("StreamGenerate", start, tokens, None)
+
+
+    @task(1)
+    def cancel(self) -> None:
+        """A client that stops reading: the server must abort the request and free its KV."""
+        start = time.perf_counter()
+        call = self.stub.StreamGenerate(self._request(), timeout=TIMEOUT)
+        tokens = 0
+        try:
+            for i, chunk in enumerate(call):
+                tokens += len(chunk.token_ids)
+                if i == 1:
+                    break
+        except grpc.RpcError as e:
+            self._fire("StreamGenerate cancelled", start, tokens, RpcFailure(e))
+            return
+        call.cancel()
+        self._fire("StreamGenerate cancelled", start, tokens, None)
+
+    @task(1)
+    def deadline(self) -> None:
+        """A deadline too short to finish: DEADLINE_EXCEEDED is the expected outcome."""
+        start = time.perf_counter()
+        request = self._request()
+        request.sampling.max_new_tokens = max(MAX_NEW_TOKENS)
+        try:
+            resp = self.stub.Generate(request, timeout=SHORT_DEADLINE)
+        except grpc.RpcError as e:
+            ok = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            self._fire("Generate deadline", start, 0, None if ok else RpcFailure(e))
+            return
+        self._fire("Generate deadline", start, resp.usage.completion_tokens, None)
 
 
 class RpcFailure(Exception):

@@ -26,7 +26,9 @@ mkdir -p "$OUT"
 
 SERVER_ARGS=(--host 127.0.0.1 --port "$PORT")
 [ -n "$MODEL" ] && SERVER_ARGS+=(--model "$MODEL")
-[ -n "$METRICS_PORT" ] && SERVER_ARGS+=(--metrics-port "$METRICS_PORT")
+# Metrics always on (the idle check reads the KV pool from them): the next port up by default.
+[ -n "$METRICS_PORT" ] || METRICS_PORT=$(( PORT + 1 ))
+SERVER_ARGS+=(--metrics-port "$METRICS_PORT")
 "$PY" -m batchserve.cli serve "${SERVER_ARGS[@]}" "${EXTRA[@]}" >"$OUT/server.log" 2>&1 &
 SERVER=$!
 cleanup() { kill -TERM "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }
@@ -56,6 +58,10 @@ PYEOF
 
 rss() { ps -o rss= -p "$SERVER" | awk '{printf "%.0f MB", $1/1024}'; }
 echo "server memory at start: $(rss)" | tee "$OUT/memory.txt"
+# The server's resident memory every 10 s, for the soak's growth check (load_tests/soak_check.py).
+( t=0; while kill -0 "$SERVER" 2>/dev/null; do
+    echo "$t,$(ps -o rss= -p "$SERVER" | tr -d ' ')"; sleep 10; t=$(( t + 10 )); done ) >"$OUT/rss.csv" &
+SAMPLER=$!
 # Locust's own run-time limit bounds the run; `timeout` is a second guard.
 case "$DURATION" in
   *m) SECS=$(( ${DURATION%m} * 60 ));; *h) SECS=$(( ${DURATION%h} * 3600 ));; *s) SECS=${DURATION%s};; *) SECS=$DURATION;;
@@ -65,4 +71,5 @@ timeout --signal=INT "$(( SECS + 180 ))" \
   --run-time "$DURATION" --stop-timeout 120 --host "127.0.0.1:$PORT" \
   --csv "$OUT/locust" --html "$OUT/report.html" --only-summary --exit-code-on-error 0 >"$OUT/locust.log" 2>&1 || true
 echo "server memory at end: $(rss)" | tee -a "$OUT/memory.txt"
-"$PY" load_tests/summarize.py "$OUT/locust"
+kill "$SAMPLER" 2>/dev/null || true
+"$PY" load_tests/summarize.py "$OUT/locust" "$OUT/rss.csv" "127.0.0.1:$METRICS_PORT"

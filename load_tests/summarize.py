@@ -1,14 +1,24 @@
-"""Summarize a headless Locust run's CSVs; exit 1 if any request failed other than by
-deliberate RESOURCE_EXHAUSTED load shedding."""
+"""Summarize a headless Locust run. Exit 1 if any request failed other than by deliberate
+RESOURCE_EXHAUSTED load shedding, if the KV pool is not back to full once the server is idle,
+or if the server's memory grew by more than 5% from minute 2 to the end (runs of 4 minutes
+or more).
+
+    python load_tests/summarize.py PREFIX [RSS_CSV METRICS_HOST:PORT]
+"""
 
 from __future__ import annotations
 
 import csv
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
+MAX_RSS_GROWTH = 0.05  # from minute 2 (warm: tries, allocator pools) to the end
+IDLE_WAIT_S = 15.0
 
-def main(prefix: str) -> int:
+
+def requests_report(prefix: str) -> bool:
     stats = list(csv.DictReader(open(f"{prefix}_stats.csv", encoding="utf-8")))
     failures = list(csv.DictReader(open(f"{prefix}_failures.csv", encoding="utf-8")))
     print(f"{'name':28} {'requests':>9} {'failures':>9} {'p50 ms':>9} {'p99 ms':>9} {'avg tokens':>11}")
@@ -25,9 +35,56 @@ def main(prefix: str) -> int:
         print(f"FAILED {f['Name']}: {f['Error']} x{f['Occurrences']}")
     if total == 0:
         print("no request completed")
-        return 1
-    return 1 if real else 0
+        return False
+    return not real
+
+
+def memory_report(rss_csv: str) -> bool:
+    samples = [(int(t), int(kb)) for t, kb in csv.reader(open(rss_csv, encoding="utf-8")) if kb.strip()]
+    if not samples:
+        print("memory: no samples")
+        return True
+    warm = [kb for t, kb in samples if t >= 120]
+    if samples[-1][0] < 240 or not warm:
+        print(f"memory: {samples[-1][1] / 1024:.0f} MB at the end (run too short for the growth check)")
+        return True
+    growth = samples[-1][1] / warm[0] - 1
+    print(
+        f"memory: {warm[0] / 1024:.0f} MB at minute 2, {samples[-1][1] / 1024:.0f} MB at the end "
+        f"({growth:+.1%}; at most {MAX_RSS_GROWTH:.0%}), peak {max(kb for _, kb in samples) / 1024:.0f} MB"
+    )
+    return growth <= MAX_RSS_GROWTH
+
+
+def _metric(body: str, name: str) -> float:
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def idle_report(metrics: str) -> bool:
+    """Once nothing runs or waits, every KV block is free again."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while True:
+        body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+        busy = _metric(body, "batchserve_num_requests_running") + _metric(body, "batchserve_num_requests_waiting")
+        usage = _metric(body, "batchserve_kv_cache_usage_ratio")
+        if (busy == 0 and usage == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    print(f"idle: {busy:.0f} requests running or waiting, KV pool {usage:.1%} used (0% expected)")
+    return busy == 0 and usage == 0
+
+
+def main(argv: list[str]) -> int:
+    prefix = argv[0] if argv else str(Path("load_out") / "locust")
+    ok = requests_report(prefix)
+    if len(argv) >= 3:
+        ok = memory_report(argv[1]) and ok
+        ok = idle_report(argv[2]) and ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else str(Path("load_out") / "locust")))
+    sys.exit(main(sys.argv[1:]))

@@ -56,8 +56,12 @@ def test_short_locust_run(tmp_path):
     for name in ("Generate", "StreamGenerate", "StreamGenerate TTFT"):
         assert int(stats[name]["Request Count"]) > 0, name
         assert int(stats[name]["Failure Count"]) == 0, name
+    for name in ("StreamGenerate cancelled", "Generate deadline"):  # walk-aways, when drawn
+        assert int(stats.get(name, {}).get("Failure Count", 0)) == 0, name
     assert (out / "report.html").stat().st_size > 1000
     assert "server memory at start" in (out / "memory.txt").read_text()
     assert "shed by RESOURCE_EXHAUSTED: 0" in proc.stdout
+    assert "idle: 0 requests running or waiting, KV pool 0.0% used" in proc.stdout  # aborts freed their KV
+    assert (out / "rss.csv").read_text().startswith("0,")
     # The server stopped gracefully once the run was over.
     assert "stopped" in (out / "server.log").read_text()
