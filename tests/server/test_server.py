@@ -235,6 +235,10 @@ async def test_shutdown_not_serving_then_in_flight_completes():
     await asyncio.sleep(0.1)
     resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    # Within the drain window calls are still served (load balancers are routing away) ...
+    assert (await r.stub.Generate(build_request([1], max_new_tokens=2))).usage.completion_tokens == 2
+    await asyncio.sleep(0.6)
+    # ... after it they are refused.
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await r.stub.Generate(build_request([1], max_new_tokens=2))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
