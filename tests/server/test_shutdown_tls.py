@@ -8,7 +8,6 @@ import subprocess
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchserve.engine import AsyncEngine
@@ -19,28 +18,17 @@ from batchserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.server.conftest import start_server, tiny_core
 
 
-async def test_drain_then_grace_then_every_stream_ends_with_a_final_status():
-    running = await start_server(drain_seconds=1.0, grace_seconds=0.5)
-    health = health_pb2_grpc.HealthStub(running.channel)
+async def test_a_request_still_running_after_the_grace_period_ends_cancelled_with_a_final_message():
+    running = await start_server(grace_seconds=0.5)
     long = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=900, ignore_eos=True))
     await long.read()
     shutdown = asyncio.create_task(running.server.shutdown())
-    await asyncio.sleep(0.2)
-    # Draining: health says NOT_SERVING at once, but calls are still served so that load
-    # balancers can route away first.
-    status = (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
-    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-    ok = await running.stub.Generate(build_request([4, 5], max_new_tokens=3))
-    assert ok.finish_reason == pb.FINISH_REASON_LENGTH
-    await asyncio.sleep(1.0)
-    with pytest.raises(grpc.aio.AioRpcError) as e:  # after the drain window: refused
-        await running.stub.Generate(build_request([4, 5], max_new_tokens=3))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    # The long stream outlives the grace period: it ends with CANCELLED, not a cut connection.
     last = None
     while (chunk := await long.read()) is not grpc.aio.EOF:
         last = chunk
+    # Not a cut connection: a last message that says CANCELLED, and an OK status.
     assert last is not None and last.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert 0 < last.usage.completion_tokens < 900
     assert await long.code() == grpc.StatusCode.OK
     await asyncio.wait_for(shutdown, timeout=30)
     await running.channel.close()
