@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--cpu-linear",
-        default="auto",
-        choices=["auto", "onednn", "torch"],
-        help="float32 on CPU: oneDNN's linear kernel (auto: when available) or torch's BLAS",
+        default="torch",
+        choices=["torch", "onednn"],
+        help="float32 on CPU: torch's matmuls, or oneDNN's linear kernel (faster drafts; memory grows with shapes)",
     )
     serve.add_argument("--max-batch-size", type=int, default=16, help="running requests at once")
     serve.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens per forward")
@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
     cal.add_argument(
         "--cpu-linear",
-        default="auto",
-        choices=["auto", "onednn", "torch"],
-        help="float32 on CPU: oneDNN's linear kernel (auto: when available) or torch's BLAS",
+        default="torch",
+        choices=["torch", "onednn"],
+        help="float32 on CPU: torch's matmuls, or oneDNN's linear kernel (faster drafts; memory grows with shapes)",
     )
     cal.add_argument("--max-tokens", type=int, default=512, help="largest step to time (the server's tokens per step)")
     cal.add_argument("--contexts", type=_ints, default=[64, 512, 2048], help="KV lengths to time at")

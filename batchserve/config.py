@@ -12,7 +12,7 @@ DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")  # batchserve.attention's, kept torch-free here
-CPU_LINEAR: tuple[str, ...] = ("auto", "onednn", "torch")  # batchserve.runner.cpu_linear's
+CPU_LINEAR: tuple[str, ...] = ("torch", "onednn")  # batchserve.runner.cpu_linear's
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,9 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     attention_backend: str = "auto"  # auto = flashinfer on CUDA (fp16/bf16) when installed, else torch
-    cpu_linear: str = "auto"  # auto = oneDNN's linear kernel for float32 on CPU when available; torch = BLAS
+    # float32 on CPU: torch's own matmuls, or oneDNN's linear kernel (faster for multi-row steps, but its
+    # memory grows with the number of step shapes seen: opt-in until that is bounded)
+    cpu_linear: str = "torch"
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

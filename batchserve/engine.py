@@ -610,7 +610,7 @@ class LLM:
         kv_cache_memory_gb: float = 1.0,
         dtype: str = "auto",
         attention_backend: str = "auto",
-        cpu_linear: str = "auto",
+        cpu_linear: str = "torch",
         config: EngineConfig | None = None,
         hf_model: Any = None,
         tokenizer: Any = None,

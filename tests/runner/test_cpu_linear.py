@@ -17,7 +17,7 @@ def test_onednn_linear_switches_in_place_and_keeps_the_models_choices():
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(ids).logits
-        assert use_onednn_linear(model, "auto") is True
+        assert use_onednn_linear(model, "onednn") is True
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all("forward" in m.__dict__ for m in linears)
         fast = model(ids).logits
@@ -30,7 +30,7 @@ def test_onednn_linear_switches_in_place_and_keeps_the_models_choices():
 
 def test_onednn_linear_is_refused_where_it_cannot_run():
     half = make_tiny_model(dtype=torch.bfloat16)
-    assert use_onednn_linear(half, "auto") is False  # auto quietly keeps torch's kernels
+    assert use_onednn_linear(half, "torch") is False
     with pytest.raises(ValueError, match="float32"):
         use_onednn_linear(half, "onednn")
     with pytest.raises(ValueError, match="cpu_linear"):
