@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchserve.runner.cpu_linear import onednn_available, use_onednn_linear
+from batchserve.runner.cpu_linear import ROW_BUCKETS, _bucket, onednn_available, use_onednn_linear
 from tests.conftest import make_tiny_model
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
@@ -35,3 +35,9 @@ def test_onednn_linear_is_refused_where_it_cannot_run():
         use_onednn_linear(half, "onednn")
     with pytest.raises(ValueError, match="cpu_linear"):
         use_onednn_linear(half, "fast")
+
+
+def test_rows_are_padded_to_few_buckets():
+    assert [_bucket(n) for n in (1, 2, 3, 5, 7, 9, 13, 100, 513)] == [1, 2, 3, 6, 8, 12, 16, 128, 768]
+    assert all(_bucket(n) <= n * 1.5 for n in range(1, ROW_BUCKETS[-1]))  # at most half again as many rows
+    assert _bucket(5000) == 5000  # beyond the largest bucket: as it is
