@@ -55,10 +55,6 @@ class StepLayout:
     tree_masks: tuple[np.ndarray | None, ...]  # per request: its draft's [n, n] ancestor-or-self mask
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.num_cached)
-
-    @property
     def num_tokens(self) -> int:
         return int(self.qo_indptr[-1])
 

@@ -68,6 +68,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._uniforms: dict[str, list[float]] = {}  # drawn but not yet used, per sampling request
         self._tables = BlockTables()
+        self._pinned: torch.Tensor | None = None  # CUDA: host staging buffer for the step's inputs
 
     def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
         for rid in request_ids:
@@ -122,9 +123,18 @@ class ModelRunner:
         """Host int64 arrays as device tensors: zero-copy on CPU, one pinned copy on CUDA."""
         if self.device.type == "cpu":
             return [torch.from_numpy(a) for a in arrays]
-        host = torch.from_numpy(np.concatenate(arrays)).pin_memory()
-        flat = host.to(self.device, non_blocking=True)
-        return list(flat.split([len(a) for a in arrays]))
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        # One pinned staging buffer, reused: pinning per step would cost more than the copy. Wait
+        # for any copy still reading it (normally none: the last step synchronized; a step that
+        # raised mid-forward may not have).
+        torch.cuda.current_stream(self.device).synchronize()
+        capacity = 0 if self._pinned is None else len(self._pinned)
+        if capacity < total:
+            self._pinned = torch.empty(max(total, 2 * capacity), dtype=torch.int64).pin_memory()
+        staged = self._pinned[:total]
+        np.concatenate(arrays, out=staged.numpy())
+        return list(staged.to(self.device, non_blocking=True).split(sizes))
 
     def _sampled_rows(self, out: SchedulerOutput, logit_start: np.ndarray) -> SampledRows | None:
         """Parameters and uniforms of the kept rows of sampling (non-greedy) requests."""
