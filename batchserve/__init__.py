@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 from batchserve.request import FinishReason, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from batchserve.engine import LLM, AsyncEngine, EngineCore
+    from batchserve.async_engine import AsyncEngine
+    from batchserve.engine import EngineCore
+    from batchserve.llm import LLM
 
 __all__ = ["LLM", "AsyncEngine", "EngineCore", "FinishReason", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
@@ -16,8 +18,9 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # The engine pulls in torch and transformers; import it only when asked for, so the
     # pure-Python layers (scheduler, drafts) stay light to import.
-    if name in ("LLM", "AsyncEngine", "EngineCore"):
-        from batchserve import engine
+    modules = {"LLM": "batchserve.llm", "AsyncEngine": "batchserve.async_engine", "EngineCore": "batchserve.engine"}
+    if name in modules:
+        import importlib
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(modules[name]), name)
     raise AttributeError(f"module 'batchserve' has no attribute {name!r}")

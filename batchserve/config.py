@@ -1,9 +1,10 @@
-"""Frozen configuration dataclasses, one per concern, validated on construction."""
+"""Frozen configuration dataclasses, one per concern, and the one map from settings to them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 DraftMethod = Literal["none", "llma", "lookahead"]
 DRAFT_METHODS: tuple[str, ...] = ("none", "llma", "lookahead")
@@ -11,30 +12,96 @@ TRIE_SCOPES: tuple[str, ...] = ("global", "tenant", "request")
 DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")  # batchserve.attention's, kept torch-free here
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")  # see batchserve.attention.resolve_backend
 CPU_LINEAR: tuple[str, ...] = ("torch", "onednn")  # batchserve.runner.cpu_linear's
+ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths
+FIXED_DECODING_LENGTH = 16  # the default length when every request drafts the same
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    name: str | None = None,
+    flags: tuple[str, ...] = (),
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A config field that is also a setting: `LLM(name=...)` and `--name` (plus `flags`, older
+    spellings kept working). `name` defaults to the field's own."""
+    return field(default=default, metadata={"help": help, "name": name, "flags": flags, "choices": choices})
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One keyword of `LLM(...)` / one CLI flag, and the config field it sets."""
+
+    name: str
+    section: str  # the EngineConfig field holding the dataclass ("" for a flat dataclass)
+    field: str
+    help: str
+    kind: type  # bool, int, float or str: what the CLI parses
+    default: Any
+    flags: tuple[str, ...] = ()
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def settings_of(cls: type, section: str = "") -> list[Setting]:
+    """The settings a config dataclass declares (fields made with `setting`), in field order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        kind = next((k for k in (bool, int, float) if k.__name__ in str(f.type).split(" | ")), str)
+        choices = f.metadata["choices"]
+        out.append(
+            Setting(
+                f.metadata["name"] or f.name,
+                section,
+                f.name,
+                f.metadata["help"],
+                kind,
+                f.default,
+                f.metadata["flags"],
+                choices,
+            )
+        )
+    return out
+
+
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which model to load and how."""
 
-    path: str | None = None  # local HF directory or .gguf file; None = SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto = cuda when available, else cpu
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    attention_backend: str = "auto"  # auto = flashinfer on CUDA (fp16/bf16) when installed, else torch
-    # float32 on CPU: torch's own matmuls, or oneDNN's linear kernel (faster for multi-row steps, but its
-    # memory grows with the number of step shapes seen: opt-in until that is bounded)
-    cpu_linear: str = "torch"
+    path: str | None = setting(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)", name="model")
+    dtype: str = setting("auto", "auto: bfloat16 on CUDA, float32 on CPU", choices=MODEL_DTYPES)
+    device: str = setting("auto", "cpu, cuda or cuda:N (auto: cuda when available)")
+    max_model_len: int | None = setting(None, "context length (default: the model's max_position_embeddings)")
+    attention_backend: str = setting(
+        "auto",
+        "auto: FlashInfer on CUDA in fp16/bf16 when installed, else the PyTorch reference",
+        choices=ATTENTION_BACKENDS,
+    )
+    # oneDNN's kernel is faster for multi-row steps but its memory grows with the step shapes it
+    # has seen: opt-in until a soak shows that growth bounded (see runner/cpu_linear.py).
+    cpu_linear: str = setting(
+        "torch",
+        "float32 on CPU: torch's matmuls, or oneDNN's linear kernel (faster drafts, more memory)",
+        choices=CPU_LINEAR,
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.cpu_linear not in CPU_LINEAR:
-            raise ValueError(f"cpu_linear must be one of {CPU_LINEAR}, got {self.cpu_linear!r}")
+        _check_choice("dtype", self.dtype, MODEL_DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -43,9 +110,9 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV pool: `num_blocks` pages of `block_size` token slots each."""
 
-    block_size: int = 16
-    num_blocks: int | None = None  # None = derive from `kv_cache_memory_gb`
-    kv_cache_memory_gb: float = 1.0
+    block_size: int = setting(16, "KV slots per block")
+    num_blocks: int | None = setting(None, "KV blocks in the pool (default: as many as kv_cache_memory_gb holds)")
+    kv_cache_memory_gb: float = setting(1.0, "KV cache size in GiB", flags=("--kv-cache-gb",))
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -60,8 +127,10 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_seqs: int = 16  # running requests at once: the batch size users tune
-    max_num_batched_tokens: int = 512  # tokens per forward: prompt chunks + roots + drafts
+    max_num_seqs: int = setting(16, "running requests at once: the batch size", flags=("--max-batch-size",))
+    max_num_batched_tokens: int = setting(
+        512, "tokens per forward: prompt chunks, roots and drafts", flags=("--max-tokens-per-step",)
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -81,31 +150,74 @@ class DraftConfig:
     a single branch from the request's own text; `none` decodes plainly.
     """
 
-    method: DraftMethod = "lookahead"
-    decoding_length: int = 16  # draft tokens per request per step (root excluded); the cap when adaptive
-    adaptive: bool = False  # choose each request's length every step from the cost profile and acceptance
-    profile_path: str | None = None  # adaptive: cost profile JSON; None = the per-device cache (calibrate if absent)
-    acceptance_decay: float = 0.3  # adaptive: weight of the newest verification in the acceptance EMA
-    explore: float = 0.05  # adaptive: per idle step, how far a request's estimates drift back to the pool's
-    min_gain: float = 0.02  # adaptive: never draft a node accepted less often than this
-    learn_step_costs: bool = True  # adaptive: refine the profile from measured steps (off: trust it as is)
-    layout: DraftLayout = "hierarchical"  # lookahead: prefix-merged tree, disjoint chains, or one chain
-    branch_length: int = 12  # lookahead: n-gram length inserted into the trie
-    max_match: int = 4  # longest suffix of the request's tokens tried as a match key
-    min_match: int = 1  # shortest suffix accepted as a match key
-    prompt_weight: float = 100.0  # lookahead: a request's own prompt/output n-gram counts this much more
-    trie_capacity: int = 200_000  # lookahead: output-trie nodes before decay-and-prune
-    warmup_path: str | None = None  # lookahead: JSONL of earlier outputs ({"text"} or {"token_ids"})
-    warmup_scope: str = ""  # lookahead: the scope (tenant key) the warm-up corpus is loaded into
-    # lookahead: who shares output n-grams. global: every request; tenant: requests with the same
-    # tenant key ("" for requests without one); request: each request drafts from its own text only.
-    trie_scope: str = "tenant"
+    method: DraftMethod = setting("lookahead", "draft source", name="draft", choices=DRAFT_METHODS)
+    # Adaptive is the default everywhere: the policy never drafts what the device cannot verify
+    # for free, so a busy server is never slower than plain decoding (benchmarks/README.md).
+    adaptive: bool = setting(True, "choose each request's draft length every step from the cost profile and acceptance")
+    # None resolves to 64 (the adaptive cap) or 16 (fixed) on construction.
+    decoding_length: int | None = setting(
+        None,
+        f"draft tokens per request per step, root excluded: the cap when adaptive "
+        f"(default {ADAPTIVE_DECODING_LENGTH}), else the length (default {FIXED_DECODING_LENGTH})",
+    )
+    profile_path: str | None = setting(
+        None,
+        "adaptive: cost profile JSON (default: the per-device cache, measured on first start)",
+        flags=("--profile",),
+    )
+    acceptance_decay: float = setting(0.3, "adaptive: weight of the newest verification in the acceptance average")
+    explore: float = setting(0.05, "adaptive: per idle step, how far a request's estimates drift back to the pool's")
+    min_gain: float = setting(0.02, "adaptive: never draft a node accepted less often than this")
+    learn_step_costs: bool = setting(True, "adaptive: refine the cost profile from measured steps")
+    # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
+    initial_acceptance: float = setting(0.6, "adaptive: acceptance guessed for rank 0 before any evidence")
+    # Rank j starts at 0.6 * 0.8**j: a deeper node needs every node above it accepted too.
+    initial_acceptance_falloff: float = setting(0.8, "adaptive: ratio of each rank's first guess to the one above")
+    # A quarter of a request's rate: one request's streak barely moves where new requests start.
+    acceptance_pool_rate: float = setting(0.25, "adaptive: speed of the pooled prior relative to one request's")
+    # About the last 1000 verified nodes: averages out luck, yet follows a new workload in seconds.
+    calibration_decay: float = setting(0.999, "adaptive: per node, the weight the score calibration keeps")
+    # Starts the fit as if it had seen ~20 nodes, so the first trees nudge it instead of swinging it.
+    calibration_prior_strength: float = setting(20.0, "adaptive: the score calibration's Hessian floor")
+    # A trie score of exactly 1 (a path seen once) maps to logit 6.9, not infinity.
+    calibration_clip: float = setting(0.001, "adaptive: probabilities clip to [this, 1 - this] before a logit")
+    # About the last 50 steps: enough to tell per-request from per-row cost, and follows load changes.
+    step_cost_decay: float = setting(0.98, "adaptive: per step, the weight the step-cost fit keeps")
+    # Tiny next to squared ms: only breaks ties between a slower machine and per-request cost.
+    step_cost_ridge: float = setting(1.0, "adaptive: ridge penalty of the step-cost fit")
+    # Beyond 4x either way the profile is wrong rather than the machine busy: recalibrate.
+    step_cost_max_scale: float = setting(4.0, "adaptive: the fitted machine speed stays within this factor")
+    layout: DraftLayout = setting(
+        "hierarchical",
+        "lookahead: prefix-merged tree, disjoint chains, or one chain",
+        name="draft_layout",
+        choices=DRAFT_LAYOUTS,
+    )
+    branch_length: int = setting(12, "lookahead: n-gram length inserted into the trie")
+    max_match: int = setting(4, "longest suffix of the request's tokens tried as a match key")
+    min_match: int = setting(1, "shortest suffix accepted as a match key")
+    prompt_weight: float = setting(100.0, "lookahead: how much more a request's own n-grams count")
+    trie_capacity: int = setting(200_000, "lookahead: output-trie nodes before decay-and-prune")
+    warmup_path: str | None = setting(
+        None,
+        'lookahead: JSONL of earlier outputs ({"text"} or {"token_ids"}) to warm the trie with',
+        flags=("--warmup",),
+    )
+    warmup_scope: str = setting("", "lookahead: the tenant key the warm-up corpus serves")
+    trie_scope: str = setting(
+        "tenant",
+        "lookahead: who shares output n-grams: every request, requests with the same tenant key "
+        "(requests without one share ''), or each request alone",
+        choices=TRIE_SCOPES,
+    )
 
     def __post_init__(self) -> None:
-        if self.method not in DRAFT_METHODS:
-            raise ValueError(f"draft method must be one of {DRAFT_METHODS}, got {self.method!r}")
-        if self.layout not in DRAFT_LAYOUTS:
-            raise ValueError(f"draft layout must be one of {DRAFT_LAYOUTS}, got {self.layout!r}")
+        if self.decoding_length is None:  # frozen: set the resolved default once, here
+            default = ADAPTIVE_DECODING_LENGTH if self.adaptive else FIXED_DECODING_LENGTH
+            object.__setattr__(self, "decoding_length", default)
+        _check_choice("draft method", self.method, DRAFT_METHODS)
+        _check_choice("draft layout", self.layout, DRAFT_LAYOUTS)
+        _check_choice("trie_scope", self.trie_scope, TRIE_SCOPES)
         if self.decoding_length < 0:
             raise ValueError(f"decoding_length must be >= 0, got {self.decoding_length}")
         if self.branch_length < 2:
@@ -114,14 +226,22 @@ class DraftConfig:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match} and {self.max_match}")
         if self.prompt_weight <= 0:
             raise ValueError(f"prompt_weight must be > 0, got {self.prompt_weight}")
-        if not 0 < self.acceptance_decay <= 1:
-            raise ValueError(f"acceptance_decay must be in (0, 1], got {self.acceptance_decay}")
-        if not 0 <= self.explore <= 1:
-            raise ValueError(f"explore must be in [0, 1], got {self.explore}")
-        if not 0 <= self.min_gain < 1:
-            raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
-        if self.trie_scope not in TRIE_SCOPES:
-            raise ValueError(f"trie_scope must be one of {TRIE_SCOPES}, got {self.trie_scope!r}")
+        for name, ok, bounds in (
+            ("acceptance_decay", 0 < self.acceptance_decay <= 1, "in (0, 1]"),
+            ("explore", 0 <= self.explore <= 1, "in [0, 1]"),
+            ("min_gain", 0 <= self.min_gain < 1, "in [0, 1)"),
+            ("initial_acceptance", 0 < self.initial_acceptance <= 1, "in (0, 1]"),
+            ("initial_acceptance_falloff", 0 < self.initial_acceptance_falloff <= 1, "in (0, 1]"),
+            ("acceptance_pool_rate", 0 <= self.acceptance_pool_rate <= 1, "in [0, 1]"),
+            ("calibration_decay", 0 < self.calibration_decay <= 1, "in (0, 1]"),
+            ("calibration_prior_strength", self.calibration_prior_strength > 0, "> 0"),
+            ("calibration_clip", 0 < self.calibration_clip < 0.5, "in (0, 0.5)"),
+            ("step_cost_decay", 0 < self.step_cost_decay <= 1, "in (0, 1]"),
+            ("step_cost_ridge", self.step_cost_ridge > 0, "> 0"),
+            ("step_cost_max_scale", self.step_cost_max_scale >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {bounds}, got {getattr(self, name)}")
         if self.trie_capacity < 1:
             raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
 
@@ -130,15 +250,15 @@ class DraftConfig:
 class LimitsConfig:
     """Bounds on what one request may ask for; every front end gets them from the engine."""
 
-    max_stop_sequences: int = 16  # stop strings per request
-    max_stop_length: int = 256  # characters per stop string
-    max_request_id_length: int = 128  # characters of [A-Za-z0-9._:-]
-    max_prompt_chars_per_token: int = 32  # text longer than this x the context is refused untokenized
+    max_stop_sequences: int = setting(16, "stop strings per request")
+    max_stop_length: int = setting(256, "characters per stop string")
+    max_request_id_length: int = setting(128, "characters of a request id or tenant key ([A-Za-z0-9._:-])")
+    max_prompt_chars_per_token: int = setting(32, "text longer than this times the context is refused untokenized")
 
     def __post_init__(self) -> None:
-        for name in ("max_stop_sequences", "max_stop_length", "max_request_id_length", "max_prompt_chars_per_token"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for s in settings_of(LimitsConfig):
+            if getattr(self, s.field) < 1:
+                raise ValueError(f"{s.field} must be >= 1, got {getattr(self, s.field)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,3 +270,32 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     draft: DraftConfig = DraftConfig()
     limits: LimitsConfig = LimitsConfig()
+
+    def with_settings(self, **settings: Any) -> EngineConfig:
+        """This config with the named settings changed (see `SETTINGS`); unknown names raise TypeError.
+
+        >>> EngineConfig().with_settings(draft="none", max_num_seqs=4).scheduler.max_num_seqs
+        4
+        """
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise TypeError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+        by_section: dict[str, dict[str, Any]] = {}
+        for name, value in settings.items():
+            s = SETTINGS[name]
+            by_section.setdefault(s.section, {})[s.field] = value
+        sections = {}
+        for section, changes in by_section.items():
+            current = getattr(self, section)
+            if section == "draft" and "adaptive" in changes and "decoding_length" not in changes:
+                # The length default follows the policy unless it was set on its own.
+                default = ADAPTIVE_DECODING_LENGTH if current.adaptive else FIXED_DECODING_LENGTH
+                changes["decoding_length"] = None if current.decoding_length == default else current.decoding_length
+            sections[section] = dataclasses.replace(current, **changes)
+        return dataclasses.replace(self, **sections)
+
+
+# Every setting of the engine by name: LLM's keywords, the CLI's flags.
+SETTINGS: dict[str, Setting] = {
+    s.name: s for f in dataclasses.fields(EngineConfig) for s in settings_of(type(f.default), f.name)
+}

@@ -81,11 +81,6 @@ class RequestStats:
     num_preemptions: int = 0
     queue_seconds: float | None = None  # arrival to first scheduled step
 
-    @property
-    def tokens_per_step(self) -> float:
-        # Every step emits the accepted drafts plus one token of the model's own.
-        return (self.steps + self.draft_tokens_accepted) / self.steps if self.steps else 0.0
-
 
 @dataclass(slots=True)
 class Request:
@@ -139,3 +134,12 @@ class RequestOutput:
     num_output_tokens: int  # cumulative
     stats: RequestStats
     error: str | None = None  # set when finish_reason is ERROR
+
+    @property
+    def tokens_per_step(self) -> float:
+        return tokens_per_step(self.num_output_tokens, self.stats.steps)
+
+
+def tokens_per_step(num_output_tokens: int, steps: int) -> float:
+    """Output tokens per step that produced any: what speculation bought (1.0: none; 0 before any step)."""
+    return num_output_tokens / steps if steps else 0.0

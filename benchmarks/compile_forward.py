@@ -1,6 +1,6 @@
 """Does compiling the forward on CPU speed up the engine's step? Eager vs torch.compile variants.
 
-    TORCHINDUCTOR_CACHE_DIR=/tmp/compile_out/cache python -m benchmarks.compile_forward \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/compile_out/cache python benchmarks/compile_forward.py \
         --variants eager,mlp,layer,layer-freeze,mkldnn --repeats 15 --generate
 
 Variants (all share one model's weights; they are swapped in round-robin so drift on a shared
@@ -165,7 +165,7 @@ def bench_steps(model: Any, variants: Variants, names: list[str], repeats: int) 
 def check_generate(model: Any, tok: Any, variants: Variants, names: list[str], reference: list[list[int]]) -> None:
     from batchserve import LLM, SamplingParams
 
-    llm = LLM(draft="none", hf_model=model, tokenizer=tok, kv_cache_memory_gb=0.25)
+    llm = LLM(draft="none", adaptive=False, hf_model=model, tokenizer=tok, kv_cache_memory_gb=0.25)
     params = SamplingParams(max_new_tokens=32)
     print("\ngreedy LLM(draft='none') vs HF generate, 4 prompts x 32 tokens:")
     for name in names:

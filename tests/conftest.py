@@ -65,6 +65,15 @@ def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     return model
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Cost profiles measured by tests go to a session directory, never the user's cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("profile-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Any:
     return make_tiny_tokenizer()
@@ -107,4 +116,6 @@ def tiny_llm(drafter: Any = None, **kwargs: Any) -> Any:
     from batchserve import LLM
 
     kwargs.setdefault("max_num_batched_tokens", 1024)
+    if "config" not in kwargs:
+        kwargs.setdefault("adaptive", False)  # fixed lengths: tests choose what each step drafts
     return LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), drafter=drafter, **kwargs)

@@ -8,8 +8,7 @@ import torch
 
 from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, slots_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
-
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")
+from batchserve.config import ATTENTION_BACKENDS
 
 __all__ = [
     "ATTENTION_BACKENDS",

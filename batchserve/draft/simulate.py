@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchserve.draft.base import Drafter
+from batchserve.draft.tree import DraftTree, walk
+from batchserve.request import tokens_per_step
 
 
 @dataclass(slots=True)
@@ -24,7 +26,7 @@ class SimulationResult:
 
     @property
     def tokens_per_step(self) -> float:
-        return self.tokens / self.steps if self.steps else 0.0
+        return tokens_per_step(self.tokens, self.steps)
 
     def merge(self, other: SimulationResult) -> None:
         self.tokens += other.tokens
@@ -47,17 +49,9 @@ def simulate(
             t0 = time.perf_counter()
             budget = min(decoding_length, len(output) - done - 1)
             tree = drafter.propose(request_id, tokens, budget) if budget > 0 else None
-            emitted = [output[done]]
-            if tree is not None:
-                res.draft_tokens += len(tree)
-                node = tree.children[0].get(output[done])
-                while node is not None:
-                    # node's token matched; the model's next token decides the next move.
-                    if done + len(emitted) >= len(output):
-                        break
-                    nxt = output[done + len(emitted)]
-                    emitted.append(nxt)
-                    node = tree.children[node + 1].get(nxt)
+            res.draft_tokens += len(tree) if tree is not None else 0
+            # The model's choice after a node is the reference token at the node's depth.
+            emitted, _ = walk(tree, lambda node, tree=tree, done=done: _reference(output, done, tree, node))
             tokens.extend(emitted)
             drafter.on_tokens_accepted(request_id, emitted)
             res.step_seconds.append(time.perf_counter() - t0)
@@ -67,3 +61,9 @@ def simulate(
     finally:
         drafter.on_request_finish(request_id)
     return res
+
+
+def _reference(output: Sequence[int], done: int, tree: DraftTree | None, node: int | None) -> int | None:
+    """The reference token after `node`, or None past the end of the output."""
+    i = done + (0 if node is None or tree is None else tree.depths[node])
+    return output[i] if i < len(output) else None

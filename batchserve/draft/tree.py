@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,17 +14,18 @@ def ancestor_mask(parents: Sequence[int | None]) -> np.ndarray:
 
     Nodes are in topological order; one vectorized pass per tree level, not one per node.
     """
-    n = len(parents)
-    mask = np.eye(n, dtype=bool)
+    mask = np.eye(len(parents), dtype=bool)
+    by_depth: list[tuple[list[int], list[int]]] = []  # per depth below the root's children: (nodes, parents)
     depth: list[int] = []
-    for q in parents:  # parents precede children
+    for i, q in enumerate(parents):  # parents precede children
         depth.append(0 if q is None else depth[q] + 1)
-    if n:
-        par = np.array([-1 if q is None else q for q in parents], dtype=np.int64)
-        levels = np.array(depth)
-        for d in range(1, max(depth) + 1):
-            rows = np.flatnonzero(levels == d)
-            mask[rows] |= mask[par[rows]]
+        if q is not None:
+            while len(by_depth) < depth[i]:
+                by_depth.append(([], []))
+            by_depth[depth[i] - 1][0].append(i)
+            by_depth[depth[i] - 1][1].append(q)
+    for rows, pars in by_depth:
+        mask[rows] |= mask[pars]
     return mask
 
 
@@ -44,8 +45,7 @@ class DraftTree:
     # parent's: a node cannot be accepted without its parent.
     scores: tuple[float, ...] = ()
     depths: tuple[int, ...] = field(init=False)  # root children have depth 1
-    children: tuple[dict[int, int], ...] = field(init=False)  # per node (+1 for the root): token -> child
-    # children[0] is the root's; children[i + 1] is node i's.
+    children: dict[int | None, dict[int, int]] = field(init=False)  # node (None: the root) -> {token: child}
     _mask: Any = field(init=False, default=None, repr=False, compare=False)  # ancestor_mask, built on first use
 
     def __post_init__(self) -> None:
@@ -56,17 +56,22 @@ class DraftTree:
         if any(not 0.0 <= s <= 1.0 for s in self.scores):
             raise ValueError("scores must be probabilities in [0, 1]")
         depths: list[int] = []
-        children: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
+        children: dict[int | None, dict[int, int]] = {}
         for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
             if parent is not None and not 0 <= parent < i:
                 raise ValueError(f"node {i}: parent {parent} must precede it")
-            slot = children[0 if parent is None else parent + 1]
+            slot = children.setdefault(parent, {})
             if tok in slot:
                 raise ValueError(f"node {i}: duplicate sibling token {tok}")
             slot[tok] = i
             depths.append(1 if parent is None else depths[parent] + 1)
         object.__setattr__(self, "depths", tuple(depths))
-        object.__setattr__(self, "children", tuple(children))
+        object.__setattr__(self, "children", children)
+
+    def child(self, node: int | None, token: int) -> int | None:
+        """The child of `node` (None: the root) that carries `token`, if any."""
+        kids = self.children.get(node)
+        return kids.get(token) if kids else None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -91,11 +96,62 @@ class DraftTree:
             return self
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
 
-    def ancestors(self, i: int) -> list[int]:
-        """Node i's ancestors (excluding the root) and itself, from the top down."""
-        path: list[int] = []
-        node: int | None = i
-        while node is not None:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+
+@dataclass(slots=True)
+class TreeBuilder:
+    """Accumulates a draft tree keyed by token path, so several matches merge into one tree."""
+
+    budget: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int | None] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # path probability under the trie
+    index: dict[tuple[int | None, int], int] = field(default_factory=dict)
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.budget
+
+    def add(self, parent: int | None, tok: int, prob: float) -> int:
+        """Add (or find) the node; `prob` is its probability given its parent."""
+        score = prob * (1.0 if parent is None else self.scores[parent])
+        idx = self.index.get((parent, tok))
+        if idx is None:
+            idx = self.index[(parent, tok)] = len(self.tokens)
+            self.tokens.append(tok)
+            self.parents.append(parent)
+            self.scores.append(score)
+        else:  # reached again from a shorter match: keep the more confident estimate
+            self.scores[idx] = max(self.scores[idx], score)
+        return idx
+
+    def has_root_child(self, tok: int) -> bool:
+        return (None, tok) in self.index
+
+    def tree(self) -> DraftTree | None:
+        if not self.tokens:
+            return None
+        # A later match can raise a parent's score above its children's: keep children at or below.
+        scores = list(self.scores)
+        for i, parent in enumerate(self.parents):
+            if parent is not None:
+                scores[i] = min(scores[i], scores[parent])
+        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(scores))
+
+
+def walk(tree: DraftTree | None, choose: Callable[[int | None], int | None]) -> tuple[list[int], list[int]]:
+    """Verify a draft: (emitted tokens, accepted node indices).
+
+    From the root, take the model's token at the current node (`choose(node)`, None for the
+    root); if a child carries it, move there and repeat, else stop. The last emitted token is
+    the model's own. `choose` returning None ends the walk early (no further token known).
+    """
+    emitted: list[int] = []
+    accepted: list[int] = []
+    node: int | None = None
+    while (tok := choose(node)) is not None:
+        emitted.append(tok)
+        node = tree.child(node, tok) if tree is not None else None
+        if node is None:
+            break
+        accepted.append(node)
+    return emitted, accepted

@@ -21,11 +21,11 @@ import heapq
 import itertools
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from batchserve.config import DRAFT_LAYOUTS, DraftConfig
-from batchserve.draft.tree import DraftTree
+from batchserve.config import DraftConfig
+from batchserve.draft.tree import DraftTree, TreeBuilder
 
 
 class TrieNode:
@@ -109,47 +109,6 @@ class _RequestState:
     scope: str | None = ""  # the output trie it reads and feeds; None: its own n-grams only
 
 
-@dataclass(slots=True)
-class _TreeBuilder:
-    """Accumulates a draft tree keyed by token path, so several matches merge into one tree."""
-
-    budget: int
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int | None] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)  # path probability under the trie
-    index: dict[tuple[int | None, int], int] = field(default_factory=dict)
-
-    @property
-    def full(self) -> bool:
-        return len(self.tokens) >= self.budget
-
-    def add(self, parent: int | None, tok: int, prob: float) -> int:
-        """Add (or find) the node; `prob` is its probability given its parent."""
-        score = prob * (1.0 if parent is None else self.scores[parent])
-        idx = self.index.get((parent, tok))
-        if idx is None:
-            idx = self.index[(parent, tok)] = len(self.tokens)
-            self.tokens.append(tok)
-            self.parents.append(parent)
-            self.scores.append(score)
-        else:  # reached again from a shorter match: keep the more confident estimate
-            self.scores[idx] = max(self.scores[idx], score)
-        return idx
-
-    def has_root_child(self, tok: int) -> bool:
-        return (None, tok) in self.index
-
-    def tree(self) -> DraftTree | None:
-        if not self.tokens:
-            return None
-        # A later match can raise a parent's score above its children's: keep children at or below.
-        scores = list(self.scores)
-        for i, parent in enumerate(self.parents):
-            if parent is not None:
-                scores[i] = min(scores[i], scores[parent])
-        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(scores))
-
-
 # A position in the merged view of a request's local trie and the global output trie.
 _Pair = tuple[TrieNode | None, TrieNode | None]
 
@@ -179,13 +138,9 @@ class TrieDrafter:
     def on_request_start(
         self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
     ) -> None:
-        if layout is not None and layout not in DRAFT_LAYOUTS:
-            raise ValueError(f"draft layout must be one of {DRAFT_LAYOUTS}, got {layout!r}")
         local = Trie()
         local.insert_sequence(prompt_token_ids, self.config.branch_length)
-        self._requests[request_id] = _RequestState(
-            local, list(prompt_token_ids), len(prompt_token_ids), layout, scope
-        )
+        self._requests[request_id] = _RequestState(local, list(prompt_token_ids), len(prompt_token_ids), layout, scope)
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         state = self._requests.get(request_id)
@@ -225,7 +180,7 @@ class TrieDrafter:
         scope = state.scope if state is not None else None
         output = self.outputs.get(scope) if scope is not None else None
         layout = (state.layout if state is not None else None) or self.config.layout
-        builder = _TreeBuilder(max_tokens)
+        builder = TreeBuilder(max_tokens)
         expand = {"hierarchical": self._best_first, "parallel": self._parallel, "single": self._single}[layout]
         # Multi-stage retrieval: the longest matching suffix first; shorter matches fill
         # whatever budget is left (their branches merge into the same tree by token path).
@@ -302,7 +257,7 @@ class TrieDrafter:
         total = sum(w for _, _, w in kids)
         return [(tok, child, w, w / total if total > 0 else 0.0) for tok, child, w in kids]
 
-    def _best_first(self, start: _Pair, builder: _TreeBuilder) -> None:
+    def _best_first(self, start: _Pair, builder: TreeBuilder) -> None:
         """Hierarchical: the heaviest nodes under the match, shared prefixes merged."""
         heap: list[tuple[float, int, int | None, int, _Pair, float]] = []
         self._push_children(heap, start, None)
@@ -326,18 +281,18 @@ class TrieDrafter:
             chain.append((tok, prob))
         return chain
 
-    def _add_chain(self, builder: _TreeBuilder, chain: list[tuple[int, float]]) -> None:
+    def _add_chain(self, builder: TreeBuilder, chain: list[tuple[int, float]]) -> None:
         parent: int | None = None
         for tok, prob in chain:
             if builder.full:
                 return
             parent = builder.add(parent, tok, prob)
 
-    def _single(self, start: _Pair, builder: _TreeBuilder) -> None:
+    def _single(self, start: _Pair, builder: TreeBuilder) -> None:
         """Single branch (LLMA-like): the heaviest path under the match."""
         self._add_chain(builder, self._heaviest_chain(start, builder.budget))
 
-    def _parallel(self, start: _Pair, builder: _TreeBuilder) -> None:
+    def _parallel(self, start: _Pair, builder: TreeBuilder) -> None:
         """Parallel: disjoint chains, the heaviest path under each of the heaviest first
         tokens, each up to `branch_length`; no prefix sharing below the root."""
         kids = sorted(self._weighted_children(start), key=lambda k: -k[2])
@@ -355,6 +310,3 @@ class TrieDrafter:
     def num_nodes(self) -> int:
         """Nodes in every output trie plus every live request's local trie."""
         return sum(t.num_nodes for t in self.outputs.values()) + sum(s.local.num_nodes for s in self._requests.values())
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests

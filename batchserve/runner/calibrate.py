@@ -22,7 +22,7 @@ import torch
 from batchserve.draft.tree import DraftTree
 from batchserve.request import SamplingParams
 from batchserve.runner.runner import ModelRunner
-from batchserve.scheduler.budget import CostProfile
+from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("batchserve")

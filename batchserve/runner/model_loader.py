@@ -94,10 +94,3 @@ def load_model(
     model.to(device).eval()
     logger.info("model loaded in %.1f s", time.perf_counter() - t0)
     return model, tokenizer
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None

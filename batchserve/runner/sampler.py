@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchserve.draft.tree import DraftTree
+from batchserve.draft.tree import DraftTree, walk
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +70,4 @@ def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list
     each node the model's choice is taken; if a child carries it the walk moves there, else it
     stops. The last emitted token is always the model's own.
     """
-    emitted: list[int] = []
-    accepted: list[int] = []
-    row = 0
-    children = draft.children if draft is not None else ({},)
-    while True:
-        tok = choices[row]
-        emitted.append(tok)
-        child = children[row].get(tok)
-        if child is None:
-            return emitted, accepted
-        accepted.append(child)
-        row = child + 1
+    return walk(draft, lambda node: choices[0 if node is None else 1 + node])

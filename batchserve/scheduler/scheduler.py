@@ -21,10 +21,10 @@ from dataclasses import replace
 
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft.base import Drafter
-from batchserve.draft.tree import DraftTree
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
-from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
+from batchserve.scheduler.budget import DraftBudgetPolicy
+from batchserve.scheduler.drafting import DraftPlanner
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("batchserve")
@@ -39,6 +39,8 @@ TokenHook = Callable[[Request, int], bool]
 
 
 class Scheduler:
+    """Admits, batches, preempts and finishes requests over the paged KV pool, one step at a time."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -54,6 +56,7 @@ class Scheduler:
         self.drafter = drafter
         self.on_token = on_token
         self.budget_policy = budget_policy  # None: every request drafts `decoding_length` tokens
+        self.planner = DraftPlanner(drafter, draft_config, budget_policy)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -188,9 +191,7 @@ class Scheduler:
                 events.append(event)
         return events
 
-    def _commit(
-        self, req: Request, item: ScheduledRequest, result: RunnerOutput
-    ) -> tuple[Request, list[int]] | None:
+    def _commit(self, req: Request, item: ScheduledRequest, result: RunnerOutput) -> tuple[Request, list[int]] | None:
         """Apply one request's share of a step; None if it emitted nothing (a prompt chunk)."""
         req.num_computed_tokens += len(item.token_ids)
         emitted = result.emitted.get(item.request_id)
@@ -199,8 +200,7 @@ class Scheduler:
         accepted = result.accepted[item.request_id]
         num_accepted = len(accepted)
         req.num_computed_tokens += num_accepted
-        if self.budget_policy is not None:
-            self._observe_acceptance(item, accepted)
+        self.planner.observe_acceptance(item, accepted)
         req.stats.steps += 1
         req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
         req.stats.draft_tokens_accepted += num_accepted
@@ -261,57 +261,8 @@ class Scheduler:
         )
 
     def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Hang a draft tree off every sampling request, within `budget` tokens in all.
-
-        Requests with their own `decoding_length` (and every request without a budget
-        policy) get up to that many tokens, first come first served; the policy shares what
-        is left among the others by expected gain.
-        """
-        policy = self.budget_policy
-        trees: dict[str, DraftTree] = {}
-        shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
-        for item in items:
-            if not item.sample:
-                continue
-            req = self.requests[item.request_id]
-            by_policy = policy is not None and req.params.decoding_length is None
-            limit = min(self._draft_limit(req), budget)
-            if by_policy and limit > 0:
-                assert policy is not None
-                limit = policy.useful_length(req.request_id, limit)  # never propose what cannot be given
-            if limit <= 0:
-                continue
-            try:
-                tree = self.drafter.propose(req.request_id, req.all_token_ids, limit)
-            except Exception:  # speculation is optional: a drafter bug costs the draft, not the request
-                logger.exception("drafting for request %s failed; it decodes without a draft", req.request_id)
-                continue
-            if tree is None or len(tree) == 0:
-                continue
-            if by_policy:
-                shared.append((req, tree))
-            else:
-                trees[req.request_id] = tree
-                budget -= len(tree)
-        if shared:
-            assert policy is not None
-            sampling = [self.requests[i.request_id] for i in items if i.sample]
-            try:
-                lengths = policy.allocate(
-                    [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
-                    num_roots=len(sampling),
-                    num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + sum(map(len, trees.values())),
-                    context=sum(r.num_tokens for r in sampling) / len(sampling),
-                    num_seqs=len(items),
-                    token_budget=max(0, budget),
-                )
-            except Exception:
-                logger.exception("the draft budget failed; this step decodes without policy drafts")
-                lengths = {}
-            for req, tree in shared:
-                k = lengths.get(req.request_id, 0)
-                if k > 0:
-                    trees[req.request_id] = tree.prefix(k)
+        """Hang the planner's draft trees off the sampling requests that have blocks for them."""
+        trees = self.planner.plan(items, self.requests, budget)
         out = []
         for item in items:
             tree = trees.get(item.request_id)
@@ -323,33 +274,9 @@ class Scheduler:
             out.append(item)
         return out
 
-    def _draft_limit(self, req: Request) -> int:
-        length = req.params.decoding_length
-        if length is None:
-            length = self.draft_config.decoding_length
-        remaining_out = req.params.max_new_tokens - len(req.output_token_ids) - 1
-        remaining_ctx = req.max_total_len - req.num_tokens
-        return max(0, min(length, remaining_out, remaining_ctx))
-
-    def _observe_acceptance(self, item: ScheduledRequest, accepted: list[int]) -> None:
-        """Feed the tracker which draft ranks (node indices) were on the accepted path."""
-        assert self.budget_policy is not None
-        tracker = self.budget_policy.tracker
-        if item.draft is None:
-            tracker.skipped(item.request_id)
-        else:
-            tracker.observe(item.request_id, len(item.draft), accepted, item.draft.scores)
-
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Teach the draft budget policy what a whole step costs, beyond the forward alone."""
-        policy = self.budget_policy
-        if policy is None or not self.draft_config.learn_step_costs:
-            return
-        # Decode steps only: prompt-chunk rows need no logits and would skew the fit.
-        if not out.requests or any(len(r.token_ids) > 1 for r in out.requests):
-            return
-        context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
-        policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
+        self.planner.observe_step(out, seconds)
 
     def _ensure_blocks(self, req: Request, num_slots: int) -> bool:
         need = self.allocator.blocks_for(num_slots) - len(req.block_ids)

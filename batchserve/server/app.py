@@ -14,7 +14,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from batchserve.engine import AsyncEngine, EngineCore
+from batchserve.async_engine import AsyncEngine
+from batchserve.config import setting
+from batchserve.engine import EngineCore
 from batchserve.server.metrics import Metrics
 from batchserve.server.servicer import ServiceInfo, TextGenerationServicer
 from batchserve.v1 import generation_pb2 as pb
@@ -27,17 +29,23 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = any free port
-    metrics_port: int | None = None  # None = no metrics endpoint
-    max_waiting_requests: int = 256  # beyond this, RESOURCE_EXHAUSTED
-    grace_seconds: float = 30.0  # in-flight requests get this long to finish at shutdown
-    drain_seconds: float = 0.0  # NOT_SERVING this long before the listener closes
-    max_message_bytes: int | None = None  # None = sized to the model's context (see message_limit)
-    reflection: bool = True  # gRPC server reflection (grpcurl, grpcui)
-    tls_cert: str | None = None  # PEM certificate chain: serve TLS instead of plaintext
-    tls_key: str | None = None  # PEM private key of tls_cert
-    tls_client_ca: str | None = None  # PEM CA bundle: require client certificates signed by it (mTLS)
+    """The gRPC front end: where it listens, how it sheds load and shuts down, TLS."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50051, "gRPC port (0: any free port)")
+    metrics_port: int | None = setting(None, "Prometheus endpoint port (off if unset)")
+    max_waiting_requests: int = setting(256, "waiting requests before RESOURCE_EXHAUSTED", flags=("--max-waiting",))
+    grace_seconds: float = setting(30.0, "seconds in-flight requests get to finish at shutdown", flags=("--grace",))
+    drain_seconds: float = setting(
+        0.0, "at shutdown, report NOT_SERVING this long (still serving) before refusing new calls"
+    )
+    max_message_bytes: int | None = setting(
+        None, "largest gRPC message (default: what a full context needs, about 1 MiB for SmolLM2)"
+    )
+    reflection: bool = setting(True, "gRPC server reflection (grpcurl, grpcui)")
+    tls_cert: str | None = setting(None, "PEM certificate chain: serve TLS instead of plaintext")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert")
+    tls_client_ca: str | None = setting(None, "PEM CA bundle: require client certificates signed by it (mTLS)")
     keepalive_time_ms: int = 20_000
     keepalive_timeout_ms: int = 10_000
 
@@ -144,7 +152,7 @@ class BatchServer:
         self.servicer.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + c.grace_seconds
-        while self.engine.core.has_work() and loop.time() < deadline:
+        while self.engine.has_work() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         cancelled = self.engine.abort_all()
         if cancelled:

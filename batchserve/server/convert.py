@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchserve.engine import EngineCore
-from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams
+from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams, tokens_per_step
+from batchserve.text import TextCodec
 from batchserve.v1 import generation_pb2 as pb
 
 FINISH_REASONS = {
@@ -17,7 +17,7 @@ FINISH_REASONS = {
 }
 
 
-def prompt_of(request: Any, core: EngineCore) -> list[int]:
+def prompt_of(request: Any, text: TextCodec) -> list[int]:
     """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof."""
     kind = request.WhichOneof("input")
     if kind is None:
@@ -25,17 +25,17 @@ def prompt_of(request: Any, core: EngineCore) -> list[int]:
     if kind == "text":
         if not request.text:
             raise ValueError("input.text: prompt is empty")
-        core.check_text_size(len(request.text), "input.text")
-        return core.tokenize(request.text)
+        text.check_text_size(len(request.text), "input.text")
+        return text.tokenize(request.text)
     if kind == "token_ids":
         if not request.token_ids.ids:
             raise ValueError("input.token_ids: prompt is empty")
         try:
-            return core.tokenize(list(request.token_ids.ids))
+            return text.tokenize(list(request.token_ids.ids))
         except ValueError as e:
             raise ValueError(f"input.token_ids: {e}") from None
     messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-    return core.render_chat(messages)
+    return text.render_chat(messages)
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
@@ -69,7 +69,7 @@ def stats_pb(stats: RequestStats, num_output_tokens: int) -> pb.SpeculationStats
         steps=stats.steps,
         draft_tokens_proposed=stats.draft_tokens_proposed,
         draft_tokens_accepted=stats.draft_tokens_accepted,
-        tokens_per_step=num_output_tokens / stats.steps if stats.steps else 0.0,
+        tokens_per_step=tokens_per_step(num_output_tokens, stats.steps),
     )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from batchserve.engine import AsyncEngine
+from batchserve.async_engine import AsyncEngine
 from batchserve.request import RequestOutput
 from batchserve.scheduler import SchedulerOutput, StepPhases
 
@@ -19,42 +19,42 @@ STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 class Metrics:
+    """The server's Prometheus registry: engine gauges, per-request and per-step histograms."""
+
     def __init__(self, engine: AsyncEngine, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        sched = engine.core.scheduler
-        Gauge("batchserve_num_requests_running", "Requests in the running batch", registry=r).set_function(
-            lambda: sched.num_running
-        )
-        Gauge("batchserve_num_requests_waiting", "Requests waiting for admission", registry=r).set_function(
-            lambda: sched.num_waiting
-        )
-        Gauge("batchserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r).set_function(
-            lambda: sched.allocator.usage
-        )
-        Gauge("batchserve_kv_cache_free_blocks", "Free KV blocks", registry=r).set_function(
-            lambda: sched.allocator.num_free_blocks
-        )
+        self._engine = engine
+        self._preemptions_seen = 0
+        for name, doc, attr in (
+            ("batchserve_num_requests_running", "Requests in the running batch", "num_running"),
+            ("batchserve_num_requests_waiting", "Requests waiting for admission", "num_waiting"),
+            ("batchserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", "kv_usage"),
+            ("batchserve_kv_cache_free_blocks", "Free KV blocks", "num_free_kv_blocks"),
+        ):
+            Gauge(name, doc, registry=r).set_function(lambda attr=attr: getattr(engine.load(), attr))
         Gauge("batchserve_engine_steps", "Model steps run since start", registry=r).set_function(
             lambda: engine.num_steps
         )
-        self.ttft = Histogram(
-            "batchserve_time_to_first_token_seconds", "Time to first token", registry=r, buckets=LATENCY_BUCKETS
-        )
-        self.itl = Histogram(
-            "batchserve_inter_token_latency_seconds",
-            "Time per output token after the first",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.e2e = Histogram(
-            "batchserve_e2e_request_latency_seconds", "Request latency", registry=r, buckets=LATENCY_BUCKETS
-        )
-        self.queue = Histogram(
-            "batchserve_request_queue_time_seconds",
-            "Time waiting before the first step",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
+        profile = engine.cost_profile
+        if profile is not None:
+            Gauge(
+                "batchserve_critical_decoding_length",
+                "Tokens per step whose forward costs within 10% of a one-token step (from the cost profile)",
+                registry=r,
+            ).set(profile.critical_decoding_length())
+        self._request_metrics()
+        self._step_metrics()
+        engine.step_listeners.append(self.observe_step)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+        return Histogram(name, doc, list(labels), registry=self.registry, buckets=buckets)
+
+    def _request_metrics(self) -> None:
+        r, h = self.registry, self._histogram
+        self.ttft = h("batchserve_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.itl = h("batchserve_inter_token_latency_seconds", "Time per output token after the first", LATENCY_BUCKETS)
+        self.e2e = h("batchserve_e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS)
+        self.queue = h("batchserve_request_queue_time_seconds", "Time waiting before the first step", LATENCY_BUCKETS)
         self.prompt_tokens = Counter("batchserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("batchserve_generation_tokens", "Tokens generated", registry=r)
         self.draft_proposed = Counter("batchserve_draft_tokens_proposed", "Draft tokens verified", registry=r)
@@ -65,49 +65,36 @@ class Metrics:
             "Accepted draft tokens per request step, since start",
             registry=r,
         ).set_function(lambda: self.draft_accepted._value.get() / max(1.0, self.request_steps._value.get()))
-        self.tokens_per_step = Histogram(
-            "batchserve_request_tokens_per_step",
-            "Per finished request: output tokens / steps",
-            registry=r,
-            buckets=TOKEN_BUCKETS,
+        self.tokens_per_step = h(
+            "batchserve_request_tokens_per_step", "Per finished request: output tokens / steps", TOKEN_BUCKETS
         )
-        self.decoding_length = Histogram(
-            "batchserve_draft_decoding_length",
-            "Draft tokens chosen per request per step (0 = decoded without a draft)",
-            registry=r,
-            buckets=DECODING_LENGTH_BUCKETS,
-        )
-        self.step_tokens = Histogram(
-            "batchserve_step_tokens",
-            "Tokens in one forward (prompt chunks + roots + drafts)",
-            registry=r,
-            buckets=STEP_TOKEN_BUCKETS,
-        )
-        self.step_phase = Histogram(
-            "batchserve_step_phase_seconds",
-            "Time of one engine step in each phase (schedule, prepare, forward, verify, commit)",
-            ["phase"],
-            registry=r,
-            buckets=PHASE_BUCKETS,
-        )
-        profile = engine.core.cost_profile
-        if profile is not None:
-            Gauge(
-                "batchserve_critical_decoding_length",
-                "Tokens per step whose forward costs within 10% of a one-token step (from the cost profile)",
-                registry=r,
-            ).set(profile.critical_decoding_length())
-        self.preemptions = Counter(
-            "batchserve_num_preemptions", "Requests preempted (their K/V dropped, recomputed later)", registry=r
-        )
-        self._preemptions_seen = 0
-        self._scheduler = sched
-        engine.step_listeners.append(self.observe_step)
         self.finished = Counter("batchserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter("batchserve_requests_rejected", "Requests refused before running", ["code"], registry=r)
 
+    def _step_metrics(self) -> None:
+        h = self._histogram
+        self.decoding_length = h(
+            "batchserve_draft_decoding_length",
+            "Draft tokens chosen per request per step (0 = decoded without a draft)",
+            DECODING_LENGTH_BUCKETS,
+        )
+        self.step_tokens = h(
+            "batchserve_step_tokens", "Tokens in one forward (prompt chunks + roots + drafts)", STEP_TOKEN_BUCKETS
+        )
+        self.step_phase = h(
+            "batchserve_step_phase_seconds",
+            "Time of one engine step in each phase (schedule, prepare, forward, verify, commit)",
+            PHASE_BUCKETS,
+            labels=("phase",),
+        )
+        self.preemptions = Counter(
+            "batchserve_num_preemptions",
+            "Requests preempted (their K/V dropped, recomputed later)",
+            registry=self.registry,
+        )
+
     def observe_step(self, out: SchedulerOutput, phases: StepPhases) -> None:
-        preemptions = self._scheduler.num_preemptions
+        preemptions = self._engine.load().num_preemptions
         if preemptions > self._preemptions_seen:
             self.preemptions.inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
@@ -159,5 +146,5 @@ class RequestTracker:
             m.draft_accepted.inc(out.stats.draft_tokens_accepted)
             m.request_steps.inc(out.stats.steps)
             if out.stats.steps:
-                m.tokens_per_step.observe(out.num_output_tokens / out.stats.steps)
+                m.tokens_per_step.observe(out.tokens_per_step)
             m.finished.labels(out.finish_reason.value if out.finish_reason else "unknown").inc()

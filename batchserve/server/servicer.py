@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from batchserve.engine import AsyncEngine, EngineDeadError, RequestStream
+from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.request import RequestOutput
 from batchserve.server import convert
 from batchserve.server.metrics import Metrics
@@ -97,7 +97,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         if self.draining:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         try:
-            ids = await self._off_loop(convert.prompt_of, request, self.engine.core)
+            ids = await self._off_loop(convert.prompt_of, request, self.engine.core.text)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
@@ -139,7 +139,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         code = grpc.StatusCode.INVALID_ARGUMENT
         try:
             params = convert.sampling_params(request)
-            prompt = await self._off_loop(convert.prompt_of, request, core)
+            prompt = await self._off_loop(convert.prompt_of, request, core.text)
             if self._queue_full():  # others may have arrived while this one was tokenized
                 code, error = grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full; retry later"
                 raise _Refused
@@ -174,7 +174,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     last.num_output_tokens,
                     last.finish_reason.value,
                     time.monotonic() - start,
-                    last.num_output_tokens / max(1, last.stats.steps),
+                    last.tokens_per_step,
                 )
         if last is not None and last.error is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"engine error: {last.error}")
@@ -182,9 +182,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     def _queue_full(self) -> bool:
         """Whether a new request would wait beyond the limit: the seats free at the next step
         take waiting requests first, so only those beyond them count."""
-        sched = self.engine.core.scheduler
-        free_seats = max(0, self.engine.core.config.scheduler.max_num_seqs - sched.num_running)
-        return sched.num_waiting - free_seats >= self.info.max_waiting_requests
+        load = self.engine.load()
+        return load.num_waiting - load.free_seats >= self.info.max_waiting_requests
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.rejected.labels(code.name).inc()

@@ -6,15 +6,16 @@ import pytest
 
 from batchserve.config import DraftConfig
 from batchserve.draft import DraftTree, NoDrafter, SingleBranchDrafter, TrieDrafter, make_drafter
-from tests.engine.drafters import random_tree
+from tests.engine.drafters import random_tree, token_path
 
 
 def test_tree_derived_fields():
     t = DraftTree((5, 6, 7, 8), (None, 0, None, 1))
     assert t.depths == (1, 2, 1, 3)
-    assert t.children[0] == {5: 0, 7: 2}  # the root's children
-    assert t.children[1] == {6: 1} and t.children[2] == {8: 3}
-    assert t.ancestors(3) == [0, 1, 3]
+    assert t.children[None] == {5: 0, 7: 2}  # the root's children
+    assert t.children[0] == {6: 1} and t.children[1] == {8: 3} and 2 not in t.children
+    assert t.child(None, 7) == 2 and t.child(1, 8) == 3 and t.child(1, 5) is None and t.child(3, 5) is None
+    assert token_path(t, 3) == (5, 6, 8)
     assert len(t) == 4
 
 
@@ -51,8 +52,9 @@ def test_chain_and_random_trees_hold_invariants():
         t = random_tree(rng, rng.randint(1, 64), 50)
         for i, p in enumerate(t.parents):
             assert p is None or p < i
-        for kids in t.children:
-            assert len(set(kids)) == len(kids)
+        for parent, kids in t.children.items():
+            assert all(t.parents[child] == parent and t.tokens[child] == tok for tok, child in kids.items())
+        assert sum(len(kids) for kids in t.children.values()) == len(t)
 
 
 def test_llma_copies_after_longest_most_recent_match():

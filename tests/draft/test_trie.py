@@ -11,6 +11,8 @@ from batchserve.config import DraftConfig
 from batchserve.draft import DraftTree, TrieDrafter
 from batchserve.draft.simulate import simulate
 from batchserve.draft.trie import Trie
+from batchserve.request import SamplingParams
+from tests.engine.drafters import token_path
 
 
 def _drafter(**kw) -> TrieDrafter:
@@ -20,7 +22,7 @@ def _drafter(**kw) -> TrieDrafter:
 
 def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
     """Every root-to-node token path of a tree."""
-    return {tuple(tree.tokens[j] for j in tree.ancestors(i)) for i in range(len(tree))}
+    return {token_path(tree, i) for i in range(len(tree))}
 
 
 def test_trie_counts_every_run_up_to_branch_length():
@@ -77,7 +79,7 @@ def test_branch_elimination_leaves_no_trace_of_a_finished_prompt():
     assert d.num_nodes > before[0]
     d.on_request_finish("a")
     assert (d.num_nodes, d.output.num_nodes) == before
-    assert not d.has_request("a")
+    assert "a" not in d._requests
     d.on_request_start("b", [1])
     assert d.propose("b", [1, 90], 8) is None  # nothing of a's prompt is retrievable
 
@@ -122,7 +124,7 @@ def test_scores_are_path_frequencies_under_the_match():
     d.warm_up([[1, 2, 30, 31], [1, 2, 30, 31], [1, 2, 30, 32], [1, 2, 40]])
     d.on_request_start("a", [0])
     tree = d.propose("a", [0, 1, 2], 8)
-    score = {tuple(tree.tokens[j] for j in tree.ancestors(i)): tree.scores[i] for i in range(len(tree))}
+    score = {token_path(tree, i): tree.scores[i] for i in range(len(tree))}
     assert score[(30,)] == pytest.approx(0.75) and score[(40,)] == pytest.approx(0.25)
     assert score[(30, 31)] == pytest.approx(0.75 * 2 / 3) and score[(30, 32)] == pytest.approx(0.25)
     # Every layout scores its nodes, never a child above its parent.
@@ -172,8 +174,9 @@ def test_layouts():
     # Per-request override of the server's layout.
     hier.on_request_start("b", [0], layout="single")
     assert hier.propose("b", tokens, 16).tokens == (10, 11, 12)
-    with pytest.raises(ValueError, match="layout"):
-        hier.on_request_start("c", [0], layout="zigzag")
+    # A request's layout is validated once, where it enters: SamplingParams.
+    with pytest.raises(ValueError, match="draft_layout"):
+        SamplingParams(draft_layout="zigzag")
 
 
 @pytest.mark.parametrize("layout", ["hierarchical", "parallel", "single"])
@@ -220,7 +223,7 @@ def test_simulation_counts_steps():
     assert res.tokens == len(out)
     # The repeat is drafted from the request's own output once it has been seen.
     assert res.steps < len(out) and res.tokens_per_step > 1.5
-    assert not d.has_request("s")  # finished and eliminated
+    assert "s" not in d._requests  # finished and eliminated
 
 
 def test_warm_up_goes_into_its_scope_and_drafts_only_there():

@@ -8,6 +8,16 @@ from collections.abc import Sequence
 from batchserve.draft import DraftTree, NoDrafter
 
 
+def token_path(tree: DraftTree, i: int) -> tuple[int, ...]:
+    """The tokens from the root's first child down to node i."""
+    path: list[int] = []
+    node: int | None = i
+    while node is not None:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return tuple(path[::-1])
+
+
 def random_tree(rng: random.Random, size: int, vocab: int, first: list[int] | None = None) -> DraftTree:
     """A random tree of `size` nodes; `first`, if given, is planted as a chain from the root."""
     tokens: list[int] = []

@@ -6,7 +6,7 @@ import pytest
 
 from batchserve import SamplingParams
 from batchserve.config import DraftConfig, EngineConfig, SchedulerConfig
-from batchserve.scheduler.budget import CostProfile
+from batchserve.scheduler.cost_profile import CostProfile
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
 from tests.engine.drafters import OracleDrafter, RandomTreeDrafter, random_prompts
 

@@ -19,7 +19,7 @@ def _core(**kwargs) -> EngineCore:
     config = EngineConfig(
         cache=CacheConfig(block_size=kwargs.pop("block_size", 4), num_blocks=kwargs.pop("num_blocks", 256)),
         scheduler=SchedulerConfig(max_num_seqs=kwargs.pop("max_num_seqs", 8), max_num_batched_tokens=256),
-        draft=DraftConfig(method=kwargs.pop("draft", "llma"), decoding_length=8),
+        draft=DraftConfig(method=kwargs.pop("draft", "llma"), decoding_length=8, adaptive=False),
     )
     return EngineCore(config, make_tiny_model(), make_tiny_tokenizer(), kwargs.pop("drafter", None))
 

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from batchserve import AsyncEngine, FinishReason, SamplingParams
-from batchserve.engine import EngineCore, EngineDeadError
+from batchserve.async_engine import EngineDeadError
+from batchserve.engine import EngineCore
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, make_tiny_tokenizer
 from tests.engine.drafters import RandomTreeDrafter
 
@@ -18,7 +19,7 @@ PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)
 
 def _core(drafter=None, adaptive: bool = False) -> EngineCore:
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
-    from tests.scheduler.test_budget import gpu_like
+    from tests.scheduler.workloads import gpu_like
 
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=256),
@@ -101,7 +102,7 @@ def test_a_draft_budget_that_raises_costs_the_drafts_not_the_requests(tiny_model
 
 def test_a_commit_error_of_one_request_fails_only_it(tiny_model, monkeypatch):
     core = _core()
-    real = core._on_token
+    real = core.scheduler.on_token
 
     def detokenizer_bug(req, token_id):
         if req.request_id == "r3" and len(req.output_token_ids) == 5:

@@ -139,8 +139,8 @@ def test_streamed_text_equals_final_text_with_multibyte(tiny_tokenizer):
     req = core.add_request([1], SamplingParams(max_new_tokens=100), request_id="bytes")
     pieces = []
     for tok in tiny_tokenizer(text).input_ids:
-        assert not core._on_token(req, tok)
-        pieces.append(core._output(req, [tok]).new_text)
+        assert not core.text.on_token(req.request_id, tok)
+        pieces.append(core.text.take(req.request_id, finished=False))
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # some tokens were held back until their character completed

@@ -43,7 +43,7 @@ def _config(method: str, layout: str = "hierarchical", **cache) -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(block_size=16, kv_cache_memory_gb=0.25, **cache),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-        draft=DraftConfig(method=method, decoding_length=16, layout=layout),  # type: ignore[arg-type]
+        draft=DraftConfig(method=method, decoding_length=16, layout=layout, adaptive=False),  # type: ignore[arg-type]
     )
 
 

@@ -15,7 +15,7 @@ def _core():
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-        draft=DraftConfig(decoding_length=8),
+        draft=DraftConfig(decoding_length=8, adaptive=False),
     )
     drafter = RandomTreeDrafter(seed=3, vocab=TINY_VOCAB, max_nodes=8)
     return EngineCore(config, make_tiny_model(), make_tiny_tokenizer(), drafter)

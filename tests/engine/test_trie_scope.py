@@ -19,7 +19,7 @@ def _core(scope: str) -> EngineCore:
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
-        draft=DraftConfig(method="lookahead", decoding_length=16, trie_scope=scope),
+        draft=DraftConfig(method="lookahead", decoding_length=16, trie_scope=scope, adaptive=False),
     )
     return EngineCore(config, make_tiny_model(), make_tiny_tokenizer())
 

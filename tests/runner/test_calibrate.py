@@ -9,7 +9,7 @@ import pytest
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from batchserve.runner import calibrate as cal
-from batchserve.scheduler.budget import CostProfile
+from batchserve.scheduler.cost_profile import CostProfile
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 
@@ -17,7 +17,7 @@ def _core(num_blocks: int = 256, **draft) -> EngineCore:
     config = EngineConfig(
         cache=CacheConfig(block_size=16, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
-        draft=DraftConfig(**draft),
+        draft=DraftConfig(**{"adaptive": False, **draft}),
     )
     return EngineCore(config, make_tiny_model(), make_tiny_tokenizer())
 

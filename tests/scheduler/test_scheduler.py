@@ -8,6 +8,8 @@ from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft import DraftTree, NoDrafter
 from batchserve.request import FinishReason, Request, RequestStatus, SamplingParams
 from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, RunnerOutput, Scheduler, SchedulerOutput
+from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy
+from tests.scheduler.workloads import gpu_like
 
 
 def _req(rid: str, n_prompt: int, max_new: int = 8, **kw) -> Request:
@@ -166,3 +168,79 @@ def test_request_that_can_never_fit_is_refused():
     s.add_request(_req("ok", 10, max_new=6))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(_req("ok", 2))
+
+
+# ---- with a draft budget policy -----------------------------------------------------------------
+
+
+class WideDrafter(NoDrafter):
+    """Proposes `max_tokens` nodes: a root child 10 with a chain below it, then siblings."""
+
+    def propose(self, request_id, token_ids, max_tokens):
+        n = min(max_tokens, 32)
+        tokens = [10 + i for i in range(n)]
+        parents: list[int | None] = [None] + [i - 1 if i < n // 2 else None for i in range(1, n)]
+        return DraftTree(tuple(tokens), tuple(parents)) if n else None
+
+
+class CountingDrafter(WideDrafter):
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def propose(self, request_id, token_ids, max_tokens):
+        self.asked.append(max_tokens)
+        return super().propose(request_id, token_ids, max_tokens)
+
+
+def test_scheduler_proposes_only_what_the_policy_could_give():
+    tracker = AcceptanceTracker(32)
+    drafter = CountingDrafter()
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=32, adaptive=True),
+        BlockAllocator(256, 4),
+        drafter,
+        budget_policy=DraftBudgetPolicy(gpu_like(cdl=16), tracker, min_gain=0.2),
+    )
+    s.add_request(_req("silenced", 3, 200))
+    s.add_request(_req("good", 3, 200))
+    for _ in range(50):
+        tracker.observe("silenced", 32, [])  # every draft rejected
+        tracker.observe("good", 5, range(5))  # its 5 nodes always accepted
+    out = s.schedule()
+    # Only the good request's 5 sure ranks clear min_gain: the trie is asked for exactly
+    # those, and not at all for the silenced request.
+    assert drafter.asked == [5]
+    assert {r.request_id: r.draft is None for r in out.requests} == {"silenced": True, "good": False}
+
+
+def test_scheduler_applies_policy_overrides_and_feeds_acceptance():
+    tracker = AcceptanceTracker(32)
+    policy = DraftBudgetPolicy(gpu_like(cdl=16), tracker)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=32, adaptive=True),
+        BlockAllocator(256, 4),
+        WideDrafter(),
+        budget_policy=policy,
+    )
+    s.add_request(_req("auto", 3, 200))
+    s.add_request(_req("fixed", 3, 200, decoding_length=5))
+    s.add_request(_req("off", 3, 200, decoding_length=0))
+    out = s.schedule()  # prefill step: every request samples
+    drafts = {r.request_id: r.draft for r in out.requests}
+    assert len(drafts["fixed"]) == 5 and drafts["off"] is None
+    # The step already holds 9 prompt tokens and 5 fixed drafts, 2 short of the 16 free rows;
+    # since those are paid for anyway the adaptive request gets more than 2, but not its cap.
+    assert 2 < len(drafts["auto"]) < 32
+    assert all(r.num_tokens <= len(r.token_ids) + 32 for r in out.requests)
+    # `auto` accepts its first two chain nodes (ranks 0 and 1): those ranks go up, rank 2 down.
+    auto = drafts["auto"]
+    emitted = {"auto": [10, 11, 99], "fixed": [99], "off": [99]}
+    accepted = {"auto": [0, 1], "fixed": [], "off": []}
+    before = tracker.gains("auto", 3)
+    s.update(out, RunnerOutput(emitted, accepted))
+    after = tracker._est["auto"]
+    assert auto is not None and len(auto) >= 3
+    assert after[0] > before[0] and after[1] > before[1] and after[2] < before[2]
+    s.check_integrity()

@@ -6,8 +6,9 @@ from typing import Any
 import grpc
 import pytest
 
+from batchserve.async_engine import AsyncEngine
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
-from batchserve.engine import AsyncEngine, EngineCore
+from batchserve.engine import EngineCore
 from batchserve.server.app import BatchServer, ServerConfig
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
@@ -21,7 +22,7 @@ def tiny_core(max_num_seqs: int = 8, num_blocks: int = 512) -> EngineCore:
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
-        draft=DraftConfig(decoding_length=8),
+        draft=DraftConfig(decoding_length=8, adaptive=False),
     )
     return EngineCore(config, make_tiny_model(), tokenizer)
 

@@ -31,13 +31,13 @@ async def test_a_message_over_the_limit_is_refused_by_size(running):
 
 async def test_tokenizing_never_stalls_other_streams(running, monkeypatch):
     core = running.core
-    real = core.tokenize
+    real = core.text.tokenize
 
     def slow(prompt):
         time.sleep(1.0)  # a huge input's tokenization, in the tokenizer thread
         return real(prompt)
 
-    monkeypatch.setattr(core, "tokenize", slow)
+    monkeypatch.setattr(core.text, "tokenize", slow)
     stream = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=400, ignore_eos=True))
     await stream.read()
     arrivals: list[float] = []

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchserve import SamplingParams
 from batchserve.cli import main as cli_main
-from batchserve.engine import LLM
+from batchserve.llm import LLM
 from batchserve.server.app import SERVICE_NAME
 from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2 as pb
@@ -31,7 +31,7 @@ async def _stream(stub, req):
 async def test_unary_and_stream_match_offline_generate(running):
     stub = running.stub
     inputs = ["héllo wörld, 漢字", [5, 6, 7, 8], [{"role": "user", "content": "ünïcode?"}]]
-    offline_prompts = [running.core.tokenize(inputs[0]), inputs[1], running.core.render_chat(inputs[2])]
+    offline_prompts = [running.core.text.tokenize(inputs[0]), inputs[1], running.core.text.render_chat(inputs[2])]
     params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=7)
     expected = _offline(offline_prompts, params)
     for prompt, exp in zip(inputs, expected, strict=True):
@@ -331,7 +331,7 @@ async def test_request_id_in_use_is_invalid_argument(running):
 async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_lengths():
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
     from batchserve.engine import EngineCore
-    from batchserve.scheduler.budget import CostProfile
+    from batchserve.scheduler.cost_profile import CostProfile
     from tests.conftest import make_tiny_model, make_tiny_tokenizer
     from tests.server.conftest import free_port, start_server
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from batchserve.engine import AsyncEngine
+from batchserve.async_engine import AsyncEngine
 from batchserve.server.app import BatchServer, ServerConfig
 from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2 as pb

@@ -1,14 +1,18 @@
+"""The bench's datasets, its simulation and its CLI, and the sweep against HF peers (slow)."""
+
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from batchserve.bench.datasets import humaneval, sharegpt, split
 from batchserve.cli import main
-from benchmarks.datasets import humaneval, sharegpt, split
 
 
-def test_humaneval_has_all_problems_with_solutions():
+def test_humaneval_has_all_problems_with_solutions() -> None:
     problems = humaneval()
     assert len(problems) == 164
     assert problems[0].id == "HumanEval/0" and "def " in problems[0].prompt and problems[0].reference.strip()
@@ -16,14 +20,14 @@ def test_humaneval_has_all_problems_with_solutions():
     assert len(dev) == len(test) == 82 and not {p.id for p in dev} & {p.id for p in test}
 
 
-def test_sharegpt_reads_first_turns_record_by_record():
+def test_sharegpt_reads_first_turns_record_by_record() -> None:
     samples = sharegpt(40)
     assert len(samples) == 40
     assert all(s.chat and s.prompt.strip() and s.reference.strip() for s in samples)
     assert len({s.id for s in samples}) == 40
 
 
-def test_bench_simulate_cli(capsys):
+def test_bench_simulate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(
             [
@@ -53,106 +57,100 @@ def test_bench_simulate_cli(capsys):
         ["bench", "--num-prompts", "0"],
     ],
 )
-def test_bench_cli_refuses_what_it_cannot_do(argv, capsys):
+def test_bench_cli_refuses_what_it_cannot_do(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert "batchserve bench:" in capsys.readouterr().err
 
 
-def test_bench_cli_rejects_malformed_numbers():
+def test_bench_cli_rejects_malformed_numbers() -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--simulate", "--decoding-lengths", "a,b"])
 
 
-@pytest.mark.slow
-def test_bench_against_peers_writes_results_report_and_plot(tmp_path, monkeypatch):
+# results.json: the keys every row has, and the (method, batch) rows of the sweep below.
+ROW_KEYS = {
+    "method",
+    "dataset",
+    "batch_size",
+    "num_prompts",
+    "output_tokens",
+    "seconds",
+    "tokens_per_s",
+    "tokens_per_step",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "lossless",
+}
+ENGINE_METHODS = ("none", "lookahead", "lookahead-4", "lookahead-adaptive")
+SWEEP_ROWS = {("hf", 1), ("hf-prompt-lookup", 1), ("hf-batch", 1), ("hf-batch", 2)} | {
+    (m, b) for m in ENGINE_METHODS for b in (1, 2)
+}
+SWEEP_ARGV = [
+    "bench",
+    "--dataset",
+    "humaneval",
+    "--num-prompts",
+    "2",
+    "--batch-sizes",
+    "1,2",
+    "--methods",
+    "hf,hf-prompt-lookup,hf-batch,none,lookahead,lookahead-4,lookahead-adaptive",
+    "--max-new-tokens",
+    "6",
+    "--repeats",
+    "2",
+    "--waves",
+    "2",  # batch 2 runs 4 prompts: the loop stays full
+]
+
+
+def _quick_calibration(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """The adaptive method calibrates on first use: a small, fast calibration into a fresh cache."""
     from batchserve.runner import calibrate as cal
 
-    # The adaptive method calibrates on first use: a small, fast calibration into a fresh cache.
-    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(cache))
     real = cal.calibrate
 
-    def quick(runner, **kwargs):
+    def quick(runner: Any, **kwargs: Any) -> Any:
         return real(runner, max_tokens=16, contexts=(64,), repeats=1, progress=False, key=kwargs.get("key"))
 
     monkeypatch.setattr(cal, "calibrate", quick)
-    out = tmp_path / "bench"
-    assert (
-        main(
-            [
-                "bench",
-                "--dataset",
-                "humaneval",
-                "--num-prompts",
-                "2",
-                "--batch-sizes",
-                "1,2",
-                "--methods",
-                "hf,hf-prompt-lookup,hf-batch,none,lookahead,lookahead-4,lookahead-adaptive",
-                "--max-new-tokens",
-                "6",
-                "--repeats",
-                "2",
-                "--waves",
-                "2",  # batch 2 runs 4 prompts: the loop stays full
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    rows = json.loads((out / "results.json").read_text())
-    keys = {
-        "method",
-        "dataset",
-        "batch_size",
-        "num_prompts",
-        "output_tokens",
-        "seconds",
-        "tokens_per_s",
-        "tokens_per_step",
-        "ttft_p50_s",
-        "ttft_p99_s",
-        "tpot_p50_s",
-        "tpot_p99_s",
-        "lossless",
-    }
-    assert all(keys <= set(r) for r in rows)
+
+
+def _check_rows(rows: list[dict[str, Any]]) -> None:
+    assert all(ROW_KEYS <= set(r) for r in rows)
     by = {(r["method"], r["batch_size"]): r for r in rows}
-    assert set(by) == {
-        ("hf", 1),
-        ("hf-prompt-lookup", 1),
-        ("hf-batch", 1),
-        ("hf-batch", 2),
-        ("none", 1),
-        ("none", 2),
-        ("lookahead", 1),
-        ("lookahead", 2),
-        ("lookahead-4", 1),
-        ("lookahead-4", 2),
-        ("lookahead-adaptive", 1),
-        ("lookahead-adaptive", 2),
-    }
+    assert set(by) == SWEEP_ROWS
     assert by[("lookahead-4", 1)]["mean_decoding_length"] <= 4 and by[("none", 1)]["mean_decoding_length"] == 0
-    report = (out / "report.md").read_text()
-    assert "fastest of 2 runs" in report and "adaptive / best fixed" in report
     assert by[("hf", 1)]["num_prompts"] == by[("hf-prompt-lookup", 1)]["num_prompts"] == 2
     assert by[("hf-batch", 2)]["num_prompts"] == 4
-    for m in ("none", "lookahead", "lookahead-4", "lookahead-adaptive"):
+    for m in ENGINE_METHODS:
         assert by[(m, 1)]["num_prompts"] == 2 and by[(m, 2)]["num_prompts"] == 4
         assert by[(m, 1)]["output_tokens"] == by[("hf", 1)]["output_tokens"]
         assert by[(m, 2)]["output_tokens"] == by[("none", 2)]["output_tokens"]
         for b in (1, 2):
             assert by[(m, b)]["lossless"] is True
-    assert "max(2, 2 x batch) prompts" in report
     assert by[("hf", 1)]["lossless"] is None
     assert all(r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_against_peers_writes_results_report_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _quick_calibration(monkeypatch, tmp_path / "cache")
+    out = tmp_path / "bench"
+    assert main([*SWEEP_ARGV, "--out", str(out)]) == 0
+    _check_rows(json.loads((out / "results.json").read_text()))
     report = (out / "report.md").read_text()
+    assert "fastest of 2 runs" in report and "adaptive / best fixed" in report
+    assert "max(2, 2 x batch) prompts" in report
     assert "| lookahead | 2 |" in report and "vs hf-batch" in report
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch():
-    from benchmarks.bench import Row, pick_run
+def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch() -> None:
+    from batchserve.bench.methods import Row, pick_run
 
     def row(tps: float, lossless: bool = True) -> Row:
         return Row("none", "humaneval", 1, 2, 10, 1.0, tps, 1.0, 0.1, 0.1, 0.1, 0.1, lossless)

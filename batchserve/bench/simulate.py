@@ -14,13 +14,14 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
+from batchserve.bench.datasets import Sample, humaneval, sharegpt, split
 from batchserve.config import DraftConfig
 from batchserve.draft import Drafter, SingleBranchDrafter, TrieDrafter
 from batchserve.draft.simulate import SimulationResult, simulate
-from benchmarks.datasets import Sample, humaneval, sharegpt, split
 
 LAYOUTS = ("single", "parallel", "hierarchical")
 
@@ -31,7 +32,7 @@ class Encoded:
     output: list[int]
 
 
-def encode(samples: list[Sample], tokenizer) -> list[Encoded]:
+def encode(samples: list[Sample], tokenizer: Any) -> list[Encoded]:
     out = []
     for s in samples:
         if s.chat:
@@ -59,7 +60,7 @@ def replay(make: Callable[[], Drafter], warm: list[list[int]], test: list[Encode
     return total
 
 
-def run(datasets: list[str], lengths: list[int], num_samples: int, tokenizer) -> str:
+def run(datasets: list[str], lengths: list[int], num_samples: int, tokenizer: Any) -> str:
     lines = []
     for name in datasets:
         samples = humaneval() if name == "humaneval" else sharegpt(num_samples)
@@ -80,7 +81,7 @@ def run(datasets: list[str], lengths: list[int], num_samples: int, tokenizer) ->
     return "\n".join(lines)
 
 
-def trie_speed(tokenizer, length: int = 64, min_nodes: int = 100_000) -> str:
+def trie_speed(tokenizer: Any, length: int = 64, min_nodes: int = 100_000) -> str:
     """Median retrieval + update time per request-step on a warmed trie of `min_nodes`+ nodes."""
     samples = sharegpt(6000)
     dev, test = split(samples)

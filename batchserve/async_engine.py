@@ -1,0 +1,227 @@
+"""The asyncio front of the engine: one step loop serving many concurrent request streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from batchserve.config import EngineConfig
+from batchserve.engine import EngineCore
+from batchserve.request import RequestOutput, SamplingParams
+from batchserve.scheduler import SchedulerOutput, StepPhases
+from batchserve.scheduler.cost_profile import CostProfile
+from batchserve.text import Prompt
+
+logger = logging.getLogger("batchserve")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A snapshot of how busy the engine is (admission control, metrics, health)."""
+
+    num_running: int
+    num_waiting: int
+    free_seats: int  # running slots open at the next step; waiting requests take them first
+    kv_usage: float  # fraction of KV blocks in use
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+    num_preemptions: int  # since start
+
+
+class AsyncEngine:
+    """Serves many concurrent `generate` streams from one step loop.
+
+    The loop schedules and commits on the event loop and runs the forward in one worker
+    thread, so RPCs keep flowing during a step; requests join and leave between steps.
+    """
+
+    def __init__(self, core: EngineCore, max_failed_steps: int = 3) -> None:
+        """`max_failed_steps`: after this many steps in a row that served nobody (every request
+        failed), the engine stops for good: a device that keeps failing needs a restart."""
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
+        self.core = core
+        self.max_failed_steps = max_failed_steps
+        self.dead: str | None = None  # why the engine stopped for good; new requests are refused
+        self.died = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-step")
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+    @property
+    def step_listeners(self) -> list[Callable[[SchedulerOutput, StepPhases], None]]:
+        return self.core.step_listeners
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None) -> AsyncEngine:
+        return cls(EngineCore(config))
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def cost_profile(self) -> CostProfile | None:
+        """The profile the adaptive policy plans with (None when drafting is fixed)."""
+        return self.core.cost_profile
+
+    def load(self) -> EngineLoad:
+        sched = self.core.scheduler
+        alloc = sched.allocator
+        return EngineLoad(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            free_seats=max(0, self.core.config.scheduler.max_num_seqs - sched.num_running),
+            kv_usage=alloc.usage,
+            num_free_kv_blocks=alloc.num_free_blocks,
+            num_kv_blocks=alloc.num_blocks,
+            num_preemptions=sched.num_preemptions,
+        )
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="batchserve-engine")
+
+    def abort_all(self) -> int:
+        """Cancel every request: each stream gets its final output (CANCELLED). Returns how many."""
+        return sum(self.abort(rid) for rid in list(self.core.scheduler.requests))
+
+    async def stop(self) -> None:
+        """Cancel every request and stop the step loop."""
+        self.abort_all()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, tenant: str = ""
+    ) -> RequestStream:
+        """Submit a request and return its stream of per-step outputs (the last one has
+        `finished` set). Raises ValueError at once for invalid input, EngineDeadError once the
+        engine has stopped for good."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if request_id is not None and request_id in self._queues:
+            # Still streaming (or finished but not yet read): never let a second caller touch it.
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.start()
+        req = self.core.add_request(prompt, params, request_id, tenant)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[req.request_id] = queue
+        self._wakeup.set()
+        return RequestStream(self, req.request_id, queue)
+
+    def abort(self, request_id: str) -> bool:
+        out = self.core.abort(request_id)
+        if out is None:
+            return False
+        self._dispatch([out])
+        return True
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            q = self._queues.get(o.request_id)
+            if q is not None:
+                q.put_nowait(o)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        core = self.core
+        while True:
+            if not core.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            step = core.schedule()
+            await loop.run_in_executor(self._executor, core.execute, step)
+            try:
+                self._dispatch(core.commit(step))
+            except Exception as e:  # a bug outside the step: count it and keep the loop alive
+                logger.exception("engine loop error")
+                core.consecutive_failed_steps += 1
+                self._dispatch(core.fail_all(e))
+            if core.consecutive_failed_steps >= self.max_failed_steps:
+                self._die(f"{core.consecutive_failed_steps} engine steps in a row failed; the engine needs a restart")
+                return
+            await asyncio.sleep(0)  # let new requests and aborts in before the next step
+
+    def _die(self, reason: str) -> None:
+        logger.critical(reason)
+        self.dead = reason
+        self._dispatch(self.core.fail_all(EngineDeadError(reason)))
+        self.died.set()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped for good after repeated failed steps; the process should restart."""
+
+
+class RequestStream:
+    """Async iterator over one request's outputs.
+
+    Closing it early (`aclose()`, leaving `async with`, cancelling the task awaiting it, or
+    dropping the last reference after `break`) aborts the request and frees its KV blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[RequestOutput]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if out.finished:
+            self._done = True
+            self._unregister()
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._unregister():  # only while the id is still ours: never abort a newer request
+                self.engine.core.abort(self.request_id)
+
+    def _unregister(self) -> bool:
+        queues = self.engine._queues
+        if queues.get(self.request_id) is self._queue:
+            del queues[self.request_id]
+            return True
+        return False
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""The methods a bench run compares, and the row of results each (method, dataset, batch) gives.
+
+Peers are HF transformers' own ways to generate; the batchserve methods are engine settings
+(drafter, trie layout, warm trie or not, fixed or adaptive decoding length, linear kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch")
+SINGLE = ("hf", "hf-static", "hf-prompt-lookup")  # peers that run one prompt at a time (batch 1)
+FIXED_LENGTHS = (4, 16, 64)
+ADAPTIVE_CAP = 64  # lookahead-adaptive: the per-request cap on draft tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    draft: str
+    layout: str
+    warm: bool  # warm the trie on the dataset's dev outputs
+    adaptive: bool = False
+    decoding_length: int | None = None  # None: the run's --decoding-length
+    cpu_linear: str = "torch"  # "onednn": the model's linear layers on oneDNN's kernel
+
+
+BATCHSERVE = {
+    "none": Method("none", "hierarchical", False),
+    "llma": Method("llma", "single", False),
+    "parallel": Method("lookahead", "parallel", True),
+    "lookahead": Method("lookahead", "hierarchical", True),
+    "lookahead-cold": Method("lookahead", "hierarchical", False),
+    **{f"lookahead-{n}": Method("lookahead", "hierarchical", True, decoding_length=n) for n in FIXED_LENGTHS},
+    "lookahead-adaptive": Method("lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP),
+    # The same on oneDNN's CPU linear kernel (--cpu-linear onednn), to measure what it brings.
+    "none-onednn": Method("none", "hierarchical", False, cpu_linear="onednn"),
+    "lookahead-adaptive-onednn": Method(
+        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_linear="onednn"
+    ),
+}
+METHODS = PEERS + tuple(BATCHSERVE)
+KEEP = ("fastest", "median")  # which of the repeated runs stands for a (method, batch)
+
+
+@dataclass(slots=True)
+class Row:
+    method: str
+    dataset: str
+    batch_size: int
+    num_prompts: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    tokens_per_step: float | None
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    lossless: bool | None
+    mean_decoding_length: float | None = None  # draft tokens per request step
+    # batchserve rows: engine steps, and ms per step in each phase (StepPhases.NAMES) and in all ("wall")
+    steps: int | None = None
+    phase_ms: dict[str, float] | None = None
+    overhead_ratio: float | None = None  # (step wall - forward) / step wall
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def make_row(
+    method: str,
+    dataset: str,
+    b: int,
+    outputs: list[list[int]],
+    seconds: float,
+    ttfts: list[float],
+    tpots: list[float],
+    tokens_per_step: float | None,
+    lossless: bool | None,
+) -> Row:
+    """A row from one run's outputs and timings (percentiles and rates rounded for the report)."""
+    n = sum(len(o) for o in outputs)
+    return Row(
+        method,
+        dataset,
+        b,
+        len(outputs),
+        n,
+        round(seconds, 3),
+        round(n / seconds, 2),
+        None if tokens_per_step is None else round(tokens_per_step, 3),
+        round(_pct(ttfts, 0.5), 4),
+        round(_pct(ttfts, 0.99), 4),
+        round(_pct(tpots, 0.5), 4),
+        round(_pct(tpots, 0.99), 4),
+        lossless,
+    )
+
+
+def pick_run(runs: list[Row], keep: str) -> Row:
+    """The run that stands for a (method, batch): the fastest, or the median by tokens/s
+    (the lower middle one for an even count). Any run that was not lossless marks it."""
+    by_speed = sorted(runs, key=lambda r: r.tokens_per_s)
+    row = by_speed[-1] if keep == "fastest" else by_speed[(len(by_speed) - 1) // 2]
+    if any(r.lossless is False for r in runs):
+        row = replace(row, lossless=False)
+    return row

@@ -1,0 +1,121 @@
+"""Run the HF transformers peers, timed per request: `generate` and `generate_batch`.
+
+`generate` runs one prompt at a time (plain, with a static cache, or with prompt lookup);
+`generate_batch` is transformers' continuous batching. Each runner returns (outputs, seconds,
+TTFTs, TPOTs): the generated token ids per prompt, the run's wall time, and every request's
+time to first token and mean time per later token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+PeerRun = tuple[list[list[int]], float, list[float], list[float]]
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def static_cache_kwargs(model: Any, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """HF `generate` at its fastest: a static KV cache sized once for every prompt (so shapes
+    recur) and a compiled forward (CUDA graphs on a GPU, inductor on a CPU)."""
+    from transformers import CompileConfig
+
+    cuda = model.device.type == "cuda"
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    return {
+        "cache_implementation": "static",
+        "max_cache_len": max(map(len, prompts)) + max_new,
+        "compile_config": config,
+    }
+
+
+def _compile_static(model: Any, prompt: list[int], max_new: int, kwargs: dict[str, Any], desc: str) -> None:
+    """Compile (and capture) the static-cache forward outside the timed run."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        x = torch.tensor([prompt], device=model.device)
+        model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, **kwargs)
+    tqdm.write(f"{desc}: compiled in {time.perf_counter() - t0:.1f} s")
+
+
+def run_hf(
+    model: Any,
+    prompts: list[list[int]],
+    max_new: int,
+    eos: int,
+    lookup: int | None,
+    desc: str,
+    static: bool = False,
+) -> PeerRun:
+    """HF `generate`, greedy, one prompt at a time; `lookup`: prompt lookup decoding with that
+    many tokens; `static`: a static cache and a compiled forward (`static_cache_kwargs`)."""
+    outputs, ttfts, tpots = [], [], []
+    kwargs: dict[str, Any] = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if static:
+        kwargs.update(static_cache_kwargs(model, prompts, max_new))
+        _compile_static(model, prompts[0], max_new, kwargs, desc)
+    t0 = time.perf_counter()
+    for ids in tqdm(prompts, desc=desc, leave=False):
+        x = torch.tensor([ids], device=model.device)
+        timer = _FirstTokenTimer()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new,
+                pad_token_id=eos,
+                streamer=timer,
+                **kwargs,
+            )
+        end = time.perf_counter()
+        toks = out[0, len(ids) :].tolist()
+        outputs.append(toks)
+        first = timer.first or end
+        ttfts.append(first - start)
+        if len(toks) > 1:
+            tpots.append((end - first) / (len(toks) - 1))
+    return outputs, time.perf_counter() - t0, ttfts, tpots
+
+
+def run_hf_batch(model: Any, prompts: list[list[int]], max_new: int, b: int) -> PeerRun:
+    """HF `generate_batch`, greedy, with at most `b` requests per batch."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=model.generation_config.eos_token_id)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=b)
+    t0 = time.perf_counter()
+    results = model.generate_batch(
+        prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True, progress_bar=False
+    )
+    seconds = time.perf_counter() - t0
+    outputs, ttfts, tpots = [], [], []
+    for r in results.values():
+        outputs.append(list(r.generated_tokens))
+        ts = r.timestamps or []
+        started = r.lifespan[0] if r.lifespan[0] > 0 else r.created_time
+        if ts:
+            ttfts.append(ts[0] - started)
+            if len(ts) > 1:
+                tpots.append((ts[-1] - ts[0]) / (len(ts) - 1))
+    return outputs, seconds, ttfts, tpots

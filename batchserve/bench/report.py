@@ -1,0 +1,191 @@
+"""Write a bench run's results: results.json, report.md, throughput.png and the console summary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchserve.bench.methods import FIXED_LENGTHS, METHODS, PEERS, SINGLE, Row
+from batchserve.scheduler import StepPhases
+
+
+def save_results(rows: list[Row], out_dir: Path) -> None:
+    """DIR/results.json: every row as a JSON object."""
+    (out_dir / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, keep: str, waves: int) -> str:
+    best_of = f" Each batchserve row is the {keep} of {repeats} runs, taken in rounds." if repeats > 1 else ""
+    prompts = f"{num_prompts} prompts per dataset"
+    if waves:
+        prompts = (
+            f"max({num_prompts}, {waves} x batch) prompts per dataset and batch size, so the loop stays full "
+            f"(the {', '.join(SINGLE)} rows: the first {num_prompts})"
+        )
+    return (
+        f"# batchserve benchmark\n\n{prompts}, {max_new} new tokens, greedy, "
+        f"decoding length {decoding_length}, {torch.get_num_threads()} CPU threads.{best_of} Batch size b = b requests "
+        "in flight (closed loop). `vs hf`: tokens/s over HF `generate` at batch 1; `vs hf-batch`: over HF "
+        "`generate_batch` at the same batch size.\n"
+    )
+
+
+def _method_table(rows: list[Row]) -> list[str]:
+    """One dataset's rows, each against hf, hf-batch and none at its batch size."""
+    hf = next((r.tokens_per_s for r in rows if r.method == "hf"), None)
+    hfb = {r.batch_size: r.tokens_per_s for r in rows if r.method == "hf-batch"}
+    none = {r.batch_size: r.tokens_per_s for r in rows if r.method == "none"}
+    lines = [
+        "| method | batch | tokens/s | tokens/step | draft tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
+        "| vs hf | vs hf-batch | vs none | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r.batch_size, METHODS.index(r.method))):
+        vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
+        vs_hfb = f"{r.tokens_per_s / hfb[r.batch_size]:.2f}x" if r.batch_size in hfb else "-"
+        vs_none = f"{r.tokens_per_s / none[r.batch_size]:.2f}x" if r.batch_size in none else "-"
+        tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
+        dl = "-" if r.mean_decoding_length is None else f"{r.mean_decoding_length:.1f}"
+        lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
+        lines.append(
+            f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {tps} | {dl} | {r.ttft_p50_s:.3f} / "
+            f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_hf} | {vs_hfb} | {vs_none} "
+            f"| {lossless} |"
+        )
+    return lines
+
+
+def write_report(
+    rows: list[Row],
+    out_dir: Path,
+    num_prompts: int,
+    max_new: int,
+    decoding_length: int,
+    repeats: int = 1,
+    keep: str = "fastest",
+    waves: int = 0,
+) -> None:
+    """DIR/report.md: per dataset, the method table, the adaptive summary and the phase table."""
+    lines = [_header(num_prompts, max_new, decoding_length, repeats, keep, waves)]
+    for dataset in dict.fromkeys(r.dataset for r in rows):
+        rs = [r for r in rows if r.dataset == dataset]
+        lines.append(f"\n## {dataset}\n")
+        lines.extend(_method_table(rs))
+        lines.extend(adaptive_summary(rs))
+        lines.extend(phase_table(rs))
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def adaptive_summary(rows: list[Row]) -> list[str]:
+    """Adaptive decoding length against the best fixed length and against no speculation."""
+    fixed = [f"lookahead-{n}" for n in FIXED_LENGTHS]
+    out: list[str] = []
+    for b in sorted({r.batch_size for r in rows}):
+        at = {r.method: r for r in rows if r.batch_size == b}
+        ada, none = at.get("lookahead-adaptive"), at.get("none")
+        best = max((at[m] for m in fixed if m in at), key=lambda r: r.tokens_per_s, default=None)
+        if ada is None or none is None or best is None:
+            continue
+        if not out:
+            out = [
+                "\nAdaptive decoding length against the best fixed length and against `none`:\n",
+                "| batch | adaptive tok/s | best fixed | adaptive / best fixed | adaptive / none | mean draft tokens |",
+                "|---|---|---|---|---|---|",
+            ]
+        out.append(
+            f"| {b} | {ada.tokens_per_s:.1f} | {best.method} {best.tokens_per_s:.1f} | "
+            f"{ada.tokens_per_s / best.tokens_per_s:.2f}x | {ada.tokens_per_s / none.tokens_per_s:.2f}x | "
+            f"{ada.mean_decoding_length or 0:.1f} |"
+        )
+    return out
+
+
+def phase_table(rows: list[Row]) -> list[str]:
+    """Where a step goes: ms per engine step in each phase, and the share outside the forward."""
+    timed = [r for r in rows if r.phase_ms]
+    if not timed:
+        return []
+    names = (*StepPhases.NAMES, "wall")
+    out = [
+        "\nWhere a step goes (ms per engine step; overhead = (wall - forward) / wall):\n",
+        "| method | batch | steps | " + " | ".join(names) + " | overhead |",
+        "|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for r in sorted(timed, key=lambda r: (r.batch_size, METHODS.index(r.method))):
+        assert r.phase_ms is not None
+        cells = " | ".join(f"{r.phase_ms[n]:.2f}" for n in names)
+        out.append(f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {r.overhead_ratio:.3f} |")
+    return out
+
+
+def _color(method: str) -> Any:
+    """One colour per method, the same in every panel."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](METHODS.index(method) % 20)
+
+
+def _plot_throughput(ax: Any, rows: list[Row], dataset: str) -> None:
+    """Top panel: output tokens/s against batch size, peers dashed."""
+    for m in METHODS:
+        pts = sorted((r.batch_size, r.tokens_per_s) for r in rows if r.dataset == dataset and r.method == m)
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o", label=m, linestyle="--" if m in PEERS else "-", color=_color(m))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (requests in flight)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(dataset)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_draft_tokens(ax: Any, rows: list[Row], dataset: str) -> None:
+    """Bottom panel: mean draft tokens per request step against batch size (drafting methods)."""
+    for m in METHODS:
+        pts = sorted(
+            (r.batch_size, r.mean_decoding_length)
+            for r in rows
+            if r.dataset == dataset and r.method == m and r.mean_decoding_length is not None and m != "none"
+        )
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", label=m, color=_color(m))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (requests in flight)")
+    ax.set_ylabel("mean draft tokens per request step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """The plot at `path`: one column per dataset, throughput on top, draft tokens below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 8), squeeze=False)
+    for ax, dataset in zip(axes[1], datasets):
+        _plot_draft_tokens(ax, rows, dataset)
+    for ax, dataset in zip(axes[0], datasets):
+        _plot_throughput(ax, rows, dataset)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_table(rows: list[Row]) -> str:
+    """One line per row for the console: tokens/s, tokens/step and losslessness."""
+    return "\n".join(
+        f"{r.dataset:10} {r.method:17} b={r.batch_size:<3} {r.tokens_per_s:8.1f} tok/s "
+        f"{'' if r.tokens_per_step is None else f'{r.tokens_per_step:5.2f} tok/step'} "
+        f"lossless={r.lossless}"
+        for r in rows
+    )

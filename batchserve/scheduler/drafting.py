@@ -1,0 +1,119 @@
+"""Each step's draft trees: what the drafter proposes, sized by the request or the budget policy."""
+
+from __future__ import annotations
+
+import logging
+
+from batchserve.config import DraftConfig
+from batchserve.draft.base import Drafter
+from batchserve.draft.tree import DraftTree
+from batchserve.request import Request
+from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
+from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger("batchserve")
+
+
+class DraftPlanner:
+    """Proposes a tree per sampling request and decides how much of each the step verifies.
+
+    Requests with their own `decoding_length` (and every request without a budget policy)
+    get up to that many tokens, first come first served; the policy shares what is left
+    among the others by expected gain. Speculation is optional: a failing drafter or policy
+    costs drafts, never requests.
+    """
+
+    def __init__(self, drafter: Drafter, config: DraftConfig, policy: DraftBudgetPolicy | None) -> None:
+        self.drafter = drafter
+        self.config = config
+        self.policy = policy  # None: every request drafts `decoding_length` tokens
+
+    def plan(self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int) -> dict[str, DraftTree]:
+        """Draft trees by request id, within `budget` tokens in all."""
+        trees: dict[str, DraftTree] = {}
+        shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
+        for item in items:
+            if not item.sample:
+                continue
+            req = requests[item.request_id]
+            by_policy = self.policy is not None and req.params.decoding_length is None
+            tree = self._propose(req, min(self.limit(req), budget), by_policy)
+            if tree is None:
+                continue
+            if by_policy:
+                shared.append((req, tree))
+            else:
+                trees[req.request_id] = tree
+                budget -= len(tree)
+        if shared:
+            sampling = [requests[i.request_id] for i in items if i.sample]
+            lengths = self._allocate(shared, items, sampling, sum(map(len, trees.values())), budget)
+            for req, tree in shared:
+                k = lengths.get(req.request_id, 0)
+                if k > 0:
+                    trees[req.request_id] = tree.prefix(k)
+        return trees
+
+    def limit(self, req: Request) -> int:
+        """The most draft tokens `req` may verify this step (its length, output and context left)."""
+        length = req.params.decoding_length
+        if length is None:
+            length = self.config.decoding_length
+        remaining_out = req.params.max_new_tokens - len(req.output_token_ids) - 1
+        remaining_ctx = req.max_total_len - req.num_tokens
+        return max(0, min(length, remaining_out, remaining_ctx))
+
+    def _propose(self, req: Request, limit: int, by_policy: bool) -> DraftTree | None:
+        if by_policy and limit > 0:
+            assert self.policy is not None
+            limit = self.policy.useful_length(req.request_id, limit)  # never propose what cannot be given
+        if limit <= 0:
+            return None
+        try:
+            tree = self.drafter.propose(req.request_id, req.all_token_ids, limit)
+        except Exception:  # a drafter bug costs the draft, not the request
+            logger.exception("drafting for request %s failed; it decodes without a draft", req.request_id)
+            return None
+        return tree if tree is not None and len(tree) else None
+
+    def _allocate(
+        self,
+        shared: list[tuple[Request, DraftTree]],
+        items: list[ScheduledRequest],
+        sampling: list[Request],
+        fixed_draft_tokens: int,
+        budget: int,
+    ) -> dict[str, int]:
+        assert self.policy is not None
+        try:
+            return self.policy.allocate(
+                [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
+                num_roots=len(sampling),
+                num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + fixed_draft_tokens,
+                context=sum(r.num_tokens for r in sampling) / len(sampling),
+                num_seqs=len(items),
+                token_budget=max(0, budget),
+            )
+        except Exception:
+            logger.exception("the draft budget failed; this step decodes without policy drafts")
+            return {}
+
+    def observe_acceptance(self, item: ScheduledRequest, accepted: list[int]) -> None:
+        """Feed the policy's tracker which draft ranks (node indices) were on the accepted path."""
+        if self.policy is None:
+            return
+        tracker = self.policy.tracker
+        if item.draft is None:
+            tracker.skipped(item.request_id)
+        else:
+            tracker.observe(item.request_id, len(item.draft), accepted, item.draft.scores)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Teach the policy what a whole step costs, beyond the forward alone."""
+        if self.policy is None or not self.config.learn_step_costs:
+            return
+        # Decode steps only: prompt-chunk rows need no logits and would skew the fit.
+        if not out.requests or any(len(r.token_ids) > 1 for r in out.requests):
+            return
+        context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
+        self.policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)

@@ -1,0 +1,135 @@
+"""The small statistical fits behind the draft budget: ridge least squares, score calibration, isotonic.
+
+Pure Python and numpy. `budget.py` gives them their meaning: `DecayedRidge` learns what a
+whole step costs beyond the profile, `ScoreCalibration` turns a drafter's node scores into
+acceptance probabilities, `non_increasing` keeps a request's gains sorted for the greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from batchserve.config import DraftConfig
+
+_DEFAULTS = DraftConfig()  # ScoreCalibration's defaults are the settings'
+
+# Bound on the sigmoid's argument so math.exp never overflows; sigmoid(30) is 1 - 1e-13, so
+# no probability that matters changes. A numerical guard, not a tuning value.
+_MAX_LOGIT = 30.0
+
+
+def _logit(p: float, clip: float) -> float:
+    """log(p / (1 - p)), with p clipped to [clip, 1 - clip] so scores of 0 and 1 stay finite."""
+    p = min(1.0 - clip, max(clip, p))
+    return math.log(p / (1.0 - p))
+
+
+def _nonnegative_ridge(
+    xx: np.ndarray, xr: np.ndarray, rr: float, strength: float, nonneg: tuple[int, ...]
+) -> np.ndarray:
+    """argmin |r - X beta|^2 + strength |beta|^2 with beta[i] >= 0 for i in `nonneg`, given
+    the sums X^T X, X^T r and r^T r: the best of the unconstrained fits on every subset of
+    free coefficients that keeps the signs (exact for a few coefficients)."""
+    n = len(xr)
+    a = xx + strength * np.eye(n)  # the objective's Hessian: X^T X + strength I
+    best, best_obj = np.zeros(n), rr
+    for mask in range(1, 1 << n):
+        free = [i for i in range(n) if mask >> i & 1]
+        beta = np.zeros(n)
+        beta[free] = np.linalg.solve(a[np.ix_(free, free)], xr[free])
+        if (beta[list(nonneg)] < 0).any():
+            continue
+        obj = rr - 2.0 * (beta @ xr) + beta @ a @ beta  # |r - X beta|^2 + strength |beta|^2
+        if obj < best_obj:
+            best, best_obj = beta, obj
+    return best
+
+
+class DecayedRidge:
+    """Ridge least squares over exponentially decayed observations, some coefficients >= 0.
+
+    Keeps only the decayed sums X^T X, X^T r and r^T r, so an observation costs O(n^2) and
+    a refit 2^n solves of at most n unknowns: meant for a handful of coefficients.
+    """
+
+    def __init__(self, size: int, decay: float, strength: float, nonneg: tuple[int, ...] = ()) -> None:
+        self.decay = decay  # weight of the past per observation: about 1 / (1 - decay) remembered
+        self.strength = strength  # ridge penalty: pulls the coefficients toward 0
+        self.nonneg = nonneg
+        self._xx = np.zeros((size, size))
+        self._xr = np.zeros(size)
+        self._rr = 0.0
+
+    def observe(self, x: Sequence[float], r: float) -> list[float]:
+        """Add one observation (features `x`, target `r`); the refitted coefficients."""
+        xv = np.asarray(x, dtype=float)
+        d = self.decay
+        self._xx = d * self._xx + np.outer(xv, xv)
+        self._xr = d * self._xr + xv * r
+        self._rr = d * self._rr + r * r
+        return _nonnegative_ridge(self._xx, self._xr, self._rr, self.strength, self.nonneg).tolist()
+
+
+class ScoreCalibration:
+    """P(node accepted) = sigmoid(a * logit(rank estimate) + b * logit(drafter score) + c),
+    fitted online to every verified node of every request.
+
+    The drafter's score alone is far too confident (a trie continuation seen once has score
+    1 and is accepted about a fifth of the time) and the rank estimate alone knows nothing
+    about this step's match; together they predict better than either. The fit is a
+    recursive Newton step with a decaying Hessian (about the last `1 / (1 - decay)` nodes),
+    started at (1, 0, 0): until evidence arrives, the rank estimate is used as it is.
+    """
+
+    def __init__(
+        self,
+        decay: float = _DEFAULTS.calibration_decay,
+        prior_strength: float = _DEFAULTS.calibration_prior_strength,
+        clip: float = _DEFAULTS.calibration_clip,
+    ) -> None:
+        self.decay = decay
+        self.prior_strength = prior_strength  # Hessian floor: how hard the first nodes move the fit
+        self.clip = clip  # probabilities are clipped to [clip, 1 - clip] before their logit
+        self.weights = [1.0, 0.0, 0.0]
+        self._hess = prior_strength * np.eye(3)
+
+    def prob(self, rank_estimate: float, score: float) -> float:
+        w = self.weights
+        z = w[0] * _logit(rank_estimate, self.clip) + w[1] * _logit(score, self.clip) + w[2]
+        return 1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z))))
+
+    def observe(self, rank_estimates: Sequence[float], scores: Sequence[float], hits: Sequence[bool]) -> None:
+        """One verified tree: each node's rank estimate and score then, and whether it hit."""
+        if not hits:
+            return
+        rows = [
+            (_logit(est, self.clip), _logit(score, self.clip), 1.0, self.prob(est, score), float(hit))
+            for est, score, hit in zip(rank_estimates, scores, hits)
+        ]
+        m = np.array(rows).reshape(-1, 5)
+        x, p, y = m[:, :3], m[:, 3], m[:, 4]
+        grad = x.T @ (p - y)
+        hess = (x * (p * (1.0 - p))[:, None]).T @ x
+        d = self.decay ** len(hits)
+        # The floor keeps the step bounded once old evidence has decayed away.
+        self._hess = d * self._hess + hess + (1.0 - d) * self.prior_strength * np.eye(3)
+        self.weights = (np.array(self.weights) - np.linalg.solve(self._hess, grad)).tolist()
+
+
+def non_increasing(xs: Sequence[float]) -> list[float]:
+    """The closest non-increasing sequence (pool adjacent violators): keeps the total gain of
+    every prefix honest while letting the greedy take nodes in order."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for x in xs:
+        blocks.append([x, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks[-1]
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    out: list[float] = []
+    for m, n in blocks:
+        out.extend([m] * int(n))
+    return out

@@ -1,0 +1,123 @@
+"""Text in and out of the engine: tokenize, chat templates, incremental detokenize, stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchserve.config import LimitsConfig
+
+Prompt = str | Sequence[int]
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(slots=True)
+class _TextState:
+    """Incremental detokenization of one request's output (multi-byte safe)."""
+
+    stream: Any  # tokenizers.decoders.DecodeStream
+    stop: tuple[str, ...]
+    text: str = ""
+    num_emitted_chars: int = 0  # text[:num_emitted_chars] has been handed out
+
+    @property
+    def holdback(self) -> int:
+        # A stop string may still complete across the next step: hold back its possible prefix.
+        return max((len(s) for s in self.stop), default=1) - 1
+
+
+class TextCodec:
+    """One tokenizer's text handling for the engine, with every input bounded before it is tokenized."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, limits: LimitsConfig) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.limits = limits
+        self._states: dict[str, _TextState] = {}
+
+    # ---- input -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt, or a checked copy of a token-id prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            self.check_text_size(len(prompt), "prompt")
+            return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        return ids
+
+    def check_text_size(self, num_chars: int, field: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing it."""
+        limit = self.max_model_len * self.limits.max_prompt_chars_per_token
+        if num_chars > limit:
+            raise ValueError(f"{field}: {num_chars} characters cannot fit a context of {self.max_model_len} tokens")
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat messages rendered with the model's chat template."""
+        if not messages:
+            raise ValueError("input.chat: no messages")
+        self.check_text_size(sum(len(m.get("content") or "") for m in messages), "input.chat")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise ValueError(
+                    f"input.chat.messages[{i}].role must be system, user or assistant, got {m.get('role')!r}"
+                )
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("input.chat: the model has no chat template; send text or token_ids")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (jinja raise_exception, bad fields)
+            raise ValueError(f"input.chat: the model's chat template refused the messages: {e}") from None
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def check_stop(self, stop: Sequence[str]) -> None:
+        """Bound the stop strings: each one is searched for after every token."""
+        limits = self.limits
+        if len(stop) > limits.max_stop_sequences:
+            raise ValueError(f"stop: {len(stop)} stop strings, at most {limits.max_stop_sequences}")
+        for i, s in enumerate(stop):
+            if len(s) > limits.max_stop_length:
+                raise ValueError(f"stop[{i}]: {len(s)} characters, at most {limits.max_stop_length}")
+
+    # ---- output ----------------------------------------------------------------------------
+
+    def start(self, request_id: str, stop: tuple[str, ...]) -> None:
+        """Begin detokenizing a request's output."""
+        from tokenizers.decoders import DecodeStream
+
+        self._states[request_id] = _TextState(DecodeStream(skip_special_tokens=True), stop)
+
+    def on_token(self, request_id: str, token_id: int) -> bool:
+        """Detokenize one new token; True if a stop string now appears (text cut before it)."""
+        state = self._states[request_id]
+        piece = state.stream.step(self.tokenizer.backend_tokenizer, token_id)
+        if not piece:
+            return False
+        start = len(state.text)
+        state.text += piece
+        for s in state.stop:
+            idx = state.text.find(s, max(0, start - len(s) + 1))
+            if idx >= 0:
+                state.text = state.text[:idx]
+                return True
+        return False
+
+    def take(self, request_id: str, finished: bool) -> str:
+        """The text not yet handed out. While running, the tail that a stop string could still
+        claim is held back; once finished, everything is, and the request's state is dropped."""
+        state = self._states.pop(request_id) if finished else self._states[request_id]
+        end = len(state.text) if finished else max(state.num_emitted_chars, len(state.text) - state.holdback)
+        new_text = state.text[state.num_emitted_chars : end]
+        state.num_emitted_chars = end
+        return new_text
+
+    @property
+    def num_active(self) -> int:
+        """Requests being detokenized (for leak checks)."""
+        return len(self._states)

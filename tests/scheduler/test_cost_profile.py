@@ -1,0 +1,66 @@
+"""Cost profiles: interpolation across token counts and contexts, JSON storage, validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchserve.scheduler.cost_profile import CostProfile
+from tests.scheduler.workloads import COUNTS, cpu_like, gpu_like
+
+
+def test_profile_interpolates_extrapolates_and_round_trips(tmp_path):
+    p = cpu_like()
+    assert p.time_ms(1) == pytest.approx(80.0)
+    assert p.time_ms(3) == pytest.approx(85.0)  # between the measured 2 and 4
+    assert p.time_ms(1024) == pytest.approx(80 + 2.5 * 1023)  # the last segment extended
+    assert p.time_ms(1, context=1024) == pytest.approx(100.0)  # halfway to the 1.5x context row
+    assert p.time_ms(1, context=9999) > p.time_ms(1, context=2048)
+    with_seqs = CostProfile("x", COUNTS, (0, 2048), p.step_ms, per_seq_ms=(0.5, 2.5))
+    assert with_seqs.time_ms(16, num_seqs=16) == pytest.approx(p.time_ms(16) + 7.5)
+    # Each further request costs more at longer contexts (its KV is gathered and padded).
+    assert with_seqs.time_ms(16, 1024, num_seqs=16) == pytest.approx(p.time_ms(16, 1024) + 15 * 1.5)
+    assert with_seqs.time_ms(16, 1024, num_seqs=1) == pytest.approx(p.time_ms(16, 1024))
+    for profile in (p, with_seqs):
+        profile.save(tmp_path / "p.json")
+        assert CostProfile.load(tmp_path / "p.json") == profile
+    with pytest.raises(ValueError, match="one entry per context"):
+        CostProfile("x", COUNTS, (0, 2048), p.step_ms, per_seq_ms=(0.5,))
+
+
+def test_profile_written_with_one_per_request_cost_still_loads(tmp_path):
+    p = cpu_like()
+    d = json.loads(p.to_json())
+    d["per_seq_ms"] = 0.4  # an older profile: one number for every context
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    old = CostProfile.load(tmp_path / "old.json")
+    assert old.per_seq_ms == (0.4,) * len(p.contexts)
+    assert old.seq_ms(777) == pytest.approx(0.4)
+
+
+def test_critical_decoding_length():
+    assert gpu_like(cdl=64).critical_decoding_length() == 64
+    assert gpu_like(cdl=16).critical_decoding_length() == 16
+    assert cpu_like().critical_decoding_length() == 4  # 87.5 ms is within 10% of 80, 97.5 is not
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(token_counts=(), contexts=(0,), step_ms=()),
+        dict(token_counts=(2, 1), contexts=(0,), step_ms=((1.0, 2.0),)),
+        dict(token_counts=(1, 2), contexts=(0,), step_ms=((1.0,),)),
+        dict(token_counts=(1, 2), contexts=(0,), step_ms=((1.0, -2.0),)),
+    ],
+)
+def test_bad_profiles_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        CostProfile(key="k", **kwargs)
+
+
+def test_load_of_something_else_names_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        CostProfile.load(bad)
