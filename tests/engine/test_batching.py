@@ -26,7 +26,7 @@ def _core(**kwargs) -> EngineCore:
 
 def _assert_pool_full(core: EngineCore) -> None:
     alloc = core.scheduler.allocator
-    assert not core.scheduler.requests
+    assert not core.scheduler.requests and core.text.num_active == 0
     assert alloc.num_free_blocks == alloc.num_blocks
     core.scheduler.check_integrity()
 
@@ -238,3 +238,23 @@ def test_preemption_takes_the_youngest_by_arrival_so_nobody_thrashes(tiny_model)
     for p, r in zip(prompts, requests):
         assert outputs[r.request_id] == hf_greedy(tiny_model, p, 40)
     _assert_pool_full(core)
+
+
+async def test_load_reports_what_admission_and_metrics_need():
+    engine = AsyncEngine(_core(max_num_seqs=2, num_blocks=64))
+    idle = engine.load()
+    assert (idle.num_running, idle.num_waiting, idle.free_seats, idle.kv_usage) == (0, 0, 2, 0.0)
+    assert idle.num_free_kv_blocks == idle.num_kv_blocks == 64
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    streams = [engine.generate([1, 2, 3, i], params) for i in range(5)]
+    first = await streams[0].__anext__()  # one step has run: two admitted, three waiting
+    assert not first.finished
+    busy = engine.load()
+    assert (busy.num_running, busy.num_waiting, busy.free_seats) == (2, 3, 0)
+    assert busy.num_free_kv_blocks < 64 and busy.kv_usage == pytest.approx(1 - busy.num_free_kv_blocks / 64)
+    for s in streams:
+        async for _ in s:
+            pass
+    done = engine.load()
+    assert (done.num_running, done.num_waiting, done.num_free_kv_blocks) == (0, 0, 64)
+    await engine.stop()
