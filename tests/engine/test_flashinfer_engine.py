@@ -42,7 +42,7 @@ def test_flashinfer_engine_against_torch_backend_and_hf(dtype, smollm2):
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     outs = {}
     for backend in ("flashinfer", "torch"):
-        llm = LLM(dtype=dtype, attention_backend=backend, decoding_length=16)
+        llm = LLM(dtype=dtype, attention_backend=backend, decoding_length=16, adaptive=False)
         assert llm.engine.attention_backend == backend
         outs[backend] = [r.token_ids for r in llm.generate(prompts, params)]
         del llm
