@@ -74,6 +74,29 @@ def _private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     mp.undo()
 
 
+@pytest.fixture(autouse=True)
+def _engines_end_empty(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Every engine a test builds must end it with no request left and its whole KV pool free:
+    whatever path a request took (finished, aborted, failed, preempted), it gave back what it took."""
+    from batchserve.engine import EngineCore
+
+    built: list[EngineCore] = []
+    real_init = EngineCore.__init__
+
+    def tracking_init(self: EngineCore, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(EngineCore, "__init__", tracking_init)
+    yield
+    for core in built:
+        sched = core.scheduler
+        assert not sched.requests, f"requests left in an engine: {sorted(sched.requests)}"
+        assert sched.allocator.num_free_blocks == sched.allocator.num_blocks, "KV blocks still taken"
+        assert core.text.num_active == 0, "detokenizer state left behind"
+        sched.check_integrity()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Any:
     return make_tiny_tokenizer()

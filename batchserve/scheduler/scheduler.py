@@ -198,12 +198,7 @@ class Scheduler:
         if emitted is None:
             return None  # a prompt chunk that does not reach the end yet
         accepted = result.accepted[item.request_id]
-        num_accepted = len(accepted)
-        req.num_computed_tokens += num_accepted
-        self.planner.observe_acceptance(item, accepted)
-        req.stats.steps += 1
-        req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
-        req.stats.draft_tokens_accepted += num_accepted
+        req.num_computed_tokens += len(accepted)
         appended: list[int] = []
         reason: FinishReason | None = None
         for tok in emitted:
@@ -213,6 +208,13 @@ class Scheduler:
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 break
+        # emitted = the accepted drafts' tokens, then the model's own; a stop may cut it short.
+        # Only drafts that reach the output count (stats, metrics, and what the policy learns).
+        reached = accepted[: len(appended)]
+        self.planner.observe_acceptance(item, reached)
+        req.stats.steps += 1
+        req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
+        req.stats.draft_tokens_accepted += len(reached)
         self.drafter.on_tokens_accepted(req.request_id, appended)
         if reason is not None:
             self.finish(req, reason)
@@ -232,13 +234,16 @@ class Scheduler:
         return failed
 
     def check_integrity(self) -> None:
+        """Assert the pool's and the requests' bookkeeping agree (tests call it between steps)."""
         owners = [r.block_ids for r in self.requests.values()]
         self.allocator.check_integrity(owners)
         for r in self.waiting:
             assert r.status is RequestStatus.WAITING and not r.block_ids, r.request_id
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, r.request_id
-            assert self.allocator.blocks_for(r.num_computed_tokens) <= len(r.block_ids)
+            # Between steps a request holds exactly the blocks of its computed K/V: rejected
+            # drafts' blocks went back to the pool (_trim_blocks).
+            assert self.allocator.blocks_for(r.num_computed_tokens) == len(r.block_ids), r.request_id
         assert len(self.waiting) + len(self.running) == len(self.requests)
 
     # ---- helpers -------------------------------------------------------------------------

@@ -70,8 +70,10 @@ def test_copy_slots_moves_every_layer():
 
     fi = FlashInferBackend(3, 8, 4, 4, 2, 64, torch.bfloat16, torch.device("cuda"))
     fi.k_cache.normal_()
-    before = fi.k_cache.view(3, -1, 2, 64).clone()
+    fi.v_cache.normal_()
+    before = [c.view(3, -1, 2, 64).clone() for c in (fi.k_cache, fi.v_cache)]
     fi.copy_slots(torch.tensor([5, 6]), torch.tensor([1, 2]))
-    after = fi.k_cache.view(3, -1, 2, 64)
-    torch.testing.assert_close(after[:, [1, 2]], before[:, [5, 6]])
-    torch.testing.assert_close(after[:, 3:], before[:, 3:])
+    for cache, old in zip((fi.k_cache, fi.v_cache), before):
+        after = cache.view(3, -1, 2, 64)
+        torch.testing.assert_close(after[:, [1, 2]], old[:, [5, 6]])
+        torch.testing.assert_close(after[:, 3:], old[:, 3:])

@@ -110,11 +110,14 @@ def test_mask_of_chunk_plus_tree():
 def test_copy_slots_moves_every_layer():
     backend = TorchReferenceBackend(3, 4, 2, 1, 2)
     backend.k_cache.copy_(torch.arange(3 * 8 * 2, dtype=torch.float32).view(3, 8, 1, 2))
-    before = backend.k_cache.clone()
+    backend.v_cache.copy_(-torch.arange(3 * 8 * 2, dtype=torch.float32).view(3, 8, 1, 2))  # unlike K
+    before = {"k": backend.k_cache.clone(), "v": backend.v_cache.clone()}
     backend.copy_slots(torch.tensor([5, 7]), torch.tensor([4, 5]))  # overlapping: 5 is read then written
-    torch.testing.assert_close(backend.k_cache[:, 4], before[:, 5])
-    torch.testing.assert_close(backend.k_cache[:, 5], before[:, 7])
-    torch.testing.assert_close(backend.k_cache[:, :4], before[:, :4])
+    for name, cache in (("k", backend.k_cache), ("v", backend.v_cache)):
+        torch.testing.assert_close(cache[:, 4], before[name][:, 5])
+        torch.testing.assert_close(cache[:, 5], before[name][:, 7])
+        torch.testing.assert_close(cache[:, :4], before[name][:, :4])
+        torch.testing.assert_close(cache[:, 6:], before[name][:, 6:])
 
 
 def _modeled_cost(groups: list[list[SeqLayout]]) -> float:

@@ -110,3 +110,30 @@ def random_prompts(n: int, seed: int = 1, vocab: int = 256) -> list[list[int]]:
     """`n` random prompts of 1 to 80 token ids."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(1, 80))] for _ in range(n)]
+
+
+class WrongChainDrafter(NoDrafter):
+    """Knows each request's true output and proposes a chain of `max_tokens` nodes whose first
+    token is never the true next one: every tree is rejected whole. `proposed` logs each
+    proposal as (request id, tree size); tests read and clear it between steps."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.truth = truth  # prompt -> full true output
+        self.vocab = vocab
+        self.prompts: dict[str, tuple[int, ...]] = {}
+        self.proposed: list[tuple[str, int]] = []
+
+    def on_request_start(
+        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+    ) -> None:
+        self.prompts[request_id] = tuple(prompt_token_ids)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        prompt = self.prompts[request_id]
+        out = self.truth[prompt]
+        done = len(token_ids) - len(prompt)
+        if max_tokens <= 0 or done >= len(out):
+            return None
+        wrong = (out[done] + 1) % self.vocab
+        self.proposed.append((request_id, max_tokens))
+        return DraftTree.chain([wrong] * max_tokens)

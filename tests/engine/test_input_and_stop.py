@@ -90,6 +90,21 @@ def test_stop_inside_an_accepted_draft_truncates(tiny_model):
     r = llm.generate([prompt], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_at]))[0]
     assert r.token_ids == ref[: ref.index(stop_at) + 1]
     assert r.stats.steps == 1  # the whole answer came in one step, then was cut
+    # Only the drafts that reached the output count as accepted (the stop token is one of
+    # them: the oracle drafted it), never the 30 the verifier walked through.
+    assert r.stats.draft_tokens_proposed == 30 and r.stats.draft_tokens_accepted == len(r.token_ids)
+
+
+def test_accepted_drafts_are_the_output_beyond_one_token_per_step(tiny_model):
+    """Without a stop inside a draft, every step emits its accepted drafts plus one token."""
+    from tests.engine.drafters import OracleDrafter
+
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    refs = {tuple(p): hf_greedy(tiny_model, p, 40, ignore_eos=True) for p in prompts}
+    llm = tiny_llm(OracleDrafter(refs, 0, TINY_VOCAB, depth=6), decoding_length=6)
+    for r in llm.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True)):
+        assert r.finish_reason is FinishReason.LENGTH and r.token_ids == refs[tuple(r.prompt_token_ids)]
+        assert r.stats.draft_tokens_accepted == len(r.token_ids) - r.stats.steps > 0
     llm.engine.scheduler.check_integrity()
     assert llm.engine.scheduler.allocator.num_free_blocks == llm.engine.scheduler.allocator.num_blocks
 
@@ -125,13 +140,20 @@ def test_streamed_text_equals_final_text_with_multibyte(tiny_tokenizer):
     llm = tiny_llm(None)
     prompt = tiny_tokenizer("ünïcödé ✓ 漢字").input_ids
     r = llm.generate([prompt], SamplingParams(max_new_tokens=60, temperature=1.0, seed=1))[0]
-    deltas = []
+    deltas, token_ids = [], []
     core = llm.engine
     core.add_request(prompt, SamplingParams(max_new_tokens=60, temperature=1.0, seed=1), request_id="s")
     while core.has_work():
         for o in core.step():
             deltas.append(o.new_text)
-    assert "".join(deltas) == r.text
+            token_ids += o.new_token_ids
+    assert token_ids == r.token_ids  # the same seeded draw
+    # The streamed text is the tokenizer's own decoding of the tokens streamed, not just the
+    # engine's deltas agreeing with its own final text.
+    expected = tiny_tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert len(expected) > 20 and any(ord(c) > 127 for c in expected)  # multi-byte characters decoded
+    assert "".join(deltas) == expected
+    assert r.text == expected
 
     # Feed the bytes of a multi-byte string one token at a time through the engine's
     # detokenizer: no delta may carry a broken character.

@@ -71,10 +71,19 @@ async def test_staggered_concurrent_greedy_equals_hf(engine_model, prompts, refe
             tokens += out.new_token_ids
             if not out.finished:
                 batch_sizes.append(engine.core.scheduler.num_running)
+            else:
+                finals.append(out)
         return tokens
 
+    finals: list = []
     outputs = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
     await engine.stop()
+    accepted = sum(o.stats.draft_tokens_accepted for o in finals)
+    steps = sum(o.stats.steps for o in finals)
+    if method == "none":
+        assert accepted == 0 and steps == sum(map(len, outputs))  # one token per step
+    else:  # a drafter that proposes nothing would pass the equality below as `none` does
+        assert accepted > 0 and sum(map(len, outputs)) / steps > 1, (accepted, steps)
     assert min(batch_sizes) == 1 and max(batch_sizes) == 16
     for i, (out, ref) in enumerate(zip(outputs, reference)):
         assert out == ref, f"prompt {i} diverged at token {next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}"

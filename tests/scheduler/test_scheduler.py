@@ -26,6 +26,7 @@ class ChainDrafter(NoDrafter):
     def __init__(self, n: int) -> None:
         self.n = n
         self.events: list[tuple[str, str]] = []
+        self.proposed: list[str] = []  # request ids, one per proposal
 
     def on_request_start(self, request_id, prompt_token_ids, layout=None, scope=""):
         self.events.append(("start", request_id))
@@ -34,6 +35,7 @@ class ChainDrafter(NoDrafter):
         self.events.append(("finish", request_id))
 
     def propose(self, request_id, token_ids, max_tokens):
+        self.proposed.append(request_id)
         return DraftTree.chain([7] * min(self.n, max_tokens)) if max_tokens else None
 
 
@@ -138,28 +140,35 @@ def test_preemption_takes_the_youngest_and_resumes_it():
     s = _sched(num_blocks=6, block_size=4, budget=64)
     s.add_request(_req("old", 8, max_new=12))
     s.add_request(_req("young", 8, max_new=12))
-    preempted = False
+    young = s.requests["young"]
     while s.has_work():
         out = s.schedule()
-        s.check_integrity()
-        if s.requests.get("young") is not None and s.requests["young"].status is RequestStatus.WAITING:
-            preempted = True
-            assert s.requests["young"].num_computed_tokens == 0 and not s.requests["young"].block_ids
+        if young.stats.num_preemptions and young.status is RequestStatus.WAITING:
+            assert young.num_computed_tokens == 0 and not young.block_ids  # its K/V dropped whole
         for r, _ in s.update(out, _fake_run(out)):
             if r.is_finished:
                 assert r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 12
-    assert preempted
+        s.check_integrity()
+    # The youngest was preempted (never the oldest), and resumed to the end.
+    assert s.num_preemptions >= 1 and young.stats.num_preemptions == s.num_preemptions
+    assert young.is_finished and len(young.output_token_ids) == 12
     assert s.allocator.num_free_blocks == 6
 
 
 def test_draft_dropped_before_anyone_is_preempted():
-    # One request alone, pool just big enough for its tokens but not for a draft.
-    s = _sched(num_blocks=3, block_size=4, drafter=ChainDrafter(8), decoding_length=8)
-    s.add_request(_req("a", 11, max_new=1))
-    out = s.schedule()
-    assert out.requests[0].draft is None and out.requests[0].sample
-
-
+    # Two running requests; after both prompts, the pool holds both roots but not a tree.
+    # 4 blocks of 4 slots: each 7-token prompt (+1 token) fills 2 blocks exactly.
+    drafter = ChainDrafter(4)
+    s = _sched(num_blocks=4, block_size=4, drafter=drafter, decoding_length=4)
+    s.add_request(_req("a", 7, max_new=8))
+    s.add_request(_req("b", 7, max_new=8))
+    first = s.schedule()  # both prompts, each with a 4-token tree that would need a third block
+    assert [r.request_id for r in first.requests] == ["a", "b"]
+    assert all(r.sample and r.draft is None for r in first.requests)  # proposed, then dropped
+    assert drafter.proposed == ["a", "b"]
+    assert s.num_preemptions == 0 and s.num_running == 2
+    s.update(first, _fake_run(first))
+    s.check_integrity()
 def test_request_that_can_never_fit_is_refused():
     s = _sched(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="KV cache"):
