@@ -101,11 +101,11 @@ class TextCodec:
             return False
         start = len(state.text)
         state.text += piece
-        for s in state.stop:
-            idx = state.text.find(s, max(0, start - len(s) + 1))
-            if idx >= 0:
-                state.text = state.text[:idx]
-                return True
+        # The earliest occurrence wins, whichever stop string it is (several may complete at once).
+        found = [i for s in state.stop if (i := state.text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if found:
+            state.text = state.text[: min(found)]
+            return True
         return False
 
     def take(self, request_id: str, finished: bool) -> str:

@@ -57,3 +57,11 @@ def test_a_finished_request_gets_its_held_back_text_and_its_state_is_dropped():
         codec.on_token("r", ord(ch))
     assert codec.take("r", finished=False) == "hi" and codec.num_active == 1
     assert codec.take("r", finished=True) == " E" and codec.num_active == 0
+
+
+def test_the_earliest_stop_string_wins_when_several_complete_on_one_token():
+    codec = _codec()
+    codec.start("r", (".i", "T.i"))  # both complete on the last "i"; "T.i" starts first
+    hits = [codec.on_token("r", ord(ch)) for ch in "abT.i"]
+    assert hits == [False] * 4 + [True]
+    assert codec.take("r", finished=True) == "ab"

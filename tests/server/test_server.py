@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 import urllib.request
 
 import grpc
@@ -16,7 +18,7 @@ from batchserve.llm import LLM
 from batchserve.server.app import SERVICE_NAME
 from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2 as pb
-from tests.server.conftest import start_server, tiny_core
+from tests.server.conftest import free_port, start_server, tiny_core
 
 
 def _offline(prompts, params):
@@ -28,16 +30,41 @@ async def _stream(stub, req):
     return chunks
 
 
+class _StepLog:
+    """Per request, from the scheduler's own step plans (not from the requests' stats): the steps
+    that sampled it (each emits tokens), and the draft tokens those steps verified."""
+
+    def __init__(self, core) -> None:
+        self.steps: collections.Counter[str] = collections.Counter()
+        self.drafted: collections.Counter[str] = collections.Counter()
+        core.step_listeners.append(self)
+
+    def __call__(self, out, phases) -> None:
+        for item in out.requests:
+            if item.sample:
+                self.steps[item.request_id] += 1
+                self.drafted[item.request_id] += len(item.draft) if item.draft is not None else 0
+
+
+def _sample(server, name: str, **labels: str) -> float | None:
+    """A metric's value in the server's registry (None if it has no such sample yet)."""
+    return server.metrics.registry.get_sample_value(name, labels)
+
+
 async def test_unary_and_stream_match_offline_generate(running):
     stub = running.stub
+    log = _StepLog(running.core)
     inputs = ["héllo wörld, 漢字", [5, 6, 7, 8], [{"role": "user", "content": "ünïcode?"}]]
     offline_prompts = [running.core.text.tokenize(inputs[0]), inputs[1], running.core.text.render_chat(inputs[2])]
     params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=7)
     expected = _offline(offline_prompts, params)
-    for prompt, exp in zip(inputs, expected, strict=True):
-        req = build_request(prompt, max_new_tokens=40, temperature=0.9, seed=7)
-        unary = await stub.Generate(req)
-        chunks = await _stream(stub, req)
+    for i, (prompt, exp) in enumerate(zip(inputs, expected, strict=True)):
+        unary = await stub.Generate(
+            build_request(prompt, request_id=f"u{i}", max_new_tokens=40, temperature=0.9, seed=7)
+        )
+        chunks = await _stream(
+            stub, build_request(prompt, request_id=f"s{i}", max_new_tokens=40, temperature=0.9, seed=7)
+        )
         assert list(unary.token_ids) == exp.token_ids
         assert [t for c in chunks for t in c.token_ids] == exp.token_ids
         assert "".join(c.text for c in chunks) == unary.text == exp.text
@@ -46,11 +73,85 @@ async def test_unary_and_stream_match_offline_generate(running):
         assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
         assert unary.usage.prompt_tokens == len(exp.prompt_token_ids) and unary.usage.completion_tokens == 40
         assert chunks[-1].usage.completion_tokens == 40
-        # Step counts depend on the (shared, learning) trie, so only their consistency is checked.
-        assert 1 <= unary.stats.steps <= 40
-        assert unary.stats.tokens_per_step == pytest.approx(40 / unary.stats.steps)
-        assert chunks[-1].stats.draft_tokens_accepted == 40 - chunks[-1].stats.steps
+        # Step counts depend on the (shared, learning) trie: they are checked against the steps
+        # the scheduler planned, and for the stream against the chunks (one per step with tokens).
+        steps = log.steps[f"u{i}"]
+        assert unary.stats.steps == steps and unary.stats.draft_tokens_proposed == log.drafted[f"u{i}"]
+        assert unary.stats.draft_tokens_accepted == 40 - steps
+        assert unary.stats.tokens_per_step == pytest.approx(40 / steps)
+        stream_steps = sum(1 for c in chunks if c.token_ids)
+        assert chunks[-1].stats.steps == stream_steps == log.steps[f"s{i}"]
+        assert chunks[-1].stats.draft_tokens_proposed == log.drafted[f"s{i}"]
+        assert chunks[-1].stats.draft_tokens_accepted == 40 - stream_steps
+        assert chunks[-1].stats.tokens_per_step == pytest.approx(40 / stream_steps)
     assert any(ord(ch) > 127 for ch in unary.text)  # the byte-level model emits non-ASCII text
+
+
+async def test_without_drafts_every_step_emits_one_token(running):
+    """Drafting off for the request: 40 tokens are exactly 40 steps, 1.0 tokens per step, and the
+    step metrics count exactly those steps (known without running the engine)."""
+    req = build_request([5, 6, 7, 8], max_new_tokens=40, ignore_eos=True, lookahead=False)
+    unary = await running.stub.Generate(req)
+    chunks = await _stream(running.stub, req)
+    assert list(unary.token_ids) == [t for c in chunks for t in c.token_ids]
+    assert [len(c.token_ids) for c in chunks] == [1] * 40  # one chunk per step, one token each
+    for stats in (unary.stats, chunks[-1].stats):
+        assert (stats.steps, stats.draft_tokens_proposed, stats.draft_tokens_accepted) == (40, 0, 0)
+        assert stats.tokens_per_step == 1.0
+    port = running.server.config.metrics_port
+    assert _metric(port, "batchserve_engine_steps") == 80  # the two requests ran one after the other
+    assert _metric(port, "batchserve_step_tokens_count") == 80
+    assert _metric(port, "batchserve_step_tokens_sum") == 2 * (4 + 39)  # the prompt, then one token a step
+    assert _metric(port, 'batchserve_draft_decoding_length_bucket{le="0.0"}') == 80
+    assert _metric(port, "batchserve_draft_decoding_length_count") == 80
+    assert _metric(port, "batchserve_request_steps_total") == 80
+    assert _metric(port, "batchserve_draft_tokens_proposed_total") == 0
+    assert _metric(port, "batchserve_mean_accepted_tokens_per_step") == 0.0
+    assert _metric(port, "batchserve_request_tokens_per_step_sum") == 2.0
+    assert _metric(port, "batchserve_request_tokens_per_step_count") == 2
+    assert _metric(port, "batchserve_generation_tokens_total") == 80
+    assert _metric(port, 'batchserve_requests_finished_total{finish_reason="length"}') == 2
+
+
+async def test_preemptions_are_counted_once_each(monkeypatch):
+    # 8 blocks of 4 slots: each request needs 8 by its end, so two running at once must preempt.
+    r = await start_server(tiny_core(max_num_seqs=2, num_blocks=8), metrics_port=free_port())
+    fresh_starts: collections.Counter[str] = collections.Counter()  # steps that plan a request from no K/V
+
+    def count(out, phases) -> None:
+        for item in out.requests:
+            fresh_starts[item.request_id] += item.num_computed_tokens == 0
+
+    r.core.step_listeners.append(count)
+    real = r.core.runner.execute
+
+    def slow(out):  # the first request is still running when the second arrives
+        time.sleep(0.02)
+        return real(out)
+
+    monkeypatch.setattr(r.core.runner, "execute", slow)
+    try:
+        first = r.stub.StreamGenerate(
+            build_request([1, 2, 3], request_id="a", max_new_tokens=28, ignore_eos=True, lookahead=False)
+        )
+        await first.read()
+        second = await r.stub.Generate(
+            build_request([4, 5, 6], request_id="b", max_new_tokens=28, ignore_eos=True, lookahead=False)
+        )
+        rest = []
+        while (chunk := await first.read()) is not grpc.aio.EOF:
+            rest.append(chunk)
+        assert second.usage.completion_tokens == rest[-1].usage.completion_tokens == 28
+        # Each preemption drops a request's K/V; it is then planned from scratch once more. Exactly
+        # once here: "b" (the younger) gives way when "a" needs a block, and cannot come back before
+        # "a" ends, which then never needs to give way (it is the oldest).
+        preempted = sum(n - 1 for n in fresh_starts.values())
+        assert preempted == 1 and fresh_starts == {"a": 1, "b": 2}
+        assert r.server.engine.load().num_preemptions == 1
+        assert _metric(r.server.config.metrics_port, "batchserve_num_preemptions_total") == 1
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
 
 
 async def test_32_concurrent_streams(running):
@@ -59,7 +160,10 @@ async def test_32_concurrent_streams(running):
     outs = await asyncio.gather(*(_stream(running.stub, build_request(p, max_new_tokens=24)) for p in prompts))
     for chunks, exp in zip(outs, expected, strict=True):
         assert [t for c in chunks for t in c.token_ids] == exp.token_ids
-        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and chunks[-1].usage.completion_tokens == 24
+    assert _sample(running.server, "batchserve_requests_finished_total", finish_reason="length") == 32
+    assert _sample(running.server, "batchserve_generation_tokens_total") == 32 * 24
+    assert _sample(running.server, "batchserve_prompt_tokens_total") == 32 * 3
 
 
 @pytest.mark.parametrize(
@@ -112,6 +216,7 @@ async def test_invalid_input_is_invalid_argument_naming_the_field(running, reque
                 await result
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in e.value.details()
+    assert _sample(running.server, "batchserve_requests_rejected_total", code="INVALID_ARGUMENT") == 2  # one per call
     # Still serving.
     ok = await running.stub.Generate(build_request([1, 2], max_new_tokens=3))
     assert ok.usage.completion_tokens == 3
@@ -137,6 +242,7 @@ async def test_full_waiting_queue_is_resource_exhausted():
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await r.stub.Generate(long)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _sample(r.server, "batchserve_requests_rejected_total", code="RESOURCE_EXHAUSTED") == 1
         first.cancel()
         second.cancel()
         ok = await r.stub.Generate(build_request([4], max_new_tokens=2))
@@ -169,6 +275,7 @@ async def test_cancel_and_deadline_free_blocks(running):
     call = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=1000, ignore_eos=True))
     await call.read()
     await call.read()
+    # How many blocks it holds by now depends on how far it got: only that it holds some.
     assert _metric(port, "batchserve_kv_cache_free_blocks") < running.core.scheduler.allocator.num_blocks
     call.cancel()
     await _wait_pool_full(running.core)
@@ -178,7 +285,8 @@ async def test_cancel_and_deadline_free_blocks(running):
         await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=1000, ignore_eos=True), timeout=0.3)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await _wait_pool_full(running.core)
-    assert _metric(port, 'batchserve_requests_finished_total{finish_reason="cancelled"}') >= 1
+    # Both: the stream the client cancelled, and the call whose deadline passed.
+    assert _metric(port, 'batchserve_requests_finished_total{finish_reason="cancelled"}') == 2
 
 
 async def test_health_reflection_metrics_tokenize_and_model_info(running):
@@ -192,7 +300,7 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
     names = [s.name async for r in responses for s in r.list_services_response.service]
     assert SERVICE_NAME == "batchserve.v1.TextGeneration" and SERVICE_NAME in names and "grpc.health.v1.Health" in names
 
-    await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=5))
+    reply = await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=5))
     port = running.server.config.metrics_port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     for name in (
@@ -215,10 +323,13 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
         "batchserve_step_phase_seconds_bucket",
     ):
         assert name in body, name
-    assert _metric(port, "batchserve_step_tokens_count") >= 1
-    assert _metric(port, "batchserve_draft_decoding_length_count") >= 1
-    assert _metric(port, "batchserve_generation_tokens_total") >= 5
-    assert _metric(port, "batchserve_prompt_tokens_total") >= 3
+    # The only request: every engine step sampled it once (its prompt fits one step).
+    assert _metric(port, "batchserve_step_tokens_count") == reply.stats.steps
+    assert _metric(port, "batchserve_draft_decoding_length_count") == reply.stats.steps
+    assert _metric(port, "batchserve_draft_tokens_proposed_total") == reply.stats.draft_tokens_proposed
+    assert _metric(port, "batchserve_generation_tokens_total") == 5
+    assert _metric(port, "batchserve_prompt_tokens_total") == 3
+    assert _metric(port, 'batchserve_requests_finished_total{finish_reason="length"}') == 1
 
     tok = await running.stub.Tokenize(pb.TokenizeRequest(text="hi"))
     assert list(tok.token_ids) == [104, 105]
@@ -345,15 +456,17 @@ async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_l
     core = EngineCore(config, make_tiny_model(), make_tiny_tokenizer(), cost_profile=profile)
     running = await start_server(core, metrics_port=free_port())
     try:
-        await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=20, ignore_eos=True))
+        reply = await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=20, ignore_eos=True))
         port = running.server.config.metrics_port
         assert _metric(port, "batchserve_critical_decoding_length") == 24
         steps = _metric(port, "batchserve_step_tokens_count")
-        assert steps >= 1 and _metric(port, "batchserve_draft_decoding_length_count") == steps
+        # The only request: every engine step sampled it once.
+        assert steps == reply.stats.steps and _metric(port, "batchserve_draft_decoding_length_count") == steps
+        assert _metric(port, "batchserve_generation_tokens_total") == 20
         assert _metric(port, 'batchserve_step_tokens_bucket{le="128.0"}') == steps  # never over the budget
         for phase in ("schedule", "prepare", "forward", "verify", "commit"):  # every step times each phase
             assert _metric(port, f'batchserve_step_phase_seconds_count{{phase="{phase}"}}') == steps, phase
-        assert _metric(port, 'batchserve_step_phase_seconds_sum{phase="forward"}') > 0
+        assert _metric(port, 'batchserve_step_phase_seconds_sum{phase="forward"}') > 0  # a time: only > 0
     finally:
         await running.channel.close()
         await running.server.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -18,19 +19,50 @@ from batchserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.server.conftest import start_server, tiny_core
 
 
-async def test_a_request_still_running_after_the_grace_period_ends_cancelled_with_a_final_message():
-    running = await start_server(grace_seconds=0.5)
-    long = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=900, ignore_eos=True))
-    await long.read()
+async def test_a_request_still_running_after_the_grace_period_ends_cancelled_with_a_final_message(monkeypatch):
+    grace = 0.5
+    running = await start_server(tiny_core(max_num_seqs=1), grace_seconds=grace)
+    real = running.core.runner.execute
+
+    def slow(out):  # 900 one-token steps of at least 5 ms: the stream outlasts the grace period
+        time.sleep(0.005)
+        return real(out)
+
+    monkeypatch.setattr(running.core.runner, "execute", slow)
+    req = build_request([1, 2, 3], max_new_tokens=900, ignore_eos=True, lookahead=False)
+    long = running.stub.StreamGenerate(req)
+    chunks = [await long.read()]
+    waiting = running.stub.StreamGenerate(req)  # the only seat is taken: this one waits
+    for _ in range(500):
+        if running.core.scheduler.num_waiting == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert running.core.scheduler.num_waiting == 1
+    started = time.monotonic()
     shutdown = asyncio.create_task(running.server.shutdown())
-    last = None
     while (chunk := await long.read()) is not grpc.aio.EOF:
-        last = chunk
+        chunks.append(chunk)
+    ended = time.monotonic() - started
+    last = chunks[-1]
     # Not a cut connection: a last message that says CANCELLED, and an OK status.
-    assert last is not None and last.finish_reason == pb.FINISH_REASON_CANCELLED
-    assert 0 < last.usage.completion_tokens < 900
+    assert last.finish_reason == pb.FINISH_REASON_CANCELLED
     assert await long.code() == grpc.StatusCode.OK
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    streamed = sum(len(c.token_ids) for c in chunks)
+    assert last.usage.completion_tokens == streamed and 0 < streamed < 900
+    # Cancelled when the grace period ran out: never before it; the upper bound is loose (the
+    # server polls every 50 ms, and a loaded machine delays the last step and the message).
+    assert grace <= ended < grace + 1.5, ended
+    # The waiting request is cancelled too, with a final message and no tokens.
+    rest = [c async for c in waiting]
+    assert [(c.finish_reason, c.usage.completion_tokens) for c in rest] == [(pb.FINISH_REASON_CANCELLED, 0)]
+    assert await waiting.code() == grpc.StatusCode.OK
+    # Every request is gone and every KV block is back in the pool, before the engine stops.
+    load = running.server.engine.load()
+    assert (load.num_running, load.num_waiting, load.num_free_kv_blocks) == (0, 0, load.num_kv_blocks)
     await asyncio.wait_for(shutdown, timeout=30)
+    load = running.server.engine.load()
+    assert (load.num_running, load.num_waiting, load.num_free_kv_blocks) == (0, 0, load.num_kv_blocks)
     await running.channel.close()
 
 
