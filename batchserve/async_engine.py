@@ -30,6 +30,8 @@ class EngineLoad:
     num_free_kv_blocks: int
     num_kv_blocks: int
     num_preemptions: int  # since start
+    prefix_cache_queried_tokens: int  # since start: tokens of requests that looked up a cached prefix
+    prefix_cache_hit_tokens: int  # of those, tokens reused
 
 
 class AsyncEngine:
@@ -86,6 +88,8 @@ class AsyncEngine:
             num_free_kv_blocks=alloc.num_free_blocks,
             num_kv_blocks=alloc.num_blocks,
             num_preemptions=sched.num_preemptions,
+            prefix_cache_queried_tokens=sched.prefix.queried_tokens,
+            prefix_cache_hit_tokens=sched.prefix.hit_tokens,
         )
 
     def has_work(self) -> bool:

@@ -113,6 +113,9 @@ class CacheConfig:
     block_size: int = setting(16, "KV slots per block")
     num_blocks: int | None = setting(None, "KV blocks in the pool (default: as many as kv_cache_memory_gb holds)")
     kv_cache_memory_gb: float = setting(1.0, "KV cache size in GiB", flags=("--kv-cache-gb",))
+    # Requests share cached blocks only within their trie scope (DraftConfig.trie_scope), so a
+    # prefix's time to first token cannot tell one tenant what another sent.
+    prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes already computed (within a scope)")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -74,8 +74,9 @@ class EngineCore:
             config.draft,
             BlockAllocator(facts.num_blocks, config.cache.block_size),
             self.drafter,
-            on_token=lambda req, token_id: self.text.on_token(req.request_id, token_id),
+            on_token=lambda req, token_id, text=self.text: text.on_token(req.request_id, token_id),
             budget_policy=budget_policy,
+            prefix_caching=config.cache.prefix_caching,
         )
         self._ids = itertools.count()
         self.num_steps = 0

@@ -73,13 +73,14 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class RequestStats:
-    """Per-request speculation counters."""
+    """Per-request speculation and cache counters."""
 
     steps: int = 0  # engine steps that produced tokens for this request
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     num_preemptions: int = 0
     queue_seconds: float | None = None  # arrival to first scheduled step
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(slots=True)
@@ -99,6 +100,8 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of all_token_ids' first full blocks
+    num_cached_blocks: int = 0  # block_ids[:num_cached_blocks] are registered in (or came from) the cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it ended with ERROR

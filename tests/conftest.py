@@ -79,21 +79,23 @@ def _engines_end_empty(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Every engine a test builds must end it with no request left and its whole KV pool free:
     whatever path a request took (finished, aborted, failed, preempted), it gave back what it took."""
     from batchserve.engine import EngineCore
+    from batchserve.scheduler import Scheduler
+    from batchserve.text import TextCodec
 
-    built: list[EngineCore] = []
+    # The bookkeeping only, not the engines: a test that builds many lets their KV pools go.
+    built: list[tuple[Scheduler, TextCodec]] = []
     real_init = EngineCore.__init__
 
     def tracking_init(self: EngineCore, *args: Any, **kwargs: Any) -> None:
         real_init(self, *args, **kwargs)
-        built.append(self)
+        built.append((self.scheduler, self.text))
 
     monkeypatch.setattr(EngineCore, "__init__", tracking_init)
     yield
-    for core in built:
-        sched = core.scheduler
+    for sched, text in built:
         assert not sched.requests, f"requests left in an engine: {sorted(sched.requests)}"
         assert sched.allocator.num_free_blocks == sched.allocator.num_blocks, "KV blocks still taken"
-        assert core.text.num_active == 0, "detokenizer state left behind"
+        assert text.num_active == 0, "detokenizer state left behind"
         sched.check_integrity()
 
 

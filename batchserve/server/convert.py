@@ -64,6 +64,14 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         raise ValueError(f"sampling: {e}") from None
 
 
+def usage_pb(out: RequestOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=out.num_output_tokens,
+        cached_prompt_tokens=out.stats.cached_prompt_tokens,
+    )
+
+
 def stats_pb(stats: RequestStats, num_output_tokens: int) -> pb.SpeculationStats:
     return pb.SpeculationStats(
         steps=stats.steps,
@@ -79,6 +87,6 @@ def stream_chunk(out: RequestOutput) -> pb.GenerateStreamResponse:
         text=out.new_text,
         token_ids=out.new_token_ids,
         finish_reason=FINISH_REASONS[out.finish_reason] if out.finish_reason else pb.FINISH_REASON_UNSPECIFIED,
-        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens),
+        usage=usage_pb(out),
         stats=stats_pb(out.stats, out.num_output_tokens),
     )

@@ -24,7 +24,7 @@ class Metrics:
     def __init__(self, engine: AsyncEngine, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
         self._engine = engine
-        self._preemptions_seen = 0
+        self._seen: dict[Counter, int] = {}  # engine totals already added to each counter
         for name, doc, attr in (
             ("batchserve_num_requests_running", "Requests in the running batch", "num_running"),
             ("batchserve_num_requests_waiting", "Requests waiting for admission", "num_waiting"),
@@ -56,6 +56,9 @@ class Metrics:
         self.e2e = h("batchserve_e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS)
         self.queue = h("batchserve_request_queue_time_seconds", "Time waiting before the first step", LATENCY_BUCKETS)
         self.prompt_tokens = Counter("batchserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.prompt_tokens_cached = Counter(
+            "batchserve_prompt_tokens_cached", "Prompt tokens whose KV came from the prefix cache", registry=r
+        )
         self.generation_tokens = Counter("batchserve_generation_tokens", "Tokens generated", registry=r)
         self.draft_proposed = Counter("batchserve_draft_tokens_proposed", "Draft tokens verified", registry=r)
         self.draft_accepted = Counter("batchserve_draft_tokens_accepted", "Draft tokens accepted", registry=r)
@@ -92,12 +95,26 @@ class Metrics:
             "Requests preempted (their K/V dropped, recomputed later)",
             registry=self.registry,
         )
+        self.prefix_queries = Counter(
+            "batchserve_prefix_cache_queries",
+            "Tokens of requests that looked up a cached prefix at admission",
+            registry=self.registry,
+        )
+        self.prefix_hits = Counter(
+            "batchserve_prefix_cache_hits", "Of those, tokens whose KV was reused", registry=self.registry
+        )
 
     def observe_step(self, out: SchedulerOutput, phases: StepPhases) -> None:
-        preemptions = self._engine.load().num_preemptions
-        if preemptions > self._preemptions_seen:
-            self.preemptions.inc(preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
+        load = self._engine.load()
+        seen = self._seen
+        for counter, total in (
+            (self.preemptions, load.num_preemptions),
+            (self.prefix_queries, load.prefix_cache_queried_tokens),
+            (self.prefix_hits, load.prefix_cache_hit_tokens),
+        ):
+            if total > seen.get(counter, 0):
+                counter.inc(total - seen.get(counter, 0))
+                seen[counter] = total
         if not out.requests:
             return
         for name, seconds in phases.items():
@@ -142,6 +159,7 @@ class RequestTracker:
             m = self.metrics
             m.e2e.observe(now - self.start)
             m.prompt_tokens.inc(out.num_prompt_tokens)
+            m.prompt_tokens_cached.inc(out.stats.cached_prompt_tokens)
             m.draft_proposed.inc(out.stats.draft_tokens_proposed)
             m.draft_accepted.inc(out.stats.draft_tokens_accepted)
             m.request_steps.inc(out.stats.steps)

@@ -80,7 +80,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             text="".join(text),
             token_ids=token_ids,
             finish_reason=convert.FINISH_REASONS[last.finish_reason],
-            usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens),
+            usage=convert.usage_pb(last),
             stats=convert.stats_pb(last.stats, last.num_output_tokens),
         )
 
@@ -115,6 +115,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             decoding_length=cfg.draft.decoding_length,
             max_batch_size=cfg.scheduler.max_num_seqs,
             max_waiting_requests=self.info.max_waiting_requests,
+            prefix_caching=cfg.cache.prefix_caching,
         )
 
     # ---- one request ---------------------------------------------------------------------

@@ -91,12 +91,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadOptions, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
     __slots__ = ("steps", "draft_tokens_proposed", "draft_tokens_accepted", "tokens_per_step")
@@ -161,7 +163,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "draft_method", "decoding_length", "max_batch_size", "max_waiting_requests")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "draft_method", "decoding_length", "max_batch_size", "max_waiting_requests", "prefix_caching")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,7 @@ class ModelInfo(_message.Message):
     DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -180,4 +183,5 @@ class ModelInfo(_message.Message):
     decoding_length: int
     max_batch_size: int
     max_waiting_requests: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., draft_method: _Optional[str] = ..., decoding_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., draft_method: _Optional[str] = ..., decoding_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...

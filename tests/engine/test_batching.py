@@ -142,7 +142,10 @@ def test_preemption_recomputes_and_stays_lossless(tiny_model):
     rng = random.Random(3)
     prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(20, 40))] for _ in range(8)]
     # 8 requests of up to 40 + 40 tokens, 4-token blocks: 30 blocks hold about one and a half.
-    llm = tiny_llm(RandomTreeDrafter(1, TINY_VOCAB, 16), block_size=4, num_blocks=30, max_num_seqs=8)
+    # Without the prefix cache: a readmitted request recomputes everything (cached: test_prefix_cache.py).
+    llm = tiny_llm(
+        RandomTreeDrafter(1, TINY_VOCAB, 16), block_size=4, num_blocks=30, max_num_seqs=8, prefix_caching=False
+    )
     fresh = _recomputes(llm.engine)
     results = llm.generate(prompts, SamplingParams(max_new_tokens=40))
     # Real preemptions (a running request sent back), not requests merely waiting for blocks.
@@ -167,7 +170,7 @@ def test_preemption_keeps_seeded_sampling():
     prompts = [[rng.randrange(TINY_VOCAB) for _ in range(30)] for _ in range(6)]
     params = [SamplingParams(max_new_tokens=40, temperature=0.8, seed=i) for i in range(6)]
     roomy = tiny_llm(None, draft="none").generate(prompts, params)
-    small = tiny_llm(None, draft="llma", block_size=4, num_blocks=25)
+    small = tiny_llm(None, draft="llma", block_size=4, num_blocks=25, prefix_caching=False)
     fresh = _recomputes(small.engine)
     tight = small.generate(prompts, params)
     preempted = {r.request_id for r in tight if r.stats.num_preemptions}

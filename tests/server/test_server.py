@@ -470,3 +470,17 @@ async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_l
     finally:
         await running.channel.close()
         await running.server.shutdown()
+
+
+async def test_prefix_cache_reuse_shows_in_usage_metrics_and_model_info(running):
+    port = running.server.config.metrics_port
+    prompt = list(range(10, 31))  # 21 tokens: five full 4-slot blocks, then the token computed anyway
+    request = build_request(prompt, max_new_tokens=3, ignore_eos=True)
+    first = await running.stub.Generate(request)
+    second = await running.stub.Generate(request)
+    assert first.usage.cached_prompt_tokens == 0 and second.usage.cached_prompt_tokens == 20
+    assert list(first.token_ids) == list(second.token_ids)
+    assert _metric(port, "batchserve_prompt_tokens_cached_total") == 20
+    assert _metric(port, "batchserve_prefix_cache_queries_total") == 2 * 21
+    assert _metric(port, "batchserve_prefix_cache_hits_total") == 20
+    assert (await running.stub.GetModelInfo(pb.GetModelInfoRequest())).prefix_caching

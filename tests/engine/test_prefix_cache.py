@@ -1,0 +1,134 @@
+"""Prefix caching end to end: reused KV blocks change nothing but the work, within a scope only."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchserve import SamplingParams
+from batchserve.engine import EngineCore
+from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
+from tests.engine.drafters import OracleDrafter
+
+BS = 16
+NEW = 24
+PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(TINY_VOCAB) for _ in range(n)]
+
+
+def _checked(core: EngineCore) -> None:
+    """Reference counts equal owners after every step (the allocator's own integrity check)."""
+    core.step_listeners.append(lambda out, phases: core.scheduler.check_integrity())
+
+
+@pytest.mark.parametrize(
+    ("shared", "cached"),
+    [(BS - 5, 0), (BS, BS), (BS + 1, BS), (40, 2 * BS)],  # less than a block, one, one plus a token, all
+    ids=["part-block", "one-block", "block-plus-one", "whole-prompt"],
+)
+def test_a_later_request_reuses_the_full_blocks_it_shares(tiny_model, shared, cached):
+    first = _tokens(1, 40)
+    second = first[:shared] + _tokens(2, 40 - shared)
+    llm = tiny_llm(None, block_size=BS)
+    _checked(llm.engine)
+    a = llm.generate([first], PARAMS)[0]
+    b = llm.generate([second], PARAMS)[0]
+    assert a.stats.cached_prompt_tokens == 0
+    # Whole blocks only, and never the last prompt token (the step needs its logits).
+    assert b.stats.cached_prompt_tokens == cached
+    assert a.token_ids == hf_greedy(tiny_model, first, NEW, ignore_eos=True)
+    assert b.token_ids == hf_greedy(tiny_model, second, NEW, ignore_eos=True)
+    off = tiny_llm(None, block_size=BS, prefix_caching=False).generate([first, second], PARAMS)
+    assert [r.token_ids for r in off] == [a.token_ids, b.token_ids]
+    assert all(r.stats.cached_prompt_tokens == 0 for r in off)
+
+
+def test_requests_arriving_together_compute_then_share(tiny_model):
+    system = _tokens(3, 2 * BS)
+    prompts = [system + _tokens(10 + i, 9) for i in range(4)]
+    llm = tiny_llm(None, block_size=BS)
+    _checked(llm.engine)
+    together = llm.generate(prompts, PARAMS)  # admitted in one step: nothing is cached yet
+    assert [r.stats.cached_prompt_tokens for r in together] == [0, 0, 0, 0]
+    later = llm.generate(prompts, PARAMS)  # now each finds its whole prompt's full blocks
+    assert [r.stats.cached_prompt_tokens for r in later] == [2 * BS] * 4
+    for p, r, s in zip(prompts, together, later):
+        assert r.token_ids == s.token_ids == hf_greedy(tiny_model, p, NEW, ignore_eos=True)
+    prefix = llm.engine.scheduler.prefix
+    assert prefix.hit_tokens == 8 * BS and prefix.queried_tokens == 8 * len(prompts[0])
+
+
+def test_one_seat_serves_a_shared_system_prompt_from_the_cache(tiny_model):
+    system = _tokens(4, 3 * BS)
+    prompts = [system + _tokens(20 + i, 5) for i in range(3)]
+    llm = tiny_llm(None, block_size=BS, max_num_seqs=1)  # staggered: each waits for the last
+    _checked(llm.engine)
+    results = llm.generate(prompts, PARAMS)
+    assert [r.stats.cached_prompt_tokens for r in results] == [0, 3 * BS, 3 * BS]
+    for p, r in zip(prompts, results):
+        assert r.token_ids == hf_greedy(tiny_model, p, NEW, ignore_eos=True)
+
+
+def test_accepted_drafts_on_top_of_cached_blocks_stay_lossless(tiny_model):
+    system = _tokens(5, 2 * BS + 3)
+    prompts = [system + _tokens(30 + i, 6) for i in range(3)]
+    refs = {tuple(p): hf_greedy(tiny_model, p, 48, ignore_eos=True) for p in prompts}
+    llm = tiny_llm(OracleDrafter(refs, 0, TINY_VOCAB, depth=8), block_size=BS, decoding_length=12, max_num_seqs=1)
+    _checked(llm.engine)
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    assert [r.stats.cached_prompt_tokens for r in results] == [0, 2 * BS, 2 * BS]
+    for p, r in zip(prompts, results):
+        assert r.token_ids == refs[tuple(p)]
+        assert r.stats.draft_tokens_accepted > 0
+
+
+def test_seeded_sampling_is_the_same_with_and_without_the_cache():
+    system = _tokens(6, 2 * BS)
+    prompts = [system + _tokens(40 + i, 7) for i in range(4)]
+    params = [SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.9, seed=i) for i in range(4)]
+    on = tiny_llm(None, block_size=BS, max_num_seqs=2)
+    on.generate(prompts, params)  # fill the cache
+    cached = on.generate(prompts, params)
+    assert all(r.stats.cached_prompt_tokens == 2 * BS for r in cached)
+    off = tiny_llm(None, block_size=BS, prefix_caching=False).generate(prompts, params)
+    assert [r.token_ids for r in cached] == [r.token_ids for r in off]
+
+
+def test_preemption_under_a_tight_pool_drops_references_not_shared_blocks(tiny_model):
+    system = _tokens(7, 24)
+    prompts = [system + _tokens(50 + i, 10) for i in range(6)]
+    # 4-token blocks; 20 blocks cannot hold six requests of up to 34 + 40 tokens.
+    llm = tiny_llm(None, draft="llma", block_size=4, num_blocks=20, max_num_seqs=6)
+    _checked(llm.engine)
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0
+    # Readmissions found blocks in the cache (their own or the shared system prompt's).
+    first_admissions = sum(r.stats.cached_prompt_tokens for r in results)
+    assert sched.prefix.hit_tokens > first_admissions
+    for p, r in zip(prompts, results):
+        assert r.token_ids == hf_greedy(tiny_model, p, 40, ignore_eos=True)
+    alloc = sched.allocator
+    assert alloc.num_free_blocks == alloc.num_blocks and alloc.num_cached_blocks > 0
+
+
+def test_tenants_never_reuse_each_others_blocks():
+    prompt = _tokens(8, 40)
+    llm = tiny_llm(None, block_size=BS)
+    core = llm.engine
+
+    def run(tenant: str) -> int:
+        req = core.add_request(prompt, PARAMS, tenant=tenant)
+        while core.has_work():
+            core.step()
+        return req.stats.cached_prompt_tokens
+
+    assert run("a") == 0
+    assert run("b") == 0  # the same prompt, another tenant: computed again
+    assert run("a") == 2 * BS
+    assert run("") == 0  # requests without a key share their own scope, not a tenant's
