@@ -88,7 +88,12 @@ def _generate_parser(sub: Any) -> None:
 
 def _bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks against peers (or --simulate: drafts without the model)")
-    bench.add_argument("--dataset", default="humaneval,sharegpt", help="humaneval, sharegpt or both (comma-separated)")
+    bench.add_argument(
+        "--dataset",
+        default="humaneval,sharegpt",
+        help="comma-separated: humaneval, sharegpt, sharegpt-multiturn (second turns after their first), "
+        "system-prompt (short questions behind one shared ~400-token system prompt)",
+    )
     bench.add_argument("--model", default=None, help="model (default: SmolLM2)")
     bench.add_argument("--num-prompts", type=int, default=16, help="test prompts per dataset (at least)")
     bench.add_argument(
@@ -102,7 +107,8 @@ def _bench_parser(sub: Any) -> None:
         "--methods",
         default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
         help="comma-separated: hf, hf-static (static cache + compiled forward), hf-prompt-lookup, hf-batch, none, "
-        "llma, parallel, lookahead, lookahead-cold, lookahead-4|16|64, lookahead-adaptive (and -onednn variants)",
+        "llma, parallel, lookahead, lookahead-cold, lookahead-4|16|64, lookahead-adaptive (and -onednn variants); "
+        "a batchserve method with the suffix +nocache runs with prefix caching off",
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--decoding-length", type=int, default=16, help="draft tokens per step of the fixed methods")
@@ -199,21 +205,28 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-    unknown = set(datasets) - {"humaneval", "sharegpt"}
+    from batchserve.bench.datasets import DATASETS
+
+    unknown = set(datasets) - set(DATASETS)
     if unknown or not datasets:
         print(f"batchserve bench: unknown dataset(s) {sorted(unknown)}", file=sys.stderr)
         return 2
     if args.simulate:
         from batchserve.bench.simulate import main as simulate_main
 
+        if set(datasets) - {"humaneval", "sharegpt"}:
+            print("batchserve bench: --simulate replays humaneval and sharegpt only", file=sys.stderr)
+            return 2
+
         simulate_main(datasets, args.decoding_lengths, args.num_samples, args.model, speed=not args.no_speed)
         return 0
     from pathlib import Path
 
     from batchserve.bench import METHODS, run, summary_table
+    from batchserve.bench.methods import known_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if not known_method(m)]
     if bad or not methods:
         print(f"batchserve bench: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2

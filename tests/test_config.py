@@ -52,6 +52,8 @@ def test_flags_and_their_older_spellings_set_the_same_fields():
     assert new == old
     assert new.scheduler.max_num_seqs == 4 and new.cache.kv_cache_memory_gb == 0.5
     assert new.draft.profile_path == "p.json"
+    assert EngineConfig().cache.prefix_caching
+    assert not engine_config(_serve_args("--no-prefix-caching")).cache.prefix_caching
     args = _serve_args("--grace", "5", "--max-waiting", "7", "--no-reflection")
     assert (args.grace_seconds, args.max_waiting_requests, args.reflection) == (5.0, 7, False)
 

@@ -22,6 +22,7 @@ class Method:
     adaptive: bool = False
     decoding_length: int | None = None  # None: the run's --decoding-length
     cpu_linear: str = "torch"  # "onednn": the model's linear layers on oneDNN's kernel
+    prefix_caching: bool = True  # the `+nocache` suffix turns it off
 
 
 BATCHSERVE = {
@@ -39,6 +40,20 @@ BATCHSERVE = {
     ),
 }
 METHODS = PEERS + tuple(BATCHSERVE)
+NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
+
+
+def batchserve_method(name: str) -> Method | None:
+    """The engine settings of a batchserve method name (None for a peer or an unknown name)."""
+    base = name.removesuffix(NOCACHE)
+    m = BATCHSERVE.get(base)
+    return replace(m, prefix_caching=False) if m is not None and base != name else m
+
+
+def known_method(name: str) -> bool:
+    return name in PEERS or batchserve_method(name) is not None
+
+
 KEEP = ("fastest", "median")  # which of the repeated runs stands for a (method, batch)
 
 

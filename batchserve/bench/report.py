@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchserve.bench.methods import FIXED_LENGTHS, METHODS, PEERS, SINGLE, Row
+from batchserve.bench.methods import FIXED_LENGTHS, METHODS, NOCACHE, PEERS, SINGLE, Row
 from batchserve.scheduler import StepPhases
 
 
@@ -126,7 +126,8 @@ def _color(method: str) -> Any:
     """One colour per method, the same in every panel."""
     import matplotlib
 
-    return matplotlib.colormaps["tab20"](METHODS.index(method) % 20)
+    base = method.removesuffix(NOCACHE)  # a +nocache row: the same method's colour, shifted
+    return matplotlib.colormaps["tab20"]((METHODS.index(base) + (10 if base != method else 0)) % 20)
 
 
 def _plot_throughput(ax: Any, rows: list[Row], dataset: str) -> None:

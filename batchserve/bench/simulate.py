@@ -36,9 +36,7 @@ def encode(samples: list[Sample], tokenizer: Any) -> list[Encoded]:
     out = []
     for s in samples:
         if s.chat:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": s.prompt}], tokenize=False, add_generation_prompt=True
-            )
+            text = tokenizer.apply_chat_template(s.messages(), tokenize=False, add_generation_prompt=True)
         else:
             text = s.prompt
         out.append(

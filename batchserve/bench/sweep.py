@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from batchserve.bench.datasets import humaneval, sharegpt, split
-from batchserve.bench.methods import BATCHSERVE, KEEP, SINGLE, Row, make_row, pick_run
+from batchserve.bench.datasets import DATASETS, Sample, split
+from batchserve.bench.methods import KEEP, SINGLE, Method, Row, batchserve_method, make_row, pick_run
 from batchserve.bench.peers import run_hf, run_hf_batch
 from batchserve.bench.report import plot, save_results, write_report
 from batchserve.bench.simulate import encode
@@ -55,16 +55,17 @@ def run_batchserve(
     prompts: list[list[int]],
     max_new: int,
     b: int,
-    method: str,
+    m: Method,
     warm: list[list[int]],
     decoding_length: int,
     cost_profile: CostProfile | None = None,
+    earlier: list[list[int]] = (),  # type: ignore[assignment]
 ) -> tuple[list[list[int]], float, list[float], list[float], float, float, PhaseTotals]:
     """One batchserve method at batch size b: (outputs, seconds, TTFTs, TPOTs, tokens per step,
-    mean draft tokens per request step, phase totals)."""
+    mean draft tokens per request step, phase totals). `earlier` prompts (a conversation's
+    first turns) run first, unmeasured, on the same engine."""
     from batchserve import LLM, SamplingParams
 
-    m = BATCHSERVE[method]
     llm = LLM(
         draft=m.draft,
         draft_layout=m.layout,
@@ -76,9 +77,12 @@ def run_batchserve(
         kv_cache_memory_gb=0.5,
         cost_profile=cost_profile,
         cpu_linear=m.cpu_linear,
+        prefix_caching=m.prefix_caching,
     )
     if m.warm:
         llm.engine.drafter.warm_up(warm)
+    if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
+        llm.generate(earlier, SamplingParams(max_new_tokens=1))
     phases = PhaseTotals()
     llm.engine.step_listeners.append(phases.add)
     t0 = time.perf_counter()
@@ -97,16 +101,36 @@ def run_batchserve(
     return outputs, seconds, ttfts, tpots, tokens_per_step(sum(len(o) for o in outputs), steps), mean_len, phases
 
 
-def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
-    """The first `num_prompts` test prompts, and the dev outputs to warm the trie on."""
-    if name == "humaneval":
-        samples = humaneval()
-    else:
-        samples = sharegpt(max(400, 2 * num_prompts))
+@dataclass(slots=True)
+class Workload:
+    """A dataset's measured prompts, the dev outputs that warm the trie, and the prompts sent
+    earlier in each run, unmeasured (sharegpt-multiturn: each conversation's first turn and its
+    reference reply)."""
+
+    prompts: list[list[int]]
+    warm: list[list[int]]
+    earlier: list[list[int]] = field(default_factory=list)
+
+
+def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
+    """The first `num_prompts` test prompts of dataset `name` (see `datasets.DATASETS`)."""
+    samples = DATASETS[name](max(400, 2 * num_prompts))
+    firsts: list[Sample] = []
+    if name == "sharegpt-multiturn":  # (first turn, second turn) pairs
+        firsts, samples = [p[0] for p in samples], [p[1] for p in samples]  # type: ignore[index]
     dev, test = split(samples)
-    test_e = encode(test[:num_prompts], tokenizer)
     warm = [e.output for e in encode(dev, tokenizer)]
-    return [e.prompt for e in test_e], warm
+    prompts = [e.prompt for e in encode(test[:num_prompts], tokenizer)]
+    earlier = [_conversation_so_far(s, tokenizer) for s in split(firsts)[1][:num_prompts]]
+    return Workload(prompts, warm, earlier)
+
+
+def _conversation_so_far(first: Sample, tokenizer: Any) -> list[int]:
+    """A first turn and its reference reply, as a chat client's history stands before the
+    second turn (rendered without a generation prompt: the second turn's prompt starts so)."""
+    messages = [*first.messages(), {"role": "assistant", "content": first.reference}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 @dataclass(slots=True)
@@ -128,7 +152,8 @@ class _Sweep:
 def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dict[str, CostProfile]:
     """The profiles the server would use (cached per device, dtype, model and kernels; measured if absent)."""
     cost_profiles = {}
-    for cpu_linear in {BATCHSERVE[m].cpu_linear for m in methods if m in BATCHSERVE and BATCHSERVE[m].adaptive}:
+    specs = [batchserve_method(m) for m in methods]
+    for cpu_linear in {m.cpu_linear for m in specs if m is not None and m.adaptive}:
         from batchserve import LLM
 
         probe = LLM(
@@ -172,19 +197,22 @@ def _batchserve_row(
     method: str,
     prompts: list[list[int]],
     reference: list[list[int]],
-    warm: list[list[int]],
+    work: Workload,
 ) -> Row:
     """One run of a batchserve method at batch size b, checked against the greedy reference."""
+    m = batchserve_method(method)
+    assert m is not None
     outs, secs, ttfts, tpots, tps, mean_len, phases = run_batchserve(
         s.engine_model,
         s.tokenizer,
         prompts,
         s.max_new,
         b,
-        method,
-        warm,
+        m,
+        work.warm,
         s.decoding_length,
-        s.cost_profiles.get(BATCHSERVE[method].cpu_linear),
+        s.cost_profiles.get(m.cpu_linear),
+        work.earlier[: len(prompts)],
     )
     row = make_row(method, dataset, b, outs, secs, ttfts, tpots, tps, outs == reference)
     row.mean_decoding_length = mean_len
@@ -195,7 +223,7 @@ def _batchserve_row(
 
 
 def _batch_rows(
-    s: _Sweep, dataset: str, b: int, prompts: list[list[int]], reference: list[list[int]], warm: list[list[int]]
+    s: _Sweep, dataset: str, b: int, prompts: list[list[int]], reference: list[list[int]], work: Workload
 ) -> list[Row]:
     """At batch size b: the hf-batch row, and per batchserve method the run kept of `repeats`
     (taken in rounds over the methods)."""
@@ -207,8 +235,8 @@ def _batch_rows(
     runs: dict[str, list[Row]] = {}
     for _ in range(s.repeats):
         for m in s.methods:
-            if m in BATCHSERVE:
-                runs.setdefault(m, []).append(_batchserve_row(s, dataset, b, m, prompts, reference, warm))
+            if batchserve_method(m) is not None:
+                runs.setdefault(m, []).append(_batchserve_row(s, dataset, b, m, prompts, reference, work))
     rows.extend(pick_run(rs, s.keep) for rs in runs.values())
     return rows
 
@@ -242,7 +270,7 @@ def run(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_model, tokenizer = load_model(model_path, dtype)
-    engine_model = load_model(model_path, dtype)[0] if set(methods) & set(BATCHSERVE) else None
+    engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
     cost_profiles = _cost_profiles(methods, engine_model, tokenizer)
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     total = len(datasets) * (
@@ -252,11 +280,11 @@ def run(
     s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, cost_profiles, bar)
     rows: list[Row] = []
     for dataset in datasets:
-        prompts, warm = load_dataset(dataset, max(count.values()), tokenizer)
-        peer_rows, reference = _peer_rows(s, dataset, prompts, num_prompts)
+        work = load_dataset(dataset, max(count.values()), tokenizer)
+        peer_rows, reference = _peer_rows(s, dataset, work.prompts, num_prompts)
         rows.extend(peer_rows)
         for b in batch_sizes:
-            rows.extend(_batch_rows(s, dataset, b, prompts[: count[b]], reference[: count[b]], warm))
+            rows.extend(_batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work))
             save_results(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
     bar.close()
     write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves)

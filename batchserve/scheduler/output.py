@@ -69,12 +69,3 @@ class StepPhases:
 
     def items(self) -> list[tuple[str, float]]:
         return [(name, getattr(self, name)) for name in self.NAMES]
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache lookups since start, in tokens (metrics read them)."""
-
-    enabled: bool
-    queried_tokens: int = 0  # tokens of the requests that looked up their prefix
-    hit_tokens: int = 0  # of those, tokens whose K/V was reused

@@ -22,10 +22,11 @@ from dataclasses import replace
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft.base import Drafter
 from batchserve.request import FinishReason, Request, RequestStatus
-from batchserve.scheduler.block_allocator import BlockAllocator, block_key
+from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.budget import DraftBudgetPolicy
 from batchserve.scheduler.drafting import DraftPlanner
-from batchserve.scheduler.output import PrefixCacheStats, RunnerOutput, ScheduledRequest, SchedulerOutput
+from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from batchserve.scheduler.prefix_cache import PrefixCache
 
 logger = logging.getLogger("batchserve")
 
@@ -62,7 +63,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0  # since start
-        self.prefix = PrefixCacheStats(enabled=prefix_caching)
+        self.prefix = PrefixCache(allocator, draft_config.trie_scope, enabled=prefix_caching)
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
 
@@ -159,12 +160,12 @@ class Scheduler:
         # Then admit waiting requests while there are seats, tokens and blocks.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self._reuse_prefix(req)
+            cached = self.prefix.reuse(req)
             item = self._try_schedule(req, budget)
             if item is None:
                 self._drop_blocks(req)  # a waiting request holds no blocks, cached ones included
                 break  # FCFS: wait for blocks rather than let younger requests overtake
-            self._count_prefix(req, cached)
+            self.prefix.count(req, cached)
             self.waiting.popleft()
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
@@ -201,7 +202,7 @@ class Scheduler:
         req.num_computed_tokens += len(item.token_ids)
         emitted = result.emitted.get(item.request_id)
         if emitted is None:
-            self._cache_full_blocks(req)
+            self.prefix.register(req)
             return None  # a prompt chunk that does not reach the end yet
         accepted = result.accepted[item.request_id]
         req.num_computed_tokens += len(accepted)
@@ -222,7 +223,7 @@ class Scheduler:
         req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
         req.stats.draft_tokens_accepted += len(reached)
         self.drafter.on_tokens_accepted(req.request_id, appended)
-        self._cache_full_blocks(req)
+        self.prefix.register(req)
         if reason is not None:
             self.finish(req, reason)
         else:
@@ -327,53 +328,6 @@ class Scheduler:
         if len(req.output_token_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_len:
             return FinishReason.LENGTH
         return None
-
-    # ---- prefix cache --------------------------------------------------------------------
-
-    def _cache_scope(self, req: Request) -> str:
-        """Whose cached blocks `req` may reuse: the same isolation as its drafts. `request`
-        scope uses the arrival number, never the client-chosen request id."""
-        scope = self.draft_config.trie_scope
-        return {"global": "g", "tenant": f"t:{req.tenant}"}.get(scope, f"r:{req.arrival_seq}")
-
-    def _keys(self, req: Request, num_blocks: int) -> list[bytes]:
-        """The cache keys of the first `num_blocks` full blocks of `req`'s tokens."""
-        bs, keys = self.allocator.block_size, req.block_keys
-        scope = self._cache_scope(req)
-        while len(keys) < num_blocks:
-            i = len(keys)
-            keys.append(block_key(keys[-1] if keys else b"", req.all_token_ids[i * bs : (i + 1) * bs], scope))
-        return keys[:num_blocks]
-
-    def _reuse_prefix(self, req: Request) -> int:
-        """Start a block-less request on the longest cached run of its full blocks; returns the
-        tokens reused. At least one token is left to compute, so the step has its logits."""
-        if not self.prefix.enabled or req.block_ids:
-            return 0
-        hits = self.allocator.lookup(self._keys(req, (req.num_tokens - 1) // self.allocator.block_size))
-        req.block_ids = hits
-        req.num_cached_blocks = len(hits)
-        req.num_computed_tokens = len(hits) * self.allocator.block_size
-        return req.num_computed_tokens
-
-    def _count_prefix(self, req: Request, cached: int) -> None:
-        if not self.prefix.enabled:
-            return
-        first = req.stats.queue_seconds is None and not req.stats.num_preemptions  # not a recompute
-        self.prefix.queried_tokens += req.num_tokens
-        self.prefix.hit_tokens += cached
-        if first:
-            req.stats.cached_prompt_tokens = min(cached, req.num_prompt_tokens)
-
-    def _cache_full_blocks(self, req: Request) -> None:
-        """Register `req`'s blocks whose every slot now holds committed K/V of its own tokens."""
-        if not self.prefix.enabled:
-            return
-        full = min(req.num_computed_tokens, req.num_tokens) // self.allocator.block_size
-        keys = self._keys(req, full)
-        for i in range(req.num_cached_blocks, full):
-            self.allocator.cache(req.block_ids[i], keys[i])
-        req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _drop_blocks(self, req: Request) -> None:
         """Release all of `req`'s blocks (cached ones stay cached, for whoever comes next)."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from batchserve.bench.datasets import humaneval, sharegpt, split
+from batchserve.bench.datasets import humaneval, sharegpt, sharegpt_multiturn, split, system_prompt
 from batchserve.cli import main
 
 
@@ -25,6 +26,42 @@ def test_sharegpt_reads_first_turns_record_by_record() -> None:
     assert len(samples) == 40
     assert all(s.chat and s.prompt.strip() and s.reference.strip() for s in samples)
     assert len({s.id for s in samples}) == 40
+
+
+def test_multiturn_second_turns_follow_their_first_turn_and_reference_reply() -> None:
+    pairs = sharegpt_multiturn(20)
+    assert len(pairs) == 20
+    for first, second in pairs:
+        assert second.history == (("user", first.prompt), ("assistant", first.reference))
+        assert second.prompt.strip() and second.reference.strip() and second.id != first.id
+        assert [m["role"] for m in second.messages()] == ["user", "assistant", "user"]
+
+
+def test_multiturn_history_is_a_token_prefix_of_the_second_turn() -> None:
+    from batchserve.bench.sweep import load_dataset
+    from batchserve.runner import load_tokenizer
+
+    work = load_dataset("sharegpt-multiturn", 6, load_tokenizer(None))
+    assert len(work.prompts) == len(work.earlier) == 6
+    # What the cache holds from the earlier request is where the second turn's prompt starts.
+    assert all(p[: len(e)] == e and len(p) > len(e) for p, e in zip(work.prompts, work.earlier))
+
+
+def test_system_prompt_workload_shares_one_long_system_prompt() -> None:
+    samples = system_prompt(30)
+    assert len(samples) == 30 and len({s.history for s in samples}) == 1
+    ((role, text),) = samples[0].history
+    assert role == "system" and len(text) > 1500 and all(len(s.prompt) <= 300 for s in samples)
+
+
+def test_nocache_suffix_turns_prefix_caching_off_for_any_batchserve_method() -> None:
+    from batchserve.bench.methods import BATCHSERVE, batchserve_method, known_method
+
+    for name, m in BATCHSERVE.items():
+        assert batchserve_method(name) == m and m.prefix_caching
+        off = batchserve_method(name + "+nocache")
+        assert off is not None and not off.prefix_caching and off == replace(m, prefix_caching=False)
+    assert batchserve_method("hf") is None and not known_method("hf+nocache") and known_method("hf")
 
 
 def test_bench_simulate_cli(capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,6 +91,9 @@ def test_bench_simulate_cli(capsys: pytest.CaptureFixture[str]) -> None:
         ["bench", "--dataset", "imagenet"],
         ["bench", "--simulate", "--dataset", "imagenet"],
         ["bench", "--methods", "vllm"],
+        ["bench", "--methods", "hf+nocache"],  # a peer has no prefix cache to turn off
+        ["bench", "--methods", "none+cache"],
+        ["bench", "--simulate", "--dataset", "system-prompt"],
         ["bench", "--num-prompts", "0"],
     ],
 )
@@ -83,7 +123,7 @@ ROW_KEYS = {
     "tpot_p99_s",
     "lossless",
 }
-ENGINE_METHODS = ("none", "lookahead", "lookahead-4", "lookahead-adaptive")
+ENGINE_METHODS = ("none", "lookahead", "lookahead-4", "lookahead-adaptive", "lookahead+nocache")
 SWEEP_ROWS = {("hf", 1), ("hf-prompt-lookup", 1), ("hf-batch", 1), ("hf-batch", 2)} | {
     (m, b) for m in ENGINE_METHODS for b in (1, 2)
 }
@@ -96,7 +136,7 @@ SWEEP_ARGV = [
     "--batch-sizes",
     "1,2",
     "--methods",
-    "hf,hf-prompt-lookup,hf-batch,none,lookahead,lookahead-4,lookahead-adaptive",
+    "hf,hf-prompt-lookup,hf-batch,none,lookahead,lookahead-4,lookahead-adaptive,lookahead+nocache",
     "--max-new-tokens",
     "6",
     "--repeats",

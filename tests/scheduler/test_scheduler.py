@@ -169,6 +169,8 @@ def test_draft_dropped_before_anyone_is_preempted():
     assert s.num_preemptions == 0 and s.num_running == 2
     s.update(first, _fake_run(first))
     s.check_integrity()
+
+
 def test_request_that_can_never_fit_is_refused():
     s = _sched(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="KV cache"):

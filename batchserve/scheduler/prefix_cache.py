@@ -1,0 +1,62 @@
+"""Which of a request's KV blocks come from, and go to, the allocator's prefix cache."""
+
+from __future__ import annotations
+
+from batchserve.request import Request
+from batchserve.scheduler.block_allocator import BlockAllocator, block_key
+
+
+class PrefixCache:
+    """The scheduler's side of prefix caching: keys per request, reuse at admission,
+    registration after each commit, and counts of what was looked up and found (tokens)."""
+
+    def __init__(self, allocator: BlockAllocator, trie_scope: str, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.trie_scope = trie_scope
+        self.enabled = enabled
+        self.queried_tokens = 0  # since start: tokens of the requests that looked up their prefix
+        self.hit_tokens = 0  # of those, tokens whose K/V was reused
+
+    def scope(self, req: Request) -> str:
+        """Whose cached blocks `req` may reuse: the same isolation as its drafts. `request`
+        scope uses the arrival number, never the client-chosen request id."""
+        return {"global": "g", "tenant": f"t:{req.tenant}"}.get(self.trie_scope, f"r:{req.arrival_seq}")
+
+    def keys(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The cache keys of the first `num_blocks` full blocks of `req`'s tokens."""
+        bs, keys = self.allocator.block_size, req.block_keys
+        scope = self.scope(req)
+        while len(keys) < num_blocks:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else b"", req.all_token_ids[i * bs : (i + 1) * bs], scope))
+        return keys[:num_blocks]
+
+    def reuse(self, req: Request) -> int:
+        """Start a block-less request on the longest cached run of its full blocks; returns the
+        tokens reused. At least one token is left to compute, so the step has its logits."""
+        if not self.enabled or req.block_ids:
+            return 0
+        hits = self.allocator.lookup(self.keys(req, (req.num_tokens - 1) // self.allocator.block_size))
+        req.block_ids = hits
+        req.num_cached_blocks = len(hits)
+        req.num_computed_tokens = len(hits) * self.allocator.block_size
+        return req.num_computed_tokens
+
+    def count(self, req: Request, cached: int) -> None:
+        """Record an admission's lookup (`cached` tokens found); a first admission's are its prompt's."""
+        if not self.enabled:
+            return
+        self.queried_tokens += req.num_tokens
+        self.hit_tokens += cached
+        if req.stats.queue_seconds is None and not req.stats.num_preemptions:  # not a recompute
+            req.stats.cached_prompt_tokens = min(cached, req.num_prompt_tokens)
+
+    def register(self, req: Request) -> None:
+        """Cache `req`'s blocks whose every slot now holds committed K/V of its own tokens."""
+        if not self.enabled:
+            return
+        full = min(req.num_computed_tokens, req.num_tokens) // self.allocator.block_size
+        keys = self.keys(req, full)
+        for i in range(req.num_cached_blocks, full):
+            self.allocator.cache(req.block_ids[i], keys[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
