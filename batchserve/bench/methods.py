@@ -50,6 +50,12 @@ def batchserve_method(name: str) -> Method | None:
     return replace(m, prefix_caching=False) if m is not None and base != name else m
 
 
+def method_rank(name: str) -> tuple[int, bool]:
+    """Where a method sorts in tables and legends: its base method's place, `+nocache` after it."""
+    base = name.removesuffix(NOCACHE)
+    return METHODS.index(base), base != name
+
+
 def known_method(name: str) -> bool:
     return name in PEERS or batchserve_method(name) is not None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchserve.bench.methods import FIXED_LENGTHS, METHODS, NOCACHE, PEERS, SINGLE, Row
+from batchserve.bench.methods import FIXED_LENGTHS, PEERS, SINGLE, Row, method_rank
 from batchserve.scheduler import StepPhases
 
 
@@ -44,7 +44,7 @@ def _method_table(rows: list[Row]) -> list[str]:
         "| vs hf | vs hf-batch | vs none | lossless |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r.batch_size, METHODS.index(r.method))):
+    for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
         vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
         vs_hfb = f"{r.tokens_per_s / hfb[r.batch_size]:.2f}x" if r.batch_size in hfb else "-"
         vs_none = f"{r.tokens_per_s / none[r.batch_size]:.2f}x" if r.batch_size in none else "-"
@@ -115,7 +115,7 @@ def phase_table(rows: list[Row]) -> list[str]:
         "| method | batch | steps | " + " | ".join(names) + " | overhead |",
         "|---|---|---|" + "---|" * len(names) + "---|",
     ]
-    for r in sorted(timed, key=lambda r: (r.batch_size, METHODS.index(r.method))):
+    for r in sorted(timed, key=lambda r: (r.batch_size, method_rank(r.method))):
         assert r.phase_ms is not None
         cells = " | ".join(f"{r.phase_ms[n]:.2f}" for n in names)
         out.append(f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {r.overhead_ratio:.3f} |")
@@ -126,13 +126,13 @@ def _color(method: str) -> Any:
     """One colour per method, the same in every panel."""
     import matplotlib
 
-    base = method.removesuffix(NOCACHE)  # a +nocache row: the same method's colour, shifted
-    return matplotlib.colormaps["tab20"]((METHODS.index(base) + (10 if base != method else 0)) % 20)
+    index, nocache = method_rank(method)  # a +nocache row: its method's colour, shifted
+    return matplotlib.colormaps["tab20"]((index + (10 if nocache else 0)) % 20)
 
 
 def _plot_throughput(ax: Any, rows: list[Row], dataset: str) -> None:
     """Top panel: output tokens/s against batch size, peers dashed."""
-    for m in METHODS:
+    for m in sorted({r.method for r in rows}, key=method_rank):
         pts = sorted((r.batch_size, r.tokens_per_s) for r in rows if r.dataset == dataset and r.method == m)
         if not pts:
             continue
@@ -148,7 +148,7 @@ def _plot_throughput(ax: Any, rows: list[Row], dataset: str) -> None:
 
 def _plot_draft_tokens(ax: Any, rows: list[Row], dataset: str) -> None:
     """Bottom panel: mean draft tokens per request step against batch size (drafting methods)."""
-    for m in METHODS:
+    for m in sorted({r.method for r in rows}, key=method_rank):
         pts = sorted(
             (r.batch_size, r.mean_decoding_length)
             for r in rows

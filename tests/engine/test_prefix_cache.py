@@ -132,3 +132,26 @@ def test_tenants_never_reuse_each_others_blocks():
     assert run("b") == 0  # the same prompt, another tenant: computed again
     assert run("a") == 2 * BS
     assert run("") == 0  # requests without a key share their own scope, not a tenant's
+
+
+def test_aborting_or_failing_a_request_on_shared_blocks_drops_only_its_references():
+    prompt = _tokens(9, 40)
+    core = tiny_llm(None, block_size=BS).engine
+    _checked(core)
+    core.add_request(prompt, PARAMS, request_id="first")
+    while core.has_work():
+        core.step()
+    cached = core.scheduler.allocator.num_cached_blocks
+    a = core.add_request(prompt, PARAMS, request_id="a")
+    b = core.add_request(prompt, PARAMS, request_id="b")
+    core.step()  # both start on the same two cached blocks
+    shared = a.block_ids[:2]
+    assert b.block_ids[:2] == shared and all(core.scheduler.allocator.ref_count(x) == 2 for x in shared)
+    core.abort("a")
+    assert all(core.scheduler.allocator.ref_count(x) == 1 for x in shared)
+    core.fail(["b"], RuntimeError("injected"))
+    core.scheduler.check_integrity()
+    alloc = core.scheduler.allocator
+    assert alloc.num_free_blocks == alloc.num_blocks and alloc.num_cached_blocks >= cached
+    assert alloc.lookup(core.scheduler.prefix.keys(a, 2)) == shared  # still cached for the next one
+    alloc.free(shared)
