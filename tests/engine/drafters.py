@@ -79,15 +79,12 @@ class RandomTreeDrafter(NoDrafter):
         return random_tree(self.rng, size, self.vocab)
 
 
-class OracleDrafter(NoDrafter):
-    """Knows each request's true output: proposes its next `depth` tokens as one branch,
-    with random siblings and random subtrees around it."""
+class _KnowsTheTruth(NoDrafter):
+    """A drafter that knows each request's true output (by prompt)."""
 
-    def __init__(self, truth: dict[tuple[int, ...], list[int]], seed: int, vocab: int, depth: int = 6) -> None:
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int) -> None:
         self.truth = truth  # prompt -> full true output
-        self.rng = random.Random(seed)
         self.vocab = vocab
-        self.depth = depth
         self.prompts: dict[str, tuple[int, ...]] = {}
 
     def on_request_start(
@@ -95,11 +92,23 @@ class OracleDrafter(NoDrafter):
     ) -> None:
         self.prompts[request_id] = tuple(prompt_token_ids)
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+    def _rest(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        """The true output still to come after `token_ids`."""
         prompt = self.prompts[request_id]
-        out = self.truth[prompt]
-        done = len(token_ids) - len(prompt)
-        branch = out[done : done + min(self.depth, max_tokens)]
+        return self.truth[prompt][len(token_ids) - len(prompt) :]
+
+
+class OracleDrafter(_KnowsTheTruth):
+    """Knows each request's true output: proposes its next `depth` tokens as one branch,
+    with random siblings and random subtrees around it."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], seed: int, vocab: int, depth: int = 6) -> None:
+        super().__init__(truth, vocab)
+        self.rng = random.Random(seed)
+        self.depth = depth
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        branch = self._rest(request_id, token_ids)[: min(self.depth, max_tokens)]
         if not branch:
             return None
         size = self.rng.randint(len(branch), max(len(branch), max_tokens))
@@ -112,28 +121,19 @@ def random_prompts(n: int, seed: int = 1, vocab: int = 256) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(1, 80))] for _ in range(n)]
 
 
-class WrongChainDrafter(NoDrafter):
+class WrongChainDrafter(_KnowsTheTruth):
     """Knows each request's true output and proposes a chain of `max_tokens` nodes whose first
     token is never the true next one: every tree is rejected whole. `proposed` logs each
     proposal as (request id, tree size); tests read and clear it between steps."""
 
     def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int) -> None:
-        self.truth = truth  # prompt -> full true output
-        self.vocab = vocab
-        self.prompts: dict[str, tuple[int, ...]] = {}
+        super().__init__(truth, vocab)
         self.proposed: list[tuple[str, int]] = []
 
-    def on_request_start(
-        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
-    ) -> None:
-        self.prompts[request_id] = tuple(prompt_token_ids)
-
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
-        prompt = self.prompts[request_id]
-        out = self.truth[prompt]
-        done = len(token_ids) - len(prompt)
-        if max_tokens <= 0 or done >= len(out):
+        rest = self._rest(request_id, token_ids)
+        if max_tokens <= 0 or not rest:
             return None
-        wrong = (out[done] + 1) % self.vocab
+        wrong = (rest[0] + 1) % self.vocab
         self.proposed.append((request_id, max_tokens))
         return DraftTree.chain([wrong] * max_tokens)
