@@ -23,20 +23,22 @@ class PrefixCache:
         return {"global": "g", "tenant": f"t:{req.tenant}"}.get(self.trie_scope, f"r:{req.arrival_seq}")
 
     def keys(self, req: Request, num_blocks: int) -> list[bytes]:
-        """The cache keys of the first `num_blocks` full blocks of `req`'s tokens."""
-        bs, keys = self.allocator.block_size, req.block_keys
-        scope = self.scope(req)
-        while len(keys) < num_blocks:
-            i = len(keys)
-            keys.append(block_key(keys[-1] if keys else b"", req.all_token_ids[i * bs : (i + 1) * bs], scope))
-        return keys[:num_blocks]
+        """`req.block_keys`, extended to cover at least its first `num_blocks` full blocks (each
+        key is computed once per request; callers index, no copy on the per-step path)."""
+        keys = req.block_keys
+        if len(keys) < num_blocks:
+            bs, scope = self.allocator.block_size, self.scope(req)
+            for i in range(len(keys), num_blocks):
+                keys.append(block_key(keys[-1] if keys else b"", req.all_token_ids[i * bs : (i + 1) * bs], scope))
+        return keys
 
     def reuse(self, req: Request) -> int:
         """Start a block-less request on the longest cached run of its full blocks; returns the
         tokens reused. At least one token is left to compute, so the step has its logits."""
         if not self.enabled or req.block_ids:
             return 0
-        hits = self.allocator.lookup(self.keys(req, (req.num_tokens - 1) // self.allocator.block_size))
+        n = (req.num_tokens - 1) // self.allocator.block_size
+        hits = self.allocator.lookup(self.keys(req, n)[:n])
         req.block_ids = hits
         req.num_cached_blocks = len(hits)
         req.num_computed_tokens = len(hits) * self.allocator.block_size
