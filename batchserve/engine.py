@@ -242,6 +242,7 @@ class EngineCore:
         if step.result is not None:
             runner = step.result.phases
             phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
+            phases.attention = runner.attention
         end = time.perf_counter()
         phases.commit = end - t0
         phases.wall = end - step.start
@@ -289,6 +290,8 @@ def _merge(results: list[RunnerOutput]) -> RunnerOutput:
         merged.accepted.update(r.accepted)
         for name, seconds in r.phases.items():
             setattr(merged.phases, name, getattr(merged.phases, name) + seconds)
+        if r.phases.attention is not None:
+            merged.phases.attention = (merged.phases.attention or 0.0) + r.phases.attention
     return merged
 
 

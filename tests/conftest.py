@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 from typing import Any
 
 import pytest
@@ -63,6 +64,13 @@ def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A test that leaves a thread or a listener running can keep the interpreter from exiting
+    after the summary. Then fail within two minutes, printing every thread's stack, rather than
+    hang until CI gives up."""
+    faulthandler.dump_traceback_later(120, exit=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

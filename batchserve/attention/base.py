@@ -98,20 +98,6 @@ class StepLayout:
             mask[c:, c:] = tree
         return mask
 
-    def padded_masks(self, idx: np.ndarray, max_q: int, max_kv: int) -> np.ndarray:
-        """[len(idx), max_q, max_kv] bool masks of requests `idx`; padding rows and keys are False."""
-        p, c, q = self.num_cached[idx], self.num_chunk[idx], self.q_len[idx]
-        rows = np.arange(max_q)[None, :, None]
-        keys = np.arange(max_kv)[None, None, :]
-        # Prefix for every row; the chunk causally; draft rows see the whole chunk.
-        seen = p[:, None, None] + np.minimum(rows, c[:, None, None] - 1) + 1
-        mask = (rows < q[:, None, None]) & (keys < seen)
-        for k, i in enumerate(idx.tolist()):
-            if self.tree_masks[i] is not None:  # only drafts need more than the formula
-                start = int(p[k])
-                mask[k, : q[k], start : start + q[k]] = self.step_mask(i)
-        return mask
-
     def flat_masks(self) -> np.ndarray:
         """[sum q_len * kv_len] bool: every request's [q_len, kv_len] mask, row-major, back to back."""
         q, kv = self.q_len, self.kv_len
@@ -122,15 +108,6 @@ class StepLayout:
             view = flat[offsets[i] : offsets[i + 1]].reshape(q[i], kv[i])
             view[:, self.num_cached[i] :] = self.step_mask(i)
         return flat
-
-    def kv_slots(self, idx: np.ndarray, max_kv: int, block_size: int) -> np.ndarray:
-        """[len(idx), max_kv] int64 pool slots of keys 0..kv_len of requests `idx` (padding: slot 0)."""
-        keys = np.arange(max_kv)
-        table = self.block_table[idx]
-        pages = np.minimum(keys // block_size, table.shape[1] - 1)
-        slots = table[:, pages] * block_size + keys % block_size
-        slots[keys[None, :] >= self.kv_len[idx][:, None]] = 0
-        return slots
 
 
 def slots_of(block_ids: tuple[int, ...] | list[int], block_size: int, positions: torch.Tensor) -> torch.Tensor:
@@ -144,6 +121,10 @@ class AttentionBackend(ABC):
 
     block_size: int  # KV slots per block
     num_blocks: int  # blocks in the pool
+    # Backends that compute on the host's clock add their forward time here (the runner resets
+    # it each step); asynchronous ones leave `timed` False.
+    timed: bool = False
+    seconds: float = 0.0
 
     @abstractmethod
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> Any:

@@ -1,8 +1,9 @@
 """FlashInfer attention over the paged pool (CUDA, float16/bfloat16).
 
-Same pool layout and semantics as the torch reference: K/V of the step are written by slot
-mapping, then every request's rows attend to its pages under its own boolean mask (prompt
-chunks causal, drafts as trees) in one `BatchPrefillWithPagedKVCacheWrapper` call per layer.
+Same slot numbering and semantics as the torch reference (the pool here is NHD pages, the
+reference's is head-major): K/V of the step are written by slot mapping, then every request's
+rows attend to its pages under its own boolean mask (prompt chunks causal, drafts as trees) in
+one `BatchPrefillWithPagedKVCacheWrapper` call per layer.
 The wrapper is planned once per step and created with `backend="fa2"`: custom masks run only
 on the FA2 kernels. RoPE stays in the HF model (positions from tree depth), so the kernel
 runs with `pos_encoding_mode="NONE"`.

@@ -1,7 +1,21 @@
-"""PyTorch reference attention over the paged pool (CPU path and test oracle)."""
+"""PyTorch attention over the paged pool: the CPU path and the test oracle.
+
+Each request attends on its own, over *views* of the pool wherever its K/V is contiguous, so a
+step costs what it computes, not a copy of every request's whole K/V padded to the longest.
+The pool is head-major ([layers, Hkv, slots, D]) so that a run of consecutive slots is, per
+head, one contiguous matrix that SDPA and BLAS read in place. The allocator keeps a request's
+blocks in few runs (`BlockAllocator.allocate(after=...)`); per request:
+
+- one run: SDPA over the view;
+- a few runs and few rows (decode, drafts): scores against each run, one softmax over their
+  concatenation, then the runs' values weighted in place. Nothing is copied but the scores;
+- otherwise (many runs, or a long prompt chunk whose arithmetic dwarfs a copy): gather the
+  request's K/V once per layer, unpadded, and SDPA over it.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,64 +24,44 @@ import torch.nn.functional as F
 
 from batchserve.attention.base import AttentionBackend, StepLayout
 
-# Cost model for splitting a step's requests into padded SDPA batches, in units of one
-# (query row, key) pair: gathering a key from the pool costs about GATHER_COST pairs, and each
-# extra batch (one more gather + SDPA + scatter per layer) about BATCH_COST pairs.
-GATHER_COST = 2.0
-BATCH_COST = 2048.0
-
-
-def partition(q_len: np.ndarray, kv_len: np.ndarray) -> list[np.ndarray]:
-    """Split requests (by index) into padded batches that minimize the modeled work.
-
-    Requests sorted by rows are cut into runs; a run's padded work is its size times its
-    longest KV times (its most rows + GATHER_COST). Cuts go only between distinct row counts,
-    so this exact DP is quadratic in the number of distinct draft lengths, not of requests.
-    One long prompt chunk thus never pads every decode row to its size, and a few requests
-    with deep drafts do not pad the many without.
-    """
-    if not len(q_len):
-        return []
-    order = np.argsort(q_len, kind="stable")
-    q, kv = q_len[order].tolist(), kv_len[order].tolist()
-    # Runs of equal row count: run r is order[starts[r] : starts[r + 1]].
-    starts = [0] + [i for i in range(1, len(q)) if q[i] != q[i - 1]] + [len(q)]
-    num_runs = len(starts) - 1
-    run_kv = [max(kv[starts[r] : starts[r + 1]]) for r in range(num_runs)]
-    best = [0.0] + [float("inf")] * num_runs  # best[k]: cheapest split of runs [0, k)
-    cut = [0] * (num_runs + 1)  # the first run of the last batch in that split
-    for k in range(1, num_runs + 1):
-        max_q, max_kv = q[starts[k] - 1], 0
-        for j in range(k - 1, -1, -1):  # last batch = runs [j, k)
-            max_kv = max(max_kv, run_kv[j])
-            cost = best[j] + BATCH_COST + (starts[k] - starts[j]) * max_kv * (max_q + GATHER_COST)
-            if cost < best[k]:
-                best[k], cut[k] = cost, j
-    groups = []
-    k = num_runs
-    while k:
-        groups.append(order[starts[cut[k]] : starts[k]])
-        k = cut[k]
-    return groups[::-1]
+# A request in more runs than this is gathered: per-run matmuls cost a few ops each per layer.
+MAX_RUNS = 8
+# Above this many rows, per-run scores (rows x keys, materialized) cost more than one copy of
+# the keys, and SDPA's fused kernel wins.
+MAX_RUN_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
-class _Group:
-    """Requests attended together as one padded batch."""
+class _Seq:
+    """How one request attends this step."""
 
-    kv_slots: torch.Tensor  # [B, max_kv] pool slots (padding points at slot 0, masked out)
-    q_rows: torch.Tensor  # [B, max_q] rows of the packed step (padding repeats row 0)
-    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool
-    out_rows: torch.Tensor  # [n_valid] packed rows this group produces
-    valid: torch.Tensor  # [n_valid] indices into the flattened [B * max_q] output
+    start: int  # its rows are [start, stop) of the packed step
+    stop: int
+    runs: tuple[tuple[int, int], ...]  # (first slot, slots) of its K/V, in logical order
+    gather: torch.Tensor | None  # [kv_len] its slots, when it attends over a copy
+    mask: torch.Tensor | None  # [q_len, kv_len] bool (True: may attend); None: every row sees every key
+    step_mask: torch.Tensor | None  # [q_len, q_len] bool: the same, over this step's keys only
 
 
 @dataclass(frozen=True, slots=True)
 class TorchMetadata:
     backend: TorchReferenceBackend
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
-    groups: tuple[_Group, ...]
+    seqs: tuple[_Seq, ...]
     num_tokens: int
+
+
+def slot_runs(blocks: np.ndarray, kv_len: int, block_size: int) -> list[tuple[int, int]]:
+    """(first slot, slots) runs covering KV indices [0, kv_len) of a block table."""
+    used = blocks[: -(-kv_len // block_size)]
+    breaks = np.flatnonzero(np.diff(used) != 1) + 1  # a run starts where the next block is not adjacent
+    firsts = np.concatenate(([0], breaks))
+    lasts = np.concatenate((breaks, [len(used)]))
+    runs = []
+    for f, e in zip(firsts.tolist(), lasts.tolist()):
+        start = int(used[f]) * block_size
+        runs.append((start, min((e - f) * block_size, kv_len - f * block_size)))
+    return runs
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -83,53 +77,86 @@ class TorchReferenceBackend(AttentionBackend):
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, slots, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.device = torch.device(device)
+        self.timed = self.device.type == "cpu"  # on CUDA the host clock sees only launches
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> TorchMetadata:
-        q_len, kv_len = step.q_len, step.kv_len
-        groups = tuple(self._group(step, idx, q_len, kv_len) for idx in partition(q_len, kv_len))
-        return TorchMetadata(self, slot_mapping.to(self.device), groups, step.num_tokens)
+        seqs = tuple(self._seq(step, i) for i in range(len(step.q_len)))
+        return TorchMetadata(self, slot_mapping.to(self.device), seqs, step.num_tokens)
 
-    def _group(self, step: StepLayout, idx: np.ndarray, q_len: np.ndarray, kv_len: np.ndarray) -> _Group:
-        q = q_len[idx]
-        max_q, max_kv = int(q.max()), int(kv_len[idx].max())
-        offsets = np.arange(max_q)
-        valid = offsets[None, :] < q[:, None]  # [B, max_q]
-        q_rows = np.where(valid, step.qo_indptr[idx][:, None] + offsets, 0)  # padding repeats row 0
-        mask = step.padded_masks(idx, max_q, max_kv)
-        mask[:, :, 0] |= ~valid  # padding rows see one (ignored) key, so softmax stays finite
-        flat_valid = np.flatnonzero(valid)
-        dev = self.device
-        return _Group(
-            kv_slots=torch.from_numpy(step.kv_slots(idx, max_kv, self.block_size)).to(dev),
-            q_rows=torch.from_numpy(q_rows).to(dev),
-            mask=torch.from_numpy(mask).unsqueeze(1).to(dev),
-            out_rows=torch.from_numpy(q_rows.reshape(-1)[flat_valid]).to(dev),
-            valid=torch.from_numpy(flat_valid).to(dev),
-        )
+    def _seq(self, step: StepLayout, i: int) -> _Seq:
+        start, stop = int(step.qo_indptr[i]), int(step.qo_indptr[i + 1])
+        q_len, kv_len = stop - start, int(step.kv_len[i])
+        runs = slot_runs(step.block_table[i], kv_len, self.block_size)
+        mask = step_mask = None
+        if q_len > 1:
+            own = step.step_mask(i)  # [q_len, q_len]
+            if not own.all():
+                full = np.ones((q_len, kv_len), dtype=bool)
+                full[:, kv_len - q_len :] = own
+                mask = torch.from_numpy(full).to(self.device)
+                step_mask = torch.from_numpy(own).to(self.device)
+        gather = None
+        if len(runs) > MAX_RUNS or (len(runs) > 1 and q_len > MAX_RUN_ROWS):
+            slots = np.concatenate([np.arange(s, s + n) for s, n in runs])
+            gather = torch.from_numpy(slots).to(self.device)
+        return _Seq(start, stop, tuple(runs), gather, mask, step_mask)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchMetadata, scale: float
     ) -> torch.Tensor:
-        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [slots, Hkv, D]
-        k_cache.index_copy_(0, metadata.slot_mapping, k[0].transpose(0, 1))  # [T, Hkv, D]
-        v_cache.index_copy_(0, metadata.slot_mapping, v[0].transpose(0, 1))
+        t0 = time.perf_counter()
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [Hkv, slots, D]
+        k_cache.index_copy_(1, metadata.slot_mapping, k[0])  # k[0]: [Hkv, T, D]
+        v_cache.index_copy_(1, metadata.slot_mapping, v[0])
         num_heads, head_dim = q.shape[1], q.shape[3]
-        out = q.new_empty(metadata.num_tokens, num_heads, head_dim)  # [T, Hq, D]
-        for g in metadata.groups:
-            qg = q[0][:, g.q_rows].transpose(0, 1)  # [B, Hq, max_q, D]
-            kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
-            vg = v_cache[g.kv_slots].transpose(1, 2)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
-            og = og.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * max_q, Hq, D]
-            out.index_copy_(0, g.out_rows, og[g.valid])
-        return out.unsqueeze(0)  # [1, T, Hq, D]
+        out = q.new_empty(num_heads, metadata.num_tokens, head_dim)  # [Hq, T, D]
+        for s in metadata.seqs:
+            qs = q[0, :, s.start : s.stop]  # [Hq, q_len, D]
+            if s.gather is not None:
+                ks, vs = k_cache.index_select(1, s.gather), v_cache.index_select(1, s.gather)  # [Hkv, kv_len, D]
+            elif len(s.runs) == 1:
+                first, n = s.runs[0]
+                ks, vs = k_cache[:, first : first + n], v_cache[:, first : first + n]  # views
+            else:
+                out[:, s.start : s.stop] = _attend_runs(qs, k_cache, v_cache, s, scale)
+                continue
+            o = F.scaled_dot_product_attention(
+                qs[None], ks[None], vs[None], attn_mask=s.mask, scale=scale, enable_gqa=True
+            )
+            out[:, s.start : s.stop] = o[0]
+        self.seconds += time.perf_counter() - t0
+        return out.transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         src, dst = src.to(self.device), dst.to(self.device)
         # Advanced indexing gathers before it scatters, so overlapping src/dst are safe.
-        self.k_cache[:, dst] = self.k_cache[:, src]
-        self.v_cache[:, dst] = self.v_cache[:, src]
+        self.k_cache[:, :, dst] = self.k_cache[:, :, src]
+        self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+
+
+def _attend_runs(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: _Seq, scale: float) -> torch.Tensor:
+    """[Hq, q_len, D] attention of one request's few rows over K/V in several runs, in place."""
+    num_heads, q_len, head_dim = qs.shape
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    # Query head h reads KV head h // group: fold each group's heads into rows.
+    qf = qs.reshape(num_kv_heads, group * q_len, head_dim)  # [Hkv, G * q_len, D]
+    scores = torch.cat([torch.bmm(qf, k_cache[:, f : f + n].transpose(1, 2)) for f, n in s.runs], dim=-1)
+    scores.mul_(scale)  # [Hkv, G * q_len, kv_len]
+    if s.step_mask is not None:
+        kv_len = scores.shape[-1]
+        own = scores.view(num_kv_heads, group, q_len, kv_len)[..., kv_len - q_len :]
+        own.masked_fill_(~s.step_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = None
+    offset = 0
+    for f, n in s.runs:
+        part = torch.bmm(probs[..., offset : offset + n], v_cache[:, f : f + n])  # [Hkv, G * q_len, D]
+        out = part if out is None else out.add_(part)
+        offset += n
+    assert out is not None
+    return out.view(num_heads, q_len, head_dim)

@@ -83,6 +83,8 @@ class Row:
     steps: int | None = None
     phase_ms: dict[str, float] | None = None
     overhead_ratio: float | None = None  # (step wall - forward) / step wall
+    attention_share: float | None = None  # attention backend / step wall (CPU: where it is timed)
+    decode_step_ms: float | None = None  # mean wall of the full-batch steps without a prompt chunk
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -29,8 +29,9 @@ def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, 
     return (
         f"# batchserve benchmark\n\n{prompts}, {max_new} new tokens, greedy, "
         f"decoding length {decoding_length}, {torch.get_num_threads()} CPU threads.{best_of} Batch size b = b requests "
-        "in flight (closed loop). `vs hf`: tokens/s over HF `generate` at batch 1; `vs hf-batch`: over HF "
-        "`generate_batch` at the same batch size.\n"
+        "in flight (closed loop); a batchserve request's TTFT counts from when its seat frees, so waiting "
+        "for the engine to admit it is included. `vs hf`: tokens/s over HF `generate` at batch 1; "
+        "`vs hf-batch`: over HF `generate_batch` at the same batch size.\n"
     )
 
 
@@ -111,14 +112,21 @@ def phase_table(rows: list[Row]) -> list[str]:
         return []
     names = (*StepPhases.NAMES, "wall")
     out = [
-        "\nWhere a step goes (ms per engine step; overhead = (wall - forward) / wall):\n",
-        "| method | batch | steps | " + " | ".join(names) + " | overhead |",
-        "|---|---|---|" + "---|" * len(names) + "---|",
+        "\nWhere a step goes (ms per engine step; overhead = (wall - forward) / wall; attention: the "
+        "part of forward inside the attention backend, and its share of the wall; decode step: the "
+        "mean wall of full-batch steps without a prompt chunk):\n",
+        "| method | batch | steps | " + " | ".join(names) + " | overhead | attention | attention share | decode step |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|---|---|",
     ]
     for r in sorted(timed, key=lambda r: (r.batch_size, method_rank(r.method))):
         assert r.phase_ms is not None
         cells = " | ".join(f"{r.phase_ms[n]:.2f}" for n in names)
-        out.append(f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {r.overhead_ratio:.3f} |")
+        attention = r.phase_ms.get("attention")
+        extra = " | ".join(
+            "-" if x is None else fmt.format(x)
+            for x, fmt in ((attention, "{:.2f}"), (r.attention_share, "{:.2f}"), (r.decode_step_ms, "{:.1f}"))
+        )
+        out.append(f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {r.overhead_ratio:.3f} | {extra} |")
     return out
 
 

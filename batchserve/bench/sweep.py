@@ -30,8 +30,12 @@ if TYPE_CHECKING:
 class PhaseTotals:
     """Sums of the engine's step phases over a run (a step listener)."""
 
+    batch_size: int  # a full decode step runs this many requests
     steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*StepPhases.NAMES, "wall"), 0.0))
+    attention: float | None = None  # seconds inside the attention backend, where it is timed
+    decode_steps: int = 0  # full steps without a prompt chunk: one committed token per request
+    decode_wall: float = 0.0
 
     def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
         if not out.requests:
@@ -40,6 +44,11 @@ class PhaseTotals:
         for name, t in phases.items():
             self.seconds[name] += t
         self.seconds["wall"] += phases.wall
+        if phases.attention is not None:
+            self.attention = (self.attention or 0.0) + phases.attention
+        if len(out.requests) == self.batch_size and all(len(r.token_ids) == 1 and r.sample for r in out.requests):
+            self.decode_steps += 1
+            self.decode_wall += phases.wall
 
     def apply(self, row: Row) -> None:
         row.steps = self.steps
@@ -47,6 +56,11 @@ class PhaseTotals:
             row.phase_ms = {k: round(v * 1e3 / self.steps, 3) for k, v in self.seconds.items()}
             wall = self.seconds["wall"]
             row.overhead_ratio = round((wall - self.seconds["forward"]) / wall, 4) if wall else None
+            if self.attention is not None and wall:
+                row.phase_ms["attention"] = round(self.attention * 1e3 / self.steps, 3)
+                row.attention_share = round(self.attention / wall, 4)
+        if self.decode_steps:
+            row.decode_step_ms = round(self.decode_wall * 1e3 / self.decode_steps, 3)
 
 
 def run_batchserve(
@@ -83,22 +97,31 @@ def run_batchserve(
         llm.engine.drafter.warm_up(warm)
     if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
         llm.generate(earlier, SamplingParams(max_new_tokens=1))
-    phases = PhaseTotals()
+    phases = PhaseTotals(b)
     llm.engine.step_listeners.append(phases.add)
     t0 = time.perf_counter()
     results = llm.generate(prompts, SamplingParams(max_new_tokens=max_new), use_tqdm=False)
     seconds = time.perf_counter() - t0
-    ttfts, tpots = [], []
+    ttfts = closed_loop_ttfts(results, b)
+    tpots = []
     for r in results:
-        # Closed loop: a request "starts" when it is admitted (the previous one finished).
-        started = r.arrival_time + (r.stats.queue_seconds or 0.0)
-        ttfts.append(r.first_token_time - started)
         if len(r.token_ids) > 1:
             tpots.append((r.finish_time - r.first_token_time) / (len(r.token_ids) - 1))
     steps = sum(r.stats.steps for r in results)
     outputs = [r.token_ids for r in results]
     mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
     return outputs, seconds, ttfts, tpots, tokens_per_step(sum(len(o) for o in outputs), steps), mean_len, phases
+
+
+def closed_loop_ttfts(results: list[Any], b: int) -> list[float]:
+    """Time to first token of requests sent in order through b seats (a closed loop): the
+    first b start together, each later one when a seat frees, at the (k - b)-th finish. Time
+    it then waits for the engine to admit it (token budget, KV blocks) counts."""
+    finishes = sorted(r.finish_time for r in results)
+    return [
+        r.first_token_time - (r.arrival_time if k < b else max(r.arrival_time, finishes[k - b]))
+        for k, r in enumerate(results)
+    ]
 
 
 @dataclass(slots=True)

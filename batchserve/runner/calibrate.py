@@ -40,7 +40,7 @@ QUICK_REPEATS = 3
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4  # 4: the CPU attention reads K/V in place, per request
 
 
 def _device_name(device: torch.device) -> str:

@@ -84,6 +84,7 @@ class ModelRunner:
         step = pack(out.requests, self._tables, bs)
         ids, pos, slots, keep = self._to_device(step.input_ids, step.positions, step.slot_mapping, step.keep)
         metadata = self.backend.build_metadata(step.layout, slots)
+        self.backend.seconds = 0.0
         t1 = time.perf_counter()
         logits = self.model(
             input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep, attn_metadata=metadata
@@ -117,6 +118,7 @@ class ModelRunner:
         for rid, n in consumed:
             del self._uniforms[rid][:n]
         phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
+        phases.attention = self.backend.seconds if self.backend.timed else None
         return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:

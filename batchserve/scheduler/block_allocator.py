@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
+
+import numpy as np
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -39,7 +41,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = np.ones(num_blocks, dtype=bool)  # count 0 and not cached
+        self._num_free = num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # count 0, cached; oldest first
         self._key_of: dict[int, bytes] = {}  # cached block -> its key
         self._block_of: dict[bytes, int] = {}  # key -> cached block
@@ -47,7 +50,7 @@ class BlockAllocator:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: free ones and evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return self._num_free + len(self._evictable)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -65,18 +68,50 @@ class BlockAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """`n` blocks, placed so that an owner's blocks form few contiguous runs (the CPU
+        attention reads a run in place): first the free blocks right after `after` (the owner's
+        last block), then new runs in the middle of the largest free gaps, leaving room on both
+        sides to grow; only when no block is free, cached blocks, the one right after the
+        owner's last first (its neighbours were usually cached by the same request, at the same
+        time), else the least recently used."""
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:  # the least recently used cached block gives up its prefix
-                b, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._key_of.pop(b)]
-            self._ref_counts[b] = 1
+        blocks: list[int] = []
+        b = -1 if after is None else after + 1
+        while len(blocks) < n and 0 <= b < self.num_blocks and self._is_free[b]:
             blocks.append(b)
+            b += 1
+        self._take_free(blocks)
+        if len(blocks) < n and self._num_free:
+            self._take_free(runs := self._free_runs(n - len(blocks)))
+            blocks += runs
+        while len(blocks) < n:  # evict: a cached block gives up its prefix
+            last = blocks[-1] if blocks else after
+            b = last + 1 if last is not None and last + 1 in self._evictable else next(iter(self._evictable))
+            del self._evictable[b]
+            del self._block_of[self._key_of.pop(b)]
+            blocks.append(b)
+        for b in blocks:
+            self._ref_counts[b] = 1
+        return blocks
+
+    def _take_free(self, blocks: list[int]) -> None:
+        self._is_free[blocks] = False
+        self._num_free -= len(blocks)
+
+    def _free_runs(self, n: int) -> list[int]:
+        """Up to `n` free blocks: the largest gaps first, a partly used gap from its middle."""
+        edges = np.flatnonzero(np.diff(self._is_free, prepend=False, append=False))  # gap i: [edges[2i], edges[2i+1])
+        starts, sizes = edges[::2], edges[1::2] - edges[::2]
+        blocks: list[int] = []
+        for gap in np.argsort(-sizes, kind="stable").tolist():
+            size = int(sizes[gap])
+            take = min(size, n - len(blocks))
+            first = int(starts[gap]) + (size - take) // 2
+            blocks.extend(range(first, first + take))
+            if len(blocks) == n:
+                break
         return blocks
 
     def fork(self, blocks: list[int]) -> list[int]:
@@ -97,7 +132,8 @@ class BlockAllocator:
                 if b in self._key_of:
                     self._evictable[b] = None  # most recently used last
                 else:
-                    self._free.append(b)
+                    self._is_free[b] = True
+                    self._num_free += 1
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
@@ -136,8 +172,8 @@ class BlockAllocator:
         With `owners` (every live owner's block list) also check that each block's count
         equals the number of owners holding it.
         """
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        free = set(np.flatnonzero(self._is_free).tolist())
+        assert len(free) == self._num_free, "the free count disagrees with the free blocks"
         assert not free & set(self._evictable), "a block is both free and evictable"
         for b, rc in enumerate(self._ref_counts):
             assert rc >= 0, f"block {b} has negative reference count"

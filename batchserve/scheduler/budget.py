@@ -154,19 +154,23 @@ class DraftBudgetPolicy:
         self.tracker = tracker
         self.min_gain = min_gain
         # Measured decode steps against the profile, fitted online as
-        #   elapsed = scale * profile + per_seq * requests + per_token * rows.
+        #   elapsed = scale * profile + per_seq * requests + per_draft * draft rows
+        # (draft rows: a decode step's rows beyond one per request). Drafts get their own
+        # feature, not all rows: with drafting off every step has rows == requests, and a
+        # per-row term would take half of any per-request cost, price drafts out and never
+        # see a draft again to correct itself.
         # `scale` absorbs the machine running uniformly faster or slower than when it was
         # calibrated (other load, clocks); it leaves every decision unchanged, because the
         # policy compares ratios. The two overheads are engine work the forward-only profile
         # does not see (scheduling, drafting, detokenizing); they do move decisions.
         self.scale = 1.0
         self.overhead_per_seq_ms = 0.0
-        self.overhead_per_token_ms = 0.0
+        self.overhead_per_draft_ms = 0.0
         self.max_scale = max_scale  # `scale` stays in [1 / max_scale, max_scale]
         # Ridge least squares toward (scale 1, no overhead), overheads never negative. Where
         # the data cannot tell a slower machine from per-request cost (every step the same
         # size), the smallest coefficients win: a scale explains a uniform slowdown with the
-        # smallest one. Coefficients: (scale - 1, per_seq, per_token).
+        # smallest one. Coefficients: (scale - 1, per_seq, per_draft).
         self._step_fit = DecayedRidge(3, step_cost_decay, step_cost_ridge, nonneg=(1, 2))
 
     @classmethod
@@ -203,9 +207,10 @@ class DraftBudgetPolicy:
         if num_tokens < 1 or num_seqs < 1:
             return
         predicted = self.profile.time_ms(num_tokens, context, num_seqs)
-        beta = self._step_fit.observe((predicted, float(num_seqs), float(num_tokens)), elapsed_ms - predicted)
+        drafts = float(max(0, num_tokens - num_seqs))
+        beta = self._step_fit.observe((predicted, float(num_seqs), drafts), elapsed_ms - predicted)
         self.scale = min(self.max_scale, max(1.0 / self.max_scale, 1.0 + beta[0]))
-        self.overhead_per_seq_ms, self.overhead_per_token_ms = beta[1], beta[2]
+        self.overhead_per_seq_ms, self.overhead_per_draft_ms = beta[1], beta[2]
 
     def allocate(
         self,
@@ -240,7 +245,7 @@ class DraftBudgetPolicy:
         def cost(extra: int, others: int) -> float:
             rows = num_roots + others + extra
             forward = self.scale * self.profile.time_ms(rows, context, num_seqs, curve)
-            return forward + overhead + self.overhead_per_token_ms * rows
+            return forward + overhead + self.overhead_per_draft_ms * (others + extra)
 
         # 1. Decode-only optimum and the value of a token there.
         best_k = max(range(len(gain)), key=lambda k: ((num_roots + gain[k]) / cost(k, 0), -k))

@@ -55,7 +55,7 @@ class StepPhases:
     schedule: batching, drafting and the draft budget; prepare: packing, slot mapping,
     attention metadata and host-to-device copies; forward: the model (up to its logits being
     ready); verify: token choice, tree walks and KV compaction; commit: appending tokens,
-    detokenizing, stop checks and outputs.
+    detokenizing, stop checks and outputs. `attention` is part of forward, not a phase of its own.
     """
 
     NAMES: ClassVar[tuple[str, ...]] = ("schedule", "prepare", "forward", "verify", "commit")
@@ -66,6 +66,9 @@ class StepPhases:
     verify: float = 0.0
     commit: float = 0.0
     wall: float = 0.0
+    # Part of forward: host seconds inside the attention backend, where it runs synchronously
+    # (the CPU path); None where kernels run asynchronously and only the whole forward is timed.
+    attention: float | None = None
 
     def items(self) -> list[tuple[str, float]]:
         return [(name, getattr(self, name)) for name in self.NAMES]

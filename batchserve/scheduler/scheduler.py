@@ -297,7 +297,7 @@ class Scheduler:
             return True
         if not self.allocator.can_allocate(need):
             return False
-        req.block_ids.extend(self.allocator.allocate(need))
+        req.block_ids.extend(self.allocator.allocate(need, after=req.block_ids[-1] if req.block_ids else None))
         return True
 
     def _trim_blocks(self, req: Request) -> None:

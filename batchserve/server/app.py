@@ -33,7 +33,7 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port (0: any free port)")
-    metrics_port: int | None = setting(None, "Prometheus endpoint port (off if unset)")
+    metrics_port: int | None = setting(None, "Prometheus endpoint port (off if unset; 0 picks a free one)")
     max_waiting_requests: int = setting(256, "waiting requests before RESOURCE_EXHAUSTED", flags=("--max-waiting",))
     grace_seconds: float = setting(30.0, "seconds in-flight requests get to finish at shutdown", flags=("--grace",))
     drain_seconds: float = setting(
@@ -94,12 +94,17 @@ class BatchServer:
         )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
+        self.metrics_port: int | None = None  # where metrics are served (bound: 0 picks a free one)
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
         c = self.config
         self.max_message_bytes = c.max_message_bytes or message_limit(self.engine.core)
+        # NOTE: the metrics port is bound first, so that a port in use fails start() before any
+        # listener or engine thread exists; every later failure stops what was started.
+        if c.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(c.metrics_port, c.host)
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", self.max_message_bytes),
@@ -111,25 +116,30 @@ class BatchServer:
                 ("grpc.http2.max_pings_without_data", 0),
             ]
         )
-        pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        if c.reflection:
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-                server,
-            )
-        credentials = c.credentials()
-        address = f"{c.host}:{c.port}"
-        self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {c.host}:{c.port}")
-        self.engine.start()
-        await server.start()
+        try:
+            pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            if c.reflection:
+                reflection.enable_server_reflection(
+                    (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                    server,
+                )
+            credentials = c.credentials()
+            address = f"{c.host}:{c.port}"
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+            if port == 0:
+                raise OSError(f"cannot listen on {c.host}:{c.port}")
+            self.port = port
+            self.engine.start()
+            await server.start()
+        except BaseException:
+            self.metrics.close()
+            await server.stop(None)
+            await self.engine.stop()
+            raise
         self._server = server
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if c.metrics_port is not None:
-            self.metrics.serve(c.metrics_port, c.host)
         logger.info("serving %s on %s:%d (%s)", SERVICE_NAME, c.host, self.port, "TLS" if credentials else "plaintext")
         return self.port
 
@@ -159,6 +169,7 @@ class BatchServer:
             logger.warning("grace period over: %d requests end CANCELLED", cancelled)
         await self._server.stop(FLUSH_SECONDS)  # the final messages reach their clients
         await self.engine.stop()
+        self.metrics.close()
         self.servicer.close()
         self._stopped.set()
         logger.info("stopped")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -24,6 +25,7 @@ class Metrics:
     def __init__(self, engine: AsyncEngine, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
         self._engine = engine
+        self._http: WSGIServer | None = None
         self._seen: dict[Counter, int] = {}  # engine totals already added to each counter
         for name, doc, attr in (
             ("batchserve_num_requests_running", "Requests in the running batch", "num_running"),
@@ -124,8 +126,18 @@ class Metrics:
             if item.sample:
                 self.decoding_length.observe(len(item.draft) if item.draft is not None else 0)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the HTTP endpoint (port 0: any free port) and return the port it listens on."""
+        self.close()
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint, if serving, and release its port."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

@@ -40,8 +40,9 @@ def test_flashinfer_matches_the_reference(block_size, num_heads, num_kv_heads, h
     ref.v_cache.normal_()
     ref.k_cache.copy_(ref.k_cache.to(dtype))
     ref.v_cache.copy_(ref.v_cache.to(dtype))
-    fi.k_cache.copy_(ref.k_cache.view(fi.k_cache.shape))
-    fi.v_cache.copy_(ref.v_cache.view(fi.v_cache.shape))
+    # The reference is head-major [L, Hkv, slots, D]; FlashInfer's pages are [L, pages, page, Hkv, D].
+    fi.k_cache.copy_(ref.k_cache.transpose(1, 2).reshape(fi.k_cache.shape))
+    fi.v_cache.copy_(ref.v_cache.transpose(1, 2).reshape(fi.v_cache.shape))
 
     seqs = random_step(rng, block_size, num_blocks, CACHED)
     total = sum(s.q_len for s in seqs)

@@ -69,7 +69,8 @@ def test_plan_read_as_flashinfer_reads_it_matches_the_reference(block_size, num_
     assert len(plan.custom_mask) == sum(s.q_len * s.kv_len for s in seqs)
     # The backend writes the step's K/V before attending, as the reference just did.
     pages = (num_blocks, block_size, num_kv_heads, head_dim)
-    got = emulate(q[0].transpose(0, 1), ref.k_cache[layer].view(pages), ref.v_cache[layer].view(pages), plan, scale)
+    k_pages, v_pages = (c[layer].transpose(0, 1).reshape(pages) for c in (ref.k_cache, ref.v_cache))
+    got = emulate(q[0].transpose(0, 1), k_pages, v_pages, plan, scale)
     torch.testing.assert_close(got.unsqueeze(0), expected, atol=1e-5, rtol=1e-5)
 
 

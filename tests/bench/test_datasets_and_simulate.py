@@ -171,7 +171,12 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
         assert by[(m, 1)]["output_tokens"] == by[("hf", 1)]["output_tokens"]
         assert by[(m, 2)]["output_tokens"] == by[("none", 2)]["output_tokens"]
         for b in (1, 2):
-            assert by[(m, b)]["lossless"] is True
+            r = by[(m, b)]
+            assert r["lossless"] is True
+            # The CPU attention is timed: part of the forward, and a share of the step.
+            assert 0 < r["phase_ms"]["attention"] < r["phase_ms"]["forward"] < r["phase_ms"]["wall"]
+            assert 0 < r["attention_share"] < 1
+            assert r["decode_step_ms"] > 0  # 6 new tokens: some steps carry no prompt chunk
     assert by[("hf", 1)]["lossless"] is None
     assert all(r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
 
@@ -185,7 +190,7 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path: Path, monk
     report = (out / "report.md").read_text()
     assert "fastest of 2 runs" in report and "adaptive / best fixed" in report
     assert "max(2, 2 x batch) prompts" in report
-    assert "| lookahead | 2 |" in report and "vs hf-batch" in report
+    assert "| lookahead | 2 |" in report and "vs hf-batch" in report and "attention share" in report
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -203,3 +208,18 @@ def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch() -> None
     assert marked.tokens_per_s == 30.0 and marked.lossless is False
     with pytest.raises(SystemExit):
         main(["bench", "--keep", "mean"])
+
+
+def test_closed_loop_ttft_counts_from_when_a_seat_frees() -> None:
+    from types import SimpleNamespace
+
+    from batchserve.bench.sweep import closed_loop_ttfts
+
+    def req(first: float, finish: float) -> SimpleNamespace:
+        return SimpleNamespace(arrival_time=0.0, first_token_time=first, finish_time=finish)
+
+    # Two seats, four requests all sent at t=0: the third gets the seat freed at t=2, the
+    # fourth the one freed at t=3, however long the engine then takes to admit them.
+    results = [req(1.0, 3.0), req(1.5, 2.0), req(4.0, 6.0), req(5.0, 7.0)]
+    assert closed_loop_ttfts(results, 2) == [1.0, 1.5, 2.0, 2.0]
+    assert closed_loop_ttfts(results, 4) == [1.0, 1.5, 4.0, 5.0]  # all in flight from the start

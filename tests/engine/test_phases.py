@@ -38,6 +38,8 @@ def test_phases_add_up_to_the_step_wall():
         assert sum(times.values()) <= phases.wall * (1 + 1e-9)  # phases never overlap
         if out.requests:
             assert phases.forward > 0 and phases.prepare > 0 and phases.verify > 0
+            # The CPU backend times itself: inside the forward, never more than it.
+            assert phases.attention is not None and 0 < phases.attention < phases.forward
     # What no phase covers (handing the step between them) is under 5% of the wall time.
     covered = sum(sum(t for _, t in p.items()) for _, p in seen)
     wall = sum(p.wall for _, p in seen)

@@ -133,7 +133,7 @@ def test_measured_engine_overhead_makes_drafts_cheaper():
         rows = 8 + i % 24
         policy.observe_step(rows, 0, 8, cpu_like().time_ms(rows) + 8 * 40)
     assert policy.overhead_per_seq_ms == pytest.approx(40, rel=0.05)
-    assert policy.overhead_per_token_ms == pytest.approx(0, abs=0.1)
+    assert policy.overhead_per_draft_ms == pytest.approx(0, abs=0.1)
     assert policy.scale == pytest.approx(1.0, abs=0.05)
     after = sum(policy.allocate(cands, num_roots=8).values())
     assert after > before
@@ -143,13 +143,29 @@ def test_measured_per_token_cost_makes_drafts_dearer():
     probs = [0.5 * 0.9**j for j in range(64)]
     policy = DraftBudgetPolicy(gpu_like(cdl=64), trained({"a": probs}))
     before = policy.allocate([DraftCandidate("a", 64)], num_roots=1)["a"]
-    for i in range(200):  # the profile calls rows free, but each really costs 2 ms
+    for i in range(200):  # the profile calls draft rows free, but each really costs 2 ms
         rows = 1 + i % 40
-        policy.observe_step(rows, 0, 1, gpu_like(cdl=64).time_ms(rows) + 2.0 * rows)
-    assert policy.overhead_per_token_ms == pytest.approx(2.0, rel=0.05)
+        policy.observe_step(rows, 0, 1, gpu_like(cdl=64).time_ms(rows) + 2.0 * (rows - 1))
+    assert policy.overhead_per_draft_ms == pytest.approx(2.0, rel=0.05)
     assert policy.scale == pytest.approx(1.0, abs=0.05)
     after = policy.allocate([DraftCandidate("a", 64)], num_roots=1)["a"]
     assert after < before
+
+
+def test_per_request_cost_seen_without_drafts_does_not_price_drafts_out():
+    """Steps with drafting off have one row per request: their overhead is per request, and
+    must not be split onto rows, or drafts look dear and stay off for good."""
+    rids = [f"r{i}" for i in range(8)]
+    probs = [0.5 * 0.9**j for j in range(64)]
+    policy = DraftBudgetPolicy(cpu_like(), trained({r: probs for r in rids}))
+    cands = [DraftCandidate(r, 64) for r in rids]
+    before = sum(policy.allocate(cands, num_roots=8).values())
+    for i in range(200):  # no drafts, 10 ms per request beyond the forward
+        seqs = 4 + i % 5
+        policy.observe_step(seqs, 0, seqs, cpu_like().time_ms(seqs, 0, seqs) + seqs * 10)
+    assert policy.overhead_per_seq_ms == pytest.approx(10, rel=0.05)
+    assert policy.overhead_per_draft_ms == pytest.approx(0, abs=1e-6)
+    assert sum(policy.allocate(cands, num_roots=8).values()) >= before > 0
 
 
 @pytest.mark.parametrize("slowdown", [0.7, 1.5, 3.0, 15.0])

@@ -54,7 +54,7 @@ async def start_server(core: EngineCore | None = None, **server_kwargs: Any) -> 
 
 @pytest.fixture
 async def running():
-    r = await start_server(metrics_port=free_port())
+    r = await start_server(metrics_port=0)
     yield r
     await r.channel.close()
     await r.server.shutdown()

@@ -18,7 +18,7 @@ from batchserve.llm import LLM
 from batchserve.server.app import SERVICE_NAME
 from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2 as pb
-from tests.server.conftest import free_port, start_server, tiny_core
+from tests.server.conftest import start_server, tiny_core
 
 
 def _offline(prompts, params):
@@ -98,7 +98,7 @@ async def test_without_drafts_every_step_emits_one_token(running):
     for stats in (unary.stats, chunks[-1].stats):
         assert (stats.steps, stats.draft_tokens_proposed, stats.draft_tokens_accepted) == (40, 0, 0)
         assert stats.tokens_per_step == 1.0
-    port = running.server.config.metrics_port
+    port = running.server.metrics_port
     assert _metric(port, "batchserve_engine_steps") == 80  # the two requests ran one after the other
     assert _metric(port, "batchserve_step_tokens_count") == 80
     assert _metric(port, "batchserve_step_tokens_sum") == 2 * (4 + 39)  # the prompt, then one token a step
@@ -115,7 +115,7 @@ async def test_without_drafts_every_step_emits_one_token(running):
 
 async def test_preemptions_are_counted_once_each(monkeypatch):
     # 8 blocks of 4 slots: each request needs 8 by its end, so two running at once must preempt.
-    r = await start_server(tiny_core(max_num_seqs=2, num_blocks=8), metrics_port=free_port())
+    r = await start_server(tiny_core(max_num_seqs=2, num_blocks=8), metrics_port=0)
     fresh_starts: collections.Counter[str] = collections.Counter()  # steps that plan a request from no K/V
 
     def count(out, phases) -> None:
@@ -148,7 +148,7 @@ async def test_preemptions_are_counted_once_each(monkeypatch):
         preempted = sum(n - 1 for n in fresh_starts.values())
         assert preempted == 1 and fresh_starts == {"a": 1, "b": 2}
         assert r.server.engine.load().num_preemptions == 1
-        assert _metric(r.server.config.metrics_port, "batchserve_num_preemptions_total") == 1
+        assert _metric(r.server.metrics_port, "batchserve_num_preemptions_total") == 1
     finally:
         await r.channel.close()
         await r.server.shutdown()
@@ -271,7 +271,7 @@ def _metric(port: int, name: str) -> float:
 
 
 async def test_cancel_and_deadline_free_blocks(running):
-    port = running.server.config.metrics_port
+    port = running.server.metrics_port
     call = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=1000, ignore_eos=True))
     await call.read()
     await call.read()
@@ -301,7 +301,7 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
     assert SERVICE_NAME == "batchserve.v1.TextGeneration" and SERVICE_NAME in names and "grpc.health.v1.Health" in names
 
     reply = await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=5))
-    port = running.server.config.metrics_port
+    port = running.server.metrics_port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     for name in (
         "batchserve_num_requests_running",
@@ -444,7 +444,7 @@ async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_l
     from batchserve.engine import EngineCore
     from batchserve.scheduler.cost_profile import CostProfile
     from tests.conftest import make_tiny_model, make_tiny_tokenizer
-    from tests.server.conftest import free_port, start_server
+    from tests.server.conftest import start_server
 
     counts = (1, 8, 24, 64, 256)
     profile = CostProfile("synthetic", counts, (0,), (tuple(5.0 + max(0, n - 24) for n in counts),))
@@ -454,10 +454,10 @@ async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_l
         draft=DraftConfig(decoding_length=32, adaptive=True),
     )
     core = EngineCore(config, make_tiny_model(), make_tiny_tokenizer(), cost_profile=profile)
-    running = await start_server(core, metrics_port=free_port())
+    running = await start_server(core, metrics_port=0)
     try:
         reply = await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=20, ignore_eos=True))
-        port = running.server.config.metrics_port
+        port = running.server.metrics_port
         assert _metric(port, "batchserve_critical_decoding_length") == 24
         steps = _metric(port, "batchserve_step_tokens_count")
         # The only request: every engine step sampled it once.
@@ -473,7 +473,7 @@ async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_l
 
 
 async def test_prefix_cache_reuse_shows_in_usage_metrics_and_model_info(running):
-    port = running.server.config.metrics_port
+    port = running.server.metrics_port
     prompt = list(range(10, 31))  # 21 tokens: five full 4-slot blocks, then the token computed anyway
     request = build_request(prompt, max_new_tokens=3, ignore_eos=True)
     first = await running.stub.Generate(request)
@@ -484,3 +484,26 @@ async def test_prefix_cache_reuse_shows_in_usage_metrics_and_model_info(running)
     assert _metric(port, "batchserve_prefix_cache_queries_total") == 2 * 21
     assert _metric(port, "batchserve_prefix_cache_hits_total") == 20
     assert (await running.stub.GetModelInfo(pb.GetModelInfoRequest())).prefix_caching
+
+
+async def test_metrics_port_in_use_fails_start_and_leaves_nothing_running():
+    """A port clash must not leave an engine thread or a gRPC listener behind (they would keep
+    the process from exiting); port 0 serves metrics on a free port, released at shutdown."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = (await start_server(metrics_port=0)).server
+        await server.shutdown()
+        with socket.socket() as again:  # shutdown released the metrics port
+            again.bind(("127.0.0.1", server.metrics_port))
+        from batchserve.async_engine import AsyncEngine
+        from batchserve.server.app import BatchServer, ServerConfig
+
+        engine = AsyncEngine(tiny_core())
+        clash = BatchServer(engine, ServerConfig(port=0, metrics_port=taken.getsockname()[1]), model_name="tiny")
+        with pytest.raises(OSError):
+            await clash.start()
+        assert engine._task is None  # the step loop never started
+        assert clash._server is None and clash.port is None  # nor did a gRPC listener
