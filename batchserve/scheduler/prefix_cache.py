@@ -44,6 +44,26 @@ class PrefixCache:
         req.num_computed_tokens = len(hits) * self.allocator.block_size
         return req.num_computed_tokens
 
+    def uncached_keys(self, req: Request) -> list[bytes]:
+        """Keys of `req`'s full blocks that are not cached yet: a running request is computing
+        them (its prompt chunks) or will be, so they are cached within a step or a few."""
+        if not self.enabled:
+            return []
+        full = req.num_tokens // self.allocator.block_size
+        return self.keys(req, full)[req.num_cached_blocks : full]
+
+    def should_wait(self, req: Request, in_flight: set[bytes]) -> bool:
+        """After `reuse`: True if the next block `req` would compute is one that a running
+        request is computing now (same tokens, same scope). Admitted later, `req` finds it
+        cached instead of computing it a second time (cache-aware admission, as SGLang orders
+        its queue by cached prefix)."""
+        if not in_flight:
+            return False
+        nxt = req.num_computed_tokens // self.allocator.block_size
+        if nxt >= (req.num_tokens - 1) // self.allocator.block_size:
+            return False  # nothing full is left to share: the rest is its own tail
+        return self.keys(req, nxt + 1)[nxt] in in_flight
+
     def count(self, req: Request, cached: int) -> None:
         """Record an admission's lookup (`cached` tokens found); a first admission's are its prompt's."""
         if not self.enabled:

@@ -157,10 +157,17 @@ class Scheduler:
             budget -= item.num_tokens
             i += 1
 
-        # Then admit waiting requests while there are seats, tokens and blocks.
+        # Then admit waiting requests while there are seats, tokens and blocks. One whose next
+        # block a running request is computing right now waits a step or so, then reuses it.
+        in_flight = {k for r in self.running for k in self.prefix.uncached_keys(r)} if self.waiting else set()
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             cached = self.prefix.reuse(req)
+            if self.prefix.should_wait(req, in_flight):
+                self._drop_blocks(req)
+                deferred.append(self.waiting.popleft())
+                continue
             item = self._try_schedule(req, budget)
             if item is None:
                 self._drop_blocks(req)  # a waiting request holds no blocks, cached ones included
@@ -173,6 +180,8 @@ class Scheduler:
             bisect.insort(self.running, req, key=_by_arrival)  # running stays in arrival order
             scheduled.append(item)
             budget -= item.num_tokens
+            in_flight.update(self.prefix.uncached_keys(req))
+        self.waiting.extendleft(reversed(deferred))  # they keep their places in the queue
 
         # Drafts last: committed tokens and admissions come before speculation.
         scheduled = self._add_drafts(scheduled, budget)

@@ -48,19 +48,67 @@ def test_a_later_request_reuses_the_full_blocks_it_shares(tiny_model, shared, ca
     assert all(r.stats.cached_prompt_tokens == 0 for r in off)
 
 
-def test_requests_arriving_together_compute_then_share(tiny_model):
+def test_requests_arriving_together_wait_for_the_shared_blocks_being_computed(tiny_model):
+    """Cache-aware admission: the first of four requests with one system prompt computes it;
+    the other three wait one step and reuse it. A request that shares nothing is not held back."""
     system = _tokens(3, 2 * BS)
     prompts = [system + _tokens(10 + i, 9) for i in range(4)]
-    llm = tiny_llm(None, block_size=BS)
-    _checked(llm.engine)
-    together = llm.generate(prompts, PARAMS)  # admitted in one step: nothing is cached yet
-    assert [r.stats.cached_prompt_tokens for r in together] == [0, 0, 0, 0]
-    later = llm.generate(prompts, PARAMS)  # now each finds its whole prompt's full blocks
-    assert [r.stats.cached_prompt_tokens for r in later] == [2 * BS] * 4
-    for p, r, s in zip(prompts, together, later):
-        assert r.token_ids == s.token_ids == hf_greedy(tiny_model, p, NEW, ignore_eos=True)
-    prefix = llm.engine.scheduler.prefix
-    assert prefix.hit_tokens == 8 * BS and prefix.queried_tokens == 8 * len(prompts[0])
+    other = _tokens(99, 41)
+    core = tiny_llm(None, block_size=BS).engine
+    _checked(core)
+    first_step: dict[str, int] = {}  # request id -> the step that first scheduled it
+    steps = 0
+    reqs = [core.add_request(p, PARAMS, request_id=f"s{i}") for i, p in enumerate(prompts)]
+    reqs.append(core.add_request(other, PARAMS, request_id="other"))
+    while core.has_work():
+        step = core.schedule()
+        for item in step.out.requests:
+            first_step.setdefault(item.request_id, steps)
+        core.execute(step)
+        core.commit(step)
+        steps += 1
+    assert [r.stats.cached_prompt_tokens for r in reqs] == [0, 2 * BS, 2 * BS, 2 * BS, 0]
+    assert first_step == {"s0": 0, "other": 0, "s1": 1, "s2": 1, "s3": 1}
+    for p, r in zip([*prompts, other], reqs):
+        assert r.output_token_ids == hf_greedy(tiny_model, p, NEW, ignore_eos=True)
+    prefix = core.scheduler.prefix
+    assert prefix.hit_tokens == 3 * 2 * BS
+    # The same five again: each finds its whole prompt's full blocks, and nobody waits.
+    again = [core.add_request(p, PARAMS) for p in [*prompts, other]]
+    while core.has_work():
+        core.step()
+    assert [r.stats.cached_prompt_tokens for r in again] == [2 * BS] * 4 + [2 * BS]
+    assert [r.output_token_ids for r in again] == [r.output_token_ids for r in reqs]
+
+
+def test_tenants_do_not_wait_for_each_others_prefill():
+    """The wait follows the cache's scope: another tenant's identical prompt is computed at once."""
+    prompt = _tokens(4, 40)
+    core = tiny_llm(None, block_size=BS).engine
+    a = core.add_request(prompt, PARAMS, tenant="a")
+    b = core.add_request(prompt, PARAMS, tenant="b")
+    a2 = core.add_request(prompt, PARAMS, tenant="a")
+    core.step()
+    assert a.num_computed_tokens == b.num_computed_tokens == 40
+    assert a2.num_computed_tokens == 0  # waits for tenant a's blocks
+    while core.has_work():
+        core.step()
+    assert (a.stats.cached_prompt_tokens, b.stats.cached_prompt_tokens, a2.stats.cached_prompt_tokens) == (0, 0, 32)
+
+
+def test_a_follower_of_a_chunked_prefill_reuses_every_chunk(tiny_model):
+    """A shared prompt longer than the step's token budget, computed in chunks: the follower
+    computes only its own tail, with output equal to HF greedy."""
+    system = _tokens(5, 6 * BS)
+    prompts = [system + _tokens(20, 5), system + _tokens(21, 7)]
+    core = tiny_llm(None, block_size=BS, max_num_batched_tokens=2 * BS).engine
+    _checked(core)
+    reqs = [core.add_request(p, PARAMS) for p in prompts]
+    while core.has_work():
+        core.step()
+    assert reqs[1].stats.cached_prompt_tokens == 6 * BS
+    for p, r in zip(prompts, reqs):
+        assert r.output_token_ids == hf_greedy(tiny_model, p, NEW, ignore_eos=True)
 
 
 def test_one_seat_serves_a_shared_system_prompt_from_the_cache(tiny_model):
