@@ -107,7 +107,8 @@ def _bench_parser(sub: Any) -> None:
         "--methods",
         default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
         help="comma-separated: hf, hf-static (static cache + compiled forward), hf-prompt-lookup, hf-batch, none, "
-        "llma, parallel, lookahead, lookahead-cold, lookahead-4|16|64, lookahead-adaptive (and -onednn variants); "
+        "llma, parallel, lookahead, lookahead-cold, lookahead-4|16|64, lookahead-adaptive (and -onednn variants), "
+        "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W); "
         "a batchserve method with the suffix +nocache runs with prefix caching off",
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-DraftMethod = Literal["none", "llma", "lookahead"]
-DRAFT_METHODS: tuple[str, ...] = ("none", "llma", "lookahead")
+DraftMethod = Literal["none", "llma", "lookahead", "jacobi", "hybrid"]
+DRAFT_METHODS: tuple[str, ...] = ("none", "llma", "lookahead", "jacobi", "hybrid")
 TRIE_SCOPES: tuple[str, ...] = ("global", "tenant", "request")
 DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
@@ -150,7 +150,9 @@ class DraftConfig:
     """Speculation: which drafter proposes trees, their shape and how many tokens they hold.
 
     `lookahead` is the trie of prompt and output n-grams (the Lookahead paper); `llma` copies
-    a single branch from the request's own text; `none` decodes plainly.
+    a single branch from the request's own text; `jacobi` verifies n-grams that a Jacobi window
+    of guessed tokens produces (Lookahead Decoding); `hybrid` merges the trie's tree with those
+    n-grams; `none` decodes plainly.
     """
 
     method: DraftMethod = setting("lookahead", "draft source", name="draft", choices=DRAFT_METHODS)
@@ -214,6 +216,16 @@ class DraftConfig:
         choices=TRIE_SCOPES,
     )
 
+    # Lookahead Decoding's (W, N, G). The paper used 15, 5, 15 for 7B models on an A100; a small
+    # model on a CPU has far fewer spare FLOPs per step (benchmarks/README.md has the sweep).
+    window_size: int = setting(5, "jacobi/hybrid: W, future positions the Jacobi window guesses at once")
+    ngram_size: int = setting(4, "jacobi/hybrid: N, n-gram length (the window keeps N-1 levels)")
+    guesses: int = setting(5, "jacobi/hybrid: G, pooled n-grams verified per request per step")
+    pool_capacity: int = setting(100_000, "jacobi/hybrid: n-grams kept in all pools together (least recent go)")
+    # Tokens per step a new request's window is assumed to buy before any evidence: optimistic
+    # enough to run it, so the pool fills and the measured value takes over.
+    window_initial_gain: float = setting(0.5, "jacobi/hybrid adaptive: a window's guessed worth in tokens per step")
+
     def __post_init__(self) -> None:
         if self.decoding_length is None:  # frozen: set the resolved default once, here
             default = ADAPTIVE_DECODING_LENGTH if self.adaptive else FIXED_DECODING_LENGTH
@@ -247,6 +259,11 @@ class DraftConfig:
                 raise ValueError(f"{name} must be {bounds}, got {getattr(self, name)}")
         if self.trie_capacity < 1:
             raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
+        for name, low in (("window_size", 1), ("ngram_size", 2), ("guesses", 0), ("pool_capacity", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.window_initial_gain < 0:
+            raise ValueError(f"window_initial_gain must be >= 0, got {self.window_initial_gain}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -288,6 +288,7 @@ def _merge(results: list[RunnerOutput]) -> RunnerOutput:
     for r in results:
         merged.emitted.update(r.emitted)
         merged.accepted.update(r.accepted)
+        merged.window_outputs.update(r.window_outputs)
         for name, seconds in r.phases.items():
             setattr(merged.phases, name, getattr(merged.phases, name) + seconds)
         if r.phases.attention is not None:

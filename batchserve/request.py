@@ -39,6 +39,8 @@ class SamplingParams:
     ignore_eos: bool = False
     decoding_length: int | None = None  # per-request draft budget; None = the engine's, 0 = off
     draft_layout: str | None = None  # lookahead layout: hierarchical, parallel or single; None = the engine's
+    # jacobi/hybrid (w, n, g), each at most the engine's; None (or a None in it) = the engine's.
+    jacobi: tuple[int | None, int | None, int | None] | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so the params stay hashable.
@@ -64,6 +66,14 @@ class SamplingParams:
             raise ValueError(f"decoding_length must be >= 0, got {self.decoding_length}")
         if self.draft_layout is not None and self.draft_layout not in DRAFT_LAYOUTS:
             raise ValueError(f"draft_layout must be one of {DRAFT_LAYOUTS}, got {self.draft_layout!r}")
+        if self.jacobi is not None:
+            object.__setattr__(self, "jacobi", tuple(self.jacobi))
+            ok = len(self.jacobi) == 3 and all(
+                v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= low)
+                for v, low in zip(self.jacobi, (1, 2, 0))
+            )
+            if not ok:
+                raise ValueError(f"jacobi must be (w >= 1, n >= 2, g >= 0), each an int or None, got {self.jacobi!r}")
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchserve.draft.jacobi import spec_mask, window_rows
 from batchserve.draft.tree import ancestor_mask
 
 
@@ -22,6 +23,7 @@ class SeqLayout:
     num_chunk: int  # committed tokens computed this step (causal among themselves)
     draft_parents: tuple[int | None, ...]  # parent of each draft node (None: child of the chunk's last token)
     block_ids: tuple[int, ...]  # the request's block table
+    window: tuple[int, int] = (0, 0)  # (levels, width) of the Jacobi window rows after the draft nodes
 
     @property
     def kv_len(self) -> int:
@@ -44,7 +46,7 @@ class StepLayout:
 
     Request i owns rows [qo_indptr[i], qo_indptr[i + 1]): first its `num_chunk` committed
     tokens (causal among themselves), then its draft nodes (a tree hanging off the last chunk
-    token). Every row sees the request's `num_cached` prefix slots.
+    token), then any window rows. Every row sees the request's `num_cached` prefix slots.
     """
 
     qo_indptr: np.ndarray  # [B + 1] int64
@@ -52,7 +54,9 @@ class StepLayout:
     num_chunk: np.ndarray  # [B] int64: committed tokens computed this step
     num_blocks: np.ndarray  # [B] int64: length of each request's block table
     block_table: np.ndarray  # [B, W] int64: block tables (W >= max num_blocks; entries past num_blocks unused)
-    tree_masks: tuple[np.ndarray | None, ...]  # per request: its draft's [n, n] ancestor-or-self mask
+    # Per request: [n, n] over its rows after the chunk (draft nodes: ancestor-or-self; window
+    # rows: their own pattern; the two never see each other). None: no such rows.
+    spec_masks: tuple[np.ndarray | None, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +88,7 @@ class StepLayout:
             num_chunk=np.array([s.num_chunk for s in seqs], np.int64),
             num_blocks=np.array([len(s.block_ids) for s in seqs], np.int64),
             block_table=table,
-            tree_masks=tuple(ancestor_mask(s.draft_parents) if s.draft_parents else None for s in seqs),
+            spec_masks=tuple(_spec_mask(s) for s in seqs),
         )
 
     def step_mask(self, i: int) -> np.ndarray:
@@ -92,10 +96,10 @@ class StepLayout:
         c, q = int(self.num_chunk[i]), int(self.qo_indptr[i + 1] - self.qo_indptr[i])
         mask = np.zeros((q, q), dtype=bool)
         mask[:c, :c] = np.tri(c, dtype=bool)
-        mask[c:, :c] = True  # draft nodes see the whole chunk (its last token is their root)
-        tree = self.tree_masks[i]
-        if tree is not None:
-            mask[c:, c:] = tree
+        mask[c:, :c] = True  # draft nodes and window rows see the whole chunk (its last token is their root)
+        spec = self.spec_masks[i]
+        if spec is not None:
+            mask[c:, c:] = spec
         return mask
 
     def flat_masks(self) -> np.ndarray:
@@ -108,6 +112,13 @@ class StepLayout:
             view = flat[offsets[i] : offsets[i + 1]].reshape(q[i], kv[i])
             view[:, self.num_cached[i] :] = self.step_mask(i)
         return flat
+
+
+def _spec_mask(s: SeqLayout) -> np.ndarray | None:
+    """[n, n] over a request's draft nodes then window rows; None if it has neither."""
+    tree = ancestor_mask(s.draft_parents) if s.draft_parents else None
+    levels, width = s.window
+    return spec_mask(tree, window_rows([[0] * width] * levels).mask if levels * width else None)
 
 
 def slots_of(block_ids: tuple[int, ...] | list[int], block_size: int, positions: torch.Tensor) -> torch.Tensor:

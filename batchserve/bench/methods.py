@@ -23,6 +23,7 @@ class Method:
     decoding_length: int | None = None  # None: the run's --decoding-length
     cpu_linear: str = "torch"  # "onednn": the model's linear layers on oneDNN's kernel
     prefix_caching: bool = True  # the `+nocache` suffix turns it off
+    jacobi: tuple[int, int, int] | None = None  # jacobi/hybrid (W, N, G); None: the engine's defaults
 
 
 BATCHSERVE = {
@@ -33,6 +34,9 @@ BATCHSERVE = {
     "lookahead-cold": Method("lookahead", "hierarchical", False),
     **{f"lookahead-{n}": Method("lookahead", "hierarchical", True, decoding_length=n) for n in FIXED_LENGTHS},
     "lookahead-adaptive": Method("lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP),
+    # Lookahead Decoding's Jacobi window and n-gram pool, alone and merged with the (warm) trie.
+    "jacobi": Method("jacobi", "hierarchical", False, adaptive=True, decoding_length=ADAPTIVE_CAP),
+    "hybrid": Method("hybrid", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP),
     # The same on oneDNN's CPU linear kernel (--cpu-linear onednn), to measure what it brings.
     "none-onednn": Method("none", "hierarchical", False, cpu_linear="onednn"),
     "lookahead-adaptive-onednn": Method(
@@ -43,17 +47,31 @@ METHODS = PEERS + tuple(BATCHSERVE)
 NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
 
 
+def _jacobi_shape(name: str) -> Method | None:
+    """`jacobi-W-N` / `hybrid-W-N`: the method with that window, G = W (the paper's sweep)."""
+    base, _, shape = name.partition("-")
+    parts = shape.split("-")
+    if base not in ("jacobi", "hybrid") or len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return None
+    w, n = int(parts[0]), int(parts[1])
+    if w < 1 or n < 2:
+        return None
+    return replace(BATCHSERVE[base], jacobi=(w, n, w))
+
+
 def batchserve_method(name: str) -> Method | None:
     """The engine settings of a batchserve method name (None for a peer or an unknown name)."""
     base = name.removesuffix(NOCACHE)
-    m = BATCHSERVE.get(base)
+    m = BATCHSERVE.get(base) or _jacobi_shape(base)
     return replace(m, prefix_caching=False) if m is not None and base != name else m
 
 
-def method_rank(name: str) -> tuple[int, bool]:
-    """Where a method sorts in tables and legends: its base method's place, `+nocache` after it."""
+def method_rank(name: str) -> tuple[int, bool, str]:
+    """Where a method sorts in tables and legends: its base method's place (a `jacobi-W-N` after
+    `jacobi`), `+nocache` after it."""
     base = name.removesuffix(NOCACHE)
-    return METHODS.index(base), base != name
+    family = base if base in METHODS else base.partition("-")[0]
+    return METHODS.index(family), base != name, base
 
 
 def known_method(name: str) -> bool:

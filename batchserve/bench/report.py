@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from batchserve.bench.methods import FIXED_LENGTHS, PEERS, SINGLE, Row, method_rank
+from batchserve.bench.methods import FIXED_LENGTHS, METHODS, PEERS, SINGLE, Row, method_rank
 from batchserve.scheduler import StepPhases
 
 
@@ -134,8 +135,10 @@ def _color(method: str) -> Any:
     """One colour per method, the same in every panel."""
     import matplotlib
 
-    index, nocache = method_rank(method)  # a +nocache row: its method's colour, shifted
-    return matplotlib.colormaps["tab20"]((index + (10 if nocache else 0)) % 20)
+    # A +nocache row, or a jacobi-W-N shape: its method's colour, shifted.
+    index, nocache, base = method_rank(method)
+    variant = 0 if base in METHODS else zlib.crc32(base.encode()) % 7 + 1
+    return matplotlib.colormaps["tab20"]((index + (10 if nocache else 0) + variant) % 20)
 
 
 def _plot_throughput(ax: Any, rows: list[Row], dataset: str) -> None:

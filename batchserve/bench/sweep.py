@@ -92,6 +92,7 @@ def run_batchserve(
         cost_profile=cost_profile,
         cpu_linear=m.cpu_linear,
         prefix_caching=m.prefix_caching,
+        **(dict(zip(("window_size", "ngram_size", "guesses"), m.jacobi)) if m.jacobi else {}),
     )
     if m.warm:
         llm.engine.drafter.warm_up(warm)

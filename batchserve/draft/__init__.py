@@ -1,12 +1,24 @@
 """Draft sources (pure Python: no torch, no grpc)."""
 
 from batchserve.config import DraftConfig
-from batchserve.draft.base import Drafter, NoDrafter
+from batchserve.draft.base import Drafter, NoDrafter, WindowDrafter
+from batchserve.draft.jacobi import HybridDrafter, JacobiDrafter, WindowRows
 from batchserve.draft.llma import SingleBranchDrafter
 from batchserve.draft.tree import DraftTree
 from batchserve.draft.trie import TrieDrafter
 
-__all__ = ["DraftTree", "Drafter", "NoDrafter", "SingleBranchDrafter", "TrieDrafter", "make_drafter"]
+__all__ = [
+    "DraftTree",
+    "Drafter",
+    "HybridDrafter",
+    "JacobiDrafter",
+    "NoDrafter",
+    "SingleBranchDrafter",
+    "TrieDrafter",
+    "WindowDrafter",
+    "WindowRows",
+    "make_drafter",
+]
 
 
 def make_drafter(config: DraftConfig) -> Drafter:
@@ -17,4 +29,8 @@ def make_drafter(config: DraftConfig) -> Drafter:
         return SingleBranchDrafter(max_match=config.max_match, min_match=config.min_match)
     if config.method == "lookahead":
         return TrieDrafter(config)
+    if config.method == "jacobi":
+        return JacobiDrafter(config)
+    if config.method == "hybrid":
+        return HybridDrafter(config)
     raise ValueError(f"unknown draft method {config.method!r}")

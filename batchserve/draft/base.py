@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from batchserve.draft.tree import DraftTree
+
+if TYPE_CHECKING:
+    from batchserve.draft.jacobi import WindowRows
 
 
 class Drafter(Protocol):
@@ -15,10 +18,16 @@ class Drafter(Protocol):
     """
 
     def on_request_start(
-        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        layout: str | None = None,
+        scope: str | None = "",
+        window: tuple[int | None, int | None, int | None] | None = None,
     ) -> None:
         """A request arrived (its prompt may be indexed); `layout` is its draft-shape override;
-        `scope` names the n-grams it may share with other requests (None: its own only)."""
+        `scope` names the n-grams it may share with other requests (None: its own only);
+        `window` its Jacobi (W, N, G), for drafters that have one (None: the engine's)."""
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         """New output tokens were committed for the request."""
@@ -30,11 +39,30 @@ class Drafter(Protocol):
         """A tree of at most `max_tokens` nodes continuing `token_ids`, or None."""
 
 
+@runtime_checkable
+class WindowDrafter(Protocol):
+    """A drafter that also asks for rows computed but never verified (the Jacobi window)."""
+
+    def window(self, request_id: str, max_rows: int) -> WindowRows | None:
+        """This step's window rows for the request, or None if they do not fit `max_rows`."""
+
+    def window_rows_needed(self, request_id: str) -> int:
+        """How many rows the request's window takes this step (0: none)."""
+
+    def on_window_outputs(self, request_id: str, rows: WindowRows, outputs: Sequence[int]) -> None:
+        """The model's next token after each of the window's last `rows.num_outputs` rows."""
+
+
 class NoDrafter:
     """Plain decoding: never proposes anything."""
 
     def on_request_start(
-        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        layout: str | None = None,
+        scope: str | None = "",
+        window: tuple[int | None, int | None, int | None] | None = None,
     ) -> None:
         pass
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,8 @@ class DraftTree:
     # trie's n-gram frequency of the path); empty when the drafter has none. Never above the
     # parent's: a node cannot be accepted without its parent.
     scores: tuple[float, ...] = ()
+    # Nodes that only the Jacobi pool proposed (a hybrid tree): what the window's rows bought.
+    pooled: frozenset[int] = frozenset()
     depths: tuple[int, ...] = field(init=False)  # root children have depth 1
     children: dict[int | None, dict[int, int]] = field(init=False)  # node (None: the root) -> {token: child}
     _mask: Any = field(init=False, default=None, repr=False, compare=False)  # ancestor_mask, built on first use
@@ -94,7 +96,11 @@ class DraftTree:
         best first, so this is the best `n`-node draft."""
         if n >= len(self.tokens):
             return self
-        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n], frozenset(i for i in self.pooled if i < n))
+
+    def with_pooled(self, nodes: Iterable[int]) -> DraftTree:
+        """This tree with `nodes` marked as proposed by the pool alone."""
+        return DraftTree(self.tokens, self.parents, self.scores, frozenset(nodes))
 
 
 @dataclass(slots=True)

@@ -136,7 +136,12 @@ class TrieDrafter:
     # ---- Drafter interface ---------------------------------------------------------------
 
     def on_request_start(
-        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        layout: str | None = None,
+        scope: str | None = "",
+        window: tuple[int | None, int | None, int | None] | None = None,
     ) -> None:
         local = Trie()
         local.insert_sequence(prompt_token_ids, self.config.branch_length)

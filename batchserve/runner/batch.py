@@ -71,21 +71,26 @@ class PackedStep:
 
     layout: StepLayout  # the attention view of the same step
     input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64: RoPE position (a draft node's is its depth below the root)
+    positions: np.ndarray  # [T] int64: RoPE position (below the root: a node's depth, a window row's offset)
     slot_mapping: np.ndarray  # [T] int64: pool slot each row's K/V is written to
     keep: np.ndarray  # [K] int64: rows whose logits verification needs, request by request
-    logit_start: np.ndarray  # [B] int64: first of request i's kept rows (its root), valid when it samples
+    logit_start: np.ndarray  # [B] int64: first of request i's kept rows (its root, draft nodes, window outputs)
 
 
 def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: int) -> PackedStep:
-    """Flatten the scheduled requests: rows are each request's chunk, then its draft nodes."""
+    """Flatten the scheduled requests: rows are each request's chunk, then its draft nodes, then
+    its window rows (computed, never verified)."""
     b = len(requests)
-    drafts = [r.draft for r in requests]
     cached = np.fromiter((r.num_computed_tokens for r in requests), np.int64, b)
     chunk = np.fromiter((len(r.token_ids) for r in requests), np.int64, b)
-    nodes = np.fromiter((0 if d is None else len(d) for d in drafts), np.int64, b)
+    spec = np.fromiter((r.num_spec_rows for r in requests), np.int64, b)  # draft nodes + window rows
+    nodes = np.fromiter((0 if r.draft is None else len(r.draft) for r in requests), np.int64, b)
+    # Window rows whose logits nobody reads (all but the last level's): skipped by the LM head.
+    unread = np.fromiter(
+        (0 if r.window is None else len(r.window) - r.window.num_outputs for r in requests), np.int64, b
+    )
     sample = np.fromiter((r.sample for r in requests), bool, b)
-    q_len = chunk + nodes
+    q_len = chunk + spec
     qo_indptr = np.zeros(b + 1, np.int64)
     np.cumsum(q_len, out=qo_indptr[1:])
     num_tokens = int(qo_indptr[-1])
@@ -96,23 +101,23 @@ def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: 
 
     owner = np.repeat(np.arange(b), q_len)  # [T] request of each row
     offset = np.arange(num_tokens) - qo_indptr[owner]  # [T] row within its request
-    logical = cached[owner] + offset  # [T] KV index: chunk then draft nodes, consecutively
+    logical = cached[owner] + offset  # [T] KV index: chunk, draft nodes, window rows, consecutively
     slot_mapping = block_table[owner, logical // block_size] * block_size + logical % block_size
     positions = logical.copy()
-    is_node = offset >= chunk[owner]
-    if is_node.any():
-        depths = np.fromiter(itertools.chain.from_iterable(d.depths for d in drafts if d is not None), np.int64)
-        # A node sits `depth` below the root, the chunk's last token.
-        positions[is_node] = (cached + chunk - 1)[owner[is_node]] + depths
+    is_spec = offset >= chunk[owner]
+    if is_spec.any():
+        below = np.fromiter(itertools.chain.from_iterable(r.spec_offsets() for r in requests), np.int64)
+        # A draft node sits `depth` below the root, the chunk's last token; a window row, its offset.
+        positions[is_spec] = (cached + chunk - 1)[owner[is_spec]] + below
     input_ids = np.fromiter(
-        itertools.chain.from_iterable(
-            r.token_ids if d is None else itertools.chain(r.token_ids, d.tokens) for r, d in zip(requests, drafts)
-        ),
+        itertools.chain.from_iterable(itertools.chain(r.token_ids, r.spec_tokens()) for r in requests),
         np.int64,
         num_tokens,
     )
-    keep = np.flatnonzero(sample[owner] & (offset >= chunk[owner] - 1))
-    kept = np.where(sample, nodes + 1, 0)
+    window_start = (chunk + nodes)[owner]  # [T]
+    unread_row = (offset >= window_start) & (offset < window_start + unread[owner])
+    keep = np.flatnonzero(sample[owner] & (offset >= chunk[owner] - 1) & ~unread_row)
+    kept = np.where(sample, spec - unread + 1, 0)
     logit_start = np.cumsum(kept) - kept
     layout = StepLayout(
         qo_indptr=qo_indptr,
@@ -120,6 +125,6 @@ def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: 
         num_chunk=chunk,
         num_blocks=num_blocks,
         block_table=block_table,
-        tree_masks=tuple(None if d is None else d.mask for d in drafts),
+        spec_masks=tuple(r.spec_mask() for r in requests),
     )
     return PackedStep(layout, input_ids, positions, slot_mapping, keep, logit_start)

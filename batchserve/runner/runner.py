@@ -96,13 +96,17 @@ class ModelRunner:
 
         emitted: dict[str, list[int]] = {}
         accepted_nodes: dict[str, list[int]] = {}
+        window_outputs: dict[str, list[int]] = {}
         moves: list[tuple[int, int, int]] = []  # (request, from KV index, to KV index)
         consumed: list[tuple[str, int]] = []  # (sampling request, uniforms its emitted tokens used)
         for i, r in enumerate(out.requests):
             if not r.sample:
                 continue
             row = int(step.logit_start[i])
-            tokens, accepted = verify(r.draft, choices[row : row + 1 + (len(r.draft) if r.draft is not None else 0)])
+            verified = 1 + (len(r.draft) if r.draft is not None else 0)  # the root and the draft nodes
+            tokens, accepted = verify(r.draft, choices[row : row + verified])
+            if r.window is not None:  # kept after the tree: the window's output rows, argmax
+                window_outputs[r.request_id] = choices[row + verified : row + verified + r.window.num_outputs]
             emitted[r.request_id] = tokens
             accepted_nodes[r.request_id] = accepted
             if not r.params.greedy:
@@ -119,7 +123,7 @@ class ModelRunner:
             del self._uniforms[rid][:n]
         phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
         phases.attention = self.backend.seconds if self.backend.timed else None
-        return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases)
+        return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases, window_outputs=window_outputs)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Host int64 arrays as device tensors: zero-copy on CPU, one pinned copy on CUDA."""

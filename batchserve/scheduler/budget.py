@@ -128,6 +128,47 @@ class AcceptanceTracker:
         self._gains.pop(request_id, None)
 
 
+class WindowTracker:
+    """Per request, an EMA of what its Jacobi window buys: the tokens per step that pooled draft
+    nodes (ones only the window's n-grams proposed) added to the accepted path while the window
+    ran. Window rows are pure cost in their own step; this is their expected later gain. Like
+    `AcceptanceTracker`, a pooled prior starts new requests, and a request whose window is off
+    drifts back toward it, so a window switched off for a streak of bad luck is tried again."""
+
+    def __init__(
+        self,
+        initial: float = _DEFAULTS.window_initial_gain,
+        decay: float = _DEFAULTS.acceptance_decay,
+        explore: float = _DEFAULTS.explore,
+        pool_rate: float = _DEFAULTS.acceptance_pool_rate,
+    ) -> None:
+        self.initial = initial
+        self.prior = initial
+        self.decay = decay
+        self.explore = explore
+        self.pool_rate = pool_rate
+        self._est: dict[str, float] = {}
+
+    def gain(self, request_id: str) -> float:
+        return self._est.get(request_id, self.prior)
+
+    def observe(self, request_id: str, pooled_tokens: int) -> None:
+        """A step with the window on: `pooled_tokens` accepted tokens came from the pool alone."""
+        est = self._est.get(request_id, self.prior)
+        self._est[request_id] = est + self.decay * (pooled_tokens - est)
+        self.prior += self.decay * self.pool_rate * (pooled_tokens - self.prior)
+
+    def idle(self, request_id: str) -> None:
+        """A step with the window off: drift toward the pool's estimate, and it toward the first guess."""
+        est = self._est.get(request_id)
+        if est is not None:
+            self._est[request_id] = est + self.explore * (self.prior - est)
+        self.prior += self.explore * self.pool_rate * (self.initial - self.prior)
+
+    def forget(self, request_id: str) -> None:
+        self._est.pop(request_id, None)
+
+
 @dataclass(frozen=True, slots=True)
 class DraftCandidate:
     """A request that samples this step and could carry up to `max_tokens` draft tokens."""
@@ -146,13 +187,16 @@ class DraftBudgetPolicy:
         tracker: AcceptanceTracker,
         min_gain: float = _DEFAULTS.min_gain,
         *,
+        windows: WindowTracker | None = None,
         step_cost_decay: float = _DEFAULTS.step_cost_decay,
         step_cost_ridge: float = _DEFAULTS.step_cost_ridge,
         max_scale: float = _DEFAULTS.step_cost_max_scale,
     ) -> None:
         self.profile = profile
         self.tracker = tracker
+        self.windows = windows or WindowTracker()
         self.min_gain = min_gain
+        self.planned_gain = 0.0  # expected accepted draft tokens of the last `allocate`
         # Measured decode steps against the profile, fitted online as
         #   elapsed = scale * profile + per_seq * requests + per_draft * draft rows
         # (draft rows: a decode step's rows beyond one per request). Drafts get their own
@@ -188,10 +232,14 @@ class DraftBudgetPolicy:
             pool_rate=config.acceptance_pool_rate,
             calibration=calibration,
         )
+        windows = WindowTracker(
+            config.window_initial_gain, config.acceptance_decay, config.explore, config.acceptance_pool_rate
+        )
         return cls(
             profile,
             tracker,
             config.min_gain,
+            windows=windows,
             step_cost_decay=config.step_cost_decay,
             step_cost_ridge=config.step_cost_ridge,
             max_scale=config.step_cost_max_scale,
@@ -240,12 +288,8 @@ class DraftBudgetPolicy:
 
         curve = self.profile.curve(context)
 
-        overhead = self.overhead_per_seq_ms * num_seqs
-
         def cost(extra: int, others: int) -> float:
-            rows = num_roots + others + extra
-            forward = self.scale * self.profile.time_ms(rows, context, num_seqs, curve)
-            return forward + overhead + self.overhead_per_draft_ms * (others + extra)
+            return self._step_ms(num_roots + others + extra, num_roots, context, num_seqs, curve)
 
         # 1. Decode-only optimum and the value of a token there.
         best_k = max(range(len(gain)), key=lambda k: ((num_roots + gain[k]) / cost(k, 0), -k))
@@ -256,4 +300,47 @@ class DraftBudgetPolicy:
         lengths = {c.request_id: 0 for c in candidates}
         for _, rid in ranked[:best_k]:
             lengths[rid] += 1
+        self.planned_gain = gain[best_k]
         return lengths
+
+    def _step_ms(
+        self, rows: int, num_roots: int, context: float, num_seqs: int, curve: list[float] | None = None
+    ) -> float:
+        """Predicted ms of a step of `rows` rows, `num_roots` of them one per sampling request."""
+        forward = self.scale * self.profile.time_ms(rows, context, num_seqs, curve)
+        return forward + self.overhead_per_seq_ms * num_seqs + self.overhead_per_draft_ms * (rows - num_roots)
+
+    def admit_windows(
+        self,
+        candidates: Sequence[tuple[str, int]],
+        *,
+        num_tokens: int,
+        num_decode_tokens: int,
+        num_roots: int,
+        expected_tokens: float,
+        context: float = 0.0,
+        num_seqs: int | None = None,
+        token_budget: int | None = None,
+    ) -> list[str]:
+        """Which (request id, window rows) run this step. A window's rows buy nothing now; its
+        expected later gain (`windows`) is valued at the time per token of decoding (the
+        step's `num_decode_tokens` roots and draft rows, expected to emit `expected_tokens`;
+        prompt chunks excluded, as in `allocate`), and it runs only where that pays for the
+        time its rows add to the whole step of `num_tokens` rows. Best value per row first."""
+        num_seqs = num_seqs if num_seqs is not None else max(1, num_roots)
+        cap = token_budget if token_budget is not None else sum(n for _, n in candidates)
+        curve = self.profile.curve(context)
+        tau = self._step_ms(num_decode_tokens, num_roots, context, num_seqs, curve) / max(_MIN_TOKENS, expected_tokens)
+        total = num_tokens
+        now = self._step_ms(total, num_roots, context, num_seqs, curve)
+        ranked = sorted(candidates, key=lambda c: -self.windows.gain(c[0]) / max(1, c[1]))
+        admitted: list[str] = []
+        for rid, rows in ranked:
+            gain = self.windows.gain(rid)
+            if rows > cap or gain < self.min_gain:
+                continue
+            after = self._step_ms(total + rows, num_roots, context, num_seqs, curve)
+            if gain * tau >= after - now:
+                admitted.append(rid)
+                total, now, cap = total + rows, after, cap - rows
+        return admitted

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from batchserve.config import DraftConfig
-from batchserve.draft.base import Drafter
+from batchserve.draft.base import Drafter, WindowDrafter
+from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
 from batchserve.request import Request
 from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
@@ -28,8 +29,17 @@ class DraftPlanner:
         self.config = config
         self.policy = policy  # None: every request drafts `decoding_length` tokens
 
-    def plan(self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int) -> dict[str, DraftTree]:
-        """Draft trees by request id, within `budget` tokens in all."""
+    def plan(
+        self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int
+    ) -> tuple[dict[str, DraftTree], dict[str, WindowRows]]:
+        """Draft trees and window rows by request id, within `budget` tokens in all."""
+        trees = self._trees(items, requests, budget)
+        windows: dict[str, WindowRows] = {}
+        if isinstance(self.drafter, WindowDrafter):
+            windows = self._windows(items, requests, trees, budget - sum(map(len, trees.values())))
+        return trees, windows
+
+    def _trees(self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int) -> dict[str, DraftTree]:
         trees: dict[str, DraftTree] = {}
         shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
         for item in items:
@@ -53,6 +63,55 @@ class DraftPlanner:
                 if k > 0:
                     trees[req.request_id] = tree.prefix(k)
         return trees
+
+    def _windows(
+        self, items: list[ScheduledRequest], requests: dict[str, Request], trees: dict[str, DraftTree], budget: int
+    ) -> dict[str, WindowRows]:
+        """Window rows for the sampling requests that speculate, within `budget` rows: all that
+        fit for requests with a fixed length; where the policy decides, those worth their rows."""
+        drafter = self.drafter
+        assert isinstance(drafter, WindowDrafter)
+        fixed: list[tuple[Request, WindowRows]] = []
+        by_policy: list[tuple[Request, WindowRows]] = []
+        for item in items:
+            req = requests[item.request_id]
+            if not item.sample or self.limit(req) <= 0:
+                continue
+            try:
+                rows = drafter.window(req.request_id, budget)
+            except Exception:  # a drafter bug costs the window, not the request
+                logger.exception("the window of request %s failed; it runs without", req.request_id)
+                continue
+            if rows is not None and len(rows):
+                (by_policy if self.policy is not None and req.params.decoding_length is None else fixed).append(
+                    (req, rows)
+                )
+        out: dict[str, WindowRows] = {}
+        for req, rows in fixed:
+            if len(rows) <= budget:
+                out[req.request_id] = rows
+                budget -= len(rows)
+        if by_policy and budget > 0:
+            assert self.policy is not None
+            sampling = [i for i in items if i.sample]
+            spec = sum(map(len, trees.values())) + sum(map(len, out.values()))
+            try:
+                chosen = self.policy.admit_windows(
+                    [(req.request_id, len(rows)) for req, rows in by_policy],
+                    num_tokens=sum(i.num_tokens for i in items) + spec,
+                    num_decode_tokens=len(sampling) + spec,
+                    num_roots=len(sampling),
+                    expected_tokens=len(sampling) + (self.policy.planned_gain if trees else 0.0),
+                    context=sum(requests[i.request_id].num_tokens for i in sampling) / len(sampling),
+                    num_seqs=len(items),
+                    token_budget=budget,
+                )
+            except Exception:
+                logger.exception("the window budget failed; this step runs no policy windows")
+                chosen = []
+            rows_of = {req.request_id: rows for req, rows in by_policy}
+            out.update((rid, rows_of[rid]) for rid in chosen)
+        return out
 
     def limit(self, req: Request) -> int:
         """The most draft tokens `req` may verify this step (its length, output and context left)."""
@@ -99,9 +158,17 @@ class DraftPlanner:
             return {}
 
     def observe_acceptance(self, item: ScheduledRequest, accepted: list[int]) -> None:
-        """Feed the policy's tracker which draft ranks (node indices) were on the accepted path."""
+        """Feed the policy's trackers which draft ranks (node indices) were on the accepted path,
+        and, for drafters with a window, how many of them only the window's pool proposed."""
         if self.policy is None:
             return
+        if isinstance(self.drafter, WindowDrafter):
+            windows = self.policy.windows
+            if item.window is None:
+                windows.idle(item.request_id)
+            else:
+                pooled = item.draft.pooled if item.draft is not None else frozenset()
+                windows.observe(item.request_id, sum(1 for node in accepted if node in pooled))
         tracker = self.policy.tracker
         if item.draft is None:
             tracker.skipped(item.request_id)

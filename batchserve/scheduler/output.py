@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
+
+from batchserve.draft.jacobi import WindowRows, spec_mask
 from batchserve.draft.tree import DraftTree
 from batchserve.request import SamplingParams
 
@@ -20,11 +23,34 @@ class ScheduledRequest:
     draft: DraftTree | None  # draft tree rooted at token_ids[-1]; only when `sample` is set
     sample: bool  # token_ids reach the end of the known tokens: emit the next token(s)
     params: SamplingParams  # how to sample / verify
+    window: WindowRows | None = None  # rows computed after the draft, never verified; only when `sample` is set
 
     @property
     def num_tokens(self) -> int:
         """Rows this request adds to the step's packed batch."""
-        return len(self.token_ids) + (len(self.draft) if self.draft is not None else 0)
+        return len(self.token_ids) + self.num_spec_rows
+
+    @property
+    def num_spec_rows(self) -> int:
+        """Rows after the committed tokens: draft nodes, then window rows."""
+        return (len(self.draft) if self.draft is not None else 0) + (len(self.window) if self.window is not None else 0)
+
+    def spec_tokens(self) -> tuple[int, ...]:
+        """Input tokens of the rows after the committed ones (draft nodes, then window rows)."""
+        return (self.draft.tokens if self.draft is not None else ()) + (
+            self.window.tokens if self.window is not None else ()
+        )
+
+    def spec_offsets(self) -> tuple[int, ...]:
+        """Position of each row after the committed ones, below the root (a node's depth)."""
+        return (self.draft.depths if self.draft is not None else ()) + (
+            self.window.offsets if self.window is not None else ()
+        )
+
+    def spec_mask(self) -> np.ndarray | None:
+        """[n, n] bool: which rows after the committed ones each of them sees (`jacobi.spec_mask`)."""
+        tree = self.draft.mask if self.draft is not None else None
+        return spec_mask(tree, self.window.mask if self.window is not None else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +71,8 @@ class RunnerOutput:
 
     emitted: dict[str, list[int]]  # accepted draft tokens followed by the model's own next token
     accepted: dict[str, list[int]]  # draft node indices on the accepted path, root first (one per emitted draft token)
+    # Per request with a window: the model's next token after each of its output rows.
+    window_outputs: dict[str, list[int]] = field(default_factory=dict)
     phases: StepPhases = field(default_factory=lambda: StepPhases())  # the runner's share: prepare, forward, verify
 
 

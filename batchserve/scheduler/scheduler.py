@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from batchserve.config import DraftConfig, SchedulerConfig
-from batchserve.draft.base import Drafter
+from batchserve.draft.base import Drafter, WindowDrafter
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.budget import DraftBudgetPolicy
@@ -84,7 +84,11 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.drafter.on_request_start(
-            req.request_id, req.prompt_token_ids, req.params.draft_layout, scope=self._draft_scope(req)
+            req.request_id,
+            req.prompt_token_ids,
+            req.params.draft_layout,
+            scope=self._draft_scope(req),
+            window=req.params.jacobi,
         )
 
     def _draft_scope(self, req: Request) -> str | None:
@@ -232,6 +236,12 @@ class Scheduler:
         req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
         req.stats.draft_tokens_accepted += len(reached)
         self.drafter.on_tokens_accepted(req.request_id, appended)
+        outputs = result.window_outputs.get(item.request_id)
+        if item.window is not None and outputs is not None and isinstance(self.drafter, WindowDrafter):
+            try:
+                self.drafter.on_window_outputs(req.request_id, item.window, outputs)
+            except Exception:  # a drafter bug costs the window's n-grams, not the request
+                logger.exception("the window of request %s failed to update", req.request_id)
         self.prefix.register(req)
         if reason is not None:
             self.finish(req, reason)
@@ -284,15 +294,21 @@ class Scheduler:
 
     def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
         """Hang the planner's draft trees off the sampling requests that have blocks for them."""
-        trees = self.planner.plan(items, self.requests, budget)
+        trees, windows = self.planner.plan(items, self.requests, budget)
         out = []
         for item in items:
-            tree = trees.get(item.request_id)
-            if tree is not None:
+            tree, window = trees.get(item.request_id), windows.get(item.request_id)
+            if tree is not None or window is not None:
                 req = self.requests[item.request_id]
-                # Speculation is optional: without blocks for the tree, the request goes without.
-                if self._ensure_blocks(req, item.num_computed_tokens + len(item.token_ids) + len(tree)):
-                    item = replace(item, draft=tree, block_ids=tuple(req.block_ids))
+                end = item.num_computed_tokens + len(item.token_ids)
+                # Speculation is optional: without blocks for the window it goes, then the tree.
+                rows = (len(tree) if tree is not None else 0) + (len(window) if window is not None else 0)
+                if window is not None and not self._ensure_blocks(req, end + rows):
+                    window, rows = None, rows - len(window)
+                if tree is not None and not self._ensure_blocks(req, end + rows):
+                    tree = None
+                if tree is not None or window is not None:
+                    item = replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))
             out.append(item)
         return out
 

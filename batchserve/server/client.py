@@ -29,6 +29,7 @@ def build_request(
     decoding_length: int | None = None,
     layout: str | None = None,
     tenant: str = "",
+    jacobi: Sequence[int | None] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids, or chat messages ({"role", "content"} dicts)."""
     req = pb.GenerateRequest(request_id=request_id, tenant=tenant)
@@ -57,6 +58,9 @@ def build_request(
         req.lookahead.decoding_length = decoding_length
     if layout is not None:
         req.lookahead.layout = layout
+    for name, value in zip(("jacobi_window", "jacobi_ngram", "jacobi_guesses"), jacobi or ()):
+        if value is not None:
+            setattr(req.lookahead, name, value)
     return req
 
 

@@ -58,6 +58,9 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         kwargs["decoding_length"] = la.decoding_length
     if la.HasField("layout"):
         kwargs["draft_layout"] = la.layout
+    jacobi = [getattr(la, f) if la.HasField(f) else None for f in ("jacobi_window", "jacobi_ngram", "jacobi_guesses")]
+    if any(v is not None for v in jacobi):
+        kwargs["jacobi"] = tuple(jacobi)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

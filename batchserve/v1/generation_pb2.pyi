@@ -63,14 +63,20 @@ class SamplingOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[bytes]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class LookaheadOptions(_message.Message):
-    __slots__ = ("enable", "decoding_length", "layout")
+    __slots__ = ("enable", "decoding_length", "layout", "jacobi_window", "jacobi_ngram", "jacobi_guesses")
     ENABLE_FIELD_NUMBER: _ClassVar[int]
     DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    JACOBI_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    JACOBI_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    JACOBI_GUESSES_FIELD_NUMBER: _ClassVar[int]
     enable: bool
     decoding_length: int
     layout: str
-    def __init__(self, enable: _Optional[bool] = ..., decoding_length: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    jacobi_window: int
+    jacobi_ngram: int
+    jacobi_guesses: int
+    def __init__(self, enable: _Optional[bool] = ..., decoding_length: _Optional[int] = ..., layout: _Optional[str] = ..., jacobi_window: _Optional[int] = ..., jacobi_ngram: _Optional[int] = ..., jacobi_guesses: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "lookahead", "tenant")

@@ -9,8 +9,8 @@ import torch
 from batchserve.attention import SeqLayout, slots_of
 from tests.engine.drafters import random_tree
 
-# Heterogeneous requests: prompt chunks, decode roots, draft trees and mixes of them.
-KINDS = ("chunk", "tree", "tree", "chunk+tree", "root", "tree", "long-tree")
+# Heterogeneous requests: prompt chunks, decode roots, draft trees, Jacobi windows and mixes of them.
+KINDS = ("chunk", "tree", "tree", "chunk+tree", "root", "tree", "long-tree", "tree+window")
 
 
 # How a request's blocks lie in the pool: one contiguous run, a few runs, or scattered.
@@ -54,11 +54,14 @@ def random_step(
         num_cached = rng.choice(cached)
         num_chunk = {"chunk": rng.randint(65, 130), "chunk+tree": rng.randint(2, 9)}.get(kind, 1)
         n_draft = {"tree": rng.randint(1, 20), "chunk+tree": rng.randint(1, 10), "long-tree": 64}.get(kind, 0)
+        n_draft = rng.randint(1, 8) if kind == "tree+window" else n_draft
+        window = (rng.randint(1, 4), rng.randint(1, 6)) if kind == "tree+window" else (0, 0)
         parents = random_tree(rng, n_draft, 100).parents if n_draft else ()
-        kv_len = num_cached + num_chunk + n_draft
+        n_spec = n_draft + window[0] * window[1]
+        kv_len = num_cached + num_chunk + n_spec
         blocks = picker.take(-(-kv_len // block_size))
-        seqs.append(SeqLayout(q_start, num_chunk + n_draft, num_cached, num_chunk, parents, blocks))
-        q_start += num_chunk + n_draft
+        seqs.append(SeqLayout(q_start, num_chunk + n_spec, num_cached, num_chunk, parents, blocks, window))
+        q_start += num_chunk + n_spec
     return seqs
 
 

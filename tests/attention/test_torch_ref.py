@@ -40,18 +40,22 @@ def test_reference_matches_naive_dense(block_size, num_heads, num_kv_heads, seed
     seqs, expected_allowed, prefixes = [], [], []
     q_start = 0
     # Heterogeneous requests: long prompt chunks (run alone), decode roots with trees, mixes.
-    for kind in ["chunk", "tree", "tree", "chunk+tree", "root", "tree", "long-tree", "small-tree"]:
+    # Jacobi windows (levels x width rows after the tree) too: a mask that is not a tree.
+    kinds = ["chunk", "tree", "tree", "chunk+tree", "root", "tree", "long-tree", "small-tree", "window", "tree+window"]
+    for kind in kinds:
         num_cached = 300 if kind == "small-tree" else rng.choice([0, 1, 7, 33, 200, 517])
         num_chunk = {"chunk": rng.randint(65, 130), "chunk+tree": rng.randint(2, 9)}.get(kind, 1)
         n_draft = {"tree": rng.randint(1, 20), "chunk+tree": rng.randint(1, 10), "long-tree": 64, "small-tree": 3}
-        n_draft = n_draft.get(kind, 0)
+        n_draft = n_draft.get(kind, rng.randint(1, 8) if kind == "tree+window" else 0)
+        levels, width = (rng.randint(1, 4), rng.randint(1, 6)) if "window" in kind else (0, 0)
         tree = random_tree(rng, n_draft, 100) if n_draft else None
         parents = tree.parents if tree is not None else ()
-        kv_len = num_cached + num_chunk + n_draft
+        n_spec = n_draft + levels * width
+        kv_len = num_cached + num_chunk + n_spec
         n_blocks = -(-kv_len // block_size)
         blocks = picker.take(n_blocks)
-        seqs.append(SeqLayout(q_start, num_chunk + n_draft, num_cached, num_chunk, parents, blocks))
-        q_start += num_chunk + n_draft
+        seqs.append(SeqLayout(q_start, num_chunk + n_spec, num_cached, num_chunk, parents, blocks, (levels, width)))
+        q_start += num_chunk + n_spec
         # What each row may see, derived from first principles.
         allowed = []
         for r in range(num_chunk):
@@ -62,6 +66,12 @@ def test_reference_matches_naive_dense(block_size, num_heads, num_kv_heads, seed
                 anc.add(num_cached + num_chunk + node)
                 node = parents[node]
             allowed.append(set(range(num_cached + num_chunk)) | anc)
+        # Window row (level i, column j): level 0 up to column j, then column j of levels 1..i.
+        base = num_cached + num_chunk + n_draft
+        for i in range(levels):
+            for j in range(width):
+                chain = {base + c for c in range(j + 1)} | {base + lv * width + j for lv in range(1, i + 1)}
+                allowed.append(set(range(num_cached + num_chunk)) | chain)
         expected_allowed.append(allowed)
         # The committed prefix already sits in the pool.
         pk = torch.randn(num_cached, num_kv_heads, head_dim)
@@ -108,6 +118,23 @@ def test_mask_of_chunk_plus_tree():
             [1, 1, 1, 1, 1, 0, 0],
             [1, 1, 1, 1, 1, 1, 0],
             [1, 1, 1, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(s.mask(), expected)
+
+
+def test_mask_of_root_tree_and_window():
+    # prefix 1, root, tree: 0 <- root; window of 2 levels x 2 columns after it
+    s = SeqLayout(0, 6, num_cached=1, num_chunk=1, draft_parents=(None,), block_ids=(0,), window=(2, 2))
+    expected = torch.tensor(
+        [
+            [1, 1, 0, 0, 0, 0, 0],  # the root
+            [1, 1, 1, 0, 0, 0, 0],  # draft node 0
+            [1, 1, 0, 1, 0, 0, 0],  # level 0, column 0
+            [1, 1, 0, 1, 1, 0, 0],  # level 0, column 1: level 0 up to it
+            [1, 1, 0, 1, 0, 1, 0],  # level 1, column 0: level 0 up to column 0, itself
+            [1, 1, 0, 1, 1, 0, 1],  # level 1, column 1: level 0 up to column 1, itself
         ],
         dtype=torch.bool,
     )

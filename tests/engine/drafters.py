@@ -88,7 +88,12 @@ class _KnowsTheTruth(NoDrafter):
         self.prompts: dict[str, tuple[int, ...]] = {}
 
     def on_request_start(
-        self, request_id: str, prompt_token_ids: Sequence[int], layout: str | None = None, scope: str | None = ""
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        layout: str | None = None,
+        scope: str | None = "",
+        window: tuple[int | None, int | None, int | None] | None = None,
     ) -> None:
         self.prompts[request_id] = tuple(prompt_token_ids)
 

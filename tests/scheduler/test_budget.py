@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from batchserve.config import SETTINGS, DraftConfig
-from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate
+from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, WindowTracker
 from batchserve.scheduler.cost_profile import CostProfile
 from tests.scheduler.workloads import COUNTS, cpu_like, feed, gpu_like, trained
 
@@ -265,3 +265,35 @@ def test_adaptive_tuning_settings_are_settings_and_are_validated():
     ]:
         with pytest.raises(ValueError, match=name):
             dataclasses.replace(DraftConfig(), **{name: bad})
+
+
+def test_window_tracker_learns_per_request_and_an_idle_window_drifts_back():
+    t = WindowTracker(initial=0.5, decay=0.5, explore=0.5, pool_rate=0.25)
+    assert t.gain("new") == 0.5
+    for _ in range(10):
+        t.observe("good", 3)
+        t.observe("bad", 0)
+    assert t.gain("good") > 2.5 and t.gain("bad") < 0.01
+    before = t.gain("bad")
+    for _ in range(5):
+        t.idle("bad")  # window off: the estimate moves back toward the pool's
+    assert t.gain("bad") > before + 0.3
+    t.forget("good")
+    assert t.gain("good") == t.prior
+
+
+def test_windows_run_where_their_gain_pays_for_their_rows_best_value_first():
+    policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=2.5), AcceptanceTracker(8))
+    for _ in range(20):
+        policy.windows.observe("sure", 3)
+        policy.windows.observe("useless", 0)
+    kw = dict(num_tokens=2, num_decode_tokens=2, num_roots=2, expected_tokens=2.0)
+    # One token is worth ~40 ms here; 8 window rows cost 20 ms: "sure" pays, "useless" does not.
+    assert policy.admit_windows([("useless", 8), ("sure", 8)], **kw) == ["sure"]
+    assert policy.admit_windows([("sure", 8)], **kw, token_budget=7) == []  # does not fit
+    # Prompt rows sharing the step raise its time but not the value of a decoded token.
+    long_step = policy.admit_windows([("sure", 8)], **{**kw, "num_tokens": 500})
+    assert long_step == ["sure"]
+    steep = DraftBudgetPolicy(cpu_like(base=10.0, slope=20.0), AcceptanceTracker(8))
+    steep.windows.observe("sure", 1)
+    assert steep.admit_windows([("sure", 8)], **kw) == []  # 160 ms of rows for ~15 ms of tokens

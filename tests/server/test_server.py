@@ -185,6 +185,8 @@ async def test_32_concurrent_streams(running):
         ({"token_ids": [1], "layout": "zigzag"}, "draft_layout"),
         ({"token_ids": [1], "decoding_length": -1}, "decoding_length"),
         ({"token_ids": [1], "decoding_length": 9}, "decoding_length"),  # above the server's cap of 8
+        ({"token_ids": [1], "jacobi": (0, None, None)}, "jacobi"),
+        ({"token_ids": [1], "jacobi": (None, 1, None)}, "jacobi"),
         ({"token_ids": [1], "stop": ["x"] * 17}, "stop"),
         ({"token_ids": [1], "stop": ["x" * 257]}, "stop[0]"),
         ({"token_ids": [1], "request_id": "forged\nINFO request admin finished"}, "request_id"),
@@ -507,3 +509,10 @@ async def test_metrics_port_in_use_fails_start_and_leaves_nothing_running():
             await clash.start()
         assert engine._task is None  # the step loop never started
         assert clash._server is None and clash.port is None  # nor did a gRPC listener
+
+
+def test_jacobi_options_reach_the_sampling_params_unset_ones_stay_the_servers():
+    from batchserve.server.convert import sampling_params
+
+    assert sampling_params(build_request([1], jacobi=(3, None, 2))).jacobi == (3, None, 2)
+    assert sampling_params(build_request([1])).jacobi is None

@@ -1,0 +1,342 @@
+"""Jacobi lookahead (Lookahead Decoding, Fu et al. 2024) as a drafter, alone or with the trie.
+
+Each request keeps a *window*: N-1 levels of W guessed future tokens, each level one Jacobi
+iteration further than the one before. Every step the window's rows run through the model
+beside the request's draft tree, under a mask that lets row (level i, column j) see the
+committed text, level 0 up to column j and column j of levels 1..i. That is a causal chain
+of consecutive positions, so the row's argmax is the model's guess for the next position of
+that chain. The last level's guesses become the newest level; the oldest level drops out.
+
+Read down a column, the levels and the new guess form an n-gram: a trajectory the model
+considers plausible. N-grams go into a pool keyed by their first token. The pool's n-grams
+that start with the request's last token are this step's *verification candidates*, merged
+by token path into an ordinary `DraftTree`, so verification (and with it losslessness) is
+the same as for every other drafter. The window's rows are computed, never verified, and
+their K/V is scratch (never committed, never compacted).
+
+Pools follow the trie's isolation: a scope shares one pool; a request without a scope (or
+under `trie_scope=request`) has its own, dropped when it finishes. Pure Python and numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import zlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchserve.config import DraftConfig
+from batchserve.draft.tree import DraftTree, TreeBuilder
+from batchserve.draft.trie import TrieDrafter
+
+
+@dataclass(frozen=True, slots=True)
+class JacobiShape:
+    """(W, N, G): window width, n-gram length (the window keeps N-1 levels), candidates per step."""
+
+    window: int
+    ngram: int
+    guesses: int
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.ngram < 2 or self.guesses < 0:
+            raise ValueError(f"need window >= 1, ngram >= 2, guesses >= 0; got {self.window, self.ngram, self.guesses}")
+
+    def asked(self, asked: Sequence[int | None] | None) -> JacobiShape:
+        """The shape a request asks for, each value at most this one's (None: this one's)."""
+        if asked is None:
+            return self
+        mine = (self.window, self.ngram, self.guesses)
+        return JacobiShape(*(m if a is None else min(a, m) for a, m in zip(asked, mine)))
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRows:
+    """Rows a step computes for one request and never verifies: the Jacobi window.
+
+    They follow the request's draft nodes in the packed batch and, like them, see the whole
+    committed prefix and the root; among themselves they see what `mask` says.
+    """
+
+    tokens: tuple[int, ...]
+    offsets: tuple[int, ...]  # RoPE position of each row, below the root's (root + offset)
+    mask: np.ndarray  # [m, m] bool: the window rows each row may see (itself included)
+    num_outputs: int  # the last `num_outputs` rows' next tokens go back to the drafter
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _window_layout(levels: int, width: int) -> tuple[tuple[int, ...], np.ndarray]:
+    """(offsets, mask) of a window of `levels` x `width` rows, level-major (row = i * width + j)."""
+    i = np.repeat(np.arange(levels), width)  # [m] level of each row
+    j = np.tile(np.arange(width), levels)  # [m] column of each row
+    first = (i[None, :] == 0) & (j[None, :] <= j[:, None])  # level 0 up to the row's column
+    down = (i[None, :] >= 1) & (i[None, :] <= i[:, None]) & (j[None, :] == j[:, None])  # its column, levels 1..i
+    mask = first | down  # [m, m]
+    mask.flags.writeable = False
+    return tuple((1 + i + j).tolist()), mask
+
+
+def window_rows(levels: Sequence[Sequence[int]]) -> WindowRows:
+    """The rows of a window whose levels (oldest first) all have the same width."""
+    width = len(levels[0])
+    offsets, mask = _window_layout(len(levels), width)
+    return WindowRows(tuple(t for level in levels for t in level), offsets, mask, width)
+
+
+def spec_mask(tree: np.ndarray | None, window: np.ndarray | None) -> np.ndarray | None:
+    """[d + w, d + w] bool over a request's draft nodes, then its window rows: each block keeps
+    its own mask and neither sees the other (a window row is no node's ancestor, nor the reverse)."""
+    if window is None or tree is None:
+        return tree if window is None else window
+    d, w = len(tree), len(window)
+    mask = np.zeros((d + w, d + w), dtype=bool)
+    mask[:d, :d], mask[d:, d:] = tree, window
+    return mask
+
+
+class NgramPool:
+    """N-grams by (scope, first token), most recent first, at most `capacity` in all.
+
+    The least recently produced n-gram goes first when the pool is full, whatever its scope;
+    each first token keeps at most `per_key` continuations.
+    """
+
+    def __init__(self, capacity: int, per_key: int) -> None:
+        self.capacity = capacity
+        self.per_key = per_key
+        self._lists: dict[tuple[Hashable, int], OrderedDict[tuple[int, ...], int]] = {}  # -> {rest: times seen}
+        self._lru: OrderedDict[tuple[Hashable, int, tuple[int, ...]], None] = OrderedDict()
+        self._firsts: dict[Hashable, set[int]] = {}  # scope -> its first tokens
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def add(self, scope: Hashable, ngram: Sequence[int]) -> None:
+        first, rest = ngram[0], tuple(ngram[1:])
+        entries = self._lists.setdefault((scope, first), OrderedDict())
+        self._firsts.setdefault(scope, set()).add(first)
+        entries[rest] = entries.pop(rest, 0) + 1  # now the most recent
+        self._lru.pop((scope, first, rest), None)
+        self._lru[(scope, first, rest)] = None
+        if len(entries) > self.per_key:
+            old = next(iter(entries))
+            self._remove(scope, first, old)
+        while len(self._lru) > self.capacity:
+            self._remove(*next(iter(self._lru)))
+
+    def candidates(self, scope: Hashable, first: int, limit: int) -> list[tuple[tuple[int, ...], int]]:
+        """Up to `limit` (continuation, times seen) after `first`, most recent first."""
+        entries = self._lists.get((scope, first))
+        if not entries or limit < 1:
+            return []
+        out = []
+        for rest in reversed(entries):
+            out.append((rest, entries[rest]))
+            if len(out) == limit:
+                break
+        return out
+
+    def drop_scope(self, scope: Hashable) -> None:
+        for first in self._firsts.pop(scope, ()):
+            for rest in list(self._lists.get((scope, first), ())):
+                self._remove(scope, first, rest)
+
+    def _remove(self, scope: Hashable, first: int, rest: tuple[int, ...]) -> None:
+        self._lru.pop((scope, first, rest), None)
+        entries = self._lists.get((scope, first))
+        if entries is not None:
+            entries.pop(rest, None)
+            if not entries:
+                del self._lists[(scope, first)]
+                firsts = self._firsts.get(scope)
+                if firsts is not None:
+                    firsts.discard(first)
+                    if not firsts:
+                        del self._firsts[scope]
+
+
+@dataclass(slots=True)
+class _Window:
+    shape: JacobiShape
+    pool_scope: Hashable
+    levels: list[list[int]] = field(default_factory=list)  # oldest first; grows to N-1 levels
+
+
+def _seeded_guesses(prompt: Sequence[int], n: int) -> list[int]:
+    """`n` tokens drawn from the prompt, the same for the same prompt (as the paper starts)."""
+    rng = random.Random(zlib.crc32(np.asarray(prompt, np.int64).tobytes()))
+    return [prompt[rng.randrange(len(prompt))] for _ in range(n)] if prompt else [0] * n
+
+
+def _count_prob(count: int) -> float:
+    """How sure a pooled n-gram's token is, from how often the window produced it: 1/2, 2/3, ..."""
+    return count / (count + 1)
+
+
+class JacobiDrafter:
+    """Verification candidates from the n-gram pool; a Jacobi window per request to fill it."""
+
+    def __init__(self, config: DraftConfig | None = None) -> None:
+        config = config or DraftConfig(method="jacobi")
+        self.shape = JacobiShape(config.window_size, config.ngram_size, config.guesses)
+        self.pool = NgramPool(config.pool_capacity, per_key=max(1, 2 * config.guesses))
+        self._windows: dict[str, _Window] = {}
+
+    # ---- Drafter interface ---------------------------------------------------------------
+
+    def on_request_start(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        layout: str | None = None,
+        scope: str | None = "",
+        window: tuple[int | None, int | None, int | None] | None = None,
+    ) -> None:
+        shape = self.shape.asked(window)
+        pool_scope: Hashable = ("scope", scope) if scope is not None else ("request", request_id)
+        state = _Window(shape, pool_scope)
+        state.levels.append(_seeded_guesses(prompt_token_ids, shape.window))
+        self._windows[request_id] = state
+
+    def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
+        pass  # the pool learns from the window's outputs, not from accepted text
+
+    def on_request_finish(self, request_id: str) -> None:
+        state = self._windows.pop(request_id, None)
+        if state is not None and state.pool_scope == ("request", request_id):
+            self.pool.drop_scope(state.pool_scope)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        state = self._windows.get(request_id)
+        if state is None or not token_ids or max_tokens < 1:
+            return None
+        builder = TreeBuilder(max_tokens)
+        for rest, count in self.pool.candidates(state.pool_scope, token_ids[-1], state.shape.guesses):
+            _add_path(builder, rest, _count_prob(count))
+            if builder.full:
+                break
+        tree = builder.tree()
+        return None if tree is None else tree.with_pooled(range(len(tree)))
+
+    # ---- the window ----------------------------------------------------------------------
+
+    def window(self, request_id: str, max_rows: int) -> WindowRows | None:
+        """This step's window rows for the request, or None if they do not fit `max_rows`."""
+        state = self._windows.get(request_id)
+        if state is None or state.shape.window < 1:
+            return None
+        rows = window_rows(state.levels)
+        return rows if len(rows) <= max_rows else None
+
+    def window_rows_needed(self, request_id: str) -> int:
+        state = self._windows.get(request_id)
+        return 0 if state is None else len(state.levels) * state.shape.window
+
+    def on_window_outputs(self, request_id: str, rows: WindowRows, outputs: Sequence[int]) -> None:
+        """The model's next token after each of the last level's rows: pool the n-grams read
+        down each column, then slide the window one level on."""
+        state = self._windows.get(request_id)
+        if state is None or len(outputs) != state.shape.window or rows.tokens[-len(outputs) :] != tuple(
+            state.levels[-1]
+        ):
+            return  # not this window (the request restarted): nothing to learn
+        levels = state.levels
+        if len(levels) == state.shape.ngram - 1:
+            for j, out in enumerate(outputs):
+                self.pool.add(state.pool_scope, [*(level[j] for level in levels), out])
+            del levels[0]
+        levels.append(list(outputs))
+
+
+class HybridDrafter(TrieDrafter):
+    """The trie's tree and the pool's candidates merged into one tree by token path: the trie's
+    nodes first (best first), the pool's fill what the trie leaves. A `TrieDrafter` in every
+    other respect (warm-up, scopes, capacity)."""
+
+    def __init__(self, config: DraftConfig | None = None) -> None:
+        config = config or DraftConfig(method="hybrid")
+        super().__init__(config)
+        self.jacobi = JacobiDrafter(config)
+
+    def on_request_start(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        layout: str | None = None,
+        scope: str | None = "",
+        window: tuple[int | None, int | None, int | None] | None = None,
+    ) -> None:
+        super().on_request_start(request_id, prompt_token_ids, layout, scope)
+        self.jacobi.on_request_start(request_id, prompt_token_ids, layout, scope, window)
+
+    def on_request_finish(self, request_id: str) -> None:
+        super().on_request_finish(request_id)
+        self.jacobi.on_request_finish(request_id)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        trie = super().propose(request_id, token_ids, max_tokens)
+        return merge_trees(trie, self.jacobi.propose(request_id, token_ids, max_tokens), max_tokens)
+
+    def window(self, request_id: str, max_rows: int) -> WindowRows | None:
+        return self.jacobi.window(request_id, max_rows)
+
+    def window_rows_needed(self, request_id: str) -> int:
+        return self.jacobi.window_rows_needed(request_id)
+
+    def on_window_outputs(self, request_id: str, rows: WindowRows, outputs: Sequence[int]) -> None:
+        self.jacobi.on_window_outputs(request_id, rows, outputs)
+
+
+def _add_path(builder: TreeBuilder, tokens: Sequence[int], prob: float) -> list[int]:
+    """Add a chain from the root (merging with what is there); returns the nodes it added."""
+    added: list[int] = []
+    parent: int | None = None
+    for tok in tokens:
+        if builder.full and (parent, tok) not in builder.index:
+            break
+        new = (parent, tok) not in builder.index
+        parent = builder.add(parent, tok, prob)
+        if new:
+            added.append(parent)
+    return added
+
+
+def merge_trees(first: DraftTree | None, second: DraftTree | None, max_tokens: int) -> DraftTree | None:
+    """`first`'s nodes, then `second`'s that are not already there (by token path), at most
+    `max_tokens` in all. A node is pooled if only `second` had it."""
+    if second is None or not len(second):
+        return first
+    builder = TreeBuilder(max_tokens)
+    pooled: set[int] = set()
+    for tree, from_second in ((first, False), (second, True)):
+        if tree is None:
+            continue
+        index: list[int | None] = []  # tree node -> merged node (None: it did not fit)
+        for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
+            p = None if parent is None else index[parent]
+            if (parent is not None and p is None) or (builder.full and (p, tok) not in builder.index):
+                index.append(None)
+                continue
+            new = (p, tok) not in builder.index
+            node = builder.add(p, tok, _relative_score(tree, i))
+            index.append(node)
+            if new and from_second:
+                pooled.add(node)
+    merged = builder.tree()
+    return None if merged is None else merged.with_pooled(pooled)
+
+
+def _relative_score(tree: DraftTree, i: int) -> float:
+    """Node i's score given its parent (what `TreeBuilder.add` takes); 1 without scores."""
+    if not tree.scores:
+        return 1.0
+    parent = tree.parents[i]
+    above = 1.0 if parent is None else tree.scores[parent]
+    return min(1.0, tree.scores[i] / above) if above > 0 else 0.0
