@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 
 from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, WindowDrafter
@@ -28,6 +30,33 @@ class DraftPlanner:
         self.drafter = drafter
         self.config = config
         self.policy = policy  # None: every request drafts `decoding_length` tokens
+
+    def attach(
+        self,
+        items: list[ScheduledRequest],
+        requests: dict[str, Request],
+        budget: int,
+        ensure_blocks: Callable[[Request, int], bool],
+    ) -> list[ScheduledRequest]:
+        """`items` with this step's trees and windows, where `ensure_blocks(req, slots)` finds
+        the blocks for them. Speculation is optional: short of blocks, the window goes first,
+        then the tree."""
+        trees, windows = self.plan(items, requests, budget)
+        out = []
+        for item in items:
+            tree, window = trees.get(item.request_id), windows.get(item.request_id)
+            if tree is not None or window is not None:
+                req = requests[item.request_id]
+                end = item.num_computed_tokens + len(item.token_ids)
+                rows = (len(tree) if tree is not None else 0) + (len(window) if window is not None else 0)
+                if window is not None and not ensure_blocks(req, end + rows):
+                    window, rows = None, rows - len(window)
+                if tree is not None and not ensure_blocks(req, end + rows):
+                    tree = None
+                if tree is not None or window is not None:
+                    item = replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))
+            out.append(item)
+        return out
 
     def plan(
         self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int
@@ -174,6 +203,15 @@ class DraftPlanner:
             tracker.skipped(item.request_id)
         else:
             tracker.observe(item.request_id, len(item.draft), accepted, item.draft.scores)
+
+    def observe_window(self, item: ScheduledRequest, outputs: list[int] | None) -> None:
+        """Hand a window's output tokens back to the drafter (its pool and next level)."""
+        if item.window is None or outputs is None or not isinstance(self.drafter, WindowDrafter):
+            return
+        try:
+            self.drafter.on_window_outputs(item.request_id, item.window, outputs)
+        except Exception:  # a drafter bug costs the window's n-grams, not the request
+            logger.exception("the window of request %s failed to update", item.request_id)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Teach the policy what a whole step costs, beyond the forward alone."""

@@ -17,10 +17,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from batchserve.config import DraftConfig, SchedulerConfig
-from batchserve.draft.base import Drafter, WindowDrafter
+from batchserve.draft.base import Drafter
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.budget import DraftBudgetPolicy
@@ -236,12 +235,7 @@ class Scheduler:
         req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
         req.stats.draft_tokens_accepted += len(reached)
         self.drafter.on_tokens_accepted(req.request_id, appended)
-        outputs = result.window_outputs.get(item.request_id)
-        if item.window is not None and outputs is not None and isinstance(self.drafter, WindowDrafter):
-            try:
-                self.drafter.on_window_outputs(req.request_id, item.window, outputs)
-            except Exception:  # a drafter bug costs the window's n-grams, not the request
-                logger.exception("the window of request %s failed to update", req.request_id)
+        self.planner.observe_window(item, result.window_outputs.get(item.request_id))
         self.prefix.register(req)
         if reason is not None:
             self.finish(req, reason)
@@ -293,24 +287,8 @@ class Scheduler:
         )
 
     def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Hang the planner's draft trees off the sampling requests that have blocks for them."""
-        trees, windows = self.planner.plan(items, self.requests, budget)
-        out = []
-        for item in items:
-            tree, window = trees.get(item.request_id), windows.get(item.request_id)
-            if tree is not None or window is not None:
-                req = self.requests[item.request_id]
-                end = item.num_computed_tokens + len(item.token_ids)
-                # Speculation is optional: without blocks for the window it goes, then the tree.
-                rows = (len(tree) if tree is not None else 0) + (len(window) if window is not None else 0)
-                if window is not None and not self._ensure_blocks(req, end + rows):
-                    window, rows = None, rows - len(window)
-                if tree is not None and not self._ensure_blocks(req, end + rows):
-                    tree = None
-                if tree is not None or window is not None:
-                    item = replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))
-            out.append(item)
-        return out
+        """Hang the planner's draft trees and windows off the sampling requests with blocks for them."""
+        return self.planner.attach(items, self.requests, budget, self._ensure_blocks)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Teach the draft budget policy what a whole step costs, beyond the forward alone."""

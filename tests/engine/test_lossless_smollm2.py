@@ -54,6 +54,8 @@ def _config(method: str, layout: str = "hierarchical", **cache) -> EngineConfig:
         ("lookahead", "parallel"),
         ("lookahead", "single"),
         ("llma", "single"),
+        ("jacobi", "hierarchical"),
+        ("hybrid", "hierarchical"),
         ("none", "single"),
     ],
 )
