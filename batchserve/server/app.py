@@ -17,8 +17,9 @@ from grpc_reflection.v1alpha import reflection
 from batchserve.async_engine import AsyncEngine
 from batchserve.config import setting
 from batchserve.engine import EngineCore
+from batchserve.server.frontend import Frontend, ServiceInfo
 from batchserve.server.metrics import Metrics
-from batchserve.server.servicer import ServiceInfo, TextGenerationServicer
+from batchserve.server.servicer import TextGenerationServicer
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -89,9 +90,8 @@ class BatchServer:
         self.engine = engine
         self.config = config
         self.metrics = Metrics(engine)
-        self.servicer = TextGenerationServicer(
-            engine, self.metrics, ServiceInfo(model_name, dtype, config.max_waiting_requests)
-        )
+        self.frontend = Frontend(engine, self.metrics, ServiceInfo(model_name, dtype, config.max_waiting_requests))
+        self.servicer = TextGenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None  # where metrics are served (bound: 0 picks a free one)
@@ -159,7 +159,7 @@ class BatchServer:
         await self.health.enter_graceful_shutdown()
         if c.drain_seconds:
             await asyncio.sleep(c.drain_seconds)
-        self.servicer.draining = True
+        self.frontend.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + c.grace_seconds
         while self.engine.has_work() and loop.time() < deadline:
@@ -170,7 +170,7 @@ class BatchServer:
         await self._server.stop(FLUSH_SECONDS)  # the final messages reach their clients
         await self.engine.stop()
         self.metrics.close()
-        self.servicer.close()
+        self.frontend.close()
         self._stopped.set()
         logger.info("stopped")
 

@@ -1,37 +1,24 @@
-"""The TextGeneration servicer: gRPC in, engine requests out."""
+"""The TextGeneration servicer: gRPC in, engine requests out (through the shared `Frontend`)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
 
-from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.request import RequestOutput
 from batchserve.server import convert
-from batchserve.server.metrics import Metrics
+from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
-logger = logging.getLogger("batchserve.server")
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceInfo:
-    model: str
-    dtype: str
-    max_waiting_requests: int
-
-
 TENANT_METADATA = "x-batchserve-tenant"
+STATUS = {
+    Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Refusal.DRAINING: grpc.StatusCode.UNAVAILABLE,
+    Refusal.ENGINE_DEAD: grpc.StatusCode.UNAVAILABLE,
+}
 
 
 def _tenant(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
@@ -44,25 +31,10 @@ def _tenant(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> s
     return ""
 
 
-class _Refused(Exception):
-    """Internal: a request refused after its input was prepared."""
-
-
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, info: ServiceInfo) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.info = info
-        self.draining = False  # set at shutdown: new requests get UNAVAILABLE
-        # Tokenizing and chat templates run here, never on the event loop (an input at the size
-        # limit takes tens of ms to tokenize; every other stream would stall meanwhile).
-        self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-tokenize")
-
-    def close(self) -> None:
-        self._prepare.shutdown(wait=False, cancel_futures=True)
-
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.engine = frontend.engine
 
     # ---- RPCs ----------------------------------------------------------------------------
 
@@ -94,10 +66,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 yield convert.stream_chunk(out)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        if self.draining:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if self.frontend.draining:
+            self.frontend.refuse(Refusal.DRAINING, "server is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         try:
-            ids = await self._off_loop(convert.prompt_of, request, self.engine.core.text)
+            ids = await self.frontend.off_loop(convert.prompt_of, request, self.engine.core.text)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
@@ -106,15 +79,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         core = self.engine.core
         cfg = core.config
         return pb.ModelInfo(
-            model=self.info.model,
+            model=self.frontend.info.model,
             vocab_size=core.vocab_size,
             max_model_len=core.max_model_len,
             eos_token_ids=sorted(core.eos_token_ids),
-            dtype=self.info.dtype,
+            dtype=self.frontend.info.dtype,
             draft_method=cfg.draft.method,
             decoding_length=cfg.draft.decoding_length,
             max_batch_size=cfg.scheduler.max_num_seqs,
-            max_waiting_requests=self.info.max_waiting_requests,
+            max_waiting_requests=self.frontend.info.max_waiting_requests,
             prefix_caching=cfg.cache.prefix_caching,
         )
 
@@ -123,69 +96,19 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def _run(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[RequestOutput]:
-        """Validate, submit and stream one request; leaving early (client cancel, deadline)
-        aborts it in the engine, which frees its KV blocks before the next step."""
-        if self.draining:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        core = self.engine.core
-        if self._queue_full():
-            await self._reject(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"waiting queue is full ({self.info.max_waiting_requests} requests); retry later",
-            )
-        request_id = request.request_id or uuid.uuid4().hex
-        stream: RequestStream | None = None
-        error: str | None = None
-        code = grpc.StatusCode.INVALID_ARGUMENT
+        """One request through the shared front end; its refusals and failures as gRPC statuses."""
+        outputs = self.frontend.generate(
+            lambda text: convert.prompt_of(request, text),
+            lambda: convert.sampling_params(request),
+            request.request_id,
+            _tenant(request, context),
+        )
         try:
-            params = convert.sampling_params(request)
-            prompt = await self._off_loop(convert.prompt_of, request, core.text)
-            if self._queue_full():  # others may have arrived while this one was tokenized
-                code, error = grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full; retry later"
-                raise _Refused
-            stream = self.engine.generate(prompt, params, request_id, tenant=_tenant(request, context))
-        except ValueError as e:
-            error = str(e)
-        except EngineDeadError as e:
-            code, error = grpc.StatusCode.UNAVAILABLE, f"engine stopped: {e}"
-        except _Refused:
-            pass
-        if stream is None:
-            await self._reject(context, code, error or "invalid request")
-        assert stream is not None
-        tracker = self.metrics.track()
-        start = time.monotonic()
-        last: RequestOutput | None = None
-        try:
-            async with stream:
-                async for out in stream:
-                    tracker.observe(out)
-                    last = out
-                    yield out
+            async for out in outputs:
+                yield out
+        except Refused as e:
+            await context.abort(STATUS[e.kind], e.message)
+        except EngineFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
-            if last is None or not last.finished:
-                self.metrics.finished.labels("cancelled").inc()
-                logger.info("request %s cancelled by the client after %.2fs", request_id, time.monotonic() - start)
-            else:
-                logger.info(
-                    "request %s finished: %d prompt + %d output tokens, %s, %.2fs, %.2f tokens/step",
-                    request_id,
-                    last.num_prompt_tokens,
-                    last.num_output_tokens,
-                    last.finish_reason.value,
-                    time.monotonic() - start,
-                    last.tokens_per_step,
-                )
-        if last is not None and last.error is not None:
-            await context.abort(grpc.StatusCode.INTERNAL, f"engine error: {last.error}")
-
-    def _queue_full(self) -> bool:
-        """Whether a new request would wait beyond the limit: the seats free at the next step
-        take waiting requests first, so only those beyond them count."""
-        load = self.engine.load()
-        return load.num_waiting - load.free_seats >= self.info.max_waiting_requests
-
-    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-        self.metrics.rejected.labels(code.name).inc()
-        await context.abort(code, message)
+            await outputs.aclose()  # a cancelled call: abort the request now, not at garbage collection

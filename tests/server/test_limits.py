@@ -108,7 +108,7 @@ async def test_tokenize_is_refused_while_draining_and_capped(running):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await running.stub.Tokenize(pb.TokenizeRequest(text="a" * 40_000))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input.text" in e.value.details()
-    running.server.servicer.draining = True
+    running.server.frontend.draining = True
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await running.stub.Tokenize(pb.TokenizeRequest(text="hi"))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE

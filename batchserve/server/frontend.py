@@ -1,0 +1,145 @@
+"""What every front end (gRPC, the OpenAI HTTP API) shares: admission, input preparation off the
+event loop, submission, per-request metrics and logs, and aborting a request its caller left."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from batchserve.request import RequestOutput, SamplingParams
+from batchserve.server.metrics import Metrics
+from batchserve.text import TextCodec
+
+logger = logging.getLogger("batchserve.server")
+T = TypeVar("T")
+
+
+class Refusal(enum.Enum):
+    """Why a request was not taken; each front end maps it to its own status. The values are the
+    gRPC status names, which also label `batchserve_requests_rejected_total`."""
+
+    INVALID = "INVALID_ARGUMENT"
+    QUEUE_FULL = "RESOURCE_EXHAUSTED"
+    DRAINING = "UNAVAILABLE"
+    ENGINE_DEAD = "UNAVAILABLE"
+
+
+class Refused(Exception):
+    """A request refused before it reached the engine (nothing to free)."""
+
+    def __init__(self, kind: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class EngineFailed(Exception):
+    """The step that ran the request failed; its partial output has been delivered."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    model: str
+    dtype: str
+    max_waiting_requests: int
+
+
+class Frontend:
+    """Turns one caller's request into an engine request and its outputs, the same way for
+    every protocol. `draining` is set at shutdown: from then on requests are refused."""
+
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, info: ServiceInfo) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.info = info
+        self.draining = False
+        # Tokenizing and chat templates run here, never on the event loop (an input at the size
+        # limit takes tens of ms to tokenize; every other stream would stall meanwhile).
+        self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-tokenize")
+
+    def close(self) -> None:
+        self._prepare.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
+
+    def refuse(self, kind: Refusal, message: str) -> Refused:
+        """Count a refusal in the metrics and return it to raise."""
+        self.metrics.rejected.labels(kind.value).inc()
+        return Refused(kind, message)
+
+    def admit(self) -> None:
+        """Raise Refused if no new request may come in now (draining, or the queue is full)."""
+        if self.draining:
+            raise self.refuse(Refusal.DRAINING, "server is shutting down")
+        if self._queue_full():
+            raise self.refuse(
+                Refusal.QUEUE_FULL, f"waiting queue is full ({self.info.max_waiting_requests} requests); retry later"
+            )
+
+    async def generate(
+        self,
+        prepare: Callable[[TextCodec], list[int]],
+        params: Callable[[], SamplingParams],
+        request_id: str = "",
+        tenant: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        """Admit, prepare (`prepare(text)` gives the prompt's token ids, off the loop; `params()`
+        the sampling parameters; ValueError from either refuses the request as invalid), submit
+        and stream one request. Leaving early (a client's cancel, deadline or disconnect)
+        aborts it in the engine, which frees its KV blocks before the next step. Raises Refused
+        before the first output, EngineFailed after the last one."""
+        self.admit()
+        request_id = request_id or uuid.uuid4().hex
+        try:
+            sampling = params()
+            prompt = await self.off_loop(prepare, self.engine.core.text)
+        except ValueError as e:
+            raise self.refuse(Refusal.INVALID, str(e)) from None
+        if self._queue_full():  # others may have arrived while this one was tokenized
+            raise self.refuse(Refusal.QUEUE_FULL, "waiting queue is full; retry later")
+        try:
+            stream: RequestStream = self.engine.generate(prompt, sampling, request_id, tenant=tenant)
+        except ValueError as e:
+            raise self.refuse(Refusal.INVALID, str(e)) from None
+        except EngineDeadError as e:
+            raise self.refuse(Refusal.ENGINE_DEAD, f"engine stopped: {e}") from None
+        tracker = self.metrics.track()
+        start = time.monotonic()
+        last: RequestOutput | None = None
+        try:
+            async with stream:
+                async for out in stream:
+                    tracker.observe(out)
+                    last = out
+                    yield out
+        finally:
+            if last is None or not last.finished:
+                self.metrics.finished.labels("cancelled").inc()
+                logger.info("request %s cancelled by the client after %.2fs", request_id, time.monotonic() - start)
+            else:
+                logger.info(
+                    "request %s finished: %d prompt + %d output tokens, %s, %.2fs, %.2f tokens/step",
+                    request_id,
+                    last.num_prompt_tokens,
+                    last.num_output_tokens,
+                    last.finish_reason.value,
+                    time.monotonic() - start,
+                    last.tokens_per_step,
+                )
+        if last is not None and last.error is not None:
+            raise EngineFailed(f"engine error: {last.error}")
+
+    def _queue_full(self) -> bool:
+        """Whether a new request would wait beyond the limit: the seats free at the next step
+        take waiting requests first, so only those beyond them count."""
+        load = self.engine.load()
+        return load.num_waiting - load.free_seats >= self.info.max_waiting_requests
