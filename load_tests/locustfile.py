@@ -1,4 +1,4 @@
-"""Locust load test for the batchserve gRPC API.
+"""Locust load test for the batchserve gRPC API and its OpenAI-compatible HTTP API.
 
 Each simulated user alternates unary `Generate` and streaming `StreamGenerate` calls with
 prompts drawn from the benchmark datasets (HumanEval prompts, ShareGPT first turns) and
@@ -8,6 +8,9 @@ chunk and "StreamGenerate" for the whole stream. Run it through `load_tests/run.
 Users also walk away: about one call in ten is a stream cancelled after its second chunk
 ("StreamGenerate cancelled") or a Generate with a deadline too short to finish ("Generate
 deadline", a success when it ends DEADLINE_EXCEEDED), so that aborts free KV under load.
+
+BATCHSERVE_PROTOCOL=http runs `OpenAIUser` instead (the same mix of calls and the same event
+names over /v1/completions and /v1/chat/completions; the host is then http://host:port).
 
 Environment: BATCHSERVE_MAX_PROMPT_CHARS (default 1500), BATCHSERVE_MAX_NEW_TOKENS
 (comma-separated choices, default 16,32,64,128), BATCHSERVE_TIMEOUT (seconds, default 300),
@@ -19,10 +22,11 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import Any
 
 import grpc
 import grpc.experimental.gevent as grpc_gevent
-from locust import User, between, task
+from locust import HttpUser, User, between, task
 
 from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
@@ -33,6 +37,8 @@ MAX_PROMPT_CHARS = int(os.environ.get("BATCHSERVE_MAX_PROMPT_CHARS", "1500"))
 MAX_NEW_TOKENS = [int(x) for x in os.environ.get("BATCHSERVE_MAX_NEW_TOKENS", "16,32,64,128").split(",")]
 TIMEOUT = float(os.environ.get("BATCHSERVE_TIMEOUT", "300"))
 SHORT_DEADLINE = float(os.environ.get("BATCHSERVE_SHORT_DEADLINE", "0.3"))
+PROTOCOL = os.environ.get("BATCHSERVE_PROTOCOL", "grpc")
+MODEL = os.environ.get("BATCHSERVE_MODEL_NAME", "")  # the served model's id (GET /v1/models when empty)
 FALLBACK_PROMPTS = ["def fibonacci(n):", "Write a haiku about the sea.", "List three uses of a hash map."]
 
 
@@ -54,6 +60,7 @@ PROMPTS = _load_prompts()
 
 class GenerationUser(User):
     wait_time = between(0.05, 0.5)
+    abstract = PROTOCOL != "grpc"
 
     def on_start(self) -> None:
         self.channel = grpc.insecure_channel(self.host)
@@ -135,6 +142,97 @@ class GenerationUser(User):
             self._fire("Generate deadline", start, 0, None if ok else RpcFailure(e))
             return
         self._fire("Generate deadline", start, resp.usage.completion_tokens, None)
+
+
+class OpenAIUser(HttpUser):
+    """The same calls over the OpenAI API: Generate = a whole completion, StreamGenerate = SSE."""
+
+    wait_time = between(0.05, 0.5)
+    abstract = PROTOCOL != "http"
+
+    def on_start(self) -> None:
+        self.rng = random.Random()
+        self.model = MODEL or self.client.get("/v1/models").json()["data"][0]["id"]
+
+    def _call(self, stream: bool, max_tokens: int | None = None) -> tuple[str, dict]:
+        prompt, chat = self.rng.choice(PROMPTS)
+        body = {"model": self.model, "max_tokens": max_tokens or self.rng.choice(MAX_NEW_TOKENS), "stream": stream}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+            return "/v1/chat/completions", body
+        body["prompt"] = prompt
+        return "/v1/completions", body
+
+    def _fire(self, name: str, start: float, length: int, exc: Exception | None) -> None:
+        self.environment.events.request.fire(
+            request_type="http",
+            name=name,
+            response_time=(time.perf_counter() - start) * 1000,
+            response_length=length,
+            exception=exc,
+            context={},
+        )
+
+    @task(5)
+    def generate(self) -> None:
+        path, body = self._call(stream=False)
+        with self.client.post(path, json=body, name="Generate", timeout=TIMEOUT, catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(_http_failure(resp))
+            else:
+                resp.success()
+
+    def _events(self, path: str, body: dict, stop_after: int | None, name: str) -> None:
+        """One SSE call reported as `name` over its whole length; `stop_after`: walk away after
+        that many chunks (closing the connection must abort the request on the server)."""
+        start = time.perf_counter()
+        chunks = 0
+        with self.client.post(path, json=body, stream=True, timeout=TIMEOUT, catch_response=True, name=name) as resp:
+            if resp.status_code != 200:
+                resp.failure(_http_failure(resp))
+                return
+            try:
+                for line in resp.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    if chunks == 0 and stop_after is None:
+                        self._fire("StreamGenerate TTFT", start, 0, None)
+                    chunks += 1
+                    if stop_after is not None and chunks > stop_after:
+                        break
+            except Exception as e:  # a broken stream is this call's failure, not the user's end
+                resp.failure(f"stream broke after {chunks} chunks: {e}")
+                return
+            resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
+            resp.request_meta["response_length"] = chunks
+            resp.success()
+
+    @task(10)
+    def stream(self) -> None:
+        path, body = self._call(stream=True)
+        self._events(path, body, None, "StreamGenerate")
+
+    @task(1)
+    def cancel(self) -> None:
+        path, body = self._call(stream=True)
+        self._events(path, body, 1, "StreamGenerate cancelled")
+
+    @task(1)
+    def deadline(self) -> None:
+        """A client timeout too short to finish: the server sees a disconnect and aborts."""
+        path, body = self._call(stream=False, max_tokens=max(MAX_NEW_TOKENS))
+        kw = {"json": body, "timeout": SHORT_DEADLINE, "name": "Generate deadline", "catch_response": True}
+        with self.client.post(path, **kw) as resp:
+            if resp.status_code in (0, 200):  # 0: our own timeout, the expected outcome
+                resp.success()
+            else:
+                resp.failure(_http_failure(resp))
+
+
+def _http_failure(resp: Any) -> str:
+    """A failure message; 429 counts as deliberate load shedding, like gRPC's RESOURCE_EXHAUSTED."""
+    prefix = "RESOURCE_EXHAUSTED: " if resp.status_code == 429 else ""
+    return f"{prefix}HTTP {resp.status_code}: {(resp.text or '')[:200]}"
 
 
 class RpcFailure(Exception):

@@ -4,10 +4,13 @@
 # Exits non-zero if any request failed other than by deliberate RESOURCE_EXHAUSTED shedding.
 #
 #   load_tests/run.sh --users 8 --spawn-rate 2 --duration 60s --out load_out [--model PATH] [--port 50151]
+#                     [--protocol grpc|http] [--http-port 50153]
+# --protocol http drives the OpenAI-compatible HTTP API of the same server instead of gRPC.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-USERS=8; SPAWN=2; DURATION=60s; OUT=load_out; MODEL=""; PORT=50151; METRICS_PORT=""; EXTRA=()
+USERS=8; SPAWN=2; DURATION=60s; OUT=load_out; MODEL=""; PORT=50151; METRICS_PORT=""; PROTOCOL=grpc; HTTP_PORT=""
+EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --users) USERS=$2; shift 2;;
@@ -17,6 +20,8 @@ while [ $# -gt 0 ]; do
     --model) MODEL=$2; shift 2;;
     --port) PORT=$2; shift 2;;
     --metrics-port) METRICS_PORT=$2; shift 2;;
+    --protocol) PROTOCOL=$2; shift 2;;
+    --http-port) HTTP_PORT=$2; shift 2;;
     --) shift; EXTRA=("$@"); break;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -29,6 +34,14 @@ SERVER_ARGS=(--host 127.0.0.1 --port "$PORT")
 # Metrics always on (the idle check reads the KV pool from them): the next port up by default.
 [ -n "$METRICS_PORT" ] || METRICS_PORT=$(( PORT + 1 ))
 SERVER_ARGS+=(--metrics-port "$METRICS_PORT")
+# The HTTP API on the port after that (only the chosen protocol's port is loaded).
+[ -n "$HTTP_PORT" ] || HTTP_PORT=$(( PORT + 2 ))
+SERVER_ARGS+=(--http-port "$HTTP_PORT")
+case "$PROTOCOL" in
+  grpc) HOST="127.0.0.1:$PORT";;
+  http) HOST="http://127.0.0.1:$HTTP_PORT";;
+  *) echo "--protocol must be grpc or http" >&2; exit 2;;
+esac
 "$PY" -m batchserve.cli serve "${SERVER_ARGS[@]}" "${EXTRA[@]}" >"$OUT/server.log" 2>&1 &
 SERVER=$!
 cleanup() { kill -TERM "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }
@@ -66,9 +79,9 @@ SAMPLER=$!
 case "$DURATION" in
   *m) SECS=$(( ${DURATION%m} * 60 ));; *h) SECS=$(( ${DURATION%h} * 3600 ));; *s) SECS=${DURATION%s};; *) SECS=$DURATION;;
 esac
-timeout --signal=INT "$(( SECS + 180 ))" \
+BATCHSERVE_PROTOCOL=$PROTOCOL timeout --signal=INT "$(( SECS + 180 ))" \
   "$PY" -m locust -f load_tests/locustfile.py --headless --users "$USERS" --spawn-rate "$SPAWN" \
-  --run-time "$DURATION" --stop-timeout 120 --host "127.0.0.1:$PORT" \
+  --run-time "$DURATION" --stop-timeout 120 --host "$HOST" \
   --csv "$OUT/locust" --html "$OUT/report.html" --only-summary --exit-code-on-error 0 >"$OUT/locust.log" 2>&1 || true
 echo "server memory at end: $(rss)" | tee -a "$OUT/memory.txt"
 kill "$SAMPLER" 2>/dev/null || true

@@ -1,4 +1,5 @@
-"""The gRPC server: TextGeneration, health, reflection, metrics, graceful shutdown."""
+"""The server: gRPC (TextGeneration, health, reflection) and the OpenAI HTTP API over one engine,
+metrics, graceful shutdown."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,9 @@ from batchserve.async_engine import AsyncEngine
 from batchserve.config import setting
 from batchserve.engine import EngineCore
 from batchserve.server.frontend import Frontend, ServiceInfo
+from batchserve.server.http import HttpServer, listen
 from batchserve.server.metrics import Metrics
+from batchserve.server.openai_api import OpenAIServer
 from batchserve.server.servicer import TextGenerationServicer
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
@@ -35,6 +39,7 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port (0: any free port)")
     metrics_port: int | None = setting(None, "Prometheus endpoint port (off if unset; 0 picks a free one)")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP API port, same host (0: off)")
     max_waiting_requests: int = setting(256, "waiting requests before RESOURCE_EXHAUSTED", flags=("--max-waiting",))
     grace_seconds: float = setting(30.0, "seconds in-flight requests get to finish at shutdown", flags=("--grace",))
     drain_seconds: float = setting(
@@ -53,6 +58,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
@@ -86,12 +93,25 @@ def message_limit(core: EngineCore) -> int:
 class BatchServer:
     """Owns the grpc.aio server around one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str = "", dtype: str = "") -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        config: ServerConfig,
+        model_name: str = "",
+        dtype: str = "",
+        http_socket: socket.socket | None = None,
+    ) -> None:
+        """`http_socket`: a listening socket for the HTTP API instead of `config.http_port`
+        (tests bind port 0 themselves)."""
         self.engine = engine
         self.config = config
         self.metrics = Metrics(engine)
+        self.model_name = model_name
         self.frontend = Frontend(engine, self.metrics, ServiceInfo(model_name, dtype, config.max_waiting_requests))
         self.servicer = TextGenerationServicer(self.frontend)
+        self._http_socket = http_socket
+        self._http: HttpServer | None = None
+        self.http_port: int | None = None  # where the OpenAI API listens, once started
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None  # where metrics are served (bound: 0 picks a free one)
@@ -105,6 +125,11 @@ class BatchServer:
         # listener or engine thread exists; every later failure stops what was started.
         if c.metrics_port is not None:
             self.metrics_port = self.metrics.serve(c.metrics_port, c.host)
+        try:
+            http_socket = self._http_socket or (listen(c.host, c.http_port) if c.http_port else None)
+        except OSError:
+            self.metrics.close()
+            raise
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", self.max_message_bytes),
@@ -132,8 +157,15 @@ class BatchServer:
             self.port = port
             self.engine.start()
             await server.start()
+            if http_socket is not None:
+                api = OpenAIServer(self.frontend, self.model_name, self.max_message_bytes)
+                tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
+                self._http = HttpServer(api.app, http_socket, tls)
+                self.http_port = http_socket.getsockname()[1]
         except BaseException:
             self.metrics.close()
+            if http_socket is not None:
+                http_socket.close()
             await server.stop(None)
             await self.engine.stop()
             raise
@@ -141,6 +173,8 @@ class BatchServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s on %s:%d (%s)", SERVICE_NAME, c.host, self.port, "TLS" if credentials else "plaintext")
+        if self.http_port is not None:
+            logger.info("serving the OpenAI API on http://%s:%d/v1", c.host, self.http_port)
         return self.port
 
     async def shutdown(self) -> None:
@@ -167,7 +201,10 @@ class BatchServer:
         cancelled = self.engine.abort_all()
         if cancelled:
             logger.warning("grace period over: %d requests end CANCELLED", cancelled)
-        await self._server.stop(FLUSH_SECONDS)  # the final messages reach their clients
+        stops = [self._server.stop(FLUSH_SECONDS)]  # the final messages reach their clients
+        if self._http is not None:
+            stops.append(self._http.stop())
+        await asyncio.gather(*stops)
         await self.engine.stop()
         self.metrics.close()
         self.frontend.close()

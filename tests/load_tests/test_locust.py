@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.server.conftest import CHAT_TEMPLATE, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_short_locust_run(tmp_path):
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_short_locust_run(tmp_path, protocol):
     model_dir = tmp_path / "model"
     make_tiny_model().save_pretrained(model_dir)
     tokenizer = make_tiny_tokenizer()
@@ -36,6 +39,8 @@ def test_short_locust_run(tmp_path):
             str(model_dir),
             "--port",
             str(free_port()),
+            "--protocol",
+            protocol,
             "--",
             "--kv-cache-gb",
             "0.02",

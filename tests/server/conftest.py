@@ -10,6 +10,7 @@ from batchserve.async_engine import AsyncEngine
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from batchserve.server.app import BatchServer, ServerConfig
+from batchserve.server.http import listen
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
@@ -44,9 +45,13 @@ class Running:
         return self.server.engine.core
 
 
-async def start_server(core: EngineCore | None = None, **server_kwargs: Any) -> Running:
+async def start_server(core: EngineCore | None = None, http: bool = False, **server_kwargs: Any) -> Running:
+    """A server on free loopback ports; `http`: with the OpenAI API on a socket bound here."""
     server_kwargs.setdefault("port", 0)
-    server = BatchServer(AsyncEngine(core or tiny_core()), ServerConfig(**server_kwargs), model_name="tiny")
+    server_kwargs.setdefault("http_port", 0)
+    sock = listen("127.0.0.1", 0) if http else None
+    config = ServerConfig(**server_kwargs)
+    server = BatchServer(AsyncEngine(core or tiny_core()), config, model_name="tiny", http_socket=sock)
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     return Running(server, channel)

@@ -504,7 +504,8 @@ async def test_metrics_port_in_use_fails_start_and_leaves_nothing_running():
         from batchserve.server.app import BatchServer, ServerConfig
 
         engine = AsyncEngine(tiny_core())
-        clash = BatchServer(engine, ServerConfig(port=0, metrics_port=taken.getsockname()[1]), model_name="tiny")
+        config = ServerConfig(port=0, http_port=0, metrics_port=taken.getsockname()[1])
+        clash = BatchServer(engine, config, model_name="tiny")
         with pytest.raises(OSError):
             await clash.start()
         assert engine._task is None  # the step loop never started

@@ -99,7 +99,9 @@ async def test_tls_and_mutual_tls(tmp_path):
     client_cert, client_key = _certificate(tmp_path, "client")
     root = open(cert, "rb").read()
     for mutual in (False, True):
-        config = ServerConfig(port=0, tls_cert=cert, tls_key=key, tls_client_ca=client_cert if mutual else None)
+        config = ServerConfig(
+            port=0, http_port=0, tls_cert=cert, tls_key=key, tls_client_ca=client_cert if mutual else None
+        )
         server = BatchServer(AsyncEngine(tiny_core()), config)
         port = await server.start()
         try:

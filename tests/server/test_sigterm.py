@@ -25,7 +25,10 @@ def _serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Client]:
     make_tiny_tokenizer().save_pretrained(tmp_path)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port), *flags],
+        [
+            sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port),
+            "--http-port", "0", *flags,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,0 +1,68 @@
+"""Serving an ASGI app with uvicorn inside the server's own event loop, beside gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+FLUSH_SECONDS = 2.0  # at shutdown: open connections get this long to finish their responses
+
+
+class _QuietUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: the server's SIGTERM/SIGINT handling (drain,
+    grace, then stop) covers both front ends."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one); raises OSError if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    """An ASGI app served on `sock` until `stop()`."""
+
+    def __init__(self, app: Any, sock: socket.socket, tls: tuple[str, str, str | None] | None = None) -> None:
+        """`tls`: (certificate, key, client CA or None) PEM files, the same as gRPC's."""
+        cert, key, ca = tls or (None, None, None)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=FLUSH_SECONDS,
+            ssl_certfile=cert,
+            ssl_keyfile=key,
+            ssl_ca_certs=ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if ca else ssl.CERT_NONE,
+        )
+        self._server = _QuietUvicorn(config)
+        self._socket = sock
+        self._task = asyncio.get_running_loop().create_task(self._server.serve([sock]), name="batchserve-http")
+
+    async def stop(self) -> None:
+        """Stop accepting, let open responses finish (at most FLUSH_SECONDS), close the socket."""
+        self._server.should_exit = True
+        try:
+            await self._task
+        finally:
+            self._socket.close()

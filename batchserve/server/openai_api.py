@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models,
+/health, over the same `Frontend` (admission, limits, shutdown) as gRPC.
+
+FastAPI because it is what vLLM and SGLang serve the same API with: pydantic validates the
+bodies and the OpenAPI schema comes for free (/openapi.json, /docs)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from batchserve.request import FinishReason, RequestOutput
+from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
+from batchserve.server.openai_models import ApiError, ChatRequest, CommonFields, CompletionRequest
+
+TENANT_HEADER = "x-batchserve-tenant"
+STATUS = {Refusal.INVALID: 400, Refusal.QUEUE_FULL: 429, Refusal.DRAINING: 503, Refusal.ENGINE_DEAD: 503}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+FINISH = {
+    FinishReason.LENGTH: "length",
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.ERROR: "error",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI error object."""
+    kind = ERROR_TYPES.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    s = out.stats
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+        "speculation": {  # batchserve's extension
+            "steps": s.steps,
+            "draft_tokens_proposed": s.draft_tokens_proposed,
+            "draft_tokens_accepted": s.draft_tokens_accepted,
+            "tokens_per_step": out.tokens_per_step,
+        },
+    }
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    """Builds the FastAPI app over a `Frontend`; `max_body_bytes` bounds a request body."""
+
+    def __init__(self, frontend: Frontend, model_name: str, max_body_bytes: int) -> None:
+        self.frontend = frontend
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="batchserve", summary="OpenAI-compatible API of the batchserve engine")
+
+        @app.exception_handler(ApiError)
+        async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+            return error_response(e.status, e.message, e.param)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+            err = e.errors()[0] if e.errors() else {}
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = ".".join(loc) or None
+            message = f"{param}: {err.get('msg', 'invalid')}" if param else str(err.get("msg", "invalid body"))
+            self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
+            return error_response(400, message, param)
+
+        @app.middleware("http")
+        async def _limit_body(request: Request, call_next: Any) -> Any:
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
+                return error_response(413, f"request body over {self.max_body_bytes} bytes")
+            if length is None and request.method == "POST":
+                body = b""
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > self.max_body_bytes:
+                        return error_response(413, f"request body over {self.max_body_bytes} bytes")
+                request._body = body  # read once, here, within the bound
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            if self.frontend.draining:
+                return error_response(503, "server is shutting down")
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str) -> dict[str, Any]:
+            self._check_model(model_id)
+            return self._model_card()
+
+        @app.post("/v1/completions", response_model=None)
+        async def completions(body: CompletionRequest, request: Request) -> Any:
+            body.unsupported()
+            self._check_model(body.model)
+            prompt = body.the_prompt()
+            return await self._respond(body, request, lambda text: text.tokenize(prompt), body.max_tokens, chat=False)
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat(body: ChatRequest, request: Request) -> Any:
+            body.unsupported()
+            self._check_model(body.model)
+            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            return await self._respond(body, request, lambda text: text.render_chat(messages), max_tokens, chat=True)
+
+        return app
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchserve"}
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            served = self.model_name
+            raise ApiError(404, f"model {model!r} is not served here; GET /v1/models lists {served!r}", "model")
+
+    async def _respond(
+        self, body: CommonFields, request: Request, prepare: Any, max_tokens: int | None, chat: bool
+    ) -> Any:
+        """Run one request: a JSON body, or (`stream`) server-sent events."""
+        tenant = request.headers.get(TENANT_HEADER) or body.user or ""
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        outputs = self.frontend.generate(prepare, lambda: body.sampling_params(max_tokens), rid, tenant)
+        try:
+            first = await anext(outputs)  # refusals surface here, before any byte is sent
+        except Refused as e:
+            await outputs.aclose()
+            raise ApiError(STATUS[e.kind], e.message) from None
+        except StopAsyncIteration:  # pragma: no cover - the engine always sends a final output
+            raise ApiError(500, "no output") from None
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(
+                self._stream(rid, first, outputs, chat, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        text, last = [first.new_text], first
+        try:
+            async for out in outputs:
+                text.append(out.new_text)
+                last = out
+        except EngineFailed as e:
+            raise ApiError(500, str(e)) from None
+        finally:
+            await outputs.aclose()
+        return self._whole(rid, "".join(text), last, chat)
+
+    def _whole(self, rid: str, text: str, last: RequestOutput, chat: bool) -> dict[str, Any]:
+        finish = FINISH[last.finish_reason] if last.finish_reason else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(last),
+        }
+
+    async def _stream(
+        self, rid: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chunk format, then `data: [DONE]`. A client that
+        disconnects cancels this generator, and closing `outputs` aborts the request."""
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": delta or ""} if role else {"content": delta or ""}
+                if finish is not None and not delta:
+                    choice["delta"] = {}
+            else:
+                choice["text"] = delta or ""
+            data = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+            if include_usage:
+                data["usage"] = None
+            return data
+
+        last = first
+        try:
+            if chat:
+                yield _sse(chunk("", None, role=True))
+            out: RequestOutput | None = first
+            while out is not None:
+                last = out
+                finish = FINISH[out.finish_reason] if out.finished and out.finish_reason else None
+                if out.new_text or finish is not None:
+                    yield _sse(chunk(out.new_text, finish))
+                out = await anext(outputs, None)
+            if include_usage:
+                yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                            "usage": _usage(last)})
+        except EngineFailed as e:
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,156 @@
+"""The OpenAI API's request bodies (pydantic): what each endpoint takes, what it refuses, and
+how a body becomes `SamplingParams`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from batchserve.request import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+# ---- request bodies ----------------------------------------------------------------------
+
+
+class LookaheadOptions(BaseModel):
+    """batchserve's speculation options (an extra field, as vLLM takes its own extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enable: bool | None = None
+    decoding_length: int | None = None
+    layout: str | None = None
+    jacobi_window: int | None = None
+    jacobi_ngram: int | None = None
+    jacobi_guesses: int | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CommonFields(BaseModel):
+    """Fields both endpoints take. Unknown fields are refused (400 naming them), never ignored;
+    OpenAI fields batchserve does not implement are accepted only at their neutral value."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None  # OpenAI's default is 1 (sampling); 0 is greedy
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extras, as vLLM accepts them.
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    lookahead: LookaheadOptions | None = None
+    # OpenAI fields without an implementation here: only their neutral values pass.
+    n: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> None:
+        """400 for an OpenAI parameter set to something batchserve cannot honour."""
+        if self.n not in (None, 1):
+            raise ApiError(400, "n > 1 is not supported: send one request per completion", "n")
+        for name in ("logprobs", "top_logprobs", "logit_bias"):
+            if getattr(self, name) not in (None, False, 0, {}):
+                raise ApiError(400, f"{name} is not supported", name)
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name} is not supported (only 0)", name)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        kwargs: dict[str, Any] = {"temperature": 1.0 if self.temperature is None else self.temperature}
+        if max_tokens is not None:
+            kwargs["max_new_tokens"] = max_tokens
+        for name in ("top_p", "seed", "top_k", "ignore_eos"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.stop is not None:
+            kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.stop_token_ids is not None:
+            kwargs["stop_token_ids"] = self.stop_token_ids
+        la = self.lookahead
+        if la is not None:
+            if la.enable is False:
+                kwargs["decoding_length"] = 0
+            elif la.decoding_length is not None:
+                kwargs["decoding_length"] = la.decoding_length
+            if la.layout is not None:
+                kwargs["draft_layout"] = la.layout
+            jacobi = (la.jacobi_window, la.jacobi_ngram, la.jacobi_guesses)
+            if any(v is not None for v in jacobi):
+                kwargs["jacobi"] = jacobi
+        return SamplingParams(**kwargs)
+
+
+class CompletionRequest(CommonFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise ApiError(400, "a list of prompts is not supported: send one request per prompt", "prompt")
+        if self.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of > 1 is not supported", "best_of")
+
+    def the_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            return p[0]  # type: ignore[return-value]  # one prompt in a list
+        return p  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id...: ignored, content is what counts
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self, i: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(CommonFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls"):
+            value = getattr(self, name)
+            if value not in (None, [], "none") and not (name == "response_format" and value == {"type": "text"}):
+                raise ApiError(400, f"{name} is not supported", name)
