@@ -40,6 +40,9 @@ class ServerConfig:
     port: int = setting(50051, "gRPC port (0: any free port)")
     metrics_port: int | None = setting(None, "Prometheus endpoint port (off if unset; 0 picks a free one)")
     http_port: int = setting(8000, "OpenAI-compatible HTTP API port, same host (0: off)")
+    served_model_name: str | None = setting(
+        None, "the model id of the HTTP API (default: the model file's or directory's name)"
+    )
     max_waiting_requests: int = setting(256, "waiting requests before RESOURCE_EXHAUSTED", flags=("--max-waiting",))
     grace_seconds: float = setting(30.0, "seconds in-flight requests get to finish at shutdown", flags=("--grace",))
     drain_seconds: float = setting(
@@ -158,7 +161,8 @@ class BatchServer:
             self.engine.start()
             await server.start()
             if http_socket is not None:
-                api = OpenAIServer(self.frontend, self.model_name, self.max_message_bytes)
+                served = c.served_model_name or Path(self.model_name).stem or "model"
+                api = OpenAIServer(self.frontend, served, self.max_message_bytes)
                 tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
                 self._http = HttpServer(api.app, http_socket, tls)
                 self.http_port = http_socket.getsockname()[1]
