@@ -94,20 +94,7 @@ class OpenAIServer:
             self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
             return error_response(400, message, param)
 
-        @app.middleware("http")
-        async def _limit_body(request: Request, call_next: Any) -> Any:
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-                self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
-                return error_response(413, f"request body over {self.max_body_bytes} bytes")
-            if length is None and request.method == "POST":
-                body = b""
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > self.max_body_bytes:
-                        return error_response(413, f"request body over {self.max_body_bytes} bytes")
-                request._body = body  # read once, here, within the bound
-            return await call_next(request)
+        app.middleware("http")(self._limit_body)
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -140,6 +127,23 @@ class OpenAIServer:
             return await self._respond(body, request, lambda text: text.render_chat(messages), max_tokens, chat=True)
 
         return app
+
+    async def _limit_body(self, request: Request, call_next: Any) -> Any:
+        """413 for a body over `max_body_bytes`: by its Content-Length, or while reading a
+        chunked one (read once, here, within the bound)."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
+            return error_response(413, f"request body over {self.max_body_bytes} bytes")
+        if length is None and request.method == "POST":
+            body = b""
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
+                    return error_response(413, f"request body over {self.max_body_bytes} bytes")
+            request._body = body
+        return await call_next(request)
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchserve"}

@@ -235,3 +235,21 @@ async def test_tenant_header_and_user_scope_drafts_and_the_schema_is_served(api)
     await _raw(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u1"},
                headers={"x-batchserve-tenant": "t9"})
     assert seen == ["u1", "t9"]
+
+
+async def test_shutdown_lets_an_http_stream_finish_then_refuses():
+    r = await start_server(http=True, grace_seconds=30)
+    client = _client(r)
+    stream = await client.completions.create(
+        model="tiny", prompt=[1, 2, 3], max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    first = await anext(aiter(stream))
+    stopping = asyncio.create_task(r.server.shutdown())
+    while not r.server.frontend.draining:
+        await asyncio.sleep(0.01)
+    code, _ = await _raw(r, "POST", "/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert code == 503
+    rest = [c async for c in stream]
+    assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] == "length"
+    await stopping
+    await r.channel.close()
