@@ -76,7 +76,17 @@ def _calibrate_parser(sub: Any) -> None:
 def _generate_parser(sub: Any) -> None:
     gen = sub.add_parser("generate", help="send one request to a running server")
     gen.add_argument("prompt")
-    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument(
+        "--target",
+        default="127.0.0.1:50051",
+        help="host:port, or several replicas: dns:///host:port, ipv4:127.0.0.1:p1,127.0.0.1:p2",
+    )
+    gen.add_argument(
+        "--load-balancing",
+        default="round_robin",
+        choices=("round_robin", "pick_first"),
+        help="how calls spread over the target's replicas (UNAVAILABLE is retried on another)",
+    )
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
     gen.add_argument("--max-new-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None)

@@ -97,6 +97,17 @@ class EngineCore:
             )
         return drafter
 
+    def add_corpus(self, sequences: list[list[int]], tenant: str = "") -> int:
+        """Load earlier outputs into the draft trie of `tenant`'s scope (the scope requests with
+        that key draft from); returns how many. Call between steps, from the loop thread.
+        Raises ValueError where no trie is shared (another drafter, or `trie_scope=request`)."""
+        if not isinstance(self.drafter, TrieDrafter):
+            raise ValueError(f"the {self.config.draft.method!r} drafter has no trie to add a corpus to")
+        scope = {"global": "", "tenant": tenant}.get(self.config.draft.trie_scope)
+        if scope is None:
+            raise ValueError("trie_scope 'request' shares no n-grams between requests: a corpus would serve none")
+        return self.drafter.warm_up(sequences, scope)
+
     def _load_profile(self) -> CostProfile:
         from batchserve.runner.calibrate import load_or_calibrate
 

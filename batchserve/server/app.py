@@ -40,6 +40,9 @@ class ServerConfig:
     port: int = setting(50051, "gRPC port (0: any free port)")
     metrics_port: int | None = setting(None, "Prometheus endpoint port (off if unset; 0 picks a free one)")
     http_port: int = setting(8000, "OpenAI-compatible HTTP API port, same host (0: off)")
+    admin_token: str | None = setting(
+        None, "enables operator calls (AddCorpus) for clients that send it as x-batchserve-admin-token"
+    )
     served_model_name: str | None = setting(
         None, "the model id of the HTTP API (default: the model file's or directory's name)"
     )
@@ -110,7 +113,8 @@ class BatchServer:
         self.config = config
         self.metrics = Metrics(engine)
         self.model_name = model_name
-        self.frontend = Frontend(engine, self.metrics, ServiceInfo(model_name, dtype, config.max_waiting_requests))
+        info = ServiceInfo(model_name, dtype, config.max_waiting_requests, config.admin_token)
+        self.frontend = Frontend(engine, self.metrics, info)
         self.servicer = TextGenerationServicer(self.frontend)
         self._http_socket = http_socket
         self._http: HttpServer | None = None

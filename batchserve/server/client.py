@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -64,11 +65,50 @@ def build_request(
     return req
 
 
-class Client:
-    """`Client("127.0.0.1:50051").generate("def fib(n):", max_new_tokens=64).text`"""
+SERVICE = "batchserve.v1.TextGeneration"
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+
+def service_config(load_balancing: str = "round_robin", retries: int = 3) -> str:
+    """A gRPC service config: the load-balancing policy over every address the target resolves
+    to, and retries of UNAVAILABLE (a replica draining or gone). gRPC retries a call only while
+    no response has arrived, so a retried request was never started by another replica."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{load_balancing: {}}]}
+    if retries > 1:
+        config["methodConfig"] = [
+            {
+                "name": [{"service": SERVICE}],
+                "retryPolicy": {
+                    "maxAttempts": retries,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    return json.dumps(config)
+
+
+def channel_options(load_balancing: str | None = "round_robin", retries: int = 3) -> list[tuple[str, Any]]:
+    """Channel options for `target`s with several replicas: `dns:///host:port` (every address
+    DNS gives, e.g. a headless Service) or `ipv4:127.0.0.1:p1,127.0.0.1:p2`. None: grpc's
+    default (pick_first, no retries)."""
+    if load_balancing is None:
+        return []
+    return [("grpc.service_config", service_config(load_balancing, retries)), ("grpc.enable_retries", 1)]
+
+
+class Client:
+    """`Client("127.0.0.1:50051").generate("def fib(n):", max_new_tokens=64).text`
+
+    `target` may name several replicas (`dns:///batchserve-headless:50051`,
+    `ipv4:10.0.0.1:50051,10.0.0.2:50051`); `load_balancing` spreads calls over them
+    (`round_robin`, or `pick_first`; None: grpc's defaults) and retries UNAVAILABLE."""
+
+    def __init__(
+        self, target: str = "127.0.0.1:50051", timeout: float | None = None, load_balancing: str | None = "round_robin"
+    ) -> None:
+        self.channel = grpc.insecure_channel(target, options=channel_options(load_balancing))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.timeout = timeout
 
@@ -80,6 +120,18 @@ class Client:
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).token_ids)
+
+    def add_corpus(
+        self,
+        texts: Sequence[str] = (),
+        token_ids: Sequence[Sequence[int]] = (),
+        tenant: str = "",
+        admin_token: str = "",
+    ) -> int:
+        """Load earlier outputs into the server's draft trie for `tenant` (an operator call)."""
+        req = pb.AddCorpusRequest(texts=texts, token_ids=[pb.TokenIds(ids=t) for t in token_ids], tenant=tenant)
+        metadata = (("x-batchserve-admin-token", admin_token),)
+        return self.stub.AddCorpus(req, timeout=self.timeout, metadata=metadata).sequences
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
@@ -101,7 +153,7 @@ def generate_command(args: Any) -> int:
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     kwargs = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
-    with Client(args.target, timeout=args.timeout) as client:
+    with Client(args.target, timeout=args.timeout, load_balancing=args.load_balancing) as client:
         try:
             if args.stream and not args.json:
                 for chunk in client.stream(prompt, **kwargs):

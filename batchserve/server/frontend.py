@@ -50,6 +50,7 @@ class ServiceInfo:
     model: str
     dtype: str
     max_waiting_requests: int
+    admin_token: str | None = None  # operator calls (AddCorpus) need it; None: they are off
 
 
 class Frontend:
@@ -61,6 +62,7 @@ class Frontend:
         self.metrics = metrics
         self.info = info
         self.draining = False
+        self.admin_token = info.admin_token
         # Tokenizing and chat templates run here, never on the event loop (an input at the size
         # limit takes tens of ms to tokenize; every other stream would stall meanwhile).
         self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-tokenize")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator
 
 import grpc
@@ -13,6 +14,8 @@ from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
 TENANT_METADATA = "x-batchserve-tenant"
+ADMIN_METADATA = "x-batchserve-admin-token"
+MAX_CORPUS_SEQUENCES = 10_000  # per AddCorpus call (the message size bounds their length)
 STATUS = {
     Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Refusal.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -90,6 +93,30 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_waiting_requests=self.frontend.info.max_waiting_requests,
             prefix_caching=cfg.cache.prefix_caching,
         )
+
+    async def AddCorpus(self, request: pb.AddCorpusRequest, context: grpc.aio.ServicerContext) -> pb.AddCorpusResponse:
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        token = self.frontend.admin_token
+        given = dict(context.invocation_metadata() or ()).get(ADMIN_METADATA, "")
+        given = given if isinstance(given, str) else given.decode("utf-8", "replace")
+        if token is None:
+            await context.abort(denied, "AddCorpus is off: start the server with --admin-token")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            await context.abort(denied, f"AddCorpus needs the admin token in {ADMIN_METADATA}")
+        if len(request.texts) + len(request.token_ids) > MAX_CORPUS_SEQUENCES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_CORPUS_SEQUENCES} sequences per call")
+        text = self.engine.core.text
+
+        def tokenize() -> list[list[int]]:
+            return [text.tokenize(t) for t in request.texts] + [text.tokenize(list(s.ids)) for s in request.token_ids]
+
+        try:
+            seqs = await self.frontend.off_loop(tokenize)
+            # Between steps, on the loop thread: the only thread that touches the drafter.
+            n = self.engine.core.add_corpus(seqs, request.tenant)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.AddCorpusResponse(sequences=n)
 
     # ---- one request ---------------------------------------------------------------------
 

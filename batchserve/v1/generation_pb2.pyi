@@ -191,3 +191,19 @@ class ModelInfo(_message.Message):
     max_waiting_requests: int
     prefix_caching: bool
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., draft_method: _Optional[str] = ..., decoding_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+
+class AddCorpusRequest(_message.Message):
+    __slots__ = ("texts", "token_ids", "tenant")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    tenant: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class AddCorpusResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: int
+    def __init__(self, sequences: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,11 @@ class TextGenerationStub:
                 request_serializer=batchserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=batchserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.AddCorpus = channel.unary_unary(
+                '/batchserve.v1.TextGeneration/AddCorpus',
+                request_serializer=batchserve_dot_v1_dot_generation__pb2.AddCorpusRequest.SerializeToString,
+                response_deserializer=batchserve_dot_v1_dot_generation__pb2.AddCorpusResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -89,6 +94,15 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddCorpus(self, request, context):
+        """Operators: load earlier outputs into the draft trie of a tenant's scope at runtime, e.g.
+        the same corpus on every replica. Needs the server's --admin-token in the
+        x-batchserve-admin-token metadata; without one configured, the call is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=batchserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=batchserve_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'AddCorpus': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddCorpus,
+                    request_deserializer=batchserve_dot_v1_dot_generation__pb2.AddCorpusRequest.FromString,
+                    response_serializer=batchserve_dot_v1_dot_generation__pb2.AddCorpusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class TextGeneration:
             '/batchserve.v1.TextGeneration/GetModelInfo',
             batchserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             batchserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddCorpus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchserve.v1.TextGeneration/AddCorpus',
+            batchserve_dot_v1_dot_generation__pb2.AddCorpusRequest.SerializeToString,
+            batchserve_dot_v1_dot_generation__pb2.AddCorpusResponse.FromString,
             options,
             channel_credentials,
             insecure,

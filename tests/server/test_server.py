@@ -517,3 +517,33 @@ def test_jacobi_options_reach_the_sampling_params_unset_ones_stay_the_servers():
 
     assert sampling_params(build_request([1], jacobi=(3, None, 2))).jacobi == (3, None, 2)
     assert sampling_params(build_request([1])).jacobi is None
+
+
+async def test_add_corpus_needs_the_admin_token_and_feeds_the_tenants_trie():
+    plain = await start_server()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await plain.stub.AddCorpus(pb.AddCorpusRequest(texts=["x"]))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--admin-token" in e.value.details()
+    finally:
+        await plain.channel.close()
+        await plain.server.shutdown()
+
+    r = await start_server(admin_token="s3cret")
+    try:
+        call = r.stub.AddCorpus
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call(pb.AddCorpusRequest(texts=["x"]), metadata=(("x-batchserve-admin-token", "guess"),))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        auth = (("x-batchserve-admin-token", "s3cret"),)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call(pb.AddCorpusRequest(token_ids=[pb.TokenIds(ids=[1, 999])]), metadata=auth)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        corpus = [pb.TokenIds(ids=[7, 8, 9, 10, 11, 12])]
+        reply = await call(pb.AddCorpusRequest(token_ids=corpus, tenant="team-a"), metadata=auth)
+        assert reply.sequences == 1
+        tries = r.core.drafter.outputs
+        assert tries["team-a"].find([7, 8]) is not None and "" not in tries  # that tenant's scope only
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
