@@ -28,7 +28,7 @@ import grpc
 import grpc.experimental.gevent as grpc_gevent
 from locust import HttpUser, User, between, task
 
-from batchserve.server.client import build_request
+from batchserve.server.client import build_request, channel_options
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
 grpc_gevent.init_gevent()  # let grpc cooperate with locust's gevent loop
@@ -63,7 +63,9 @@ class GenerationUser(User):
     abstract = PROTOCOL != "grpc"
 
     def on_start(self) -> None:
-        self.channel = grpc.insecure_channel(self.host)
+        # round_robin over every address of a multi-replica host (ipv4:a,b or dns:///name:port),
+        # retrying UNAVAILABLE (a replica draining) on another: what Client does.
+        self.channel = grpc.insecure_channel(self.host, options=channel_options("round_robin"))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.rng = random.Random()
 

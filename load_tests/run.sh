@@ -4,13 +4,15 @@
 # Exits non-zero if any request failed other than by deliberate RESOURCE_EXHAUSTED shedding.
 #
 #   load_tests/run.sh --users 8 --spawn-rate 2 --duration 60s --out load_out [--model PATH] [--port 50151]
-#                     [--protocol grpc|http] [--http-port 50153]
+#                     [--protocol grpc|http] [--http-port 50153] [--replicas N]
 # --protocol http drives the OpenAI-compatible HTTP API of the same server instead of gRPC.
+# --replicas N starts N servers (ports PORT, PORT+3, ...; metrics and HTTP on the next two of
+# each) and balances the gRPC load over all of them with round_robin (Client's service config).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 USERS=8; SPAWN=2; DURATION=60s; OUT=load_out; MODEL=""; PORT=50151; METRICS_PORT=""; PROTOCOL=grpc; HTTP_PORT=""
-EXTRA=()
+REPLICAS=1; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --users) USERS=$2; shift 2;;
@@ -22,6 +24,7 @@ while [ $# -gt 0 ]; do
     --metrics-port) METRICS_PORT=$2; shift 2;;
     --protocol) PROTOCOL=$2; shift 2;;
     --http-port) HTTP_PORT=$2; shift 2;;
+    --replicas) REPLICAS=$2; shift 2;;
     --) shift; EXTRA=("$@"); break;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -29,26 +32,34 @@ done
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 
-SERVER_ARGS=(--host 127.0.0.1 --port "$PORT")
-[ -n "$MODEL" ] && SERVER_ARGS+=(--model "$MODEL")
-# Metrics always on (the idle check reads the KV pool from them): the next port up by default.
-[ -n "$METRICS_PORT" ] || METRICS_PORT=$(( PORT + 1 ))
-SERVER_ARGS+=(--metrics-port "$METRICS_PORT")
-# The HTTP API on the port after that (only the chosen protocol's port is loaded).
+[ -n "$METRICS_PORT" ] || METRICS_PORT=$(( PORT + 1 ))  # metrics always on: the idle check reads them
 [ -n "$HTTP_PORT" ] || HTTP_PORT=$(( PORT + 2 ))
-SERVER_ARGS+=(--http-port "$HTTP_PORT")
+if [ "$PROTOCOL" = http ] && [ "$REPLICAS" -gt 1 ]; then
+  echo "--replicas > 1 balances gRPC; put an HTTP load balancer in front for --protocol http" >&2; exit 2
+fi
+SERVERS=(); GRPC_ADDRS=(); METRICS_ADDRS=()
+cleanup() {
+  for pid in "${SERVERS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${SERVERS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+for (( i = 0; i < REPLICAS; i++ )); do
+  P=$(( PORT + 3 * i )); M=$(( METRICS_PORT + 3 * i )); H=$(( HTTP_PORT + 3 * i ))
+  SERVER_ARGS=(--host 127.0.0.1 --port "$P" --metrics-port "$M" --http-port "$H")
+  [ -n "$MODEL" ] && SERVER_ARGS+=(--model "$MODEL")
+  LOG="$OUT/server.log"; [ "$i" -gt 0 ] && LOG="$OUT/server-$i.log"
+  "$PY" -m batchserve.cli serve "${SERVER_ARGS[@]}" "${EXTRA[@]}" >"$LOG" 2>&1 &
+  SERVERS+=($!); GRPC_ADDRS+=("127.0.0.1:$P"); METRICS_ADDRS+=("127.0.0.1:$M")
+done
 case "$PROTOCOL" in
-  grpc) HOST="127.0.0.1:$PORT";;
+  grpc) HOST="${GRPC_ADDRS[0]}"; [ "$REPLICAS" -gt 1 ] && HOST="ipv4:$(IFS=,; echo "${GRPC_ADDRS[*]}")";;
   http) HOST="http://127.0.0.1:$HTTP_PORT";;
   *) echo "--protocol must be grpc or http" >&2; exit 2;;
 esac
-"$PY" -m batchserve.cli serve "${SERVER_ARGS[@]}" "${EXTRA[@]}" >"$OUT/server.log" 2>&1 &
-SERVER=$!
-cleanup() { kill -TERM "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }
-trap cleanup EXIT
 
-# Wait for health SERVING (model load included), at most 5 minutes.
-"$PY" - "$PORT" "$SERVER" <<'PYEOF'
+# Wait for health SERVING (model load included) on every replica, at most 5 minutes.
+for (( i = 0; i < REPLICAS; i++ )); do
+"$PY" - "$(( PORT + 3 * i ))" "${SERVERS[$i]}" <<'PYEOF'
 import os, sys, time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -68,12 +79,15 @@ while time.monotonic() < deadline:
     time.sleep(0.5)
 sys.exit("server not healthy after 300 s")
 PYEOF
+done
 
-rss() { ps -o rss= -p "$SERVER" | awk '{printf "%.0f MB", $1/1024}'; }
+PIDS=$(IFS=,; echo "${SERVERS[*]}")
+rss_kb() { ps -o rss= -p "$PIDS" | awk '{s += $1} END {print s}'; }  # all replicas together
+rss() { rss_kb | awk '{printf "%.0f MB", $1/1024}'; }
 echo "server memory at start: $(rss)" | tee "$OUT/memory.txt"
 # The server's resident memory every 10 s, for the soak's growth check (load_tests/soak_check.py).
-( t=0; while kill -0 "$SERVER" 2>/dev/null; do
-    echo "$t,$(ps -o rss= -p "$SERVER" | tr -d ' ')"; sleep 10; t=$(( t + 10 )); done ) >"$OUT/rss.csv" &
+( t=0; while kill -0 "${SERVERS[0]}" 2>/dev/null; do
+    echo "$t,$(rss_kb)"; sleep 10; t=$(( t + 10 )); done ) >"$OUT/rss.csv" &
 SAMPLER=$!
 # Locust's own run-time limit bounds the run; `timeout` is a second guard.
 case "$DURATION" in
@@ -85,4 +99,4 @@ BATCHSERVE_PROTOCOL=$PROTOCOL timeout --signal=INT "$(( SECS + 180 ))" \
   --csv "$OUT/locust" --html "$OUT/report.html" --only-summary --exit-code-on-error 0 >"$OUT/locust.log" 2>&1 || true
 echo "server memory at end: $(rss)" | tee -a "$OUT/memory.txt"
 kill "$SAMPLER" 2>/dev/null || true
-"$PY" load_tests/summarize.py "$OUT/locust" "$OUT/rss.csv" "127.0.0.1:$METRICS_PORT"
+"$PY" load_tests/summarize.py "$OUT/locust" "$OUT/rss.csv" "$(IFS=,; echo "${METRICS_ADDRS[*]}")"

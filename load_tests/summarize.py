@@ -3,7 +3,7 @@ RESOURCE_EXHAUSTED load shedding, if the KV pool is not back to full once the se
 or if the server's memory grew by more than 5% from minute 2 to the end (runs of 4 minutes
 or more).
 
-    python load_tests/summarize.py PREFIX [RSS_CSV METRICS_HOST:PORT]
+    python load_tests/summarize.py PREFIX [RSS_CSV METRICS_HOST:PORT[,HOST:PORT...]]
 """
 
 from __future__ import annotations
@@ -63,8 +63,22 @@ def _metric(body: str, name: str) -> float:
     raise KeyError(name)
 
 
+def _finished(body: str) -> float:
+    """Requests the replica finished, every finish reason."""
+    prefix = "batchserve_requests_finished_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(prefix))
+
+
 def idle_report(metrics: str) -> bool:
-    """Once nothing runs or waits, every KV block is free again."""
+    """Once nothing runs or waits, every KV block is free again. `metrics`: host:port, or
+    several, comma-separated (one per replica; each reports how many requests it finished)."""
+    hosts = metrics.split(",")
+    if len(hosts) > 1:
+        return all([_idle(h, f"replica {h}: ") for h in hosts])
+    return _idle(metrics, "")
+
+
+def _idle(metrics: str, label: str) -> bool:
     deadline = time.monotonic() + IDLE_WAIT_S
     while True:
         body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
@@ -73,7 +87,9 @@ def idle_report(metrics: str) -> bool:
         if (busy == 0 and usage == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    print(f"idle: {busy:.0f} requests running or waiting, KV pool {usage:.1%} used (0% expected)")
+    if label:
+        print(f"{label}{_finished(body):.0f} requests finished")
+    print(f"{label}idle: {busy:.0f} requests running or waiting, KV pool {usage:.1%} used (0% expected)")
     return busy == 0 and usage == 0
 
 

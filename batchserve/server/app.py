@@ -183,6 +183,8 @@ class BatchServer:
         logger.info("serving %s on %s:%d (%s)", SERVICE_NAME, c.host, self.port, "TLS" if credentials else "plaintext")
         if self.http_port is not None:
             logger.info("serving the OpenAI API on http://%s:%d/v1", c.host, self.http_port)
+        if self.metrics_port is not None:
+            logger.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
         return self.port
 
     async def shutdown(self) -> None:

@@ -68,6 +68,37 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes, by its Content-Length or, for
+    a chunked body, as soon as the bytes read pass it. Pure ASGI (no BaseHTTPMiddleware), so the
+    endpoints still see the client's disconnect."""
+
+    def __init__(self, app: Any, limit: int, on_refuse: Any) -> None:
+        self.app, self.limit, self.on_refuse = app, limit, on_refuse
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            self.on_refuse()
+            await error_response(413, f"request body over {self.limit} bytes")(scope, receive, send)
+            return
+        read = 0
+
+        async def bounded() -> Any:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:
+                self.on_refuse()
+                raise ApiError(413, f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, bounded, send)
+
+
 class OpenAIServer:
     """Builds the FastAPI app over a `Frontend`; `max_body_bytes` bounds a request body."""
 
@@ -94,7 +125,7 @@ class OpenAIServer:
             self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
             return error_response(400, message, param)
 
-        app.middleware("http")(self._limit_body)
+        app.add_middleware(BodyLimit, limit=self.max_body_bytes, on_refuse=self._count_too_large)
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -128,22 +159,8 @@ class OpenAIServer:
 
         return app
 
-    async def _limit_body(self, request: Request, call_next: Any) -> Any:
-        """413 for a body over `max_body_bytes`: by its Content-Length, or while reading a
-        chunked one (read once, here, within the bound)."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
-            return error_response(413, f"request body over {self.max_body_bytes} bytes")
-        if length is None and request.method == "POST":
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > self.max_body_bytes:
-                    self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
-                    return error_response(413, f"request body over {self.max_body_bytes} bytes")
-            request._body = body
-        return await call_next(request)
+    def _count_too_large(self) -> None:
+        self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()  # gRPC says RESOURCE_EXHAUSTED
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchserve"}
@@ -179,6 +196,8 @@ class OpenAIServer:
             async for out in outputs:
                 text.append(out.new_text)
                 last = out
+                if await request.is_disconnected():  # nobody to answer: abort (below) and free the KV
+                    return None
         except EngineFailed as e:
             raise ApiError(500, str(e)) from None
         finally:

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchserve.request import SamplingParams
 
 
-class ApiError(Exception):
+class ApiError(HTTPException):
+    """An error answered as an OpenAI error object (an HTTPException, so that FastAPI passes it
+    through body parsing unchanged)."""
+
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(status, message)
         self.status, self.message, self.param = status, message, param
 
 

