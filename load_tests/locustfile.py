@@ -58,6 +58,18 @@ def _load_prompts() -> list[tuple[str, bool]]:
 PROMPTS = _load_prompts()
 
 
+def _fire(user: User, kind: str, name: str, start: float, length: int, exc: Exception | None) -> None:
+    """Report one call that Locust did not time itself (streams, walk-aways)."""
+    user.environment.events.request.fire(
+        request_type=kind,
+        name=name,
+        response_time=(time.perf_counter() - start) * 1000,
+        response_length=length,
+        exception=exc,
+        context={},
+    )
+
+
 class GenerationUser(User):
     wait_time = between(0.05, 0.5)
     abstract = PROTOCOL != "grpc"
@@ -78,14 +90,7 @@ class GenerationUser(User):
         return build_request(payload, max_new_tokens=self.rng.choice(MAX_NEW_TOKENS))
 
     def _fire(self, name: str, start: float, length: int, exc: Exception | None) -> None:
-        self.environment.events.request.fire(
-            request_type="grpc",
-            name=name,
-            response_time=(time.perf_counter() - start) * 1000,
-            response_length=length,
-            exception=exc,
-            context={},
-        )
+        _fire(self, "grpc", name, start, length, exc)
 
     @task(5)
     def generate(self) -> None:
@@ -166,14 +171,7 @@ class OpenAIUser(HttpUser):
         return "/v1/completions", body
 
     def _fire(self, name: str, start: float, length: int, exc: Exception | None) -> None:
-        self.environment.events.request.fire(
-            request_type="http",
-            name=name,
-            response_time=(time.perf_counter() - start) * 1000,
-            response_length=length,
-            exception=exc,
-            context={},
-        )
+        _fire(self, "http", name, start, length, exc)
 
     @task(5)
     def generate(self) -> None:

@@ -137,25 +137,8 @@ class BatchServer:
         except OSError:
             self.metrics.close()
             raise
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", self.max_message_bytes),
-                ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.keepalive_time_ms", c.keepalive_time_ms),
-                ("grpc.keepalive_timeout_ms", c.keepalive_timeout_ms),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                ("grpc.http2.max_pings_without_data", 0),
-            ]
-        )
+        server = self._grpc_server()
         try:
-            pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            if c.reflection:
-                reflection.enable_server_reflection(
-                    (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-                    server,
-                )
             credentials = c.credentials()
             address = f"{c.host}:{c.port}"
             port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
@@ -186,6 +169,29 @@ class BatchServer:
         if self.metrics_port is not None:
             logger.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
         return self.port
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        """The grpc.aio server with its services (TextGeneration, health, reflection), not yet bound."""
+        c = self.config
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.keepalive_time_ms", c.keepalive_time_ms),
+                ("grpc.keepalive_timeout_ms", c.keepalive_timeout_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.http2.max_pings_without_data", 0),
+            ]
+        )
+        pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if c.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                server,
+            )
+        return server
 
     async def shutdown(self) -> None:
         """NOT_SERVING at once; for `drain_seconds` load balancers route away while calls are

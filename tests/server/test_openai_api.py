@@ -44,6 +44,18 @@ async def _raw(r, method: str, path: str, body: object = None, headers: dict | N
     return await asyncio.to_thread(call)
 
 
+async def _post_and_keep_open(r, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """POST /v1/completions on a raw connection the test closes when it likes (a client leaving)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.server.http_port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    return reader, writer
+
+
 def _offline(prompt, params):
     return LLM.from_core(tiny_core()).generate([prompt], params)[0]
 
@@ -116,13 +128,7 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
     body = json.dumps(
         {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "stream": True, "ignore_eos": True}
     ).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", api.server.http_port)
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
+    reader, writer = await _post_and_keep_open(api, body)
     await reader.readuntil(b"data: ")  # the first chunk arrived: the request runs
     assert core.scheduler.num_running == 1
     writer.close()
@@ -259,13 +265,7 @@ async def test_shutdown_lets_an_http_stream_finish_then_refuses():
 async def test_a_client_that_leaves_a_whole_completion_frees_the_kv_too(api):
     core = api.core
     body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", api.server.http_port)
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
+    _, writer = await _post_and_keep_open(api, body)
     while not core.scheduler.num_running:
         await asyncio.sleep(0.01)
     req = core.scheduler.running[0]
