@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.draft.jacobi import spec_mask, window_rows
+from batchserve.draft.jacobi import spec_mask, window_layout
 from batchserve.draft.tree import ancestor_mask
 
 
@@ -118,7 +118,7 @@ def _spec_mask(s: SeqLayout) -> np.ndarray | None:
     """[n, n] over a request's draft nodes then window rows; None if it has neither."""
     tree = ancestor_mask(s.draft_parents) if s.draft_parents else None
     levels, width = s.window
-    return spec_mask(tree, window_rows([[0] * width] * levels).mask if levels * width else None)
+    return spec_mask(tree, window_layout(levels, width)[1] if levels * width else None)
 
 
 def slots_of(block_ids: tuple[int, ...] | list[int], block_size: int, positions: torch.Tensor) -> torch.Tensor:

@@ -46,9 +46,6 @@ class WindowDrafter(Protocol):
     def window(self, request_id: str, max_rows: int) -> WindowRows | None:
         """This step's window rows for the request, or None if they do not fit `max_rows`."""
 
-    def window_rows_needed(self, request_id: str) -> int:
-        """How many rows the request's window takes this step (0: none)."""
-
     def on_window_outputs(self, request_id: str, rows: WindowRows, outputs: Sequence[int]) -> None:
         """The model's next token after each of the window's last `rows.num_outputs` rows."""
 

@@ -72,7 +72,7 @@ class WindowRows:
 
 
 @functools.lru_cache(maxsize=256)
-def _window_layout(levels: int, width: int) -> tuple[tuple[int, ...], np.ndarray]:
+def window_layout(levels: int, width: int) -> tuple[tuple[int, ...], np.ndarray]:
     """(offsets, mask) of a window of `levels` x `width` rows, level-major (row = i * width + j)."""
     i = np.repeat(np.arange(levels), width)  # [m] level of each row
     j = np.tile(np.arange(width), levels)  # [m] column of each row
@@ -86,7 +86,7 @@ def _window_layout(levels: int, width: int) -> tuple[tuple[int, ...], np.ndarray
 def window_rows(levels: Sequence[Sequence[int]]) -> WindowRows:
     """The rows of a window whose levels (oldest first) all have the same width."""
     width = len(levels[0])
-    offsets, mask = _window_layout(len(levels), width)
+    offsets, mask = window_layout(len(levels), width)
     return WindowRows(tuple(t for level in levels for t in level), offsets, mask, width)
 
 
@@ -230,14 +230,10 @@ class JacobiDrafter:
     def window(self, request_id: str, max_rows: int) -> WindowRows | None:
         """This step's window rows for the request, or None if they do not fit `max_rows`."""
         state = self._windows.get(request_id)
-        if state is None or state.shape.window < 1:
+        if state is None:
             return None
         rows = window_rows(state.levels)
         return rows if len(rows) <= max_rows else None
-
-    def window_rows_needed(self, request_id: str) -> int:
-        state = self._windows.get(request_id)
-        return 0 if state is None else len(state.levels) * state.shape.window
 
     def on_window_outputs(self, request_id: str, rows: WindowRows, outputs: Sequence[int]) -> None:
         """The model's next token after each of the last level's rows: pool the n-grams read
@@ -287,25 +283,17 @@ class HybridDrafter(TrieDrafter):
     def window(self, request_id: str, max_rows: int) -> WindowRows | None:
         return self.jacobi.window(request_id, max_rows)
 
-    def window_rows_needed(self, request_id: str) -> int:
-        return self.jacobi.window_rows_needed(request_id)
-
     def on_window_outputs(self, request_id: str, rows: WindowRows, outputs: Sequence[int]) -> None:
         self.jacobi.on_window_outputs(request_id, rows, outputs)
 
 
-def _add_path(builder: TreeBuilder, tokens: Sequence[int], prob: float) -> list[int]:
-    """Add a chain from the root (merging with what is there); returns the nodes it added."""
-    added: list[int] = []
+def _add_path(builder: TreeBuilder, tokens: Sequence[int], prob: float) -> None:
+    """Add a chain from the root, merging with what is there, while the builder has room."""
     parent: int | None = None
     for tok in tokens:
         if builder.full and (parent, tok) not in builder.index:
             break
-        new = (parent, tok) not in builder.index
         parent = builder.add(parent, tok, prob)
-        if new:
-            added.append(parent)
-    return added
 
 
 def merge_trees(first: DraftTree | None, second: DraftTree | None, max_tokens: int) -> DraftTree | None:

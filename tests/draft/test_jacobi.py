@@ -65,7 +65,7 @@ def test_the_window_grows_to_n_minus_one_levels_then_pools_ngrams_and_slides():
     first = list(rows.tokens)
     d.on_window_outputs("r", rows, [40, 41, 42])
     d.on_window_outputs("r", d.window("r", 100), [50, 51, 52])
-    assert d.window_rows_needed("r") == 9 and len(d.pool) == 0  # 3 levels = N - 1: now full
+    assert len(d.window("r", 100)) == 9 and len(d.pool) == 0  # 3 levels = N - 1: now full
     d.on_window_outputs("r", d.window("r", 100), [60, 61, 62])
     # Each column read down the levels, plus the new guess: one n-gram of N tokens per column.
     for j in range(3):
