@@ -97,6 +97,7 @@ class Row:
     tpot_p99_s: float
     lossless: bool | None
     mean_decoding_length: float | None = None  # draft tokens per request step
+    cached_share: float | None = None  # prompt tokens from the prefix cache / prompt tokens (None: caching off)
     # batchserve rows: engine steps, and ms per step in each phase (StepPhases.NAMES) and in all ("wall")
     steps: int | None = None
     phase_ms: dict[str, float] | None = None

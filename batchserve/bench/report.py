@@ -43,8 +43,8 @@ def _method_table(rows: list[Row]) -> list[str]:
     none = {r.batch_size: r.tokens_per_s for r in rows if r.method == "none"}
     lines = [
         "| method | batch | tokens/s | tokens/step | draft tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
-        "| vs hf | vs hf-batch | vs none | lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prompt cached | vs hf | vs hf-batch | vs none | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
         vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
@@ -53,9 +53,10 @@ def _method_table(rows: list[Row]) -> list[str]:
         tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
         dl = "-" if r.mean_decoding_length is None else f"{r.mean_decoding_length:.1f}"
         lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
+        cached = "-" if r.cached_share is None else f"{r.cached_share:.0%}"
         lines.append(
             f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {tps} | {dl} | {r.ttft_p50_s:.3f} / "
-            f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_hf} | {vs_hfb} | {vs_none} "
+            f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {cached} | {vs_hf} | {vs_hfb} | {vs_none} "
             f"| {lossless} |"
         )
     return lines

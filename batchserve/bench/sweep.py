@@ -63,6 +63,20 @@ class PhaseTotals:
             row.decode_step_ms = round(self.decode_wall * 1e3 / self.decode_steps, 3)
 
 
+@dataclass(slots=True)
+class EngineRun:
+    """What one batchserve run measured."""
+
+    outputs: list[list[int]]
+    seconds: float
+    ttfts: list[float]
+    tpots: list[float]
+    tokens_per_step: float
+    mean_len: float  # draft tokens per request step
+    phases: PhaseTotals
+    cached_share: float | None  # prompt tokens served from the prefix cache / prompt tokens
+
+
 def run_batchserve(
     engine_model: Any,
     tokenizer: Any,
@@ -74,10 +88,10 @@ def run_batchserve(
     decoding_length: int,
     cost_profile: CostProfile | None = None,
     earlier: list[list[int]] = (),  # type: ignore[assignment]
-) -> tuple[list[list[int]], float, list[float], list[float], float, float, PhaseTotals]:
-    """One batchserve method at batch size b: (outputs, seconds, TTFTs, TPOTs, tokens per step,
-    mean draft tokens per request step, phase totals). `earlier` prompts (a conversation's
-    first turns) run first, unmeasured, on the same engine."""
+) -> EngineRun:
+    """One batchserve method at batch size b, on the server's default KV pool (a smaller one
+    evicts the cached prefixes a workload shares). `earlier` prompts (a conversation's first
+    turns) run first, unmeasured, on the same engine."""
     from batchserve import LLM, SamplingParams
 
     llm = LLM(
@@ -88,7 +102,6 @@ def run_batchserve(
         max_num_seqs=b,
         hf_model=engine_model,
         tokenizer=tokenizer,
-        kv_cache_memory_gb=0.5,
         cost_profile=cost_profile,
         cpu_linear=m.cpu_linear,
         prefix_caching=m.prefix_caching,
@@ -111,7 +124,9 @@ def run_batchserve(
     steps = sum(r.stats.steps for r in results)
     outputs = [r.token_ids for r in results]
     mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
-    return outputs, seconds, ttfts, tpots, tokens_per_step(sum(len(o) for o in outputs), steps), mean_len, phases
+    cached = sum(r.stats.cached_prompt_tokens for r in results) / max(1, sum(map(len, prompts)))
+    tps = tokens_per_step(sum(len(o) for o in outputs), steps)
+    return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached if m.prefix_caching else None)
 
 
 def closed_loop_ttfts(results: list[Any], b: int) -> list[float]:
@@ -181,7 +196,7 @@ def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dic
         from batchserve import LLM
 
         probe = LLM(
-            adaptive=True, hf_model=engine_model, tokenizer=tokenizer, kv_cache_memory_gb=0.5, cpu_linear=cpu_linear
+            adaptive=True, hf_model=engine_model, tokenizer=tokenizer, cpu_linear=cpu_linear
         )
         cost_profiles[cpu_linear] = probe.engine.cost_profile
         del probe
@@ -226,7 +241,7 @@ def _batchserve_row(
     """One run of a batchserve method at batch size b, checked against the greedy reference."""
     m = batchserve_method(method)
     assert m is not None
-    outs, secs, ttfts, tpots, tps, mean_len, phases = run_batchserve(
+    run = run_batchserve(
         s.engine_model,
         s.tokenizer,
         prompts,
@@ -238,9 +253,12 @@ def _batchserve_row(
         s.cost_profiles.get(m.cpu_linear),
         work.earlier[: len(prompts)],
     )
-    row = make_row(method, dataset, b, outs, secs, ttfts, tpots, tps, outs == reference)
-    row.mean_decoding_length = mean_len
-    phases.apply(row)
+    row = make_row(
+        method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, run.outputs == reference
+    )
+    row.mean_decoding_length = run.mean_len
+    row.cached_share = None if run.cached_share is None else round(run.cached_share, 3)
+    run.phases.apply(row)
     s.bar.update(1)
     s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
     return row

@@ -47,6 +47,22 @@ def test_multiturn_history_is_a_token_prefix_of_the_second_turn() -> None:
     assert all(p[: len(e)] == e and len(p) > len(e) for p, e in zip(work.prompts, work.earlier))
 
 
+def test_engine_run_reports_the_share_of_prompt_tokens_the_cache_served(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    from batchserve.bench.methods import batchserve_method
+    from batchserve.bench.sweep import run_batchserve
+
+    # Two conversations whose history (3 and 2 full blocks of 16) ran earlier: the second turns
+    # find it in the cache, whatever the pool's default size, and compute only the rest.
+    earlier = [[5 + i % 50 for i in range(48)], [60 + i % 40 for i in range(32)]]
+    prompts = [earlier[0] + [7, 8, 9], earlier[1] + [11, 12, 13, 14]]
+    on, off = batchserve_method("none"), batchserve_method("none+nocache")
+    assert on is not None and off is not None
+    cached = run_batchserve(tiny_model, tiny_tokenizer, prompts, 4, 2, on, [], 16, None, earlier)
+    assert cached.cached_share == (48 + 32) / (51 + 36)
+    plain = run_batchserve(tiny_model, tiny_tokenizer, prompts, 4, 2, off, [], 16, None, earlier)
+    assert plain.cached_share is None and plain.outputs == cached.outputs
+
+
 def test_system_prompt_workload_shares_one_long_system_prompt() -> None:
     samples = system_prompt(30)
     assert len(samples) == 30 and len({s.history for s in samples}) == 1
@@ -177,6 +193,7 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
             assert 0 < r["phase_ms"]["attention"] < r["phase_ms"]["forward"] < r["phase_ms"]["wall"]
             assert 0 < r["attention_share"] < 1
             assert r["decode_step_ms"] > 0  # 6 new tokens: some steps carry no prompt chunk
+            assert (r["cached_share"] is None) == m.endswith("+nocache")
     assert by[("hf", 1)]["lossless"] is None
     assert all(r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
 
@@ -191,6 +208,7 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path: Path, monk
     assert "fastest of 2 runs" in report and "adaptive / best fixed" in report
     assert "max(2, 2 x batch) prompts" in report
     assert "| lookahead | 2 |" in report and "vs hf-batch" in report and "attention share" in report
+    assert "| prompt cached |" in report
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
