@@ -253,9 +253,8 @@ def _batchserve_row(
         s.cost_profiles.get(m.cpu_linear),
         work.earlier[: len(prompts)],
     )
-    row = make_row(
-        method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, run.outputs == reference
-    )
+    lossless = run.outputs == reference
+    row = make_row(method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, lossless)
     row.mean_decoding_length = run.mean_len
     row.cached_share = None if run.cached_share is None else round(run.cached_share, 3)
     run.phases.apply(row)
