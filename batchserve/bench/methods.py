@@ -37,6 +37,9 @@ BATCHSERVE = {
     # Lookahead Decoding's Jacobi window and n-gram pool, alone and merged with the (warm) trie.
     "jacobi": Method("jacobi", "hierarchical", False, adaptive=True, decoding_length=ADAPTIVE_CAP),
     "hybrid": Method("hybrid", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP),
+    # A fixed decoding length runs the window every step, whatever it costs: what the pool can buy.
+    **{f"jacobi-{n}": Method("jacobi", "hierarchical", False, decoding_length=n) for n in FIXED_LENGTHS},
+    **{f"hybrid-{n}": Method("hybrid", "hierarchical", True, decoding_length=n) for n in FIXED_LENGTHS},
     # The same on oneDNN's CPU linear kernel (--cpu-linear onednn), to measure what it brings.
     "none-onednn": Method("none", "hierarchical", False, cpu_linear="onednn"),
     "lookahead-adaptive-onednn": Method(

@@ -80,6 +80,18 @@ def test_nocache_suffix_turns_prefix_caching_off_for_any_batchserve_method() -> 
     assert batchserve_method("hf") is None and not known_method("hf+nocache") and known_method("hf")
 
 
+def test_fixed_length_jacobi_methods_run_the_window_every_step_and_shaped_ones_adapt() -> None:
+    from batchserve.bench.methods import FIXED_LENGTHS, batchserve_method
+
+    for n in FIXED_LENGTHS:
+        for base in ("jacobi", "hybrid"):
+            m = batchserve_method(f"{base}-{n}")
+            assert m is not None and m.draft == base and not m.adaptive and m.decoding_length == n
+            assert m.warm == (base == "hybrid")  # the hybrid's trie is warmed like lookahead's
+    shaped = batchserve_method("hybrid-5-4")
+    assert shaped is not None and shaped.adaptive and shaped.jacobi == (5, 4, 5)
+
+
 def test_bench_simulate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(
