@@ -117,8 +117,9 @@ def _bench_parser(sub: Any) -> None:
         "--methods",
         default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
         help="comma-separated: hf, hf-static (static cache + compiled forward), hf-prompt-lookup, hf-batch, none, "
-        "llma, parallel, lookahead, lookahead-cold, lookahead-4|16|64, lookahead-adaptive (and -onednn variants), "
-        "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W); "
+        "llma, parallel, lookahead, lookahead-cold, lookahead-4|16|64, lookahead-adaptive (and -blas variants), "
+        "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W; "
+        "jacobi-4|16|64 / hybrid-4|16|64: the window every step); "
         "a batchserve method with the suffix +nocache runs with prefix caching off",
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)

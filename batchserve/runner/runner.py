@@ -58,7 +58,7 @@ class ModelRunner:
     SchedulerOutput, and the only state it keeps is tensors and generators.
     """
 
-    def __init__(self, model: Any, backend: AttentionBackend, cpu_linear: str = "torch") -> None:
+    def __init__(self, model: Any, backend: AttentionBackend, cpu_linear: str = "auto") -> None:
         register_attention()
         model.set_attn_implementation(ATTN_IMPL)
         self.onednn_linear = use_onednn_linear(model, cpu_linear)

@@ -47,9 +47,10 @@ def test_multiturn_history_is_a_token_prefix_of_the_second_turn() -> None:
     assert all(p[: len(e)] == e and len(p) > len(e) for p, e in zip(work.prompts, work.earlier))
 
 
-def test_engine_run_reports_the_share_of_prompt_tokens_the_cache_served(tiny_model: Any, tiny_tokenizer: Any) -> None:
+def test_engine_run_reports_the_share_of_prompt_tokens_the_cache_served(tiny_tokenizer: Any) -> None:
     from batchserve.bench.methods import batchserve_method
     from batchserve.bench.sweep import run_batchserve
+    from tests.conftest import make_tiny_model
 
     # Two conversations whose history (3 and 2 full blocks of 16) ran earlier: the second turns
     # find it in the cache, whatever the pool's default size, and compute only the rest.
@@ -57,9 +58,10 @@ def test_engine_run_reports_the_share_of_prompt_tokens_the_cache_served(tiny_mod
     prompts = [earlier[0] + [7, 8, 9], earlier[1] + [11, 12, 13, 14]]
     on, off = batchserve_method("none"), batchserve_method("none+nocache")
     assert on is not None and off is not None
-    cached = run_batchserve(tiny_model, tiny_tokenizer, prompts, 4, 2, on, [], 16, None, earlier)
+    model = make_tiny_model()  # the engine swaps its attention: not the shared reference copy
+    cached = run_batchserve(model, tiny_tokenizer, prompts, 4, 2, on, [], 16, None, earlier)
     assert cached.cached_share == (48 + 32) / (51 + 36)
-    plain = run_batchserve(tiny_model, tiny_tokenizer, prompts, 4, 2, off, [], 16, None, earlier)
+    plain = run_batchserve(model, tiny_tokenizer, prompts, 4, 2, off, [], 16, None, earlier)
     assert plain.cached_share is None and plain.outputs == cached.outputs
 
 

@@ -28,9 +28,20 @@ def test_onednn_linear_switches_in_place_and_keeps_the_models_choices():
         assert torch.equal(model(ids).logits, plain)
 
 
+@needs_onednn
+def test_auto_is_the_default_and_takes_onednn_for_a_float32_cpu_model():
+    from batchserve.config import ModelConfig
+
+    assert ModelConfig().cpu_linear == "auto"
+    model = make_tiny_model()
+    assert use_onednn_linear(model, "auto") is True
+    assert all("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
 def test_onednn_linear_is_refused_where_it_cannot_run():
     half = make_tiny_model(dtype=torch.bfloat16)
     assert use_onednn_linear(half, "torch") is False
+    assert use_onednn_linear(half, "auto") is False  # auto falls back to torch's kernels
     with pytest.raises(ValueError, match="float32"):
         use_onednn_linear(half, "onednn")
     with pytest.raises(ValueError, match="cpu_linear"):
