@@ -195,9 +195,7 @@ def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dic
     for cpu_linear in {m.cpu_linear for m in specs if m is not None and m.adaptive}:
         from batchserve import LLM
 
-        probe = LLM(
-            adaptive=True, hf_model=engine_model, tokenizer=tokenizer, cpu_linear=cpu_linear
-        )
+        probe = LLM(adaptive=True, hf_model=engine_model, tokenizer=tokenizer, cpu_linear=cpu_linear)
         cost_profiles[cpu_linear] = probe.engine.cost_profile
         del probe
     return cost_profiles

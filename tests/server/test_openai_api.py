@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+from typing import Any
 
 import openai
 import pytest
@@ -42,6 +43,14 @@ async def _raw(r, method: str, path: str, body: object = None, headers: dict | N
         return resp.status, json.loads(raw) if raw else {}
 
     return await asyncio.to_thread(call)
+
+
+async def _until_idle(core: Any, seconds: float) -> None:
+    """Wait until the engine has nothing running or waiting, at most `seconds`."""
+    for _ in range(int(seconds / 0.02)):
+        if not core.scheduler.has_work():
+            return
+        await asyncio.sleep(0.02)
 
 
 async def _post_and_keep_open(r, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -132,10 +141,7 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
     await reader.readuntil(b"data: ")  # the first chunk arrived: the request runs
     assert core.scheduler.num_running == 1
     writer.close()
-    for _ in range(200):
-        if not core.scheduler.has_work():
-            break
-        await asyncio.sleep(0.02)
+    await _until_idle(core, 4.0)
     assert not core.scheduler.has_work()
     alloc = core.scheduler.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
@@ -270,10 +276,7 @@ async def test_a_client_that_leaves_a_whole_completion_frees_the_kv_too(api):
         await asyncio.sleep(0.01)
     req = core.scheduler.running[0]
     writer.close()
-    for _ in range(500):
-        if not core.scheduler.has_work():
-            break
-        await asyncio.sleep(0.02)
+    await _until_idle(core, 10.0)
     assert not core.scheduler.has_work()
     assert req.finish_reason is FinishReason.CANCELLED and len(req.output_token_ids) < 400
     assert core.scheduler.allocator.num_free_blocks == core.scheduler.allocator.num_blocks
