@@ -11,7 +11,7 @@ from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.engine import EngineCore
-from batchserve.request import RequestOutput, SamplingParams
+from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams
 from batchserve.scheduler import SchedulerOutput, StepPhases
 from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.text import Prompt
@@ -96,8 +96,21 @@ class AsyncEngine:
         return self.core.has_work()
 
     def start(self) -> None:
-        if self._task is None:
+        if self._task is None and self.dead is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="batchserve-engine")
+            self._task.add_done_callback(self._on_loop_done)
+
+    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
+        """Whatever ends the step loop other than stop() (a bug that escaped every handler,
+        `fail_all` itself raising) stops the engine for good, loudly: health goes NOT_SERVING,
+        the process exits non-zero, and every stream still open gets its final output."""
+        if task.cancelled() or self.dead is not None:
+            return
+        error = task.exception()
+        if error is None:  # pragma: no cover - _run only returns after _die
+            return
+        logger.critical("the engine loop died", exc_info=error)
+        self._die(f"the engine loop died: {type(error).__name__}: {error}")
 
     def abort_all(self) -> int:
         """Cancel every request: each stream gets its final output (CANCELLED). Returns how many."""
@@ -111,6 +124,8 @@ class AsyncEngine:
             try:
                 await self._task
             except asyncio.CancelledError:
+                pass
+            except Exception:  # the loop died earlier; _on_loop_done reported it
                 pass
             self._task = None
         self._executor.shutdown(wait=True)
@@ -132,6 +147,15 @@ class AsyncEngine:
         self._queues[req.request_id] = queue
         self._wakeup.set()
         return RequestStream(self, req.request_id, queue)
+
+    async def add_corpus(self, sequences: list[list[int]], tenant: str = "") -> int:
+        """`EngineCore.add_corpus` in slices of about CORPUS_SLICE_TOKENS tokens, yielding the
+        loop between them: a large corpus never holds up the streams and health checks."""
+        n = 0
+        for start in range(0, len(sequences), 1):
+            n += self.core.add_corpus(sequences[start : start + 1], tenant)
+            await asyncio.sleep(0)
+        return n
 
     def abort(self, request_id: str) -> bool:
         out = self.core.abort(request_id)
@@ -170,7 +194,14 @@ class AsyncEngine:
     def _die(self, reason: str) -> None:
         logger.critical(reason)
         self.dead = reason
-        self._dispatch(self.core.fail_all(EngineDeadError(reason)))
+        try:
+            self._dispatch(self.core.fail_all(EngineDeadError(reason)))
+        except Exception:  # the scheduler's state is beyond use: end the streams without it
+            logger.exception("failing the requests of a dead engine failed")
+        # Every open stream gets a final output whatever state the core is in (a stream stops at
+        # the first final it reads, so one already queued wins over this one).
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(RequestOutput(rid, [], "", True, FinishReason.ERROR, 0, 0, RequestStats(), error=reason))
         self.died.set()
 
 

@@ -274,6 +274,10 @@ class LimitsConfig:
     max_stop_length: int = setting(256, "characters per stop string")
     max_request_id_length: int = setting(128, "characters of a request id or tenant key ([A-Za-z0-9._:-])")
     max_prompt_chars_per_token: int = setting(32, "text longer than this times the context is refused untokenized")
+    # Each emitted token is looked up in a set of them; the count bounds the request's size on the loop.
+    max_stop_token_ids: int = setting(64, "stop token ids per request")
+    # A chat template renders every message (even an empty one): bound them before templating.
+    max_chat_messages: int = setting(1024, "chat messages per request")
 
     def __post_init__(self) -> None:
         for s in settings_of(LimitsConfig):

@@ -21,6 +21,7 @@ from batchserve.text import Prompt, TextCodec
 logger = logging.getLogger("batchserve")
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
+PROBE_ID = "#device-probe"  # outside REQUEST_ID's alphabet: no request can share its runner state
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class PendingStep:
     result: RunnerOutput | None = None
     schedule_error: Exception | None = None  # fails every request
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose forward failed on their own
+    device_ok: bool | None = None  # after a step whose every forward failed: did the probe run?
     phases: StepPhases = field(default_factory=StepPhases)
 
 
@@ -62,6 +64,7 @@ class EngineCore:
         self.max_model_len = facts.max_model_len
         self.attention_backend = facts.attention_backend
         self.eos_token_ids = facts.eos_token_ids
+        self._probe_block = facts.probe_block
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)
         self.drafter = drafter if drafter is not None else self._make_drafter()
         self.cost_profile: CostProfile | None = None
@@ -124,18 +127,13 @@ class EngineCore:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self.text.tokenize(prompt)
+        self._check_limits(params, request_id, tenant)
+        token_ids = self.text.tokenize(prompt)  # raises for a prompt beyond the context
         if not token_ids:
             raise ValueError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len}, "
-                "which must also hold at least one new token"
-            )
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is not a token id in [0, {self.vocab_size})")
-        self._check_limits(params, request_id, tenant)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid,
@@ -150,16 +148,23 @@ class EngineCore:
         self.text.start(rid, params.stop)
         return req
 
-    def _check_limits(self, params: SamplingParams, request_id: str | None, tenant: str) -> None:
+    def check_tenant(self, tenant: str) -> None:
+        """Raise ValueError unless `tenant` is "" (none) or a valid key."""
+        if tenant:
+            self._check_key("tenant", tenant)
+
+    def _check_key(self, field_name: str, value: str) -> None:
         limit = self.config.limits.max_request_id_length
-        for field_name, value, required in (("request_id", request_id, True), ("tenant", tenant, False)):
-            if value is None or (not value and not required):
-                continue
-            if not value or len(value) > limit or not REQUEST_ID.fullmatch(value):
-                raise ValueError(
-                    f"{field_name}: 1 to {limit} characters of A-Z a-z 0-9 . _ : - (got {len(value)} characters)"
-                )
-        self.text.check_stop(params.stop)
+        if not value or len(value) > limit or not REQUEST_ID.fullmatch(value):
+            raise ValueError(
+                f"{field_name}: 1 to {limit} characters of A-Z a-z 0-9 . _ : - (got {len(value)} characters)"
+            )
+
+    def _check_limits(self, params: SamplingParams, request_id: str | None, tenant: str) -> None:
+        if request_id is not None:
+            self._check_key("request_id", request_id)
+        self.check_tenant(tenant)
+        self.text.check_stop(params.stop, params.stop_token_ids)
         cap = self.config.draft.decoding_length
         if params.decoding_length is not None and params.decoding_length > cap:
             raise ValueError(f"decoding_length: {params.decoding_length} is above the server's cap of {cap}")
@@ -210,6 +215,31 @@ class EngineCore:
         except Exception as e:
             results = self._retry_in_halves(list(out.requests), e, step.failed)
             step.result = _merge(results) if results else None
+            if step.result is None:  # every request failed: theirs, or the device's fault?
+                step.device_ok = self.device_works()
+
+    def device_works(self) -> bool:
+        """Whether a plain one-token forward still runs, on the probe's own block (K/V that no
+        request reads). After a step whose every request failed it tells a request that fails
+        on its own (the device works: the failure is the request's) from a device that fails
+        every forward (the step counts towards stopping the engine)."""
+        probe = ScheduledRequest(
+            request_id=PROBE_ID,
+            token_ids=(0,),
+            num_computed_tokens=0,
+            block_ids=(self._probe_block,),
+            draft=None,
+            sample=True,
+            params=SamplingParams(max_new_tokens=1),
+        )
+        try:
+            self.runner.execute(SchedulerOutput((probe,), ()))
+            return True
+        except Exception:
+            logger.exception("the device probe failed too")
+            return False
+        finally:
+            self.runner.release([PROBE_ID])
 
     def _retry_in_halves(
         self, requests: list[ScheduledRequest], error: Exception, failed: dict[str, Exception]
@@ -244,8 +274,10 @@ class EngineCore:
         except Exception as e:  # never leave a stream waiting forever
             crashed = True
             outputs += self.fail_all(e)
-        # A failed step served nobody: scheduling or committing raised, or every forward did.
-        if crashed or step.schedule_error is not None or (out.requests and step.result is None):
+        # A failed step counts towards stopping the engine only if it is not pinned to its
+        # requests: scheduling or committing raised, or every forward failed and so did the
+        # probe. Requests that fail on their own while the device works never stop the server.
+        if crashed or step.schedule_error is not None or (out.requests and step.result is None and not step.device_ok):
             self.consecutive_failed_steps += 1
         elif out.requests:
             self.consecutive_failed_steps = 0
@@ -258,7 +290,10 @@ class EngineCore:
         phases.commit = end - t0
         phases.wall = end - step.start
         if step.result is not None and not step.failed:
-            self.scheduler.observe_step(out, phases.wall)
+            try:  # the policy's cost model: a bug there costs its estimate, never the step's outputs
+                self.scheduler.observe_step(out, phases.wall)
+            except Exception:
+                logger.exception("the draft policy failed to learn from a step")
         self.num_steps += 1
         for listener in self.step_listeners:
             try:

@@ -23,6 +23,20 @@ class RequestStatus(enum.Enum):
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+# Documented bounds of every numeric field (README "Limits"); each front end checks the same ones
+# before a request is queued, so no value can reach a kernel that would overflow on it.
+MAX_INT32 = 2**31 - 1  # counts and lengths (max_new_tokens, top_k, decoding_length, jacobi)
+MAX_TEMPERATURE = 100.0  # far past uniform for any model's logits; inf would make NaN probabilities
+SEED_RANGE = (-(2**63), 2**64)  # [low, high): torch's generator range; a negative s means s + 2**64
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int, high: int = MAX_INT32) -> None:
+    if not _is_int(value) or not low <= value <= high:  # type: ignore[operator]
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,36 +55,43 @@ class SamplingParams:
     draft_layout: str | None = None  # lookahead layout: hierarchical, parallel or single; None = the engine's
     # jacobi/hybrid (w, n, g), each at most the engine's; None (or a None in it) = the engine's.
     jacobi: tuple[int | None, int | None, int | None] | None = None
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so the params stay hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also rejects NaN
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        _check_int("top_k", self.top_k, 0)  # 0, or at least the vocabulary: no cut
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            low, high = SEED_RANGE
+            if not _is_int(self.seed) or not low <= self.seed < high:
+                raise ValueError(f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
+            object.__setattr__(self, "seed", self.seed % 2**64)  # as torch maps it: one seed, one stream
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
-        if self.decoding_length is not None and self.decoding_length < 0:
-            raise ValueError(f"decoding_length must be >= 0, got {self.decoding_length}")
+            if not _is_int(t) or not 0 <= t <= MAX_INT32:
+                raise ValueError(f"stop_token_ids must be ints in [0, {MAX_INT32}], got {t!r}")
+        # Looked up for every emitted token: a set, whatever the count (the engine caps the count).
+        object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.decoding_length is not None:
+            _check_int("decoding_length", self.decoding_length, 0)
         if self.draft_layout is not None and self.draft_layout not in DRAFT_LAYOUTS:
             raise ValueError(f"draft_layout must be one of {DRAFT_LAYOUTS}, got {self.draft_layout!r}")
         if self.jacobi is not None:
             object.__setattr__(self, "jacobi", tuple(self.jacobi))
             ok = len(self.jacobi) == 3 and all(
-                v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= low)
-                for v, low in zip(self.jacobi, (1, 2, 0))
+                v is None or (_is_int(v) and low <= v <= MAX_INT32) for v, low in zip(self.jacobi, (1, 2, 0))
             )
             if not ok:
                 raise ValueError(f"jacobi must be (w >= 1, n >= 2, g >= 0), each an int or None, got {self.jacobi!r}")

@@ -10,6 +10,7 @@ from batchserve.config import LimitsConfig
 
 Prompt = str | Sequence[int]
 CHAT_ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
 @dataclass(slots=True)
@@ -46,10 +47,17 @@ class TextCodec:
                 raise ValueError("prompt is empty")
             self.check_text_size(len(prompt), "prompt")
             return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+        # The length first: no per-id work (on whichever thread) for a prompt that cannot fit.
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
+                "which must also hold at least one new token"
+            )
         ids = list(prompt)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        vocab = self.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab)
+            raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {vocab})")
         return ids
 
     def check_text_size(self, num_chars: int, field: str) -> None:
@@ -59,31 +67,43 @@ class TextCodec:
             raise ValueError(f"{field}: {num_chars} characters cannot fit a context of {self.max_model_len} tokens")
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat messages rendered with the model's chat template."""
+        """Token ids of chat messages rendered with the model's chat template. Every bound is
+        checked before the work it bounds: the message count and size before templating, the
+        rendered text's size before tokenizing."""
         if not messages:
             raise ValueError("input.chat: no messages")
-        self.check_text_size(sum(len(m.get("content") or "") for m in messages), "input.chat")
+        limit = min(self.limits.max_chat_messages, self.max_model_len)
+        if len(messages) > limit:
+            raise ValueError(f"input.chat: {len(messages)} messages, at most {limit}")
+        # A message costs its content plus the template's markup (counted as one character).
+        self.check_text_size(sum(len(m.get("content") or "") + 1 for m in messages), "input.chat")
+        rendered = []
         for i, m in enumerate(messages):
-            if m.get("role") not in CHAT_ROLES:
+            role = ROLE_ALIASES.get(m.get("role", ""), m.get("role"))
+            if role not in CHAT_ROLES:
                 raise ValueError(
-                    f"input.chat.messages[{i}].role must be system, user or assistant, got {m.get('role')!r}"
+                    f"input.chat.messages[{i}].role must be system, developer, user or assistant, got {m.get('role')!r}"
                 )
+            rendered.append({**m, "role": role})
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("input.chat: the model has no chat template; send text or token_ids")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own checks (jinja raise_exception, bad fields)
             raise ValueError(f"input.chat: the model's chat template refused the messages: {e}") from None
+        self.check_text_size(len(text), "input.chat (rendered)")
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def check_stop(self, stop: Sequence[str]) -> None:
-        """Bound the stop strings: each one is searched for after every token."""
+    def check_stop(self, stop: Sequence[str], stop_token_ids: Sequence[int] = ()) -> None:
+        """Bound the stop strings (each one is searched for after every token) and stop ids."""
         limits = self.limits
         if len(stop) > limits.max_stop_sequences:
             raise ValueError(f"stop: {len(stop)} stop strings, at most {limits.max_stop_sequences}")
         for i, s in enumerate(stop):
             if len(s) > limits.max_stop_length:
                 raise ValueError(f"stop[{i}]: {len(s)} characters, at most {limits.max_stop_length}")
+        if len(stop_token_ids) > limits.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids: {len(stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
 
     # ---- output ----------------------------------------------------------------------------
 

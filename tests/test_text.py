@@ -65,3 +65,41 @@ def test_the_earliest_stop_string_wins_when_several_complete_on_one_token():
     hits = [codec.on_token("r", ord(ch)) for ch in "abT.i"]
     assert hits == [False] * 4 + [True]
     assert codec.take("r", finished=True) == "ab"
+
+
+def test_a_token_prompt_is_measured_before_any_id_is_checked():
+    codec = _codec()
+    # 64 ids, every one invalid: the length is what the error names (no per-id work was done).
+    with pytest.raises(ValueError, match="64 tokens; the model's context is 64"):
+        codec.tokenize(["not an id"] * 64)
+    assert codec.tokenize([7] * 63) == [7] * 63
+
+
+def test_chat_is_bounded_by_message_count_and_rendered_size_before_tokenizing(monkeypatch):
+    codec = _codec(max_chat_messages=4, max_prompt_chars_per_token=1)
+    codec.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    tokenized: list[str] = []
+    real = codec.tokenizer.__class__.__call__
+
+    def spy(self, text, **kwargs):
+        tokenized.append(text)
+        return real(self, text, **kwargs)
+
+    monkeypatch.setattr(codec.tokenizer.__class__, "__call__", spy)
+    with pytest.raises(ValueError, match="5 messages, at most 4"):
+        codec.render_chat([{"role": "user", "content": ""}] * 5)
+    # 4 x "<assistant>abcdef\n" = 72 characters: within 64 x 1 by content (28), over it once
+    # rendered. Refused before the rendered text is tokenized.
+    with pytest.raises(ValueError, match=r"input.chat \(rendered\): 72 characters"):
+        codec.render_chat([{"role": "assistant", "content": "abcdef"}] * 4)
+    assert tokenized == []
+    # OpenAI's developer role is the system role.
+    ids = codec.render_chat([{"role": "developer", "content": "be brief"}])
+    assert bytes(ids).decode() == "<system>be brief\n"
+
+
+def test_stop_token_ids_are_counted():
+    codec = _codec(max_stop_token_ids=3)
+    codec.check_stop([], [1, 2, 3])
+    with pytest.raises(ValueError, match="stop_token_ids: 4 ids, at most 3"):
+        codec.check_stop([], [1, 2, 3, 4])

@@ -18,7 +18,8 @@ class ModelFacts:
 
     vocab_size: int
     max_model_len: int
-    num_blocks: int  # KV blocks in the pool
+    num_blocks: int  # KV blocks in the pool the scheduler allocates from
+    probe_block: int  # one more block, outside that pool: scratch K/V for the device probe
     attention_backend: str  # the resolved backend ("torch" or "flashinfer")
     eos_token_ids: frozenset[int]
 
@@ -41,7 +42,7 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
     backend = make_backend(
         backend_name,
         num_layers=mc.num_hidden_layers,
-        num_blocks=num_blocks,
+        num_blocks=num_blocks + 1,  # the last one is the probe's (EngineCore.device_works)
         block_size=config.cache.block_size,
         num_qo_heads=mc.num_attention_heads,
         num_kv_heads=num_kv_heads,
@@ -54,6 +55,7 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
         vocab_size=mc.vocab_size,
         max_model_len=config.model.max_model_len or mc.max_position_embeddings,
         num_blocks=num_blocks,
+        probe_block=num_blocks,
         attention_backend=backend_name,
         eos_token_ids=eos_token_ids(model, tokenizer),
     )

@@ -324,7 +324,7 @@ class Scheduler:
         p = req.params
         if not p.ignore_eos and tok in req.eos_token_ids:
             return FinishReason.EOS
-        if tok in p.stop_token_ids:
+        if tok in p.stop_token_set:
             return FinishReason.STOP_SEQUENCE
         if self.on_token is not None and self.on_token(req, tok):
             return FinishReason.STOP_SEQUENCE

@@ -29,6 +29,17 @@ from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("batchserve.server")
 FLUSH_SECONDS = 2.0  # after the grace period: time for the final messages to leave
+TENANT_SOURCES = ("header", "request", "both")
+# Calls beyond the running and waiting requests that a full server still answers (health,
+# model info, metadata): the front ends' own connection caps leave this much room.
+SPARE_CALLS = 64
+
+
+class PortInUse(OSError):
+    """A listener could not bind: one line naming the address and the flag that sets it."""
+
+    def __init__(self, what: str, host: str, port: int, flag: str) -> None:
+        super().__init__(f"{what} port {port} on {host} is in use (set another with {flag})")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 
@@ -42,6 +53,14 @@ class ServerConfig:
     http_port: int = setting(8000, "OpenAI-compatible HTTP API port, same host (0: off)")
     admin_token: str | None = setting(
         None, "enables operator calls (AddCorpus) for clients that send it as x-batchserve-admin-token"
+    )
+    # Tenant keys are capabilities: whoever knows one drafts from (and hits the prefix cache of)
+    # that tenant's scope. Behind a gateway only the header it sets can be trusted.
+    tenant_source: str = setting(
+        "header",
+        "where a request's tenant key comes from: header (x-batchserve-tenant, set by a trusted gateway), "
+        "request (gRPC's tenant field; HTTP's user field, hashed), or both (the header wins)",
+        choices=TENANT_SOURCES,
     )
     served_model_name: str | None = setting(
         None, "the model id of the HTTP API (default: the model file's or directory's name)"
@@ -66,6 +85,10 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("admin_token must be at least 16 characters (an empty or short token opens AddCorpus)")
+        if self.tenant_source not in TENANT_SOURCES:
+            raise ValueError(f"tenant_source must be one of {TENANT_SOURCES}, got {self.tenant_source!r}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
@@ -115,7 +138,7 @@ class BatchServer:
         self.model_name = model_name
         info = ServiceInfo(model_name, dtype, config.max_waiting_requests, config.admin_token)
         self.frontend = Frontend(engine, self.metrics, info)
-        self.servicer = TextGenerationServicer(self.frontend)
+        self.servicer = TextGenerationServicer(self.frontend, config.tenant_source)
         self._http_socket = http_socket
         self._http: HttpServer | None = None
         self.http_port: int | None = None  # where the OpenAI API listens, once started
@@ -131,27 +154,30 @@ class BatchServer:
         # NOTE: the metrics port is bound first, so that a port in use fails start() before any
         # listener or engine thread exists; every later failure stops what was started.
         if c.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(c.metrics_port, c.host)
+            try:
+                self.metrics_port = self.metrics.serve(c.metrics_port, c.host)
+            except OSError as e:
+                raise PortInUse("metrics", c.host, c.metrics_port, "--metrics-port") from e
         try:
             http_socket = self._http_socket or (listen(c.host, c.http_port) if c.http_port else None)
-        except OSError:
+        except OSError as e:
             self.metrics.close()
-            raise
+            raise PortInUse("HTTP", c.host, c.http_port, "--http-port; 0 turns the HTTP API off") from e
         server = self._grpc_server()
         try:
             credentials = c.credentials()
             address = f"{c.host}:{c.port}"
             port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
             if port == 0:
-                raise OSError(f"cannot listen on {c.host}:{c.port}")
+                raise PortInUse("gRPC", c.host, c.port, "--port")
             self.port = port
             self.engine.start()
             await server.start()
             if http_socket is not None:
                 served = c.served_model_name or Path(self.model_name).stem or "model"
-                api = OpenAIServer(self.frontend, served, self.max_message_bytes)
+                api = OpenAIServer(self.frontend, served, self.max_message_bytes, c.tenant_source)
                 tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
-                self._http = HttpServer(api.app, http_socket, tls)
+                self._http = HttpServer(api.app, http_socket, tls, limit_concurrency=self.max_calls)
                 self.http_port = http_socket.getsockname()[1]
         except BaseException:
             self.metrics.close()
@@ -170,10 +196,17 @@ class BatchServer:
             logger.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
         return self.port
 
+    @property
+    def max_calls(self) -> int:
+        """Calls each front end takes at once: every running and waiting request (admission
+        refuses the rest with a clear status first) plus room for health and info calls."""
+        return self.engine.config.scheduler.max_num_seqs + self.config.max_waiting_requests + SPARE_CALLS
+
     def _grpc_server(self) -> grpc.aio.Server:
         """The grpc.aio server with its services (TextGeneration, health, reflection), not yet bound."""
         c = self.config
         server = grpc.aio.server(
+            maximum_concurrent_rpcs=self.max_calls,
             options=[
                 ("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.max_receive_message_length", self.max_message_bytes),
@@ -206,6 +239,7 @@ class BatchServer:
             c.drain_seconds,
             c.grace_seconds,
         )
+        self.frontend.serving = False  # HTTP /health says 503 from the same moment
         await self.health.enter_graceful_shutdown()
         if c.drain_seconds:
             await asyncio.sleep(c.drain_seconds)

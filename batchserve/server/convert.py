@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchserve.config import LimitsConfig
 from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams, tokens_per_step
 from batchserve.text import TextCodec
 from batchserve.v1 import generation_pb2 as pb
@@ -30,16 +31,30 @@ def prompt_of(request: Any, text: TextCodec) -> list[int]:
     if kind == "token_ids":
         if not request.token_ids.ids:
             raise ValueError("input.token_ids: prompt is empty")
+        if len(request.token_ids.ids) >= text.max_model_len:  # before copying or checking any id
+            raise ValueError(
+                f"input.token_ids: {len(request.token_ids.ids)} tokens; the context is {text.max_model_len}, "
+                "which must also hold at least one new token"
+            )
         try:
             return text.tokenize(list(request.token_ids.ids))
         except ValueError as e:
             raise ValueError(f"input.token_ids: {e}") from None
+    limit = text.limits.max_chat_messages
+    if len(request.chat.messages) > limit:
+        raise ValueError(f"input.chat: {len(request.chat.messages)} messages, at most {limit}")
     messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
     return text.render_chat(messages)
 
 
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+def sampling_params(request: pb.GenerateRequest, limits: LimitsConfig | None = None) -> SamplingParams:
     s, la = request.sampling, request.lookahead
+    limits = limits or LimitsConfig()
+    # Counts first: the lists are copied and checked item by item below.
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise ValueError(f"sampling.stop_token_ids: {len(s.stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
+    if len(s.stop) > limits.max_stop_sequences:
+        raise ValueError(f"sampling.stop: {len(s.stop)} stop strings, at most {limits.max_stop_sequences}")
     kwargs: dict[str, Any] = {}
     for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos"):
         if s.HasField(name):

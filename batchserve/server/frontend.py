@@ -55,20 +55,29 @@ class ServiceInfo:
 
 class Frontend:
     """Turns one caller's request into an engine request and its outputs, the same way for
-    every protocol. `draining` is set at shutdown: from then on requests are refused."""
+    every protocol. `serving` turns False the moment health says NOT_SERVING (shutdown began,
+    or the engine died); `draining` is set once new requests are refused."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, info: ServiceInfo) -> None:
         self.engine = engine
         self.metrics = metrics
         self.info = info
+        self.serving = True
         self.draining = False
         self.admin_token = info.admin_token
+        self._preparing = 0  # admitted requests still being tokenized or templated
         # Tokenizing and chat templates run here, never on the event loop (an input at the size
-        # limit takes tens of ms to tokenize; every other stream would stall meanwhile).
+        # limit takes tens of ms to tokenize; every other stream would stall meanwhile). Its
+        # queue is bounded by admission: each job holds a place in the waiting queue.
         self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-tokenize")
 
     def close(self) -> None:
         self._prepare.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def healthy(self) -> bool:
+        """What health checks report: serving, not draining, the engine alive."""
+        return self.serving and not self.draining and self.engine.dead is None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
@@ -82,10 +91,30 @@ class Frontend:
         """Raise Refused if no new request may come in now (draining, or the queue is full)."""
         if self.draining:
             raise self.refuse(Refusal.DRAINING, "server is shutting down")
+        if self.engine.dead is not None:
+            raise self.refuse(Refusal.ENGINE_DEAD, f"engine stopped: {self.engine.dead}")
         if self._queue_full():
             raise self.refuse(
                 Refusal.QUEUE_FULL, f"waiting queue is full ({self.info.max_waiting_requests} requests); retry later"
             )
+
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """Admission, then `fn(*args)` in the preparation thread (tokenizing, templating). The
+        job holds a place in the waiting queue from admission until it ends, even when its
+        caller leaves first, so the work queued before the engine is bounded like the queue."""
+        self.admit()
+        loop = asyncio.get_running_loop()
+        self._preparing += 1
+        try:
+            job = self._prepare.submit(fn, *args)
+        except BaseException:
+            self._preparing -= 1
+            raise
+        job.add_done_callback(lambda _: _call_soon(loop, self._prepared))
+        return await asyncio.wrap_future(job)
+
+    def _prepared(self) -> None:
+        self._preparing -= 1
 
     async def generate(
         self,
@@ -93,21 +122,28 @@ class Frontend:
         params: Callable[[], SamplingParams],
         request_id: str = "",
         tenant: str = "",
+        fit_context: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Admit, prepare (`prepare(text)` gives the prompt's token ids, off the loop; `params()`
-        the sampling parameters; ValueError from either refuses the request as invalid), submit
-        and stream one request. Leaving early (a client's cancel, deadline or disconnect)
-        aborts it in the engine, which frees its KV blocks before the next step. Raises Refused
-        before the first output, EngineFailed after the last one."""
-        self.admit()
+        """Admit, prepare (`prepare(text)` gives the prompt's token ids, `params()` the sampling
+        parameters, both off the loop; ValueError from either refuses the request as invalid),
+        submit and stream one request. `fit_context`: refuse a prompt whose max_new_tokens do
+        not fit the context (instead of ending it at the context). Leaving early (a client's
+        cancel, deadline or disconnect) aborts it in the engine, which frees its KV blocks
+        before the next step. Raises Refused before the first output, EngineFailed after the last."""
         request_id = request_id or uuid.uuid4().hex
         try:
-            sampling = params()
-            prompt = await self.off_loop(prepare, self.engine.core.text)
+            sampling, prompt = await self.prepare(_prepare, prepare, params, self.engine.core.text)
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
-        if self._queue_full():  # others may have arrived while this one was tokenized
-            raise self.refuse(Refusal.QUEUE_FULL, "waiting queue is full; retry later")
+        if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
+            raise self.refuse(Refusal.DRAINING, "server is shutting down")
+        context = self.engine.core.max_model_len
+        if fit_context and len(prompt) + sampling.max_new_tokens > context:
+            raise self.refuse(
+                Refusal.INVALID,
+                f"the prompt's {len(prompt)} tokens plus max_tokens {sampling.max_new_tokens} exceed the "
+                f"model's context of {context} tokens",
+            )
         try:
             stream: RequestStream = self.engine.generate(prompt, sampling, request_id, tenant=tenant)
         except ValueError as e:
@@ -142,6 +178,34 @@ class Frontend:
 
     def _queue_full(self) -> bool:
         """Whether a new request would wait beyond the limit: the seats free at the next step
-        take waiting requests first, so only those beyond them count."""
+        take waiting requests first, so only those beyond them count. Requests still being
+        prepared count as waiting."""
         load = self.engine.load()
-        return load.num_waiting - load.free_seats >= self.info.max_waiting_requests
+        return load.num_waiting + self._preparing - load.free_seats >= self.info.max_waiting_requests
+
+
+def choose_tenant(source: str, header: str | None, field: str | None) -> str:
+    """A request's tenant key under `source` (ServerConfig.tenant_source): the header a
+    gateway sets, the request's own field, or both with the header winning ("" for none)."""
+    if source == "header":
+        return header or ""
+    if source == "request":
+        return field or ""
+    return header or field or ""
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """`fn` on `loop`'s thread, from any thread; nothing once the loop is closed (shutdown)."""
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:
+        pass
+
+
+def _prepare(
+    prepare: Callable[[TextCodec], list[int]], params: Callable[[], SamplingParams], text: TextCodec
+) -> tuple[SamplingParams, list[int]]:
+    """Both halves of a request's preparation, in the preparation thread: the parameters first
+    (their bounds are cheap to check and refuse before any tokenizing)."""
+    sampling = params()
+    return sampling, prepare(text)

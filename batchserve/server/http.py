@@ -41,11 +41,19 @@ def listen(host: str, port: int) -> socket.socket:
 class HttpServer:
     """An ASGI app served on `sock` until `stop()`."""
 
-    def __init__(self, app: Any, sock: socket.socket, tls: tuple[str, str, str | None] | None = None) -> None:
-        """`tls`: (certificate, key, client CA or None) PEM files, the same as gRPC's."""
+    def __init__(
+        self,
+        app: Any,
+        sock: socket.socket,
+        tls: tuple[str, str, str | None] | None = None,
+        limit_concurrency: int | None = None,
+    ) -> None:
+        """`tls`: (certificate, key, client CA or None) PEM files, the same as gRPC's;
+        `limit_concurrency`: connections and requests at once, beyond which uvicorn answers 503."""
         cert, key, ca = tls or (None, None, None)
         config = uvicorn.Config(
             app,
+            limit_concurrency=limit_concurrency,
             log_level="warning",
             lifespan="off",
             access_log=False,

@@ -6,25 +6,31 @@ bodies and the OpenAPI schema comes for free (/openapi.json, /docs)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchserve.request import FinishReason, RequestOutput
-from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
+from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
 from batchserve.server.openai_models import ApiError, ChatRequest, CommonFields, CompletionRequest
 
+T = TypeVar("T")
 TENANT_HEADER = "x-batchserve-tenant"
 STATUS = {Refusal.INVALID: 400, Refusal.QUEUE_FULL: 429, Refusal.DRAINING: 503, Refusal.ENGINE_DEAD: 503}
 ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
@@ -62,6 +68,36 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
             "tokens_per_step": out.tokens_per_step,
         },
     }
+
+
+def user_tenant(user: str | None) -> str | None:
+    """OpenAI's `user` as a tenant key (tenant_source request or both): hashed, so that any
+    string is a valid key and the key shows nothing of the user id."""
+    return "u-" + hashlib.sha256(user.encode()).hexdigest()[:32] if user else None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. The body has been read by then, so the next ASGI
+    message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, result of `work`), or (False, None) as soon as the client disconnects; `work` is
+    then cancelled, which aborts its request (waiting, prefilling or decoding) at once."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    return False, None
 
 
 def _sse(data: Any) -> str:
@@ -102,10 +138,12 @@ class BodyLimit:
 class OpenAIServer:
     """Builds the FastAPI app over a `Frontend`; `max_body_bytes` bounds a request body."""
 
-    def __init__(self, frontend: Frontend, model_name: str, max_body_bytes: int) -> None:
+    def __init__(self, frontend: Frontend, model_name: str, max_body_bytes: int, tenant_source: str = "header") -> None:
+        """`tenant_source`: where a request's tenant key comes from (ServerConfig.tenant_source)."""
         self.frontend = frontend
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.tenant_source = tenant_source
         self.created = int(time.time())
         self.app = self._build()
 
@@ -115,6 +153,13 @@ class OpenAIServer:
         @app.exception_handler(ApiError)
         async def _api_error(request: Request, e: ApiError) -> JSONResponse:
             return error_response(e.status, e.message, e.param)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            # Routing's own errors (404 unknown path, 405 wrong method) as OpenAI error objects.
+            response = error_response(e.status_code, str(e.detail))
+            response.headers.update(e.headers or {})
+            return response
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -129,7 +174,8 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health() -> JSONResponse:
-            if self.frontend.draining:
+            # 503 from the moment gRPC health says NOT_SERVING (shutdown or a dead engine).
+            if not self.frontend.healthy:
                 return error_response(503, "server is shutting down")
             return JSONResponse({"status": "ok"})
 
@@ -173,36 +219,57 @@ class OpenAIServer:
     async def _respond(
         self, body: CommonFields, request: Request, prepare: Any, max_tokens: int | None, chat: bool
     ) -> Any:
-        """Run one request: a JSON body, or (`stream`) server-sent events."""
-        tenant = request.headers.get(TENANT_HEADER) or body.user or ""
+        """Run one request: a JSON body, or (`stream`) server-sent events. A client that leaves
+        before the answer (waiting, during its prefill, or decoding) aborts its request at once."""
+        header = request.headers.get(TENANT_HEADER)
+        tenant = choose_tenant(self.tenant_source, header, user_tenant(body.user))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        outputs = self.frontend.generate(prepare, lambda: body.sampling_params(max_tokens), rid, tenant)
+        core = self.frontend.engine.core
+        outputs = self.frontend.generate(
+            prepare,
+            lambda: body.sampling_params(max_tokens, core.max_model_len, core.config.limits),
+            rid,
+            tenant,
+            fit_context=max_tokens is not None,
+        )
+        here, first, whole = False, None, None
         try:
-            first = await anext(outputs)  # refusals surface here, before any byte is sent
+            if body.stream:
+                # Refusals surface with the first output, before any byte is sent.
+                here, first = await _unless_gone(request, anext(outputs))
+            else:
+                here, whole = await _unless_gone(request, self._collect(outputs))
         except Refused as e:
-            await outputs.aclose()
             raise ApiError(STATUS[e.kind], e.message) from None
+        except EngineFailed as e:
+            raise ApiError(500, str(e)) from None
         except StopAsyncIteration:  # pragma: no cover - the engine always sends a final output
             raise ApiError(500, "no output") from None
-        if body.stream:
+        finally:
+            if not body.stream or not here:
+                await outputs.aclose()
+        if not here:
+            return None  # nobody to answer; the request was aborted and its KV freed
+        if body.stream and first is not None:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
                 self._stream(rid, first, outputs, chat, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        text, last = [first.new_text], first
-        try:
-            async for out in outputs:
-                text.append(out.new_text)
-                last = out
-                if await request.is_disconnected():  # nobody to answer: abort (below) and free the KV
-                    return None
-        except EngineFailed as e:
-            raise ApiError(500, str(e)) from None
-        finally:
-            await outputs.aclose()
-        return self._whole(rid, "".join(text), last, chat)
+        assert whole is not None
+        return self._whole(rid, *whole, chat)
+
+    @staticmethod
+    async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput]:
+        """The whole text and the last output of a request."""
+        text: list[str] = []
+        last: RequestOutput | None = None
+        async for out in outputs:
+            text.append(out.new_text)
+            last = out
+        assert last is not None
+        return "".join(text), last
 
     def _whole(self, rid: str, text: str, last: RequestOutput, chat: bool) -> dict[str, Any]:
         finish = FINISH[last.finish_reason] if last.finish_reason else None

@@ -8,7 +8,13 @@ from typing import Any
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchserve.request import SamplingParams
+from batchserve.config import LimitsConfig
+from batchserve.request import MAX_INT32, MAX_TEMPERATURE, SEED_RANGE, SamplingParams
+
+
+def _count() -> Any:
+    """An optional count with SamplingParams' bounds, so that a bad value is a 400 naming its field."""
+    return Field(default=None, ge=1, le=MAX_INT32)
 
 
 class ApiError(HTTPException):
@@ -28,11 +34,11 @@ class LookaheadOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enable: bool | None = None
-    decoding_length: int | None = None
+    decoding_length: int | None = Field(default=None, ge=0, le=MAX_INT32)
     layout: str | None = None
-    jacobi_window: int | None = None
-    jacobi_ngram: int | None = None
-    jacobi_guesses: int | None = None
+    jacobi_window: int | None = _count()
+    jacobi_ngram: int | None = Field(default=None, ge=2, le=MAX_INT32)
+    jacobi_guesses: int | None = Field(default=None, ge=0, le=MAX_INT32)
 
 
 class StreamOptions(BaseModel):
@@ -46,16 +52,17 @@ class CommonFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None  # OpenAI's default is 1 (sampling); 0 is greedy
-    top_p: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = _count()  # omitted: the rest of the context
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)  # OpenAI's default is 1; 0 is greedy
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])  # negative s: s + 2**64
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    # An end-user id (OpenAI's): never a tenant key unless the server says so (tenant_source).
+    user: str | None = Field(default=None, max_length=256)
     # Extras, as vLLM accepts them.
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)  # 0 or -1 (vLLM's spelling): no cut
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     lookahead: LookaheadOptions | None = None
@@ -78,13 +85,19 @@ class CommonFields(BaseModel):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported (only 0)", name)
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        kwargs: dict[str, Any] = {"temperature": 1.0 if self.temperature is None else self.temperature}
-        if max_tokens is not None:
-            kwargs["max_new_tokens"] = max_tokens
+    def sampling_params(self, max_tokens: int | None, max_model_len: int, limits: LimitsConfig) -> SamplingParams:
+        """`max_tokens` omitted: up to the end of the context (as OpenAI and vLLM)."""
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > limits.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
+        kwargs: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "max_new_tokens": max_model_len if max_tokens is None else max_tokens,
+        }
         for name in ("top_p", "seed", "top_k", "ignore_eos"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if kwargs.get("top_k") == -1:
+            kwargs["top_k"] = 0
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.stop_token_ids is not None:
@@ -146,7 +159,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _count()
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None

@@ -9,7 +9,7 @@ import grpc
 
 from batchserve.request import RequestOutput
 from batchserve.server import convert
-from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
+from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -24,20 +24,19 @@ STATUS = {
 }
 
 
-def _tenant(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
-    """The request's isolation key: its `tenant` field, else the x-batchserve-tenant metadata."""
-    if request.tenant:
-        return request.tenant
-    for key, value in context.invocation_metadata() or ():
-        if key == TENANT_METADATA:
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for k, value in context.invocation_metadata() or ():
+        if k == key:
             return value if isinstance(value, str) else value.decode("utf-8", "replace")
-    return ""
+    return None
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, tenant_source: str = "header") -> None:
+        """`tenant_source`: where a request's tenant key comes from (ServerConfig.tenant_source)."""
         self.frontend = frontend
         self.engine = frontend.engine
+        self.tenant_source = tenant_source
 
     # ---- RPCs ----------------------------------------------------------------------------
 
@@ -69,11 +68,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 yield convert.stream_chunk(out)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        if self.frontend.draining:
-            self.frontend.refuse(Refusal.DRAINING, "server is shutting down")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        try:
-            ids = await self.frontend.off_loop(convert.prompt_of, request, self.engine.core.text)
+        try:  # admitted like a generation: tokenizing is the same work
+            ids = await self.frontend.prepare(convert.prompt_of, request, self.engine.core.text)
+        except Refused as e:
+            await context.abort(STATUS[e.kind], e.message)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
@@ -97,23 +95,23 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def AddCorpus(self, request: pb.AddCorpusRequest, context: grpc.aio.ServicerContext) -> pb.AddCorpusResponse:
         denied = grpc.StatusCode.PERMISSION_DENIED
         token = self.frontend.admin_token
-        given = dict(context.invocation_metadata() or ()).get(ADMIN_METADATA, "")
-        given = given if isinstance(given, str) else given.decode("utf-8", "replace")
+        given = _metadata(context, ADMIN_METADATA) or ""
         if token is None:
             await context.abort(denied, "AddCorpus is off: start the server with --admin-token")
         if not hmac.compare_digest(given.encode(), token.encode()):
             await context.abort(denied, f"AddCorpus needs the admin token in {ADMIN_METADATA}")
         if len(request.texts) + len(request.token_ids) > MAX_CORPUS_SEQUENCES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_CORPUS_SEQUENCES} sequences per call")
-        text = self.engine.core.text
+        core = self.engine.core
 
         def tokenize() -> list[list[int]]:
-            return [text.tokenize(t) for t in request.texts] + [text.tokenize(list(s.ids)) for s in request.token_ids]
+            seqs = [core.text.tokenize(t) for t in request.texts]
+            return seqs + [core.text.tokenize(list(s.ids)) for s in request.token_ids]
 
         try:
+            core.check_tenant(request.tenant)
             seqs = await self.frontend.off_loop(tokenize)
-            # Between steps, on the loop thread: the only thread that touches the drafter.
-            n = self.engine.core.add_corpus(seqs, request.tenant)
+            n = await self.engine.add_corpus(seqs, request.tenant)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.AddCorpusResponse(sequences=n)
@@ -124,11 +122,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[RequestOutput]:
         """One request through the shared front end; its refusals and failures as gRPC statuses."""
+        limits = self.engine.core.config.limits
         outputs = self.frontend.generate(
             lambda text: convert.prompt_of(request, text),
-            lambda: convert.sampling_params(request),
+            lambda: convert.sampling_params(request, limits),
             request.request_id,
-            _tenant(request, context),
+            choose_tenant(self.tenant_source, _metadata(context, TENANT_METADATA), request.tenant),
         )
         try:
             async for out in outputs:

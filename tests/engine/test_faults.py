@@ -147,3 +147,79 @@ async def test_an_engine_whose_every_step_fails_stops_for_good(monkeypatch):
     with pytest.raises(EngineDeadError):
         engine.generate([1, 2, 3], PARAMS)
     await engine.stop()
+
+
+async def test_requests_that_fail_alone_in_their_steps_never_stop_the_engine(monkeypatch):
+    # Each poisoned request runs alone in its step, several in a row: every one of those steps
+    # serves nobody, yet the device works (the probe runs), so the engine keeps serving.
+    engine = AsyncEngine(_core(), max_failed_steps=2)
+    real = engine.core.runner.execute
+
+    def poisoned(out):
+        if any(r.token_ids[:1] == (99,) for r in out.requests if r.num_computed_tokens == 0):
+            raise RuntimeError("poisoned input")
+        return real(out)
+
+    monkeypatch.setattr(engine.core.runner, "execute", poisoned)
+
+    async def collect(prompt, rid):
+        return [o async for o in engine.generate(prompt, PARAMS, rid)]
+
+    for i in range(5):  # alone, one after another
+        outs = await asyncio.wait_for(collect([99, 1, 2], f"bad{i}"), timeout=10)
+        assert outs[-1].finish_reason is FinishReason.ERROR and "poisoned" in outs[-1].error
+    assert engine.dead is None and engine.core.consecutive_failed_steps == 0
+    # Under load: poisoned and good requests together; the good ones finish, the bad fail.
+    mixed = {f"m{i}": ([99, i, 2] if i % 2 else [1 + i, 2, 3]) for i in range(8)}
+    results = await asyncio.wait_for(asyncio.gather(*(collect(p, rid) for rid, p in mixed.items())), timeout=30)
+    for (rid, p), outs in zip(mixed.items(), results):
+        expected = FinishReason.ERROR if p[0] == 99 else FinishReason.LENGTH
+        assert outs[-1].finish_reason is expected, rid
+    assert engine.dead is None
+    await engine.stop()
+
+
+def test_the_device_probe_tells_a_broken_device_from_a_bad_request(monkeypatch):
+    core = _core()
+    assert core.device_works()
+    monkeypatch.setattr(core.runner, "execute", lambda out: (_ for _ in ()).throw(RuntimeError("device lost")))
+    assert not core.device_works()
+    core.add_request([1, 2, 3], PARAMS, request_id="x")
+    core.step()
+    assert core.consecutive_failed_steps == 1  # the probe failed too: the step counts
+
+
+def test_a_policy_that_fails_to_learn_from_a_step_drops_no_outputs(monkeypatch):
+    core = _core(adaptive=True)
+
+    def broken(out, seconds):
+        raise RuntimeError("fit bug")
+
+    monkeypatch.setattr(core.scheduler, "observe_step", broken)
+    _tokens, finals = _run(core)
+    assert {o.finish_reason for o in finals.values()} == {FinishReason.LENGTH}
+
+
+async def test_a_loop_that_dies_stops_the_engine_loudly_and_ends_every_stream(monkeypatch):
+    engine = AsyncEngine(_core())
+    real = engine.core.commit
+
+    def commit_bug(step):
+        real(step)
+        raise RuntimeError("commit bug")
+
+    def fail_all_bug(error):
+        raise RuntimeError("fail_all bug")
+
+    monkeypatch.setattr(engine.core, "commit", commit_bug)
+    monkeypatch.setattr(engine.core, "fail_all", fail_all_bug)
+    outs = await asyncio.wait_for(_collect_all(engine, [1, 2, 3]), timeout=10)
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ERROR
+    assert engine.died.is_set() and "engine loop died" in (engine.dead or "")
+    with pytest.raises(EngineDeadError):
+        engine.generate([1, 2, 3], PARAMS)
+    await engine.stop()
+
+
+async def _collect_all(engine, prompt):
+    return [o async for o in engine.generate(prompt, PARAMS)]

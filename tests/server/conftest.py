@@ -17,12 +17,12 @@ from tests.conftest import make_tiny_model, make_tiny_tokenizer
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
 
-def tiny_core(max_num_seqs: int = 8, num_blocks: int = 512) -> EngineCore:
+def tiny_core(max_num_seqs: int = 8, num_blocks: int = 512, max_num_batched_tokens: int = 256) -> EngineCore:
     tokenizer = make_tiny_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         draft=DraftConfig(decoding_length=8, adaptive=False),
     )
     return EngineCore(config, make_tiny_model(), tokenizer)

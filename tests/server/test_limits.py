@@ -114,14 +114,19 @@ async def test_tokenize_is_refused_while_draining_and_capped(running):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_the_tenant_comes_from_the_field_or_the_metadata(running):
+async def test_the_tenant_comes_from_the_metadata_by_default_and_is_validated(running):
+    # By default only the x-batchserve-tenant metadata (what a gateway sets) names the tenant:
+    # the request's own field cannot pick another tenant's scope (tests/server/test_trust.py has
+    # the other sources).
     drafter = running.core.drafter
     await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=6), metadata=(("x-batchserve-tenant", "acme"),))
     assert set(drafter.outputs) == {"acme"}
     await running.stub.Generate(
         build_request([1, 2, 3], max_new_tokens=6, tenant="zeta"), metadata=(("x-batchserve-tenant", "acme"),)
     )
-    assert set(drafter.outputs) == {"acme", "zeta"}  # the field wins over the metadata
+    assert set(drafter.outputs) == {"acme"}  # the field is not a key under tenant_source=header
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=6, tenant="no spaces"))
+        await running.stub.Generate(
+            build_request([1, 2, 3], max_new_tokens=6), metadata=(("x-batchserve-tenant", "no spaces"),)
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in e.value.details()
