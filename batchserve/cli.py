@@ -152,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from batchserve.server.app import ServerConfig
+    from batchserve.server.app import PortInUse, ServerConfig, check_ports
 
     try:
         config = engine_config(args)
@@ -160,6 +160,11 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"batchserve serve: {e}", file=sys.stderr)
         return 2
+    try:
+        check_ports(server_config)  # before the model loads: a clash is reported in a moment
+    except PortInUse as e:
+        print(f"batchserve serve: {e}", file=sys.stderr)
+        return 1
     from batchserve.async_engine import AsyncEngine
     from batchserve.engine import EngineCore
     from batchserve.runner.model_loader import resolve_model_path
@@ -177,7 +182,11 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=str(directory / gguf if gguf else directory),
         dtype=str(next(core.runner.model.parameters()).dtype).removeprefix("torch."),
     )
-    return asyncio.run(serve_forever(server, started))
+    try:
+        return asyncio.run(serve_forever(server, started))
+    except PortInUse as e:  # taken between the check and the bind
+        print(f"batchserve serve: {e}", file=sys.stderr)
+        return 1
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -113,6 +113,21 @@ class ServerConfig:
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def check_ports(config: ServerConfig) -> None:
+    """Raise PortInUse for a fixed port of `config` that another process holds, before anything
+    slow (loading the model) happens; start() still maps a bind that fails later the same way."""
+    for what, port, flag in (
+        ("gRPC", config.port, "--port"),
+        ("HTTP", config.http_port, "--http-port; 0 turns the HTTP API off"),
+        ("metrics", config.metrics_port, "--metrics-port"),
+    ):
+        if port:
+            try:
+                listen(config.host, port).close()
+            except OSError as e:
+                raise PortInUse(what, config.host, port, flag) from e
+
+
 def message_limit(core: EngineCore) -> int:
     """The largest request a full context can need: its text at the engine's characters-per-token
     bound, 4 bytes per character in UTF-8, plus room for the other fields."""

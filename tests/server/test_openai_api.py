@@ -26,8 +26,16 @@ async def api():
     await r.server.shutdown()
 
 
-def _client(r) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{r.server.http_port}/v1", api_key="unused", max_retries=0)
+def _client(r, strict: bool = True) -> openai.AsyncOpenAI:
+    """The official client; `strict`: every response must validate against its types, not just
+    parse. Streamed legacy completions need strict off: the client types `finish_reason` as
+    never null there, while OpenAI's own API (and ours) sends null until the last chunk."""
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{r.server.http_port}/v1",
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=strict,
+    )
 
 
 async def _raw(r, method: str, path: str, body: object = None, headers: dict | None = None) -> tuple[int, dict]:
@@ -53,11 +61,14 @@ async def _until_idle(core: Any, seconds: float) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _post_and_keep_open(r, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """POST /v1/completions on a raw connection the test closes when it likes (a client leaving)."""
+async def _post_and_keep_open(
+    r, body: bytes, path: str = "/v1/completions"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """POST on a raw connection the test closes when it likes (a client leaving); the server
+    closes it after the response."""
     reader, writer = await asyncio.open_connection("127.0.0.1", r.server.http_port)
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n".encode()
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
@@ -96,10 +107,10 @@ async def test_completions_and_chat_greedy_equal_grpc_and_llm(api):
 
 
 async def test_streaming_both_endpoints_with_usage_and_done(api):
-    client = _client(api)
+    client, legacy = _client(api), _client(api, strict=False)
     prompt = "abc def"
     whole = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
-    stream = await client.completions.create(
+    stream = await legacy.completions.create(
         model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
     )
     chunks = [c async for c in stream]
@@ -126,7 +137,7 @@ async def test_non_ascii_streams_without_broken_characters(api):
     # Seed sampling so the output wanders across byte tokens; the same call unstreamed is the truth.
     kw = dict(model="tiny", prompt=ids, max_tokens=40, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
     whole = await client.completions.create(**kw)
-    stream = await client.completions.create(**kw, stream=True)
+    stream = await _client(api, strict=False).completions.create(**kw, stream=True)
     pieces = [c.choices[0].text async for c in stream if c.choices]
     assert "".join(pieces) == whole.choices[0].text
     assert all("\ufffd" not in p or "\ufffd" in whole.choices[0].text for p in pieces)
@@ -140,9 +151,12 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
     reader, writer = await _post_and_keep_open(api, body)
     await reader.readuntil(b"data: ")  # the first chunk arrived: the request runs
     assert core.scheduler.num_running == 1
+    req = core.scheduler.running[0]
     writer.close()
     await _until_idle(core, 4.0)
     assert not core.scheduler.has_work()
+    # Cancelled by the disconnect, not finished by running out of tokens.
+    assert req.finish_reason is FinishReason.CANCELLED and len(req.output_token_ids) < 400
     alloc = core.scheduler.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
 
@@ -252,7 +266,7 @@ async def test_tenant_header_and_user_scope_drafts_and_the_schema_is_served(api)
 
 async def test_shutdown_lets_an_http_stream_finish_then_refuses():
     r = await start_server(http=True, grace_seconds=30)
-    client = _client(r)
+    client = _client(r, strict=False)  # streams a legacy completion
     stream = await client.completions.create(
         model="tiny", prompt=[1, 2, 3], max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
@@ -280,3 +294,99 @@ async def test_a_client_that_leaves_a_whole_completion_frees_the_kv_too(api):
     assert not core.scheduler.has_work()
     assert req.finish_reason is FinishReason.CANCELLED and len(req.output_token_ids) < 400
     assert core.scheduler.allocator.num_free_blocks == core.scheduler.allocator.num_blocks
+
+
+async def _sse_frames(r, path: str, body: dict) -> list[str]:
+    """The raw `data:` payloads of one streamed call, in order."""
+    reader, writer = await _post_and_keep_open(r, json.dumps(body).encode(), path)
+    raw = await reader.read()
+    writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and b"text/event-stream" in head
+    if b"chunked" in head.lower():  # undo the transfer encoding
+        data, rest = b"", rest
+        while rest:
+            size, _, rest = rest.partition(b"\r\n")
+            n = int(size, 16)
+            data, rest = data + rest[:n], rest[n + 2 :]
+        rest = data
+    events = rest.decode().split("\n\n")
+    assert events[-1] == ""  # every event ends with a blank line
+    assert all(e.startswith("data: ") for e in events[:-1])
+    return [e.removeprefix("data: ") for e in events[:-1]]
+
+
+async def test_the_sse_wire_format_frame_by_frame(api):
+    frames = await _sse_frames(api, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+    })
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+    for c in chunks:
+        assert set(c) == {"id", "object", "created", "model", "choices", "usage"}
+        assert c["object"] == "chat.completion.chunk" and c["model"] == "tiny" and isinstance(c["created"], int)
+    first, *middle, finish, usage = chunks
+    assert first["choices"] == [{"index": 0, "finish_reason": None, "logprobs": None,
+                                 "delta": {"role": "assistant", "content": ""}}] and first["usage"] is None
+    for c in middle:
+        assert c["usage"] is None and c["choices"][0]["finish_reason"] is None
+        assert set(c["choices"][0]["delta"]) == {"content"}
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["usage"] is None
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
+
+    frames = await _sse_frames(api, "/v1/completions",
+                               {"model": "tiny", "prompt": "ab", "max_tokens": 3, "stream": True, "ignore_eos": True})
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert all(set(c) == {"id", "object", "created", "model", "choices"} for c in chunks)  # no usage unasked
+    assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_openai_defaults_max_tokens_to_the_rest_of_the_context_and_refuses_what_cannot_fit():
+    core = tiny_core()
+    core.max_model_len = core.text.max_model_len = 40  # a short context: the default runs to its end
+    r = await start_server(core, http=True)
+    try:
+        code, reply = await _raw(r, "POST", "/v1/completions",
+                                 {"model": "tiny", "prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True})
+        assert code == 200 and reply["usage"]["completion_tokens"] == 37
+        assert reply["choices"][0]["finish_reason"] == "length"
+        code, reply = await _raw(r, "POST", "/v1/completions", {"model": "tiny", "prompt": [1] * 30, "max_tokens": 11})
+        assert code == 400
+        assert "30 tokens plus max_tokens 11 exceed the model's context of 40" in reply["error"]["message"]
+        code, _ = await _raw(r, "POST", "/v1/completions", {"model": "tiny", "prompt": [1] * 30, "max_tokens": 10})
+        assert code == 200
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("GET", "/v1/nope", None, 404),
+        ("GET", "/v1/completions", None, 405),
+        ("POST", "/v1/completions", b"{not json", 400),
+        ("POST", "/v1/completions", b"[1, 2]", 400),
+    ],
+)
+async def test_routing_and_parse_errors_are_openai_error_objects(api, method, path, body, status):
+    code, reply = await _raw(api, method, path, body)
+    assert code == status
+    assert set(reply) == {"error"} and set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["message"] and reply["error"]["type"]
+
+
+async def test_the_developer_role_is_a_system_message(api):
+    client = _client(api)
+    asked = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    same = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    a = await client.chat.completions.create(model="tiny", messages=asked, max_tokens=6, temperature=0)
+    b = await client.chat.completions.create(model="tiny", messages=same, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens

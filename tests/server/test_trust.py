@@ -348,3 +348,20 @@ async def test_a_port_in_use_is_one_line_naming_the_flag():
                 await start_server(**kwargs)
             assert f"port {port} on 127.0.0.1 is in use" in str(e.value) and flag in str(e.value)
             assert "\n" not in str(e.value)
+
+
+def test_serve_reports_a_port_in_use_in_one_line_before_loading_the_model(capsys, monkeypatch):
+    from batchserve import cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load when a port is taken")
+
+    monkeypatch.setattr("batchserve.engine.EngineCore.__init__", no_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["serve", "--port", "0", "--http-port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith(f"batchserve serve: HTTP port {port} on 127.0.0.1 is in use (set another with --http-port")
