@@ -98,6 +98,11 @@ def channel_options(load_balancing: str | None = "round_robin", retries: int = 3
     return [("grpc.service_config", service_config(load_balancing, retries)), ("grpc.enable_retries", 1)]
 
 
+def _tenant(kwargs: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    tenant = kwargs.get("tenant")
+    return (("x-batchserve-tenant", tenant),) if tenant else ()
+
+
 class Client:
     """`Client("127.0.0.1:50051").generate("def fib(n):", max_new_tokens=64).text`
 
@@ -113,10 +118,14 @@ class Client:
         self.timeout = timeout
 
     def generate(self, prompt: Any, **kwargs: Any) -> pb.GenerateResponse:
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        """`kwargs`: build_request's; a `tenant` goes in the field and the metadata, so the
+        server finds it under every --tenant-source."""
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=_tenant(kwargs))
 
     def stream(self, prompt: Any, **kwargs: Any) -> Iterator[pb.GenerateStreamResponse]:
-        return self.stub.StreamGenerate(build_request(prompt, **kwargs), timeout=self.timeout)
+        return self.stub.StreamGenerate(
+            build_request(prompt, **kwargs), timeout=self.timeout, metadata=_tenant(kwargs)
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).token_ids)
