@@ -149,13 +149,11 @@ class AsyncEngine:
         return RequestStream(self, req.request_id, queue)
 
     async def add_corpus(self, sequences: list[list[int]], tenant: str = "") -> int:
-        """`EngineCore.add_corpus` in slices of about CORPUS_SLICE_TOKENS tokens, yielding the
-        loop between them: a large corpus never holds up the streams and health checks."""
-        n = 0
-        for start in range(0, len(sequences), 1):
-            n += self.core.add_corpus(sequences[start : start + 1], tenant)
+        """`EngineCore.add_corpus`, yielding the loop between slices: a large corpus never holds
+        up the streams and health checks. Returns how many sequences."""
+        for _ in self.core.add_corpus(sequences, tenant):
             await asyncio.sleep(0)
-        return n
+        return len(sequences)
 
     def abort(self, request_id: str) -> bool:
         out = self.core.abort(request_id)

@@ -203,6 +203,8 @@ class DraftConfig:
     min_match: int = setting(1, "shortest suffix accepted as a match key")
     prompt_weight: float = setting(100.0, "lookahead: how much more a request's own n-grams count")
     trie_capacity: int = setting(200_000, "lookahead: output-trie nodes before decay-and-prune")
+    # One scope per tenant key: apps that send a key per end-user would otherwise grow without bound.
+    trie_max_scopes: int = setting(4096, "lookahead: output tries (tenant scopes) kept; least recently used go")
     warmup_path: str | None = setting(
         None,
         'lookahead: JSONL of earlier outputs ({"text"} or {"token_ids"}) to warm the trie with',
@@ -259,6 +261,8 @@ class DraftConfig:
                 raise ValueError(f"{name} must be {bounds}, got {getattr(self, name)}")
         if self.trie_capacity < 1:
             raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
+        if self.trie_max_scopes < 1:
+            raise ValueError(f"trie_max_scopes must be >= 1, got {self.trie_max_scopes}")
         for name, low in (("window_size", 1), ("ngram_size", 2), ("guesses", 0), ("pool_capacity", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -65,6 +65,7 @@ class Scheduler:
         self.prefix = PrefixCache(allocator, draft_config.trie_scope, enabled=prefix_caching)
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
+        self._drafting: set[str] = set()  # requests the drafter has been told of
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -82,13 +83,24 @@ class Scheduler:
         req.arrival_seq = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.drafter.on_request_start(
-            req.request_id,
-            req.prompt_token_ids,
-            req.params.draft_layout,
-            scope=self._draft_scope(req),
-            window=req.params.jacobi,
-        )
+        # NOTE: the drafter hears of the request only when it first runs (_start_drafting): a
+        # waiting request costs nothing there, whatever its prompt.
+
+    def _start_drafting(self, req: Request) -> None:
+        """Index the request's prompt for drafting, once, when it is first admitted to run."""
+        if req.request_id in self._drafting:
+            return  # readmitted after a preemption: its index stands
+        self._drafting.add(req.request_id)
+        try:
+            self.drafter.on_request_start(
+                req.request_id,
+                req.prompt_token_ids,
+                req.params.draft_layout,
+                scope=self._draft_scope(req),
+                window=req.params.jacobi,
+            )
+        except Exception:  # speculation is optional: the request runs without drafts of its own
+            logger.exception("the drafter failed to start request %s", req.request_id)
 
     def _draft_scope(self, req: Request) -> str | None:
         """Whose output n-grams `req` drafts from and adds to; None: its own text only. A request
@@ -118,12 +130,15 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        try:
-            self.drafter.on_request_finish(req.request_id)
-        except Exception:  # the request is finished and its blocks are free whatever the drafter does
-            logger.exception("the drafter failed to forget request %s", req.request_id)
+        if req.request_id in self._drafting:
+            self._drafting.discard(req.request_id)
+            try:
+                self.drafter.on_request_finish(req.request_id)
+            except Exception:  # the request is finished and its blocks are free whatever the drafter does
+                logger.exception("the drafter failed to forget request %s", req.request_id)
         if self.budget_policy is not None:
             self.budget_policy.tracker.forget(req.request_id)
+            self.budget_policy.windows.forget(req.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -177,6 +192,7 @@ class Scheduler:
                 break  # FCFS: wait for blocks rather than let younger requests overtake
             self.prefix.count(req, cached)
             self.waiting.popleft()
+            self._start_drafting(req)
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING

@@ -106,6 +106,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
         def tokenize() -> list[list[int]]:
             seqs = [core.text.tokenize(t) for t in request.texts]
+            for i, seq in enumerate(seqs):  # token ids are checked against the context by tokenize
+                if len(seq) >= core.max_model_len:
+                    raise ValueError(f"texts[{i}]: {len(seq)} tokens, at most {core.max_model_len - 1}")
             return seqs + [core.text.tokenize(list(s.ids)) for s in request.token_ids]
 
         try:

@@ -76,9 +76,9 @@ def test_branch_elimination_leaves_no_trace_of_a_finished_prompt():
     before = (d.num_nodes, d.output.num_nodes)
     prompt = [90, 91, 92, 93, 94, 95, 96]
     d.on_request_start("a", prompt)
-    assert d.num_nodes > before[0]
+    assert d.num_indexed_tokens == len(prompt) and d.num_nodes == before[0]  # a prompt goes to its own index
     d.on_request_finish("a")
-    assert (d.num_nodes, d.output.num_nodes) == before
+    assert (d.num_nodes, d.output.num_nodes) == before and d.num_indexed_tokens == 0
     assert "a" not in d._requests
     d.on_request_start("b", [1])
     assert d.propose("b", [1, 90], 8) is None  # nothing of a's prompt is retrievable

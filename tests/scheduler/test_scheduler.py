@@ -255,3 +255,51 @@ def test_scheduler_applies_policy_overrides_and_feeds_acceptance():
     assert auto is not None and len(auto) >= 3
     assert after[0] > before[0] and after[1] > before[1] and after[2] < before[2]
     s.check_integrity()
+
+
+def test_the_drafter_hears_of_a_request_when_it_first_runs_never_while_it_waits():
+    drafter = ChainDrafter(2)
+    s = _sched(num_blocks=2048, max_num_seqs=1, budget=8192, drafter=drafter)
+    s.add_request(_req("a", 5, max_new=3))
+    s.add_request(_req("b", 4000, max_new=3))  # a long prompt, waiting behind a
+    s.add_request(_req("c", 5, max_new=3))
+    assert drafter.events == []  # queued: nothing built for anyone
+    out = s.schedule()
+    assert [r.request_id for r in out.requests] == ["a"] and drafter.events == [("start", "a")]
+    s.abort("c")  # aborted while waiting: the drafter never knew it, so it has nothing to forget
+    assert ("finish", "c") not in drafter.events
+    while s.has_work():
+        out = s.schedule()
+        s.update(out, _fake_run(out))
+    assert drafter.events == [("start", "a"), ("finish", "a"), ("start", "b"), ("finish", "b")]
+
+
+def test_a_preempted_request_is_not_indexed_twice():
+    drafter = ChainDrafter(0)
+    s = _sched(num_blocks=6, block_size=4, max_num_seqs=2, drafter=drafter)
+    s.add_request(_req("a", 8, max_new=8))
+    s.add_request(_req("b", 8, max_new=8))
+    while s.has_work():
+        out = s.schedule()
+        s.update(out, _fake_run(out))
+    assert s.num_preemptions > 0
+    assert sorted(drafter.events) == [("finish", "a"), ("finish", "b"), ("start", "a"), ("start", "b")]
+
+
+def test_finished_requests_leave_no_window_estimate():
+    policy = DraftBudgetPolicy(gpu_like(cdl=16), AcceptanceTracker(4))
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        DraftConfig(decoding_length=4),
+        BlockAllocator(64, 4),
+        NoDrafter(),
+        budget_policy=policy,
+    )
+    s.add_request(_req("a", 5, max_new=2))
+    out = s.schedule()
+    policy.windows.observe("a", 2)  # as the planner does for a request whose window ran
+    assert "a" in policy.windows._est
+    while s.has_work():
+        s.update(out, _fake_run(out))
+        out = s.schedule()
+    assert "a" not in policy.windows._est
