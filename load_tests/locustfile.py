@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,6 +32,9 @@ from locust import HttpUser, User, between, task
 
 from batchserve.server.client import build_request, channel_options
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sse import read_events  # beside this file (locust runs it as a script)
 
 grpc_gevent.init_gevent()  # let grpc cooperate with locust's gevent loop
 
@@ -186,22 +191,18 @@ class OpenAIUser(HttpUser):
         """One SSE call reported as `name` over its whole length; `stop_after`: walk away after
         that many chunks (closing the connection must abort the request on the server)."""
         start = time.perf_counter()
-        chunks = 0
         with self.client.post(path, json=body, stream=True, timeout=TIMEOUT, catch_response=True, name=name) as resp:
             if resp.status_code != 200:
                 resp.failure(_http_failure(resp))
                 return
+            first = None if stop_after is not None else (lambda: self._fire("StreamGenerate TTFT", start, 0, None))
             try:
-                for line in resp.iter_lines():
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    if chunks == 0 and stop_after is None:
-                        self._fire("StreamGenerate TTFT", start, 0, None)
-                    chunks += 1
-                    if stop_after is not None and chunks > stop_after:
-                        break
+                chunks, failed = read_events(resp.iter_lines(), stop_after, first)
             except Exception as e:  # a broken stream is this call's failure, not the user's end
-                resp.failure(f"stream broke after {chunks} chunks: {e}")
+                resp.failure(f"stream broke: {e}")
+                return
+            if failed is not None:  # an error event, or no [DONE]: the call failed
+                resp.failure(failed)
                 return
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
             resp.request_meta["response_length"] = chunks

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 MAX_RSS_GROWTH = 0.05  # from minute 2 (warm: tries, allocator pools) to the end
+WARM_S = 120  # seconds before memory counts as warm
 IDLE_WAIT_S = 15.0
 
 
@@ -39,21 +40,27 @@ def requests_report(prefix: str) -> bool:
     return not real
 
 
-def memory_report(rss_csv: str) -> bool:
-    samples = [(int(t), int(kb)) for t, kb in csv.reader(open(rss_csv, encoding="utf-8")) if kb.strip()]
+def memory_gate(samples: list[tuple[int, int]]) -> tuple[bool, str]:
+    """(passed, what to print) for RSS samples (seconds since start, KiB). Growth is measured
+    from the first sample at minute 2 or later (warm: tries, allocator pools) to the last one;
+    a run shorter than 4 minutes has too little warm time to judge and passes, saying so."""
     if not samples:
-        print("memory: no samples")
-        return True
-    warm = [kb for t, kb in samples if t >= 120]
-    if samples[-1][0] < 240 or not warm:
-        print(f"memory: {samples[-1][1] / 1024:.0f} MB at the end (run too short for the growth check)")
-        return True
+        return True, "memory: no samples"
+    warm = [kb for t, kb in samples if t >= WARM_S]
+    if samples[-1][0] < 2 * WARM_S or not warm:
+        return True, f"memory: {samples[-1][1] / 1024:.0f} MB at the end (run too short for the growth check)"
     growth = samples[-1][1] / warm[0] - 1
-    print(
+    return growth <= MAX_RSS_GROWTH, (
         f"memory: {warm[0] / 1024:.0f} MB at minute 2, {samples[-1][1] / 1024:.0f} MB at the end "
         f"({growth:+.1%}; at most {MAX_RSS_GROWTH:.0%}), peak {max(kb for _, kb in samples) / 1024:.0f} MB"
     )
-    return growth <= MAX_RSS_GROWTH
+
+
+def memory_report(rss_csv: str) -> bool:
+    samples = [(int(t), int(kb)) for t, kb in csv.reader(open(rss_csv, encoding="utf-8")) if kb.strip()]
+    passed, line = memory_gate(samples)
+    print(line)
+    return passed
 
 
 def _metric(body: str, name: str) -> float:
