@@ -119,8 +119,78 @@ def test_services_monitor_and_autoscaler_point_at_what_exists():
     assert hpa["spec"]["scaleTargetRef"]["name"] == _base("Deployment")["metadata"]["name"]
     metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert f'"{metric}"' in (ROOT / "batchserve" / "server" / "metrics.py").read_text()  # the server exports it
-    rules = _docs(KUBE / "monitoring" / "prometheus-adapter-rules.yaml")[0]["data"]["rules.yaml"]
-    assert metric in rules
+    rules = yaml.safe_load(_docs(KUBE / "monitoring" / "prometheus-adapter-rules.yaml")[0]["data"]["rules.yaml"])
+    assert not _adapter_problems(rules, metric)
+
+
+def _adapter_problems(rules: dict[str, Any], metric: str) -> list[str]:
+    """Why the adapter would not serve `metric` (the HPA's) from the server's series of that name."""
+    served = {r.get("name", {}).get("as"): r for r in rules.get("rules", [])}
+    if metric not in served:
+        return [f"no adapter rule exposes {metric!r} (exposed: {sorted(map(str, served))})"]
+    series = re.match(r"\s*([A-Za-z_:][A-Za-z0-9_:]*)", served[metric]["seriesQuery"])
+    if series is None or series.group(1) != metric:
+        return [f"the rule for {metric!r} reads another series: {served[metric]['seriesQuery']!r}"]
+    return []
+
+
+def test_the_adapter_check_fails_on_a_renamed_rule():
+    rules = yaml.safe_load(_docs(KUBE / "monitoring" / "prometheus-adapter-rules.yaml")[0]["data"]["rules.yaml"])
+    metric = _base("HorizontalPodAutoscaler")["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    renamed = copy.deepcopy(rules)
+    renamed["rules"][0]["name"]["as"] = "something_else"
+    assert _adapter_problems(renamed, metric)
+    other_series = copy.deepcopy(rules)
+    other_series["rules"][0]["seriesQuery"] = "batchserve_num_requests_running{pod!=''}"
+    assert _adapter_problems(other_series, metric)
+
+
+def _all_docs() -> list[dict[str, Any]]:
+    return [d for p in _resources() if str(p.relative_to(KUBE)) not in PATCHES for d in _docs(p)]
+
+
+def _reference_problems(deployment: dict[str, Any], docs: list[dict[str, Any]]) -> list[str]:
+    """What the Deployment and the Services name that does not exist: ConfigMaps and PVCs of its
+    volumes, and each Service port's `targetPort` among the container's named ports."""
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    pod = deployment["spec"]["template"]["spec"]
+    problems = []
+    for volume in pod["volumes"]:
+        if "configMap" in volume and ("ConfigMap", volume["configMap"]["name"]) not in names:
+            problems.append(f"volume {volume['name']}: no ConfigMap {volume['configMap']['name']}")
+        claim = volume.get("persistentVolumeClaim")
+        if claim and ("PersistentVolumeClaim", claim["claimName"]) not in names:
+            problems.append(f"volume {volume['name']}: no PersistentVolumeClaim {claim['claimName']}")
+    container_ports = pod["containers"][0]["ports"]
+    ports = {p["name"] for p in container_ports} | {p["containerPort"] for p in container_ports}
+    for service in (d for d in docs if d["kind"] == "Service"):
+        for port in service["spec"]["ports"]:
+            if port.get("targetPort", port["port"]) not in ports:
+                problems.append(f"Service {service['metadata']['name']}: no container port {port['targetPort']!r}")
+    return problems
+
+
+@pytest.mark.parametrize(("name", "deployment"), _deployments(), ids=lambda x: x if isinstance(x, str) else "")
+def test_volumes_and_service_ports_name_what_exists(name, deployment):
+    assert not _reference_problems(deployment, _all_docs())
+
+
+def test_the_reference_check_fails_on_a_broken_reference():
+    docs = _all_docs()
+    name, mounted = next((n, d) for n, d in _deployments() if "mounted-model" in n)
+    assert not _reference_problems(mounted, docs)
+    for mutate in (
+        lambda d, _: next(v for v in d["spec"]["template"]["spec"]["volumes"] if "configMap" in v)["configMap"].update(
+            name="nope"
+        ),
+        lambda d, _: next(v for v in d["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v)[
+            "persistentVolumeClaim"
+        ].update(claimName="nope"),
+        lambda _, ds: next(x for x in ds if x["kind"] == "Service")["spec"]["ports"][0].update(targetPort="nope"),
+    ):
+        broken, broken_docs = copy.deepcopy(mounted), copy.deepcopy(docs)
+        mutate(broken, broken_docs)
+        assert _reference_problems(broken, broken_docs), name
 
 
 def test_the_dockerfile_installs_like_make_and_runs_the_server():
