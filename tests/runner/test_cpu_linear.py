@@ -52,3 +52,25 @@ def test_rows_are_padded_to_few_buckets():
     assert [_bucket(n) for n in (1, 2, 3, 5, 7, 9, 13, 100, 513)] == [1, 2, 3, 6, 8, 12, 16, 128, 768]
     assert all(_bucket(n) <= n * 1.5 for n in range(1, ROW_BUCKETS[-1]))  # at most half again as many rows
     assert _bucket(5000) == 5000  # beyond the largest bucket: as it is
+
+
+@needs_onednn
+def test_the_linear_layer_calls_onednn_with_padded_rows_and_returns_the_real_ones(monkeypatch):
+    layer = torch.nn.Linear(8, 4)
+    model = torch.nn.Sequential(layer)
+    assert use_onednn_linear(model, "onednn")
+    real = torch.ops.mkldnn._linear_pointwise
+    seen: list[int] = []
+
+    class Spy:  # torch.ops.mkldnn's attributes are read-only ops: stand in for the namespace
+        def _linear_pointwise(self, x, *args):
+            seen.append(x.shape[-2])
+            return real(x, *args)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Spy())
+    for rows in (1, 5, 7, 9, 100):
+        x = torch.randn(1, rows, 8)
+        out = layer(x)
+        assert out.shape == (1, rows, 4)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert seen == [_bucket(n) for n in (1, 5, 7, 9, 100)] == [1, 6, 8, 12, 128]
