@@ -203,3 +203,31 @@ def test_aborting_or_failing_a_request_on_shared_blocks_drops_only_its_reference
     assert alloc.num_free_blocks == alloc.num_blocks and alloc.num_cached_blocks >= cached
     assert alloc.lookup(core.scheduler.prefix.keys(a, 2)[:2]) == shared  # still cached for the next one
     alloc.free(shared)
+
+
+@pytest.mark.parametrize(("length", "cached"), [(2 * BS, BS), (2 * BS + 1, 2 * BS)], ids=["aligned", "plus-one"])
+def test_a_fully_cached_block_aligned_prompt_still_computes_its_last_token(tiny_model, length, cached):
+    prompt = _tokens(7, length)
+    llm = tiny_llm(None, block_size=BS)
+    _checked(llm.engine)
+    a = llm.generate([prompt], PARAMS)[0]
+    b = llm.generate([prompt], PARAMS)[0]  # every block of it is cached now
+    # The block holding the last prompt token is never reused: its logits pick the first token.
+    assert b.stats.cached_prompt_tokens == cached
+    assert a.token_ids == b.token_ids == hf_greedy(tiny_model, prompt, NEW, ignore_eos=True)
+
+
+def test_a_follow_up_reuses_the_blocks_its_reply_was_decoded_into(tiny_model):
+    """A chat's next turn holds the model's own reply: the blocks written by decode steps (draft
+    K/V compacted into place) are reused, and the output is the uncached one."""
+    prompt = _tokens(8, 20)
+    llm = tiny_llm(None, block_size=BS)
+    _checked(llm.engine)
+    first = llm.generate([prompt], PARAMS)[0]
+    follow_up = prompt + first.token_ids + _tokens(9, 10)
+    second = llm.generate([follow_up], PARAMS)[0]
+    # 20 prompt + 23 computed reply tokens: two full blocks, the second mostly written by decode.
+    assert second.stats.cached_prompt_tokens == 2 * BS > (len(prompt) // BS) * BS
+    assert second.token_ids == hf_greedy(tiny_model, follow_up, NEW, ignore_eos=True)
+    off = tiny_llm(None, block_size=BS, prefix_caching=False).generate([follow_up], PARAMS)[0]
+    assert off.token_ids == second.token_ids and off.stats.cached_prompt_tokens == 0
