@@ -12,6 +12,7 @@ TRIE_SCOPES: tuple[str, ...] = ("global", "tenant", "request")
 DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")  # see batchserve.attention.resolve_backend
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths
@@ -90,6 +91,11 @@ class ModelConfig:
         "auto: FlashInfer on CUDA in fp16/bf16 when installed, else the PyTorch reference",
         choices=ATTENTION_BACKENDS,
     )
+    model_impl: str = setting(
+        "auto",
+        "the forward: native (batchserve.model, Llama family), transformers, or auto (see choose_impl)",
+        choices=MODEL_IMPLS,
+    )
     # oneDNN's kernel makes multi-row steps (drafts) much cheaper on CPU; with rows padded to a
     # few buckets its memory stays bounded (a 10-minute soak: +2.2%; see runner/cpu_linear.py).
     cpu_linear: str = setting(
@@ -102,6 +108,7 @@ class ModelConfig:
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)
+        _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -60,6 +60,9 @@ class EngineCore:
             model, tokenizer = load_model(config.model.path, config.model.dtype, config.model.device)
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
+        from batchserve.model import choose_impl
+
+        model = choose_impl(model, config.model.model_impl)
         self.runner, facts = build_runner(model, tokenizer, config)
         self.tokenizer = tokenizer
         self.vocab_size = facts.vocab_size

@@ -59,8 +59,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, backend: AttentionBackend, cpu_linear: str = "auto") -> None:
-        register_attention()
-        model.set_attn_implementation(ATTN_IMPL)
+        if not getattr(model, "native", False):  # the native model calls the backend itself
+            register_attention()
+            model.set_attn_implementation(ATTN_IMPL)
         self.onednn_linear = use_onednn_linear(model, cpu_linear)
         self.model = model
         self.backend = backend

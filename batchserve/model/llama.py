@@ -1,0 +1,188 @@
+"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2): fused q|k|v and
+gate|up projections, the residual add fused into RMSNorm, rotary at each packed row's own
+position, attention through the step's backend, and the LM head only for the rows kept.
+
+Shape of one step: ids [T] -> embeddings [T, H] -> layers -> the kept rows [K, H] -> logits
+[K, V]. No Python decision inside depends on the step's data (only on the model's shape)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from batchserve.model.layers import MergedLinear, RMSNorm, Rotary, SiluAndMul
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")  # transformers' model_type
+# Rope types whose frequencies are fixed at load (dynamic and longrope change with length).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+# transformers' parameter names -> (our merged module, its part): one product instead of several.
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def supports(config: Any) -> str | None:
+    """None if the native forward runs this model exactly as transformers does, else why not."""
+    arch = getattr(config, "model_type", None)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        return f"model type {arch} (native: {', '.join(SUPPORTED_ARCHITECTURES)})"
+    rope = getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE:
+        return f"rope type {rope_type}"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        return f"sliding-window attention ({window} tokens)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    return None
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor  # [1, K, V]: the kept rows' logits (the runner's contract with any model)
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    """q|k|v in one product, rotary, the backend's paged attention over the request's KV."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # the backend's KV layer
+        self.head_dim = d = _head_dim(config)
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.scaling = d**-0.5  # what the backend is told (FlashInfer plans with it)
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        kv = self.num_kv_heads * d
+        self.qkv_proj = MergedLinear(config.hidden_size, (self.num_heads * d, kv, kv), bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=getattr(config, "attention_bias", False))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Any) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj.split(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q = Rotary.apply(q.view(t, self.num_heads, d), cos, sin)  # [T, Hq, D]
+        k = Rotary.apply(k.view(t, self.num_kv_heads, d), cos, sin)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, d)
+        # The backend's layout: [1, heads, T, D] in, [1, T, Hq, D] out.
+        out = metadata.backend.forward(
+            self.layer_idx, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], metadata,
+            self.scaling,
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        i = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, (i, i), bias=bias)
+        self.act = SiluAndMul()
+        self.down_proj = nn.Linear(i, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, metadata: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class NativeLlamaForCausalLM(nn.Module):
+    """The whole model; `forward` takes the runner's packed step as transformers' model does
+    (ids and positions with a batch dimension of 1, the kept rows, the attention metadata)."""
+
+    native = True  # the runner hooks no attention into it: it calls the backend itself
+
+    def __init__(self, config: Any, inv_freq: torch.Tensor, rope_scaling: float) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(inv_freq, rope_scaling)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_to_keep: torch.Tensor,
+        attn_metadata: Any,
+        use_cache: bool = False,
+    ) -> Output:
+        x = self.embed_tokens(input_ids[0])  # [T, H]
+        cos, sin = self.rotary.cos_sin(position_ids[0], x.dtype)  # [T, 1, D] each
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, attn_metadata)
+        x, residual = x[logits_to_keep], residual[logits_to_keep]  # [K, H]: only the rows that sample
+        h, _ = self.norm(x, residual)
+        return Output(self.lm_head(h)[None])  # [1, K, V]
+
+
+@torch.no_grad()
+def native_from_hf(hf_model: Any) -> NativeLlamaForCausalLM:
+    """The native model with `hf_model`'s weights (moved, not copied twice: the merged ones are
+    new tensors, the rest are shared), on its device and in its dtype. Raises ValueError for a
+    model it does not run exactly (see `supports`)."""
+    config = hf_model.config
+    why = supports(config)
+    if why is not None:
+        raise ValueError(f"the native forward does not support {why}")
+    param = next(hf_model.parameters())
+    rotary = hf_model.model.rotary_emb
+    with torch.device("meta"):
+        model = NativeLlamaForCausalLM(config, torch.empty(0), 1.0)
+    model = model.to_empty(device=param.device).to(param.dtype)
+    model.rotary = Rotary(rotary.inv_freq.detach().clone(), float(getattr(rotary, "attention_scaling", 1.0)))
+    model.rotary.to(param.device)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight
+    ours = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in hf_model.named_parameters():
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj in PACKED_MODULES:
+            merged, part = PACKED_MODULES[proj]
+            model.get_submodule(f"{parent}.{merged}").load_part(part, leaf, tensor)
+            loaded.add(f"{parent}.{merged}.{leaf}")
+        else:
+            ours[name].copy_(tensor)
+            loaded.add(name)
+    missing = set(ours) - loaded - ({"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set())
+    if missing:
+        raise ValueError(f"weights missing for {sorted(missing)}")
+    model.generation_config = getattr(hf_model, "generation_config", None)
+    return model.eval()

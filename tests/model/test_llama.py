@@ -1,0 +1,155 @@
+"""The native Llama-family forward against transformers, in float32, with tiny random models of
+each supported architecture: the same logits within float32 noise on every packed row, and the
+engine's greedy output equal to HF `generate` with drafts on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from batchserve import LLM, SamplingParams
+from batchserve.engine import EngineCore
+from batchserve.model import NativeLlamaForCausalLM, choose_impl, native_from_hf, supports
+from batchserve.runner.batch import pack
+from batchserve.scheduler import ScheduledRequest
+from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_tokenizer
+from tests.engine.drafters import OracleDrafter
+
+SMALL = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.3,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+
+
+def _model(kind: str) -> Any:
+    import transformers as tf
+
+    if kind == "llama":
+        config = tf.LlamaConfig(**SMALL, head_dim=16, tie_word_embeddings=False)
+    elif kind == "llama3-rope-bias-tied":
+        config = tf.LlamaConfig(
+            **SMALL, rope_scaling=LLAMA3_ROPE, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
+        )
+    elif kind == "mistral":
+        config = tf.MistralConfig(**SMALL, head_dim=16, sliding_window=None, tie_word_embeddings=False)
+    elif kind == "qwen2":
+        config = tf.Qwen2Config(**SMALL, tie_word_embeddings=True, use_sliding_window=False)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # biases start at zero: give them values, so a dropped bias shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+KINDS = ["llama", "llama3-rope-bias-tied", "mistral", "qwen2"]
+
+
+def _core(model: Any, impl: str) -> EngineCore:
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    config = EngineConfig(
+        model=ModelConfig(model_impl=impl),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+        draft=DraftConfig(decoding_length=8, adaptive=False),
+    )
+    return EngineCore(config, model, make_tiny_tokenizer())
+
+
+def _all_logits(core: EngineCore, prompts: list[list[int]]) -> torch.Tensor:
+    """Every row's logits of one packed prefill of `prompts` (each in its own blocks)."""
+    runner = core.runner
+    items, block = [], 0
+    for i, p in enumerate(prompts):
+        n = -(-len(p) // 4)
+        blocks = tuple(range(block, block + n))
+        items.append(ScheduledRequest(f"r{i}", tuple(p), 0, blocks, None, True, SamplingParams()))
+        block += n
+    step = pack(items, runner._tables, 4)
+    ids, pos, slots, _ = runner._to_device(step.input_ids, step.positions, step.slot_mapping, step.keep)
+    metadata = runner.backend.build_metadata(step.layout, slots)
+    keep = torch.arange(len(step.input_ids))
+    with torch.inference_mode():
+        out = runner.model(input_ids=ids[None], position_ids=pos[None], logits_to_keep=keep, attn_metadata=metadata)
+    runner.release([it.request_id for it in items])
+    return out.logits[0]  # [T, V]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_logits_equal_transformers_on_every_packed_row(kind):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, TINY_VOCAB, n).tolist() for n in (7, 1, 23, 12)]
+    hf = _core(_model(kind), "transformers")
+    native = _core(_model(kind), "native")
+    assert isinstance(native.runner.model, NativeLlamaForCausalLM)
+    expected, got = _all_logits(hf, prompts), _all_logits(native, prompts)
+    assert got.shape == expected.shape == (43, TINY_VOCAB)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_greedy_with_drafts_equals_hf_generate(kind):
+    model = _model(kind)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, TINY_VOCAB, n).tolist() for n in (5, 17, 30)]
+    expected = [hf_greedy(model, p, 24, ignore_eos=True) for p in prompts]
+    # Trees mixing the true continuation with wrong branches: accepted and rejected rows both.
+    drafter = OracleDrafter({tuple(p): e for p, e in zip(prompts, expected)}, seed=3, vocab=TINY_VOCAB)
+    llm = LLM(hf_model=_model(kind), tokenizer=make_tiny_tokenizer(), drafter=drafter, model_impl="native",
+              adaptive=False, max_num_batched_tokens=1024)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.stats.draft_tokens_accepted for o in outs)
+
+
+def test_what_the_native_forward_does_not_run_exactly_is_refused_by_name():
+    import transformers as tf
+
+    windowed = tf.MistralConfig(**{**SMALL, "max_position_embeddings": 4096}, sliding_window=128)
+    assert "sliding-window" in (supports(windowed) or "")
+    dynamic = tf.LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert "rope type dynamic" in (supports(dynamic) or "")
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="model type gpt2"):
+        native_from_hf(gpt2)
+    assert choose_impl(gpt2, "transformers") is gpt2 and choose_impl(gpt2, "auto") is gpt2
+    assert supports(_model("llama").config) is None
+
+
+def test_fused_projections_hold_the_same_weights():
+    hf = _model("qwen2")
+    native = native_from_hf(hf)
+    attn, ours = hf.model.layers[1].self_attn, native.layers[1].self_attn
+    q, _, v = ours.qkv_proj.weight.split(ours.qkv_proj.sizes)
+    assert torch.equal(q, attn.q_proj.weight) and torch.equal(v, attn.v_proj.weight)
+    assert torch.equal(ours.qkv_proj.bias.split(ours.qkv_proj.sizes)[1], attn.k_proj.bias)
+    gate, up = native.layers[0].mlp.gate_up_proj.weight.chunk(2)
+    mlp = hf.model.layers[0].mlp
+    assert torch.equal(gate, mlp.gate_proj.weight) and torch.equal(up, mlp.up_proj.weight)
+    assert native.lm_head.weight is native.embed_tokens.weight  # tied stays tied
