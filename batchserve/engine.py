@@ -23,7 +23,6 @@ logger = logging.getLogger("batchserve")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
 # Run starts inserted between two yields of the loop: about 6 ms of trie work on this CPU.
 CORPUS_SLICE_TOKENS = 128
-PROBE_ID = "#device-probe"  # outside REQUEST_ID's alphabet: no request can share its runner state
 
 
 @dataclass(slots=True)
@@ -226,27 +225,9 @@ class EngineCore:
                 step.device_ok = self.device_works()
 
     def device_works(self) -> bool:
-        """Whether a plain one-token forward still runs, on the probe's own block (K/V that no
-        request reads). After a step whose every request failed it tells a request that fails
-        on its own (the device works: the failure is the request's) from a device that fails
-        every forward (the step counts towards stopping the engine)."""
-        probe = ScheduledRequest(
-            request_id=PROBE_ID,
-            token_ids=(0,),
-            num_computed_tokens=0,
-            block_ids=(self._probe_block,),
-            draft=None,
-            sample=True,
-            params=SamplingParams(max_new_tokens=1),
-        )
-        try:
-            self.runner.execute(SchedulerOutput((probe,), ()))
-            return True
-        except Exception:
-            logger.exception("the device probe failed too")
-            return False
-        finally:
-            self.runner.release([PROBE_ID])
+        """After a step whose every request failed: does a plain forward still run (the
+        request's fault), or not (the device's: the step counts towards stopping the engine)?"""
+        return self.runner.device_works(self._probe_block)
 
     def _retry_in_halves(
         self, requests: list[ScheduledRequest], error: Exception, failed: dict[str, Exception]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any
@@ -10,12 +11,15 @@ import numpy as np
 import torch
 
 from batchserve.attention.base import AttentionBackend
+from batchserve.request import SamplingParams
 from batchserve.runner.batch import BlockTables, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.sampler import SampledRows, choose_tokens, verify
-from batchserve.scheduler.output import RunnerOutput, SchedulerOutput, StepPhases
+from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 
+logger = logging.getLogger("batchserve")
 ATTN_IMPL = "batchserve"
+PROBE_ID = "#device-probe"  # outside request ids' alphabet: no request can share its runner state
 UNIFORM_CHUNK = 64  # uniforms drawn at a time from a sampling request's generator
 
 
@@ -76,6 +80,19 @@ class ModelRunner:
             self._generators.pop(rid, None)
             self._uniforms.pop(rid, None)
             self._tables.release(rid)
+
+    def device_works(self, block_id: int) -> bool:
+        """Whether a plain one-token forward still runs, writing its K/V into `block_id` (a
+        block outside the scheduler's pool, which no request reads)."""
+        probe = ScheduledRequest(PROBE_ID, (0,), 0, (block_id,), None, True, SamplingParams(max_new_tokens=1))
+        try:
+            self.execute(SchedulerOutput((probe,), ()))
+            return True
+        except Exception:
+            logger.exception("the device probe failed too")
+            return False
+        finally:
+            self.release([PROBE_ID])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

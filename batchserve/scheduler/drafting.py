@@ -30,6 +30,36 @@ class DraftPlanner:
         self.drafter = drafter
         self.config = config
         self.policy = policy  # None: every request drafts `decoding_length` tokens
+        self._started: set[str] = set()  # requests the drafter has been told of
+
+    def start(self, req: Request) -> None:
+        """Tell the drafter of a request (it indexes the prompt), once, when it first runs."""
+        if req.request_id in self._started:
+            return  # readmitted after a preemption: its index stands
+        self._started.add(req.request_id)
+        try:
+            self.drafter.on_request_start(
+                req.request_id, req.prompt_token_ids, req.params.draft_layout, self._scope(req), req.params.jacobi
+            )
+        except Exception:  # speculation is optional: the request runs without drafts of its own
+            logger.exception("the drafter failed to start request %s", req.request_id)
+
+    def finish(self, request_id: str) -> None:
+        """The request ended: the drafter forgets it (if it ever heard of it)."""
+        if request_id not in self._started:
+            return
+        self._started.discard(request_id)
+        try:
+            self.drafter.on_request_finish(request_id)
+        except Exception:  # the request is finished and its blocks are free whatever the drafter does
+            logger.exception("the drafter failed to forget request %s", request_id)
+
+    def _scope(self, req: Request) -> str | None:
+        """Whose output n-grams `req` drafts from and adds to; None: its own text only. A request
+        without speculation shares nothing: its text never becomes anyone's draft."""
+        if req.params.decoding_length == 0:
+            return None
+        return {"global": "", "tenant": req.tenant}.get(self.config.trie_scope)
 
     def attach(
         self,

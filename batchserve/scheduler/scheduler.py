@@ -65,7 +65,6 @@ class Scheduler:
         self.prefix = PrefixCache(allocator, draft_config.trie_scope, enabled=prefix_caching)
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
-        self._drafting: set[str] = set()  # requests the drafter has been told of
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -83,31 +82,8 @@ class Scheduler:
         req.arrival_seq = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        # NOTE: the drafter hears of the request only when it first runs (_start_drafting): a
+        # NOTE: the drafter hears of the request only when it first runs (planner.start): a
         # waiting request costs nothing there, whatever its prompt.
-
-    def _start_drafting(self, req: Request) -> None:
-        """Index the request's prompt for drafting, once, when it is first admitted to run."""
-        if req.request_id in self._drafting:
-            return  # readmitted after a preemption: its index stands
-        self._drafting.add(req.request_id)
-        try:
-            self.drafter.on_request_start(
-                req.request_id,
-                req.prompt_token_ids,
-                req.params.draft_layout,
-                scope=self._draft_scope(req),
-                window=req.params.jacobi,
-            )
-        except Exception:  # speculation is optional: the request runs without drafts of its own
-            logger.exception("the drafter failed to start request %s", req.request_id)
-
-    def _draft_scope(self, req: Request) -> str | None:
-        """Whose output n-grams `req` drafts from and adds to; None: its own text only. A request
-        without speculation shares nothing: its text never becomes anyone's draft."""
-        if req.params.decoding_length == 0:
-            return None
-        return {"global": "", "tenant": req.tenant}.get(self.draft_config.trie_scope)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are free before the next step. False if unknown."""
@@ -130,12 +106,7 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        if req.request_id in self._drafting:
-            self._drafting.discard(req.request_id)
-            try:
-                self.drafter.on_request_finish(req.request_id)
-            except Exception:  # the request is finished and its blocks are free whatever the drafter does
-                logger.exception("the drafter failed to forget request %s", req.request_id)
+        self.planner.finish(req.request_id)
         if self.budget_policy is not None:
             self.budget_policy.tracker.forget(req.request_id)
             self.budget_policy.windows.forget(req.request_id)
@@ -192,7 +163,7 @@ class Scheduler:
                 break  # FCFS: wait for blocks rather than let younger requests overtake
             self.prefix.count(req, cached)
             self.waiting.popleft()
-            self._start_drafting(req)
+            self.planner.start(req)
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING

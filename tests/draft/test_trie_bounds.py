@@ -11,7 +11,8 @@ import tracemalloc
 import pytest
 
 from batchserve.config import DraftConfig
-from batchserve.draft.trie import MAX_OCCURRENCES, TokenIndex, Trie, TrieDrafter
+from batchserve.draft.token_index import MAX_OCCURRENCES, TokenIndex
+from batchserve.draft.trie import Trie, TrieDrafter
 
 
 def _same_subtree(index_node, trie_node, depth_left: int) -> None:

@@ -1,0 +1,80 @@
+"""A counted n-gram trie: how often each run of tokens occurred, with decay-and-prune."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TrieNode:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[int, TrieNode] = {}
+        self.count = 0.0
+
+
+class Trie:
+    """A counted n-gram trie with a node budget."""
+
+    def __init__(self) -> None:
+        self.root = TrieNode()
+        self.num_nodes = 0
+
+    def insert_sequence(
+        self, tokens: Sequence[int], branch_length: int, first: int = 0, last: int | None = None
+    ) -> None:
+        """Count every run of up to `branch_length` consecutive tokens of `tokens` that starts
+        at a position in [first, last) (the whole sequence by default; slices add up to it)."""
+        for start in range(first, len(tokens) if last is None else min(last, len(tokens))):
+            node = self.root
+            for tok in tokens[start : start + branch_length]:
+                node = self._child(node, tok)
+                node.count += 1
+
+    def insert_last(self, window: Sequence[int], start: int = 0) -> None:
+        """Count the runs ending at the last token of `window` and starting at `start` or later
+        (the on-the-fly insertion of one new token; shorter runs were counted before)."""
+        for i in range(start, len(window)):
+            node = self.root
+            for tok in window[i:]:
+                node = self._child(node, tok)
+            node.count += 1
+
+    def find(self, key: Sequence[int]) -> TrieNode | None:
+        node: TrieNode | None = self.root
+        for tok in key:
+            node = node.children.get(tok)  # type: ignore[union-attr]
+            if node is None:
+                return None
+        return node
+
+    def prune(self) -> None:
+        """Halve every count and delete the nodes that fall below 1 (with their subtrees)."""
+        removed = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for tok, child in list(node.children.items()):
+                child.count /= 2
+                if child.count < 1:
+                    del node.children[tok]
+                    removed += _subtree_size(child)
+                else:
+                    stack.append(child)
+        self.num_nodes -= removed
+
+    def _child(self, node: TrieNode, tok: int) -> TrieNode:
+        child = node.children.get(tok)
+        if child is None:
+            child = node.children[tok] = TrieNode()
+            self.num_nodes += 1
+        return child
+
+
+def _subtree_size(node: TrieNode) -> int:
+    size, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        size += 1
+        stack.extend(n.children.values())
+    return size

@@ -1,0 +1,83 @@
+"""A request's own tokens as one array, read as the trie of all their n-grams when drafting."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# Occurrences of a match key that drafting looks at, the most recent first: a key as common as
+# a single space can occur thousands of times in a long prompt, and the newest say the most.
+MAX_OCCURRENCES = 256
+
+
+class TokenIndex:
+    """A request's prompt and accepted output in one growable int32 array, read as the trie of
+    all its runs of up to `branch_length` tokens (see `IndexNode`)."""
+
+    __slots__ = ("_buf", "branch_length", "size")
+
+    def __init__(self, tokens: Sequence[int], branch_length: int) -> None:
+        self._buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int32)  # [capacity]
+        self._buf[: len(tokens)] = tokens
+        self.size = len(tokens)
+        self.branch_length = branch_length
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self.size]  # [size] int32, a view
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        end = self.size + len(token_ids)
+        if end > len(self._buf):
+            grown = np.empty(max(end, 2 * len(self._buf)), dtype=np.int32)
+            grown[: self.size] = self.tokens
+            self._buf = grown
+        self._buf[self.size : end] = token_ids
+        self.size = end
+
+    def find(self, key: Sequence[int]) -> IndexNode | None:
+        """The node of `key`: where it occurs (its most recent MAX_OCCURRENCES occurrences)."""
+        m, toks = len(key), self.tokens
+        if not 0 < m <= min(self.size, self.branch_length):
+            return None
+        starts = np.flatnonzero(toks[: self.size - m + 1] == key[0])  # [k] candidate starts
+        for i in range(1, m):
+            starts = starts[toks[starts + i] == key[i]]
+        if not len(starts):
+            return None
+        return IndexNode(self, starts[-MAX_OCCURRENCES:] + m, m)
+
+
+class IndexNode:
+    """A path of a `TokenIndex` seen as a trie node: `count` occurrences, `children` by next
+    token. The counts are those of a trie of every run of up to `branch_length` tokens (for
+    paths that occur at most MAX_OCCURRENCES times after their key), and children come in the
+    order a trie would have created them (first occurrence first). Built lazily, per draft."""
+
+    __slots__ = ("_children", "_depth", "_ends", "_index")
+
+    def __init__(self, index: TokenIndex, ends: np.ndarray, depth: int) -> None:
+        self._index = index
+        self._ends = ends  # [k] int64, ascending: the position after each occurrence
+        self._depth = depth  # tokens in the path
+        self._children: dict[int, IndexNode] | None = None
+
+    @property
+    def count(self) -> float:
+        return float(len(self._ends))
+
+    @property
+    def children(self) -> dict[int, IndexNode]:
+        if self._children is None:
+            self._children = {}
+            if self._depth < self._index.branch_length:
+                ends = self._ends[self._ends < self._index.size]  # [k'] occurrences with a next token
+                groups: dict[int, list[int]] = {}
+                for end, tok in zip(ends.tolist(), self._index.tokens[ends].tolist()):
+                    groups.setdefault(tok, []).append(end + 1)
+                self._children = {
+                    tok: IndexNode(self._index, np.array(e, dtype=np.int64), self._depth + 1)
+                    for tok, e in groups.items()
+                }
+        return self._children
