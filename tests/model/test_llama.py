@@ -140,6 +140,8 @@ def test_what_the_native_forward_does_not_run_exactly_is_refused_by_name():
         native_from_hf(gpt2)
     assert choose_impl(gpt2, "transformers") is gpt2 and choose_impl(gpt2, "auto") is gpt2
     assert supports(_model("llama").config) is None
+    assert isinstance(choose_impl(_model("llama"), "auto"), NativeLlamaForCausalLM)  # the CPU default
+    assert not isinstance(choose_impl(_model("llama"), "transformers"), NativeLlamaForCausalLM)
 
 
 def test_fused_projections_hold_the_same_weights():
