@@ -58,14 +58,16 @@ def _device_name(device: torch.device) -> str:
 
 
 def profile_key(runner: ModelRunner) -> str:
-    """Names what the timings depend on: the model, its dtype, the device and the attention backend."""
+    """Names what the timings depend on: the model and its forward (native or transformers), its
+    dtype, the device and the attention backend."""
     model = runner.model
     param = next(model.parameters())
     name = Path(str(getattr(model.config, "_name_or_path", "") or type(model).__name__)).name or "model"
     num_params = sum(p.numel() for p in model.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     backend = type(runner.backend).__name__.removesuffix("Backend") + ("-onednn" if runner.onednn_linear else "")
-    return f"{name}-{num_params}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
+    impl = "native" if getattr(model, "native", False) else "hf"  # draft rows cost differently on each
+    return f"{name}-{num_params}-{impl}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
 
 
 def profile_path(key: str) -> Path:

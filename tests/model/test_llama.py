@@ -155,3 +155,11 @@ def test_fused_projections_hold_the_same_weights():
     mlp = hf.model.layers[0].mlp
     assert torch.equal(gate, mlp.gate_proj.weight) and torch.equal(up, mlp.up_proj.weight)
     assert native.lm_head.weight is native.embed_tokens.weight  # tied stays tied
+
+
+def test_each_forward_has_its_own_cost_profile():
+    from batchserve.runner.calibrate import profile_key
+
+    native, hf = _core(_model("llama"), "native"), _core(_model("llama"), "transformers")
+    assert profile_key(native.runner) != profile_key(hf.runner)
+    assert "-native-" in profile_key(native.runner) and "-hf-" in profile_key(hf.runner)
