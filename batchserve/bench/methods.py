@@ -24,6 +24,12 @@ class Method:
     cpu_linear: str = "auto"  # the server's default (oneDNN on a float32 CPU); "torch": torch's BLAS
     prefix_caching: bool = True  # the `+nocache` suffix turns it off
     jacobi: tuple[int, int, int] | None = None  # jacobi/hybrid (W, N, G); None: the engine's defaults
+    model_impl: str = "auto"  # the server's default forward; "transformers": the HF model's own
+
+    @property
+    def kernels(self) -> tuple[str, str]:
+        """What a cost profile depends on beyond the model: the forward and its linear kernel."""
+        return (self.model_impl, self.cpu_linear)
 
 
 BATCHSERVE = {
@@ -44,6 +50,11 @@ BATCHSERVE = {
     "none-blas": Method("none", "hierarchical", False, cpu_linear="torch"),
     "lookahead-adaptive-blas": Method(
         "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_linear="torch"
+    ),
+    # The same on the transformers model's forward (--model-impl transformers): what ours brings.
+    "none-hf": Method("none", "hierarchical", False, model_impl="transformers"),
+    "lookahead-adaptive-hf": Method(
+        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, model_impl="transformers"
     ),
 }
 METHODS = PEERS + tuple(BATCHSERVE)

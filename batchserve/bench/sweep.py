@@ -104,6 +104,7 @@ def run_batchserve(
         tokenizer=tokenizer,
         cost_profile=cost_profile,
         cpu_linear=m.cpu_linear,
+        model_impl=m.model_impl,
         prefix_caching=m.prefix_caching,
         **(dict(zip(("window_size", "ngram_size", "guesses"), m.jacobi)) if m.jacobi else {}),
     )
@@ -184,19 +185,21 @@ class _Sweep:
     ref_model: Any
     engine_model: Any
     tokenizer: Any
-    cost_profiles: dict[str, CostProfile]
+    cost_profiles: dict[tuple[str, str], CostProfile]
     bar: Any
 
 
-def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dict[str, CostProfile]:
+def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dict[tuple[str, str], CostProfile]:
     """The profiles the server would use (cached per device, dtype, model and kernels; measured if absent)."""
     cost_profiles = {}
     specs = [batchserve_method(m) for m in methods]
-    for cpu_linear in {m.cpu_linear for m in specs if m is not None and m.adaptive}:
+    for impl, cpu_linear in {m.kernels for m in specs if m is not None and m.adaptive}:
         from batchserve import LLM
 
-        probe = LLM(adaptive=True, hf_model=engine_model, tokenizer=tokenizer, cpu_linear=cpu_linear)
-        cost_profiles[cpu_linear] = probe.engine.cost_profile
+        probe = LLM(
+            adaptive=True, hf_model=engine_model, tokenizer=tokenizer, cpu_linear=cpu_linear, model_impl=impl
+        )
+        cost_profiles[(impl, cpu_linear)] = probe.engine.cost_profile
         del probe
     return cost_profiles
 
@@ -248,7 +251,7 @@ def _batchserve_row(
         m,
         work.warm,
         s.decoding_length,
-        s.cost_profiles.get(m.cpu_linear),
+        s.cost_profiles.get(m.kernels),
         work.earlier[: len(prompts)],
     )
     lossless = run.outputs == reference

@@ -255,3 +255,12 @@ def test_closed_loop_ttft_counts_from_when_a_seat_frees() -> None:
     results = [req(1.0, 3.0), req(1.5, 2.0), req(4.0, 6.0), req(5.0, 7.0)]
     assert closed_loop_ttfts(results, 2) == [1.0, 1.5, 2.0, 2.0]
     assert closed_loop_ttfts(results, 4) == [1.0, 1.5, 4.0, 5.0]  # all in flight from the start
+
+
+def test_the_hf_methods_run_the_transformers_forward_with_their_own_cost_profile():
+    from batchserve.bench.methods import batchserve_method
+
+    ours, theirs = batchserve_method("lookahead-adaptive"), batchserve_method("lookahead-adaptive-hf")
+    assert ours.model_impl == "auto" and theirs.model_impl == "transformers"
+    assert ours.kernels != theirs.kernels  # the sweep measures a profile for each
+    assert batchserve_method("none-hf").draft == "none"
