@@ -85,7 +85,7 @@ PIDS=$(IFS=,; echo "${SERVERS[*]}")
 rss_kb() { ps -o rss= -p "$PIDS" | awk '{s += $1} END {print s}'; }  # all replicas together
 rss() { rss_kb | awk '{printf "%.0f MB", $1/1024}'; }
 echo "server memory at start: $(rss)" | tee "$OUT/memory.txt"
-# The server's resident memory every 10 s, for the soak's growth check (load_tests/soak_check.py).
+# The server's resident memory every 10 s, for the soak's growth check (memory_gate in load_tests/summarize.py).
 ( t=0; while kill -0 "${SERVERS[0]}" 2>/dev/null; do
     echo "$t,$(rss_kb)"; sleep 10; t=$(( t + 10 )); done ) >"$OUT/rss.csv" &
 SAMPLER=$!

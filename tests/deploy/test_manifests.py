@@ -91,6 +91,16 @@ def test_every_kustomization_lists_files_that_exist():
             assert (kustomization.parent / entry).exists(), f"{kustomization}: {entry}"
 
 
+def test_every_manifest_is_listed_by_a_kustomization():
+    """A file no kustomization lists is never deployed (and the checks above would read it anyway)."""
+    listed = set()
+    for kustomization in KUBE.rglob("kustomization.yaml"):
+        spec = yaml.safe_load(kustomization.read_text())
+        for entry in spec.get("resources", []) + [p["path"] for p in spec.get("patches", [])]:
+            listed.add((kustomization.parent / entry).resolve())
+    assert [str(p.relative_to(KUBE)) for p in _resources() if p.resolve() not in listed] == []
+
+
 @pytest.mark.parametrize(("name", "deployment"), _deployments(), ids=lambda x: x if isinstance(x, str) else "")
 def test_the_container_runs_the_server_as_the_probes_and_grace_period_expect(name, deployment):
     pod = deployment["spec"]["template"]["spec"]
@@ -145,8 +155,21 @@ def test_the_adapter_check_fails_on_a_renamed_rule():
     assert _adapter_problems(other_series, metric)
 
 
-def _all_docs() -> list[dict[str, Any]]:
-    return [d for p in _resources() if str(p.relative_to(KUBE)) not in PATCHES for d in _docs(p)]
+def _built(directory: Path) -> list[dict[str, Any]]:
+    """The resources `kustomize build directory` would deploy (its `resources`, recursively;
+    patches change them, they add none): a reference must resolve within its own build, not
+    to a file that sits in the tree but is not listed, or that only another overlay deploys."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs: list[dict[str, Any]] = []
+    for entry in spec.get("resources", []):
+        path = directory / entry
+        docs += _built(path.resolve()) if path.is_dir() else _docs(path)
+    return docs
+
+
+def _build_dir(name: str) -> Path:
+    """The kustomization that deploys `_deployments()`'s `name` (base, or an overlay's patch)."""
+    return KUBE / "base" if name == "base" else (KUBE / name).parent
 
 
 def _reference_problems(deployment: dict[str, Any], docs: list[dict[str, Any]]) -> list[str]:
@@ -172,13 +195,16 @@ def _reference_problems(deployment: dict[str, Any], docs: list[dict[str, Any]]) 
 
 @pytest.mark.parametrize(("name", "deployment"), _deployments(), ids=lambda x: x if isinstance(x, str) else "")
 def test_volumes_and_service_ports_name_what_exists(name, deployment):
-    assert not _reference_problems(deployment, _all_docs())
+    assert not _reference_problems(deployment, _built(_build_dir(name)))
 
 
 def test_the_reference_check_fails_on_a_broken_reference():
-    docs = _all_docs()
     name, mounted = next((n, d) for n, d in _deployments() if "mounted-model" in n)
+    docs = _built(_build_dir(name))
     assert not _reference_problems(mounted, docs)
+    # Its PVC is the overlay's own: the base's build (or the GPU overlay's) does not deploy it.
+    assert _reference_problems(mounted, _built(KUBE / "base"))
+    assert _reference_problems(mounted, _built(KUBE / "overlays" / "gpu"))
     for mutate in (
         lambda d, _: next(v for v in d["spec"]["template"]["spec"]["volumes"] if "configMap" in v)["configMap"].update(
             name="nope"

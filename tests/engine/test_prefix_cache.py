@@ -215,6 +215,8 @@ def test_a_fully_cached_block_aligned_prompt_still_computes_its_last_token(tiny_
     # The block holding the last prompt token is never reused: its logits pick the first token.
     assert b.stats.cached_prompt_tokens == cached
     assert a.token_ids == b.token_ids == hf_greedy(tiny_model, prompt, NEW, ignore_eos=True)
+    off = tiny_llm(None, block_size=BS, prefix_caching=False).generate([prompt], PARAMS)[0]
+    assert off.token_ids == b.token_ids and off.stats.cached_prompt_tokens == 0
 
 
 def test_a_follow_up_reuses_the_blocks_its_reply_was_decoded_into(tiny_model):

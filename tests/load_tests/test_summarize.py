@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
+import pytest
+
+from load_tests import summarize
 from load_tests.summarize import memory_gate
 
 
@@ -27,3 +33,26 @@ def test_too_few_samples_pass_and_say_why():
     ok, line = memory_gate(_run(1_000_000, 2_000_000, seconds=200))
     assert ok and "too short" in line
     assert memory_gate([]) == (True, "memory: no samples")
+
+
+def _soak_out(tmp_path: Path, end_kb: int) -> list[str]:
+    """A soak's output as run.sh leaves it: Locust's CSVs (no failures) and the RSS samples, one
+    of them empty (`ps` raced the sampler)."""
+    fields = ["Type", "Name", "Request Count", "Failure Count", "50%", "99%", "Average Content Size"]
+    with open(tmp_path / "locust_stats.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        w.writerows([["grpc", "Generate", 500, 0, 900, 3000, 40.0], ["", "Aggregated", 500, 0, 900, 3000, 40.0]])
+    (tmp_path / "locust_failures.csv").write_text("Method,Name,Error,Occurrences\n")
+    rows = [f"{t},{kb}" for t, kb in _run(1_000_000, end_kb)]
+    rows[30] = rows[30].split(",")[0] + ","
+    (tmp_path / "rss.csv").write_text("\n".join(rows) + "\n")
+    return [str(tmp_path / "locust"), str(tmp_path / "rss.csv"), "127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(("end_kb", "code", "growth"), [(1_020_000, 0, "+2.0%"), (1_060_000, 1, "+6.0%")])
+def test_the_gate_decides_summarizes_exit_code(tmp_path, monkeypatch, capsys, end_kb, code, growth):
+    """The gate as `make soak` runs it: read from run.sh's rss.csv, and its verdict is the exit code."""
+    monkeypatch.setattr(summarize, "idle_report", lambda metrics: True)  # no server to ask
+    assert summarize.main(_soak_out(tmp_path, end_kb)) == code
+    assert growth in capsys.readouterr().out

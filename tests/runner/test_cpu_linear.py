@@ -74,3 +74,28 @@ def test_the_linear_layer_calls_onednn_with_padded_rows_and_returns_the_real_one
         assert out.shape == (1, rows, 4)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert seen == [_bucket(n) for n in (1, 5, 7, 9, 100)] == [1, 6, 8, 12, 128]
+
+
+@needs_onednn
+def test_every_linear_of_an_engine_step_runs_on_bucket_rows(monkeypatch):
+    """The whole path: the runner switches the model to oneDNN by default, and each linear of
+    each step (a prefill of 13 rows, then decode steps and the LM head's kept rows) reaches
+    oneDNN with a bucket's row count, never the raw one."""
+    from batchserve import SamplingParams
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm(None)
+    assert llm.engine.runner.onednn_linear
+    real = torch.ops.mkldnn._linear_pointwise
+    seen: set[int] = set()
+
+    class Spy:
+        def _linear_pointwise(self, x, *args):
+            seen.add(x.shape[-2])
+            return real(x, *args)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Spy())
+    prompt = list(range(3, 16))  # 13 tokens: one prefill step of 13 rows, padded to 16
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    assert len(out.token_ids) == 12
+    assert 16 in seen and seen <= set(ROW_BUCKETS), sorted(seen)
