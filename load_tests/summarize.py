@@ -43,15 +43,20 @@ def requests_report(prefix: str) -> bool:
 def memory_gate(samples: list[tuple[int, int]]) -> tuple[bool, str]:
     """(passed, what to print) for RSS samples (seconds since start, KiB). Growth is measured
     from the first sample at minute 2 or later (warm: tries, allocator pools) to the last one;
-    a run shorter than 4 minutes has too little warm time to judge and passes, saying so."""
+    warm samples spanning less than 2 minutes (a run shorter than 4, or a sampler that stalled)
+    are too little to judge: the gate passes, saying so."""
     if not samples:
         return True, "memory: no samples"
-    warm = [kb for t, kb in samples if t >= WARM_S]
-    if samples[-1][0] < 2 * WARM_S or not warm:
-        return True, f"memory: {samples[-1][1] / 1024:.0f} MB at the end (run too short for the growth check)"
-    growth = samples[-1][1] / warm[0] - 1
+    warm = [(t, kb) for t, kb in samples if t >= WARM_S]
+    if not warm or warm[-1][0] - warm[0][0] < WARM_S:
+        span = warm[-1][0] - warm[0][0] if warm else 0
+        return True, (
+            f"memory: {samples[-1][1] / 1024:.0f} MB at the end (run too short for the growth check: "
+            f"warm samples span {span} s, {WARM_S} s needed)"
+        )
+    growth = samples[-1][1] / warm[0][1] - 1
     return growth <= MAX_RSS_GROWTH, (
-        f"memory: {warm[0] / 1024:.0f} MB at minute 2, {samples[-1][1] / 1024:.0f} MB at the end "
+        f"memory: {warm[0][1] / 1024:.0f} MB at minute 2, {samples[-1][1] / 1024:.0f} MB at the end "
         f"({growth:+.1%}; at most {MAX_RSS_GROWTH:.0%}), peak {max(kb for _, kb in samples) / 1024:.0f} MB"
     )
 

@@ -205,7 +205,11 @@ def test_aborting_or_failing_a_request_on_shared_blocks_drops_only_its_reference
     alloc.free(shared)
 
 
-@pytest.mark.parametrize(("length", "cached"), [(2 * BS, BS), (2 * BS + 1, 2 * BS)], ids=["aligned", "plus-one"])
+@pytest.mark.parametrize(
+    ("length", "cached"),
+    [(BS, 0), (2 * BS, BS), (3 * BS, 2 * BS), (2 * BS + 1, 2 * BS)],
+    ids=["one-block", "aligned", "three-blocks", "plus-one"],
+)
 def test_a_fully_cached_block_aligned_prompt_still_computes_its_last_token(tiny_model, length, cached):
     prompt = _tokens(7, length)
     llm = tiny_llm(None, block_size=BS)
@@ -231,5 +235,25 @@ def test_a_follow_up_reuses_the_blocks_its_reply_was_decoded_into(tiny_model):
     # 20 prompt + 23 computed reply tokens: two full blocks, the second mostly written by decode.
     assert second.stats.cached_prompt_tokens == 2 * BS > (len(prompt) // BS) * BS
     assert second.token_ids == hf_greedy(tiny_model, follow_up, NEW, ignore_eos=True)
+    off = tiny_llm(None, block_size=BS, prefix_caching=False).generate([follow_up], PARAMS)[0]
+    assert off.token_ids == second.token_ids and off.stats.cached_prompt_tokens == 0
+
+
+def test_a_follow_up_reuses_blocks_filled_by_accepted_drafts_but_not_the_unwritten_last_slot(tiny_model):
+    """Decode blocks whose K/V came from accepted drafts (compacted into place) are reused by the
+    next turn. The reply ends on a block boundary (24 + 40 = 4 blocks): its last token was emitted
+    but never run through the model, so that block holds no K/V there and must not be reused."""
+    prompt = _tokens(10, 24)
+    reply = hf_greedy(tiny_model, prompt, 40, ignore_eos=True)
+    follow_up = prompt + reply + _tokens(11, 10)
+    refs = {tuple(prompt): reply, tuple(follow_up): hf_greedy(tiny_model, follow_up, NEW, ignore_eos=True)}
+    llm = tiny_llm(OracleDrafter(refs, 1, TINY_VOCAB, depth=8), block_size=BS, decoding_length=12, max_num_seqs=1)
+    _checked(llm.engine)
+    first = llm.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    assert first.token_ids == reply and first.stats.draft_tokens_accepted > 0
+    second = llm.generate([follow_up], PARAMS)[0]
+    # Blocks 1-2 hold reply tokens; block 3 ends on the reply's last token, whose K/V was never computed.
+    assert second.stats.cached_prompt_tokens == 3 * BS > (len(prompt) // BS) * BS
+    assert second.token_ids == refs[tuple(follow_up)]
     off = tiny_llm(None, block_size=BS, prefix_caching=False).generate([follow_up], PARAMS)[0]
     assert off.token_ids == second.token_ids and off.stats.cached_prompt_tokens == 0

@@ -35,6 +35,16 @@ def test_too_few_samples_pass_and_say_why():
     assert memory_gate([]) == (True, "memory: no samples")
 
 
+def test_a_stalled_sampler_is_too_few_samples_not_zero_growth():
+    # One warm sample only (the sampler stalled until minute 5): no growth can be measured from it.
+    ok, line = memory_gate([(0, 1_000_000), (10, 1_000_000), (300, 2_000_000)])
+    assert ok and "too short" in line and "+0.0%" not in line
+    # Warm samples spanning just under / exactly two minutes: the boundary of the check.
+    assert "too short" in memory_gate([(120, 1_000_000), (230, 1_000_000), (239, 1_100_000)])[1]
+    ok, line = memory_gate([(120, 1_000_000), (180, 1_000_000), (240, 1_100_000)])
+    assert not ok and "+10.0%" in line
+
+
 def _soak_out(tmp_path: Path, end_kb: int) -> list[str]:
     """A soak's output as run.sh leaves it: Locust's CSVs (no failures) and the RSS samples, one
     of them empty (`ps` raced the sampler)."""
