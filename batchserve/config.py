@@ -13,7 +13,7 @@ DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")  # see batchserve.attention.resolve_backend
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch")  # see batchserve.attention.resolve_backend
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths
 FIXED_DECODING_LENGTH = 16  # the default length when every request drafts the same
@@ -88,7 +88,8 @@ class ModelConfig:
     max_model_len: int | None = setting(None, "context length (default: the model's max_position_embeddings)")
     attention_backend: str = setting(
         "auto",
-        "auto: FlashInfer on CUDA in fp16/bf16 when installed, else the PyTorch reference",
+        "auto: FlashInfer on CUDA in fp16/bf16 when installed; on CPU the batch-invariant one for the native"
+        " model (where this CPU's kernels pass its check), else the PyTorch reference",
         choices=ATTENTION_BACKENDS,
     )
     model_impl: str = setting(

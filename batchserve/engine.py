@@ -61,7 +61,7 @@ class EngineCore:
             raise ValueError("pass the tokenizer together with the model")
         from batchserve.model import choose_impl
 
-        model = choose_impl(model, config.model.model_impl)
+        model = choose_impl(model, config.model.model_impl, config.model.cpu_linear)
         self.runner, facts = build_runner(model, tokenizer, config)
         self.tokenizer = tokenizer
         self.vocab_size = facts.vocab_size

@@ -7,30 +7,39 @@ import importlib.util
 import torch
 
 from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, slots_of
+from batchserve.attention.invariant import InvariantBackend, kernels_invariant
 from batchserve.attention.torch_ref import TorchReferenceBackend
 from batchserve.config import ATTENTION_BACKENDS
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionBackend",
+    "InvariantBackend",
     "SeqLayout",
     "StepLayout",
     "TorchReferenceBackend",
+    "kernels_invariant",
     "make_backend",
     "resolve_backend",
     "slots_of",
 ]
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed, the
-    torch reference otherwise. Forcing FlashInfer where it cannot run is an error."""
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False) -> str:
+    """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed; on CPU the
+    batch-invariant backend for a model whose products are batch-invariant too (the native
+    model's `PackedLinear`s) where this CPU's kernels pass `kernels_invariant`; the torch
+    reference otherwise. Forcing a backend where it cannot run is an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     installed = importlib.util.find_spec("flashinfer") is not None
     if name == "auto":
-        return "flashinfer" if usable and installed else "torch"
+        if usable and installed:
+            return "flashinfer"
+        return "invariant" if device.type == "cpu" and invariant_model and kernels_invariant() else "torch"
+    if name == "invariant" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
+        raise ValueError(f"the invariant attention backend runs on CPU with oneDNN, got {device}")
     if name == "flashinfer" and not usable:
         raise ValueError(f"the flashinfer attention backend needs CUDA and float16/bfloat16, got {device} {dtype}")
     if name == "flashinfer" and not installed:
@@ -51,7 +60,10 @@ def make_backend(
     device: torch.device,
     sm_scale: float | None = None,
 ) -> AttentionBackend:
-    if resolve_backend(name, device, dtype) == "flashinfer":
+    name = resolve_backend(name, device, dtype)
+    if name == "invariant":
+        return InvariantBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    if name == "flashinfer":
         from batchserve.attention.flashinfer_backend import FlashInferBackend  # imports flashinfer
 
         return FlashInferBackend(

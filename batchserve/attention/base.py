@@ -57,6 +57,7 @@ class StepLayout:
     # Per request: [n, n] over its rows after the chunk (draft nodes: ancestor-or-self; window
     # rows: their own pattern; the two never see each other). None: no such rows.
     spec_masks: tuple[np.ndarray | None, ...]
+    positions: np.ndarray | None = None  # [T] int64: each row's position (RoPE's); None: see row_positions
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,17 @@ class StepLayout:
         if spec is not None:
             mask[c:, c:] = spec
         return mask
+
+    def row_positions(self, i: int) -> np.ndarray:
+        """[q_len] positions of request i's rows: given, or a chunk row's index and a spec row's
+        root position plus the rows it sees among the spec rows (a draft node's depth)."""
+        start, stop = int(self.qo_indptr[i]), int(self.qo_indptr[i + 1])
+        if self.positions is not None:
+            return self.positions[start:stop]
+        cached, chunk = int(self.num_cached[i]), int(self.num_chunk[i])
+        spec = self.spec_masks[i]
+        below = spec.sum(axis=1) if spec is not None else np.zeros(0, np.int64)
+        return np.concatenate((cached + np.arange(chunk), cached + chunk - 1 + below)).astype(np.int64)
 
     def flat_masks(self) -> np.ndarray:
         """[sum q_len * kv_len] bool: every request's [q_len, kv_len] mask, row-major, back to back."""

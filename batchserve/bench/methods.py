@@ -1,15 +1,16 @@
 """The methods a bench run compares, and the row of results each (method, dataset, batch) gives.
 
-Peers are HF transformers' own ways to generate; the batchserve methods are engine settings
-(drafter, trie layout, warm trie or not, fixed or adaptive decoding length, linear kernel).
+Peers are HF transformers' own ways to generate and llama.cpp; the batchserve methods are engine
+settings (drafter, trie layout, warm trie or not, fixed or adaptive decoding length, linear kernel).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch")
-SINGLE = ("hf", "hf-static", "hf-prompt-lookup")  # peers that run one prompt at a time (batch 1)
+PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch", "llamacpp")
+# peers that run one prompt at a time (batch 1); llama-cpp-python serves one sequence
+SINGLE = ("hf", "hf-static", "hf-prompt-lookup", "llamacpp")
 FIXED_LENGTHS = (4, 16, 64)
 ADAPTIVE_CAP = 64  # lookahead-adaptive: the per-request cap on draft tokens
 
@@ -118,6 +119,9 @@ class Row:
     overhead_ratio: float | None = None  # (step wall - forward) / step wall
     attention_share: float | None = None  # attention backend / step wall (CPU: where it is timed)
     decode_step_ms: float | None = None  # mean wall of the full-batch steps without a prompt chunk
+    # a peer on other kernels (llamacpp: the GGUF's quantized weights): prompts whose output equals
+    # HF greedy, which says how alike the outputs are, not losslessness
+    reference_matches: int | None = None
 
 
 def _pct(xs: list[float], q: float) -> float:

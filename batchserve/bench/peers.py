@@ -1,20 +1,24 @@
-"""Run the HF transformers peers, timed per request: `generate` and `generate_batch`.
+"""Run the peers, timed per request: HF `generate`, `generate_batch`, and llama.cpp.
 
 `generate` runs one prompt at a time (plain, with a static cache, or with prompt lookup);
-`generate_batch` is transformers' continuous batching. Each runner returns (outputs, seconds,
-TTFTs, TPOTs): the generated token ids per prompt, the run's wall time, and every request's
-time to first token and mean time per later token.
+`generate_batch` is transformers' continuous batching; `llamacpp` is llama.cpp through the
+optional llama-cpp-python, one prompt at a time on the engine's own GGUF file. Each runner
+returns (outputs, seconds, TTFTs, TPOTs): the generated token ids per prompt, the run's wall
+time, and every request's time to first token and mean time per later token.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 PeerRun = tuple[list[list[int]], float, list[float], list[float]]
+LLAMACPP_MISSING = "llamacpp: not installed (pip install 'batchserve[llamacpp]')"
 
 
 class _FirstTokenTimer:
@@ -119,3 +123,64 @@ def run_hf_batch(model: Any, prompts: list[list[int]], max_new: int, b: int) -> 
             if len(ts) > 1:
                 tpots.append((ts[-1] - ts[0]) / (len(ts) - 1))
     return outputs, seconds, ttfts, tpots
+
+
+def llamacpp_gguf(model_path: str | None) -> tuple[Path | None, str]:
+    """The GGUF file the engine loads, for llama.cpp to load too, or (None, why the
+    `llamacpp` peer is skipped): llama-cpp-python is optional, and a model directory has no GGUF."""
+    from batchserve.runner.model_loader import resolve_model_path
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None, LLAMACPP_MISSING
+    except Exception as e:  # installed but broken (its shared library fails to load): say so, go on
+        return None, f"llamacpp: skipped, llama_cpp does not import ({e})"
+    directory, name = resolve_model_path(model_path)
+    if name is None:
+        return None, f"llamacpp: skipped, {directory} is not a GGUF model (llama.cpp runs GGUF files only)"
+    return directory / name, ""
+
+
+def load_llamacpp(gguf: Path, prompts: list[list[int]], max_new: int) -> Any:
+    """llama.cpp on the same GGUF with the bench's thread count (for prompts too: its own
+    default there is every core), a context that holds the longest prompt and its output,
+    and all layers on the GPU where torch has one (a CPU-only build ignores that)."""
+    from llama_cpp import Llama
+
+    threads = torch.get_num_threads()
+    return Llama(
+        model_path=str(gguf),
+        n_ctx=max(map(len, prompts)) + max_new,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        n_gpu_layers=-1 if torch.cuda.is_available() else 0,
+        logits_all=False,
+        verbose=False,
+    )
+
+
+def run_llamacpp(llm: Any, prompts: list[list[int]], max_new: int, stop: Collection[int], desc: str) -> PeerRun:
+    """llama.cpp greedy, one prompt at a time (llama-cpp-python serves one sequence), fed the
+    engine tokenizer's ids and stopped at the engine's end-of-sequence ids or `max_new` tokens."""
+    outputs, ttfts, tpots = [], [], []
+    t0 = time.perf_counter()
+    for ids in tqdm(prompts, desc=desc, leave=False):
+        start = time.perf_counter()
+        first: float | None = None
+        toks: list[int] = []
+        llm.reset()  # no KV reuse from the previous prompt: the HF peers start every prompt afresh
+        # temp 0 is llama.cpp's greedy sampler; the other settings would only filter its argmax
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            toks.append(tok)  # an end-of-sequence token counts, as it does for HF and the engine
+            if tok in stop or len(toks) == max_new:  # stop before the generator evaluates it
+                break
+        end = time.perf_counter()
+        outputs.append(toks)
+        ttfts.append((first or end) - start)
+        if len(toks) > 1:
+            tpots.append((end - (first or end)) / (len(toks) - 1))
+    return outputs, time.perf_counter() - t0, ttfts, tpots

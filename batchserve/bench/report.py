@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import zlib
 from dataclasses import asdict
@@ -71,16 +72,39 @@ def write_report(
     repeats: int = 1,
     keep: str = "fastest",
     waves: int = 0,
+    skipped: str = "",
 ) -> None:
-    """DIR/report.md: per dataset, the method table, the adaptive summary and the phase table."""
+    """DIR/report.md: per dataset, the method table, the adaptive summary and the phase table;
+    `skipped`: a line on an optional peer the run went without, and why."""
     lines = [_header(num_prompts, max_new, decoding_length, repeats, keep, waves)]
+    if skipped:
+        lines.append(f"{skipped}\n")
     for dataset in dict.fromkeys(r.dataset for r in rows):
         rs = [r for r in rows if r.dataset == dataset]
         lines.append(f"\n## {dataset}\n")
         lines.extend(_method_table(rs))
+        lines.extend(_llamacpp_note(rs))
         lines.extend(adaptive_summary(rs))
         lines.extend(phase_table(rs))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _llamacpp_note(rows: list[Row]) -> list[str]:
+    """What the llamacpp row measured, so its tokens/s is read for what it is."""
+    r = next((r for r in rows if r.method == "llamacpp"), None)
+    if r is None:
+        return []
+    try:
+        version = f" {importlib.metadata.version('llama-cpp-python')}"
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    return [
+        f"\n`llamacpp`: llama.cpp through llama-cpp-python{version} on the same GGUF file and prompt tokens, "
+        f"greedy, {torch.get_num_threads()} threads, requests run one after another (sequential: it serves "
+        "one sequence at a time, so batch 1 only); tokens/s = generated tokens / wall time of all its requests. "
+        "It runs the GGUF's quantized weights on its own kernels, so its output is not checked for "
+        f"losslessness: it equals HF greedy on {r.reference_matches} of {r.num_prompts} prompts.\n"
+    ]
 
 
 def adaptive_summary(rows: list[Row]) -> list[str]:

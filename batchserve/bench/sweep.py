@@ -16,10 +16,11 @@ from tqdm import tqdm
 
 from batchserve.bench.datasets import DATASETS, Sample, split
 from batchserve.bench.methods import KEEP, SINGLE, Method, Row, batchserve_method, make_row, pick_run
-from batchserve.bench.peers import run_hf, run_hf_batch
+from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
 from batchserve.bench.report import plot, save_results, write_report
 from batchserve.bench.simulate import encode
 from batchserve.request import tokens_per_step
+from batchserve.runner.build import eos_token_ids
 from batchserve.scheduler import SchedulerOutput, StepPhases
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ class _Sweep:
     tokenizer: Any
     cost_profiles: dict[tuple[str, str], CostProfile]
     bar: Any
+    gguf: Path | None = None  # the engine's GGUF file, for the llamacpp peer
 
 
 def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dict[tuple[str, str], CostProfile]:
@@ -226,6 +228,13 @@ def _peer_rows(
     if "hf-prompt-lookup" in s.methods:
         outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
         rows.append(make_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
+        s.bar.update(1)
+    if "llamacpp" in s.methods and s.gguf is not None:
+        llm = load_llamacpp(s.gguf, first, s.max_new)
+        stop = eos_token_ids(s.ref_model, s.tokenizer)  # the engine's own stop set
+        outs, secs, ttfts, tpots = run_llamacpp(llm, first, s.max_new, stop, f"{dataset} llamacpp")
+        rows.append(make_row("llamacpp", dataset, 1, outs, secs, ttfts, tpots, 1.0, None))
+        rows[-1].reference_matches = sum(o == r for o, r in zip(outs, reference))
         s.bar.update(1)
     return rows, reference
 
@@ -310,6 +319,10 @@ def run(
         raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
     from batchserve.runner import load_model
 
+    gguf, skipped = llamacpp_gguf(model_path) if "llamacpp" in methods else (None, "")
+    if skipped:  # an optional peer: the sweep goes on without it, and the report says why
+        tqdm.write(skipped)
+        methods = [m for m in methods if m != "llamacpp"]
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_model, tokenizer = load_model(model_path, dtype)
     engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
@@ -319,7 +332,9 @@ def run(
         sum(m in SINGLE for m in methods) + len(batch_sizes) * sum(m not in SINGLE for m in methods) * repeats
     )
     bar = tqdm(total=total, desc="bench", unit="run")
-    s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, cost_profiles, bar)
+    s = _Sweep(
+        methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, cost_profiles, bar, gguf
+    )
     rows: list[Row] = []
     for dataset in datasets:
         work = load_dataset(dataset, max(count.values()), tokenizer)
@@ -329,6 +344,6 @@ def run(
             rows.extend(_batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work))
             save_results(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
     bar.close()
-    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves)
+    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped)
     plot(rows, out_dir / "throughput.png")
     return rows

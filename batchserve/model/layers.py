@@ -5,6 +5,9 @@ chunks, roots, draft nodes, window rows); no batch dimension, no padding between
 
 from __future__ import annotations
 
+import bisect
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +56,66 @@ class MergedLinear(nn.Linear):
         return list(self(x).split(self.sizes, dim=-1))
 
 
+# Row counts a oneDNN product is called with: a step's rows are padded up to the next one, so
+# oneDNN's per-shape state stays bounded (a server's raw row counts grew it by ~400 MB).
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+def row_bucket(rows: int, least: int = 1) -> int:
+    """The bucket `rows` (at least `least`) is padded up to; beyond the last, `rows` itself."""
+    rows = max(rows, least)
+    i = bisect.bisect_left(ROW_BUCKETS, rows)
+    return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else rows
+
+
+def prepack_available() -> bool:
+    """Whether torch can reorder float32 weights into oneDNN's layout on this build."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """A linear layer on oneDNN with its weight reordered once into oneDNN's blocked layout (what
+    inductor's weight freezing does): about 2x torch's own product at 2 to 32 rows on SmolLM2's
+    shapes, and batch-invariant: a row gets the same bits in every call of two or more rows (a
+    one-row call takes another kernel, so rows are padded to a bucket of at least two).
+    Built from a loaded `nn.Linear` (or `MergedLinear`, whose `sizes` it keeps)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.sizes: tuple[int, ...] = getattr(linear, "sizes", (linear.out_features,))
+        weight = linear.weight.detach().contiguous()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, 16))  # opaque layout
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]  # x: [T, in]
+        padded = row_bucket(rows, least=2)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))  # [padded, in]
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self(x).split(self.sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"
+
+
+@functools.cache
+def packed_products_invariant() -> bool:
+    """Whether a `PackedLinear` gives a row the same bits in calls of every row bucket on this CPU
+    (a property of oneDNN's kernels, measured, not promised): checked once per process."""
+    gen = torch.Generator().manual_seed(0)
+    layer = nn.Linear(192, 320)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(320, 192, generator=gen))
+    packed = PackedLinear(layer)
+    x = torch.randn(ROW_BUCKETS[-1], 192, generator=gen)
+    ref = packed(x[:1])
+    return all(torch.equal(packed(x[:rows])[:1], ref) for rows in ROW_BUCKETS)
+
+
 class SiluAndMul(nn.Module):
     """silu(gate) * up over a merged [T, 2I] gate|up output -> [T, I]."""
 
@@ -64,19 +127,29 @@ class SiluAndMul(nn.Module):
 class Rotary(nn.Module):
     """Rotary embedding (the rotate-half layout transformers' Llama uses) at each row's own
     position, which for a draft node is its prefix length plus its depth in the tree.
-    `inv_freq` and `scaling` come from the model's rope config (llama3, linear, ... scaling)."""
+    `inv_freq` and `scaling` come from the model's rope config (llama3, linear, ... scaling).
+    cos and sin come from a table computed once per position: a row's rotation has the same
+    bits in any step, whatever the other rows' positions."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scaling = scaling
+        self._cos = self._sin = torch.empty(0, 2 * inv_freq.numel())  # [P, D] float32, grown on demand
+
+    def _grow(self, needed: int) -> None:
+        size = max(256, 1 << (needed - 1).bit_length())
+        positions = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self._cos, self._sin = emb.cos() * self.scaling, emb.sin() * self.scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for positions [T], computed once per step for every layer."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        """cos and sin [T, 1, D] for positions [T], looked up once per step for every layer."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if self._cos.shape[0] < needed:
+            self._grow(needed)
+        return self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -126,5 +126,6 @@ def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: 
         num_blocks=num_blocks,
         block_table=block_table,
         spec_masks=tuple(r.spec_mask() for r in requests),
+        positions=positions,
     )
     return PackedStep(layout, input_ids, positions, slot_mapping, keep, logit_start)

@@ -38,7 +38,9 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
         head_dim,
         param.dtype,
     )
-    backend_name = resolve_backend(config.model.attention_backend, param.device, param.dtype)
+    from batchserve.model import has_invariant_linears
+
+    backend_name = resolve_backend(config.model.attention_backend, param.device, param.dtype, has_invariant_linears(model))
     backend = make_backend(
         backend_name,
         num_layers=mc.num_hidden_layers,

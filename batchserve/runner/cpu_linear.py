@@ -15,31 +15,22 @@ grew by 2.2% from minute 2 on. So it is the CPU default (`auto`), and `torch` tu
 
 from __future__ import annotations
 
-import bisect
 import types
 from typing import Any
 
 import torch
 
 from batchserve.config import CPU_LINEAR
+from batchserve.model.layers import row_bucket
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-# Row counts oneDNN is called with: a step's rows are padded up to the next one.
-ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-
-
-def _bucket(rows: int) -> int:
-    i = bisect.bisect_left(ROW_BUCKETS, rows)
-    return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else rows
-
-
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[-2]  # x: [..., T, in]
-    padded = _bucket(rows)
+    padded = row_bucket(rows)
     if padded != rows:
         x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))  # [..., padded, in]
     return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[..., :rows, :]

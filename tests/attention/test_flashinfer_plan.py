@@ -137,5 +137,9 @@ def test_engine_refuses_a_forced_flashinfer_backend_without_cuda():
         )
     with pytest.raises(ValueError, match="attention_backend"):
         ModelConfig(attention_backend="triton")
+    from batchserve.attention import kernels_invariant
+
     core = EngineCore(EngineConfig(), make_tiny_model(), make_tiny_tokenizer())
-    assert core.attention_backend == "torch"
+    assert core.attention_backend == ("invariant" if kernels_invariant() else "torch")  # the CPU choices
+    core = EngineCore(EngineConfig().with_settings(model_impl="transformers"), make_tiny_model(), make_tiny_tokenizer())
+    assert core.attention_backend == "torch"  # transformers' products are not batch-invariant: no need

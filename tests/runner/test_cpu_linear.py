@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchserve.runner.cpu_linear import ROW_BUCKETS, _bucket, onednn_available, use_onednn_linear
+from batchserve.model.layers import ROW_BUCKETS, row_bucket
+from batchserve.runner.cpu_linear import onednn_available, use_onednn_linear
 from tests.conftest import make_tiny_model
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
@@ -49,9 +50,9 @@ def test_onednn_linear_is_refused_where_it_cannot_run():
 
 
 def test_rows_are_padded_to_few_buckets():
-    assert [_bucket(n) for n in (1, 2, 3, 5, 7, 9, 13, 100, 513)] == [1, 2, 3, 6, 8, 12, 16, 128, 768]
-    assert all(_bucket(n) <= n * 1.5 for n in range(1, ROW_BUCKETS[-1]))  # at most half again as many rows
-    assert _bucket(5000) == 5000  # beyond the largest bucket: as it is
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 7, 9, 13, 100, 513)] == [1, 2, 3, 6, 8, 12, 16, 128, 768]
+    assert all(row_bucket(n) <= n * 1.5 for n in range(1, ROW_BUCKETS[-1]))  # at most half again as many rows
+    assert row_bucket(5000) == 5000  # beyond the largest bucket: as it is
 
 
 @needs_onednn
@@ -73,7 +74,7 @@ def test_the_linear_layer_calls_onednn_with_padded_rows_and_returns_the_real_one
         out = layer(x)
         assert out.shape == (1, rows, 4)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert seen == [_bucket(n) for n in (1, 5, 7, 9, 100)] == [1, 6, 8, 12, 128]
+    assert seen == [row_bucket(n) for n in (1, 5, 7, 9, 100)] == [1, 6, 8, 12, 128]
 
 
 @needs_onednn

@@ -1,0 +1,121 @@
+"""The batch-invariant backend: the reference's results, and a row's bits independent of its step."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import batchserve.attention.invariant as invariant
+from batchserve.attention import InvariantBackend, SeqLayout, StepLayout, TorchReferenceBackend, slots_of
+from batchserve.attention.invariant import KEY_TILE, kernels_invariant, tiles_of
+from tests.attention.layouts import BlockPicker
+from tests.engine.drafters import random_tree
+
+HEADS, KV_HEADS, D, BS = 6, 2, 16, 16
+needs_invariance = pytest.mark.skipif(not kernels_invariant(), reason="this CPU's kernels fail the invariance check")
+
+
+def _backends(num_blocks: int) -> tuple[InvariantBackend, TorchReferenceBackend]:
+    ours, ref = InvariantBackend(1, num_blocks, BS, KV_HEADS, D), TorchReferenceBackend(1, num_blocks, BS, KV_HEADS, D)
+    ref.k_cache, ref.v_cache = ours.k_cache.clone(), ours.v_cache.clone()
+    return ours, ref
+
+
+def _run(backend, seqs: list[SeqLayout], q, k, v) -> torch.Tensor:
+    slots = torch.cat([slots_of(s.block_ids, BS, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
+    meta = backend.build_metadata(StepLayout.from_seqs(seqs), slots)
+    return backend.forward(0, q, k, v, meta, scale=D**-0.5)[0]  # [T, Hq, D]
+
+
+def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]]) -> list[SeqLayout]:
+    """Requests of (cached, chunk, draft nodes), packed back to back."""
+    seqs, start = [], 0
+    for cached, chunk, nodes in kinds:
+        parents = random_tree(rng, nodes, 50).parents if nodes else ()
+        q_len = chunk + nodes
+        seqs.append(SeqLayout(start, q_len, cached, chunk, parents, picker.take(-(-(cached + q_len) // BS))))
+        start += q_len
+    return seqs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_it_computes_what_the_reference_backend_does(seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    ours, ref = _backends(400)
+    torch.randn(ours.k_cache.shape, generator=gen, out=ours.k_cache)
+    ref.k_cache.copy_(ours.k_cache)
+    # A prompt chunk, decode roots with trees (one across a tile boundary), a lone root.
+    seqs = _step(rng, BlockPicker(rng, 400, "runs"), [(0, 70, 0), (KEY_TILE - 4, 1, 12), (300, 3, 20), (5, 1, 0)])
+    total = seqs[-1].q_start + seqs[-1].q_len
+    q, k, v = torch.randn(3, 1, HEADS, total, D, generator=gen)
+    k, v = k[:, :KV_HEADS], v[:, :KV_HEADS]
+    torch.testing.assert_close(_run(ours, seqs, q, k, v), _run(ref, seqs, q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_tiles_cut_by_logical_position_and_keep_each_tiles_own_keys():
+    # 62 committed keys, then a tree whose nodes sit at depths 1, 2, 1, 2, 3 (positions 62 to 64).
+    positions = np.concatenate((np.arange(62), [62, 63, 62, 63, 64]))
+    tiles = tiles_of(positions)
+    assert tiles.index.shape == (2, 2 * KEY_TILE)  # tile 0 spans 66 slots: a width of two tiles
+    assert tiles.index[0, :66].tolist() == list(range(66)) and (tiles.index[0, 66:] == 67).all()  # 67: none
+    assert tiles.keep is None  # each span holds only its own tile's keys
+    assert tiles.index[1, 0] == 66 and (tiles.index[1, 1:] == 67).all()
+    # Siblings of two tiles in one span: each tile keeps only its own.
+    tiles = tiles_of(np.concatenate((np.arange(63), [63, 64, 63, 64])))
+    assert tiles.keep is not None
+    assert tiles.index[0, 63:67].tolist() == [63, 64, 65, 67] and tiles.keep[0, 63:66].tolist() == [1.0, 0.0, 1.0]
+    assert tiles.index[1, :4].tolist() == [64, 65, 66, 67] and tiles.keep[1, :3].tolist() == [1.0, 0.0, 1.0]
+
+
+@needs_invariance
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_requests_rows_have_the_same_bits_alone_and_packed_with_others(seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    ours, _ = _backends(600)
+    torch.randn(ours.k_cache.shape, generator=gen, out=ours.k_cache)
+    torch.randn(ours.v_cache.shape, generator=gen, out=ours.v_cache)
+    seqs = _step(rng, BlockPicker(rng, 600, "scattered"), [(40, 9, 0), (130, 1, 15), (0, 100, 0), (7, 1, 3)])
+    total = seqs[-1].q_start + seqs[-1].q_len
+    q, k, v = torch.randn(3, 1, HEADS, total, D, generator=gen)
+    k, v = k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
+    packed = _run(ours, seqs, q, k, v)
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        alone = SeqLayout(0, s.q_len, s.num_cached, s.num_chunk, s.draft_parents, s.block_ids)
+        got = _run(ours, [alone], q[:, :, rows], k[:, :, rows].contiguous(), v[:, :, rows].contiguous())
+        assert torch.equal(got, packed[rows])
+
+
+@needs_invariance
+def test_an_accepted_draft_node_has_the_bits_of_the_same_token_decoded():
+    """A node at depth 3 (its ancestors among siblings) against the same three tokens decoded one
+    step at a time, their K/V then in the pool side by side."""
+    gen = torch.Generator().manual_seed(0)
+    cached, parents = 61, (None, None, 0, 1, 3, 3)  # node 4's path: 1 -> 3 -> 4
+    tree_blocks = tuple(range(5))
+    ours, _ = _backends(20)
+    torch.randn(ours.k_cache.shape, generator=gen, out=ours.k_cache)
+    torch.randn(ours.v_cache.shape, generator=gen, out=ours.v_cache)
+    q, k, v = torch.randn(3, 1, HEADS, 7, D, generator=gen)
+    k, v = k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
+    tree = _run(ours, [SeqLayout(0, 7, cached, 1, parents, tree_blocks)], q, k, v)
+    # Decoded: the root (row 0), then nodes 1, 3 written at positions 62, 63; node 4 at 64.
+    path = [0, 2, 4, 5]  # rows of root, node 1, node 3, node 4 (row = node + 1)
+    for depth, row in enumerate(path):
+        one = SeqLayout(0, 1, cached + depth, 1, (), tree_blocks)
+        got = _run(ours, [one], q[:, :, [row]], k[:, :, [row]].contiguous(), v[:, :, [row]].contiguous())
+        assert torch.equal(got[0], tree[row]), f"depth {depth}"
+
+
+def test_the_check_fails_a_product_whose_sum_order_follows_the_row_count(monkeypatch):
+    real = torch.bmm
+
+    def order_by_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return real(a, b) if a.shape[1] <= 8 else real(a.flip(-1), b.flip(-2))  # the reduction reversed
+
+    assert invariant._check_attend()
+    monkeypatch.setattr(invariant.torch, "bmm", order_by_rows)
+    assert not invariant._check_attend()

@@ -1,0 +1,124 @@
+"""The batch-invariance contract on SmolLM2: a request's logits, bit for bit, do not depend on its company."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from batchserve import LLM, SamplingParams
+from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+from batchserve.scheduler.output import SchedulerOutput
+from tests.prompts import all_prompt_ids
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 16
+Path = tuple[int, ...]  # the tokens a row continues: the request's committed tokens, then its branch
+
+
+class LogitsRecorder:
+    """Hashes every kept row's logits under the token path it continues (rows whose path is known:
+    a request's last committed token and its draft nodes; window rows are guesses and skipped).
+    The same path seen twice (a preempted request recomputing its prompt) must hash the same."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.rows: dict[Path, str] = {}
+        self.conflicts: list[Path] = []
+        engine = llm.engine
+        runner, model = engine.runner, engine.runner.model
+        execute, forward = runner.execute, model.forward
+        pending: list[Path | None] = []
+
+        def record_forward(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            for path, row in zip(pending, out.logits[0]):
+                if path is not None:
+                    self._add(path, hashlib.blake2b(row.contiguous().numpy().tobytes(), digest_size=16).hexdigest())
+            return out
+
+        def record_execute(out: SchedulerOutput) -> Any:
+            pending[:] = [p for r in out.requests if r.sample for p in self._paths(engine, r)]
+            return execute(out)
+
+        runner.execute = record_execute
+        model.forward = record_forward
+
+    @staticmethod
+    def _paths(engine: Any, r: Any) -> list[Path | None]:
+        committed = tuple(engine.scheduler.requests[r.request_id].all_token_ids[: r.num_computed_tokens + len(r.token_ids)])
+        paths: list[Path | None] = [committed]
+        if r.draft is not None:
+            branch: list[Path] = []
+            for token, parent in zip(r.draft.tokens, r.draft.parents):
+                branch.append((committed if parent is None else branch[parent]) + (token,))
+            paths += branch
+        if r.window is not None:
+            paths += [None] * r.window.num_outputs
+        return paths
+
+    def _add(self, path: Path, digest: str) -> None:
+        if self.rows.setdefault(path, digest) != digest:
+            self.conflicts.append(path)
+
+
+def _llm(model: Any, tokenizer: Any, draft: str, **kwargs: Any) -> LLM:
+    model_kwargs = {k: kwargs.pop(k) for k in ("attention_backend", "cpu_linear") if k in kwargs}
+    cache = {k: kwargs.pop(k) for k in ("num_blocks", "prefix_caching") if k in kwargs}
+    config = EngineConfig(
+        model=ModelConfig(**model_kwargs),
+        cache=CacheConfig(block_size=16, kv_cache_memory_gb=0.25, **cache),
+        scheduler=SchedulerConfig(max_num_seqs=16, **kwargs),
+        draft=DraftConfig(method=draft, adaptive=False, decoding_length=12),  # type: ignore[arg-type]
+    )
+    return LLM(config=config, hf_model=model, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine_model():
+    from batchserve.runner import load_model
+
+    return load_model(None, "float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_model) -> list[list[int]]:
+    ids = all_prompt_ids(engine_model[1])
+    # Short and long ones, four of them behind a shared prefix the batch serves from its cache.
+    return ids[:4] + ids[6:8] + [ids[0][:40] + p for p in ids[8:12]]
+
+
+def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: Any) -> tuple[int, int, list[str]]:
+    """(rows compared, tokens generated, what differed) between each prompt run alone without drafts and all of them
+    at once with drafts, small prompt chunks, the prefix cache and preemption (16 blocks)."""
+    alone_llm = _llm(model, tokenizer, "none", **kernels)
+    alone = LogitsRecorder(alone_llm)
+    alone_out = [alone_llm.generate([p], SamplingParams(max_new_tokens=MAX_NEW))[0] for p in prompts]
+    batch_llm = _llm(model, tokenizer, "lookahead", max_num_batched_tokens=64, num_blocks=40, **kernels)
+    batch = LogitsRecorder(batch_llm)
+    batch_out = batch_llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    problems = [f"{len(r.conflicts)} paths hashed twice differently" for r in (alone, batch) if r.conflicts]
+    problems += [f"prompt {i}: tokens differ" for i, (a, b) in enumerate(zip(alone_out, batch_out)) if a.token_ids != b.token_ids]
+    differ = [p for p, digest in alone.rows.items() if batch.rows.get(p, digest) != digest]
+    problems += [f"{len(differ)} of {len(alone.rows)} rows' logits differ"] if differ else []
+    missing = [p for p in alone.rows if p not in batch.rows]
+    problems += [f"{len(missing)} rows never computed in the batch"] if missing else []
+    stats = [r.stats for r in batch_out]
+    assert sum(s.draft_tokens_accepted for s in stats) > 0 and sum(s.num_preemptions for s in stats) > 0
+    assert sum(s.cached_prompt_tokens for s in stats) > 0
+    return len(alone.rows), sum(len(r.token_ids) for r in alone_out), problems
+
+
+def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts):
+    """The shipped CPU default (native model, PackedLinear products, invariant attention)."""
+    llm = _llm(*engine_model, "none")
+    if llm.engine.attention_backend != "invariant":
+        pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
+    rows, tokens, problems = _compare(*engine_model, prompts)
+    assert rows == tokens and not problems, problems  # every token's row, alone and in the batch
+
+
+def test_the_check_catches_kernels_that_are_not_batch_invariant(engine_model, prompts):
+    """torch's float32 linear and SDPA: identical tokens (argmax rarely flips), different bits."""
+    rows, tokens, problems = _compare(*engine_model, prompts[:6], attention_backend="torch", cpu_linear="torch")
+    assert rows == tokens and any("logits differ" in p for p in problems), problems
