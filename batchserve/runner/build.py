@@ -40,7 +40,8 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
     )
     from batchserve.model import has_invariant_linears
 
-    backend_name = resolve_backend(config.model.attention_backend, param.device, param.dtype, has_invariant_linears(model))
+    invariant = has_invariant_linears(model)
+    backend_name = resolve_backend(config.model.attention_backend, param.device, param.dtype, invariant)
     backend = make_backend(
         backend_name,
         num_layers=mc.num_hidden_layers,

@@ -46,7 +46,8 @@ class LogitsRecorder:
 
     @staticmethod
     def _paths(engine: Any, r: Any) -> list[Path | None]:
-        committed = tuple(engine.scheduler.requests[r.request_id].all_token_ids[: r.num_computed_tokens + len(r.token_ids)])
+        known = engine.scheduler.requests[r.request_id].all_token_ids
+        committed = tuple(known[: r.num_computed_tokens + len(r.token_ids)])
         paths: list[Path | None] = [committed]
         if r.draft is not None:
             branch: list[Path] = []
@@ -98,7 +99,8 @@ def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: An
     batch = LogitsRecorder(batch_llm)
     batch_out = batch_llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     problems = [f"{len(r.conflicts)} paths hashed twice differently" for r in (alone, batch) if r.conflicts]
-    problems += [f"prompt {i}: tokens differ" for i, (a, b) in enumerate(zip(alone_out, batch_out)) if a.token_ids != b.token_ids]
+    pairs = enumerate(zip(alone_out, batch_out))
+    problems += [f"prompt {i}: tokens differ" for i, (a, b) in pairs if a.token_ids != b.token_ids]
     differ = [p for p, digest in alone.rows.items() if batch.rows.get(p, digest) != digest]
     problems += [f"{len(differ)} of {len(alone.rows)} rows' logits differ"] if differ else []
     missing = [p for p in alone.rows if p not in batch.rows]
