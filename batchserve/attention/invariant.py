@@ -7,15 +7,17 @@
 # row's own keys fix:
 #
 # - scores: `bmm` with rows padded to a multiple of ROW_BLOCK (a lone remainder row takes
-#   another kernel); each score is one dot product over the head dimension;
+#   another kernel) and at least MIN_KEYS keys; each score is one dot product over the head dim;
 # - softmax: the max (exact in any order), then exp elementwise;
-# - the weighted sum of values, and the softmax's denominator (a column of ones beside the
-#   values), in `bmm` products over tiles of KEY_TILE logical positions: inside a tile of at most
-#   KEY_TILE + MAX_SPREAD keys the product sums key after key, so zero weights (masked keys, a
-#   sibling branch's) change nothing; the tiles' partial sums are added in tile order. A tile is
-#   cut by logical position, not by slot, so a draft node's ancestors fall in the tiles they
-#   would fill when decoded one by one.
+# - the weighted sum of values and the softmax's denominator (the pool keeps a column of ones
+#   beside every value) in `bmm` products over tiles of KEY_TILE logical positions: inside a tile
+#   of at most KEY_TILE + MAX_SPREAD keys the product sums key after key, so zero weights (masked
+#   keys, a sibling branch's) change nothing; the tiles' partial sums are added in tile order. A
+#   tile is cut by logical position, not by slot, so a draft node's ancestors fall in the tiles
+#   they would fill when decoded one by one.
 #
+# Requests with few rows (decode roots, draft trees) are attended together, padded to the
+# group's largest, in one set of products per layer; a long prompt chunk is a group of its own.
 # These are properties of the kernels torch ships, measured, not promised: `kernels_invariant()`
 # checks them on the running CPU once, and the backend is chosen only where they hold.
 
@@ -27,30 +29,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from batchserve.attention.base import StepLayout
-from batchserve.attention.torch_ref import TorchReferenceBackend, slot_runs
+from batchserve.attention.base import SeqLayout, StepLayout, slots_of
+from batchserve.attention.torch_ref import TorchReferenceBackend
 
 ROW_BLOCK = 8  # rows of a product are padded to a multiple of this
-MIN_KEYS = KEY_TILE = 64  # keys a score product is called with, at least; logical positions per value product
+MIN_KEYS = KEY_TILE = 64  # keys of a score product, at least; logical positions per value product
 # Keys of other branches a tile may hold between a row's own: past this a request's draft rows
 # stay exact but may lose bit-equality with decoding (a product over more keys blocks them).
 MAX_SPREAD = 128
+GROUP_ROWS = 16  # requests with at most this many rows this step are attended together
 
 
-@dataclass(frozen=True, slots=True)
-class Tiles:
-    """One request's keys cut into logical tiles, each gathered into a row of `index`."""
-
-    index: torch.Tensor  # [nt, width] int64: key of each place of each tile; L (past the end): none
-    keep: torch.Tensor | None  # [nt, width] float 0/1: places holding a key of that tile; None: every key placed
-
-
-def tiles_of(positions: np.ndarray, device: torch.device | str = "cpu") -> Tiles:
-    """Tiles for keys at logical `positions` [L] (prefix, then this step's rows): tile t holds the
-    keys at positions [t*KEY_TILE, (t+1)*KEY_TILE), gathered from the span of slots they lie in
-    (a draft tree's keys of two tiles share a span; `keep` tells them apart)."""
+def tiles_of(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index [nt, W], keep [nt, W]) for keys at logical `positions` [L] (prefix, then this step's
+    rows): tile t holds the keys at positions [t*KEY_TILE, (t+1)*KEY_TILE), gathered from the span
+    of keys they lie in; index L marks places past the span. A draft tree's keys of two tiles can
+    share a span: `keep` (0/1) tells each tile's own."""
     length = len(positions)
     key_tile = positions // KEY_TILE
     spans = []
@@ -63,148 +58,187 @@ def tiles_of(positions: np.ndarray, device: torch.device | str = "cpu") -> Tiles
     for row, (t, lo, hi) in enumerate(spans):
         index[row, : hi - lo] = np.arange(lo, hi)
         keep[row, : hi - lo] = key_tile[lo:hi] == t
-    # Past the last key the weights are zero: only keys of another tile in a span need `keep`.
-    shared = any((key_tile[lo:hi] != t).any() for t, lo, hi in spans)
-    return Tiles(torch.from_numpy(index).to(device), torch.from_numpy(keep).to(device) if shared else None)
+    return index, keep
 
 
 @dataclass(frozen=True, slots=True)
-class _Seq:
-    start: int  # rows [start, stop) of the packed step
-    stop: int
-    run: tuple[int, int] | None  # (first slot, slots) when its K/V is one run of the pool
-    gather: torch.Tensor | None  # [kv_len] its slots in KV order otherwise
-    mask: torch.Tensor | None  # [q_len, kv_len] bool, True: may attend; None: every row sees every key
-    tiles: Tiles
+class Group:
+    """Requests attended in one set of products, rows and keys padded to the group's largest."""
+
+    rows: torch.Tensor  # [B, R] step row of each row place (padding: the request's first row)
+    out_places: torch.Tensor  # [n] places (in the flattened [B, R]) holding real rows
+    out_rows: torch.Tensor  # [n] their step rows
+    keys: torch.Tensor  # [B, Lk] pool slot of each key (padding: the zero slot)
+    mask: torch.Tensor  # [B, R, Lk] bool, True: may attend (a padding row sees key 0)
+    tile_slots: torch.Tensor  # [B, nt, W] pool slot of each tile place (past a span: the zero slot)
+    tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the request's keys (Lk: none)
+    keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
 
 
 @dataclass(frozen=True, slots=True)
 class InvariantMetadata:
     backend: InvariantBackend
     slot_mapping: torch.Tensor  # [T]
-    seqs: tuple[_Seq, ...]
+    groups: tuple[Group, ...]
     num_tokens: int
 
 
-def key_positions(step: StepLayout, i: int) -> np.ndarray:
-    """[kv_len] logical position of each of request i's keys: its prefix, then this step's rows
-    (a draft node sits at its root's position plus its depth)."""
-    return np.concatenate((np.arange(int(step.num_cached[i])), step.row_positions(i)))
-
-
 class InvariantBackend(TorchReferenceBackend):
-    """The torch backend's pool and bookkeeping; attention computed batch-invariantly (above)."""
+    """The torch backend's paged pool plus a zero slot at its end, the values stored with a
+    column of ones; attention computed batch-invariantly (above)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(num_layers, 0, block_size, num_kv_heads, head_dim, dtype, device)
+        self.num_blocks = num_blocks
+        self.zero_slot = slots = num_blocks * block_size
+        self.k_cache = torch.zeros(num_layers, num_kv_heads, slots + 1, head_dim, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(num_layers, num_kv_heads, slots + 1, head_dim + 1, dtype=dtype, device=device)
+        self.v_cache[:, :, :slots, head_dim] = 1.0  # the denominator's column
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
-        seqs = tuple(self._invariant_seq(step, i) for i in range(len(step.q_len)))
-        return InvariantMetadata(self, slot_mapping.to(self.device), seqs, step.num_tokens)
+        q_len = step.q_len
+        small = [i for i in range(len(q_len)) if q_len[i] <= GROUP_ROWS]
+        members = ([small] if small else []) + [[i] for i in range(len(q_len)) if q_len[i] > GROUP_ROWS]
+        groups = tuple(self._group(step, m) for m in members)
+        return InvariantMetadata(self, slot_mapping.to(self.device), groups, step.num_tokens)
 
-    def _invariant_seq(self, step: StepLayout, i: int) -> _Seq:
-        start, stop = int(step.qo_indptr[i]), int(step.qo_indptr[i + 1])
-        kv_len = int(step.kv_len[i])
-        runs = slot_runs(step.block_table[i], kv_len, self.block_size)
-        mask = None
-        if stop - start > 1:
-            own = step.step_mask(i)  # [q_len, q_len]
-            if not own.all():
-                full = np.ones((stop - start, kv_len), dtype=bool)
-                full[:, kv_len - (stop - start) :] = own
-                mask = torch.from_numpy(full).to(self.device)
-        run = gather = None
-        if len(runs) == 1:
-            run = runs[0]
-        else:
-            gather = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in runs])).to(self.device)
-        return _Seq(start, stop, run, gather, mask, tiles_of(key_positions(step, i), self.device))
+    def _group(self, step: StepLayout, members: list[int]) -> Group:
+        b, bs = len(members), self.block_size
+        q_len, kv_len = step.q_len[members], step.kv_len[members]
+        r = int(q_len.max())
+        lk = max(MIN_KEYS, -(-int(kv_len.max()) // KEY_TILE) * KEY_TILE)
+        tiles = [tiles_of(np.concatenate((np.arange(step.num_cached[i]), step.row_positions(i)))) for i in members]
+        nt, width = max(t[0].shape[0] for t in tiles), max(t[0].shape[1] for t in tiles)
+        rows = np.zeros((b, r), np.int64)
+        keys = np.full((b, lk + 1), self.zero_slot, np.int64)  # one more: the index of "none"
+        mask = np.zeros((b, r, lk), bool)
+        tile_keys = np.full((b, nt, width), lk, np.int64)
+        keep = np.zeros((b, nt, width), np.float32)
+        shared = False  # whether some span holds keys of two tiles
+        for j, i in enumerate(members):
+            start, q, kv, cached = int(step.qo_indptr[i]), int(q_len[j]), int(kv_len[j]), int(step.num_cached[i])
+            rows[j] = start
+            rows[j, :q] = start + np.arange(q)
+            logical = np.arange(kv)
+            keys[j, :kv] = step.block_table[i, logical // bs] * bs + logical % bs
+            mask[j, :q, :cached] = True
+            mask[j, :q, cached:kv] = step.step_mask(i) if q > 1 else True
+            mask[j, q:, 0] = True
+            index, own = tiles[j]
+            tile_keys[j, : index.shape[0], : index.shape[1]] = np.where(index < kv, index, lk)
+            keep[j, : own.shape[0], : own.shape[1]] = own
+            shared |= bool(((index < kv) & (own == 0)).any())
+        real = (np.arange(r)[None, :] < q_len[:, None]).reshape(-1)
+        tile_slots = np.take_along_axis(keys, tile_keys.reshape(b, -1), 1).reshape(tile_keys.shape)
+        dev = self.device
+        return Group(
+            rows=torch.from_numpy(rows).to(dev),
+            out_places=torch.from_numpy(np.flatnonzero(real)).to(dev),
+            out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
+            keys=torch.from_numpy(keys[:, :lk]).to(dev),
+            mask=torch.from_numpy(mask).to(dev),
+            tile_slots=torch.from_numpy(tile_slots).to(dev),
+            tile_keys=torch.from_numpy(tile_keys).to(dev),
+            keep=torch.from_numpy(keep).to(dev) if shared else None,
+        )
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: InvariantMetadata,
         scale: float,
     ) -> torch.Tensor:
         t0 = time.perf_counter()
-        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [Hkv, slots, D]
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [Hkv, S+1, D], [Hkv, S+1, D+1]
+        d = q.shape[3]
         k_cache.index_copy_(1, metadata.slot_mapping, k[0])  # k[0]: [Hkv, T, D]
-        v_cache.index_copy_(1, metadata.slot_mapping, v[0])
-        num_heads, head_dim = q.shape[1], q.shape[3]
-        out = q.new_empty(num_heads, metadata.num_tokens, head_dim)  # [Hq, T, D]
-        for s in metadata.seqs:
-            if s.run is not None:
-                first, n = s.run
-                ks, vs = k_cache[:, first : first + n], v_cache[:, first : first + n]  # [Hkv, L, D] views
-            else:
-                ks, vs = k_cache.index_select(1, s.gather), v_cache.index_select(1, s.gather)
-            out[:, s.start : s.stop] = attend(q[0, :, s.start : s.stop], ks, vs, s.mask, s.tiles, scale)
+        v_cache[..., :d].index_copy_(1, metadata.slot_mapping, v[0])
+        out = q.new_empty(q.shape[1], metadata.num_tokens, d)  # [Hq, T, D]
+        for g in metadata.groups:
+            out[:, g.out_rows] = attend(q[0], k_cache, v_cache, g, scale)
         self.seconds += time.perf_counter() - t0
         return out.transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, tiles: Tiles, scale: float
-) -> torch.Tensor:
-    """[Hq, R, D] attention of one request's rows over its keys k, v [Hkv, L, D] (in KV order)."""
-    num_heads, num_rows, d = q.shape
-    num_kv, length = k.shape[0], k.shape[1]
-    group = num_heads // num_kv
-    rows = group * num_rows  # query head h reads KV head h // group: fold each group's heads into rows
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Group, scale: float) -> torch.Tensor:
+    """[Hq, n, D]: the group's real rows of q [Hq, T, D] attended over its keys in the pool."""
+    num_heads, _, d = q.shape
+    num_kv = k_cache.shape[0]
+    group = num_heads // num_kv  # query head h reads KV head h // group: fold each group's heads into rows
+    b, r = g.rows.shape
+    lk, (nt, width) = g.keys.shape[1], g.tile_keys.shape[1:]
+    rows = group * r
     padded = -(-rows // ROW_BLOCK) * ROW_BLOCK
-    qf = q.new_zeros(num_kv, padded, d)
-    qf[:, :rows].view(num_kv, group, num_rows, d).copy_(q.view(num_kv, group, num_rows, d))
-    if length < MIN_KEYS:  # a product over few keys takes another kernel: zero keys up to MIN_KEYS
-        k = F.pad(k, (0, 0, 0, MIN_KEYS - length))
-    scores = torch.bmm(qf, k.transpose(1, 2))[:, :rows, :length]  # [Hkv, rows, L]
-    if mask is not None:
-        scores = scores.view(num_kv, group, num_rows, length).masked_fill(~mask, float("-inf"))
-        scores = scores.view(num_kv, rows, length)
+    qf = q.new_zeros(num_kv, b, padded, d)
+    qf[:, :, :rows].view(num_kv, b, group, r, d).copy_(q[:, g.rows].view(num_kv, group, b, r, d).transpose(1, 2))
+    keys = k_cache[:, g.keys].view(num_kv * b, lk, d)  # [Hkv*B, Lk, D]
+    scores = torch.bmm(qf.view(num_kv * b, padded, d), keys.transpose(1, 2)).view(num_kv, b, padded, lk)
+    scores = scores[:, :, :rows].view(num_kv, b, group, r, lk).masked_fill(~g.mask[None, :, None], float("-inf"))
     scores = scores * scale
-    # Weights with zero rows up to `padded` and a zero column past the last key: [Hkv, P, L + 1].
-    weights = q.new_zeros(num_kv, padded, length + 1)
-    torch.exp(scores - scores.amax(-1, keepdim=True), out=weights[:, :rows, :length])
-    # Values with a column of ones (the denominator) and a zero row past the last key: [Hkv, L + 1, D + 1].
-    values = v.new_zeros(num_kv, length + 1, d + 1)
-    values[:, :length, :d] = v
-    values[:, :length, d] = 1.0
-    nt, width = tiles.index.shape
-    w = weights[:, :, tiles.index]  # [Hkv, P, nt, W]
-    if tiles.keep is not None:
-        w = w * tiles.keep
-    w = w.permute(0, 2, 1, 3).reshape(num_kv * nt, padded, width)
-    parts = torch.bmm(w, values[:, tiles.index].view(num_kv * nt, width, d + 1)).view(num_kv, nt, padded, d + 1)
-    acc = parts[:, 0]
+    weights = q.new_zeros(num_kv, b, padded, lk + 1)  # zero rows up to `padded`, a zero column for "none"
+    torch.exp(scores - scores.amax(-1, keepdim=True), out=weights[:, :, :rows, :lk].view(num_kv, b, group, r, lk))
+    index = g.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
+    w = torch.gather(weights, 3, index)  # [Hkv, B, P, nt*W]
+    if g.keep is not None:
+        w = w * g.keep.view(1, b, 1, nt * width)
+    w = w.view(num_kv, b, padded, nt, width).permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
+    values = v_cache[:, g.tile_slots].view(num_kv * b * nt, width, d + 1)  # with the ones column
+    parts = torch.bmm(w, values).view(num_kv, b, nt, padded, d + 1)
+    acc = parts[:, :, 0]
     for t in range(1, nt):  # tiles in logical order: the same sums as decoding one row at a time
-        acc = acc + parts[:, t]
-    return (acc[:, :rows, :d] / acc[:, :rows, d:]).view(num_kv, group, num_rows, d).reshape(num_heads, num_rows, d)
+        acc = acc + parts[:, :, t]
+    out = acc[:, :, :rows, :d] / acc[:, :, :rows, d:]  # [Hkv, B, G*R, D]
+    out = out.view(num_kv, b, group, r, d).permute(0, 2, 1, 3, 4).reshape(num_heads, b * r, d)
+    return out[:, g.out_places]
 
 
 @functools.cache
 def kernels_invariant() -> bool:
     """Whether this CPU's kernels give `attend` the properties it relies on; checked once per
     process on random data (the model's products are checked by `batchserve.model.layers`)."""
-    return _check_attend()
+    return all(decoded_equals_tree(prefix, torch.Generator().manual_seed(prefix)) for prefix in CHECK_PREFIXES)
 
 
-def _check_attend() -> bool:
-    """A row decoded alone (its keys side by side) against the same row beside three others with
-    up to MAX_SPREAD keys it must not see between its keys of its last tile (a draft tree's
-    siblings), for contexts inside one tile and across tile boundaries."""
-    gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, d = 6, 2, 16
-    for n in (9, KEY_TILE - 3, KEY_TILE + 40, 2 * KEY_TILE + 5):
-        k, v = torch.randn(2, kv_heads, n, d, generator=gen)
-        q = torch.randn(heads, 4, d, generator=gen)
-        alone = attend(q[:, :1], k, v, None, tiles_of(np.arange(n)), 0.3)
-        last = (n - 1) // KEY_TILE * KEY_TILE  # the last tile's first key
-        gaps = np.bincount(torch.randint(0, n - last, (MAX_SPREAD,), generator=gen).numpy(), minlength=n - last)
-        real = np.concatenate((np.arange(last), last + np.arange(n - last) + np.cumsum(gaps)))
-        length = int(real[-1]) + 1
-        spread_k, spread_v = torch.randn(2, kv_heads, length, d, generator=gen)
-        spread_k[:, torch.from_numpy(real)], spread_v[:, torch.from_numpy(real)] = k, v
-        # A sibling sits at the depth (position) of the real key before it: the same tile.
-        positions = np.maximum.accumulate(np.where(np.isin(np.arange(length), real), np.arange(length), 0))
-        positions = np.searchsorted(real, positions)
-        mask = torch.ones(4, length, dtype=torch.bool)
-        mask[0] = False
-        mask[0, torch.from_numpy(real)] = True
-        tree = attend(q, spread_k, spread_v, mask, tiles_of(positions), 0.3)
-        if not torch.equal(tree[:, :1], alone):
+CHECK_PREFIXES = (9, KEY_TILE - 3, KEY_TILE + 40, 2 * KEY_TILE + 5)
+
+
+def decoded_equals_tree(prefix: int, gen: torch.Generator, depth: int = 4) -> bool:
+    """A draft path of `depth` nodes after `prefix` keys, with MAX_SPREAD - depth siblings between
+    its nodes and another request beside it, against the same tokens decoded one per step."""
+    backend = InvariantBackend(1, 40, 16, 2, 16)
+    torch.randn(backend.k_cache.shape, generator=gen, out=backend.k_cache)
+    backend.v_cache[..., :16] = torch.randn(backend.v_cache[..., :16].shape, generator=gen)
+    siblings = np.bincount(torch.randint(0, depth, (MAX_SPREAD - depth,), generator=gen).numpy(), minlength=depth)
+    parents: list[int | None] = []
+    path: list[int] = []
+    for level in range(depth):  # each level: its siblings, then the path's node (all children of the last one)
+        parent = path[-1] if path else None
+        parents += [parent] * int(siblings[level] + 1)
+        path.append(len(parents) - 1)
+    n = 1 + len(parents)
+    blocks = tuple(range(-(-(prefix + n) // 16)))
+    other = SeqLayout(n, 3, 5, 1, (None, 0), (len(blocks),))
+    q, k, v = torch.randn(3, 1, 6, n + 3, 16, generator=gen)
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    tree = _step(backend, [SeqLayout(0, n, prefix, 1, tuple(parents), blocks), other], q, k, v)
+    for level, row in enumerate([0] + [node + 1 for node in path]):  # the root, then the path's nodes
+        one = [SeqLayout(0, 1, prefix + level, 1, (), blocks)]
+        alone = _step(backend, one, q[:, :, [row]], k[:, :, [row]].contiguous(), v[:, :, [row]].contiguous())
+        if not torch.equal(alone[0], tree[row]):
             return False
     return True
+
+
+def _step(
+    backend: InvariantBackend, seqs: list[SeqLayout], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    slots = torch.cat([slots_of(s.block_ids, backend.block_size, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
+    meta = backend.build_metadata(StepLayout.from_seqs(seqs), slots)
+    return backend.forward(0, q, k, v, meta, scale=0.25)[0]  # [T, Hq, D]

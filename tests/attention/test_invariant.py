@@ -18,9 +18,14 @@ HEADS, KV_HEADS, D, BS = 6, 2, 16, 16
 needs_invariance = pytest.mark.skipif(not kernels_invariant(), reason="this CPU's kernels fail the invariance check")
 
 
-def _backends(num_blocks: int) -> tuple[InvariantBackend, TorchReferenceBackend]:
+def _backends(num_blocks: int, gen: torch.Generator) -> tuple[InvariantBackend, TorchReferenceBackend]:
+    """Both backends over the same random pool (ours: a zero slot after it, values with a column of ones)."""
     ours, ref = InvariantBackend(1, num_blocks, BS, KV_HEADS, D), TorchReferenceBackend(1, num_blocks, BS, KV_HEADS, D)
-    ref.k_cache, ref.v_cache = ours.k_cache.clone(), ours.v_cache.clone()
+    torch.randn(ref.k_cache.shape, generator=gen, out=ref.k_cache)
+    torch.randn(ref.v_cache.shape, generator=gen, out=ref.v_cache)
+    slots = num_blocks * BS
+    ours.k_cache[:, :, :slots], ours.v_cache[:, :, :slots, :D] = ref.k_cache, ref.v_cache
+    assert (ours.v_cache[:, :, :slots, D] == 1).all() and (ours.v_cache[:, :, slots] == 0).all()
     return ours, ref
 
 
@@ -44,11 +49,10 @@ def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, i
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_it_computes_what_the_reference_backend_does(seed):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    ours, ref = _backends(400)
-    torch.randn(ours.k_cache.shape, generator=gen, out=ours.k_cache)
-    ref.k_cache.copy_(ours.k_cache)
+    ours, ref = _backends(400, gen)
     # A prompt chunk, decode roots with trees (one across a tile boundary), a lone root.
-    seqs = _step(rng, BlockPicker(rng, 400, "runs"), [(0, 70, 0), (KEY_TILE - 4, 1, 12), (300, 3, 20), (5, 1, 0)])
+    kinds = [(0, 70, 0), (KEY_TILE - 4, 1, 12), (300, 3, 12), (5, 1, 0), (130, 1, 40)]
+    seqs = _step(rng, BlockPicker(rng, 400, "runs"), kinds)
     total = seqs[-1].q_start + seqs[-1].q_len
     q, k, v = torch.randn(3, 1, HEADS, total, D, generator=gen)
     k, v = k[:, :KV_HEADS], v[:, :KV_HEADS]
@@ -58,26 +62,24 @@ def test_it_computes_what_the_reference_backend_does(seed):
 def test_tiles_cut_by_logical_position_and_keep_each_tiles_own_keys():
     # 62 committed keys, then a tree whose nodes sit at depths 1, 2, 1, 2, 3 (positions 62 to 64).
     positions = np.concatenate((np.arange(62), [62, 63, 62, 63, 64]))
-    tiles = tiles_of(positions)
-    assert tiles.index.shape == (2, 2 * KEY_TILE)  # tile 0 spans 66 slots: a width of two tiles
-    assert tiles.index[0, :66].tolist() == list(range(66)) and (tiles.index[0, 66:] == 67).all()  # 67: none
-    assert tiles.keep is None  # each span holds only its own tile's keys
-    assert tiles.index[1, 0] == 66 and (tiles.index[1, 1:] == 67).all()
+    index, keep = tiles_of(positions)
+    assert index.shape == (2, 2 * KEY_TILE)  # tile 0 spans 66 slots: a width of two tiles
+    assert index[0, :66].tolist() == list(range(66)) and (index[0, 66:] == 67).all()  # 67: none
+    assert keep[0].sum() == 66 and keep[1].sum() == 1  # each span holds only its own tile's keys
+    assert index[1, 0] == 66 and (index[1, 1:] == 67).all()
     # Siblings of two tiles in one span: each tile keeps only its own.
-    tiles = tiles_of(np.concatenate((np.arange(63), [63, 64, 63, 64])))
-    assert tiles.keep is not None
-    assert tiles.index[0, 63:67].tolist() == [63, 64, 65, 67] and tiles.keep[0, 63:66].tolist() == [1.0, 0.0, 1.0]
-    assert tiles.index[1, :4].tolist() == [64, 65, 66, 67] and tiles.keep[1, :3].tolist() == [1.0, 0.0, 1.0]
+    index, keep = tiles_of(np.concatenate((np.arange(63), [63, 64, 63, 64])))
+    assert index[0, 63:67].tolist() == [63, 64, 65, 67] and keep[0, 63:66].tolist() == [1.0, 0.0, 1.0]
+    assert index[1, :4].tolist() == [64, 65, 66, 67] and keep[1, :3].tolist() == [1.0, 0.0, 1.0]
 
 
 @needs_invariance
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_requests_rows_have_the_same_bits_alone_and_packed_with_others(seed):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    ours, _ = _backends(600)
-    torch.randn(ours.k_cache.shape, generator=gen, out=ours.k_cache)
-    torch.randn(ours.v_cache.shape, generator=gen, out=ours.v_cache)
-    seqs = _step(rng, BlockPicker(rng, 600, "scattered"), [(40, 9, 0), (130, 1, 15), (0, 100, 0), (7, 1, 3)])
+    ours, _ = _backends(600, gen)
+    kinds = [(40, 9, 0), (130, 1, 15), (0, 100, 0), (7, 1, 3), (64, 1, 0), (200, 1, 30)]
+    seqs = _step(rng, BlockPicker(rng, 600, "scattered"), kinds)
     total = seqs[-1].q_start + seqs[-1].q_len
     q, k, v = torch.randn(3, 1, HEADS, total, D, generator=gen)
     k, v = k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
@@ -96,9 +98,7 @@ def test_an_accepted_draft_node_has_the_bits_of_the_same_token_decoded():
     gen = torch.Generator().manual_seed(0)
     cached, parents = 61, (None, None, 0, 1, 3, 3)  # node 4's path: 1 -> 3 -> 4
     tree_blocks = tuple(range(5))
-    ours, _ = _backends(20)
-    torch.randn(ours.k_cache.shape, generator=gen, out=ours.k_cache)
-    torch.randn(ours.v_cache.shape, generator=gen, out=ours.v_cache)
+    ours, _ = _backends(20, gen)
     q, k, v = torch.randn(3, 1, HEADS, 7, D, generator=gen)
     k, v = k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
     tree = _run(ours, [SeqLayout(0, 7, cached, 1, parents, tree_blocks)], q, k, v)
@@ -110,12 +110,17 @@ def test_an_accepted_draft_node_has_the_bits_of_the_same_token_decoded():
         assert torch.equal(got[0], tree[row]), f"depth {depth}"
 
 
+@needs_invariance
+@pytest.mark.parametrize("prefix", invariant.CHECK_PREFIXES)
+def test_the_start_up_check_passes_on_this_cpu(prefix):
+    assert invariant.decoded_equals_tree(prefix, torch.Generator().manual_seed(prefix))
+
+
 def test_the_check_fails_a_product_whose_sum_order_follows_the_row_count(monkeypatch):
     real = torch.bmm
 
     def order_by_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return real(a, b) if a.shape[1] <= 8 else real(a.flip(-1), b.flip(-2))  # the reduction reversed
 
-    assert invariant._check_attend()
     monkeypatch.setattr(invariant.torch, "bmm", order_by_rows)
-    assert not invariant._check_attend()
+    assert not invariant.decoded_equals_tree(9, torch.Generator().manual_seed(0))

@@ -1,0 +1,138 @@
+"""The `llamacpp` bench peer on a fake `llama_cpp` module: its settings, its loop, its report row."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from batchserve.bench.peers import LLAMACPP_MISSING, llamacpp_gguf, load_llamacpp, run_llamacpp
+
+
+class FakeLlama:
+    """Records what the peer asks of llama.cpp; generates 10, 11, 12, ... or a scripted list."""
+
+    made: ClassVar[list[FakeLlama]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.events: list[str] = []
+        self.calls: list[tuple[list[int], dict[str, Any]]] = []
+        self.yielded = 0  # tokens the generator produced: each past the last is a wasted eval
+        self.scripts: dict[int, list[int]] = {}  # first prompt id -> the tokens to generate
+        FakeLlama.made.append(self)
+
+    def reset(self) -> None:
+        self.events.append("reset")
+
+    def generate(self, tokens: list[int], **kwargs: Any) -> Iterator[int]:
+        self.events.append("generate")
+        self.calls.append((list(tokens), kwargs))
+        for tok in self.scripts.get(tokens[0], range(10, 10_000)):
+            self.yielded += 1
+            yield tok
+
+
+@pytest.fixture
+def fake_llama_cpp(monkeypatch: pytest.MonkeyPatch) -> type[FakeLlama]:
+    module = types.ModuleType("llama_cpp")
+    module.Llama = FakeLlama  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setattr(FakeLlama, "made", [])
+    return FakeLlama
+
+
+def test_peer_feeds_token_ids_greedy_resets_per_prompt_and_counts_tokens() -> None:
+    llm = FakeLlama()
+    llm.scripts[7] = [30, 2, 31]  # ends at an end-of-sequence id
+    prompts = [[5, 6], [7, 8, 9]]
+    outputs, seconds, ttfts, tpots = run_llamacpp(llm, prompts, 4, frozenset({2}), "test")
+    # The end-of-sequence token counts (as HF's and the engine's outputs have it), then it stops.
+    assert outputs == [[10, 11, 12, 13], [30, 2]]
+    assert llm.yielded == 6  # never one token past what it keeps
+    assert [ids for ids, _ in llm.calls] == prompts
+    assert llm.events == ["reset", "generate", "reset", "generate"]  # no KV kept across prompts
+    for _, kwargs in llm.calls:
+        assert kwargs["temp"] == 0.0 and kwargs["top_k"] == 1 and kwargs["repeat_penalty"] == 1.0
+    assert seconds > 0 and len(ttfts) == 2 and len(tpots) == 2
+
+
+def test_llama_cpp_gets_the_gguf_the_threads_and_room_for_prompt_and_output(
+    fake_llama_cpp: type[FakeLlama], tmp_path: Path
+) -> None:
+    gguf = tmp_path / "m.gguf"
+    load_llamacpp(gguf, [[1] * 30, [1] * 50], 16)
+    (llm,) = fake_llama_cpp.made
+    threads = torch.get_num_threads()
+    assert llm.kwargs["model_path"] == str(gguf) and llm.kwargs["n_ctx"] == 50 + 16
+    assert llm.kwargs["n_threads"] == llm.kwargs["n_threads_batch"] == threads
+    assert llm.kwargs["n_batch"] == 512 and llm.kwargs["verbose"] is False and llm.kwargs["logits_all"] is False
+
+
+def test_peer_runs_only_on_a_gguf_with_llama_cpp_importable(
+    fake_llama_cpp: type[FakeLlama], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.touch()
+    assert llamacpp_gguf(str(gguf)) == (gguf, "")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    path, why = llamacpp_gguf(str(tmp_path / "hf"))
+    assert path is None and "not a GGUF model" in why
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what `import llama_cpp` sees when not installed
+    assert llamacpp_gguf(str(gguf)) == (None, LLAMACPP_MISSING)
+
+
+def _tiny_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """The bench sweep with `hf` and `llamacpp` at batch 1 on two prompts, without a real model:
+    the tiny model, a fixed HF reference, and whatever `llama_cpp` the test installed."""
+    from batchserve import runner
+    from batchserve.bench import sweep
+
+    reference = [[10, 11, 12, 13], [5, 6, 7, 8]]
+    monkeypatch.setattr(runner, "load_model", lambda path, dtype: (model, tokenizer))
+    monkeypatch.setattr(sweep, "load_dataset", lambda name, n, tok: sweep.Workload([[1, 2], [3, 4, 5]], []))
+    monkeypatch.setattr(sweep, "run_hf", lambda m, prompts, *a, **k: (reference[: len(prompts)], 1.0, [0.1], [0.1]))
+    gguf = tmp_path / "m.gguf"
+    gguf.touch()
+    sweep.run(["humaneval"], ["hf", "llamacpp"], [1], 2, 4, tmp_path / "out", str(gguf))
+    return json.loads((tmp_path / "out" / "results.json").read_text())
+
+
+def test_sweep_puts_the_llamacpp_row_beside_hf_in_the_report(
+    fake_llama_cpp: type[FakeLlama],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model: Any,
+    tiny_tokenizer: Any,
+) -> None:
+    rows = {r["method"]: r for r in _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer)}
+    row = rows["llamacpp"]
+    assert row["batch_size"] == 1 and row["num_prompts"] == 2 and row["output_tokens"] == 8
+    assert row["lossless"] is None and row["reference_matches"] == 1  # the fake's 10, 11, ... is prompt 1's
+    (llm,) = fake_llama_cpp.made
+    assert [ids for ids, _ in llm.calls] == [[1, 2], [3, 4, 5]]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| llamacpp | 1 |" in report and "| hf | 1 |" in report
+    assert "sequential" in report and "equals HF greedy on 1 of 2 prompts" in report
+
+
+def test_sweep_without_llama_cpp_skips_the_peer_and_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model: Any,
+    tiny_tokenizer: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    rows = _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer)
+    assert [r["method"] for r in rows] == ["hf"]
+    assert LLAMACPP_MISSING in capsys.readouterr().out
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "llamacpp: not installed (pip install 'batchserve[llamacpp]')" in report
