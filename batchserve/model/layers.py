@@ -144,11 +144,16 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self._cos, self._sin = emb.cos() * self.scaling, emb.sin() * self.scaling
 
+    def reserve(self, positions: int) -> None:
+        """Tables for `positions` now: on CUDA the lookup then reads no size back from the device
+        (a CUDA graph replays no Python decision); on CPU they grow on demand."""
+        if self._cos.shape[0] < positions:
+            self._grow(positions)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] for positions [T], looked up once per step for every layer."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        if self._cos.shape[0] < needed:
-            self._grow(needed)
+        if positions.device.type == "cpu":
+            self.reserve(int(positions.max()) + 1 if positions.numel() else 1)
         return self._cos[positions].to(dtype)[:, None, :], self._sin[positions].to(dtype)[:, None, :]
 
     @staticmethod

@@ -164,6 +164,8 @@ def native_from_hf(hf_model: Any) -> NativeLlamaForCausalLM:
     model = model.to_empty(device=param.device).to(param.dtype)
     model.rotary = Rotary(rotary.inv_freq.detach().clone(), float(getattr(rotary, "attention_scaling", 1.0)))
     model.rotary.to(param.device)
+    if param.device.type != "cpu":
+        model.rotary.reserve(config.max_position_embeddings)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
     ours = dict(model.named_parameters())
