@@ -1,8 +1,9 @@
-"""The torch attention backend alone: ms per step of 30 layers, on SmolLM2's shapes.
+"""A CPU attention backend alone: ms per step of 30 layers, on SmolLM2's shapes.
 
-    PYTHONPATH=<checkout> python benchmarks/attention_ab.py NAME
+    PYTHONPATH=<checkout> python benchmarks/attention_ab.py NAME [torch|invariant]
 
-Run it once per checkout to compare two versions of the backend on one machine. Each request's
+Run it once per checkout to compare two versions of the backend on one machine, or once per
+backend (the torch reference, the batch-invariant one) to compare them. Each request's
 blocks lie in one run of the pool; keys are drawn per request from the given range.
 """
 
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from batchserve.attention import SeqLayout, StepLayout, TorchReferenceBackend, slots_of
+from batchserve.attention import InvariantBackend, SeqLayout, StepLayout, TorchReferenceBackend, slots_of
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 # (requests, fewest keys, most keys, rows per request)
@@ -22,10 +23,10 @@ CASES = ((1, 150, 280, 1), (4, 150, 280, 1), (16, 150, 280, 1), (16, 150, 280, 4
 CASES += ((16, 500, 1000, 1), (16, 300, 2800, 1))
 
 
-def step_ms(num_seqs: int, low: int, high: int, rows: int, repeats: int = 10) -> float:
+def step_ms(num_seqs: int, low: int, high: int, rows: int, backend_cls: type, repeats: int = 10) -> float:
     keys = np.random.default_rng(0).integers(low, high, size=num_seqs)
     blocks_each = [-(-(int(k) + rows) // BLOCK) for k in keys]
-    backend = TorchReferenceBackend(LAYERS, sum(blocks_each) + 8, BLOCK, KV_HEADS, HEAD_DIM)
+    backend = backend_cls(LAYERS, sum(blocks_each) + 8, BLOCK, KV_HEADS, HEAD_DIM)
     seqs, start, first = [], 0, 0
     for k, n in zip(keys.tolist(), blocks_each):
         parents = (None, *range(rows - 2)) if rows > 1 else ()  # a chain of draft rows
@@ -51,8 +52,9 @@ def step_ms(num_seqs: int, low: int, high: int, rows: int, repeats: int = 10) ->
 def main() -> None:
     torch.set_num_threads(2)
     name = sys.argv[1] if len(sys.argv) > 1 else "this checkout"
+    backend_cls = InvariantBackend if sys.argv[2:] == ["invariant"] else TorchReferenceBackend
     for num_seqs, low, high, rows in CASES:
-        ms = step_ms(num_seqs, low, high, rows)
+        ms = step_ms(num_seqs, low, high, rows, backend_cls)
         print(f"{name}: {num_seqs} requests, {low}-{high} keys, {rows} rows each: {ms:7.2f} ms", flush=True)
 
 
