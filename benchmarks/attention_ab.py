@@ -26,7 +26,8 @@ CASES += ((16, 500, 1000, 1), (16, 300, 2800, 1))
 def step_ms(num_seqs: int, low: int, high: int, rows: int, backend_cls: type, repeats: int = 10) -> float:
     keys = np.random.default_rng(0).integers(low, high, size=num_seqs)
     blocks_each = [-(-(int(k) + rows) // BLOCK) for k in keys]
-    backend = backend_cls(LAYERS, sum(blocks_each) + 8, BLOCK, KV_HEADS, HEAD_DIM)
+    extra = {"num_qo_heads": HEADS} if backend_cls is InvariantBackend else {}
+    backend = backend_cls(LAYERS, sum(blocks_each) + 8, BLOCK, KV_HEADS, HEAD_DIM, **extra)
     seqs, start, first = [], 0, 0
     for k, n in zip(keys.tolist(), blocks_each):
         parents = (None, *range(rows - 2)) if rows > 1 else ()  # a chain of draft rows

@@ -62,7 +62,9 @@ def make_backend(
 ) -> AttentionBackend:
     name = resolve_backend(name, device, dtype)
     if name == "invariant":
-        return InvariantBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        return InvariantBackend(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads
+        )
     if name == "flashinfer":
         from batchserve.attention.flashinfer_backend import FlashInferBackend  # imports flashinfer
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from batchserve.attention.base import SeqLayout, StepLayout, slots_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
@@ -39,6 +40,17 @@ MIN_KEYS = KEY_TILE = 64  # keys of a score product, at least; logical positions
 # stay exact but may lose bit-equality with decoding (a product over more keys blocks them).
 MAX_SPREAD = 128
 GROUP_ROWS = 16  # requests with at most this many rows this step are attended together
+
+
+def _product_rows(hidden: np.ndarray, group: int) -> np.ndarray:
+    """[B, R, Lk] -> [B, P, Lk]: the rows as the score product lays them out (each of the group's
+    query heads' rows in turn, padded to a multiple of ROW_BLOCK rows that see key 0 only)."""
+    b, r, lk = hidden.shape
+    padded = -(-group * r // ROW_BLOCK) * ROW_BLOCK
+    out = np.ones((b, padded, lk), bool)
+    out[:, :, 0] = False
+    out[:, : group * r] = np.tile(hidden, (1, group, 1))
+    return out
 
 
 def tiles_of(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -69,7 +81,7 @@ class Group:
     out_places: torch.Tensor  # [n] places (in the flattened [B, R]) holding real rows
     out_rows: torch.Tensor  # [n] their step rows
     keys: torch.Tensor  # [B, Lk] pool slot of each key (padding: the zero slot)
-    mask: torch.Tensor  # [B, R, Lk] bool, True: may attend (a padding row sees key 0)
+    hidden: torch.Tensor  # [B, P, Lk] bool over the product's rows (head-major, padded): True may not attend
     tile_slots: torch.Tensor  # [B, nt, W] pool slot of each tile place (past a span: the zero slot)
     tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the request's keys (Lk: none)
     keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
@@ -96,8 +108,10 @@ class InvariantBackend(TorchReferenceBackend):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        num_qo_heads: int | None = None,
     ) -> None:
         super().__init__(num_layers, 0, block_size, num_kv_heads, head_dim, dtype, device)
+        self.group = (num_qo_heads or num_kv_heads) // num_kv_heads  # query heads per KV head
         self.num_blocks = num_blocks
         self.zero_slot = slots = num_blocks * block_size
         self.k_cache = torch.zeros(num_layers, num_kv_heads, slots + 1, head_dim, dtype=dtype, device=device)
@@ -132,7 +146,7 @@ class InvariantBackend(TorchReferenceBackend):
             keys[j, :kv] = step.block_table[i, logical // bs] * bs + logical % bs
             mask[j, :q, :cached] = True
             mask[j, :q, cached:kv] = step.step_mask(i) if q > 1 else True
-            mask[j, q:, 0] = True
+            mask[j, q:, 0] = True  # padding rows
             index, own = tiles[j]
             tile_keys[j, : index.shape[0], : index.shape[1]] = np.where(index < kv, index, lk)
             keep[j, : own.shape[0], : own.shape[1]] = own
@@ -144,8 +158,8 @@ class InvariantBackend(TorchReferenceBackend):
             rows=torch.from_numpy(rows).to(dev),
             out_places=torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
-            keys=torch.from_numpy(keys[:, :lk]).to(dev),
-            mask=torch.from_numpy(mask).to(dev),
+            keys=torch.from_numpy(np.ascontiguousarray(keys[:, :lk])).to(dev),
+            hidden=torch.from_numpy(_product_rows(~mask, self.group)).to(dev),
             tile_slots=torch.from_numpy(tile_slots).to(dev),
             tile_keys=torch.from_numpy(tile_keys).to(dev),
             keep=torch.from_numpy(keep).to(dev) if shared else None,
@@ -177,19 +191,19 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Gro
     rows = group * r
     padded = -(-rows // ROW_BLOCK) * ROW_BLOCK
     qf = q.new_zeros(num_kv, b, padded, d)
-    qf[:, :, :rows].view(num_kv, b, group, r, d).copy_(q[:, g.rows].view(num_kv, group, b, r, d).transpose(1, 2))
-    keys = k_cache[:, g.keys].view(num_kv * b, lk, d)  # [Hkv*B, Lk, D]
+    own = q.index_select(1, g.rows.view(-1)).view(num_kv, group, b, r, d)  # index_select: far cheaper than [:, idx]
+    qf[:, :, :rows].view(num_kv, b, group, r, d).copy_(own.transpose(1, 2))
+    keys = k_cache.index_select(1, g.keys.view(-1)).view(num_kv * b, lk, d)  # [Hkv*B, Lk, D]
     scores = torch.bmm(qf.view(num_kv * b, padded, d), keys.transpose(1, 2)).view(num_kv, b, padded, lk)
-    scores = scores[:, :, :rows].view(num_kv, b, group, r, lk).masked_fill(~g.mask[None, :, None], float("-inf"))
-    scores = scores * scale
-    weights = q.new_zeros(num_kv, b, padded, lk + 1)  # zero rows up to `padded`, a zero column for "none"
-    torch.exp(scores - scores.amax(-1, keepdim=True), out=weights[:, :, :rows, :lk].view(num_kv, b, group, r, lk))
+    # In place from here (each new tensor costs as much as the arithmetic); padding rows see key 0.
+    scores.masked_fill_(g.hidden, float("-inf")).mul_(scale)
+    weights = F.pad(scores.sub_(scores.amax(-1, keepdim=True)).exp_(), (0, 1))  # [Hkv, B, P, Lk + 1]: "none" is 0
     index = g.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
     w = torch.gather(weights, 3, index)  # [Hkv, B, P, nt*W]
     if g.keep is not None:
         w = w * g.keep.view(1, b, 1, nt * width)
     w = w.view(num_kv, b, padded, nt, width).permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
-    values = v_cache[:, g.tile_slots].view(num_kv * b * nt, width, d + 1)  # with the ones column
+    values = v_cache.index_select(1, g.tile_slots.view(-1)).view(num_kv * b * nt, width, d + 1)  # with the ones
     parts = torch.bmm(w, values).view(num_kv, b, nt, padded, d + 1)
     acc = parts[:, :, 0]
     for t in range(1, nt):  # tiles in logical order: the same sums as decoding one row at a time
@@ -212,7 +226,7 @@ CHECK_PREFIXES = (9, KEY_TILE - 3, KEY_TILE + 40, 2 * KEY_TILE + 5)
 def decoded_equals_tree(prefix: int, gen: torch.Generator, depth: int = 4) -> bool:
     """A draft path of `depth` nodes after `prefix` keys, with MAX_SPREAD - depth siblings between
     its nodes and another request beside it, against the same tokens decoded one per step."""
-    backend = InvariantBackend(1, 40, 16, 2, 16)
+    backend = InvariantBackend(1, 40, 16, 2, 16, num_qo_heads=6)
     torch.randn(backend.k_cache.shape, generator=gen, out=backend.k_cache)
     backend.v_cache[..., :16] = torch.randn(backend.v_cache[..., :16].shape, generator=gen)
     siblings = np.bincount(torch.randint(0, depth, (MAX_SPREAD - depth,), generator=gen).numpy(), minlength=depth)

@@ -20,7 +20,8 @@ needs_invariance = pytest.mark.skipif(not kernels_invariant(), reason="this CPU'
 
 def _backends(num_blocks: int, gen: torch.Generator) -> tuple[InvariantBackend, TorchReferenceBackend]:
     """Both backends over the same random pool (ours: a zero slot after it, values with a column of ones)."""
-    ours, ref = InvariantBackend(1, num_blocks, BS, KV_HEADS, D), TorchReferenceBackend(1, num_blocks, BS, KV_HEADS, D)
+    ours = InvariantBackend(1, num_blocks, BS, KV_HEADS, D, num_qo_heads=HEADS)
+    ref = TorchReferenceBackend(1, num_blocks, BS, KV_HEADS, D)
     torch.randn(ref.k_cache.shape, generator=gen, out=ref.k_cache)
     torch.randn(ref.v_cache.shape, generator=gen, out=ref.v_cache)
     slots = num_blocks * BS
