@@ -42,6 +42,20 @@ MAX_SPREAD = 128
 GROUP_ROWS = 16  # requests with at most this many rows this step are attended together
 
 
+def group_requests(q_len: np.ndarray, kv_len: np.ndarray) -> list[list[int]]:
+    """Which requests share a set of products: those with at most GROUP_ROWS rows, by key count
+    rounded up to a power of two (one long context must not pad every short one to its length);
+    a request with more rows (a prompt chunk) alone."""
+    by_keys: dict[int, list[int]] = {}
+    alone = []
+    for i, (q, kv) in enumerate(zip(q_len.tolist(), kv_len.tolist())):
+        if q > GROUP_ROWS:
+            alone.append([i])
+        else:
+            by_keys.setdefault(max(KEY_TILE, 1 << (kv - 1).bit_length()), []).append(i)
+    return [by_keys[k] for k in sorted(by_keys)] + alone
+
+
 def _product_rows(hidden: np.ndarray, group: int) -> np.ndarray:
     """[B, R, Lk] -> [B, P, Lk]: the rows as the score product lays them out (each of the group's
     query heads' rows in turn, padded to a multiple of ROW_BLOCK rows that see key 0 only)."""
@@ -119,10 +133,7 @@ class InvariantBackend(TorchReferenceBackend):
         self.v_cache[:, :, :slots, head_dim] = 1.0  # the denominator's column
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
-        q_len = step.q_len
-        small = [i for i in range(len(q_len)) if q_len[i] <= GROUP_ROWS]
-        members = ([small] if small else []) + [[i] for i in range(len(q_len)) if q_len[i] > GROUP_ROWS]
-        groups = tuple(self._group(step, m) for m in members)
+        groups = tuple(self._group(step, m) for m in group_requests(step.q_len, step.kv_len))
         return InvariantMetadata(self, slot_mapping.to(self.device), groups, step.num_tokens)
 
     def _group(self, step: StepLayout, members: list[int]) -> Group:

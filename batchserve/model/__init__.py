@@ -47,8 +47,10 @@ def pack_linears(model: nn.Module) -> bool:
     for name, layer in packed.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-    # Every product of the model is a PackedLinear's: batch-invariant where this CPU's oneDNN is.
-    model.batch_invariant_linears = packed_products_invariant()
+    # Every product of the model is a PackedLinear's: batch-invariant where this CPU's oneDNN is
+    # (checked in float32, the only dtype the invariant attention is checked in).
+    dtype = next(iter(packed.values())).weight.dtype if packed else torch.float32
+    model.batch_invariant_linears = dtype == torch.float32 and packed_products_invariant()
     return True
 
 

@@ -10,7 +10,7 @@ import torch
 
 import batchserve.attention.invariant as invariant
 from batchserve.attention import InvariantBackend, SeqLayout, StepLayout, TorchReferenceBackend, slots_of
-from batchserve.attention.invariant import KEY_TILE, kernels_invariant, tiles_of
+from batchserve.attention.invariant import KEY_TILE, group_requests, kernels_invariant, tiles_of
 from tests.attention.layouts import BlockPicker
 from tests.engine.drafters import random_tree
 
@@ -125,3 +125,10 @@ def test_the_check_fails_a_product_whose_sum_order_follows_the_row_count(monkeyp
 
     monkeypatch.setattr(invariant.torch, "bmm", order_by_rows)
     assert not invariant.decoded_equals_tree(9, torch.Generator().manual_seed(0))
+
+
+def test_requests_share_products_with_those_of_a_similar_length_and_a_prompt_chunk_goes_alone():
+    q_len = np.array([1, 5, 1, 300, 16, 17, 1])
+    kv_len = np.array([200, 250, 3000, 900, 20, 40, 129])
+    # Keys up to 64, up to 256 (129 to 250), up to 4096; then the chunks of 300 and 17 rows.
+    assert group_requests(q_len, kv_len) == [[4], [0, 1, 6], [2], [3], [5]]
