@@ -13,6 +13,7 @@ DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
+CPU_WEIGHTS: tuple[str, ...] = ("float32", "q4_1")  # batchserve.model.choose_impl
 # See batchserve.attention.resolve_backend.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch")
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
@@ -105,12 +106,19 @@ class ModelConfig:
         "float32 on CPU: oneDNN's linear kernel (auto: where this torch has it) or torch's own matmuls",
         choices=CPU_LINEAR,
     )
+    cpu_weights: str = setting(
+        "float32",
+        "native model on CPU: float32, or q4_1: a GGUF file's Q4_1 layers as stored, on torch's int4 kernel"
+        " (a quarter of the bytes per step; output is the quantized model's, not float32 HF's)",
+        choices=CPU_WEIGHTS,
+    )
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)
         _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
+        _check_choice("cpu_weights", self.cpu_weights, CPU_WEIGHTS)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -61,7 +61,8 @@ class EngineCore:
             raise ValueError("pass the tokenizer together with the model")
         from batchserve.model import choose_impl
 
-        model = choose_impl(model, config.model.model_impl, config.model.cpu_linear)
+        mc = config.model
+        model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path)
         self.runner, facts = build_runner(model, tokenizer, config)
         self.tokenizer = tokenizer
         self.vocab_size = facts.vocab_size

@@ -7,6 +7,7 @@ settings (drafter, trie layout, warm trie or not, fixed or adaptive decoding len
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch", "llamacpp")
 # peers that run one prompt at a time (batch 1); llama-cpp-python serves one sequence
@@ -26,11 +27,12 @@ class Method:
     prefix_caching: bool = True  # the `+nocache` suffix turns it off
     jacobi: tuple[int, int, int] | None = None  # jacobi/hybrid (W, N, G); None: the engine's defaults
     model_impl: str = "auto"  # the server's default forward; "transformers": the HF model's own
+    cpu_weights: str = "float32"  # "q4_1": the GGUF's Q4_1 layers (lossless against its own `none-q4`)
 
     @property
-    def kernels(self) -> tuple[str, str]:
-        """What a cost profile depends on beyond the model: the forward and its linear kernel."""
-        return (self.model_impl, self.cpu_linear)
+    def kernels(self) -> tuple[str, str, str]:
+        """What a cost profile depends on beyond the model: the forward, its linear kernel, its weights."""
+        return (self.model_impl, self.cpu_linear, self.cpu_weights)
 
 
 BATCHSERVE = {
@@ -51,6 +53,11 @@ BATCHSERVE = {
     "none-blas": Method("none", "hierarchical", False, cpu_linear="torch"),
     "lookahead-adaptive-blas": Method(
         "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_linear="torch"
+    ),
+    # The GGUF's Q4_1 layers on torch's int4 kernel (--cpu-weights q4_1): checked against `none-q4`.
+    "none-q4": Method("none", "hierarchical", False, cpu_weights="q4_1"),
+    "lookahead-adaptive-q4": Method(
+        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_weights="q4_1"
     ),
     # The same on the transformers model's forward (--model-impl transformers): what ours brings.
     "none-hf": Method("none", "hierarchical", False, model_impl="transformers"),
@@ -129,6 +136,19 @@ def _pct(xs: list[float], q: float) -> float:
         return 0.0
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def expected_outputs(
+    method: str, weights: str, hf: list[list[int]], own: dict[Any, list[list[int]]], key: Any, outputs: list[list[int]]
+) -> list[list[int]] | None:
+    """What a run's outputs must equal: HF greedy; for other weights (q4_1) the same weights' plain
+    decoding, `none-q4` run first at that batch size (`own`, keyed by `key`); None: nothing to compare."""
+    if weights == "float32":
+        return hf
+    if method == "none-q4":
+        own[key] = outputs
+        return None
+    return own.get(key)
 
 
 def make_row(

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchserve.model.int4 import Int4Linear, int4_available, int4_products_invariant, load_gguf_int4
 from batchserve.model.layers import PackedLinear, packed_products_invariant, prepack_available
 from batchserve.model.llama import SUPPORTED_ARCHITECTURES, NativeLlamaForCausalLM, native_from_hf, supports
 
@@ -20,19 +21,41 @@ __all__ = [
 ]
 
 
-def choose_impl(model: Any, impl: str, cpu_linear: str = "auto") -> Any:
+def choose_impl(
+    model: Any, impl: str, cpu_linear: str = "auto", cpu_weights: str = "float32", path: str | None = None
+) -> Any:
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU, transformers elsewhere. On CUDA, auto keeps transformers until the native forward's
     GPU tests (CUDA graphs) have passed on a device. On CPU the native model's linear layers
-    are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`."""
+    are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=q4_1`
+    the layers' products are the GGUF file's own Q4_1 blocks (`Int4Linear`)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
+    if cpu_weights == "q4_1":
+        _check_q4_1(on_cpu, impl, supports(model.config))
     if impl == "native" or (impl == "auto" and on_cpu and supports(model.config) is None):
         native = native_from_hf(model)
+        if cpu_weights == "q4_1":
+            _load_q4_1(native, path)
         if on_cpu and cpu_linear != "torch" and prepack_available():
             pack_linears(native)
         return native
     return model
+
+
+def _check_q4_1(on_cpu: bool, impl: str, unsupported: str | None) -> None:
+    if not on_cpu or impl == "transformers" or unsupported is not None or not int4_available():
+        raise ValueError("cpu_weights=q4_1 needs the native model on CPU and torch's int4 kernel")
+
+
+def _load_q4_1(native: nn.Module, path: str | None) -> None:
+    from batchserve.runner.model_loader import resolve_model_path
+
+    directory, gguf_file = resolve_model_path(path)
+    if gguf_file is None:
+        raise ValueError("cpu_weights=q4_1 reads a GGUF model file; this model is a directory")
+    if load_gguf_int4(native, directory / gguf_file) == 0:
+        raise ValueError(f"{gguf_file} has no Q4_1 layers")
 
 
 def pack_linears(model: nn.Module) -> bool:
@@ -44,13 +67,16 @@ def pack_linears(model: nn.Module) -> bool:
         packed = {name: PackedLinear(m) for name, m in linears}
     except RuntimeError:
         return False
+    int4 = any(isinstance(m, Int4Linear) for m in model.modules())
     for name, layer in packed.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
     # Every product of the model is a PackedLinear's: batch-invariant where this CPU's oneDNN is
     # (checked in float32, the only dtype the invariant attention is checked in).
     dtype = next(iter(packed.values())).weight.dtype if packed else torch.float32
-    model.batch_invariant_linears = dtype == torch.float32 and packed_products_invariant()
+    model.batch_invariant_linears = (
+        dtype == torch.float32 and packed_products_invariant() and (not int4 or int4_products_invariant())
+    )
     return True
 
 

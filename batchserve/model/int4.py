@@ -1,0 +1,130 @@
+"""The GGUF file's Q4_1 layers as stored, through torch's int4 kernel: a quarter of float32's bytes a step."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32  # values per Q4_1 block (and per int4 scale/zero group)
+# GGUF tensor name (per layer) -> (our module under layers.{i}, part of it, rows permuted like heads of ...)
+GGUF_LAYERS = {
+    "attn_q": ("self_attn.qkv_proj", 0, "num_attention_heads"),
+    "attn_k": ("self_attn.qkv_proj", 1, "num_key_value_heads"),
+    "attn_v": ("self_attn.qkv_proj", 2, None),
+    "attn_output": ("self_attn.o_proj", 0, None),
+    "ffn_gate": ("mlp.gate_up_proj", 0, None),
+    "ffn_up": ("mlp.gate_up_proj", 1, None),
+    "ffn_down": ("mlp.down_proj", 0, None),
+}
+
+
+def decode_q4_1(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [rows, cols] uint8 in 0..15, d, m [rows, cols/32] float32) of Q4_1 blocks
+    [rows, cols/32 * 20] bytes: each block is d, m (float16) and 32 4-bit values, the first 16
+    in the low nibbles; a value is d * q + m."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:]
+    q = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
+    return q, d, m
+
+
+def unpermute_rows(x: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores q/k projection rows in its rotary order: back to transformers' (per head,
+    the interleaved pairs of halves)."""
+    half = x.shape[0] // heads // 2
+    return x.reshape(heads, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer over Q4_1 weights as stored, on `_weight_int4pack_mm_for_cpu`: a block's
+    `d*q + m` is `(q - 8) * d + (m + 8d)`, the kernel's scale and zero (rounded to bfloat16).
+    Activations enter in bfloat16 (the kernel's only vectorized path) and leave in float32. A
+    row's result has the same bits whatever the number of rows (`int4_products_invariant`)."""
+
+    def __init__(
+        self, q: np.ndarray, d: np.ndarray, m: np.ndarray, bias: torch.Tensor | None, sizes: tuple[int, ...]
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.sizes = sizes
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
+        self.register_buffer("weight", packed)
+        scale_zero = np.stack((d, m + 8 * d), axis=-1).transpose(1, 0, 2)  # [K/32, N, 2]
+        self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)).to(torch.bfloat16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, GROUP, self.scale_zero)
+        out = out.float()  # [T, N]
+        return out if self.bias is None else out + self.bias
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self(x).split(self.sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 as int4"
+
+
+def int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+@functools.cache
+def int4_products_invariant() -> bool:
+    """Whether the int4 kernel gives a row the same bits for every row count on this CPU."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (64, 256), generator=gen).numpy().astype(np.uint8)
+    d = torch.rand(64, 8, generator=gen).numpy() / 8
+    layer = Int4Linear(q, d, -8 * d, None, (64,))
+    x = torch.randn(2048, 256, generator=gen)
+    ref = layer(x[:1])
+    return all(torch.equal(layer(x[:rows])[:1], ref) for rows in (2, 3, 5, 8, 17, 64, 300, 2048))
+
+
+@torch.no_grad()
+def load_gguf_int4(model: nn.Module, gguf_path: str | Path) -> int:
+    """Swap the native model's layer products (still `nn.Linear`s: before `pack_linears`) for
+    `Int4Linear`s of the GGUF's own Q4_1 blocks, in place; the number swapped (layers whose
+    tensors are not all Q4_1 stay as they are). Each block's `d*q + m` must equal the weight transformers
+    loaded from the same file (a wrong name or row order fails loudly, not quietly)."""
+    import gguf
+
+    config: Any = model.config  # type: ignore[assignment]
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    swapped = 0
+    for i, layer in enumerate(model.layers):  # type: ignore[union-attr]
+        parts: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for name, (module, part, heads) in GGUF_LAYERS.items():
+            t = tensors.get(f"blk.{i}.{name}.weight")
+            if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+                return swapped
+            cols, rows = (int(n) for n in t.shape)
+            q, d, m = decode_q4_1(t.data, rows, cols)
+            if heads is not None:
+                n_heads = getattr(config, heads)
+                q, d, m = (unpermute_rows(x, n_heads) for x in (q, d, m))
+            parts.setdefault(module, []).append((part, q, d, m))
+        for module, pieces in parts.items():
+            swapped += _swap(layer, module, sorted(pieces, key=lambda p: p[0]))
+    return swapped
+
+
+def _swap(layer: nn.Module, module: str, pieces: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
+    old = layer.get_submodule(module)
+    q, d, m = (np.concatenate([p[k] for p in pieces]) for k in (1, 2, 3))
+    weight = old.weight.detach().float()  # what transformers dequantized from the same blocks
+    stored = torch.from_numpy(np.repeat(d, GROUP, axis=1) * q + np.repeat(m, GROUP, axis=1))
+    if weight.shape != stored.shape or not torch.equal(weight, stored):
+        raise ValueError(f"the GGUF's Q4_1 blocks do not match {module}'s loaded weight")
+    bias = getattr(old, "bias", None)
+    parent, _, child = module.rpartition(".")
+    setattr(layer.get_submodule(parent), child, Int4Linear(q, d, m, bias, getattr(old, "sizes", (q.shape[0],))))
+    return 1
+
