@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchserve import SamplingParams
 from batchserve.draft.tree import DraftTree
+from batchserve.request import MAX_INT32
 from batchserve.runner.sampler import SampledRows, choose_tokens, verify, warp_rows
+from tests.conftest import TINY_VOCAB, tiny_llm
 from tests.engine.test_sampling import reference_probs
 
 
@@ -45,6 +48,26 @@ def test_a_draw_never_lands_on_a_removed_token(u):
     assert token in (0, 1)
     (token,) = choose_tokens(logits, _rows([0], [1.0], [0], [0.5], [u]))  # top-p 0.5 keeps 0 and 1
     assert token in (0, 1)
+
+
+def test_a_top_k_at_or_above_the_vocabulary_is_no_cut_even_beside_a_row_that_cuts():
+    logits = (torch.randn(1, 50, generator=torch.Generator().manual_seed(1)) * 3).expand(4, 50)  # one row, 4 times
+    t = torch.ones(4)
+    p = torch.ones(4)
+    got = warp_rows(logits, t, torch.tensor([0, 50, 500, 3]), p)  # row 3 cuts: the top-k path runs
+    torch.testing.assert_close(got[1], got[0])
+    torch.testing.assert_close(got[2], got[0])
+    torch.testing.assert_close(got[3].double(), reference_probs(logits[3], 1.0, 3, 1.0))
+
+
+def test_seeded_sampling_with_top_k_at_or_above_the_vocabulary_equals_top_k_unset():
+    prompt = list(range(3, 40, 3))
+    ks = [0, TINY_VOCAB, TINY_VOCAB * 10, MAX_INT32, 5]  # 5: a row that cuts, in the same steps
+    params = [SamplingParams(max_new_tokens=24, temperature=1.0, top_k=k, seed=7) for k in ks]
+    unset, at_vocab, ten_times, largest, cut = tiny_llm(None, draft="none").generate([prompt] * len(ks), params)
+    assert len(set(unset.token_ids)) > 5  # really sampled
+    assert at_vocab.token_ids == ten_times.token_ids == largest.token_ids == unset.token_ids
+    assert cut.token_ids != unset.token_ids
 
 
 def test_verify_follows_the_models_choices_down_the_tree():

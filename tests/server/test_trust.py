@@ -44,6 +44,62 @@ async def test_http_numbers_out_of_range_are_400_naming_the_field_and_the_server
         await _stop(r)
 
 
+def _sampling(**fields):
+    def set_fields(req: pb.GenerateRequest) -> None:
+        for name, value in fields.items():
+            setattr(req.sampling, name, value)
+
+    return set_fields
+
+
+def _lookahead(**fields):
+    def set_fields(req: pb.GenerateRequest) -> None:
+        for name, value in fields.items():
+            setattr(req.lookahead, name, value)
+
+    return set_fields
+
+
+async def test_grpc_numbers_out_of_range_are_invalid_argument_naming_the_field_and_nothing_is_queued(monkeypatch):
+    r = await start_server()
+    seen = await _tenants(r, monkeypatch)  # every request that reaches the engine
+    cases = [
+        (_sampling(temperature=float("inf")), "temperature"),
+        (_sampling(temperature=float("nan")), "temperature"),
+        (_sampling(temperature=1e9), "temperature"),
+        (_sampling(temperature=-1.0), "temperature"),
+        (_sampling(top_p=1.5), "top_p"),
+        (_sampling(top_p=0.0), "top_p"),
+        (_sampling(top_p=float("nan")), "top_p"),
+        (_sampling(top_k=-1), "top_k"),
+        (_sampling(max_new_tokens=0), "max_new_tokens"),
+        (_sampling(max_new_tokens=-5), "max_new_tokens"),
+        (lambda req: req.sampling.stop_token_ids.append(2**40), "stop_token_ids"),
+        (lambda req: req.sampling.stop_token_ids.append(-1), "stop_token_ids"),
+        (_lookahead(decoding_length=-1), "decoding_length"),
+        (_lookahead(jacobi_window=0), "jacobi"),
+        (_lookahead(jacobi_ngram=1), "jacobi"),
+    ]
+    try:
+        for set_fields, field in cases:
+            req = build_request([1, 2, 3], max_new_tokens=2)
+            set_fields(req)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await r.stub.Generate(req)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, e.value.details())
+            assert field in e.value.details(), (field, e.value.details())
+        assert seen == [] and r.core.scheduler.num_waiting == 0 and r.server.frontend._preparing == 0
+        # top_k's wire type is int32, so its largest value is in range: it means "no cut" and runs.
+        with pytest.raises(ValueError):
+            pb.SamplingOptions(top_k=2**31)
+        reply = await r.stub.Generate(
+            build_request([1, 2, 3], max_new_tokens=4, temperature=100.0, top_k=2**31 - 1, top_p=1.0, seed=2**64 - 1)
+        )
+        assert reply.usage.completion_tokens == 4 and len(seen) == 1 and r.server.engine.dead is None
+    finally:
+        await _stop(r)
+
+
 async def test_requests_built_to_fail_in_the_runner_never_stop_the_server(monkeypatch):
     r = await start_server(http=True)
     core = r.core
@@ -200,10 +256,33 @@ async def test_a_caller_that_leaves_keeps_its_place_until_its_tokenizing_ends(mo
 
 async def test_both_front_ends_cap_their_calls_from_the_same_numbers():
     r = await start_server(tiny_core(max_num_seqs=3), http=True, max_waiting_requests=5)
+    health = health_pb2_grpc.HealthStub(r.channel)
+    watches = []
     try:
         assert r.server.max_calls == 3 + 5 + 64
         assert r.server._http._server.config.limit_concurrency == r.server.max_calls
+        # gRPC: max_calls open calls (health Watch streams stay open and skip admission) are
+        # taken; one more is refused by grpc's own limit, and taken again once one closes.
+        for _ in range(r.server.max_calls):
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+            await watch.read()  # the first status: the call is open on the server
+            watches.append(watch)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in e.value.details()
+        watches.pop().cancel()
+        for _ in range(100):
+            try:
+                await health.Check(health_pb2.HealthCheckRequest(service=""))
+                break
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("a closed call never gave its place back")
     finally:
+        for watch in watches:
+            watch.cancel()
         await _stop(r)
 
 
