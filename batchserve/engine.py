@@ -55,6 +55,7 @@ class EngineCore:
         from batchserve.runner.build import build_runner
 
         self.config = config = config or EngineConfig()
+        loaded_here = model is None  # cpu_weights=auto reads the file only where the model came from it
         if model is None:
             model, tokenizer = load_model(config.model.path, config.model.dtype, config.model.device)
         elif tokenizer is None:
@@ -62,8 +63,10 @@ class EngineCore:
         from batchserve.model import choose_impl
 
         mc = config.model
-        model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path)
+        model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here)
         self.runner, facts = build_runner(model, tokenizer, config)
+        self.forward_name = forward_name(model, facts.attention_backend)
+        logger.info("forward: %s", self.forward_name)
         self.tokenizer = tokenizer
         self.vocab_size = facts.vocab_size
         self.max_model_len = facts.max_model_len
@@ -333,3 +336,10 @@ def _merge(results: list[RunnerOutput]) -> RunnerOutput:
 
 def _without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -> tuple[ScheduledRequest, ...]:
     return tuple(r for r in requests if r.request_id not in ids)
+
+
+def forward_name(model: Any, attention_backend: str) -> str:
+    """What runs a step, for logs and reports: `native q4_1 weights, invariant attention`."""
+    if not getattr(model, "native", False):
+        return f"transformers {next(model.parameters()).dtype}, {attention_backend} attention"
+    return f"native {getattr(model, 'cpu_weights', '-')} weights, {attention_backend} attention"

@@ -6,13 +6,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchserve.model.int4 import Int4Linear, int4_available, int4_products_invariant, load_gguf_int4
+from batchserve.model.int4 import (
+    Int4Linear,
+    gguf_has_q4_1,
+    int4_available,
+    int4_fast_here,
+    int4_products_invariant,
+    load_gguf_int4,
+)
 from batchserve.model.layers import PackedLinear, packed_products_invariant, prepack_available
 from batchserve.model.llama import SUPPORTED_ARCHITECTURES, NativeLlamaForCausalLM, native_from_hf, supports
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "NativeLlamaForCausalLM",
+    "choose_cpu_weights",
     "choose_impl",
     "has_invariant_linears",
     "native_from_hf",
@@ -22,25 +30,54 @@ __all__ = [
 
 
 def choose_impl(
-    model: Any, impl: str, cpu_linear: str = "auto", cpu_weights: str = "float32", path: str | None = None
+    model: Any,
+    impl: str,
+    cpu_linear: str = "auto",
+    cpu_weights: str = "auto",
+    path: str | None = None,
+    loaded_from_path: bool = False,
 ) -> Any:
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU, transformers elsewhere. On CUDA, auto keeps transformers until the native forward's
     GPU tests (CUDA graphs) have passed on a device. On CPU the native model's linear layers
     are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=q4_1`
-    the layers' products are the GGUF file's own Q4_1 blocks (`Int4Linear`)."""
+    the layers' products are the GGUF file at `path`'s own Q4_1 blocks (`Int4Linear`), and
+    `auto` takes them where `choose_cpu_weights` says. The native model's `cpu_weights` names
+    what was chosen."""
     on_cpu = next(model.parameters()).device.type == "cpu"
+    unsupported = supports(model.config)
     if cpu_weights == "q4_1":
-        _check_q4_1(on_cpu, impl, supports(model.config))
-    if impl == "native" or (impl == "auto" and on_cpu and supports(model.config) is None):
+        _check_q4_1(on_cpu, impl, unsupported)
+    if impl == "native" or (impl == "auto" and on_cpu and unsupported is None):
         native = native_from_hf(model)
-        if cpu_weights == "q4_1":
+        weights = cpu_weights
+        if weights == "auto":
+            # A model handed in keeps the weights it came with: only the engine knows its file.
+            weights = choose_cpu_weights(on_cpu, path) if loaded_from_path else "float32"
+        if weights == "q4_1":
             _load_q4_1(native, path)
+        native.cpu_weights = weights if on_cpu else "-"
         if on_cpu and cpu_linear != "torch" and prepack_available():
             pack_linears(native)
         return native
     return model
+
+
+def choose_cpu_weights(on_cpu: bool, gguf_path: str | None) -> str:
+    """What `cpu_weights=auto` takes for a native model: `q4_1` where its file is a GGUF whose
+    layers are Q4_1 (`gguf_path`: None for the default model) and
+    this CPU runs torch's int4 kernel vectorized and batch-invariantly; else `float32`. On the
+    CPUs measured the Q4_1 step is faster at every batch size (docs/design.md)."""
+    if not on_cpu or not int4_fast_here():
+        return "float32"
+    from batchserve.runner.model_loader import resolve_model_path
+
+    try:
+        directory, gguf_file = resolve_model_path(gguf_path)
+    except (OSError, ValueError):
+        return "float32"
+    return "q4_1" if gguf_file is not None and gguf_has_q4_1(directory / gguf_file) else "float32"
 
 
 def _check_q4_1(on_cpu: bool, impl: str, unsupported: str | None) -> None:

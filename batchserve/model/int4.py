@@ -88,43 +88,65 @@ def int4_products_invariant() -> bool:
     return all(torch.equal(layer(x[:rows])[:1], ref) for rows in (2, 3, 5, 8, 17, 64, 300, 2048))
 
 
+def int4_fast_here() -> bool:
+    """Whether the Q4_1 path is the fast invariant one on this CPU: torch has the int4 kernel,
+    its vectorized (AVX2 or AVX-512) bfloat16 path runs here, and it is batch-invariant."""
+    vectorized = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX")
+    return int4_available() and vectorized and int4_products_invariant()
+
+
+def gguf_has_q4_1(gguf_path: str | Path) -> bool:
+    """Whether a GGUF file stores its first layer's products as Q4_1 (reads the header only)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    first = {t.name: t.tensor_type for t in reader.tensors if t.name.startswith("blk.0.")}
+    return bool(first) and all(
+        first.get(f"blk.0.{name}.weight") == gguf.GGMLQuantizationType.Q4_1 for name in GGUF_LAYERS
+    )
+
+
 @torch.no_grad()
 def load_gguf_int4(model: nn.Module, gguf_path: str | Path) -> int:
     """Swap the native model's layer products (still `nn.Linear`s: before `pack_linears`) for
-    `Int4Linear`s of the GGUF's own Q4_1 blocks, in place; the number swapped (layers whose
-    tensors are not all Q4_1 stay as they are). Each block's `d*q + m` must equal the weight transformers
-    loaded from the same file (a wrong name or row order fails loudly, not quietly)."""
+    `Int4Linear`s of the GGUF's own Q4_1 blocks, in place; the number swapped (from the first
+    layer whose tensors are not all Q4_1 on, layers stay as they are). Each block's `d*q + m`
+    must equal the weight transformers loaded from the same file (a wrong name or row order
+    fails loudly, not quietly); every layer is checked before any is swapped, so a failure
+    leaves the model as it was."""
     import gguf
 
     config: Any = model.config  # type: ignore[assignment]
     tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
-    swapped = 0
+    swaps: list[tuple[nn.Module, str, Int4Linear]] = []
     for i, layer in enumerate(model.layers):  # type: ignore[union-attr]
         parts: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
         for name, (module, part, heads) in GGUF_LAYERS.items():
             t = tensors.get(f"blk.{i}.{name}.weight")
             if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-                return swapped
+                parts = {}
+                break
             cols, rows = (int(n) for n in t.shape)
             q, d, m = decode_q4_1(t.data, rows, cols)
             if heads is not None:
                 n_heads = getattr(config, heads)
                 q, d, m = (unpermute_rows(x, n_heads) for x in (q, d, m))
             parts.setdefault(module, []).append((part, q, d, m))
+        if not parts:
+            break
         for module, pieces in parts.items():
-            swapped += _swap(layer, module, sorted(pieces, key=lambda p: p[0]))
-    return swapped
+            swaps.append((layer, module, _int4_of(layer, module, sorted(pieces, key=lambda p: p[0]))))
+    for layer, module, int4 in swaps:
+        parent, _, child = module.rpartition(".")
+        setattr(layer.get_submodule(parent), child, int4)
+    return len(swaps)
 
 
-def _swap(layer: nn.Module, module: str, pieces: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
+def _int4_of(layer: nn.Module, module: str, pieces: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> Int4Linear:
     old = layer.get_submodule(module)
     q, d, m = (np.concatenate([p[k] for p in pieces]) for k in (1, 2, 3))
     weight = old.weight.detach().float()  # what transformers dequantized from the same blocks
     stored = torch.from_numpy(np.repeat(d, GROUP, axis=1) * q + np.repeat(m, GROUP, axis=1))
     if weight.shape != stored.shape or not torch.equal(weight, stored):
         raise ValueError(f"the GGUF's Q4_1 blocks do not match {module}'s loaded weight")
-    bias = getattr(old, "bias", None)
-    parent, _, child = module.rpartition(".")
-    setattr(layer.get_submodule(parent), child, Int4Linear(q, d, m, bias, getattr(old, "sizes", (q.shape[0],))))
-    return 1
-
+    return Int4Linear(q, d, m, getattr(old, "bias", None), getattr(old, "sizes", (q.shape[0],)))

@@ -58,8 +58,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def profile_key(runner: ModelRunner) -> str:
-    """Names what the timings depend on: the model and its forward (native or transformers), its
-    dtype, the device and the attention backend."""
+    """Names what the timings depend on: the model and its forward (native or transformers, its
+    weights' kernel), its dtype, the device and the attention backend."""
     model = runner.model
     param = next(model.parameters())
     name = Path(str(getattr(model.config, "_name_or_path", "") or type(model).__name__)).name or "model"
@@ -67,6 +67,8 @@ def profile_key(runner: ModelRunner) -> str:
     dtype = str(param.dtype).removeprefix("torch.")
     backend = type(runner.backend).__name__.removesuffix("Backend") + ("-onednn" if runner.onednn_linear else "")
     impl = "native" if getattr(model, "native", False) else "hf"  # draft rows cost differently on each
+    if getattr(model, "cpu_weights", "float32") == "q4_1":
+        impl += "-q4_1"  # and on the int4 kernel
     return f"{name}-{num_params}-{impl}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
 
 

@@ -64,7 +64,7 @@ class LogitsRecorder:
 
 
 def _llm(model: Any, tokenizer: Any, draft: str, **kwargs: Any) -> LLM:
-    model_kwargs = {k: kwargs.pop(k) for k in ("attention_backend", "cpu_linear") if k in kwargs}
+    model_kwargs = {k: kwargs.pop(k) for k in ("attention_backend", "cpu_linear", "cpu_weights") if k in kwargs}
     cache = {k: kwargs.pop(k) for k in ("num_blocks", "prefix_caching") if k in kwargs}
     config = EngineConfig(
         model=ModelConfig(**model_kwargs),
@@ -111,12 +111,18 @@ def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: An
     return len(alone.rows), sum(len(r.token_ids) for r in alone_out), problems
 
 
-def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts):
-    """The shipped CPU default (native model, PackedLinear products, invariant attention)."""
-    llm = _llm(*engine_model, "none")
+@pytest.mark.parametrize("weights", ["float32", "q4_1"])
+def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights):
+    """The shipped CPU default (native model, PackedLinear products, invariant attention), and
+    the same on the GGUF's Q4_1 blocks (Int4Linear products)."""
+    from batchserve.model.int4 import int4_available
+
+    if weights == "q4_1" and not int4_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    llm = _llm(*engine_model, "none", cpu_weights=weights)
     if llm.engine.attention_backend != "invariant":
         pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
-    rows, tokens, problems = _compare(*engine_model, prompts)
+    rows, tokens, problems = _compare(*engine_model, prompts, cpu_weights=weights)
     assert rows == tokens and not problems, problems  # every token's row, alone and in the batch
 
 

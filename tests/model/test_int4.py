@@ -1,0 +1,150 @@
+"""The GGUF's Q4_1 layers on torch's int4 kernel: decoding the blocks, the row order, the layer, the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchserve.model import choose_impl
+from batchserve.model.int4 import Int4Linear, decode_q4_1, int4_available, int4_products_invariant, unpermute_rows
+from tests.conftest import make_tiny_model
+
+needs_int4 = pytest.mark.skipif(not int4_available(), reason="this torch has no CPU int4 kernel")
+
+
+def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """ggml's Q4_1 layout, written independently: per block d, m (float16), then 16 bytes whose
+    low nibbles hold values 0-15 and high nibbles values 16-31."""
+    rows, cols = q.shape
+    out = np.zeros((rows, cols // 32, 20), np.uint8)
+    out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+    out[..., 2:4] = m.astype(np.float16)[..., None].view(np.uint8)
+    groups = q.reshape(rows, cols // 32, 32)
+    out[..., 4:] = groups[..., :16] | (groups[..., 16:] << 4)
+    return out.reshape(rows, -1)
+
+
+def test_q4_1_blocks_decode_to_their_values_and_scales():
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (3, 64)).astype(np.uint8)
+    d, m = rng.random((3, 2)).astype(np.float16), -rng.random((3, 2)).astype(np.float16)
+    got_q, got_d, got_m = decode_q4_1(_blocks(q, d, m), 3, 64)
+    assert (got_q == q).all() and (got_d == d.astype(np.float32)).all() and (got_m == m.astype(np.float32)).all()
+
+
+def test_rows_in_llama_cpps_rotary_order_come_back_in_transformers_order():
+    heads, head_dim = 3, 8
+    rows = np.arange(heads * head_dim)[:, None] * np.ones((1, 4))
+    # llama.cpp's converter: per head, the two halves' rows interleaved in pairs.
+    stored = rows.reshape(heads, 2, head_dim // 2, 4).swapaxes(1, 2).reshape(rows.shape)
+    assert (unpermute_rows(stored, heads) == rows).all()
+    assert (unpermute_rows(stored[:, 0], heads) == rows[:, 0]).all()  # the per-row scales too
+
+
+@needs_int4
+def test_the_layer_computes_the_dequantized_product_and_its_rows_do_not_depend_on_their_company():
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 16, (48, 128)).astype(np.uint8)
+    d = (rng.random((48, 4)) / 16).astype(np.float32)
+    m = (-8 * d + rng.normal(0, 0.01, d.shape)).astype(np.float32)
+    bias = torch.randn(48)
+    layer = Int4Linear(q, d, m, bias, (32, 16))
+    weight = torch.from_numpy(np.repeat(d, 32, axis=1) * q + np.repeat(m, 32, axis=1))
+    x = torch.randn(20, 128)
+    torch.testing.assert_close(layer(x), x @ weight.T + bias, rtol=2e-2, atol=2e-2)  # bfloat16 inside
+    assert [t.shape[-1] for t in layer.split(x)] == [32, 16]
+    if int4_products_invariant():
+        assert all(torch.equal(layer(x[:n])[0], layer(x[:1])[0]) for n in (2, 3, 8, 20))
+
+
+def test_q4_1_weights_need_the_native_model_on_cpu():
+    with pytest.raises(ValueError, match="q4_1"):
+        choose_impl(make_tiny_model(), "transformers", cpu_weights="q4_1")
+    from batchserve.config import ModelConfig
+
+    with pytest.raises(ValueError, match="cpu_weights"):
+        ModelConfig(cpu_weights="q8")
+
+
+@pytest.mark.slow
+@needs_int4
+def test_smollm2_runs_on_its_own_q4_1_blocks():
+    """Every layer product of the default model becomes the file's Q4_1 blocks (each checked
+    against what transformers dequantized from them), and drafts leave the output unchanged."""
+    from batchserve import LLM, SamplingParams
+    from batchserve.runner import load_model
+
+    model, tokenizer = load_model(None, "float32")
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    outs = {}
+    for draft in ("none", "lookahead"):
+        llm = LLM(hf_model=model, tokenizer=tokenizer, cpu_weights="q4_1", draft=draft, adaptive=False)
+        assert sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == 4 * 30
+        outs[draft] = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=24))]
+    assert outs["none"] == outs["lookahead"] and all(len(t) > 0 for t in outs["none"])
+    # A block that does not match what transformers loaded fails the load, and no layer is swapped.
+    from batchserve.model import native_from_hf
+    from batchserve.model.int4 import load_gguf_int4
+    from batchserve.runner.model_loader import default_model_path
+
+    native = native_from_hf(model)
+    with torch.no_grad():
+        native.layers[17].mlp.down_proj.weight[3, 5] += 1e-3
+    with pytest.raises(ValueError, match=r"mlp\.down_proj"):
+        load_gguf_int4(native, default_model_path())
+    assert not any(isinstance(m, Int4Linear) for m in native.modules())
+
+
+@pytest.mark.slow
+def test_the_engine_serving_the_default_file_takes_its_q4_1_layers_where_they_are_fast():
+    """cpu_weights=auto, the shipped default: an engine that loads the default GGUF itself runs
+    its Q4_1 blocks on a CPU where the int4 kernel is fast and invariant, float32 elsewhere."""
+    from batchserve import LLM
+    from batchserve.model.int4 import int4_fast_here
+
+    llm = LLM(draft="none")
+    expected = "q4_1" if int4_fast_here() else "float32"
+    assert llm.engine.runner.model.cpu_weights == expected
+    assert llm.engine.forward_name.startswith(f"native {expected} weights")
+    assert any(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == (expected == "q4_1")
+
+
+def _gguf_of(path, types: dict[str, str]) -> str:
+    """A GGUF file holding layer 0's products as `types` says (F32 or Q4_1), data all zeros."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        kind = types.get(name, "Q4_1")
+        if kind == "F32":
+            writer.add_tensor(f"blk.0.{name}.weight", np.zeros((4, 32), np.float32))
+        else:
+            raw = np.zeros((4, 20), np.uint8)  # 4 rows of one Q4_1 block: [rows, bytes]
+            writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monkeypatch):
+    from batchserve.model import choose_cpu_weights, int4
+
+    assert int4.gguf_has_q4_1(_gguf_of(tmp_path / "q4.gguf", {}))
+    assert not int4.gguf_has_q4_1(_gguf_of(tmp_path / "mixed.gguf", {"ffn_down": "F32"}))
+    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: True)
+    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "q4_1"
+    assert choose_cpu_weights(True, str(tmp_path / "mixed.gguf")) == "float32"
+    assert choose_cpu_weights(False, str(tmp_path / "q4.gguf")) == "float32"  # not on CPU
+    assert choose_cpu_weights(True, str(tmp_path / "missing.gguf")) == "float32"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert choose_cpu_weights(True, str(tmp_path / "hf")) == "float32"  # a model directory
+    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: False)
+    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "float32"  # no fast int4 kernel here
+    # A model handed in (not loaded from the path here) keeps its own weights under auto.
+    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: True)
+    native = choose_impl(make_tiny_model(), "auto", cpu_weights="auto", path=str(tmp_path / "q4.gguf"))
+    assert native.cpu_weights == "float32" and not any(isinstance(m, Int4Linear) for m in native.modules())
