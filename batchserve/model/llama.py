@@ -67,15 +67,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=getattr(config, "attention_bias", False))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Any) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj.split(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-        q = Rotary.apply(q.view(t, self.num_heads, d), cos, sin)  # [T, Hq, D]
-        k = Rotary.apply(k.view(t, self.num_kv_heads, d), cos, sin)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, d)
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        heads = qkv.view(t, hq + 2 * hkv, d).transpose(0, 1)  # [Hq + 2 Hkv, T, D], a view
+        qk = Rotary.apply(heads[: hq + hkv], cos, sin)  # [Hq + Hkv, T, D] contiguous: q and k in one rotation
         # The backend's layout: [1, heads, T, D] in, [1, T, Hq, D] out.
         out = metadata.backend.forward(
-            self.layer_idx, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], metadata,
-            self.scaling,
+            self.layer_idx, qk[None, :hq], qk[None, hq:], heads[None, hq + hkv :], metadata, self.scaling
         )
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
@@ -139,7 +137,7 @@ class NativeLlamaForCausalLM(nn.Module):
         use_cache: bool = False,
     ) -> Output:
         x = self.embed_tokens(input_ids[0])  # [T, H]
-        cos, sin = self.rotary.cos_sin(position_ids[0], x.dtype)  # [T, 1, D] each
+        cos, sin = self.rotary.cos_sin(position_ids[0], x.dtype)  # [T, D] each
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attn_metadata)
