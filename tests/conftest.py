@@ -75,9 +75,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Cost profiles measured by tests go to a session directory, never the user's cache."""
+    """Cost profiles measured by tests go to a session directory, never the user's cache; so does
+    the default model's conversion, shared by every test of the session (servers started as
+    subprocesses inherit it) while tests that want a fresh profile cache point theirs elsewhere."""
     mp = pytest.MonkeyPatch()
     mp.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("profile-cache")))
+    mp.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
     yield
     mp.undo()
 

