@@ -12,6 +12,7 @@ from batchserve.model.int4 import (
     int4_available,
     int4_fast_here,
     int4_products_invariant,
+    load_gguf_embedding,
     load_gguf_int4,
 )
 from batchserve.model.layers import PackedLinear, packed_products_invariant, prepack_available
@@ -93,6 +94,7 @@ def _load_q4_1(native: nn.Module, path: str | None) -> None:
         raise ValueError("cpu_weights=q4_1 reads a GGUF model file; this model is a directory")
     if load_gguf_int4(native, directory / gguf_file) == 0:
         raise ValueError(f"{gguf_file} has no Q4_1 layers")
+    load_gguf_embedding(native, directory / gguf_file)  # its Q8_0 blocks, where the file has them
 
 
 def pack_linears(model: nn.Module) -> bool:

@@ -1,4 +1,5 @@
-"""The GGUF file's Q4_1 layers as stored, through torch's int4 kernel: a quarter of float32's bytes a step."""
+"""The GGUF file's quantized blocks as stored: its Q4_1 layers through torch's int4 kernel (a
+quarter of float32's bytes a step), its Q8_0 token embedding looked up row by row."""
 
 from __future__ import annotations
 
@@ -70,6 +71,56 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 as int4"
+
+
+class Q8Embedding(nn.Module):
+    """A token embedding over Q8_0 blocks as stored (int8 values, one scale per 32): a looked-up
+    row is `d * q` in float32, exactly the value transformers dequantizes (an 8-bit value times
+    a float16 scale needs 19 bits of the 24 float32 has), at a quarter of the bytes."""
+
+    def __init__(self, q: np.ndarray, d: np.ndarray) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = q.shape
+        self.register_buffer("q", torch.from_numpy(np.ascontiguousarray(q)))  # [V, H] int8
+        self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(d)))  # [V, H/32] float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[0]  # ids: [T]
+        q = self.q.index_select(0, ids).view(t, -1, GROUP)  # [T, H/32, 32]
+        return (q.float() * self.d.index_select(0, ids)[..., None]).view(t, self.embedding_dim)  # [T, H]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, Q8_0"
+
+
+def decode_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q [rows, cols] int8, d [rows, cols/32] float32) of Q8_0 blocks [rows, cols/32 * 34]
+    bytes: each block is d (float16) and 32 int8 values; a value is d * q."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return q, d
+
+
+@torch.no_grad()
+def load_gguf_embedding(model: nn.Module, gguf_path: str | Path) -> bool:
+    """Swap the native model's token embedding for a `Q8Embedding` of the GGUF's own Q8_0 blocks,
+    in place, where the file stores it so; whether it did. Every value must equal the weight
+    transformers loaded from the same file. A tied LM head keeps the float32 weight (its fast
+    kernel reads float32), so only the embedding's own copy goes."""
+    import gguf
+
+    t = gguf_tensors(gguf_path).get("token_embd.weight")
+    if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        return False
+    cols, rows = (int(n) for n in t.shape)
+    q, d = decode_q8_0(t.data, rows, cols)
+    weight = model.embed_tokens.weight.detach()  # type: ignore[union-attr]
+    stored = torch.from_numpy(q.astype(np.float32) * np.repeat(d, GROUP, axis=1))
+    if weight.shape != stored.shape or not torch.equal(weight.float(), stored):
+        raise ValueError("the GGUF's Q8_0 token embedding does not match the loaded embed_tokens")
+    model.embed_tokens = Q8Embedding(q, d)
+    return True
 
 
 def int4_available() -> bool:

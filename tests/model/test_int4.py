@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from batchserve.model import choose_impl
-from batchserve.model.int4 import Int4Linear, decode_q4_1, int4_available, int4_products_invariant, unpermute_rows
+from batchserve.model.int4 import (
+    Int4Linear,
+    Q8Embedding,
+    decode_q4_1,
+    decode_q8_0,
+    int4_available,
+    int4_products_invariant,
+    unpermute_rows,
+)
 from tests.conftest import make_tiny_model
 
 needs_int4 = pytest.mark.skipif(not int4_available(), reason="this torch has no CPU int4 kernel")
@@ -31,6 +39,21 @@ def test_q4_1_blocks_decode_to_their_values_and_scales():
     d, m = rng.random((3, 2)).astype(np.float16), -rng.random((3, 2)).astype(np.float16)
     got_q, got_d, got_m = decode_q4_1(_blocks(q, d, m), 3, 64)
     assert (got_q == q).all() and (got_d == d.astype(np.float32)).all() and (got_m == m.astype(np.float32)).all()
+
+
+def test_q8_0_blocks_decode_and_look_up_exactly_as_gguf_dequantizes_them():
+    """Q8_0 blocks quantized by the gguf package itself; the embedding's rows are its values bit for bit."""
+    import gguf
+
+    rng = np.random.default_rng(2)
+    weight = rng.normal(0, 0.05, (40, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)  # [40, 96/32 * 34] bytes
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
+    q, d = decode_q8_0(raw, 40, 96)
+    assert q.dtype == np.int8 and d.shape == (40, 3)
+    embedding = Q8Embedding(q, d)
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(embedding(ids), torch.from_numpy(expected)[ids])
 
 
 def test_rows_in_llama_cpps_rotary_order_come_back_in_transformers_order():
@@ -81,6 +104,7 @@ def test_smollm2_runs_on_its_own_q4_1_blocks():
     for draft in ("none", "lookahead"):
         llm = LLM(hf_model=model, tokenizer=tokenizer, cpu_weights="q4_1", draft=draft, adaptive=False)
         assert sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == 4 * 30
+        assert isinstance(llm.engine.runner.model.embed_tokens, Q8Embedding)  # the file's Q8_0 blocks
         outs[draft] = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=24))]
     assert outs["none"] == outs["lookahead"] and all(len(t) > 0 for t in outs["none"])
     # A block that does not match what transformers loaded fails the load, and no layer is swapped.
@@ -94,6 +118,14 @@ def test_smollm2_runs_on_its_own_q4_1_blocks():
     with pytest.raises(ValueError, match=r"mlp\.down_proj"):
         load_gguf_int4(native, default_model_path())
     assert not any(isinstance(m, Int4Linear) for m in native.modules())
+    # The same for the embedding: its Q8_0 rows must be transformers' values exactly.
+    from batchserve.model.int4 import load_gguf_embedding
+
+    with torch.no_grad():
+        native.embed_tokens.weight[100, 7] += 1e-3
+    with pytest.raises(ValueError, match="token embedding"):
+        load_gguf_embedding(native, default_model_path())
+    assert isinstance(native.embed_tokens, torch.nn.Embedding)
 
 
 @pytest.mark.slow
