@@ -102,7 +102,9 @@ def _bench_parser(sub: Any) -> None:
         "--dataset",
         default="humaneval,sharegpt",
         help="comma-separated: humaneval, sharegpt, sharegpt-multiturn (second turns after their first), "
-        "system-prompt (short questions behind one shared ~400-token system prompt)",
+        "system-prompt (short questions behind one shared ~400-token system prompt), code-edit (edit a "
+        "standard-library function), doc-qa (a question on a documentation section), summarize, or FILE.jsonl "
+        'of your own prompts ({"prompt": ...} or {"messages": [...]} per line)',
     )
     bench.add_argument("--model", default=None, help="model (default: SmolLM2)")
     bench.add_argument("--num-prompts", type=int, default=16, help="test prompts per dataset (at least)")
@@ -227,12 +229,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-    from batchserve.bench.datasets import DATASETS
+    from batchserve.bench.datasets import DATASETS, DatasetError, is_jsonl, jsonl, known_dataset
 
-    unknown = set(datasets) - set(DATASETS)
+    unknown = [d for d in datasets if not known_dataset(d)]
     if unknown or not datasets:
-        print(f"batchserve bench: unknown dataset(s) {sorted(unknown)}", file=sys.stderr)
+        print(
+            f"batchserve bench: unknown dataset(s) {unknown}: a name of {', '.join(DATASETS)} or a .jsonl file",
+            file=sys.stderr,
+        )
         return 2
+    for d in filter(is_jsonl, datasets):  # a bad line fails now, not after the models load
+        try:
+            jsonl(d)
+        except DatasetError as e:
+            print(f"batchserve bench: {e}", file=sys.stderr)
+            return 2
     if args.simulate:
         from batchserve.bench.simulate import main as simulate_main
 

@@ -19,6 +19,7 @@ class Sample:
     reference: str  # a known good output (canonical solution / first reply)
     chat: bool  # True: `prompt` is a user turn to wrap in the chat template
     history: tuple[tuple[str, str], ...] = ()  # chat: (role, content) messages before the user turn
+    prediction: str = ""  # the text a client expects back (OpenAI's predicted outputs), if any
 
     def messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.history] + [{"role": "user", "content": self.prompt}]
@@ -107,10 +108,106 @@ def split(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
     return samples[0::2], samples[1::2]
 
 
+MAX_JSONL_LINES = 100_000  # a user's workload file: more prompts than any bench sends
+JSONL_ROLES = ("system", "user", "assistant")
+
+
+class DatasetError(ValueError):
+    """A workload file that cannot be read as one; the message names the line and the problem."""
+
+
+def _jsonl_sample(row: Any, n: int) -> Sample:
+    if not isinstance(row, dict):
+        raise DatasetError(f"line {n}: expected a JSON object")
+    if ("prompt" in row) == ("messages" in row):
+        raise DatasetError(f"line {n}: give exactly one of \"prompt\" (text) or \"messages\" (chat)")
+    sid = str(row.get("id", n))
+    reference, prediction = row.get("reference", ""), row.get("prediction", "")
+    if not isinstance(reference, str) or not isinstance(prediction, str):
+        raise DatasetError(f"line {n}: \"reference\" and \"prediction\" must be strings")
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise DatasetError(f"line {n}: \"prompt\" must be a non-empty string")
+        return Sample(sid, row["prompt"], reference, chat=False, prediction=prediction)
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"line {n}: \"messages\" must be a non-empty list")
+    turns = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in JSONL_ROLES or not isinstance(m.get("content"), str):
+            raise DatasetError(f"line {n}: each message needs a role in {JSONL_ROLES} and a string content")
+        turns.append((m["role"], m["content"]))
+    if turns[-1][0] != "user":
+        raise DatasetError(f"line {n}: the last message must be the user's (the model answers it)")
+    return Sample(sid, turns[-1][1], reference, chat=True, history=tuple(turns[:-1]), prediction=prediction)
+
+
+def jsonl(path: str | Path, limit: int = MAX_JSONL_LINES) -> list[Sample]:
+    """A user's own prompts, one JSON object per line: `{"prompt": "..."}` (sent as text) or
+    `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the chat template, the
+    last message the user's); optional `"id"`, `"reference"` (a known good answer: lines that
+    have one warm the trie, see `split_workload`) and `"prediction"` (sent as the request's
+    predicted output where the bench asks for it). Blank lines are skipped."""
+    path = Path(path)
+    out: list[Sample] = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if len(out) >= min(limit, MAX_JSONL_LINES):
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}: line {n}: not JSON ({e.msg})") from None
+                try:
+                    out.append(_jsonl_sample(row, n))
+                except DatasetError as e:
+                    raise DatasetError(f"{path}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: cannot read it ({e})") from None
+    if not out:
+        raise DatasetError(f"{path}: no prompts in it")
+    return out
+
+
+def split_workload(name: str, samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """(dev, test): the fixed split for named datasets; a JSONL file whose lines carry no
+    reference has nothing to warm the trie with, so every line is a test prompt."""
+    if is_jsonl(name) and not any(s.reference for s in samples):
+        return [], samples
+    return split(samples)
+
+
+def is_jsonl(name: str) -> bool:
+    return name.endswith(".jsonl")
+
+
+def known_dataset(name: str) -> bool:
+    return name in DATASETS or (is_jsonl(name) and Path(name).is_file())
+
+
+def load_samples(name: str, limit: int) -> list[Any]:
+    """Up to `limit` samples of a named dataset (`DATASETS`) or of a JSONL file."""
+    if is_jsonl(name):
+        return jsonl(name, limit)
+    return DATASETS[name](limit)
+
+
+def _grounded() -> Any:
+    from batchserve.bench import grounded  # it builds on Sample: imported when first used
+
+    return grounded
+
+
 # `batchserve bench --dataset` names: each loads up to n samples.
 DATASETS: dict[str, Callable[[int], list[Any]]] = {
     "humaneval": lambda n: humaneval(),
     "sharegpt": sharegpt,
     "sharegpt-multiturn": sharegpt_multiturn,
     "system-prompt": system_prompt,
+    "code-edit": lambda n: _grounded().code_edit(n),
+    "doc-qa": lambda n: _grounded().doc_qa(n),
+    "summarize": lambda n: _grounded().summarize(n),
 }

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from batchserve.bench.datasets import DATASETS, Sample, split
+from batchserve.bench.datasets import Sample, load_samples, split, split_workload
 from batchserve.bench.methods import KEEP, SINGLE, Method, Row, batchserve_method, expected_outputs, make_row, pick_run
 from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
 from batchserve.bench.report import plot, save_results, write_report
@@ -154,12 +154,12 @@ class Workload:
 
 
 def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
-    """The first `num_prompts` test prompts of dataset `name` (see `datasets.DATASETS`)."""
-    samples = DATASETS[name](max(400, 2 * num_prompts))
+    """The first `num_prompts` test prompts of dataset `name` (`datasets.DATASETS`, or a JSONL file)."""
+    samples = load_samples(name, max(400, 2 * num_prompts))
     firsts: list[Sample] = []
     if name == "sharegpt-multiturn":  # (first turn, second turn) pairs
         firsts, samples = [p[0] for p in samples], [p[1] for p in samples]  # type: ignore[index]
-    dev, test = split(samples)
+    dev, test = split_workload(name, samples)
     warm = [e.output for e in encode(dev, tokenizer)]
     prompts = [e.prompt for e in encode(test[:num_prompts], tokenizer)]
     earlier = [_conversation_so_far(s, tokenizer) for s in split(firsts)[1][:num_prompts]]
@@ -339,6 +339,8 @@ def run(
     rows: list[Row] = []
     for dataset in datasets:
         work = load_dataset(dataset, max(count.values()), tokenizer)
+        if len(work.prompts) < max(count.values()):
+            tqdm.write(f"{dataset}: {len(work.prompts)} test prompts, fewer than the {max(count.values())} asked for")
         peer_rows, reference = _peer_rows(s, dataset, work.prompts, num_prompts)
         rows.extend(peer_rows)
         for b in batch_sizes:

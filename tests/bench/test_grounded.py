@@ -1,0 +1,153 @@
+"""Input-grounded workloads (code-edit, doc-qa, summarize) and a user's own JSONL prompts."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from batchserve.bench.datasets import DatasetError, jsonl, load_samples, split, split_workload
+from batchserve.bench.grounded import (
+    EDITS,
+    MAX_CHARS,
+    MIN_CHARS,
+    code_edit,
+    doc_passages,
+    doc_qa,
+    rename,
+    rename_target,
+    summarize,
+)
+from batchserve.cli import main
+
+
+def _code(sample_prompt: str) -> str:
+    return sample_prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+
+
+def test_code_edit_takes_standard_library_code_with_every_kind_of_edit() -> None:
+    samples = code_edit(80)
+    assert len(samples) == 80 and len({s.id for s in samples}) == 80
+    assert code_edit(80) == samples  # deterministic
+    kinds = {s.id.rsplit("/", 1)[1] for s in samples}
+    assert kinds == {e for e, _ in EDITS}
+    modules = {s.id.split(".", 1)[0] for s in samples}
+    assert len(modules) >= 40  # round-robin across files: no module dominates
+    for s in samples:
+        code = _code(s.prompt)
+        ast.parse(code)  # a whole function or class, as the file has it
+        assert s.chat and 6 <= code.count("\n") + 1 <= 40
+        # The answer repeats most of the input: what makes the workload input-grounded.
+        assert _code(s.reference).count("\n") == code.count("\n")
+
+
+def test_rename_changes_the_identifier_and_nothing_else() -> None:
+    code = (
+        'def f(value, other):\n    """value stays in strings"""\n    # value in a comment\n    return value + other\n'
+    )
+    assert rename_target(code) == "value"
+    out = rename(code, "value", "value_renamed")
+    assert out == (
+        'def f(value_renamed, other):\n    """value stays in strings"""\n    # value in a comment\n'
+        "    return value_renamed + other\n"
+    )
+    renamed = [s for s in code_edit(40) if s.id.endswith("/rename")]
+    assert renamed
+    for s in renamed:
+        old = s.prompt.split("`", 2)[1]
+        assert f"{old}_renamed" in s.reference and ast.parse(_code(s.reference))
+
+
+def test_doc_passages_are_bounded_sections_of_the_shipped_documentation() -> None:
+    passages = doc_passages()
+    assert len(passages) >= 100
+    assert all(MIN_CHARS <= len(p) <= MAX_CHARS for _, p in passages)
+    assert len({t for t, _ in passages}) >= 50
+    qa, summ = doc_qa(60), summarize(60)
+    assert len(qa) == len(summ) == 60
+    for q, s, (topic, passage) in zip(qa, summ, passages):
+        assert passage in q.prompt and passage in s.prompt
+        assert topic in q.prompt.rsplit("\n\n", 1)[1]  # the question names the section's subject
+        assert q.reference and q.reference in passage  # the grounded answer's stand-in comes from it
+
+
+def test_named_workloads_keep_the_dev_test_split() -> None:
+    for name in ("code-edit", "doc-qa", "summarize"):
+        samples = load_samples(name, 20)
+        dev, test = split_workload(name, samples)
+        assert (dev, test) == split(samples) and len(test) == 10
+
+
+def _write(tmp_path: Path, lines: list[object]) -> Path:
+    path = tmp_path / "w.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_jsonl_reads_text_and_chat_prompts(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        [
+            {"prompt": "def add(a, b):", "id": "p1"},
+            "",
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"},
+                    {"role": "user", "content": "Fix this code"},
+                ],
+                "prediction": "the code",
+            },
+        ],
+    )
+    a, b = jsonl(path)
+    assert (a.id, a.prompt, a.chat) == ("p1", "def add(a, b):", False)
+    assert b.chat and b.prompt == "Fix this code" and b.prediction == "the code"
+    assert [m["role"] for m in b.messages()] == ["system", "user", "assistant", "user"]
+    # No references: nothing to warm with, so every line is measured.
+    assert split_workload(str(path), [a, b]) == ([], [a, b])
+    with_ref = [a, b.__class__(b.id, b.prompt, "an answer", True)]
+    assert split_workload(str(path), with_ref) == split(with_ref)
+    assert len(jsonl(path, limit=1)) == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("{not json", "line 1: not JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ({"id": 3}, 'exactly one of "prompt"'),
+        ({"prompt": "a", "messages": []}, 'exactly one of "prompt"'),
+        ({"prompt": ""}, "non-empty string"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role in"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, "the user's"),
+        ({"prompt": "x", "prediction": 5}, "must be strings"),
+    ],
+)
+def test_jsonl_names_the_line_and_the_problem(tmp_path: Path, line: object, problem: str) -> None:
+    path = _write(tmp_path, [line])
+    with pytest.raises(DatasetError, match=problem):
+        jsonl(path)
+
+
+def test_jsonl_without_prompts_or_unreadable_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DatasetError, match="no prompts"):
+        jsonl(empty)
+    with pytest.raises(DatasetError, match="cannot read"):
+        jsonl(tmp_path / "missing.jsonl")
+
+
+def test_bench_cli_refuses_a_bad_workload_before_loading_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = _write(tmp_path, [{"prompt": "ok"}, {"text": "no prompt"}])
+    assert main(["bench", "--dataset", str(bad), "--methods", "none"]) == 2
+    assert "line 2" in capsys.readouterr().err
+    assert main(["bench", "--dataset", str(tmp_path / "nope.jsonl"), "--methods", "none"]) == 2
+    assert "unknown dataset" in capsys.readouterr().err
