@@ -25,6 +25,13 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def add_settings(parser: argparse.ArgumentParser, settings: list[Setting]) -> None:
     """One flag per setting (with its older spellings), grouped by section, defaults from the dataclasses."""
     groups: dict[str, Any] = {}
@@ -115,6 +122,12 @@ def _bench_parser(sub: Any) -> None:
         help="batch b runs at least waves*b prompts, so the closed loop stays full (0: --num-prompts for all)",
     )
     bench.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16], help="requests in flight")
+    bench.add_argument(
+        "--request-rates",
+        type=_floats,
+        default=[],
+        help="also an open loop per rate: Poisson arrivals, requests/s, at most max(--batch-sizes) running",
+    )
     bench.add_argument(
         "--methods",
         default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
@@ -264,9 +277,10 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"batchserve bench: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
     counts = (args.num_prompts, args.max_new_tokens, args.repeats, *args.batch_sizes)
-    if min(counts) < 1 or args.waves < 0 or not args.batch_sizes:
+    if min(counts) < 1 or args.waves < 0 or not args.batch_sizes or any(r <= 0 for r in args.request_rates):
         print(
-            "batchserve bench: --num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1, --waves >= 0",
+            "batchserve bench: --num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1, "
+            "--waves >= 0, --request-rates > 0",
             file=sys.stderr,
         )
         return 2
@@ -284,6 +298,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.repeats,
         args.keep,
         args.waves,
+        args.request_rates,
     )
     print(summary_table(rows))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")

@@ -129,6 +129,8 @@ class Row:
     # a peer on other kernels (llamacpp: the GGUF's quantized weights): prompts whose output equals
     # HF greedy, which says how alike the outputs are, not losslessness
     reference_matches: int | None = None
+    # an open-loop row: Poisson arrivals at this many requests per second, at most batch_size running
+    request_rate: float | None = None
 
 
 def _pct(xs: list[float], q: float) -> float:

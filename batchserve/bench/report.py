@@ -63,6 +63,56 @@ def _method_table(rows: list[Row]) -> list[str]:
     return lines
 
 
+NEVER_SLOWER = 0.97  # the claim: lookahead-adaptive at least this times `none` at every load point
+
+
+def never_slower(rows: list[Row], method: str = "lookahead-adaptive", base: str = "none") -> list[str]:
+    """One line: `method` over `base` at every load point they share (batch sizes, request rates),
+    the lowest ratio named, and the points below NEVER_SLOWER."""
+
+    def point(r: Row) -> tuple[int, float | None]:
+        return (r.batch_size, r.request_rate)
+
+    ours = {point(r): r.tokens_per_s for r in rows if r.method == method}
+    theirs = {point(r): r.tokens_per_s for r in rows if r.method == base}
+    ratios = {p: ours[p] / theirs[p] for p in ours.keys() & theirs.keys() if theirs[p]}
+    if not ratios:
+        return []
+
+    def name(p: tuple[int, float | None]) -> str:
+        return f"b={p[0]}" if p[1] is None else f"{p[1]:g} req/s"
+
+    worst = min(ratios, key=ratios.__getitem__)
+    below = [name(p) for p in sorted(ratios, key=lambda p: (p[1] is not None, p)) if ratios[p] < NEVER_SLOWER]
+    verdict = f"below {NEVER_SLOWER} at {', '.join(below)}" if below else f"at least {NEVER_SLOWER} everywhere"
+    return [
+        f"\n`{method}` over `{base}` at {len(ratios)} load points: lowest {ratios[worst]:.2f}x ({name(worst)}); "
+        f"{verdict}.\n"
+    ]
+
+
+def _open_loop_table(rows: list[Row]) -> list[str]:
+    """Open-loop rows: Poisson arrivals at each rate, against `none` at the same rate."""
+    if not rows:
+        return []
+    none = {r.request_rate: r.tokens_per_s for r in rows if r.method == "none"}
+    lines = [
+        f"\nOpen loop: Poisson arrivals (seeded, the same schedule for every method), at most "
+        f"{rows[0].batch_size} running; TTFT counts from the scheduled arrival.\n",
+        "| method | req/s | tokens/s | tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | vs none | lossless |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r.request_rate or 0.0, method_rank(r.method))):
+        vs_none = f"{r.tokens_per_s / none[r.request_rate]:.2f}x" if none.get(r.request_rate) else "-"
+        tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
+        lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
+        lines.append(
+            f"| {r.method} | {r.request_rate:g} | {r.tokens_per_s:.1f} | {tps} | {r.ttft_p50_s:.3f} / "
+            f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_none} | {lossless} |"
+        )
+    return lines
+
+
 def write_report(
     rows: list[Row],
     out_dir: Path,
@@ -80,9 +130,12 @@ def write_report(
     if skipped:
         lines.append(f"{skipped}\n")
     for dataset in dict.fromkeys(r.dataset for r in rows):
-        rs = [r for r in rows if r.dataset == dataset]
+        everything = [r for r in rows if r.dataset == dataset]
+        rs = [r for r in everything if r.request_rate is None]
         lines.append(f"\n## {dataset}\n")
         lines.extend(_method_table(rs))
+        lines.extend(never_slower(everything))
+        lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
         lines.extend(adaptive_summary(rs))
         lines.extend(phase_table(rs))
@@ -182,6 +235,24 @@ def _plot_throughput(ax: Any, rows: list[Row], dataset: str) -> None:
     ax.legend(fontsize=8)
 
 
+def _plot_latency(ax: Any, rows: list[Row], dataset: str) -> None:
+    """Middle panel: TPOT p50 against throughput, one point per batch size (down and right is better)."""
+    for m in sorted({r.method for r in rows}, key=method_rank):
+        pts = sorted(
+            (r.tokens_per_s, r.tpot_p50_s * 1e3, r.batch_size) for r in rows if r.dataset == dataset and r.method == m
+        )
+        if not pts:
+            continue
+        xs, ys, _ = zip(*pts)
+        ax.plot(xs, ys, marker="o", label=m, linestyle="--" if m in PEERS else "-", color=_color(m))
+        for x, y, b in pts:
+            ax.annotate(str(b), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("output tokens / s (labels: batch size)")
+    ax.set_ylabel("TPOT p50 (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def _plot_draft_tokens(ax: Any, rows: list[Row], dataset: str) -> None:
     """Bottom panel: mean draft tokens per request step against batch size (drafting methods)."""
     for m in sorted({r.method for r in rows}, key=method_rank):
@@ -201,18 +272,22 @@ def _plot_draft_tokens(ax: Any, rows: list[Row], dataset: str) -> None:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    """The plot at `path`: one column per dataset, throughput on top, draft tokens below."""
+    """The plot at `path`: one column per dataset; throughput against batch size, TPOT against
+    throughput, draft tokens per step against batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.request_rate is None]  # the curves are the closed loop's
     datasets = list(dict.fromkeys(r.dataset for r in rows))
-    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 8), squeeze=False)
-    for ax, dataset in zip(axes[1], datasets):
-        _plot_draft_tokens(ax, rows, dataset)
+    fig, axes = plt.subplots(3, len(datasets), figsize=(6 * len(datasets), 12), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
         _plot_throughput(ax, rows, dataset)
+    for ax, dataset in zip(axes[1], datasets):
+        _plot_latency(ax, rows, dataset)
+    for ax, dataset in zip(axes[2], datasets):
+        _plot_draft_tokens(ax, rows, dataset)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -221,8 +296,12 @@ def plot(rows: list[Row], path: Path) -> None:
 def summary_table(rows: list[Row]) -> str:
     """One line per row for the console: tokens/s, tokens/step and losslessness."""
     return "\n".join(
-        f"{r.dataset:10} {r.method:17} b={r.batch_size:<3} {r.tokens_per_s:8.1f} tok/s "
+        f"{r.dataset:10} {r.method:17} {_load_point(r):9} {r.tokens_per_s:8.1f} tok/s "
         f"{'' if r.tokens_per_step is None else f'{r.tokens_per_step:5.2f} tok/step'} "
         f"lossless={r.lossless}"
         for r in rows
     )
+
+
+def _load_point(r: Row) -> str:
+    return f"b={r.batch_size}" if r.request_rate is None else f"{r.request_rate:g} req/s"

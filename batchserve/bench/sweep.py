@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from batchserve.bench.datasets import Sample, load_samples, split, split_workload
+from batchserve.bench.load import open_loop, open_loop_latencies, poisson_arrivals
 from batchserve.bench.methods import KEEP, SINGLE, Method, Row, batchserve_method, expected_outputs, make_row, pick_run
 from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
 from batchserve.bench.report import plot, save_results, write_report
@@ -88,10 +89,12 @@ def run_batchserve(
     decoding_length: int,
     cost_profile: CostProfile | None = None,
     earlier: list[list[int]] = (),  # type: ignore[assignment]
+    arrivals: list[float] | None = None,
 ) -> EngineRun:
     """One batchserve method at batch size b, on the server's default KV pool (a smaller one
     evicts the cached prefixes a workload shares). `earlier` prompts (a conversation's first
-    turns) run first, unmeasured, on the same engine."""
+    turns) run first, unmeasured, on the same engine. With `arrivals` (seconds from the start,
+    one per prompt) the load is an open loop (`load.open_loop`) with at most b running."""
     from batchserve import LLM, SamplingParams
 
     llm = LLM(
@@ -115,14 +118,18 @@ def run_batchserve(
         llm.generate(earlier, SamplingParams(max_new_tokens=1))
     phases = PhaseTotals(b)
     llm.engine.step_listeners.append(phases.add)
-    t0 = time.perf_counter()
-    results = llm.generate(prompts, SamplingParams(max_new_tokens=max_new), use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    ttfts = closed_loop_ttfts(results, b)
-    tpots = []
-    for r in results:
-        if len(r.token_ids) > 1:
-            tpots.append((r.finish_time - r.first_token_time) / (len(r.token_ids) - 1))
+    params = SamplingParams(max_new_tokens=max_new)
+    if arrivals is not None:
+        results, due, seconds = open_loop(llm, prompts, params, arrivals)
+        ttfts, tpots = open_loop_latencies(results, due)
+    else:
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        ttfts = closed_loop_ttfts(results, b)
+        tpots = [
+            (r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1
+        ]
     steps = sum(r.stats.steps for r in results)
     outputs = [r.token_ids for r in results]
     mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
@@ -247,8 +254,10 @@ def _batchserve_row(
     prompts: list[list[int]],
     reference: list[list[int]],
     work: Workload,
+    rate: float | None = None,
 ) -> Row:
-    """One run of a batchserve method at batch size b, checked against its reference."""
+    """One run of a batchserve method at batch size b (with `rate`: an open loop of that many
+    requests per second, at most b running), checked against its reference."""
     m = batchserve_method(method)
     assert m is not None
     run = run_batchserve(
@@ -262,25 +271,36 @@ def _batchserve_row(
         s.decoding_length,
         s.cost_profiles.get(m.kernels),
         work.earlier[: len(prompts)],
+        None if rate is None else poisson_arrivals(len(prompts), rate),
     )
-    expected = expected_outputs(method, m.cpu_weights, reference, s.own_references, (dataset, b), run.outputs)
+    key = (dataset, b, rate)
+    expected = expected_outputs(method, m.cpu_weights, reference, s.own_references, key, run.outputs)
     lossless = None if expected is None else run.outputs == expected
     row = make_row(method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, lossless)
     row.mean_decoding_length = run.mean_len
     row.cached_share = None if run.cached_share is None else round(run.cached_share, 3)
+    row.request_rate = rate
     run.phases.apply(row)
     s.bar.update(1)
-    s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
+    at = f"b={b}" if rate is None else f"{rate} req/s"
+    s.bar.set_postfix_str(f"{dataset} {method} {at}: {row.tokens_per_s} tok/s")
     return row
 
 
 def _batch_rows(
-    s: _Sweep, dataset: str, b: int, prompts: list[list[int]], reference: list[list[int]], work: Workload
+    s: _Sweep,
+    dataset: str,
+    b: int,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    work: Workload,
+    rate: float | None = None,
 ) -> list[Row]:
     """At batch size b: the hf-batch row, and per batchserve method the run kept of `repeats`
-    (taken in rounds over the methods)."""
+    (taken in rounds over the methods). With `rate`, the batchserve methods in an open loop
+    (hf-batch takes its whole batch at once: it has no open loop)."""
     rows: list[Row] = []
-    if "hf-batch" in s.methods:
+    if "hf-batch" in s.methods and rate is None:
         outs, secs, ttfts, tpots = run_hf_batch(s.ref_model, prompts, s.max_new, b)
         rows.append(make_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
         s.bar.update(1)
@@ -288,7 +308,7 @@ def _batch_rows(
     for _ in range(s.repeats):
         for m in s.methods:
             if batchserve_method(m) is not None:
-                runs.setdefault(m, []).append(_batchserve_row(s, dataset, b, m, prompts, reference, work))
+                runs.setdefault(m, []).append(_batchserve_row(s, dataset, b, m, prompts, reference, work, rate))
     rows.extend(pick_run(rs, s.keep) for rs in runs.values())
     return rows
 
@@ -306,6 +326,7 @@ def run(
     repeats: int = 1,
     keep: str = "fastest",
     waves: int = 0,
+    request_rates: list[float] | None = None,
 ) -> list[Row]:
     """Batch size b runs max(`num_prompts`, `waves` * b) prompts: with too few, the loop
     drains (the batch is below b for the last requests), and a method whose requests end at
@@ -315,7 +336,10 @@ def run(
     methods, and keeps the fastest run (`keep="fastest"`: interference on a shared machine
     mostly slows a run down) or the median one (`keep="median"`: robust to a lucky run as
     well as an unlucky one). Rounds spread drift over all methods alike. Every run is
-    checked for losslessness."""
+    checked for losslessness.
+
+    `request_rates` adds, per rate, an open loop of Poisson arrivals (the same schedule for every
+    method) with at most max(`batch_sizes`) running, over max(`num_prompts`, `waves` x that) prompts."""
     if keep not in KEEP:
         raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
     from batchserve.runner import load_model
@@ -329,8 +353,12 @@ def run(
     engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
     cost_profiles = _cost_profiles(methods, engine_model, tokenizer)
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
+    rates = list(request_rates or [])
+    runs_per_point = sum(m not in SINGLE for m in methods) * repeats
     total = len(datasets) * (
-        sum(m in SINGLE for m in methods) + len(batch_sizes) * sum(m not in SINGLE for m in methods) * repeats
+        sum(m in SINGLE for m in methods)
+        + len(batch_sizes) * runs_per_point
+        + len(rates) * sum(batchserve_method(m) is not None for m in methods) * repeats
     )
     bar = tqdm(total=total, desc="bench", unit="run")
     s = _Sweep(
@@ -346,6 +374,10 @@ def run(
         for b in batch_sizes:
             rows.extend(_batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work))
             save_results(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
+        cap, n = max(batch_sizes), max(count.values())
+        for rate in rates:
+            rows.extend(_batch_rows(s, dataset, cap, work.prompts[:n], reference[:n], work, rate))
+            save_results(rows, out_dir)
     bar.close()
     write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped)
     plot(rows, out_dir / "throughput.png")

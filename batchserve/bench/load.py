@@ -1,0 +1,69 @@
+"""Open-loop load: requests arrive on a Poisson schedule whatever the engine's speed, as users
+of a public endpoint do (a closed loop, `--batch-sizes`, waits for a seat to free instead).
+A request's TTFT counts from its scheduled arrival, so queueing behind a busy step counts."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from batchserve.llm import LLM, GenerationResult, _Collected
+from batchserve.request import SamplingParams
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """`n` arrival times in seconds from 0 (the first at 0), exponential gaps of mean 1/`rate`;
+    the same for a given seed, so every method sees the same schedule."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for i in range(n):
+        times.append(t)
+        t += rng.expovariate(rate) if i + 1 < n else 0.0
+    return times
+
+
+def open_loop(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, arrivals: list[float]
+) -> tuple[list[GenerationResult], list[float], float]:
+    """(results in prompt order, each request's scheduled arrival on the results' clock, wall
+    seconds from the first arrival to the last finish). Between steps, every request whose time
+    has come is added; an idle engine sleeps until the next arrival."""
+    if len(arrivals) != len(prompts):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
+    core = llm.engine
+    start = time.monotonic()
+    due = [start + a for a in arrivals]
+    pending: dict[str, _Collected] = {}
+    results: dict[str, GenerationResult] = {}
+    ids: list[str] = []
+    nxt = 0
+    try:
+        while nxt < len(prompts) or pending:
+            now = time.monotonic()
+            while nxt < len(prompts) and due[nxt] <= now:
+                req = core.add_request(prompts[nxt], params)
+                pending[req.request_id] = _Collected(req)
+                ids.append(req.request_id)
+                nxt += 1
+            if not core.has_work():
+                time.sleep(max(0.0, due[nxt] - time.monotonic()))
+                continue
+            for out in core.step():
+                t = time.monotonic()
+                pending[out.request_id].add(out, t)
+                if out.finished:
+                    results[out.request_id] = pending.pop(out.request_id).result(out, t)
+    finally:
+        for rid in pending:  # interrupted: free what is left
+            core.abort(rid)
+    ordered = [results[i] for i in ids]
+    return ordered, due, max(r.finish_time for r in ordered) - start
+
+
+def open_loop_latencies(results: list[GenerationResult], due: list[float]) -> tuple[list[float], list[float]]:
+    """(TTFTs from each scheduled arrival, TPOTs of the requests with 2+ tokens)."""
+    ttfts = [r.first_token_time - d for r, d in zip(results, due)]
+    tpots = [(r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
+    return ttfts, tpots
