@@ -24,10 +24,13 @@ class Drafter(Protocol):
         layout: str | None = None,
         scope: str | None = "",
         window: tuple[int | None, int | None, int | None] | None = None,
+        references: Sequence[Sequence[int]] = (),
     ) -> None:
         """A request arrived (its prompt may be indexed); `layout` is its draft-shape override;
         `scope` names the n-grams it may share with other requests (None: its own only);
-        `window` its Jacobi (W, N, G), for drafters that have one (None: the engine's)."""
+        `window` its Jacobi (W, N, G), for drafters that have one (None: the engine's);
+        `references` the token ids of texts its output is expected to repeat (a client's
+        predicted output): the request's alone, never shared, forgotten when it finishes."""
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         """New output tokens were committed for the request."""
@@ -51,7 +54,7 @@ class WindowDrafter(Protocol):
 
 
 class NoDrafter:
-    """Plain decoding: never proposes anything."""
+    """Plain decoding: never proposes anything (references included: `draft=none` drafts nothing)."""
 
     def on_request_start(
         self,
@@ -60,6 +63,7 @@ class NoDrafter:
         layout: str | None = None,
         scope: str | None = "",
         window: tuple[int | None, int | None, int | None] | None = None,
+        references: Sequence[Sequence[int]] = (),
     ) -> None:
         pass
 

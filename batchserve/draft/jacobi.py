@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchserve.config import DraftConfig
-from batchserve.draft.tree import DraftTree, TreeBuilder
+from batchserve.draft.reference import ReferenceDrafts
+from batchserve.draft.tree import DraftTree, TreeBuilder, merge_trees
 from batchserve.draft.trie import TrieDrafter
 
 
@@ -188,6 +189,7 @@ class JacobiDrafter:
         self.shape = JacobiShape(config.window_size, config.ngram_size, config.guesses)
         self.pool = NgramPool(config.pool_capacity, per_key=max(1, 2 * config.guesses))
         self._windows: dict[str, _Window] = {}
+        self.references = ReferenceDrafts(config.max_match, config.min_match)  # per request, never pooled
 
     # ---- Drafter interface ---------------------------------------------------------------
 
@@ -198,17 +200,20 @@ class JacobiDrafter:
         layout: str | None = None,
         scope: str | None = "",
         window: tuple[int | None, int | None, int | None] | None = None,
+        references: Sequence[Sequence[int]] = (),
     ) -> None:
         shape = self.shape.asked(window)
+        self.references.start(request_id, references)
         pool_scope: Hashable = ("scope", scope) if scope is not None else ("request", request_id)
         state = _Window(shape, pool_scope)
         state.levels.append(_seeded_guesses(prompt_token_ids, shape.window))
         self._windows[request_id] = state
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
-        pass  # the pool learns from the window's outputs, not from accepted text
+        self.references.accepted(request_id, token_ids)  # the pool learns from the window's outputs
 
     def on_request_finish(self, request_id: str) -> None:
+        self.references.finish(request_id)
         state = self._windows.pop(request_id, None)
         if state is not None and state.pool_scope == ("request", request_id):
             self.pool.drop_scope(state.pool_scope)
@@ -223,7 +228,8 @@ class JacobiDrafter:
             if builder.full:
                 break
         tree = builder.tree()
-        return None if tree is None else tree.with_pooled(range(len(tree)))
+        pooled = None if tree is None else tree.with_pooled(range(len(tree)))
+        return self.references.ahead(request_id, token_ids, max_tokens, pooled)
 
     # ---- the window ----------------------------------------------------------------------
 
@@ -268,8 +274,10 @@ class HybridDrafter(TrieDrafter):
         layout: str | None = None,
         scope: str | None = "",
         window: tuple[int | None, int | None, int | None] | None = None,
+        references: Sequence[Sequence[int]] = (),
     ) -> None:
-        super().on_request_start(request_id, prompt_token_ids, layout, scope)
+        # The trie's side drafts the references (ahead of both); the pool's gets none.
+        super().on_request_start(request_id, prompt_token_ids, layout, scope, references=references)
         self.jacobi.on_request_start(request_id, prompt_token_ids, layout, scope, window)
 
     def on_request_finish(self, request_id: str) -> None:
@@ -294,37 +302,3 @@ def _add_path(builder: TreeBuilder, tokens: Sequence[int], prob: float) -> None:
         if builder.full and (parent, tok) not in builder.index:
             break
         parent = builder.add(parent, tok, prob)
-
-
-def merge_trees(first: DraftTree | None, second: DraftTree | None, max_tokens: int) -> DraftTree | None:
-    """`first`'s nodes, then `second`'s that are not already there (by token path), at most
-    `max_tokens` in all. A node is pooled if only `second` had it."""
-    if second is None or not len(second):
-        return first
-    builder = TreeBuilder(max_tokens)
-    pooled: set[int] = set()
-    for tree, from_second in ((first, False), (second, True)):
-        if tree is None:
-            continue
-        index: list[int | None] = []  # tree node -> merged node (None: it did not fit)
-        for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
-            p = None if parent is None else index[parent]
-            if (parent is not None and p is None) or (builder.full and (p, tok) not in builder.index):
-                index.append(None)
-                continue
-            new = (p, tok) not in builder.index
-            node = builder.add(p, tok, _relative_score(tree, i))
-            index.append(node)
-            if new and from_second:
-                pooled.add(node)
-    merged = builder.tree()
-    return None if merged is None else merged.with_pooled(pooled)
-
-
-def _relative_score(tree: DraftTree, i: int) -> float:
-    """Node i's score given its parent (what `TreeBuilder.add` takes); 1 without scores."""
-    if not tree.scores:
-        return 1.0
-    parent = tree.parents[i]
-    above = 1.0 if parent is None else tree.scores[parent]
-    return min(1.0, tree.scores[i] / above) if above > 0 else 0.0

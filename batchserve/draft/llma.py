@@ -5,21 +5,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from batchserve.draft.base import NoDrafter
+from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.tree import DraftTree
 
 
 class SingleBranchDrafter(NoDrafter):
     """Find the longest suffix of the request's tokens that occurred earlier in them and copy
-    what followed its most recent earlier occurrence ("Inference with Reference").
+    what followed its most recent earlier occurrence ("Inference with Reference"). A request
+    that sent references (a predicted output) copies from them first, as the paper does.
 
-    Stateless: everything it needs is the token list the scheduler passes in.
+    Stateless but for those references: otherwise everything it needs is the token list the
+    scheduler passes in.
     """
 
     def __init__(self, max_match: int = 8, min_match: int = 1) -> None:
         self.max_match = max_match
         self.min_match = min_match
+        self.references = ReferenceDrafts(max_match, min_match)
+
+    def on_request_start(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        layout: str | None = None,
+        scope: str | None = "",
+        window: tuple[int | None, int | None, int | None] | None = None,
+        references: Sequence[Sequence[int]] = (),
+    ) -> None:
+        self.references.start(request_id, references)
+
+    def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.references.accepted(request_id, token_ids)
+
+    def on_request_finish(self, request_id: str) -> None:
+        self.references.finish(request_id)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        chain = self.references.ahead(request_id, token_ids, max_tokens, None, single=True)
+        return chain if chain is not None else self._copy(token_ids, max_tokens)
+
+    def _copy(self, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
         n = len(token_ids)
         if max_tokens < 1 or n < 2:
             return None

@@ -36,13 +36,19 @@ class SimulationResult:
 
 
 def simulate(
-    drafter: Drafter, request_id: str, prompt: Sequence[int], output: Sequence[int], decoding_length: int
+    drafter: Drafter,
+    request_id: str,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    decoding_length: int,
+    references: Sequence[Sequence[int]] = (),
 ) -> SimulationResult:
     """Steps a drafter needs to produce `output` after `prompt` (drafter state is updated
-    exactly as in serving: start, accepted tokens each step, finish)."""
+    exactly as in serving: start, accepted tokens each step, finish); `references`: the
+    request's predicted output, as token ids."""
     res = SimulationResult()
     tokens = list(prompt)
-    drafter.on_request_start(request_id, prompt)
+    drafter.on_request_start(request_id, prompt, references=references)
     done = 0
     try:
         while done < len(output):

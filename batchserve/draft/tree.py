@@ -46,6 +46,9 @@ class DraftTree:
     scores: tuple[float, ...] = ()
     # Nodes that only the Jacobi pool proposed (a hybrid tree): what the window's rows bought.
     pooled: frozenset[int] = frozenset()
+    # Nodes copied from the request's own references (a client's predicted output): their
+    # accepted count is what the prediction bought (usage's accepted_prediction_tokens).
+    referenced: frozenset[int] = frozenset()
     depths: tuple[int, ...] = field(init=False)  # root children have depth 1
     children: dict[int | None, dict[int, int]] = field(init=False)  # node (None: the root) -> {token: child}
     _mask: Any = field(init=False, default=None, repr=False, compare=False)  # ancestor_mask, built on first use
@@ -96,11 +99,17 @@ class DraftTree:
         best first, so this is the best `n`-node draft."""
         if n >= len(self.tokens):
             return self
-        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n], frozenset(i for i in self.pooled if i < n))
+        pooled = frozenset(i for i in self.pooled if i < n)
+        referenced = frozenset(i for i in self.referenced if i < n)
+        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n], pooled, referenced)
 
     def with_pooled(self, nodes: Iterable[int]) -> DraftTree:
         """This tree with `nodes` marked as proposed by the pool alone."""
-        return DraftTree(self.tokens, self.parents, self.scores, frozenset(nodes))
+        return DraftTree(self.tokens, self.parents, self.scores, frozenset(nodes), self.referenced)
+
+    def with_referenced(self, nodes: Iterable[int]) -> DraftTree:
+        """This tree with `nodes` marked as copied from the request's references."""
+        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, frozenset(nodes))
 
 
 @dataclass(slots=True)
@@ -161,3 +170,51 @@ def walk(tree: DraftTree | None, choose: Callable[[int | None], int | None]) -> 
             break
         accepted.append(node)
     return emitted, accepted
+
+
+def merge_into(builder: TreeBuilder, tree: DraftTree | None) -> list[int | None]:
+    """Add `tree`'s nodes to `builder` by token path, in order, while it has room; returns each
+    node's index in the builder (None: it did not fit)."""
+    index: list[int | None] = []
+    if tree is None:
+        return index
+    for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        p = None if parent is None else index[parent]
+        if (parent is not None and p is None) or (builder.full and (p, tok) not in builder.index):
+            index.append(None)
+            continue
+        index.append(builder.add(p, tok, _relative_score(tree, i)))
+    return index
+
+
+def merge_trees(first: DraftTree | None, second: DraftTree | None, max_tokens: int) -> DraftTree | None:
+    """`first`'s nodes, then `second`'s that are not already there (by token path), at most
+    `max_tokens` in all. A node is pooled if only `second` had it; referenced if either tree's
+    node on its path was."""
+    if second is None or not len(second):
+        return first
+    builder = TreeBuilder(max_tokens)
+    firsts = merge_into(builder, first)
+    num_first = len(builder.tokens)
+    seconds = merge_into(builder, second)
+    merged = builder.tree()
+    if merged is None:
+        return None
+    pooled = {i for i in seconds if i is not None and i >= num_first}
+    return merged.with_pooled(pooled).with_referenced(_mapped(first, firsts) | _mapped(second, seconds))
+
+
+def _mapped(tree: DraftTree | None, index: list[int | None]) -> set[int]:
+    """The merged indices of `tree`'s referenced nodes that made it in."""
+    if tree is None:
+        return set()
+    return {m for i in tree.referenced if (m := index[i]) is not None}
+
+
+def _relative_score(tree: DraftTree, i: int) -> float:
+    """Node i's score given its parent (what `TreeBuilder.add` takes); 1 without scores."""
+    if not tree.scores:
+        return 1.0
+    parent = tree.parents[i]
+    above = 1.0 if parent is None else tree.scores[parent]
+    return min(1.0, tree.scores[i] / above) if above > 0 else 0.0

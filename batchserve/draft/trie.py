@@ -35,6 +35,7 @@ from pathlib import Path
 
 from batchserve.config import DraftConfig
 from batchserve.draft.counted_trie import Trie, TrieNode
+from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.token_index import IndexNode, TokenIndex
 from batchserve.draft.tree import DraftTree, TreeBuilder
 
@@ -61,6 +62,7 @@ class TrieDrafter:
         self.num_output_nodes = 0  # nodes in all output tries, kept as they change (never summed)
         self._live: Counter[str] = Counter()  # running requests per scope
         self._requests: dict[str, _RequestState] = {}
+        self.references = ReferenceDrafts(config.max_match, config.min_match)  # per request, never in a trie
         self._tiebreak = itertools.count()
 
     @property
@@ -88,14 +90,17 @@ class TrieDrafter:
         layout: str | None = None,
         scope: str | None = "",
         window: tuple[int | None, int | None, int | None] | None = None,
+        references: Sequence[Sequence[int]] = (),
     ) -> None:
         self.on_request_finish(request_id)  # a restarted id starts clean
         index = TokenIndex(prompt_token_ids, self.config.branch_length)
         self._requests[request_id] = _RequestState(index, len(prompt_token_ids), layout, scope)
+        self.references.start(request_id, references)
         if scope is not None:
             self._live[scope] += 1
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.references.accepted(request_id, token_ids)
         state = self._requests.get(request_id)
         if state is None or not token_ids:
             return
@@ -143,6 +148,7 @@ class TrieDrafter:
         self.num_output_nodes -= self.outputs.pop(scope).num_nodes
 
     def on_request_finish(self, request_id: str) -> None:
+        self.references.finish(request_id)
         state = self._requests.pop(request_id, None)
         if state is not None and state.scope is not None:
             self._live[state.scope] -= 1
@@ -170,7 +176,7 @@ class TrieDrafter:
             expand(start, builder)
             if builder.full or (layout == "single" and builder.tokens):
                 break
-        return builder.tree()
+        return self.references.ahead(request_id, token_ids, max_tokens, builder.tree(), single=layout == "single")
 
     # ---- warm-up -------------------------------------------------------------------------
 

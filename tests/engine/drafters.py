@@ -94,6 +94,7 @@ class _KnowsTheTruth(NoDrafter):
         layout: str | None = None,
         scope: str | None = "",
         window: tuple[int | None, int | None, int | None] | None = None,
+        references: Sequence[Sequence[int]] = (),
     ) -> None:
         self.prompts[request_id] = tuple(prompt_token_ids)
 

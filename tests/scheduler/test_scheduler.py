@@ -28,7 +28,7 @@ class ChainDrafter(NoDrafter):
         self.events: list[tuple[str, str]] = []
         self.proposed: list[str] = []  # request ids, one per proposal
 
-    def on_request_start(self, request_id, prompt_token_ids, layout=None, scope="", window=None):
+    def on_request_start(self, request_id, prompt_token_ids, layout=None, scope="", window=None, references=()):
         self.events.append(("start", request_id))
 
     def on_request_finish(self, request_id):
