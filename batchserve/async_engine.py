@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -131,18 +131,24 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, tenant: str = ""
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        tenant: str = "",
+        references: Sequence[Prompt] = (),
     ) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (the last one has
-        `finished` set). Raises ValueError at once for invalid input, EngineDeadError once the
-        engine has stopped for good."""
+        `finished` set). `references`: texts or token ids the output is expected to repeat (see
+        `EngineCore.add_request`). Raises ValueError at once for invalid input, EngineDeadError
+        once the engine has stopped for good."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if request_id is not None and request_id in self._queues:
             # Still streaming (or finished but not yet read): never let a second caller touch it.
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.start()
-        req = self.core.add_request(prompt, params, request_id, tenant)
+        req = self.core.add_request(prompt, params, request_id, tenant, references)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.request_id] = queue
         self._wakeup.set()

@@ -300,6 +300,8 @@ class LimitsConfig:
     max_stop_token_ids: int = setting(64, "stop token ids per request")
     # A chat template renders every message (even an empty one): bound them before templating.
     max_chat_messages: int = setting(1024, "chat messages per request")
+    # Each is searched every step the request drafts; their tokens together are bounded by the context.
+    max_references: int = setting(16, "reference texts (predicted outputs) per request")
 
     def __post_init__(self) -> None:
         for s in settings_of(LimitsConfig):

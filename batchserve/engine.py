@@ -6,7 +6,7 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,12 +100,8 @@ class EngineCore:
         drafter = make_drafter(draft)
         if isinstance(drafter, TrieDrafter) and draft.warmup_path:
             n = drafter.warm_up_file(draft.warmup_path, self.text.tokenize, draft.warmup_scope)
-            logger.info(
-                "warmed the lookahead trie (scope %r) with %d sequences from %s",
-                draft.warmup_scope,
-                n,
-                draft.warmup_path,
-            )
+            msg = "warmed the lookahead trie (scope %r) with %d sequences from %s"
+            logger.info(msg, draft.warmup_scope, n, draft.warmup_path)
         return drafter
 
     def add_corpus(self, sequences: list[list[int]], tenant: str = "") -> Iterator[None]:
@@ -130,10 +126,16 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, tenant: str = ""
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        tenant: str = "",
+        references: Sequence[Prompt] = (),
     ) -> Request:
         """Validate and enqueue; raises ValueError (naming the field) before touching the scheduler.
-        `tenant`: the isolation key whose drafts this request shares (see DraftConfig.trie_scope)."""
+        `tenant`: the isolation key whose drafts this request shares (see DraftConfig.trie_scope);
+        `references`: texts or token ids its output is expected to repeat, drafted from privately."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -141,6 +143,7 @@ class EngineCore:
         token_ids = self.text.tokenize(prompt)  # raises for a prompt beyond the context
         if not token_ids:
             raise ValueError("prompt is empty")
+        reference_ids = self.text.tokenize_references(references)
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is not a token id in [0, {self.vocab_size})")
@@ -153,6 +156,7 @@ class EngineCore:
             max_total_len=self.max_model_len,
             arrival_time=time.monotonic(),
             tenant=tenant,
+            reference_token_ids=reference_ids,
         )
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
         self.text.start(rid, params.stop)

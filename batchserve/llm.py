@@ -14,6 +14,9 @@ from batchserve.request import FinishReason, Request, RequestOutput, RequestStat
 from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.text import Prompt
 
+# A prompt's references (predicted outputs): one text, one token-id list, a list of either, or None.
+References = str | Sequence[int] | Sequence[str | Sequence[int]] | None
+
 
 @dataclass(slots=True)
 class GenerationResult:
@@ -79,16 +82,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        references: Sequence[References] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (strings or token-id lists); results in prompt order."""
+        """Generate for every prompt (strings or token-id lists); results in prompt order.
+        `references`, one entry per prompt: what its output is expected to repeat (OpenAI's
+        predicted output), drafted from by that request alone; output is the same with or
+        without. `stats.accepted_prediction_tokens` tells what it bought."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+            references = None if references is None else [references]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        requests = self._submit(prompts, list(params))
+        refs = [as_references(r) for r in references] if references is not None else [[]] * len(prompts)
+        if len(refs) != len(prompts):
+            raise ValueError(f"got {len(refs)} references for {len(prompts)} prompts")
+        requests = self._submit(prompts, list(params), refs)
         pending = {r.request_id: _Collected(r) for r in requests}
         results: dict[str, GenerationResult] = {}
         bar = _progress(len(requests), use_tqdm)
@@ -108,14 +119,15 @@ class LLM:
                 bar.close()
         return [results[r.request_id] for r in requests]
 
-    def _submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Request]:
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams], refs: list[list[Prompt]]) -> list[Request]:
         """Enqueue every prompt, or none: a bad one aborts those already submitted."""
         core = self.engine
         token_ids = [core.text.tokenize(p) for p in prompts]  # all checked before any is queued
+        ref_ids = [core.text.tokenize_references(r) for r in refs]
         requests: list[Request] = []
         try:
-            for ids, sp in zip(token_ids, params):
-                requests.append(core.add_request(ids, sp))
+            for ids, sp, r in zip(token_ids, params, ref_ids):
+                requests.append(core.add_request(ids, sp, references=r))
         except ValueError:
             for r in requests:
                 core.abort(r.request_id)
@@ -152,6 +164,15 @@ class _Collected:
             error=out.error,
             token_times=self.times,
         )
+
+
+def as_references(spec: References) -> list[Prompt]:
+    """One prompt's references as a list: a text or a token-id list is one reference."""
+    if spec is None:
+        return []
+    if isinstance(spec, str) or (spec and isinstance(spec[0], int)):
+        return [spec]  # type: ignore[list-item]
+    return list(spec)  # type: ignore[arg-type]
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -112,6 +112,20 @@ class RequestStats:
     num_preemptions: int = 0
     queue_seconds: float | None = None  # arrival to first scheduled step
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    prediction_tokens: int = 0  # tokens in the request's references (a client's predicted output)
+    reference_drafts_accepted: int = 0  # accepted draft tokens that were copied from them
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        """OpenAI's usage field: prediction tokens verification accepted as drafts. A stretch
+        of the prediction the output repeats twice counts once per copy, so it is capped at
+        the prediction's length."""
+        return min(self.reference_drafts_accepted, self.prediction_tokens)
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """The prediction's other tokens: all of them where nothing drafted (`draft=none`)."""
+        return self.prediction_tokens - self.accepted_prediction_tokens
 
 
 @dataclass(slots=True)
@@ -126,6 +140,9 @@ class Request:
     arrival_time: float = 0.0
     arrival_seq: int = 0  # the scheduler's arrival order (preemption takes the youngest)
     tenant: str = ""  # isolation key: with trie_scope=tenant, drafts share n-grams only within it
+    # Token ids of texts the output is expected to repeat (OpenAI's `prediction`): drafted from
+    # by this request alone, never shared with another.
+    reference_token_ids: list[list[int]] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: all_token_ids[:num_computed_tokens] have K/V in the pool; the rest wait to be computed.
     all_token_ids: list[int] = field(default_factory=list)
@@ -141,6 +158,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self.stats.prediction_tokens = sum(map(len, self.reference_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

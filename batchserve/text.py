@@ -60,6 +60,33 @@ class TextCodec:
             raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {vocab})")
         return ids
 
+    def tokenize_references(self, references: Sequence[Prompt], field: str = "references") -> list[list[int]]:
+        """Token ids of a request's references (texts, tokenized on their own without special
+        tokens, or token ids), the empty ones dropped. Bounded like a prompt, on a bound of
+        their own: at most `max_references`, their text within a prompt's characters before
+        any is tokenized, and their tokens together at most the context."""
+        limit = self.limits.max_references
+        if len(references) > limit:
+            raise ValueError(f"{field}: {len(references)} references, at most {limit}")
+        self.check_text_size(sum(len(r) for r in references if isinstance(r, str)), field)
+        out: list[list[int]] = []
+        total = 0
+        for i, ref in enumerate(references):
+            if isinstance(ref, str):
+                ids = list(self.tokenizer(ref, add_special_tokens=False).input_ids) if ref else []
+            elif total + len(ref) <= self.max_model_len:  # the length first, as for a prompt
+                ids = list(ref)
+                if not all(type(t) is int and 0 <= t < self.vocab_size for t in ids):
+                    raise ValueError(f"{field}[{i}]: token ids must be ints in [0, {self.vocab_size})")
+            else:
+                ids = ref  # type: ignore[assignment]  # too long: refused below, never copied
+            total += len(ids)
+            if total > self.max_model_len:
+                raise ValueError(f"{field}: over {self.max_model_len} tokens in all, the model's context")
+            if ids:
+                out.append(ids)
+        return out
+
     def check_text_size(self, num_chars: int, field: str) -> None:
         """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing it."""
         limit = self.max_model_len * self.limits.max_prompt_chars_per_token

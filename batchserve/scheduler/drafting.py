@@ -39,7 +39,12 @@ class DraftPlanner:
         self._started.add(req.request_id)
         try:
             self.drafter.on_request_start(
-                req.request_id, req.prompt_token_ids, req.params.draft_layout, self._scope(req), req.params.jacobi
+                req.request_id,
+                req.prompt_token_ids,
+                req.params.draft_layout,
+                self._scope(req),
+                req.params.jacobi,
+                references=req.reference_token_ids,
             )
         except Exception:  # speculation is optional: the request runs without drafts of its own
             logger.exception("the drafter failed to start request %s", req.request_id)
