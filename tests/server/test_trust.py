@@ -135,9 +135,9 @@ async def _tenants(r, monkeypatch) -> list[str]:
     seen: list[str] = []
     real = r.core.add_request
 
-    def spy(prompt, params, request_id, tenant):
+    def spy(prompt, params, request_id, tenant, references=()):
         seen.append(tenant)
-        return real(prompt, params, request_id, tenant)
+        return real(prompt, params, request_id, tenant, references)
 
     monkeypatch.setattr(r.core, "add_request", spy)
     return seen
