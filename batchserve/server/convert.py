@@ -47,6 +47,11 @@ def prompt_of(request: Any, text: TextCodec) -> list[int]:
     return text.render_chat(messages)
 
 
+def references_of(request: pb.GenerateRequest, text: TextCodec) -> list[list[int]]:
+    """Token ids of a GenerateRequest's `reference` texts (its predicted output)."""
+    return text.tokenize_references(list(request.reference), "reference")
+
+
 def sampling_params(request: pb.GenerateRequest, limits: LimitsConfig | None = None) -> SamplingParams:
     s, la = request.sampling, request.lookahead
     limits = limits or LimitsConfig()
@@ -87,6 +92,8 @@ def usage_pb(out: RequestOutput) -> pb.Usage:
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_output_tokens,
         cached_prompt_tokens=out.stats.cached_prompt_tokens,
+        accepted_prediction_tokens=out.stats.accepted_prediction_tokens,
+        rejected_prediction_tokens=out.stats.rejected_prediction_tokens,
     )
 
 

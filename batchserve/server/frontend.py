@@ -123,16 +123,17 @@ class Frontend:
         request_id: str = "",
         tenant: str = "",
         fit_context: bool = False,
+        references: Callable[[TextCodec], list[list[int]]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Admit, prepare (`prepare(text)` gives the prompt's token ids, `params()` the sampling
-        parameters, both off the loop; ValueError from either refuses the request as invalid),
-        submit and stream one request. `fit_context`: refuse a prompt whose max_new_tokens do
-        not fit the context (instead of ending it at the context). Leaving early (a client's
-        cancel, deadline or disconnect) aborts it in the engine, which frees its KV blocks
+        """Admit, prepare (`prepare(text)`: the prompt's token ids, `params()`: the sampling parameters,
+        `references(text)`: its predicted output's token ids; all off the loop, a ValueError refuses
+        the request as invalid), submit and stream one request. `fit_context`: refuse a prompt whose
+        max_new_tokens do not fit the context (instead of ending it at the context). Leaving early (a
+        client's cancel, deadline or disconnect) aborts it in the engine, which frees its KV blocks
         before the next step. Raises Refused before the first output, EngineFailed after the last."""
         request_id = request_id or uuid.uuid4().hex
         try:
-            sampling, prompt = await self.prepare(_prepare, prepare, params, self.engine.core.text)
+            sampling, prompt, refs = await self.prepare(_prepare, prepare, params, references, self.engine.core.text)
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
@@ -145,7 +146,7 @@ class Frontend:
                 f"model's context of {context} tokens",
             )
         try:
-            stream: RequestStream = self.engine.generate(prompt, sampling, request_id, tenant=tenant)
+            stream: RequestStream = self.engine.generate(prompt, sampling, request_id, tenant=tenant, references=refs)
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         except EngineDeadError as e:
@@ -203,9 +204,13 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
 
 
 def _prepare(
-    prepare: Callable[[TextCodec], list[int]], params: Callable[[], SamplingParams], text: TextCodec
-) -> tuple[SamplingParams, list[int]]:
-    """Both halves of a request's preparation, in the preparation thread: the parameters first
-    (their bounds are cheap to check and refuse before any tokenizing)."""
+    prepare: Callable[[TextCodec], list[int]],
+    params: Callable[[], SamplingParams],
+    references: Callable[[TextCodec], list[list[int]]] | None,
+    text: TextCodec,
+) -> tuple[SamplingParams, list[int], list[list[int]]]:
+    """A request's preparation, in the preparation thread: the parameters first (their bounds
+    are cheap to check and refuse before any tokenizing), then the prompt, then its references."""
     sampling = params()
-    return sampling, prepare(text)
+    prompt = prepare(text)
+    return sampling, prompt, references(text) if references is not None else []

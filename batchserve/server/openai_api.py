@@ -61,6 +61,10 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
         "completion_tokens": out.num_output_tokens,
         "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.rejected_prediction_tokens,
+        },
         "speculation": {  # batchserve's extension
             "steps": s.steps,
             "draft_tokens_proposed": s.draft_tokens_proposed,
@@ -231,6 +235,7 @@ class OpenAIServer:
             rid,
             tenant,
             fit_context=max_tokens is not None,
+            references=lambda text: text.tokenize_references(body.predicted(), "prediction"),
         )
         here, first, whole = False, None, None
         try:

@@ -46,6 +46,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the completion is expected to repeat (a code edit's file).
+    It drafts, privately to the request; it never changes the output."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The predicted text; 400 for another type or a part that is not text."""
+        if self.type != "content":
+            raise ApiError(400, f"prediction.type: only 'content' is supported, got {self.type!r}", "prediction.type")
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for i, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                param = f"prediction.content[{i}]"
+                raise ApiError(400, f"{param}: only text parts are supported", param)
+            parts.append(part["text"])
+        return "".join(parts)
+
+
 class CommonFields(BaseModel):
     """Fields both endpoints take. Unknown fields are refused (400 naming them), never ignored;
     OpenAI fields batchserve does not implement are accepted only at their neutral value."""
@@ -66,6 +89,7 @@ class CommonFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     lookahead: LookaheadOptions | None = None
+    prediction: Prediction | None = None  # OpenAI's on chat; completions take it too
     # OpenAI fields without an implementation here: only their neutral values pass.
     n: int | None = None
     logprobs: Any = None
@@ -84,6 +108,11 @@ class CommonFields(BaseModel):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported (only 0)", name)
+        self.predicted()
+
+    def predicted(self) -> list[str]:
+        """The request's references: its prediction's text, if it sent one."""
+        return [self.prediction.text()] if self.prediction is not None else []
 
     def sampling_params(self, max_tokens: int | None, max_model_len: int, limits: LimitsConfig) -> SamplingParams:
         """`max_tokens` omitted: up to the end of the context (as OpenAI and vLLM)."""

@@ -131,6 +131,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             lambda: convert.sampling_params(request, limits),
             request.request_id,
             choose_tenant(self.tenant_source, _metadata(context, TENANT_METADATA), request.tenant),
+            references=lambda text: convert.references_of(request, text),
         )
         try:
             async for out in outputs:

@@ -17,7 +17,10 @@ from tests.conftest import make_tiny_model, make_tiny_tokenizer
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
 
-def tiny_core(max_num_seqs: int = 8, num_blocks: int = 512, max_num_batched_tokens: int = 256) -> EngineCore:
+def tiny_core(
+    max_num_seqs: int = 8, num_blocks: int = 512, max_num_batched_tokens: int = 256, model: Any = None
+) -> EngineCore:
+    """The tiny model (or `model`, with the tiny tokenizer) behind a small engine."""
     tokenizer = make_tiny_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     config = EngineConfig(
@@ -25,7 +28,7 @@ def tiny_core(max_num_seqs: int = 8, num_blocks: int = 512, max_num_batched_toke
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         draft=DraftConfig(decoding_length=8, adaptive=False),
     )
-    return EngineCore(config, make_tiny_model(), tokenizer)
+    return EngineCore(config, model if model is not None else make_tiny_model(), tokenizer)
 
 
 def free_port() -> int:
