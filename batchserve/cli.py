@@ -1,4 +1,4 @@
-"""The `batchserve` command line: serve, calibrate, generate and bench."""
+"""The `batchserve` command line: serve, calibrate, generate, bench and tune."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _calibrate_parser(sub)
     _generate_parser(sub)
     _bench_parser(sub)
+    _tune_parser(sub)
     return parser
 
 
@@ -153,6 +154,27 @@ def _bench_parser(sub: Any) -> None:
     bench.add_argument("--decoding-lengths", type=_ints, default=[4, 8, 16, 32, 64], help="--simulate only")
     bench.add_argument("--num-samples", type=int, default=164, help="--simulate: samples per dataset (half dev)")
     bench.add_argument("--no-speed", action="store_true", help="--simulate: skip the trie timing and memory")
+
+
+def _tune_parser(sub: Any) -> None:
+    tune = sub.add_parser(
+        "tune",
+        help="measure this machine on a workload and recommend max-num-seqs, the token budget and drafts for SLOs",
+    )
+    tune.add_argument("--dataset", default="humaneval", help="a bench dataset name or FILE.jsonl of your prompts")
+    tune.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token goal (ms)")
+    tune.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token goal (ms)")
+    tune.add_argument("--percentile", type=float, default=99.0, help="the goals hold for this percentile of requests")
+    tune.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16], help="max-num-seqs values to try")
+    tune.add_argument(
+        "--token-budgets", type=_ints, default=[256, 1024], help="max-num-batched-tokens to try at the best point"
+    )
+    tune.add_argument("--num-prompts", type=int, default=16, help="prompts per run (at least)")
+    tune.add_argument("--waves", type=int, default=2, help="each run sends max(num-prompts, waves x concurrency)")
+    tune.add_argument("--max-new-tokens", type=int, default=128)
+    tune.add_argument("--model", default=None, help="model (default: SmolLM2)")
+    tune.add_argument("--confirm", action="store_true", help="run the recommendation again and report how it held")
+    tune.add_argument("--out", default="tune_out", help="directory for tune.md, tune.json, tune.png")
 
 
 def engine_config(args: argparse.Namespace, settings: list[Setting] | None = None) -> EngineConfig:
@@ -308,7 +330,50 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"serve": _serve, "calibrate": _calibrate, "generate": _generate, "bench": _bench}
+def _tune(args: argparse.Namespace) -> int:
+    from batchserve.bench.datasets import DatasetError, is_jsonl, jsonl, known_dataset
+
+    def fail(message: str) -> int:
+        print(f"batchserve tune: {message}", file=sys.stderr)
+        return 2
+
+    if not known_dataset(args.dataset):
+        return fail(f"unknown dataset {args.dataset!r}: a bench dataset name or a .jsonl file")
+    if is_jsonl(args.dataset):
+        try:
+            jsonl(args.dataset)
+        except DatasetError as e:
+            return fail(str(e))
+    counts = (args.num_prompts, args.max_new_tokens, *args.concurrency, *args.token_budgets)
+    if not args.concurrency or min(counts) < 1 or args.waves < 0:
+        return fail("--concurrency, --token-budgets, --num-prompts and --max-new-tokens must be >= 1, --waves >= 0")
+    from pathlib import Path
+
+    from batchserve.bench.tune import Goals, answer_lines, tune
+
+    try:
+        goals = Goals(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
+    except ValueError as e:
+        return fail(str(e))
+    out = Path(args.out)
+    result = tune(
+        args.dataset,
+        goals,
+        args.concurrency,
+        args.token_budgets,
+        args.num_prompts,
+        args.waves,
+        args.max_new_tokens,
+        args.model,
+        out,
+        args.confirm,
+    )
+    print("\n".join(answer_lines(result)))
+    print(f"wrote {out / 'tune.md'}, {out / 'tune.json'}, {out / 'tune.png'}")
+    return 0 if result.best is not None else 1
+
+
+COMMANDS = {"serve": _serve, "calibrate": _calibrate, "generate": _generate, "bench": _bench, "tune": _tune}
 
 
 def main(argv: list[str] | None = None) -> int:

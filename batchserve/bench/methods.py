@@ -133,7 +133,7 @@ class Row:
     request_rate: float | None = None
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     xs = sorted(xs)
@@ -175,10 +175,10 @@ def make_row(
         round(seconds, 3),
         round(n / seconds, 2),
         None if tokens_per_step is None else round(tokens_per_step, 3),
-        round(_pct(ttfts, 0.5), 4),
-        round(_pct(ttfts, 0.99), 4),
-        round(_pct(tpots, 0.5), 4),
-        round(_pct(tpots, 0.99), 4),
+        round(percentile(ttfts, 0.5), 4),
+        round(percentile(ttfts, 0.99), 4),
+        round(percentile(tpots, 0.5), 4),
+        round(percentile(tpots, 0.99), 4),
         lossless,
     )
 

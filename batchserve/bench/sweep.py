@@ -90,6 +90,7 @@ def run_batchserve(
     cost_profile: CostProfile | None = None,
     earlier: list[list[int]] = (),  # type: ignore[assignment]
     arrivals: list[float] | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> EngineRun:
     """One batchserve method at batch size b, on the server's default KV pool (a smaller one
     evicts the cached prefixes a workload shares). `earlier` prompts (a conversation's first
@@ -110,6 +111,7 @@ def run_batchserve(
         model_impl=m.model_impl,
         cpu_weights=m.cpu_weights,
         prefix_caching=m.prefix_caching,
+        **({} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}),
         **(dict(zip(("window_size", "ngram_size", "guesses"), m.jacobi)) if m.jacobi else {}),
     )
     if m.warm:

@@ -45,7 +45,12 @@ def choose_impl(
     are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=q4_1`
     the layers' products are the GGUF file at `path`'s own Q4_1 blocks (`Int4Linear`), and
     `auto` takes them where `choose_cpu_weights` says. The native model's `cpu_weights` names
-    what was chosen."""
+    what was chosen. A native model handed in (one engine's, reused by another: the bench and
+    `tune` build many engines on one model) is returned as it is."""
+    if getattr(model, "native", False):
+        if impl == "transformers" or cpu_weights not in ("auto", getattr(model, "cpu_weights", "float32")):
+            raise ValueError(f"this native {model.cpu_weights} model cannot run as {impl}/{cpu_weights}")
+        return model
     on_cpu = next(model.parameters()).device.type == "cpu"
     unsupported = supports(model.config)
     if cpu_weights == "q4_1":

@@ -1,0 +1,337 @@
+"""`batchserve tune`: the serving settings that give the most throughput within latency goals,
+measured on this machine with the user's workload.
+
+Stage 1 runs a closed loop at every concurrency c (c clients, `max_num_seqs = c`), with and
+without drafts (`none`, `lookahead-adaptive`), at the default token budget. Stage 2 tries other
+token budgets (`max_num_batched_tokens`, which bounds a step's prompt chunk and so TTFT and
+TPOT under prompt load) at the best point that meets the goals. The recommendation is the point
+with the most output tokens/s whose TTFT and TPOT at the goals' percentile are within them;
+`--confirm` runs it once more to show how well the prediction holds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from batchserve.bench.methods import batchserve_method, percentile
+
+DRAFTS = ("none", "lookahead-adaptive")  # what a point runs: no drafts, or adaptive lookahead drafts
+SERVE_FLAGS = {"none": "--draft none", "lookahead-adaptive": "--draft lookahead --adaptive"}
+
+
+@dataclass(frozen=True, slots=True)
+class Goals:
+    """Latency goals at a percentile of requests (None: no goal on that one)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    percentile: float = 99.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        for name, v in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms)):
+            if v is not None and v <= 0:
+                raise ValueError(f"the {name} goal must be > 0 ms, got {v}")
+
+    def missed(self, ttft_ms: float, tpot_ms: float) -> str:
+        """Which goals a point misses ('' when it meets them all)."""
+        p = f"p{self.percentile:g}"
+        out = []
+        if self.ttft_ms is not None and ttft_ms > self.ttft_ms:
+            out.append(f"TTFT {p} {ttft_ms:.0f} > {self.ttft_ms:g} ms")
+        if self.tpot_ms is not None and tpot_ms > self.tpot_ms:
+            out.append(f"TPOT {p} {tpot_ms:.1f} > {self.tpot_ms:g} ms")
+        return "; ".join(out)
+
+
+@dataclass(slots=True)
+class Point:
+    draft: str  # one of DRAFTS
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tokens_per_s: float
+    ttft_ms: float  # at the goals' percentile
+    tpot_ms: float
+    tokens_per_step: float
+    lossless: bool | None = None  # with drafts: outputs equal `none`'s at the same concurrency
+    missed: str = ""  # the goals it misses
+
+    @property
+    def meets(self) -> bool:
+        return not self.missed
+
+    def serve_flags(self) -> str:
+        return (
+            f"--max-num-seqs {self.max_num_seqs} --max-num-batched-tokens {self.max_num_batched_tokens} "
+            f"{SERVE_FLAGS[self.draft]}"
+        )
+
+
+@dataclass(slots=True)
+class TuneResult:
+    goals: Goals
+    points: list[Point] = field(default_factory=list)
+    best: Point | None = None
+    confirmed_tokens_per_s: float | None = None  # --confirm: the recommendation measured again
+
+    @property
+    def confirm_ratio(self) -> float | None:
+        if self.best is None or self.confirmed_tokens_per_s is None:
+            return None
+        return self.confirmed_tokens_per_s / self.best.tokens_per_s
+
+
+def recommend(points: list[Point]) -> Point | None:
+    """The point with the most tokens/s among those that meet the goals (ties: fewer seats)."""
+    ok = [p for p in points if p.meets]
+    return max(ok, key=lambda p: (p.tokens_per_s, -p.max_num_seqs)) if ok else None
+
+
+def closest(points: list[Point], goals: Goals) -> Point | None:
+    """When nothing meets the goals: the point that misses them by the least (relative)."""
+
+    def excess(p: Point) -> float:
+        over = 0.0
+        if goals.ttft_ms is not None:
+            over = max(over, p.ttft_ms / goals.ttft_ms)
+        if goals.tpot_ms is not None:
+            over = max(over, p.tpot_ms / goals.tpot_ms)
+        return over
+
+    return min(points, key=excess) if points else None
+
+
+@dataclass(slots=True)
+class _Runner:
+    """What every run of one tune shares."""
+
+    model: Any
+    tokenizer: Any
+    work: Any  # sweep.Workload
+    goals: Goals
+    num_prompts: int
+    waves: int
+    max_new: int
+    weights: str  # "q4_1" or "float32": what the server would run
+    cost_profile: Any
+    bar: Any
+    outputs: dict[int, list[list[int]]] = field(default_factory=dict)  # `none`'s, per concurrency
+
+    def method(self, draft: str) -> Any:
+        m = batchserve_method(draft + ("-q4" if self.weights == "q4_1" else ""))
+        assert m is not None
+        return m
+
+    def run(self, draft: str, c: int, budget: int) -> tuple[Point, list[list[int]]]:
+        from batchserve.bench.sweep import run_batchserve
+
+        n = max(self.num_prompts, self.waves * c)
+        m = self.method(draft)
+        run = run_batchserve(
+            self.model,
+            self.tokenizer,
+            self.work.prompts[:n],
+            self.max_new,
+            c,
+            m,
+            self.work.warm,
+            16,
+            self.cost_profile if m.adaptive else None,
+            self.work.earlier[:n],
+            max_num_batched_tokens=budget,
+        )
+        q = self.goals.percentile / 100
+        tokens = sum(map(len, run.outputs))
+        ttft, tpot = percentile(run.ttfts, q) * 1e3, percentile(run.tpots, q) * 1e3
+        point = Point(draft, c, budget, round(tokens / run.seconds, 2), round(ttft, 1), round(tpot, 2), 0.0)
+        point.tokens_per_step = round(run.tokens_per_step, 2)
+        point.missed = self.goals.missed(ttft, tpot)
+        self.bar.update(1)
+        return point, run.outputs
+
+    def point(self, draft: str, c: int, budget: int) -> Point:
+        p, outputs = self.run(draft, c, budget)
+        if draft == "none":
+            self.outputs.setdefault(c, outputs)
+        elif c in self.outputs:
+            p.lossless = outputs == self.outputs[c]
+        tqdm.write(format_point(p))
+        return p
+
+
+def format_point(p: Point) -> str:
+    verdict = "meets the goals" if p.meets else p.missed
+    return (
+        f"{p.draft:18} seqs={p.max_num_seqs:<3} budget={p.max_num_batched_tokens:<5} "
+        f"{p.tokens_per_s:7.1f} tok/s  TTFT {p.ttft_ms:7.0f} ms  TPOT {p.tpot_ms:6.1f} ms  "
+        f"{p.tokens_per_step:4.2f} tok/step  {verdict}"
+    )
+
+
+def tune(
+    dataset: str,
+    goals: Goals,
+    concurrency: list[int],
+    token_budgets: list[int],
+    num_prompts: int,
+    waves: int,
+    max_new: int,
+    model_path: str | None,
+    out_dir: Path,
+    confirm: bool = False,
+) -> TuneResult:
+    """Measure, recommend, write DIR/tune.md, tune.json and tune.png (see the module doc)."""
+    from batchserve.bench.sweep import _cost_profiles, load_dataset
+    from batchserve.config import EngineConfig
+    from batchserve.model import choose_cpu_weights, choose_impl
+    from batchserve.runner import load_model
+
+    default_budget = EngineConfig().scheduler.max_num_batched_tokens
+    concurrency = sorted(set(concurrency))
+    budgets = sorted({b for b in token_budgets if b != default_budget})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_model, tokenizer = load_model(model_path, "float32")
+    on_cpu = next(hf_model.parameters()).device.type == "cpu"
+    weights = choose_cpu_weights(on_cpu, model_path)
+    # The server's forward, built once: every run's engine reuses it.
+    model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
+    del hf_model
+    work = load_dataset(dataset, max(num_prompts, waves * concurrency[-1]), tokenizer)
+    total = 1 + len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)
+    bar = tqdm(total=total, desc="tune", unit="run")
+    adaptive = "lookahead-adaptive" + ("-q4" if weights == "q4_1" else "")
+    profile = _cost_profiles([adaptive], model, tokenizer).popitem()[1]
+    r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar)
+    result = TuneResult(goals)
+    try:
+        r.run("none", 1, default_budget)  # unmeasured: the first run in a process pays one-time setup
+        for c in concurrency:
+            for draft in DRAFTS:
+                result.points.append(r.point(draft, c, default_budget))
+        stage1 = recommend(result.points) or closest(result.points, goals)
+        assert stage1 is not None
+        for budget in budgets:
+            if budget >= stage1.max_num_seqs:  # every running request needs a token per step
+                result.points.append(r.point(stage1.draft, stage1.max_num_seqs, budget))
+            else:
+                bar.update(1)
+        result.best = recommend(result.points)
+        if confirm and result.best is not None:
+            again, _ = r.run(result.best.draft, result.best.max_num_seqs, result.best.max_num_batched_tokens)
+            result.confirmed_tokens_per_s = again.tokens_per_s
+    finally:
+        bar.close()
+    write_tune_report(result, out_dir, dataset, max_new, weights)
+    return result
+
+
+def write_tune_report(result: TuneResult, out_dir: Path, dataset: str, max_new: int, weights: str) -> None:
+    """DIR/tune.json (every point), tune.md (the table and the answer) and tune.png."""
+    g = result.goals
+    (out_dir / "tune.json").write_text(
+        json.dumps(
+            {
+                "dataset": dataset,
+                "goals": asdict(g),
+                "points": [asdict(p) for p in result.points],
+                "best": None if result.best is None else asdict(result.best),
+                "confirmed_tokens_per_s": result.confirmed_tokens_per_s,
+            },
+            indent=1,
+        )
+    )
+    p = f"p{g.percentile:g}"
+    goals = ", ".join(
+        f"{name} {p} <= {v:g} ms" for name, v in (("TTFT", g.ttft_ms), ("TPOT", g.tpot_ms)) if v is not None
+    )
+    lines = [
+        f"# batchserve tune: {dataset}\n",
+        f"Goals: {goals or 'none (the most throughput)'}. Closed loop, c clients and `--max-num-seqs c`, "
+        f"{max_new} new tokens, greedy, {weights} weights.\n",
+        f"| drafts | max-num-seqs | max-num-batched-tokens | tokens/s | TTFT {p} (ms) | TPOT {p} (ms) | tokens/step "
+        "| same output as none | goals |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for pt in result.points:
+        same = "-" if pt.lossless is None else ("yes" if pt.lossless else "**NO**")
+        lines.append(
+            f"| {pt.draft} | {pt.max_num_seqs} | {pt.max_num_batched_tokens} | {pt.tokens_per_s:.1f} | "
+            f"{pt.ttft_ms:.0f} | {pt.tpot_ms:.1f} | {pt.tokens_per_step:.2f} | {same} | "
+            f"{'met' if pt.meets else pt.missed} |"
+        )
+    lines.append("")
+    lines.extend(answer_lines(result))
+    (out_dir / "tune.md").write_text("\n".join(lines) + "\n")
+    plot_tune(result, out_dir / "tune.png")
+
+
+def answer_lines(result: TuneResult) -> list[str]:
+    """The recommendation and the flags to serve with, or why there is none."""
+    best = result.best
+    if best is None:
+        near = closest(result.points, result.goals)
+        out = ["**No setting measured meets the goals.**"]
+        if near is not None:
+            out.append(
+                f"Closest: {near.draft}, {near.max_num_seqs} seqs ({near.missed}). Loosen the goals, or serve "
+                "fewer requests at once on a faster machine."
+            )
+        return out
+    out = [
+        f"**Recommended:** {best.draft} at {best.max_num_seqs} running requests, "
+        f"{best.max_num_batched_tokens} tokens per step: {best.tokens_per_s:.1f} tokens/s predicted.",
+        "",
+        f"    batchserve serve {best.serve_flags()}",
+    ]
+    if result.confirm_ratio is not None:
+        out.append(
+            f"\nConfirmed by a second run: {result.confirmed_tokens_per_s:.1f} tokens/s "
+            f"({result.confirm_ratio:.2f}x the prediction)."
+        )
+    return out
+
+
+def plot_tune(result: TuneResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = result.goals
+    fig, (top, bottom) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for draft in DRAFTS:
+        pts = sorted(
+            (p.max_num_seqs, p.tokens_per_s, p.tpot_ms)
+            for p in result.points
+            if p.draft == draft and p.max_num_batched_tokens == (result.points[0].max_num_batched_tokens)
+        )
+        if not pts:
+            continue
+        cs, tps, tpots = zip(*pts)
+        top.plot(cs, tps, marker="o", label=draft)
+        bottom.plot(tps, tpots, marker="o", label=draft)
+        for c, x, y in pts:
+            bottom.annotate(str(c), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    if result.best is not None:
+        top.plot([result.best.max_num_seqs], [result.best.tokens_per_s], "k*", markersize=14, label="recommended")
+    if g.tpot_ms is not None:
+        bottom.axhline(g.tpot_ms, color="red", linestyle=":", label=f"TPOT goal (p{g.percentile:g})")
+    top.set_xscale("log", base=2)
+    seats = sorted({p.max_num_seqs for p in result.points})
+    top.set_xticks(seats, [str(c) for c in seats])
+    top.set_xlabel("concurrency (max-num-seqs)")
+    top.set_ylabel("output tokens / s")
+    bottom.set_xlabel("output tokens / s (labels: concurrency)")
+    bottom.set_ylabel(f"TPOT p{g.percentile:g} (ms)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
