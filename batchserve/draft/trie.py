@@ -13,6 +13,9 @@ Two kinds of trie, one node type:
   8k-token prompt costs 64 KiB and well under a millisecond to index, not 27 MiB and 0.4 s,
   and it is built when the request is admitted to run, never while it only waits.
 
+A request's references (a client's predicted output, `reference.py`) draft ahead of both, and
+stay the request's own: they are never inserted into any trie.
+
 A node's count is the number of times its path (from the root) occurred as a run of
 consecutive tokens, for paths up to `branch_length` tokens. Counts never grow along a
 path, so pruning a node prunes a subtree of nodes at least as rare.

@@ -31,9 +31,11 @@ def build_request(
     layout: str | None = None,
     tenant: str = "",
     jacobi: Sequence[int | None] | None = None,
+    references: Sequence[str] = (),
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from text, token ids, or chat messages ({"role", "content"} dicts)."""
-    req = pb.GenerateRequest(request_id=request_id, tenant=tenant)
+    """A GenerateRequest from text, token ids, or chat messages ({"role", "content"} dicts);
+    `references`: texts the output is expected to repeat (a predicted output)."""
+    req = pb.GenerateRequest(request_id=request_id, tenant=tenant, reference=references)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

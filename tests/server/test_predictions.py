@@ -102,8 +102,7 @@ async def test_the_official_client_gets_an_openai_error_for_an_unknown_type(api)
 async def test_grpc_reference_drafts_and_reports_usage(api):
     stub = api.stub
     base = await stub.Generate(build_request([5, 6, 7], max_new_tokens=32, ignore_eos=True))
-    request = build_request([5, 6, 7], max_new_tokens=32, ignore_eos=True)
-    request.reference.append(base.text)
+    request = build_request([5, 6, 7], max_new_tokens=32, ignore_eos=True, references=[base.text])
     got = await stub.Generate(request)
     assert got.token_ids == base.token_ids and got.stats.steps < 16
     assert got.usage.accepted_prediction_tokens > 16
