@@ -144,6 +144,15 @@ def test_what_the_native_forward_does_not_run_exactly_is_refused_by_name():
     assert not isinstance(choose_impl(_model("llama"), "transformers"), NativeLlamaForCausalLM)
 
 
+def test_a_native_model_handed_in_is_reused_as_it_is():
+    native = choose_impl(_model("llama"), "auto")
+    assert choose_impl(native, "auto") is native and choose_impl(native, "native", cpu_weights="float32") is native
+    with pytest.raises(ValueError, match="cannot run as transformers"):
+        choose_impl(native, "transformers")
+    with pytest.raises(ValueError, match="cannot run as auto/q4_1"):
+        choose_impl(native, "auto", cpu_weights="q4_1")
+
+
 def test_fused_projections_hold_the_same_weights():
     hf = _model("qwen2")
     native = native_from_hf(hf)
