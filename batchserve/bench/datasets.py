@@ -181,15 +181,20 @@ def split_workload(name: str, samples: list[Sample]) -> tuple[list[Sample], list
 
 
 def is_jsonl(name: str) -> bool:
-    return name.endswith(".jsonl")
+    return name.removesuffix(REPEAT).endswith(".jsonl")
+
+
+REPEAT = "+repeat"  # a dataset with this suffix sends each of its test prompts twice, in two rounds
 
 
 def known_dataset(name: str) -> bool:
+    name = name.removesuffix(REPEAT)
     return name in DATASETS or (is_jsonl(name) and Path(name).is_file())
 
 
 def load_samples(name: str, limit: int) -> list[Any]:
     """Up to `limit` samples of a named dataset (`DATASETS`) or of a JSONL file."""
+    name = name.removesuffix(REPEAT)
     if is_jsonl(name):
         return jsonl(name, limit)
     return DATASETS[name](limit)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from batchserve.bench.datasets import Sample, load_samples, split, split_workload
+from batchserve.bench.datasets import REPEAT, Sample, load_samples, split, split_workload
 from batchserve.bench.load import open_loop, open_loop_latencies, poisson_arrivals
 from batchserve.bench.methods import KEEP, SINGLE, Method, Row, batchserve_method, expected_outputs, make_row, pick_run
 from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
@@ -163,15 +163,21 @@ class Workload:
 
 
 def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
-    """The first `num_prompts` test prompts of dataset `name` (`datasets.DATASETS`, or a JSONL file)."""
-    samples = load_samples(name, max(400, 2 * num_prompts))
+    """The first `num_prompts` test prompts of dataset `name` (`datasets.DATASETS`, or a JSONL
+    file). `NAME+repeat`: the first half of them, then the same again (exact repeats, whose
+    outputs the first round has put in the trie and the prefix cache)."""
+    base = name.removesuffix(REPEAT)
+    unique = -(-num_prompts // 2) if base != name else num_prompts
+    samples = load_samples(base, max(400, 2 * unique))
     firsts: list[Sample] = []
-    if name == "sharegpt-multiturn":  # (first turn, second turn) pairs
+    if base == "sharegpt-multiturn":  # (first turn, second turn) pairs
         firsts, samples = [p[0] for p in samples], [p[1] for p in samples]  # type: ignore[index]
-    dev, test = split_workload(name, samples)
+    dev, test = split_workload(base, samples)
     warm = [e.output for e in encode(dev, tokenizer)]
-    prompts = [e.prompt for e in encode(test[:num_prompts], tokenizer)]
-    earlier = [_conversation_so_far(s, tokenizer) for s in split(firsts)[1][:num_prompts]]
+    prompts = [e.prompt for e in encode(test[:unique], tokenizer)]
+    earlier = [_conversation_so_far(s, tokenizer) for s in split(firsts)[1][:unique]]
+    if base != name:
+        prompts, earlier = (prompts + prompts)[:num_prompts], (earlier + earlier)[:num_prompts]
     return Workload(prompts, warm, earlier)
 
 
