@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from batchserve.config import MODEL_DTYPES, SETTINGS, EngineConfig, Setting, settings_of
+from batchserve.bench.commands import add_bench_parser, add_tune_parser, bench_command, int_list, tune_command
+from batchserve.config import SETTINGS, EngineConfig, Setting, settings_of
 
 SECTION_TITLES = {
     "model": "model",
@@ -16,21 +17,6 @@ SECTION_TITLES = {
     "limits": "per-request limits",
     "": "server",
 }
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
 
 def add_settings(parser: argparse.ArgumentParser, settings: list[Setting]) -> None:
     """One flag per setting (with its older spellings), grouped by section, defaults from the dataclasses."""
@@ -55,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _calibrate_parser(sub)
     _generate_parser(sub)
-    _bench_parser(sub)
-    _tune_parser(sub)
+    add_bench_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 
@@ -76,7 +62,7 @@ def _calibrate_parser(sub: Any) -> None:
     cal = sub.add_parser("calibrate", help="measure step time against tokens per step; save the cost profile")
     add_settings(cal, [s for s in SETTINGS.values() if s.section == "model" and s.name != "max_model_len"])
     cal.add_argument("--max-tokens", type=int, default=512, help="largest step to time (the server's tokens per step)")
-    cal.add_argument("--contexts", type=_ints, default=[64, 512, 2048], help="KV lengths to time at")
+    cal.add_argument("--contexts", type=int_list, default=[64, 512, 2048], help="KV lengths to time at")
     cal.add_argument("--repeats", type=int, default=9, help="timed runs per shape (lower quartile)")
     cal.add_argument("--out", default=None, help="profile path (default: the per-device cache the server reads)")
 
@@ -102,80 +88,6 @@ def _generate_parser(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result")
-
-
-def _bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmarks against peers (or --simulate: drafts without the model)")
-    bench.add_argument(
-        "--dataset",
-        default="humaneval,sharegpt",
-        help="comma-separated: humaneval, sharegpt, sharegpt-multiturn (second turns after their first), "
-        "system-prompt (short questions behind one shared ~400-token system prompt), code-edit (edit a "
-        "standard-library function), doc-qa (a question on a documentation section), summarize, or FILE.jsonl "
-        'of your own prompts ({"prompt": ...} or {"messages": [...]} per line)',
-    )
-    bench.add_argument("--model", default=None, help="model (default: SmolLM2)")
-    bench.add_argument("--num-prompts", type=int, default=16, help="test prompts per dataset (at least)")
-    bench.add_argument(
-        "--waves",
-        type=int,
-        default=0,
-        help="batch b runs at least waves*b prompts, so the closed loop stays full (0: --num-prompts for all)",
-    )
-    bench.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16], help="requests in flight")
-    bench.add_argument(
-        "--request-rates",
-        type=_floats,
-        default=[],
-        help="also an open loop per rate: Poisson arrivals, requests/s, at most max(--batch-sizes) running",
-    )
-    bench.add_argument(
-        "--methods",
-        default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
-        help="comma-separated: hf, hf-static (static cache + compiled forward), hf-prompt-lookup, hf-batch, "
-        "llamacpp (llama-cpp-python on the same GGUF, batch 1), none, llma, parallel, lookahead, lookahead-cold, "
-        "lookahead-4|16|64, lookahead-adaptive (and -blas / -hf variants: torch's BLAS / the transformers forward), "
-        "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W; "
-        "jacobi-4|16|64 / hybrid-4|16|64: the window every step); "
-        "a batchserve method with the suffix +nocache runs with prefix caching off",
-    )
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--decoding-length", type=int, default=16, help="draft tokens per step of the fixed methods")
-    bench.add_argument("--repeats", type=int, default=1, help="runs per batchserve method and batch, in rounds")
-    bench.add_argument(
-        "--keep", default="fastest", choices=["fastest", "median"], help="which of the repeated runs is reported"
-    )
-    bench.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
-    bench.add_argument(
-        "--allow-mismatch", action="store_true", help="fp16/bf16: report outputs that differ from HF, do not fail"
-    )
-    bench.add_argument("--out", default="bench_out", help="directory for results.json, report.md, throughput.png")
-    bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
-    bench.add_argument("--decoding-lengths", type=_ints, default=[4, 8, 16, 32, 64], help="--simulate only")
-    bench.add_argument("--num-samples", type=int, default=164, help="--simulate: samples per dataset (half dev)")
-    bench.add_argument("--no-speed", action="store_true", help="--simulate: skip the trie timing and memory")
-
-
-def _tune_parser(sub: Any) -> None:
-    tune = sub.add_parser(
-        "tune",
-        help="measure this machine on a workload and recommend max-num-seqs, the token budget and drafts for SLOs",
-    )
-    tune.add_argument("--dataset", default="humaneval", help="a bench dataset name or FILE.jsonl of your prompts")
-    tune.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token goal (ms)")
-    tune.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token goal (ms)")
-    tune.add_argument("--percentile", type=float, default=99.0, help="the goals hold for this percentile of requests")
-    tune.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16], help="max-num-seqs values to try")
-    tune.add_argument(
-        "--token-budgets", type=_ints, default=[256, 1024], help="max-num-batched-tokens to try at the best point"
-    )
-    tune.add_argument("--num-prompts", type=int, default=16, help="prompts per run (at least)")
-    tune.add_argument("--waves", type=int, default=2, help="each run sends max(num-prompts, waves x concurrency)")
-    tune.add_argument("--max-new-tokens", type=int, default=128)
-    tune.add_argument("--model", default=None, help="model (default: SmolLM2)")
-    tune.add_argument("--confirm", action="store_true", help="run the recommendation again and report how it held")
-    tune.add_argument("--out", default="tune_out", help="directory for tune.md, tune.json, tune.png")
-
 
 def engine_config(args: argparse.Namespace, settings: list[Setting] | None = None) -> EngineConfig:
     """The EngineConfig the parsed flags describe (every engine setting the parser has)."""
@@ -262,118 +174,13 @@ def _generate(args: argparse.Namespace) -> int:
     return generate_command(args)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-    from batchserve.bench.datasets import DATASETS, DatasetError, is_jsonl, jsonl, known_dataset
-
-    unknown = [d for d in datasets if not known_dataset(d)]
-    if unknown or not datasets:
-        print(
-            f"batchserve bench: unknown dataset(s) {unknown}: a name of {', '.join(DATASETS)} or a .jsonl file",
-            file=sys.stderr,
-        )
-        return 2
-    for d in filter(is_jsonl, datasets):  # a bad line fails now, not after the models load
-        try:
-            jsonl(d)
-        except DatasetError as e:
-            print(f"batchserve bench: {e}", file=sys.stderr)
-            return 2
-    if args.simulate:
-        from batchserve.bench.simulate import main as simulate_main
-
-        if set(datasets) - {"humaneval", "sharegpt"}:
-            print("batchserve bench: --simulate replays humaneval and sharegpt only", file=sys.stderr)
-            return 2
-
-        simulate_main(datasets, args.decoding_lengths, args.num_samples, args.model, speed=not args.no_speed)
-        return 0
-    from pathlib import Path
-
-    from batchserve.bench import METHODS, run, summary_table
-    from batchserve.bench.methods import known_method
-
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if not known_method(m)]
-    if bad or not methods:
-        print(f"batchserve bench: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
-        return 2
-    counts = (args.num_prompts, args.max_new_tokens, args.repeats, *args.batch_sizes)
-    if min(counts) < 1 or args.waves < 0 or not args.batch_sizes or any(r <= 0 for r in args.request_rates):
-        print(
-            "batchserve bench: --num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1, "
-            "--waves >= 0, --request-rates > 0",
-            file=sys.stderr,
-        )
-        return 2
-    out = Path(args.out)
-    rows = run(
-        datasets,
-        methods,
-        args.batch_sizes,
-        args.num_prompts,
-        args.max_new_tokens,
-        out,
-        args.model,
-        args.decoding_length,
-        args.dtype,
-        args.repeats,
-        args.keep,
-        args.waves,
-        args.request_rates,
-    )
-    print(summary_table(rows))
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")
-    if any(r.lossless is False for r in rows) and not args.allow_mismatch:
-        print("batchserve bench: some outputs differ from HF greedy (lossless=false): a bug", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _tune(args: argparse.Namespace) -> int:
-    from batchserve.bench.datasets import DatasetError, is_jsonl, jsonl, known_dataset
-
-    def fail(message: str) -> int:
-        print(f"batchserve tune: {message}", file=sys.stderr)
-        return 2
-
-    if not known_dataset(args.dataset):
-        return fail(f"unknown dataset {args.dataset!r}: a bench dataset name or a .jsonl file")
-    if is_jsonl(args.dataset):
-        try:
-            jsonl(args.dataset)
-        except DatasetError as e:
-            return fail(str(e))
-    counts = (args.num_prompts, args.max_new_tokens, *args.concurrency, *args.token_budgets)
-    if not args.concurrency or min(counts) < 1 or args.waves < 0:
-        return fail("--concurrency, --token-budgets, --num-prompts and --max-new-tokens must be >= 1, --waves >= 0")
-    from pathlib import Path
-
-    from batchserve.bench.tune import Goals, answer_lines, tune
-
-    try:
-        goals = Goals(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
-    except ValueError as e:
-        return fail(str(e))
-    out = Path(args.out)
-    result = tune(
-        args.dataset,
-        goals,
-        args.concurrency,
-        args.token_budgets,
-        args.num_prompts,
-        args.waves,
-        args.max_new_tokens,
-        args.model,
-        out,
-        args.confirm,
-    )
-    print("\n".join(answer_lines(result)))
-    print(f"wrote {out / 'tune.md'}, {out / 'tune.json'}, {out / 'tune.png'}")
-    return 0 if result.best is not None else 1
-
-
-COMMANDS = {"serve": _serve, "calibrate": _calibrate, "generate": _generate, "bench": _bench, "tune": _tune}
+COMMANDS = {
+    "serve": _serve,
+    "calibrate": _calibrate,
+    "generate": _generate,
+    "bench": bench_command,
+    "tune": tune_command,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,187 +6,21 @@ Batch size b: b requests in flight (a closed loop). Every batchserve output is c
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from batchserve.bench.datasets import REPEAT, Sample, load_samples, split, split_workload
-from batchserve.bench.load import open_loop, open_loop_latencies, poisson_arrivals
-from batchserve.bench.methods import KEEP, SINGLE, Method, Row, batchserve_method, expected_outputs, make_row, pick_run
+from batchserve.bench.load import poisson_arrivals
+from batchserve.bench.methods import KEEP, SINGLE, Row, batchserve_method, expected_outputs, make_row, pick_run
 from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
 from batchserve.bench.report import plot, save_results, write_report
-from batchserve.bench.simulate import encode
-from batchserve.request import tokens_per_step
+from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
 from batchserve.runner.build import eos_token_ids
-from batchserve.scheduler import SchedulerOutput, StepPhases
 
 if TYPE_CHECKING:
     from batchserve.scheduler.cost_profile import CostProfile
-
-
-@dataclass(slots=True)
-class PhaseTotals:
-    """Sums of the engine's step phases over a run (a step listener)."""
-
-    batch_size: int  # a full decode step runs this many requests
-    steps: int = 0
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*StepPhases.NAMES, "wall"), 0.0))
-    attention: float | None = None  # seconds inside the attention backend, where it is timed
-    decode_steps: int = 0  # full steps without a prompt chunk: one committed token per request
-    decode_wall: float = 0.0
-
-    def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
-        if not out.requests:
-            return
-        self.steps += 1
-        for name, t in phases.items():
-            self.seconds[name] += t
-        self.seconds["wall"] += phases.wall
-        if phases.attention is not None:
-            self.attention = (self.attention or 0.0) + phases.attention
-        if len(out.requests) == self.batch_size and all(len(r.token_ids) == 1 and r.sample for r in out.requests):
-            self.decode_steps += 1
-            self.decode_wall += phases.wall
-
-    def apply(self, row: Row) -> None:
-        row.steps = self.steps
-        if self.steps:
-            row.phase_ms = {k: round(v * 1e3 / self.steps, 3) for k, v in self.seconds.items()}
-            wall = self.seconds["wall"]
-            row.overhead_ratio = round((wall - self.seconds["forward"]) / wall, 4) if wall else None
-            if self.attention is not None and wall:
-                row.phase_ms["attention"] = round(self.attention * 1e3 / self.steps, 3)
-                row.attention_share = round(self.attention / wall, 4)
-        if self.decode_steps:
-            row.decode_step_ms = round(self.decode_wall * 1e3 / self.decode_steps, 3)
-
-
-@dataclass(slots=True)
-class EngineRun:
-    """What one batchserve run measured."""
-
-    outputs: list[list[int]]
-    seconds: float
-    ttfts: list[float]
-    tpots: list[float]
-    tokens_per_step: float
-    mean_len: float  # draft tokens per request step
-    phases: PhaseTotals
-    cached_share: float | None  # prompt tokens served from the prefix cache / prompt tokens
-
-
-def run_batchserve(
-    engine_model: Any,
-    tokenizer: Any,
-    prompts: list[list[int]],
-    max_new: int,
-    b: int,
-    m: Method,
-    warm: list[list[int]],
-    decoding_length: int,
-    cost_profile: CostProfile | None = None,
-    earlier: list[list[int]] = (),  # type: ignore[assignment]
-    arrivals: list[float] | None = None,
-    max_num_batched_tokens: int | None = None,
-) -> EngineRun:
-    """One batchserve method at batch size b, on the server's default KV pool (a smaller one
-    evicts the cached prefixes a workload shares). `earlier` prompts (a conversation's first
-    turns) run first, unmeasured, on the same engine. With `arrivals` (seconds from the start,
-    one per prompt) the load is an open loop (`load.open_loop`) with at most b running."""
-    from batchserve import LLM, SamplingParams
-
-    llm = LLM(
-        draft=m.draft,
-        draft_layout=m.layout,
-        decoding_length=m.decoding_length or decoding_length,
-        adaptive=m.adaptive,
-        max_num_seqs=b,
-        hf_model=engine_model,
-        tokenizer=tokenizer,
-        cost_profile=cost_profile,
-        cpu_linear=m.cpu_linear,
-        model_impl=m.model_impl,
-        cpu_weights=m.cpu_weights,
-        prefix_caching=m.prefix_caching,
-        **({} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}),
-        **(dict(zip(("window_size", "ngram_size", "guesses"), m.jacobi)) if m.jacobi else {}),
-    )
-    if m.warm:
-        llm.engine.drafter.warm_up(warm)
-    if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
-        llm.generate(earlier, SamplingParams(max_new_tokens=1))
-    phases = PhaseTotals(b)
-    llm.engine.step_listeners.append(phases.add)
-    params = SamplingParams(max_new_tokens=max_new)
-    if arrivals is not None:
-        results, due, seconds = open_loop(llm, prompts, params, arrivals)
-        ttfts, tpots = open_loop_latencies(results, due)
-    else:
-        t0 = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        ttfts = closed_loop_ttfts(results, b)
-        tpots = [
-            (r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1
-        ]
-    steps = sum(r.stats.steps for r in results)
-    outputs = [r.token_ids for r in results]
-    mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
-    cached = sum(r.stats.cached_prompt_tokens for r in results) / max(1, sum(map(len, prompts)))
-    tps = tokens_per_step(sum(len(o) for o in outputs), steps)
-    return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached if m.prefix_caching else None)
-
-
-def closed_loop_ttfts(results: list[Any], b: int) -> list[float]:
-    """Time to first token of requests sent in order through b seats (a closed loop): the
-    first b start together, each later one when a seat frees, at the (k - b)-th finish. Time
-    it then waits for the engine to admit it (token budget, KV blocks) counts."""
-    finishes = sorted(r.finish_time for r in results)
-    return [
-        r.first_token_time - (r.arrival_time if k < b else max(r.arrival_time, finishes[k - b]))
-        for k, r in enumerate(results)
-    ]
-
-
-@dataclass(slots=True)
-class Workload:
-    """A dataset's measured prompts, the dev outputs that warm the trie, and the prompts sent
-    earlier in each run, unmeasured (sharegpt-multiturn: each conversation's first turn and its
-    reference reply)."""
-
-    prompts: list[list[int]]
-    warm: list[list[int]]
-    earlier: list[list[int]] = field(default_factory=list)
-
-
-def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
-    """The first `num_prompts` test prompts of dataset `name` (`datasets.DATASETS`, or a JSONL
-    file). `NAME+repeat`: the first half of them, then the same again (exact repeats, whose
-    outputs the first round has put in the trie and the prefix cache)."""
-    base = name.removesuffix(REPEAT)
-    unique = -(-num_prompts // 2) if base != name else num_prompts
-    samples = load_samples(base, max(400, 2 * unique))
-    firsts: list[Sample] = []
-    if base == "sharegpt-multiturn":  # (first turn, second turn) pairs
-        firsts, samples = [p[0] for p in samples], [p[1] for p in samples]  # type: ignore[index]
-    dev, test = split_workload(base, samples)
-    warm = [e.output for e in encode(dev, tokenizer)]
-    prompts = [e.prompt for e in encode(test[:unique], tokenizer)]
-    earlier = [_conversation_so_far(s, tokenizer) for s in split(firsts)[1][:unique]]
-    if base != name:
-        prompts, earlier = (prompts + prompts)[:num_prompts], (earlier + earlier)[:num_prompts]
-    return Workload(prompts, warm, earlier)
-
-
-def _conversation_so_far(first: Sample, tokenizer: Any) -> list[int]:
-    """A first turn and its reference reply, as a chat client's history stands before the
-    second turn (rendered without a generation prompt: the second turn's prompt starts so)."""
-    messages = [*first.messages(), {"role": "assistant", "content": first.reference}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 @dataclass(slots=True)
@@ -205,21 +39,6 @@ class _Sweep:
     bar: Any
     gguf: Path | None = None  # the engine's GGUF file, for the llamacpp peer
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
-
-
-def _cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dict[tuple[str, str], CostProfile]:
-    """The profiles the server would use (cached per device, dtype, model and kernels; measured if absent)."""
-    cost_profiles = {}
-    specs = [batchserve_method(m) for m in methods]
-    for impl, cpu_linear, weights in {m.kernels for m in specs if m is not None and m.adaptive}:
-        from batchserve import LLM
-
-        kw = dict(cpu_linear=cpu_linear, model_impl=impl, cpu_weights=weights)
-        probe = LLM(adaptive=True, hf_model=engine_model, tokenizer=tokenizer, **kw)
-        cost_profiles[(impl, cpu_linear, weights)] = probe.engine.cost_profile
-        del probe
-    return cost_profiles
-
 
 def _peer_rows(
     s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int
@@ -321,6 +140,25 @@ def _batch_rows(
     return rows
 
 
+def _dataset_rows(
+    s: _Sweep, dataset: str, num_prompts: int, count: dict[int, int], rates: list[float], rows: list[Row], out: Path
+) -> None:
+    """One dataset's rows, appended to `rows` and saved after every load point (an interrupted
+    sweep keeps what it measured): the peers, each batch size, then each request rate."""
+    n = max(count.values())
+    work = load_dataset(dataset, n, s.tokenizer)
+    if len(work.prompts) < n:
+        tqdm.write(f"{dataset}: {len(work.prompts)} test prompts, fewer than the {n} asked for")
+    peer_rows, reference = _peer_rows(s, dataset, work.prompts, num_prompts)
+    rows.extend(peer_rows)
+    for b in count:
+        rows.extend(_batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work))
+        save_results(rows, out)
+    for rate in rates:
+        rows.extend(_batch_rows(s, dataset, max(count), work.prompts[:n], reference[:n], work, rate))
+        save_results(rows, out)
+
+
 def run(
     datasets: list[str],
     methods: list[str],
@@ -359,7 +197,7 @@ def run(
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_model, tokenizer = load_model(model_path, dtype)
     engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
-    cost_profiles = _cost_profiles(methods, engine_model, tokenizer)
+    profiles = cost_profiles(methods, engine_model, tokenizer)
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     rates = list(request_rates or [])
     runs_per_point = sum(m not in SINGLE for m in methods) * repeats
@@ -370,22 +208,11 @@ def run(
     )
     bar = tqdm(total=total, desc="bench", unit="run")
     s = _Sweep(
-        methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, cost_profiles, bar, gguf
+        methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar, gguf
     )
     rows: list[Row] = []
     for dataset in datasets:
-        work = load_dataset(dataset, max(count.values()), tokenizer)
-        if len(work.prompts) < max(count.values()):
-            tqdm.write(f"{dataset}: {len(work.prompts)} test prompts, fewer than the {max(count.values())} asked for")
-        peer_rows, reference = _peer_rows(s, dataset, work.prompts, num_prompts)
-        rows.extend(peer_rows)
-        for b in batch_sizes:
-            rows.extend(_batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work))
-            save_results(rows, out_dir)  # after every batch size, so an interrupted sweep keeps what it measured
-        cap, n = max(batch_sizes), max(count.values())
-        for rate in rates:
-            rows.extend(_batch_rows(s, dataset, cap, work.prompts[:n], reference[:n], work, rate))
-            save_results(rows, out_dir)
+        _dataset_rows(s, dataset, num_prompts, count, rates, rows, out_dir)
     bar.close()
     write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped)
     plot(rows, out_dir / "throughput.png")

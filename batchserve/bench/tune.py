@@ -128,7 +128,7 @@ class _Runner:
         return m
 
     def run(self, draft: str, c: int, budget: int) -> tuple[Point, list[list[int]]]:
-        from batchserve.bench.sweep import run_batchserve
+        from batchserve.bench.runs import run_batchserve
 
         n = max(self.num_prompts, self.waves * c)
         m = self.method(draft)
@@ -186,7 +186,7 @@ def tune(
     confirm: bool = False,
 ) -> TuneResult:
     """Measure, recommend, write DIR/tune.md, tune.json and tune.png (see the module doc)."""
-    from batchserve.bench.sweep import _cost_profiles, load_dataset
+    from batchserve.bench.runs import cost_profiles, load_dataset
     from batchserve.config import EngineConfig
     from batchserve.model import choose_cpu_weights, choose_impl
     from batchserve.runner import load_model
@@ -205,7 +205,7 @@ def tune(
     total = 1 + len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)
     bar = tqdm(total=total, desc="tune", unit="run")
     adaptive = "lookahead-adaptive" + ("-q4" if weights == "q4_1" else "")
-    profile = _cost_profiles([adaptive], model, tokenizer).popitem()[1]
+    profile = cost_profiles([adaptive], model, tokenizer).popitem()[1]
     r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar)
     result = TuneResult(goals)
     try:

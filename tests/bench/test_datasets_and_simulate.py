@@ -38,7 +38,7 @@ def test_multiturn_second_turns_follow_their_first_turn_and_reference_reply() ->
 
 
 def test_multiturn_history_is_a_token_prefix_of_the_second_turn() -> None:
-    from batchserve.bench.sweep import load_dataset
+    from batchserve.bench.runs import load_dataset
     from batchserve.runner import load_tokenizer
 
     work = load_dataset("sharegpt-multiturn", 6, load_tokenizer(None))
@@ -49,7 +49,7 @@ def test_multiturn_history_is_a_token_prefix_of_the_second_turn() -> None:
 
 def test_engine_run_reports_the_share_of_prompt_tokens_the_cache_served(tiny_tokenizer: Any) -> None:
     from batchserve.bench.methods import batchserve_method
-    from batchserve.bench.sweep import run_batchserve
+    from batchserve.bench.runs import run_batchserve
     from tests.conftest import make_tiny_model
 
     # Two conversations whose history (3 and 2 full blocks of 16) ran earlier: the second turns
@@ -245,7 +245,7 @@ def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch() -> None
 def test_closed_loop_ttft_counts_from_when_a_seat_frees() -> None:
     from types import SimpleNamespace
 
-    from batchserve.bench.sweep import closed_loop_ttfts
+    from batchserve.bench.runs import closed_loop_ttfts
 
     def req(first: float, finish: float) -> SimpleNamespace:
         return SimpleNamespace(arrival_time=0.0, first_token_time=first, finish_time=finish)

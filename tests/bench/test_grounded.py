@@ -151,3 +151,14 @@ def test_bench_cli_refuses_a_bad_workload_before_loading_models(
     assert "line 2" in capsys.readouterr().err
     assert main(["bench", "--dataset", str(tmp_path / "nope.jsonl"), "--methods", "none"]) == 2
     assert "unknown dataset" in capsys.readouterr().err
+
+
+def test_repeat_sends_each_test_prompt_twice_in_two_rounds() -> None:
+    from batchserve.bench.runs import load_dataset
+    from batchserve.runner import load_tokenizer
+
+    tok = load_tokenizer(None)
+    once, twice = load_dataset("doc-qa", 3, tok), load_dataset("doc-qa+repeat", 6, tok)
+    assert twice.prompts == once.prompts + once.prompts and twice.warm == once.warm
+    assert load_dataset("doc-qa+repeat", 5, tok).prompts == once.prompts + once.prompts[:2]
+    assert main(["bench", "--dataset", "doc-qa+repeat", "--num-prompts", "0"]) == 2  # known, the count refused

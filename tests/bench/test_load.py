@@ -26,7 +26,7 @@ def test_poisson_arrivals_are_seeded_and_have_the_asked_rate() -> None:
 
 def test_open_loop_is_lossless_and_times_requests_from_their_scheduled_arrival(tiny_tokenizer: Any) -> None:
     from batchserve.bench.methods import batchserve_method
-    from batchserve.bench.sweep import run_batchserve
+    from batchserve.bench.runs import run_batchserve
     from tests.conftest import make_tiny_model
 
     prompts = [[5 + (i * 7 + j) % 60 for j in range(12 + i)] for i in range(6)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchserve import LLM, SamplingParams
-from batchserve.bench.sweep import load_dataset
+from batchserve.bench.runs import load_dataset
 from batchserve.runner import load_model
 
 

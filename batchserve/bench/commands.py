@@ -1,0 +1,209 @@
+"""The `batchserve bench` and `batchserve tune` commands: their flags and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from batchserve.config import MODEL_DTYPES
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against peers (or --simulate: drafts without the model)")
+    bench.add_argument(
+        "--dataset",
+        default="humaneval,sharegpt",
+        help="comma-separated: humaneval, sharegpt, sharegpt-multiturn (second turns after their first), "
+        "system-prompt (short questions behind one shared ~400-token system prompt), code-edit (edit a "
+        "standard-library function), doc-qa (a question on a documentation section), summarize, or FILE.jsonl "
+        'of your own prompts ({"prompt": ...} or {"messages": [...]} per line)',
+    )
+    bench.add_argument("--model", default=None, help="model (default: SmolLM2)")
+    bench.add_argument("--num-prompts", type=int, default=16, help="test prompts per dataset (at least)")
+    bench.add_argument(
+        "--waves",
+        type=int,
+        default=0,
+        help="batch b runs at least waves*b prompts, so the closed loop stays full (0: --num-prompts for all)",
+    )
+    bench.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16], help="requests in flight")
+    bench.add_argument(
+        "--request-rates",
+        type=float_list,
+        default=[],
+        help="also an open loop per rate: Poisson arrivals, requests/s, at most max(--batch-sizes) running",
+    )
+    bench.add_argument(
+        "--methods",
+        default="hf,hf-prompt-lookup,hf-batch,none,llma,parallel,lookahead",
+        help="comma-separated: hf, hf-static (static cache + compiled forward), hf-prompt-lookup, hf-batch, "
+        "llamacpp (llama-cpp-python on the same GGUF, batch 1), none, llma, parallel, lookahead, lookahead-cold, "
+        "lookahead-4|16|64, lookahead-adaptive (and -blas / -hf variants: torch's BLAS / the transformers forward), "
+        "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W; "
+        "jacobi-4|16|64 / hybrid-4|16|64: the window every step); "
+        "a batchserve method with the suffix +nocache runs with prefix caching off",
+    )
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--decoding-length", type=int, default=16, help="draft tokens per step of the fixed methods")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per batchserve method and batch, in rounds")
+    bench.add_argument(
+        "--keep", default="fastest", choices=["fastest", "median"], help="which of the repeated runs is reported"
+    )
+    bench.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
+    bench.add_argument(
+        "--allow-mismatch", action="store_true", help="fp16/bf16: report outputs that differ from HF, do not fail"
+    )
+    bench.add_argument("--out", default="bench_out", help="directory for results.json, report.md, throughput.png")
+    bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
+    bench.add_argument("--decoding-lengths", type=int_list, default=[4, 8, 16, 32, 64], help="--simulate only")
+    bench.add_argument("--num-samples", type=int, default=164, help="--simulate: samples per dataset (half dev)")
+    bench.add_argument("--no-speed", action="store_true", help="--simulate: skip the trie timing and memory")
+
+
+def add_tune_parser(sub: Any) -> None:
+    tune = sub.add_parser(
+        "tune",
+        help="measure this machine on a workload and recommend max-num-seqs, the token budget and drafts for SLOs",
+    )
+    tune.add_argument("--dataset", default="humaneval", help="a bench dataset name or FILE.jsonl of your prompts")
+    tune.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token goal (ms)")
+    tune.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token goal (ms)")
+    tune.add_argument("--percentile", type=float, default=99.0, help="the goals hold for this percentile of requests")
+    tune.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="max-num-seqs values to try")
+    tune.add_argument(
+        "--token-budgets", type=int_list, default=[256, 1024], help="max-num-batched-tokens to try at the best point"
+    )
+    tune.add_argument("--num-prompts", type=int, default=16, help="prompts per run (at least)")
+    tune.add_argument("--waves", type=int, default=2, help="each run sends max(num-prompts, waves x concurrency)")
+    tune.add_argument("--max-new-tokens", type=int, default=128)
+    tune.add_argument("--model", default=None, help="model (default: SmolLM2)")
+    tune.add_argument("--confirm", action="store_true", help="run the recommendation again and report how it held")
+    tune.add_argument("--out", default="tune_out", help="directory for tune.md, tune.json, tune.png")
+
+
+def dataset_problem(datasets: list[str]) -> str | None:
+    """Why these datasets cannot run (unknown, or a JSONL file with a bad line), else None:
+    checked before any model loads."""
+    from batchserve.bench.datasets import DATASETS, DatasetError, is_jsonl, jsonl, known_dataset
+
+    unknown = [d for d in datasets if not known_dataset(d)]
+    if unknown or not datasets:
+        return f"unknown dataset(s) {unknown}: a name of {', '.join(DATASETS)} (+repeat: twice) or a .jsonl file"
+    for d in filter(is_jsonl, datasets):
+        try:
+            jsonl(d.removesuffix("+repeat"))
+        except DatasetError as e:
+            return str(e)
+    return None
+
+
+def _bench_problem(args: argparse.Namespace, methods: list[str]) -> str | None:
+    from batchserve.bench import METHODS
+    from batchserve.bench.methods import known_method
+
+    bad = [m for m in methods if not known_method(m)]
+    if bad or not methods:
+        return f"unknown method(s) {bad}; choose from {', '.join(METHODS)}"
+    counts = (args.num_prompts, args.max_new_tokens, args.repeats, *args.batch_sizes)
+    if min(counts) < 1 or args.waves < 0 or not args.batch_sizes or any(r <= 0 for r in args.request_rates):
+        return (
+            "--num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1, --waves >= 0, "
+            "--request-rates > 0"
+        )
+    return None
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    problem = dataset_problem(datasets)
+    if problem is None and args.simulate and set(datasets) - {"humaneval", "sharegpt"}:
+        problem = "--simulate replays humaneval and sharegpt only"
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if problem is None and not args.simulate:
+        problem = _bench_problem(args, methods)
+    if problem is not None:
+        print(f"batchserve bench: {problem}", file=sys.stderr)
+        return 2
+    if args.simulate:
+        from batchserve.bench.simulate import main as simulate_main
+
+        simulate_main(datasets, args.decoding_lengths, args.num_samples, args.model, speed=not args.no_speed)
+        return 0
+    from pathlib import Path
+
+    from batchserve.bench import run, summary_table
+
+    out = Path(args.out)
+    rows = run(
+        datasets,
+        methods,
+        args.batch_sizes,
+        args.num_prompts,
+        args.max_new_tokens,
+        out,
+        args.model,
+        args.decoding_length,
+        args.dtype,
+        args.repeats,
+        args.keep,
+        args.waves,
+        args.request_rates,
+    )
+    print(summary_table(rows))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")
+    if any(r.lossless is False for r in rows) and not args.allow_mismatch:
+        print("batchserve bench: some outputs differ from HF greedy (lossless=false): a bug", file=sys.stderr)
+        return 1
+    return 0
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"batchserve tune: {message}", file=sys.stderr)
+        return 2
+
+    problem = dataset_problem([args.dataset])
+    if problem is not None:
+        return fail(problem)
+    counts = (args.num_prompts, args.max_new_tokens, *args.concurrency, *args.token_budgets)
+    if not args.concurrency or min(counts) < 1 or args.waves < 0:
+        return fail("--concurrency, --token-budgets, --num-prompts and --max-new-tokens must be >= 1, --waves >= 0")
+    from pathlib import Path
+
+    from batchserve.bench.tune import Goals, answer_lines, tune
+
+    try:
+        goals = Goals(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
+    except ValueError as e:
+        return fail(str(e))
+    out = Path(args.out)
+    result = tune(
+        args.dataset,
+        goals,
+        args.concurrency,
+        args.token_budgets,
+        args.num_prompts,
+        args.waves,
+        args.max_new_tokens,
+        args.model,
+        out,
+        args.confirm,
+    )
+    print("\n".join(answer_lines(result)))
+    print(f"wrote {out / 'tune.md'}, {out / 'tune.json'}, {out / 'tune.png'}")
+    return 0 if result.best is not None else 1
