@@ -129,7 +129,9 @@ def code_edit(limit: int = 400) -> list[Sample]:
                 instruction = instruction.format(old=old, new=new)
                 reference = rename(code, old, new)
         prompt = f"{instruction}\n\n```python\n{code}\n```"
-        out.append(Sample(f"{module}.{name}/{edit}", prompt, f"```python\n{reference}\n```", chat=True))
+        # The prediction a client sends (OpenAI's predicted outputs): the code being edited.
+        original = f"```python\n{code}\n```"
+        out.append(Sample(f"{module}.{name}/{edit}", prompt, f"```python\n{reference}\n```", True, (), original))
     return out
 
 

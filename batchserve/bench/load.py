@@ -25,7 +25,11 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def open_loop(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, arrivals: list[float]
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    arrivals: list[float],
+    references: list[str | None] | None = None,
 ) -> tuple[list[GenerationResult], list[float], float]:
     """(results in prompt order, each request's scheduled arrival on the results' clock, wall
     seconds from the first arrival to the last finish). Between steps, every request whose time
@@ -43,7 +47,8 @@ def open_loop(
         while nxt < len(prompts) or pending:
             now = time.monotonic()
             while nxt < len(prompts) and due[nxt] <= now:
-                req = core.add_request(prompts[nxt], params)
+                refs = references[nxt] if references is not None else None
+                req = core.add_request(prompts[nxt], params, references=[refs] if refs else ())
                 pending[req.request_id] = _Collected(req)
                 ids.append(req.request_id)
                 nxt += 1

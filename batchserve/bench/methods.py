@@ -28,6 +28,7 @@ class Method:
     jacobi: tuple[int, int, int] | None = None  # jacobi/hybrid (W, N, G); None: the engine's defaults
     model_impl: str = "auto"  # the server's default forward; "transformers": the HF model's own
     cpu_weights: str = "float32"  # "q4_1": the GGUF's Q4_1 layers (lossless against its own `none-q4`)
+    predicted: bool = False  # the `+prediction` suffix: each request sends its sample's prediction
 
     @property
     def kernels(self) -> tuple[str, str, str]:
@@ -67,6 +68,9 @@ BATCHSERVE = {
 }
 METHODS = PEERS + tuple(BATCHSERVE)
 NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
+# ... with this one, each request sends its sample's expected output as a predicted output (code-edit:
+# the code being edited; a JSONL line's "prediction"), as an OpenAI client does
+PREDICTION = "+prediction"
 
 
 def _jacobi_shape(name: str) -> Method | None:
@@ -83,17 +87,27 @@ def _jacobi_shape(name: str) -> Method | None:
 
 def batchserve_method(name: str) -> Method | None:
     """The engine settings of a batchserve method name (None for a peer or an unknown name)."""
-    base = name.removesuffix(NOCACHE)
+    base, nocache, predicted = _suffixes(name)
     m = BATCHSERVE.get(base) or _jacobi_shape(base)
-    return replace(m, prefix_caching=False) if m is not None and base != name else m
+    if m is None:
+        return None
+    return replace(m, prefix_caching=m.prefix_caching and not nocache, predicted=predicted)
+
+
+def _suffixes(name: str) -> tuple[str, bool, bool]:
+    """(base method, +nocache, +prediction): either suffix, in either order."""
+    base = name
+    for _ in range(2):
+        base = base.removesuffix(NOCACHE).removesuffix(PREDICTION)
+    return base, NOCACHE in name[len(base) :], PREDICTION in name[len(base) :]
 
 
 def method_rank(name: str) -> tuple[int, bool, str]:
     """Where a method sorts in tables and legends: its base method's place (a `jacobi-W-N` after
-    `jacobi`), `+nocache` after it."""
-    base = name.removesuffix(NOCACHE)
+    `jacobi`), a suffixed one after it."""
+    base = _suffixes(name)[0]
     family = base if base in METHODS else base.partition("-")[0]
-    return METHODS.index(family), base != name, base
+    return METHODS.index(family), base != name, name
 
 
 def known_method(name: str) -> bool:

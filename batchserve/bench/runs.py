@@ -82,11 +82,13 @@ def run_batchserve(
     earlier: list[list[int]] = (),  # type: ignore[assignment]
     arrivals: list[float] | None = None,
     max_num_batched_tokens: int | None = None,
+    predictions: list[str] = (),  # type: ignore[assignment]
 ) -> EngineRun:
     """One batchserve method at batch size b, on the server's default KV pool (a smaller one
     evicts the cached prefixes a workload shares). `earlier` prompts (a conversation's first
     turns) run first, unmeasured, on the same engine. With `arrivals` (seconds from the start,
-    one per prompt) the load is an open loop (`load.open_loop`) with at most b running."""
+    one per prompt) the load is an open loop (`load.open_loop`) with at most b running. A
+    `+prediction` method sends each prompt's `predictions` entry as its predicted output."""
     from batchserve import LLM, SamplingParams
 
     llm = LLM(
@@ -112,12 +114,13 @@ def run_batchserve(
     phases = PhaseTotals(b)
     llm.engine.step_listeners.append(phases.add)
     params = SamplingParams(max_new_tokens=max_new)
+    refs = [p or None for p in predictions] if m.predicted and predictions else None
     if arrivals is not None:
-        results, due, seconds = open_loop(llm, prompts, params, arrivals)
+        results, due, seconds = open_loop(llm, prompts, params, arrivals, refs)
         ttfts, tpots = open_loop_latencies(results, due)
     else:
         t0 = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
+        results = llm.generate(prompts, params, use_tqdm=False, references=refs)
         seconds = time.perf_counter() - t0
         ttfts = closed_loop_ttfts(results, b)
         tpots = [
@@ -151,6 +154,7 @@ class Workload:
     prompts: list[list[int]]
     warm: list[list[int]]
     earlier: list[list[int]] = field(default_factory=list)
+    predictions: list[str] = field(default_factory=list)  # each prompt's sample's prediction ("": none)
 
 
 def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
@@ -167,9 +171,11 @@ def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
     warm = [e.output for e in encode(dev, tokenizer)]
     prompts = [e.prompt for e in encode(test[:unique], tokenizer)]
     earlier = [_conversation_so_far(s, tokenizer) for s in split(firsts)[1][:unique]]
+    predictions = [s.prediction for s in test[:unique]]
     if base != name:
         prompts, earlier = (prompts + prompts)[:num_prompts], (earlier + earlier)[:num_prompts]
-    return Workload(prompts, warm, earlier)
+        predictions = (predictions + predictions)[:num_prompts]
+    return Workload(prompts, warm, earlier, predictions)
 
 
 def _conversation_so_far(first: Sample, tokenizer: Any) -> list[int]:

@@ -99,6 +99,7 @@ def _batchserve_row(
         s.cost_profiles.get(m.kernels),
         work.earlier[: len(prompts)],
         None if rate is None else poisson_arrivals(len(prompts), rate),
+        predictions=work.predictions[: len(prompts)],
     )
     key = (dataset, b, rate)
     expected = expected_outputs(method, m.cpu_weights, reference, s.own_references, key, run.outputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,3 +163,25 @@ def test_repeat_sends_each_test_prompt_twice_in_two_rounds() -> None:
     assert twice.prompts == once.prompts + once.prompts and twice.warm == once.warm
     assert load_dataset("doc-qa+repeat", 5, tok).prompts == once.prompts + once.prompts[:2]
     assert main(["bench", "--dataset", "doc-qa+repeat", "--num-prompts", "0"]) == 2  # known, the count refused
+
+
+def test_prediction_methods_send_each_samples_prediction(tiny_tokenizer: Any) -> None:
+    from batchserve.bench.methods import batchserve_method, known_method, method_rank
+    from batchserve.bench.runs import run_batchserve
+    from tests.conftest import make_ascii_model
+
+    assert all(s.prediction == f"```python\n{_code(s.prompt)}\n```" for s in code_edit(8))
+    m = batchserve_method("lookahead+prediction")
+    assert m is not None and m.predicted and m.prefix_caching and not batchserve_method("lookahead").predicted
+    both = batchserve_method("none+prediction+nocache")
+    assert both is not None and both.predicted and not both.prefix_caching
+    assert known_method("none-q4+prediction") and not known_method("hf+prediction")
+    assert method_rank("lookahead") < method_rank("lookahead+prediction") < method_rank("lookahead-4")
+    # A prediction that is the greedy output itself: fewer steps, the same tokens.
+    prompts = [[5 + (i * 7 + j) % 60 for j in range(10)] for i in range(2)]
+    model = make_ascii_model()  # its output is text that tokenizes back to the same ids
+    plain = run_batchserve(model, tiny_tokenizer, prompts, 12, 2, batchserve_method("none"), [], 8)
+    texts = [tiny_tokenizer.decode(o) for o in plain.outputs]
+    assert all(tiny_tokenizer(t, add_special_tokens=False).input_ids == o for t, o in zip(texts, plain.outputs))
+    told = run_batchserve(model, tiny_tokenizer, prompts, 12, 2, m, [], 8, predictions=texts)
+    assert told.outputs == plain.outputs and told.tokens_per_step > 2 * plain.tokens_per_step

@@ -6,28 +6,18 @@ from __future__ import annotations
 import grpc
 import openai
 import pytest
-import torch
 
 from batchserve.server.client import build_request
-from tests.conftest import make_tiny_model
+from tests.conftest import make_ascii_model
 from tests.server.conftest import start_server, tiny_core
 from tests.server.test_openai_api import _client, _raw
 
 MESSAGES = [{"role": "user", "content": "rewrite this"}]
 
 
-def ascii_model():
-    """The tiny model writing only ASCII bytes: its output is text that tokenizes back to the
-    same ids, as a real model's does (random bytes would not survive as UTF-8)."""
-    model = make_tiny_model()
-    with torch.no_grad():
-        model.lm_head.weight[128:] = 0  # logit 0, below the best of 128 random ASCII logits
-    return model
-
-
 @pytest.fixture
 async def api():
-    r = await start_server(tiny_core(model=ascii_model()), http=True, metrics_port=0)
+    r = await start_server(tiny_core(model=make_ascii_model()), http=True, metrics_port=0)
     yield r
     await r.channel.close()
     await r.server.shutdown()
