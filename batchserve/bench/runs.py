@@ -89,24 +89,9 @@ def run_batchserve(
     turns) run first, unmeasured, on the same engine. With `arrivals` (seconds from the start,
     one per prompt) the load is an open loop (`load.open_loop`) with at most b running. A
     `+prediction` method sends each prompt's `predictions` entry as its predicted output."""
-    from batchserve import LLM, SamplingParams
+    from batchserve import SamplingParams
 
-    llm = LLM(
-        draft=m.draft,
-        draft_layout=m.layout,
-        decoding_length=m.decoding_length or decoding_length,
-        adaptive=m.adaptive,
-        max_num_seqs=b,
-        hf_model=engine_model,
-        tokenizer=tokenizer,
-        cost_profile=cost_profile,
-        cpu_linear=m.cpu_linear,
-        model_impl=m.model_impl,
-        cpu_weights=m.cpu_weights,
-        prefix_caching=m.prefix_caching,
-        **({} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}),
-        **(dict(zip(("window_size", "ngram_size", "guesses"), m.jacobi)) if m.jacobi else {}),
-    )
+    llm = _engine(engine_model, tokenizer, m, b, decoding_length, cost_profile, max_num_batched_tokens)
     if m.warm:
         llm.engine.drafter.warm_up(warm)
     if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
@@ -132,6 +117,30 @@ def run_batchserve(
     cached = sum(r.stats.cached_prompt_tokens for r in results) / max(1, sum(map(len, prompts)))
     tps = tokens_per_step(sum(len(o) for o in outputs), steps)
     return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached if m.prefix_caching else None)
+
+
+def _engine(
+    model: Any, tokenizer: Any, m: Method, b: int, decoding_length: int, profile: Any, token_budget: int | None
+) -> Any:
+    """An offline engine with method `m`'s settings and at most b running."""
+    from batchserve import LLM
+
+    return LLM(
+        draft=m.draft,
+        draft_layout=m.layout,
+        decoding_length=m.decoding_length or decoding_length,
+        adaptive=m.adaptive,
+        max_num_seqs=b,
+        hf_model=model,
+        tokenizer=tokenizer,
+        cost_profile=profile,
+        cpu_linear=m.cpu_linear,
+        model_impl=m.model_impl,
+        cpu_weights=m.cpu_weights,
+        prefix_caching=m.prefix_caching,
+        **({} if token_budget is None else {"max_num_batched_tokens": token_budget}),
+        **(dict(zip(("window_size", "ngram_size", "guesses"), m.jacobi)) if m.jacobi else {}),
+    )
 
 
 def closed_loop_ttfts(results: list[Any], b: int) -> list[float]:
