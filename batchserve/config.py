@@ -192,6 +192,11 @@ class DraftConfig:
     explore: float = setting(0.05, "adaptive: per idle step, how far a request's estimates drift back to the pool's")
     min_gain: float = setting(0.02, "adaptive: never draft a node accepted less often than this")
     learn_step_costs: bool = setting(True, "adaptive: refine the cost profile from measured steps")
+    # A proposal costs a trie lookup, not a forward row: what the model then emits judges it as
+    # if it had been verified, so a request whose matches turn good is seen at once.
+    shadow_draft: int = setting(
+        4, "adaptive: tokens proposed, not verified, for a request given none (judged by what it emits)"
+    )
     # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
     initial_acceptance: float = setting(0.6, "adaptive: acceptance guessed for rank 0 before any evidence")
     # Rank j starts at 0.6 * 0.8**j: a deeper node needs every node above it accepted too.
@@ -277,6 +282,8 @@ class DraftConfig:
         ):
             if not ok:
                 raise ValueError(f"{name} must be {bounds}, got {getattr(self, name)}")
+        if self.shadow_draft < 0:
+            raise ValueError(f"shadow_draft must be >= 0, got {self.shadow_draft}")
         if self.trie_capacity < 1:
             raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
         if self.trie_max_scopes < 1:

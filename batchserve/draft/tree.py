@@ -103,6 +103,29 @@ class DraftTree:
         referenced = frozenset(i for i in self.referenced if i < n)
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n], pooled, referenced)
 
+    def judged(self, emitted: Sequence[int]) -> tuple[int, list[int]]:
+        """What the step's `emitted` tokens (accepted drafts, then the model's own) say of this
+        tree, whether or not all of it was verified: (k, hits), where nodes 0..k-1 are decided
+        (on the emitted path: a hit; off it: a miss) and `hits` are those of them on the path.
+        A node is undecided only below the path's last node when every emitted token matched:
+        the model has not spoken that far. Ranks are node order, so k counts a prefix."""
+        if not emitted:
+            return 0, []
+        hits: list[int] = []
+        node: int | None = None
+        for tok in emitted:
+            node = self.child(node, tok)
+            if node is None:
+                break
+            hits.append(node)
+        last = hits[-1] if hits and len(hits) == len(emitted) else None
+        k = len(self.tokens)
+        if last is not None:
+            below = np.flatnonzero(self.mask[:, last])  # `last` and its descendants
+            below = below[below != last]
+            k = int(below[0]) if below.size else k
+        return k, [h for h in hits if h < k]
+
     def with_pooled(self, nodes: Iterable[int]) -> DraftTree:
         """This tree with `nodes` marked as proposed by the pool alone."""
         return DraftTree(self.tokens, self.parents, self.scores, frozenset(nodes), self.referenced)

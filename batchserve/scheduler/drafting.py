@@ -31,6 +31,9 @@ class DraftPlanner:
         self.config = config
         self.policy = policy  # None: every request drafts `decoding_length` tokens
         self._started: set[str] = set()  # requests the drafter has been told of
+        # This step's whole proposal per policy request (the policy verifies a prefix of it, or
+        # none): what the request then emits judges all of it (`observe_acceptance`).
+        self._proposals: dict[str, DraftTree] = {}
 
     def start(self, req: Request) -> None:
         """Tell the drafter of a request (it indexes the prompt), once, when it first runs."""
@@ -54,6 +57,7 @@ class DraftPlanner:
         if request_id not in self._started:
             return
         self._started.discard(request_id)
+        self._proposals.pop(request_id, None)
         try:
             self.drafter.on_request_finish(request_id)
         except Exception:  # the request is finished and its blocks are free whatever the drafter does
@@ -105,6 +109,7 @@ class DraftPlanner:
 
     def _trees(self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int) -> dict[str, DraftTree]:
         trees: dict[str, DraftTree] = {}
+        self._proposals = {}
         shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
         for item in items:
             if not item.sample:
@@ -116,6 +121,7 @@ class DraftPlanner:
                 continue
             if by_policy:
                 shared.append((req, tree))
+                self._proposals[req.request_id] = tree
             else:
                 trees[req.request_id] = tree
                 budget -= len(tree)
@@ -189,7 +195,9 @@ class DraftPlanner:
     def _propose(self, req: Request, limit: int, by_policy: bool) -> DraftTree | None:
         if by_policy and limit > 0:
             assert self.policy is not None
-            limit = self.policy.useful_length(req.request_id, limit)  # never propose what cannot be given
+            # Never propose much more than could be given; but at least a shadow draft, which the
+            # request's output judges for free (its estimates rise when matches turn good).
+            limit = max(self.policy.useful_length(req.request_id, limit), min(limit, self.config.shadow_draft))
         if limit <= 0:
             return None
         try:
@@ -221,9 +229,11 @@ class DraftPlanner:
             logger.exception("the draft budget failed; this step decodes without policy drafts")
             return {}
 
-    def observe_acceptance(self, item: ScheduledRequest, accepted: list[int]) -> None:
+    def observe_acceptance(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
         """Feed the policy's trackers which draft ranks (node indices) were on the accepted path,
-        and, for drafters with a window, how many of them only the window's pool proposed."""
+        and, for drafters with a window, how many of them only the window's pool proposed.
+        `emitted`: the tokens the request took this step. The whole proposal is judged by them,
+        the nodes not verified too (as far as the emitted tokens reach): free evidence."""
         if self.policy is None:
             return
         if isinstance(self.drafter, WindowDrafter):
@@ -234,10 +244,13 @@ class DraftPlanner:
                 pooled = item.draft.pooled if item.draft is not None else frozenset()
                 windows.observe(item.request_id, sum(1 for node in accepted if node in pooled))
         tracker = self.policy.tracker
-        if item.draft is None:
+        proposal = self._proposals.pop(item.request_id, None) or item.draft
+        judged, hits = proposal.judged(emitted) if proposal is not None else (0, [])
+        if judged == 0:
             tracker.skipped(item.request_id)
         else:
-            tracker.observe(item.request_id, len(item.draft), accepted, item.draft.scores)
+            assert proposal is not None
+            tracker.observe(item.request_id, judged, hits, proposal.scores[:judged])
 
     def observe_window(self, item: ScheduledRequest, outputs: list[int] | None) -> None:
         """Hand a window's output tokens back to the drafter (its pool and next level)."""

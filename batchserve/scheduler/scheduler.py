@@ -217,7 +217,7 @@ class Scheduler:
         # emitted = the accepted drafts' tokens, then the model's own; a stop may cut it short.
         # Only drafts that reach the output count (stats, metrics, and what the policy learns).
         reached = accepted[: len(appended)]
-        self.planner.observe_acceptance(item, reached)
+        self.planner.observe_acceptance(item, reached, appended)
         req.stats.steps += 1
         req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
         req.stats.draft_tokens_accepted += len(reached)

@@ -84,3 +84,13 @@ def test_make_drafter():
     assert isinstance(make_drafter(DraftConfig(method="lookahead")), TrieDrafter)
     with pytest.raises(ValueError, match="draft method"):
         DraftConfig(method="magic")  # type: ignore[arg-type]
+
+
+def test_the_emitted_tokens_judge_a_whole_proposal_as_far_as_they_reach():
+    t = DraftTree((5, 6, 7, 8), (None, 0, 1, None))  # a chain 5 6 7, and 8 beside 5
+    assert t.judged([5, 6]) == (2, [0, 1])  # 7 sits below the last emitted token: undecided
+    assert t.judged([5, 9]) == (4, [0])  # 6 missed, so 7 could not be reached: all decided
+    assert t.judged([9]) == (4, [])
+    assert t.judged([8]) == (4, [3])
+    assert t.judged([5]) == (1, [0])  # one token: only the first level is decided
+    assert t.judged([]) == (0, [])  # nothing emitted: nothing decided

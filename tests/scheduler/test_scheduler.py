@@ -203,12 +203,13 @@ class CountingDrafter(WideDrafter):
         return super().propose(request_id, token_ids, max_tokens)
 
 
-def test_scheduler_proposes_only_what_the_policy_could_give():
+@pytest.mark.parametrize("shadow", [0, 4])
+def test_scheduler_proposes_only_what_the_policy_could_give(shadow: int):
     tracker = AcceptanceTracker(32)
     drafter = CountingDrafter()
     s = Scheduler(
         SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
-        DraftConfig(decoding_length=32, adaptive=True),
+        DraftConfig(decoding_length=32, adaptive=True, shadow_draft=shadow),
         BlockAllocator(256, 4),
         drafter,
         budget_policy=DraftBudgetPolicy(gpu_like(cdl=16), tracker, min_gain=0.2),
@@ -219,10 +220,45 @@ def test_scheduler_proposes_only_what_the_policy_could_give():
         tracker.observe("silenced", 32, [])  # every draft rejected
         tracker.observe("good", 5, range(5))  # its 5 nodes always accepted
     out = s.schedule()
-    # Only the good request's 5 sure ranks clear min_gain: the trie is asked for exactly
-    # those, and not at all for the silenced request.
-    assert drafter.asked == [5]
+    # Only the good request's 5 sure ranks clear min_gain: the trie is asked for those, and for
+    # the silenced request only a shadow draft (judged by its output, never verified).
+    assert drafter.asked == ([shadow] if shadow else []) + [5]
     assert {r.request_id: r.draft is None for r in out.requests} == {"silenced": True, "good": False}
+
+
+class TruthDrafter(NoDrafter):
+    """Proposes the text's true continuation (position p holds 10 + p % 50) as a chain."""
+
+    def propose(self, request_id, token_ids, max_tokens):
+        start = len(token_ids)
+        return DraftTree.chain([10 + (start + i) % 50 for i in range(min(max_tokens, 8))])
+
+
+def test_a_shadow_draft_that_the_output_matches_revives_a_silenced_request():
+    tracker = AcceptanceTracker(8)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=8, adaptive=True),
+        BlockAllocator(256, 4),
+        TruthDrafter(),
+        budget_policy=DraftBudgetPolicy(gpu_like(cdl=16), tracker, min_gain=0.2),
+    )
+    s.add_request(_req("r", 3, 200))
+    for _ in range(50):
+        tracker.observe("r", 8, [])  # every draft rejected so far: silenced
+    assert s.planner.policy.useful_length("r", 8) == 0
+    drafted = []
+    for _ in range(8):
+        out = s.schedule()
+        item = out.requests[0]
+        drafted.append(0 if item.draft is None else len(item.draft))
+        req = s.requests["r"]
+        # The model emits the true text: every sent node is accepted, then one more token.
+        n = drafted[-1]
+        start = len(req.all_token_ids)
+        s.update(out, RunnerOutput({"r": [10 + (start + i) % 50 for i in range(n + 1)]}, {"r": list(range(n))}))
+    # Nothing verified at first; the shadow drafts matched, and drafting came back at no cost.
+    assert drafted[0] == 0 and drafted[-1] > 0
 
 
 def test_scheduler_applies_policy_overrides_and_feeds_acceptance():
