@@ -192,11 +192,8 @@ class DraftConfig:
     explore: float = setting(0.05, "adaptive: per idle step, how far a request's estimates drift back to the pool's")
     min_gain: float = setting(0.02, "adaptive: never draft a node accepted less often than this")
     learn_step_costs: bool = setting(True, "adaptive: refine the cost profile from measured steps")
-    # A proposal costs a trie lookup, not a forward row: what the model then emits judges it as
-    # if it had been verified, so a request whose matches turn good is seen at once.
-    shadow_draft: int = setting(
-        4, "adaptive: tokens proposed, not verified, for a request given none (judged by what it emits)"
-    )
+    # A trie lookup, no forward row: what the request then emits judges it as if verified.
+    shadow_draft: int = setting(4, "adaptive: tokens proposed, not verified, for a request given none")
     # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
     initial_acceptance: float = setting(0.6, "adaptive: acceptance guessed for rank 0 before any evidence")
     # Rank j starts at 0.6 * 0.8**j: a deeper node needs every node above it accepted too.
@@ -258,15 +255,15 @@ class DraftConfig:
         _check_choice("draft method", self.method, DRAFT_METHODS)
         _check_choice("draft layout", self.layout, DRAFT_LAYOUTS)
         _check_choice("trie_scope", self.trie_scope, TRIE_SCOPES)
-        if self.decoding_length < 0:
-            raise ValueError(f"decoding_length must be >= 0, got {self.decoding_length}")
-        if self.branch_length < 2:
-            raise ValueError(f"branch_length must be >= 2, got {self.branch_length}")
         if not 1 <= self.min_match <= self.max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match} and {self.max_match}")
-        if self.prompt_weight <= 0:
-            raise ValueError(f"prompt_weight must be > 0, got {self.prompt_weight}")
         for name, ok, bounds in (
+            ("decoding_length", self.decoding_length >= 0, ">= 0"),
+            ("branch_length", self.branch_length >= 2, ">= 2"),
+            ("prompt_weight", self.prompt_weight > 0, "> 0"),
+            ("shadow_draft", self.shadow_draft >= 0, ">= 0"),
+            ("trie_capacity", self.trie_capacity >= 1, ">= 1"),
+            ("trie_max_scopes", self.trie_max_scopes >= 1, ">= 1"),
             ("acceptance_decay", 0 < self.acceptance_decay <= 1, "in (0, 1]"),
             ("explore", 0 <= self.explore <= 1, "in [0, 1]"),
             ("min_gain", 0 <= self.min_gain < 1, "in [0, 1)"),
@@ -282,12 +279,6 @@ class DraftConfig:
         ):
             if not ok:
                 raise ValueError(f"{name} must be {bounds}, got {getattr(self, name)}")
-        if self.shadow_draft < 0:
-            raise ValueError(f"shadow_draft must be >= 0, got {self.shadow_draft}")
-        if self.trie_capacity < 1:
-            raise ValueError(f"trie_capacity must be >= 1, got {self.trie_capacity}")
-        if self.trie_max_scopes < 1:
-            raise ValueError(f"trie_max_scopes must be >= 1, got {self.trie_max_scopes}")
         for name, low in (("window_size", 1), ("ngram_size", 2), ("guesses", 0), ("pool_capacity", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -47,6 +47,8 @@ def _peer_rows(
     eos = s.tokenizer.eos_token_id
     first = prompts[:num_prompts]
     rows: list[Row] = []
+    if not _needs_hf(s.methods):  # every batchserve method checks against its own `none-q4`
+        return rows, [[] for _ in prompts]
     # The greedy reference; its first `num_prompts` are also the `hf` row.
     reference, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
     if "hf" in s.methods:
@@ -71,6 +73,12 @@ def _peer_rows(
         rows[-1].reference_matches = sum(o == r for o, r in zip(outs, reference))
         s.bar.update(1)
     return rows, reference
+
+
+def _needs_hf(methods: list[str]) -> bool:
+    """Whether a sweep needs HF greedy: a peer row, or a float32 method checked against it."""
+    ours = [batchserve_method(m) for m in methods]
+    return any(m is None or m.cpu_weights == "float32" for m in ours)
 
 
 def _batchserve_row(
