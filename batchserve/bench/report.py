@@ -37,11 +37,19 @@ def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, 
     )
 
 
+KERNEL_SUFFIXES = ("-q4", "-blas", "-hf")  # a method on other weights or kernels than float32 oneDNN
+
+
+def none_of(method: str) -> str:
+    """The plain decoding a method is compared with: `none` on the same weights and kernels."""
+    return "none" + next((s for s in KERNEL_SUFFIXES if s in method), "")
+
+
 def _method_table(rows: list[Row]) -> list[str]:
     """One dataset's rows, each against hf, hf-batch and none at its batch size."""
     hf = next((r.tokens_per_s for r in rows if r.method == "hf"), None)
     hfb = {r.batch_size: r.tokens_per_s for r in rows if r.method == "hf-batch"}
-    none = {r.batch_size: r.tokens_per_s for r in rows if r.method == "none"}
+    none = {(r.method, r.batch_size): r.tokens_per_s for r in rows if r.method.startswith("none")}
     lines = [
         "| method | batch | tokens/s | tokens/step | draft tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
         "| prompt cached | vs hf | vs hf-batch | vs none | lossless |",
@@ -50,7 +58,8 @@ def _method_table(rows: list[Row]) -> list[str]:
     for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
         vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
         vs_hfb = f"{r.tokens_per_s / hfb[r.batch_size]:.2f}x" if r.batch_size in hfb else "-"
-        vs_none = f"{r.tokens_per_s / none[r.batch_size]:.2f}x" if r.batch_size in none else "-"
+        base = none.get((none_of(r.method), r.batch_size))
+        vs_none = f"{r.tokens_per_s / base:.2f}x" if base and not r.method.startswith("none") else "-"
         tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
         dl = "-" if r.mean_decoding_length is None else f"{r.mean_decoding_length:.1f}"
         lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
@@ -95,7 +104,7 @@ def _open_loop_table(rows: list[Row]) -> list[str]:
     """Open-loop rows: Poisson arrivals at each rate, against `none` at the same rate."""
     if not rows:
         return []
-    none = {r.request_rate: r.tokens_per_s for r in rows if r.method == "none"}
+    none = {(r.method, r.request_rate): r.tokens_per_s for r in rows if r.method.startswith("none")}
     lines = [
         f"\nOpen loop: Poisson arrivals (seeded, the same schedule for every method), at most "
         f"{rows[0].batch_size} running; TTFT counts from the scheduled arrival.\n",
@@ -103,7 +112,8 @@ def _open_loop_table(rows: list[Row]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r.request_rate or 0.0, method_rank(r.method))):
-        vs_none = f"{r.tokens_per_s / none[r.request_rate]:.2f}x" if none.get(r.request_rate) else "-"
+        base = none.get((none_of(r.method), r.request_rate))
+        vs_none = f"{r.tokens_per_s / base:.2f}x" if base and not r.method.startswith("none") else "-"
         tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
         lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
         lines.append(
@@ -134,7 +144,8 @@ def write_report(
         rs = [r for r in everything if r.request_rate is None]
         lines.append(f"\n## {dataset}\n")
         lines.extend(_method_table(rs))
-        lines.extend(never_slower(everything))
+        for suffix in ("", *KERNEL_SUFFIXES):
+            lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix))
         lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
         lines.extend(adaptive_summary(rs))
