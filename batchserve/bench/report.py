@@ -250,13 +250,13 @@ def _plot_latency(ax: Any, rows: list[Row], dataset: str) -> None:
     """Middle panel: TPOT p50 against throughput, one point per batch size (down and right is better)."""
     for m in sorted({r.method for r in rows}, key=method_rank):
         pts = sorted(
-            (r.tokens_per_s, r.tpot_p50_s * 1e3, r.batch_size) for r in rows if r.dataset == dataset and r.method == m
+            (r.batch_size, r.tokens_per_s, r.tpot_p50_s * 1e3) for r in rows if r.dataset == dataset and r.method == m
         )
         if not pts:
             continue
-        xs, ys, _ = zip(*pts)
+        _, xs, ys = zip(*pts)  # in order of batch size: the curve a growing load traces
         ax.plot(xs, ys, marker="o", label=m, linestyle="--" if m in PEERS else "-", color=_color(m))
-        for x, y, b in pts:
+        for b, x, y in pts:
             ax.annotate(str(b), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
     ax.set_xlabel("output tokens / s (labels: batch size)")
     ax.set_ylabel("TPOT p50 (ms)")
