@@ -93,6 +93,7 @@ def add_tune_parser(sub: Any) -> None:
     tune.add_argument("--max-new-tokens", type=int, default=128)
     tune.add_argument("--model", default=None, help="model (default: SmolLM2)")
     tune.add_argument("--confirm", action="store_true", help="run the recommendation again and report how it held")
+    tune.add_argument("--repeats", type=int, default=1, help="runs per point; the median by tokens/s stands for it")
     tune.add_argument("--out", default="tune_out", help="directory for tune.md, tune.json, tune.png")
 
 
@@ -180,9 +181,11 @@ def tune_command(args: argparse.Namespace) -> int:
     problem = dataset_problem([args.dataset])
     if problem is not None:
         return fail(problem)
-    counts = (args.num_prompts, args.max_new_tokens, *args.concurrency, *args.token_budgets)
+    counts = (args.num_prompts, args.max_new_tokens, args.repeats, *args.concurrency, *args.token_budgets)
     if not args.concurrency or min(counts) < 1 or args.waves < 0:
-        return fail("--concurrency, --token-budgets, --num-prompts and --max-new-tokens must be >= 1, --waves >= 0")
+        return fail(
+            "--concurrency, --token-budgets, --num-prompts, --max-new-tokens and --repeats must be >= 1, --waves >= 0"
+        )
     from pathlib import Path
 
     from batchserve.bench.tune import Goals, answer_lines, tune
@@ -203,6 +206,7 @@ def tune_command(args: argparse.Namespace) -> int:
         args.model,
         out,
         args.confirm,
+        args.repeats,
     )
     print("\n".join(answer_lines(result)))
     print(f"wrote {out / 'tune.md'}, {out / 'tune.json'}, {out / 'tune.png'}")

@@ -120,6 +120,7 @@ class _Runner:
     weights: str  # "q4_1" or "float32": what the server would run
     cost_profile: Any
     bar: Any
+    repeats: int = 1  # runs per point; the median by tokens/s stands for it
     outputs: dict[int, list[list[int]]] = field(default_factory=dict)  # `none`'s, per concurrency
 
     def method(self, draft: str) -> Any:
@@ -128,6 +129,13 @@ class _Runner:
         return m
 
     def run(self, draft: str, c: int, budget: int) -> tuple[Point, list[list[int]]]:
+        """The point's median run of `repeats` (a shared machine's noise is mostly one-sided
+        slowdowns; a median resists a lucky run too), and its outputs."""
+        runs = [self._once(draft, c, budget) for _ in range(self.repeats)]
+        runs.sort(key=lambda r: r[0].tokens_per_s)
+        return runs[(len(runs) - 1) // 2]
+
+    def _once(self, draft: str, c: int, budget: int) -> tuple[Point, list[list[int]]]:
         from batchserve.bench.runs import run_batchserve
 
         n = max(self.num_prompts, self.waves * c)
@@ -184,6 +192,7 @@ def tune(
     model_path: str | None,
     out_dir: Path,
     confirm: bool = False,
+    repeats: int = 1,
 ) -> TuneResult:
     """Measure, recommend, write DIR/tune.md, tune.json and tune.png (see the module doc)."""
     from batchserve.bench.runs import cost_profiles, load_dataset
@@ -202,14 +211,14 @@ def tune(
     model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
     del hf_model
     work = load_dataset(dataset, max(num_prompts, waves * concurrency[-1]), tokenizer)
-    total = 1 + len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)
+    total = 1 + (len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)) * repeats
     bar = tqdm(total=total, desc="tune", unit="run")
     adaptive = "lookahead-adaptive" + ("-q4" if weights == "q4_1" else "")
     profile = cost_profiles([adaptive], model, tokenizer).popitem()[1]
-    r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar)
+    r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar, repeats)
     result = TuneResult(goals)
     try:
-        r.run("none", 1, default_budget)  # unmeasured: the first run in a process pays one-time setup
+        r._once("none", 1, default_budget)  # unmeasured: the first run in a process pays one-time setup
         for c in concurrency:
             for draft in DRAFTS:
                 result.points.append(r.point(draft, c, default_budget))
@@ -219,7 +228,7 @@ def tune(
             if budget >= stage1.max_num_seqs:  # every running request needs a token per step
                 result.points.append(r.point(stage1.draft, stage1.max_num_seqs, budget))
             else:
-                bar.update(1)
+                bar.update(repeats)
         result.best = recommend(result.points)
         if confirm and result.best is not None:
             again, _ = r.run(result.best.draft, result.best.max_num_seqs, result.best.max_num_batched_tokens)

@@ -61,6 +61,21 @@ def test_when_nothing_meets_the_goals_it_says_so_and_names_the_closest(tmp_path:
     assert (tmp_path / "tune.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_point_of_repeated_runs_is_their_median() -> None:
+    from batchserve.bench.tune import _Runner
+
+    speeds = iter([30.0, 90.0, 50.0])
+
+    class Timed(_Runner):  # each run measures the next speed
+        def _once(self, draft: str, c: int, budget: int) -> tuple[Point, list[list[int]]]:
+            tps = next(speeds)
+            return _point(draft, c, tps, 1.0, tps, Goals()), [[int(tps)]]
+
+    r = Timed(None, None, None, Goals(), 1, 1, 4, "q4_1", None, None, repeats=3)
+    point, outputs = r.run("none", 2, 512)
+    assert point.tokens_per_s == 50.0 and outputs == [[50]]  # not the lucky 90 nor the slow 30
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -70,6 +85,7 @@ def test_when_nothing_meets_the_goals_it_says_so_and_names_the_closest(tmp_path:
         ["tune", "--percentile", "0"],
         ["tune", "--slo-tpot-ms", "-5"],
         ["tune", "--dataset", "missing.jsonl"],
+        ["tune", "--repeats", "0"],
     ],
 )
 def test_tune_cli_refuses_what_it_cannot_do(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
