@@ -292,7 +292,7 @@ def answer_lines(result: TuneResult) -> list[str]:
             )
         return out
     out = [
-        f"**Recommended:** {best.draft} at {best.max_num_seqs} running requests, "
+        f"**Recommended:** {best.draft} at {best.max_num_seqs} running request{'s' if best.max_num_seqs > 1 else ''}, "
         f"{best.max_num_batched_tokens} tokens per step: {best.tokens_per_s:.1f} tokens/s predicted.",
         "",
         f"    batchserve serve {best.serve_flags()}",
