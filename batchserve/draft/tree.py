@@ -118,13 +118,10 @@ class DraftTree:
             if node is None:
                 break
             hits.append(node)
-        last = hits[-1] if hits and len(hits) == len(emitted) else None
-        k = len(self.tokens)
-        if last is not None:
-            below = np.flatnonzero(self.mask[:, last])  # `last` and its descendants
-            below = below[below != last]
-            k = int(below[0]) if below.size else k
-        return k, [h for h in hits if h < k]
+        if len(hits) < len(emitted):  # the path left the tree: every node is decided
+            return len(self.tokens), hits
+        # Descendants follow their parent, so the first undecided node is `last`'s first child.
+        return min(self.children.get(hits[-1], {}).values(), default=len(self.tokens)), hits
 
     def with_pooled(self, nodes: Iterable[int]) -> DraftTree:
         """This tree with `nodes` marked as proposed by the pool alone."""

@@ -246,10 +246,9 @@ class DraftPlanner:
         tracker = self.policy.tracker
         proposal = self._proposals.pop(item.request_id, None) or item.draft
         judged, hits = proposal.judged(emitted) if proposal is not None else (0, [])
-        if judged == 0:
+        if proposal is None or judged == 0:
             tracker.skipped(item.request_id)
         else:
-            assert proposal is not None
             tracker.observe(item.request_id, judged, hits, proposal.scores[:judged])
 
     def observe_window(self, item: ScheduledRequest, outputs: list[int] | None) -> None:
