@@ -18,6 +18,7 @@ SECTION_TITLES = {
     "": "server",
 }
 
+
 def add_settings(parser: argparse.ArgumentParser, settings: list[Setting]) -> None:
     """One flag per setting (with its older spellings), grouped by section, defaults from the dataclasses."""
     groups: dict[str, Any] = {}
@@ -88,6 +89,7 @@ def _generate_parser(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result")
+
 
 def engine_config(args: argparse.Namespace, settings: list[Setting] | None = None) -> EngineConfig:
     """The EngineConfig the parsed flags describe (every engine setting the parser has)."""

@@ -191,7 +191,10 @@ class DraftConfig:
     acceptance_decay: float = setting(0.3, "adaptive: weight of the newest verification in the acceptance average")
     explore: float = setting(0.05, "adaptive: per idle step, how far a request's estimates drift back to the pool's")
     min_gain: float = setting(0.02, "adaptive: never draft a node accepted less often than this")
-    learn_step_costs: bool = setting(True, "adaptive: refine the cost profile from measured steps")
+    # Off by default: on a shared machine a step's time swings by half (sd ~100 ms at 16 requests on
+    # 2 cores), and the fit's cost of a draft row then swings from 0 to 19 ms against ~3.5 measured
+    # over a whole run. The speed guard below checks the outcome instead.
+    learn_step_costs: bool = setting(False, "adaptive: refine the cost profile from measured steps")
     # A trie lookup, no forward row: what the request then emits judges it as if verified.
     shadow_draft: int = setting(4, "adaptive: tokens proposed, not verified, for a request given none")
     # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
@@ -212,6 +215,16 @@ class DraftConfig:
     step_cost_ridge: float = setting(1.0, "adaptive: ridge penalty of the step-cost fit")
     # Beyond 4x either way the profile is wrong rather than the machine busy: recalibrate.
     step_cost_max_scale: float = setting(4.0, "adaptive: the fitted machine speed stays within this factor")
+    # The policy's model checked against the outcome: steps with drafts must emit tokens at least
+    # as fast as steps without, per batch size (scheduler/speed_guard.py).
+    speed_guard: bool = setting(True, "adaptive: draft less where steps with drafts measure slower than without")
+    # One plain step in 17 costs a batch-1 run about 2% of its speculation gain (a quarter of that
+    # while drafts win clearly), and keeps the baseline fresh as contexts grow.
+    guard_period: int = setting(16, "adaptive: steps with drafts between two baseline steps without")
+    guard_decay: float = setting(0.9, "adaptive: per step, the weight the guard's speed averages keep")
+    # ln(hedge) moves by rate x (ratio - 1) per step: at 20% slower, about 10% more hedge a step.
+    guard_rate: float = setting(0.5, "adaptive: how fast the guard's hedge follows the measured ratio")
+    guard_max_hedge: float = setting(16.0, "adaptive: the most the guard divides a draft's expected gain by")
     layout: DraftLayout = setting(
         "hierarchical",
         "lookahead: prefix-merged tree, disjoint chains, or one chain",
@@ -276,6 +289,10 @@ class DraftConfig:
             ("step_cost_decay", 0 < self.step_cost_decay <= 1, "in (0, 1]"),
             ("step_cost_ridge", self.step_cost_ridge > 0, "> 0"),
             ("step_cost_max_scale", self.step_cost_max_scale >= 1, ">= 1"),
+            ("guard_period", self.guard_period >= 1, ">= 1"),
+            ("guard_decay", 0 <= self.guard_decay < 1, "in [0, 1)"),
+            ("guard_rate", self.guard_rate > 0, "> 0"),
+            ("guard_max_hedge", self.guard_max_hedge >= 1, ">= 1"),
         ):
             if not ok:
                 raise ValueError(f"{name} must be {bounds}, got {getattr(self, name)}")

@@ -66,7 +66,6 @@ def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     return model
 
 
-
 def make_ascii_model() -> Any:
     """The tiny model writing only ASCII bytes: its output is text that tokenizes back to the
     same ids, as a real model's does (random bytes would not survive as UTF-8)."""
@@ -74,6 +73,7 @@ def make_ascii_model() -> Any:
     with torch.no_grad():
         model.lm_head.weight[128:] = 0  # logit 0, below the best of 128 random ASCII logits
     return model
+
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """A test that leaves a thread or a listener running can keep the interpreter from exiting

@@ -177,7 +177,12 @@ class InvariantBackend(TorchReferenceBackend):
         )
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: InvariantMetadata,
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: InvariantMetadata,
         scale: float,
     ) -> torch.Tensor:
         t0 = time.perf_counter()

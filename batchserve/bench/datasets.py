@@ -120,18 +120,18 @@ def _jsonl_sample(row: Any, n: int) -> Sample:
     if not isinstance(row, dict):
         raise DatasetError(f"line {n}: expected a JSON object")
     if ("prompt" in row) == ("messages" in row):
-        raise DatasetError(f"line {n}: give exactly one of \"prompt\" (text) or \"messages\" (chat)")
+        raise DatasetError(f'line {n}: give exactly one of "prompt" (text) or "messages" (chat)')
     sid = str(row.get("id", n))
     reference, prediction = row.get("reference", ""), row.get("prediction", "")
     if not isinstance(reference, str) or not isinstance(prediction, str):
-        raise DatasetError(f"line {n}: \"reference\" and \"prediction\" must be strings")
+        raise DatasetError(f'line {n}: "reference" and "prediction" must be strings')
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
-            raise DatasetError(f"line {n}: \"prompt\" must be a non-empty string")
+            raise DatasetError(f'line {n}: "prompt" must be a non-empty string')
         return Sample(sid, row["prompt"], reference, chat=False, prediction=prediction)
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
-        raise DatasetError(f"line {n}: \"messages\" must be a non-empty list")
+        raise DatasetError(f'line {n}: "messages" must be a non-empty list')
     turns = []
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in JSONL_ROLES or not isinstance(m.get("content"), str):

@@ -108,9 +108,7 @@ def run_batchserve(
         results = llm.generate(prompts, params, use_tqdm=False, references=refs)
         seconds = time.perf_counter() - t0
         ttfts = closed_loop_ttfts(results, b)
-        tpots = [
-            (r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1
-        ]
+        tpots = [(r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
     steps = sum(r.stats.steps for r in results)
     outputs = [r.token_ids for r in results]
     mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)

@@ -40,6 +40,7 @@ class _Sweep:
     gguf: Path | None = None  # the engine's GGUF file, for the llamacpp peer
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
 
+
 def _peer_rows(
     s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int
 ) -> tuple[list[Row], list[list[int]]]:

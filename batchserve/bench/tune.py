@@ -343,4 +343,3 @@ def plot_tune(result: TuneResult, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-

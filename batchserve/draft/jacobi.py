@@ -245,8 +245,10 @@ class JacobiDrafter:
         """The model's next token after each of the last level's rows: pool the n-grams read
         down each column, then slide the window one level on."""
         state = self._windows.get(request_id)
-        if state is None or len(outputs) != state.shape.window or rows.tokens[-len(outputs) :] != tuple(
-            state.levels[-1]
+        if (
+            state is None
+            or len(outputs) != state.shape.window
+            or rows.tokens[-len(outputs) :] != tuple(state.levels[-1])
         ):
             return  # not this window (the request restarted): nothing to learn
         levels = state.levels

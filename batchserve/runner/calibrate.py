@@ -35,12 +35,14 @@ CONTEXTS = (64, 512, 2048)
 # curve at one context, coarsely. The policy's online fit refines it from the steps it serves;
 # `batchserve calibrate` measures the whole curve.
 QUICK_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-QUICK_CONTEXTS = (512,)
+# Two contexts: what a further request costs grows with its context (its attention row), and
+# one context would price short-prompt batches at the long one's cost, or the reverse.
+QUICK_CONTEXTS = (64, 512)
 QUICK_REPEATS = 3
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 4  # 4: the CPU attention reads K/V in place, per request
+PROFILE_VERSION = 5  # 5: the quick profile measures two contexts
 
 
 def _device_name(device: torch.device) -> str:

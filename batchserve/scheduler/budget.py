@@ -23,6 +23,8 @@ drafts keep failing gets none; while it gets none its estimates drift back towar
 prior (`explore`), so it is retried once the batch has room again.
 
 The time of a step is the profile's, refined online from measured steps (`observe_step`).
+A `SpeedGuard` (`speed_guard.py`) checks the outcome: where steps with drafts measure slower per
+token than steps without at this batch size, every expected gain is divided by its hedge.
 Every tuning value is a `DraftConfig` setting; `DraftBudgetPolicy.from_config` applies them.
 """
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from batchserve.config import DraftConfig
 from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration, non_increasing
+from batchserve.scheduler.speed_guard import SpeedGuard
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
 # Floor on the tokens a step emits when dividing by them: a numerical guard, not a tuning value.
@@ -191,8 +194,10 @@ class DraftBudgetPolicy:
         step_cost_decay: float = _DEFAULTS.step_cost_decay,
         step_cost_ridge: float = _DEFAULTS.step_cost_ridge,
         max_scale: float = _DEFAULTS.step_cost_max_scale,
+        guard: SpeedGuard | None = None,
     ) -> None:
         self.profile = profile
+        self.guard = guard  # None: the model's decisions stand unchecked
         self.tracker = tracker
         self.windows = windows or WindowTracker()
         self.min_gain = min_gain
@@ -243,6 +248,11 @@ class DraftBudgetPolicy:
             step_cost_decay=config.step_cost_decay,
             step_cost_ridge=config.step_cost_ridge,
             max_scale=config.step_cost_max_scale,
+            guard=SpeedGuard(
+                config.guard_period, config.guard_decay, config.guard_rate, config.guard_max_hedge, config.explore
+            )
+            if config.speed_guard
+            else None,
         )
 
     def useful_length(self, request_id: str, limit: int) -> int:
@@ -275,6 +285,7 @@ class DraftBudgetPolicy:
         `context`: mean KV length of the step's rows; `token_budget`: most draft tokens."""
         num_seqs = num_seqs if num_seqs is not None else max(1, num_roots)
         cap = token_budget if token_budget is not None else sum(c.max_tokens for c in candidates)
+        hedge = self.hedge(num_seqs)
         # Each request's gains are non-increasing, so merging them in descending order takes
         # every request's nodes as a prefix.
         per_req = [
@@ -282,9 +293,9 @@ class DraftBudgetPolicy:
             for c in candidates
         ]
         ranked = list(heapq.merge(*per_req, key=lambda x: -x[0]))[: max(0, cap)]
-        gain = [0.0]
+        gain = [0.0]  # what the first k nodes are worth, as the guard lets the policy count them
         for g, _ in ranked:
-            gain.append(gain[-1] + g)
+            gain.append(gain[-1] + g / hedge)
 
         curve = self.profile.curve(context)
 
@@ -300,8 +311,12 @@ class DraftBudgetPolicy:
         lengths = {c.request_id: 0 for c in candidates}
         for _, rid in ranked[:best_k]:
             lengths[rid] += 1
-        self.planned_gain = gain[best_k]
+        self.planned_gain = gain[best_k] * hedge  # what they are expected to buy
         return lengths
+
+    def hedge(self, num_seqs: int) -> float:
+        """What the speed guard divides expected gains by at this batch size (1: no doubt)."""
+        return self.guard.hedge(num_seqs) if self.guard is not None else 1.0
 
     def _step_ms(
         self, rows: int, num_roots: int, context: float, num_seqs: int, curve: list[float] | None = None
@@ -334,9 +349,10 @@ class DraftBudgetPolicy:
         total = num_tokens
         now = self._step_ms(total, num_roots, context, num_seqs, curve)
         ranked = sorted(candidates, key=lambda c: -self.windows.gain(c[0]) / max(1, c[1]))
+        hedge = self.hedge(num_seqs)
         admitted: list[str] = []
         for rid, rows in ranked:
-            gain = self.windows.gain(rid)
+            gain = self.windows.gain(rid) / hedge
             if rows > cap or gain < self.min_gain:
                 continue
             after = self._step_ms(total + rows, num_roots, context, num_seqs, curve)

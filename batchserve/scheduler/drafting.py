@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from batchserve.config import DraftConfig
@@ -34,6 +34,8 @@ class DraftPlanner:
         # This step's whole proposal per policy request (the policy verifies a prefix of it, or
         # none): what the request then emits judges all of it (`observe_acceptance`).
         self._proposals: dict[str, DraftTree] = {}
+        self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
+        self._plain = False  # this step is the speed guard's baseline: no policy drafts
 
     def start(self, req: Request) -> None:
         """Tell the drafter of a request (it indexes the prompt), once, when it first runs."""
@@ -80,6 +82,9 @@ class DraftPlanner:
         """`items` with this step's trees and windows, where `ensure_blocks(req, slots)` finds
         the blocks for them. Speculation is optional: short of blocks, the window goes first,
         then the tree."""
+        self._emitted = 0
+        guard = self.policy.guard if self.policy is not None else None
+        self._plain = guard is not None and _decode_only(items) and guard.wants_plain(len(items))
         trees, windows = self.plan(items, requests, budget)
         out = []
         for item in items:
@@ -125,7 +130,7 @@ class DraftPlanner:
             else:
                 trees[req.request_id] = tree
                 budget -= len(tree)
-        if shared:
+        if shared and not self._plain:  # a baseline step judges the proposals but verifies none
             sampling = [requests[i.request_id] for i in items if i.sample]
             lengths = self._allocate(shared, items, sampling, sum(map(len, trees.values())), budget)
             for req, tree in shared:
@@ -161,7 +166,7 @@ class DraftPlanner:
             if len(rows) <= budget:
                 out[req.request_id] = rows
                 budget -= len(rows)
-        if by_policy and budget > 0:
+        if by_policy and budget > 0 and not self._plain:
             assert self.policy is not None
             sampling = [i for i in items if i.sample]
             spec = sum(map(len, trees.values())) + sum(map(len, out.values()))
@@ -234,6 +239,7 @@ class DraftPlanner:
         and, for drafters with a window, how many of them only the window's pool proposed.
         `emitted`: the tokens the request took this step. The whole proposal is judged by them,
         the nodes not verified too (as far as the emitted tokens reach): free evidence."""
+        self._emitted += len(emitted)
         if self.policy is None:
             return
         if isinstance(self.drafter, WindowDrafter):
@@ -261,11 +267,19 @@ class DraftPlanner:
             logger.exception("the window of request %s failed to update", item.request_id)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Teach the policy what a whole step costs, beyond the forward alone."""
-        if self.policy is None or not self.config.learn_step_costs:
+        """Teach the policy what a whole step costs, beyond the forward alone, and the speed
+        guard how fast it emitted tokens. Decode steps only: prompt-chunk rows need no logits
+        and would skew the fit, and they emit nothing the guard could compare."""
+        if self.policy is None or not out.requests or not _decode_only(out.requests):
             return
-        # Decode steps only: prompt-chunk rows need no logits and would skew the fit.
-        if not out.requests or any(len(r.token_ids) > 1 for r in out.requests):
-            return
-        context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
-        self.policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
+        if self.config.learn_step_costs:
+            context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
+            self.policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
+        if self.policy.guard is not None:
+            drafted = any(r.draft is not None or r.window is not None for r in out.requests)
+            self.policy.guard.observe(len(out.requests), self._emitted, seconds * 1e3, drafted)
+
+
+def _decode_only(items: Iterable[ScheduledRequest]) -> bool:
+    """Every request computes one committed token and samples: a step without prompt chunks."""
+    return all(r.sample and len(r.token_ids) == 1 for r in items)

@@ -40,6 +40,8 @@ class PortInUse(OSError):
 
     def __init__(self, what: str, host: str, port: int, flag: str) -> None:
         super().__init__(f"{what} port {port} on {host} is in use (set another with {flag})")
+
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 
@@ -230,7 +232,7 @@ class BatchServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.http2.max_pings_without_data", 0),
-            ]
+            ],
         )
         pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -125,9 +125,7 @@ class Client:
         return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=_tenant(kwargs))
 
     def stream(self, prompt: Any, **kwargs: Any) -> Iterator[pb.GenerateStreamResponse]:
-        return self.stub.StreamGenerate(
-            build_request(prompt, **kwargs), timeout=self.timeout, metadata=_tenant(kwargs)
-        )
+        return self.stub.StreamGenerate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=_tenant(kwargs))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).token_ids)

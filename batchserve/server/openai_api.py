@@ -325,8 +325,16 @@ class OpenAIServer:
                     yield _sse(chunk(out.new_text, finish))
                 out = await anext(outputs, None)
             if include_usage:
-                yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                            "usage": _usage(last)})
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": _usage(last),
+                    }
+                )
         except EngineFailed as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         finally:

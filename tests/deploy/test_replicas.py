@@ -28,8 +28,23 @@ class Replica:
 
     def __init__(self, model_dir: Path, cache: Path, *flags: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchserve.cli", "serve", "--model", str(model_dir), "--port", "0",
-             "--http-port", "0", "--metrics-port", "0", "--kv-cache-gb", "0.02", *flags],
+            [
+                sys.executable,
+                "-m",
+                "batchserve.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--kv-cache-gb",
+                "0.02",
+                *flags,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -117,15 +132,37 @@ def test_round_robin_spreads_calls_and_a_replica_leaving_under_load_fails_none(m
 def test_locust_over_two_replicas(model_dir, tmp_path):
     out = tmp_path / "load"
     proc = subprocess.run(
-        ["bash", str(ROOT / "load_tests" / "run.sh"), "--users", "4", "--spawn-rate", "4", "--duration", "10s",
-         "--out", str(out), "--model", str(model_dir), "--port", str(free_port()), "--replicas", "2",
-         "--", "--kv-cache-gb", "0.02"],
+        [
+            "bash",
+            str(ROOT / "load_tests" / "run.sh"),
+            "--users",
+            "4",
+            "--spawn-rate",
+            "4",
+            "--duration",
+            "10s",
+            "--out",
+            str(out),
+            "--model",
+            str(model_dir),
+            "--port",
+            str(free_port()),
+            "--replicas",
+            "2",
+            "--",
+            "--kv-cache-gb",
+            "0.02",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=400,
-        env={"PYTHON": sys.executable, "BATCHSERVE_MAX_PROMPT_CHARS": "600", "PATH": "/usr/bin:/bin",
-             "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache")},
+        env={
+            "PYTHON": sys.executable,
+            "BATCHSERVE_MAX_PROMPT_CHARS": "600",
+            "PATH": "/usr/bin:/bin",
+            "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
+        },
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     finished = [int(n) for n in re.findall(r"replica [\d.:]+: (\d+) requests finished", proc.stdout)]

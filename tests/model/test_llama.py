@@ -121,8 +121,14 @@ def test_native_greedy_with_drafts_equals_hf_generate(kind):
     expected = [hf_greedy(model, p, 24, ignore_eos=True) for p in prompts]
     # Trees mixing the true continuation with wrong branches: accepted and rejected rows both.
     drafter = OracleDrafter({tuple(p): e for p, e in zip(prompts, expected)}, seed=3, vocab=TINY_VOCAB)
-    llm = LLM(hf_model=_model(kind), tokenizer=make_tiny_tokenizer(), drafter=drafter, model_impl="native",
-              adaptive=False, max_num_batched_tokens=1024)
+    llm = LLM(
+        hf_model=_model(kind),
+        tokenizer=make_tiny_tokenizer(),
+        drafter=drafter,
+        model_impl="native",
+        adaptive=False,
+        max_num_batched_tokens=1024,
+    )
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     assert all(o.stats.draft_tokens_accepted for o in outs)

@@ -173,12 +173,19 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
         ("/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-         400, "tools"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+            400,
+            "tools",
+        ),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, None),
-        ("/v1/chat/completions",
-         {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         400, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages[0].content",
+        ),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "lookahead": {"decoding_length": 99}}, 400, None),
     ],
@@ -202,8 +209,13 @@ async def test_too_large_body_is_413_and_malformed_json_is_400(api):
     def chunked(body: bytes) -> int:  # no Content-Length: the bound applies while reading
         conn = http.client.HTTPConnection("127.0.0.1", api.server.http_port, timeout=30)
         pieces = (body[i : i + 65536] for i in range(0, len(body), 65536))
-        conn.request("POST", "/v1/completions", body=pieces, encode_chunked=True,
-                     headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=pieces,
+            encode_chunked=True,
+            headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+        )
         status = conn.getresponse().status
         conn.close()
         return status
@@ -259,8 +271,13 @@ async def test_tenant_header_and_user_scope_drafts_and_the_schema_is_served(api)
 
     api.core.add_request = spy
     await _raw(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u1"})
-    await _raw(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u1"},
-               headers={"x-batchserve-tenant": "t9"})
+    await _raw(
+        api,
+        "POST",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u1"},
+        headers={"x-batchserve-tenant": "t9"},
+    )
     assert seen == ["", "t9"]  # OpenAI's `user` is an end-user id, not a tenant key (by default)
 
 
@@ -317,10 +334,19 @@ async def _sse_frames(r, path: str, body: dict) -> list[str]:
 
 
 async def test_the_sse_wire_format_frame_by_frame(api):
-    frames = await _sse_frames(api, "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-    })
+    frames = await _sse_frames(
+        api,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        },
+    )
     assert frames[-1] == "[DONE]"
     chunks = [json.loads(f) for f in frames[:-1]]
     ids = {c["id"] for c in chunks}
@@ -329,8 +355,11 @@ async def test_the_sse_wire_format_frame_by_frame(api):
         assert set(c) == {"id", "object", "created", "model", "choices", "usage"}
         assert c["object"] == "chat.completion.chunk" and c["model"] == "tiny" and isinstance(c["created"], int)
     first, *middle, finish, usage = chunks
-    assert first["choices"] == [{"index": 0, "finish_reason": None, "logprobs": None,
-                                 "delta": {"role": "assistant", "content": ""}}] and first["usage"] is None
+    assert (
+        first["choices"]
+        == [{"index": 0, "finish_reason": None, "logprobs": None, "delta": {"role": "assistant", "content": ""}}]
+        and first["usage"] is None
+    )
     for c in middle:
         assert c["usage"] is None and c["choices"][0]["finish_reason"] is None
         assert set(c["choices"][0]["delta"]) == {"content"}
@@ -338,8 +367,9 @@ async def test_the_sse_wire_format_frame_by_frame(api):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
 
-    frames = await _sse_frames(api, "/v1/completions",
-                               {"model": "tiny", "prompt": "ab", "max_tokens": 3, "stream": True, "ignore_eos": True})
+    frames = await _sse_frames(
+        api, "/v1/completions", {"model": "tiny", "prompt": "ab", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    )
     assert frames[-1] == "[DONE]"
     chunks = [json.loads(f) for f in frames[:-1]]
     assert all(set(c) == {"id", "object", "created", "model", "choices"} for c in chunks)  # no usage unasked
@@ -352,8 +382,9 @@ async def test_openai_defaults_max_tokens_to_the_rest_of_the_context_and_refuses
     core.max_model_len = core.text.max_model_len = 40  # a short context: the default runs to its end
     r = await start_server(core, http=True)
     try:
-        code, reply = await _raw(r, "POST", "/v1/completions",
-                                 {"model": "tiny", "prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True})
+        code, reply = await _raw(
+            r, "POST", "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True}
+        )
         assert code == 200 and reply["usage"]["completion_tokens"] == 37
         assert reply["choices"][0]["finish_reason"] == "length"
         code, reply = await _raw(r, "POST", "/v1/completions", {"model": "tiny", "prompt": [1] * 30, "max_tokens": 11})

@@ -84,7 +84,10 @@ async def test_the_official_client_gets_an_openai_error_for_an_unknown_type(api)
     client = _client(api)
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=2, prediction={"type": "other", "content": "x"}  # type: ignore[arg-type]
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=2,
+            prediction={"type": "other", "content": "x"},  # type: ignore[arg-type]
         )
     assert e.value.status_code == 400 and "prediction.type" in str(e.value)
 

@@ -26,8 +26,17 @@ def _serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Client]:
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "batchserve.cli", "serve", "--model", str(tmp_path), "--port", str(port),
-            "--http-port", "0", *flags,
+            sys.executable,
+            "-m",
+            "batchserve.cli",
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--http-port",
+            "0",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -188,8 +188,9 @@ async def test_lists_are_counted_before_their_items_are_checked():
         with pytest.raises(grpc.aio.AioRpcError) as e:  # ids out of the vocabulary, and too many of them
             await r.stub.Generate(build_request([10**9] * 5000, max_new_tokens=2))
         assert "5000 tokens" in e.value.details()
-        code, reply = await _raw(r, "POST", "/v1/completions",
-                                 {"model": "tiny", "prompt": "x", "stop_token_ids": list(range(65))})
+        code, reply = await _raw(
+            r, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": list(range(65))}
+        )
         assert code == 400 and "65 ids, at most 64" in reply["error"]["message"]
     finally:
         await _stop(r)
@@ -293,9 +294,7 @@ async def test_an_http_client_that_leaves_while_queued_frees_its_place_at_once()
     r = await start_server(tiny_core(max_num_seqs=1), http=True)
     core = r.core
     try:
-        running = asyncio.ensure_future(
-            r.stub.Generate(build_request([1, 2, 3], max_new_tokens=300, ignore_eos=True))
-        )
+        running = asyncio.ensure_future(r.stub.Generate(build_request([1, 2, 3], max_new_tokens=300, ignore_eos=True)))
         while not core.scheduler.num_running:
             await asyncio.sleep(0.01)
         body = json.dumps({"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 50}).encode()
