@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+# Re-exported: the settings machinery lives in its own module; config declares the settings.
+from batchserve.settings import Setting, check_choice, setting, settings_of
+
+__all__ = ["SETTINGS", "EngineConfig", "Setting", "setting", "settings_of"]
 
 DraftMethod = Literal["none", "llma", "lookahead", "jacobi", "hybrid"]
 DRAFT_METHODS: tuple[str, ...] = ("none", "llma", "lookahead", "jacobi", "hybrid")
@@ -19,65 +24,6 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths
 FIXED_DECODING_LENGTH = 16  # the default length when every request drafts the same
-
-
-def setting(
-    default: Any,
-    help: str,
-    *,
-    name: str | None = None,
-    flags: tuple[str, ...] = (),
-    choices: tuple[str, ...] | None = None,
-) -> Any:
-    """A config field that is also a setting: `LLM(name=...)` and `--name` (plus `flags`, older
-    spellings kept working). `name` defaults to the field's own."""
-    return field(default=default, metadata={"help": help, "name": name, "flags": flags, "choices": choices})
-
-
-@dataclass(frozen=True, slots=True)
-class Setting:
-    """One keyword of `LLM(...)` / one CLI flag, and the config field it sets."""
-
-    name: str
-    section: str  # the EngineConfig field holding the dataclass ("" for a flat dataclass)
-    field: str
-    help: str
-    kind: type  # bool, int, float or str: what the CLI parses
-    default: Any
-    flags: tuple[str, ...] = ()
-    choices: tuple[str, ...] | None = None
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
-def settings_of(cls: type, section: str = "") -> list[Setting]:
-    """The settings a config dataclass declares (fields made with `setting`), in field order."""
-    out = []
-    for f in dataclasses.fields(cls):
-        if "help" not in f.metadata:
-            continue
-        kind = next((k for k in (bool, int, float) if k.__name__ in str(f.type).split(" | ")), str)
-        choices = f.metadata["choices"]
-        out.append(
-            Setting(
-                f.metadata["name"] or f.name,
-                section,
-                f.name,
-                f.metadata["help"],
-                kind,
-                f.default,
-                f.metadata["flags"],
-                choices,
-            )
-        )
-    return out
-
-
-def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +61,11 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, MODEL_DTYPES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)
-        _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
-        _check_choice("cpu_weights", self.cpu_weights, CPU_WEIGHTS)
+        check_choice("dtype", self.dtype, MODEL_DTYPES)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)
+        check_choice("model_impl", self.model_impl, MODEL_IMPLS)
+        check_choice("cpu_weights", self.cpu_weights, CPU_WEIGHTS)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -265,9 +211,9 @@ class DraftConfig:
         if self.decoding_length is None:  # frozen: set the resolved default once, here
             default = ADAPTIVE_DECODING_LENGTH if self.adaptive else FIXED_DECODING_LENGTH
             object.__setattr__(self, "decoding_length", default)
-        _check_choice("draft method", self.method, DRAFT_METHODS)
-        _check_choice("draft layout", self.layout, DRAFT_LAYOUTS)
-        _check_choice("trie_scope", self.trie_scope, TRIE_SCOPES)
+        check_choice("draft method", self.method, DRAFT_METHODS)
+        check_choice("draft layout", self.layout, DRAFT_LAYOUTS)
+        check_choice("trie_scope", self.trie_scope, TRIE_SCOPES)
         if not 1 <= self.min_match <= self.max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match} and {self.max_match}")
         for name, ok, bounds in (
@@ -317,6 +263,9 @@ class LimitsConfig:
     max_chat_messages: int = setting(1024, "chat messages per request")
     # Each is searched every step the request drafts; their tokens together are bounded by the context.
     max_references: int = setting(16, "reference texts (predicted outputs) per request")
+    # Compiled off the event loop and cached by text; llguidance bounds the grammar's size and the
+    # work per token on top of this (its LLParserLimits defaults).
+    max_constraint_chars: int = setting(65536, "characters of a JSON schema, regex or grammar")
 
     def __post_init__(self) -> None:
         for s in settings_of(LimitsConfig):

@@ -12,6 +12,7 @@ from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
+from batchserve.grammar import GrammarCompiler
 from batchserve.request import Request, RequestOutput, SamplingParams
 from batchserve.scheduler import BlockAllocator, RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput, StepPhases
 from batchserve.scheduler.budget import DraftBudgetPolicy
@@ -52,7 +53,7 @@ class EngineCore:
         """`cost_profile` (adaptive decoding length) defaults to the cached one for this
         model and device, measured on first use."""
         from batchserve.runner import load_model
-        from batchserve.runner.build import build_runner
+        from batchserve.runner.build import build_runner, forward_name
 
         self.config = config = config or EngineConfig()
         loaded_here = model is None  # cpu_weights=auto reads the file only where the model came from it
@@ -74,6 +75,8 @@ class EngineCore:
         self.eos_token_ids = facts.eos_token_ids
         self._probe_block = facts.probe_block
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)
+        # Structured output: constraints compiled once per text (front ends compile off the loop first).
+        self.grammars = GrammarCompiler(tokenizer, facts.vocab_size, config.limits.max_constraint_chars)
         self.drafter = drafter if drafter is not None else self._make_drafter()
         self.cost_profile: CostProfile | None = None
         budget_policy = None
@@ -147,6 +150,8 @@ class EngineCore:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is not a token id in [0, {self.vocab_size})")
+        # A constraint is compiled (or found in the cache) first: ConstraintError, a ValueError, names the problem.
+        grammar = self.grammars.matcher(self.grammars.compile(params.constraint)) if params.constraint else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid,
@@ -157,6 +162,7 @@ class EngineCore:
             arrival_time=time.monotonic(),
             tenant=tenant,
             reference_token_ids=reference_ids,
+            grammar=grammar,
         )
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
         self.text.start(rid, params.stop)
@@ -282,6 +288,8 @@ class EngineCore:
             runner = step.result.phases
             phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
             phases.attention = runner.attention
+            phases.grammar = runner.grammar
+        phases.grammar += self.scheduler.planner.grammar_seconds
         end = time.perf_counter()
         phases.commit = end - t0
         phases.wall = end - step.start
@@ -340,10 +348,3 @@ def _merge(results: list[RunnerOutput]) -> RunnerOutput:
 
 def _without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -> tuple[ScheduledRequest, ...]:
     return tuple(r for r in requests if r.request_id not in ids)
-
-
-def forward_name(model: Any, attention_backend: str) -> str:
-    """What runs a step, for logs and reports: `native q4_1 weights, invariant attention`."""
-    if not getattr(model, "native", False):
-        return f"transformers {next(model.parameters()).dtype}, {attention_backend} attention"
-    return f"native {getattr(model, 'cpu_weights', '-')} weights, {attention_backend} attention"

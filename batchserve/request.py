@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchserve.config import DRAFT_LAYOUTS
 
@@ -39,6 +40,26 @@ def _check_int(name: str, value: object, low: int, high: int = MAX_INT32) -> Non
         raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match (structured output): any JSON object, a JSON Schema (`spec`: the
+    schema as JSON text), a regular expression, or a Lark grammar (llguidance's dialect)."""
+
+    kind: str
+    spec: str = ""  # empty for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {CONSTRAINT_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"a {self.kind} constraint's spec must be a string")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a {self.kind} constraint needs a non-empty spec")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. `temperature` 0 (or below 1e-5) means greedy."""
@@ -55,6 +76,7 @@ class SamplingParams:
     draft_layout: str | None = None  # lookahead layout: hierarchical, parallel or single; None = the engine's
     # jacobi/hybrid (w, n, g), each at most the engine's; None (or a None in it) = the engine's.
     jacobi: tuple[int | None, int | None, int | None] | None = None
+    constraint: Constraint | None = None  # structured output: the text must match it
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
@@ -95,6 +117,8 @@ class SamplingParams:
             )
             if not ok:
                 raise ValueError(f"jacobi must be (w >= 1, n >= 2, g >= 0), each an int or None, got {self.jacobi!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -143,6 +167,9 @@ class Request:
     # Token ids of texts the output is expected to repeat (OpenAI's `prediction`): drafted from
     # by this request alone, never shared with another.
     reference_token_ids: list[list[int]] = field(default_factory=list)
+    # The matcher of `params.constraint` (a `grammar.RequestGrammar`), advanced by every token it
+    # emits; None without a constraint. Typed loosely: this module imports nothing of llguidance.
+    grammar: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: all_token_ids[:num_computed_tokens] have K/V in the pool; the rest wait to be computed.
     all_token_ids: list[int] = field(default_factory=list)

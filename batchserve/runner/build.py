@@ -92,3 +92,10 @@ def attention_scale(model: Any) -> float | None:
         if isinstance(scaling, float) and hasattr(module, "layer_idx"):
             return scaling
     return None
+
+
+def forward_name(model: Any, attention_backend: str) -> str:
+    """What runs a step, for logs and reports: `native q4_1 weights, invariant attention`."""
+    if not getattr(model, "native", False):
+        return f"transformers {next(model.parameters()).dtype}, {attention_backend} attention"
+    return f"native {getattr(model, 'cpu_weights', '-')} weights, {attention_backend} attention"

@@ -14,7 +14,7 @@ from batchserve.attention.base import AttentionBackend
 from batchserve.request import SamplingParams
 from batchserve.runner.batch import BlockTables, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
-from batchserve.runner.sampler import SampledRows, choose_tokens, verify
+from batchserve.runner.sampler import SampledRows, apply_token_masks, choose_tokens, verify
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 
 logger = logging.getLogger("batchserve")
@@ -110,6 +110,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the forward's phase ends when its logits exist
         t2 = time.perf_counter()
+        masks = [
+            (int(step.logit_start[i]), r.token_mask) for i, r in enumerate(out.requests) if r.token_mask is not None
+        ]
+        if masks:
+            apply_token_masks(logits, masks)
+        grammar = time.perf_counter() - t2
         choices = choose_tokens(logits, self._sampled_rows(out, step.logit_start))  # one device-to-host copy
 
         emitted: dict[str, list[int]] = {}
@@ -141,6 +147,7 @@ class ModelRunner:
             del self._uniforms[rid][:n]
         phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
         phases.attention = self.backend.seconds if self.backend.timed else None
+        phases.grammar = grammar
         return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases, window_outputs=window_outputs)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:

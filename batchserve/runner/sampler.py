@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchserve.draft.tree import DraftTree, walk
@@ -46,6 +47,18 @@ def warp_rows(
         drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & cut_p[:, None]
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def apply_token_masks(logits: torch.Tensor, masks: list[tuple[int, np.ndarray]]) -> None:
+    """Structured output: set to -inf, in place, every logit a row's grammar forbids. `masks`:
+    (first row, [R, W] int32 bitmask of rows first..first+R-1; bit t % 32 of word t // 32 allows
+    token t). Every choice after this, argmax or a draw, is among the allowed tokens."""
+    rows = torch.from_numpy(np.concatenate([np.arange(start, start + len(m)) for start, m in masks]))
+    words = torch.from_numpy(np.concatenate([m for _, m in masks]))  # [R, W]
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, : logits.shape[-1]].bool()  # [R, V]
+    rows, allowed = rows.to(logits.device), allowed.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int]:

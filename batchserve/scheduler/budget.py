@@ -31,145 +31,18 @@ Every tuning value is a `DraftConfig` setting; `DraftBudgetPolicy.from_config` a
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from batchserve.config import DraftConfig
+from batchserve.scheduler.acceptance import AcceptanceTracker, WindowTracker
 from batchserve.scheduler.cost_profile import CostProfile
-from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration, non_increasing
+from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration
 from batchserve.scheduler.speed_guard import SpeedGuard
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
 # Floor on the tokens a step emits when dividing by them: a numerical guard, not a tuning value.
 _MIN_TOKENS = 1e-9
-
-
-class AcceptanceTracker:
-    """EMA per request and draft rank of "this node was on the accepted path"."""
-
-    def __init__(
-        self,
-        max_rank: int,
-        decay: float = _DEFAULTS.acceptance_decay,
-        explore: float = _DEFAULTS.explore,
-        *,
-        initial: float = _DEFAULTS.initial_acceptance,
-        falloff: float = _DEFAULTS.initial_acceptance_falloff,
-        pool_rate: float = _DEFAULTS.acceptance_pool_rate,
-        calibration: ScoreCalibration | None = None,
-    ) -> None:
-        if max_rank < 1:
-            raise ValueError(f"max_rank must be >= 1, got {max_rank}")
-        self.decay = decay  # weight of the newest observation
-        self.explore = explore  # pull toward the prior per step without a draft
-        self.pool_rate = pool_rate  # how fast the pool moves, relative to one request
-        # Before any evidence: a geometric guess, optimistic enough that drafting starts.
-        self.initial = [initial * falloff**j for j in range(max_rank)]
-        self.prior = list(self.initial)  # pooled over requests: where new requests start
-        self.calibration = calibration or ScoreCalibration()  # for drafts whose nodes carry scores
-        self._est: dict[str, list[float]] = {}
-        self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
-
-    def _monotone(self, request_id: str) -> list[float]:
-        est = self._est.get(request_id)
-        if est is None:
-            return non_increasing(self.prior)  # the pool moves with every observation: not cached
-        gains = self._gains.get(request_id)
-        if gains is None:
-            gains = self._gains[request_id] = non_increasing(est)
-        return gains
-
-    @property
-    def max_rank(self) -> int:
-        return len(self.prior)
-
-    def gains(self, request_id: str, n: int, scores: Sequence[float] = ()) -> list[float]:
-        """Expected extra tokens of the request's first `n` draft nodes, non-increasing.
-        With the drafter's `scores` for those nodes, each is calibrated against its score."""
-        if not scores:
-            return self._monotone(request_id)[:n]
-        ests = self._est.get(request_id, self.prior)[:n]
-        return non_increasing([self.calibration.prob(e, sc) for e, sc in zip(ests, scores)])
-
-    def upper_gains(self, request_id: str, n: int) -> list[float]:
-        """The most the first `n` nodes could be worth whatever the drafter's scores turn out
-        to be: what is worth proposing before the tree exists."""
-        ests = self._est.get(request_id, self.prior)[:n]
-        cal = self.calibration
-        best_score = 1.0 if cal.weights[1] >= 0 else 0.0  # the fit is monotone in the score
-        return [max(g, cal.prob(e, best_score)) for g, e in zip(self._monotone(request_id)[:n], ests)]
-
-    def observe(
-        self, request_id: str, num_offered: int, accepted_ranks: Iterable[int], scores: Sequence[float] = ()
-    ) -> None:
-        """Record one verification: ranks [0, num_offered) were drafted, `accepted_ranks` hit;
-        `scores`: the drafter's score of each drafted node, if it gave them."""
-        est = self._est.setdefault(request_id, list(self.prior))
-        self._gains.pop(request_id, None)
-        hits = set(accepted_ranks)
-        n = min(num_offered, len(scores), self.max_rank)
-        if n:  # calibrate against the estimates as they were when the draft was sized
-            self.calibration.observe(est[:n], scores[:n], [j in hits for j in range(n)])
-        a = self.decay
-        for j in range(min(num_offered, self.max_rank)):
-            x = 1.0 if j in hits else 0.0
-            est[j] += a * (x - est[j])
-            self.prior[j] += a * self.pool_rate * (x - self.prior[j])  # slower than one request
-        # Ranks not drafted drift back: the request's toward the pool's, and the pool's toward
-        # the initial guess. Without the second, a streak of failures could silence every
-        # request for good (no drafts, so no evidence that drafts would pay again).
-        for j in range(num_offered, self.max_rank):
-            est[j] += self.explore * (self.prior[j] - est[j])
-            self.prior[j] += self.explore * self.pool_rate * (self.initial[j] - self.prior[j])
-
-    def skipped(self, request_id: str) -> None:
-        """The request sampled without a draft this step: drift toward the prior."""
-        self.observe(request_id, 0, ())
-
-    def forget(self, request_id: str) -> None:
-        self._est.pop(request_id, None)
-        self._gains.pop(request_id, None)
-
-
-class WindowTracker:
-    """Per request, an EMA of what its Jacobi window buys: the tokens per step that pooled draft
-    nodes (ones only the window's n-grams proposed) added to the accepted path while the window
-    ran. Window rows are pure cost in their own step; this is their expected later gain. Like
-    `AcceptanceTracker`, a pooled prior starts new requests, and a request whose window is off
-    drifts back toward it, so a window switched off for a streak of bad luck is tried again."""
-
-    def __init__(
-        self,
-        initial: float = _DEFAULTS.window_initial_gain,
-        decay: float = _DEFAULTS.acceptance_decay,
-        explore: float = _DEFAULTS.explore,
-        pool_rate: float = _DEFAULTS.acceptance_pool_rate,
-    ) -> None:
-        self.initial = initial
-        self.prior = initial
-        self.decay = decay
-        self.explore = explore
-        self.pool_rate = pool_rate
-        self._est: dict[str, float] = {}
-
-    def gain(self, request_id: str) -> float:
-        return self._est.get(request_id, self.prior)
-
-    def observe(self, request_id: str, pooled_tokens: int) -> None:
-        """A step with the window on: `pooled_tokens` accepted tokens came from the pool alone."""
-        est = self._est.get(request_id, self.prior)
-        self._est[request_id] = est + self.decay * (pooled_tokens - est)
-        self.prior += self.decay * self.pool_rate * (pooled_tokens - self.prior)
-
-    def idle(self, request_id: str) -> None:
-        """A step with the window off: drift toward the pool's estimate, and it toward the first guess."""
-        est = self._est.get(request_id)
-        if est is not None:
-            self._est[request_id] = est + self.explore * (self.prior - est)
-        self.prior += self.explore * self.pool_rate * (self.initial - self.prior)
-
-    def forget(self, request_id: str) -> None:
-        self._est.pop(request_id, None)
 
 
 @dataclass(frozen=True, slots=True)

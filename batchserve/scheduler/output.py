@@ -24,6 +24,9 @@ class ScheduledRequest:
     sample: bool  # token_ids reach the end of the known tokens: emit the next token(s)
     params: SamplingParams  # how to sample / verify
     window: WindowRows | None = None  # rows computed after the draft, never verified; only when `sample` is set
+    # Structured output: the grammar's bitmask of allowed next tokens at the root's row and at each
+    # draft node's row, [1 + len(draft), W] int32 (bit t % 32 of word t // 32). None: unconstrained.
+    token_mask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +100,9 @@ class StepPhases:
     # Part of forward: host seconds inside the attention backend, where it runs synchronously
     # (the CPU path); None where kernels run asynchronously and only the whole forward is timed.
     attention: float | None = None
+    # Part of schedule, verify and commit: seconds in grammar matchers and token masks (structured
+    # output); 0 in a step without a constrained request.
+    grammar: float = 0.0
 
     def items(self) -> list[tuple[str, float]]:
         return [(name, getattr(self, name)) for name in self.NAMES]

@@ -175,6 +175,8 @@ class Scheduler:
 
         # Drafts last: committed tokens and admissions come before speculation.
         scheduled = self._add_drafts(scheduled, budget)
+        for rid, error in self.planner.grammar_failed.items():  # left out of the step: it ends here
+            self.fail([rid], error)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
 
@@ -208,10 +210,22 @@ class Scheduler:
         appended: list[int] = []
         reason: FinishReason | None = None
         for tok in emitted:
+            if req.grammar is not None:
+                if tok == req.grammar.eos_token_id:  # the grammar's end: ends the text, not part of it
+                    reason = FinishReason.EOS
+                    break
+                error = self.planner.advance_grammar(req, tok)
+                if error is not None:  # the grammar refused what its own mask allowed
+                    self.fail([req.request_id], error)
+                    return req, appended
             req.output_token_ids.append(tok)
             req.all_token_ids.append(tok)
             appended.append(tok)
             reason = self._stop_reason(req, tok)
+            if reason is None and req.grammar is not None and req.grammar.done:
+                # The text is complete: the grammar allows only the end of sequence. The rows
+                # after this token chose among nothing; none of their tokens is taken.
+                reason = FinishReason.EOS
             if reason is not None:
                 break
         # emitted = the accepted drafts' tokens, then the model's own; a stop may cut it short.
