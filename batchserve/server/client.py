@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from batchserve.request import Constraint
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -32,9 +33,11 @@ def build_request(
     tenant: str = "",
     jacobi: Sequence[int | None] | None = None,
     references: Sequence[str] = (),
+    constraint: Constraint | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids, or chat messages ({"role", "content"} dicts);
-    `references`: texts the output is expected to repeat (a predicted output)."""
+    `references`: texts the output is expected to repeat (a predicted output); `constraint`:
+    what the text must match (structured output)."""
     req = pb.GenerateRequest(request_id=request_id, tenant=tenant, reference=references)
     if isinstance(prompt, str):
         req.text = prompt
@@ -64,6 +67,8 @@ def build_request(
     for name, value in zip(("jacobi_window", "jacobi_ngram", "jacobi_guesses"), jacobi or ()):
         if value is not None:
             setattr(req.lookahead, name, value)
+    if constraint is not None:
+        setattr(req, constraint.kind, True if constraint.kind == "json_object" else constraint.spec)
     return req
 
 

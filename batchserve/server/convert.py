@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchserve.config import LimitsConfig
-from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams, tokens_per_step
+from batchserve.request import Constraint, FinishReason, RequestOutput, RequestStats, SamplingParams, tokens_per_step
 from batchserve.text import TextCodec
 from batchserve.v1 import generation_pb2 as pb
 
@@ -81,10 +81,22 @@ def sampling_params(request: pb.GenerateRequest, limits: LimitsConfig | None = N
     jacobi = [getattr(la, f) if la.HasField(f) else None for f in ("jacobi_window", "jacobi_ngram", "jacobi_guesses")]
     if any(v is not None for v in jacobi):
         kwargs["jacobi"] = tuple(jacobi)
+    kind = request.WhichOneof("constraint")
+    if kind == "json_object":
+        kwargs["constraint"] = Constraint("json_object") if request.json_object else None
+    elif kind is not None:
+        kwargs["constraint"] = _constraint(kind, getattr(request, kind))
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise ValueError(f"sampling: {e}") from None
+
+
+def _constraint(kind: str, spec: str) -> Constraint:
+    try:
+        return Constraint(kind, spec)
+    except ValueError as e:
+        raise ValueError(f"{kind}: {e}") from None
 
 
 def usage_pb(out: RequestOutput) -> pb.Usage:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from batchserve.grammar import GrammarCompiler
 from batchserve.request import RequestOutput, SamplingParams
 from batchserve.server.metrics import Metrics
 from batchserve.text import TextCodec
@@ -131,14 +132,14 @@ class Frontend:
         max_new_tokens do not fit the context (instead of ending it at the context). Leaving early (a
         client's cancel, deadline or disconnect) aborts it in the engine, which frees its KV blocks
         before the next step. Raises Refused before the first output, EngineFailed after the last."""
-        request_id = request_id or uuid.uuid4().hex
+        request_id, core = request_id or uuid.uuid4().hex, self.engine.core
         try:
-            sampling, prompt, refs = await self.prepare(_prepare, prepare, params, references, self.engine.core.text)
+            sampling, prompt, refs = await self.prepare(_prepare, prepare, params, references, core.text, core.grammars)
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
             raise self.refuse(Refusal.DRAINING, "server is shutting down")
-        context = self.engine.core.max_model_len
+        context = core.max_model_len
         if fit_context and len(prompt) + sampling.max_new_tokens > context:
             raise self.refuse(
                 Refusal.INVALID,
@@ -208,9 +209,13 @@ def _prepare(
     params: Callable[[], SamplingParams],
     references: Callable[[TextCodec], list[list[int]]] | None,
     text: TextCodec,
+    grammars: GrammarCompiler,
 ) -> tuple[SamplingParams, list[int], list[list[int]]]:
     """A request's preparation, in the preparation thread: the parameters first (their bounds
-    are cheap to check and refuse before any tokenizing), then the prompt, then its references."""
+    are cheap to check and refuse before any tokenizing), then its constraint compiled (into the
+    cache the engine takes it from), then the prompt, then its references."""
     sampling = params()
+    if sampling.constraint is not None:
+        grammars.compile(sampling.constraint)  # ConstraintError, a ValueError, refuses it
     prompt = prepare(text)
     return sampling, prompt, references(text) if references is not None else []

@@ -3,13 +3,14 @@ how a body becomes `SamplingParams`."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchserve.config import LimitsConfig
-from batchserve.request import MAX_INT32, MAX_TEMPERATURE, SEED_RANGE, SamplingParams
+from batchserve.request import MAX_INT32, MAX_TEMPERATURE, SEED_RANGE, Constraint, SamplingParams
 
 
 def _count() -> Any:
@@ -69,6 +70,42 @@ class Prediction(BaseModel):
         return "".join(parts)
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema under `schema`, with its name."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None  # the output always matches the schema: strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format` (text, json_object, json_schema), plus two batchserve extras:
+    `{"type": "regex", "regex": ...}` and `{"type": "grammar", "grammar": <Lark>}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The constraint it asks for (None for text); 400 naming the field that is missing."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ApiError(400, "response_format.json_schema is required for type json_schema", "response_format")
+            return Constraint("json_schema", json.dumps(self.json_schema.json_schema))
+        text = getattr(self, self.type)
+        if not text:
+            raise ApiError(400, f"response_format.{self.type} is required for type {self.type}", "response_format")
+        return Constraint(self.type, text)
+
+
 class CommonFields(BaseModel):
     """Fields both endpoints take. Unknown fields are refused (400 naming them), never ignored;
     OpenAI fields batchserve does not implement are accepted only at their neutral value."""
@@ -90,6 +127,7 @@ class CommonFields(BaseModel):
     stop_token_ids: list[int] | None = None
     lookahead: LookaheadOptions | None = None
     prediction: Prediction | None = None  # OpenAI's on chat; completions take it too
+    response_format: ResponseFormat | None = None  # OpenAI's on chat; completions take it too
     # OpenAI fields without an implementation here: only their neutral values pass.
     n: int | None = None
     logprobs: Any = None
@@ -131,6 +169,8 @@ class CommonFields(BaseModel):
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.stop_token_ids is not None:
             kwargs["stop_token_ids"] = self.stop_token_ids
+        if self.response_format is not None:
+            kwargs["constraint"] = self.response_format.constraint()
         la = self.lookahead
         if la is not None:
             if la.enable is False:
@@ -191,12 +231,10 @@ class ChatRequest(CommonFields):
     max_completion_tokens: int | None = _count()
     tools: Any = None
     tool_choice: Any = None
-    response_format: Any = None
     parallel_tool_calls: Any = None
 
     def unsupported(self) -> None:
         super().unsupported()
-        for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls"):
-            value = getattr(self, name)
-            if value not in (None, [], "none") and not (name == "response_format" and value == {"type": "text"}):
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) not in (None, [], "none"):
                 raise ApiError(400, f"{name} is not supported", name)

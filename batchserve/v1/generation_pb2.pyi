@@ -79,7 +79,7 @@ class LookaheadOptions(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., decoding_length: _Optional[int] = ..., layout: _Optional[str] = ..., jacobi_window: _Optional[int] = ..., jacobi_ngram: _Optional[int] = ..., jacobi_guesses: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "lookahead", "tenant", "reference")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "lookahead", "tenant", "reference", "json_schema", "json_object", "regex", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,10 @@ class GenerateRequest(_message.Message):
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -96,7 +100,11 @@ class GenerateRequest(_message.Message):
     lookahead: LookaheadOptions
     tenant: str
     reference: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., reference: _Optional[_Iterable[str]] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadOptions, _Mapping]] = ..., tenant: _Optional[str] = ..., reference: _Optional[_Iterable[str]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
