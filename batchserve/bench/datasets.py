@@ -20,6 +20,7 @@ class Sample:
     chat: bool  # True: `prompt` is a user turn to wrap in the chat template
     history: tuple[tuple[str, str], ...] = ()  # chat: (role, content) messages before the user turn
     prediction: str = ""  # the text a client expects back (OpenAI's predicted outputs), if any
+    constraint: str = ""  # a JSON Schema (as JSON text) the output must match (structured output), if any
 
     def messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.history] + [{"role": "user", "content": self.prompt}]
@@ -215,4 +216,5 @@ DATASETS: dict[str, Callable[[int], list[Any]]] = {
     "code-edit": lambda n: _grounded().code_edit(n),
     "doc-qa": lambda n: _grounded().doc_qa(n),
     "summarize": lambda n: _grounded().summarize(n),
+    "json-extract": lambda n: _grounded().json_extract(n),
 }

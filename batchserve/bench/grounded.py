@@ -16,11 +16,13 @@ import ast
 import functools
 import io
 import itertools
+import json
 import re
 import sysconfig
 import tokenize
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from batchserve.bench.datasets import Sample
 
@@ -189,4 +191,49 @@ def summarize(limit: int = 400) -> list[Sample]:
     for i, (_, passage) in enumerate(doc_passages()[:limit]):
         prompt = f"Summarize this section of the Python documentation in a few sentences.\n\n{passage}"
         out.append(Sample(f"summarize/{i}", prompt, _first_paragraphs(passage), chat=True))
+    return out
+
+
+# json-extract: what each schema asks of a passage, in turn. Bounded strings and arrays: a small
+# model may not close an unbounded one before max_new_tokens.
+_TEXT = {"type": "string", "maxLength": 200}
+_WORDS = {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 5}
+SCHEMAS = (
+    {"topic": {"type": "string", "maxLength": 80}, "summary": _TEXT, "keywords": _WORDS},
+    {"title": {"type": "string", "maxLength": 80}, "has_code_example": {"type": "boolean"}, "terms": _WORDS},
+    {
+        "subject": {"type": "string", "maxLength": 80},
+        "kind": {"enum": ["syntax", "semantics", "library", "other"]},
+        "first_sentence": _TEXT,
+    },
+)
+
+
+def _schema(i: int) -> dict[str, Any]:
+    props = SCHEMAS[i % len(SCHEMAS)]
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _filled(i: int, topic: str, passage: str) -> str:
+    """A plausible answer (the dev split's warm-up output): the passage's own words."""
+    first = passage.split(". ")[0].replace("\n", " ")[:200]
+    words = [w for w in re.findall(r"[A-Za-z_]{4,}", passage)][:5]
+    values: tuple[Any, ...] = (
+        (topic, first, words),
+        (topic, ">>>" in passage, words),
+        (topic, "semantics", first),
+    )[i % len(SCHEMAS)]
+    return json.dumps(dict(zip(SCHEMAS[i % len(SCHEMAS)], values)), ensure_ascii=False)
+
+
+def json_extract(limit: int = 400) -> list[Sample]:
+    """A documentation passage and a JSON Schema to fill from it; the output is constrained to it."""
+    out = []
+    for i, (topic, passage) in enumerate(doc_passages()[:limit]):
+        schema = json.dumps(_schema(i))
+        prompt = (
+            f"Read this section of the Python documentation.\n\n{passage}\n\n"
+            f"Answer with a JSON object that matches this JSON Schema:\n{schema}"
+        )
+        out.append(Sample(f"json-extract/{i}", prompt, _filled(i, topic, passage), chat=True, constraint=schema))
     return out

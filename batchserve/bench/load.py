@@ -27,7 +27,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def open_loop(
     llm: LLM,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     arrivals: list[float],
     references: list[str | None] | None = None,
 ) -> tuple[list[GenerationResult], list[float], float]:
@@ -48,7 +48,8 @@ def open_loop(
             now = time.monotonic()
             while nxt < len(prompts) and due[nxt] <= now:
                 refs = references[nxt] if references is not None else None
-                req = core.add_request(prompts[nxt], params, references=[refs] if refs else ())
+                p = params[nxt] if isinstance(params, list) else params
+                req = core.add_request(prompts[nxt], p, references=[refs] if refs else ())
                 pending[req.request_id] = _Collected(req)
                 ids.append(req.request_id)
                 nxt += 1

@@ -155,16 +155,24 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def expected_outputs(
-    method: str, weights: str, hf: list[list[int]], own: dict[Any, list[list[int]]], key: Any, outputs: list[list[int]]
+    method: str,
+    weights: str,
+    hf: list[list[int]],
+    own: dict[Any, list[list[int]]],
+    key: Any,
+    outputs: list[list[int]],
+    constrained: bool = False,
 ) -> list[list[int]] | None:
-    """What a run's outputs must equal: HF greedy; for other weights (q4_1) the same weights' plain
-    decoding, `none-q4` run first at that batch size (`own`, keyed by `key`); None: nothing to compare."""
-    if weights == "float32":
+    """What a run's outputs must equal: HF greedy; for other weights (q4_1), or under a constraint
+    HF does not apply, the same weights' plain decoding (`none` / `none-q4`, run first at that batch
+    size; `own`, keyed by `key`); None: nothing to compare."""
+    if weights == "float32" and not constrained:
         return hf
-    if method == "none-q4":
-        own[key] = outputs
+    plain = "none-q4" if weights == "q4_1" else "none"
+    if method == plain:
+        own[(weights, key)] = outputs
         return None
-    return own.get(key)
+    return own.get((weights, key))
 
 
 def make_row(

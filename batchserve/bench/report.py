@@ -204,17 +204,27 @@ def phase_table(rows: list[Row]) -> list[str]:
     out = [
         "\nWhere a step goes (ms per engine step; overhead = (wall - forward) / wall; attention: the "
         "part of forward inside the attention backend, and its share of the wall; decode step: the "
-        "mean wall of full-batch steps without a prompt chunk):\n",
-        "| method | batch | steps | " + " | ".join(names) + " | overhead | attention | attention share | decode step |",
-        "|---|---|---|" + "---|" * len(names) + "---|---|---|---|",
+        "mean wall of full-batch steps without a prompt chunk; grammar: time in structured output's "
+        "matchers and masks, and its share of the wall):\n",
+        "| method | batch | steps | "
+        + " | ".join(names)
+        + " | overhead | attention | attention share | decode step | grammar | grammar share |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|",
     ]
     for r in sorted(timed, key=lambda r: (r.batch_size, method_rank(r.method))):
         assert r.phase_ms is not None
         cells = " | ".join(f"{r.phase_ms[n]:.2f}" for n in names)
-        attention = r.phase_ms.get("attention")
+        attention, grammar = r.phase_ms.get("attention"), r.phase_ms.get("grammar")
+        grammar_share = grammar / r.phase_ms["wall"] if grammar is not None and r.phase_ms["wall"] else None
         extra = " | ".join(
             "-" if x is None else fmt.format(x)
-            for x, fmt in ((attention, "{:.2f}"), (r.attention_share, "{:.2f}"), (r.decode_step_ms, "{:.1f}"))
+            for x, fmt in (
+                (attention, "{:.2f}"),
+                (r.attention_share, "{:.2f}"),
+                (r.decode_step_ms, "{:.1f}"),
+                (grammar, "{:.2f}"),
+                (grammar_share, "{:.3f}"),
+            )
         )
         out.append(f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {r.overhead_ratio:.3f} | {extra} |")
     return out

@@ -26,6 +26,7 @@ class PhaseTotals:
     steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*StepPhases.NAMES, "wall"), 0.0))
     attention: float | None = None  # seconds inside the attention backend, where it is timed
+    grammar: float = 0.0  # seconds in grammar matchers and masks (structured output)
     decode_steps: int = 0  # full steps without a prompt chunk: one committed token per request
     decode_wall: float = 0.0
 
@@ -38,6 +39,7 @@ class PhaseTotals:
         self.seconds["wall"] += phases.wall
         if phases.attention is not None:
             self.attention = (self.attention or 0.0) + phases.attention
+        self.grammar += phases.grammar
         if len(out.requests) == self.batch_size and all(len(r.token_ids) == 1 and r.sample for r in out.requests):
             self.decode_steps += 1
             self.decode_wall += phases.wall
@@ -51,6 +53,8 @@ class PhaseTotals:
             if self.attention is not None and wall:
                 row.phase_ms["attention"] = round(self.attention * 1e3 / self.steps, 3)
                 row.attention_share = round(self.attention / wall, 4)
+            if self.grammar:
+                row.phase_ms["grammar"] = round(self.grammar * 1e3 / self.steps, 3)
         if self.decode_steps:
             row.decode_step_ms = round(self.decode_wall * 1e3 / self.decode_steps, 3)
 
@@ -83,13 +87,16 @@ def run_batchserve(
     arrivals: list[float] | None = None,
     max_num_batched_tokens: int | None = None,
     predictions: list[str] = (),  # type: ignore[assignment]
+    constraints: list[str] = (),  # type: ignore[assignment]
 ) -> EngineRun:
     """One batchserve method at batch size b, on the server's default KV pool (a smaller one
     evicts the cached prefixes a workload shares). `earlier` prompts (a conversation's first
     turns) run first, unmeasured, on the same engine. With `arrivals` (seconds from the start,
     one per prompt) the load is an open loop (`load.open_loop`) with at most b running. A
-    `+prediction` method sends each prompt's `predictions` entry as its predicted output."""
+    `+prediction` method sends each prompt's `predictions` entry as its predicted output; a
+    prompt's `constraints` entry, if any, is the JSON Schema its output must match."""
     from batchserve import SamplingParams
+    from batchserve.request import Constraint
 
     llm = _engine(engine_model, tokenizer, m, b, decoding_length, cost_profile, max_num_batched_tokens)
     if m.warm:
@@ -98,7 +105,12 @@ def run_batchserve(
         llm.generate(earlier, SamplingParams(max_new_tokens=1))
     phases = PhaseTotals(b)
     llm.engine.step_listeners.append(phases.add)
-    params = SamplingParams(max_new_tokens=max_new)
+    params: SamplingParams | list[SamplingParams] = SamplingParams(max_new_tokens=max_new)
+    if any(constraints):
+        params = [
+            SamplingParams(max_new_tokens=max_new, constraint=Constraint("json_schema", c) if c else None)
+            for c in constraints
+        ]
     refs = [p or None for p in predictions] if m.predicted and predictions else None
     if arrivals is not None:
         results, due, seconds = open_loop(llm, prompts, params, arrivals, refs)
@@ -162,6 +174,12 @@ class Workload:
     warm: list[list[int]]
     earlier: list[list[int]] = field(default_factory=list)
     predictions: list[str] = field(default_factory=list)  # each prompt's sample's prediction ("": none)
+    constraints: list[str] = field(default_factory=list)  # each prompt's JSON Schema ("": unconstrained)
+
+    @property
+    def constrained(self) -> bool:
+        """Structured output: HF's unconstrained greedy is no reference; each method's own plain run is."""
+        return any(self.constraints)
 
 
 def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
@@ -179,10 +197,12 @@ def load_dataset(name: str, num_prompts: int, tokenizer: Any) -> Workload:
     prompts = [e.prompt for e in encode(test[:unique], tokenizer)]
     earlier = [_conversation_so_far(s, tokenizer) for s in split(firsts)[1][:unique]]
     predictions = [s.prediction for s in test[:unique]]
+    constraints = [s.constraint for s in test[:unique]]
     if base != name:
         prompts, earlier = (prompts + prompts)[:num_prompts], (earlier + earlier)[:num_prompts]
         predictions = (predictions + predictions)[:num_prompts]
-    return Workload(prompts, warm, earlier, predictions)
+        constraints = (constraints + constraints)[:num_prompts]
+    return Workload(prompts, warm, earlier, predictions, constraints)
 
 
 def _conversation_so_far(first: Sample, tokenizer: Any) -> list[int]:

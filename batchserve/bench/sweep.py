@@ -42,13 +42,15 @@ class _Sweep:
 
 
 def _peer_rows(
-    s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int
+    s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int, constrained: bool = False
 ) -> tuple[list[Row], list[list[int]]]:
-    """The greedy reference for every prompt, and the rows of the peers that run at batch 1."""
+    """The greedy reference for every prompt, and the rows of the peers that run at batch 1.
+    Structured output (`constrained`): the peers do not constrain, so none runs (each method
+    checks against its own weights' plain decoding, constrained alike)."""
     eos = s.tokenizer.eos_token_id
     first = prompts[:num_prompts]
     rows: list[Row] = []
-    if not _needs_hf(s.methods):  # every batchserve method checks against its own `none-q4`
+    if constrained or not _needs_hf(s.methods):  # every batchserve method checks against its own `none`
         return rows, [[] for _ in prompts]
     # The greedy reference; its first `num_prompts` are also the `hf` row.
     reference, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
@@ -109,9 +111,12 @@ def _batchserve_row(
         work.earlier[: len(prompts)],
         None if rate is None else poisson_arrivals(len(prompts), rate),
         predictions=work.predictions[: len(prompts)],
+        constraints=work.constraints[: len(prompts)],
     )
     key = (dataset, b, rate)
-    expected = expected_outputs(method, m.cpu_weights, reference, s.own_references, key, run.outputs)
+    expected = expected_outputs(
+        method, m.cpu_weights, reference, s.own_references, key, run.outputs, constrained=work.constrained
+    )
     lossless = None if expected is None else run.outputs == expected
     row = make_row(method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, lossless)
     row.mean_decoding_length = run.mean_len
@@ -159,7 +164,7 @@ def _dataset_rows(
     work = load_dataset(dataset, n, s.tokenizer)
     if len(work.prompts) < n:
         tqdm.write(f"{dataset}: {len(work.prompts)} test prompts, fewer than the {n} asked for")
-    peer_rows, reference = _peer_rows(s, dataset, work.prompts, num_prompts)
+    peer_rows, reference = _peer_rows(s, dataset, work.prompts, num_prompts, work.constrained)
     rows.extend(peer_rows)
     for b in count:
         rows.extend(_batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work))

@@ -185,3 +185,48 @@ def test_prediction_methods_send_each_samples_prediction(tiny_tokenizer: Any) ->
     assert all(tiny_tokenizer(t, add_special_tokens=False).input_ids == o for t, o in zip(texts, plain.outputs))
     told = run_batchserve(model, tiny_tokenizer, prompts, 12, 2, m, [], 8, predictions=texts)
     assert told.outputs == plain.outputs and told.tokens_per_step > 2 * plain.tokens_per_step
+
+
+def test_json_extract_pairs_each_passage_with_a_schema_its_reference_answer_matches():
+    from batchserve.bench.grounded import SCHEMAS, json_extract
+    from batchserve.grammar import GrammarCompiler
+    from batchserve.request import Constraint
+    from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
+
+    samples = json_extract(30)
+    assert len(samples) == 30 and samples == json_extract(30)  # deterministic
+    compiler = GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, max_chars=10_000)
+    kinds = set()
+    for s in samples:
+        schema = json.loads(s.constraint)
+        kinds.add(tuple(schema["properties"]))
+        assert s.chat and s.constraint in s.prompt and schema["required"] == list(schema["properties"])
+        # The reference (the dev split's warm-up output) is itself a document the schema accepts.
+        grammar = compiler.matcher(compiler.compile(Constraint("json_schema", s.constraint)))
+        grammar.commit(list(s.reference.encode()))
+        assert grammar.done, s.reference
+    assert len(kinds) == len(SCHEMAS)
+
+
+def test_a_constrained_workload_runs_lossless_against_its_own_plain_decoding(tiny_tokenizer):
+    from batchserve.bench.methods import batchserve_method, expected_outputs
+    from batchserve.bench.runs import run_batchserve
+    from tests.conftest import make_ascii_model
+
+    model = make_ascii_model()
+    schema = json.dumps(
+        {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}}, "required": ["a"], "additionalProperties": False}
+    )
+    prompts = [list(b"one"), list(b"two"), list(b"three")]
+    constraints = [schema, "", schema]
+    own: dict = {}
+    runs = {}
+    for name in ("none", "lookahead"):
+        m = batchserve_method(name)
+        run = run_batchserve(model, tiny_tokenizer, prompts, 30, 2, m, [], 8, None, constraints=constraints)
+        runs[name] = run.outputs
+        expected = expected_outputs(name, m.cpu_weights, [], own, ("d", 2, None), run.outputs, constrained=True)
+        assert expected is None if name == "none" else expected == runs["none"]
+    for out, c in zip(runs["none"], constraints):
+        text = bytes(out).decode()
+        assert (json.loads(text) in ({"a": "x"}, {"a": "yy"})) if c else len(out) == 30
