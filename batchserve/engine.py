@@ -289,7 +289,7 @@ class EngineCore:
             phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
             phases.attention = runner.attention
             phases.grammar = runner.grammar
-        phases.grammar += self.scheduler.planner.grammar_seconds
+        phases.grammar += self.scheduler.planner.grammar.seconds
         end = time.perf_counter()
         phases.commit = end - t0
         phases.wall = end - step.start

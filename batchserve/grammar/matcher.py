@@ -73,6 +73,11 @@ class RequestGrammar:
         kept.sort()  # parents precede children, as in the proposal: the best nodes stay first
         return _subtree(tree, kept), np.stack([root] + [masks[i] for i in kept])
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (a key's name and punctuation after `{"`, say): a
+        draft whose only doubt is how the model splits those bytes into tokens."""
+        return [t for t in self._m.compute_ff_tokens() if t != self.eos_token_id]
+
     def commit(self, tokens: list[int]) -> None:
         """Advance past the tokens the request emitted this step (an end of sequence ends it)."""
         for token in tokens:

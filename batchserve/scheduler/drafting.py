@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-
-import numpy as np
 
 from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, WindowDrafter
 from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
-from batchserve.grammar.matcher import GrammarError
 from batchserve.request import Request
 from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
+from batchserve.scheduler.grammar_steps import GrammarSteps
 from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("batchserve")
@@ -40,11 +37,7 @@ class DraftPlanner:
         self._proposals: dict[str, DraftTree] = {}
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
-        # Constrained requests: the masks of the root's and every kept node's row, from pruning
-        # this step's proposal; the verified tree is a prefix of it, so its masks are a prefix too.
-        self._masks: dict[str, np.ndarray] = {}
-        self.grammar_failed: dict[str, str] = {}  # request id -> why its grammar failed this step
-        self.grammar_seconds = 0.0  # this step's time in grammar matchers (planning and committing)
+        self.grammar = GrammarSteps()  # structured output's share of each step
 
     def start(self, req: Request) -> None:
         """Tell the drafter of a request (it indexes the prompt), once, when it first runs."""
@@ -92,7 +85,7 @@ class DraftPlanner:
         the blocks for them. Speculation is optional: short of blocks, the window goes first,
         then the tree."""
         self._emitted = 0
-        self._masks, self.grammar_failed, self.grammar_seconds = {}, {}, 0.0
+        self.grammar.reset()
         guard = self.policy.guard if self.policy is not None else None
         self._plain = guard is not None and _decode_only(items) and guard.wants_plain(len(items))
         trees, windows = self.plan(items, requests, budget)
@@ -110,28 +103,12 @@ class DraftPlanner:
                 if tree is not None or window is not None:
                     item = replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))
             if item.sample and req.grammar is not None:
-                mask = self._row_masks(req, tree)
+                mask = self.grammar.row_masks(req, tree)
                 if mask is None:
-                    continue  # its grammar failed: the scheduler ends it (`grammar_failed`)
+                    continue  # its grammar failed: the scheduler ends it (`grammar.failed`)
                 item = replace(item, token_mask=mask)
             out.append(item)
         return out
-
-    def _row_masks(self, req: Request, tree: DraftTree | None) -> np.ndarray | None:
-        """The token masks of a constrained request's verified rows: the root's, then its tree's."""
-        if req.request_id in self.grammar_failed:
-            return None
-        t0 = time.perf_counter()
-        try:
-            masks = self._masks.get(req.request_id)
-            if masks is None:  # nothing was proposed for it this step: the root's row alone
-                _, masks = req.grammar.prune(None)
-            return masks[: 1 + (len(tree) if tree is not None else 0)]
-        except GrammarError as e:
-            self.grammar_failed[req.request_id] = f"structured output failed: {e}"
-            return None
-        finally:
-            self.grammar_seconds += time.perf_counter() - t0
 
     def plan(
         self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int
@@ -241,32 +218,12 @@ class DraftPlanner:
         except Exception:  # a drafter bug costs the draft, not the request
             logger.exception("drafting for request %s failed; it decodes without a draft", req.request_id)
             return None
-        if tree is not None and len(tree) and req.grammar is not None:
-            tree = self._prune(req, tree)  # the policy sizes what the grammar allows
+        if req.grammar is not None:  # the policy sizes what the grammar leaves
+            # Forced tokens are drafts too: not under `draft none`, nor for window drafters, whose
+            # trees mark the pool's nodes (a merge would move those marks).
+            forced = self.config.method != "none" and not isinstance(self.drafter, WindowDrafter)
+            tree = self.grammar.propose(req, tree, limit, forced)
         return tree if tree is not None and len(tree) else None
-
-    def advance_grammar(self, req: Request, token: int) -> str | None:
-        """Feed one emitted token to the request's grammar; why it failed, or None."""
-        t0 = time.perf_counter()
-        try:
-            req.grammar.commit([token])
-            return None
-        except GrammarError as e:
-            return f"structured output failed: {e}"
-        finally:
-            self.grammar_seconds += time.perf_counter() - t0
-
-    def _prune(self, req: Request, tree: DraftTree) -> DraftTree | None:
-        """The nodes of `tree` that `req`'s grammar allows; every kept row's mask is kept for attach."""
-        t0 = time.perf_counter()
-        try:
-            tree, self._masks[req.request_id] = req.grammar.prune(tree)
-            return tree
-        except GrammarError as e:
-            self.grammar_failed[req.request_id] = f"structured output failed: {e}"
-            return None
-        finally:
-            self.grammar_seconds += time.perf_counter() - t0
 
     def _allocate(
         self,

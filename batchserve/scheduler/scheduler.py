@@ -175,7 +175,7 @@ class Scheduler:
 
         # Drafts last: committed tokens and admissions come before speculation.
         scheduled = self._add_drafts(scheduled, budget)
-        for rid, error in self.planner.grammar_failed.items():  # left out of the step: it ends here
+        for rid, error in self.planner.grammar.failed.items():  # left out of the step: it ends here
             self.fail([rid], error)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
@@ -214,7 +214,7 @@ class Scheduler:
                 if tok == req.grammar.eos_token_id:  # the grammar's end: ends the text, not part of it
                     reason = FinishReason.EOS
                     break
-                error = self.planner.advance_grammar(req, tok)
+                error = self.planner.grammar.advance(req, tok)
                 if error is not None:  # the grammar refused what its own mask allowed
                     self.fail([req.request_id], error)
                     return req, appended

@@ -127,3 +127,20 @@ def test_a_bad_constraint_is_refused_before_the_request_is_queued():
         use_tqdm=False,
     )
     assert boxed.text == "ok" and len(free.token_ids) == 20
+
+
+def test_the_tokens_a_grammar_forces_are_drafted_even_where_the_drafter_has_nothing():
+    from batchserve.draft import NoDrafter
+
+    class Silent(NoDrafter):
+        def propose(self, request_id, token_ids, max_tokens):
+            return None
+
+    params = SamplingParams(max_new_tokens=300, constraint=Constraint("json_schema", json.dumps(PEOPLE)))
+    plain = _generate(_llm(draft="none"), params)
+    forced = _generate(_llm(Silent(), draft="lookahead", decoding_length=16), params)
+    assert [o.token_ids for o in forced] == [o.token_ids for o in plain]
+    # The keys, quotes and separators the schema fixes came as accepted drafts: far fewer steps.
+    for f, p in zip(forced, plain):
+        assert p.stats.draft_tokens_proposed == 0  # `draft none` drafts nothing, forced tokens neither
+        assert f.stats.draft_tokens_accepted > 20 and f.stats.steps < 0.8 * p.stats.steps
