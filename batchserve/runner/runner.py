@@ -115,7 +115,7 @@ class ModelRunner:
         ]
         if masks:
             apply_token_masks(logits, masks)
-        grammar = time.perf_counter() - t2
+        grammar = time.perf_counter() - t2 if masks else 0.0
         choices = choose_tokens(logits, self._sampled_rows(out, step.logit_start))  # one device-to-host copy
 
         emitted: dict[str, list[int]] = {}
