@@ -66,3 +66,14 @@ async def running():
     yield r
     await r.channel.close()
     await r.server.shutdown()
+
+
+@pytest.fixture
+async def ascii_api():
+    """gRPC and HTTP over the tiny model that writes ASCII text (its output tokenizes back to itself)."""
+    from tests.conftest import make_ascii_model
+
+    r = await start_server(tiny_core(model=make_ascii_model()), http=True, metrics_port=0)
+    yield r
+    await r.channel.close()
+    await r.server.shutdown()

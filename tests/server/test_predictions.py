@@ -8,19 +8,14 @@ import openai
 import pytest
 
 from batchserve.server.client import build_request
-from tests.conftest import make_ascii_model
-from tests.server.conftest import start_server, tiny_core
 from tests.server.test_openai_api import _client, _raw
 
 MESSAGES = [{"role": "user", "content": "rewrite this"}]
 
 
 @pytest.fixture
-async def api():
-    r = await start_server(tiny_core(model=make_ascii_model()), http=True, metrics_port=0)
-    yield r
-    await r.channel.close()
-    await r.server.shutdown()
+def api(ascii_api):
+    return ascii_api
 
 
 def _details(usage) -> tuple[int, int]:

@@ -11,8 +11,6 @@ import pytest
 
 from batchserve.request import Constraint
 from batchserve.server.client import build_request
-from tests.conftest import make_ascii_model
-from tests.server.conftest import start_server, tiny_core
 from tests.server.test_openai_api import _client, _raw
 
 MESSAGES = [{"role": "user", "content": "give me a record"}]
@@ -29,11 +27,8 @@ SCHEMA = {
 
 
 @pytest.fixture
-async def api():
-    r = await start_server(tiny_core(model=make_ascii_model()), http=True, metrics_port=0)
-    yield r
-    await r.channel.close()
-    await r.server.shutdown()
+def api(ascii_api):
+    return ascii_api
 
 
 def _valid(text: str) -> bool:
