@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 
@@ -92,10 +93,19 @@ class Group:
     """Requests attended in one set of products, rows and keys padded to the group's largest."""
 
     rows: torch.Tensor  # [B, R] step row of each row place (padding: the request's first row)
-    out_places: torch.Tensor  # [n] places (in the flattened [B, R]) holding real rows
+    out_places: torch.Tensor | None  # [n] places (in the flattened [B, R]) holding real rows; None: all of them
     out_rows: torch.Tensor  # [n] their step rows
-    keys: torch.Tensor  # [B, Lk] pool slot of each key (padding: the zero slot)
+    key_granules: torch.Tensor  # [B, Lk/g] pool granule of each run of g keys (padding: the zero block's)
     hidden: torch.Tensor  # [B, P, Lk] bool over the product's rows (head-major, padded): True may not attend
+    # None where every request's keys are in logical order (decode rows, chunks, chains): tile t
+    # is keys [t*KEY_TILE, (t+1)*KEY_TILE), read straight from the scores and the key granules.
+    tiles: Tiles | None
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """Value tiles of a group with draft trees, whose tiles are gathered key by key."""
+
     tile_slots: torch.Tensor  # [B, nt, W] pool slot of each tile place (past a span: the zero slot)
     tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the request's keys (Lk: none)
     keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
@@ -107,11 +117,14 @@ class InvariantMetadata:
     slot_mapping: torch.Tensor  # [T]
     groups: tuple[Group, ...]
     num_tokens: int
+    in_order: bool  # one group whose real rows are the step's rows in order: its output is the step's
 
 
 class InvariantBackend(TorchReferenceBackend):
-    """The torch backend's paged pool plus a zero slot at its end, the values stored with a
-    column of ones; attention computed batch-invariantly (above)."""
+    """The torch backend's paged pool plus a zero block at its end, the values stored with a
+    column of ones; attention computed batch-invariantly (above). Keys (and, where tiles are
+    the identity, values) are gathered in granules of g = gcd(block size, KEY_TILE) slots, a
+    request's logical positions in order: far fewer, larger copies than slot by slot."""
 
     def __init__(
         self,
@@ -127,50 +140,72 @@ class InvariantBackend(TorchReferenceBackend):
         super().__init__(num_layers, 0, block_size, num_kv_heads, head_dim, dtype, device)
         self.group = (num_qo_heads or num_kv_heads) // num_kv_heads  # query heads per KV head
         self.num_blocks = num_blocks
-        self.zero_slot = slots = num_blocks * block_size
-        self.k_cache = torch.zeros(num_layers, num_kv_heads, slots + 1, head_dim, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(num_layers, num_kv_heads, slots + 1, head_dim + 1, dtype=dtype, device=device)
+        self.granule = math.gcd(block_size, KEY_TILE)
+        self.zero_slot = slots = num_blocks * block_size  # the zero block's first slot
+        size = slots + block_size
+        self.k_cache = torch.zeros(num_layers, num_kv_heads, size, head_dim, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(num_layers, num_kv_heads, size, head_dim + 1, dtype=dtype, device=device)
         self.v_cache[:, :, :slots, head_dim] = 1.0  # the denominator's column
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
         groups = tuple(self._group(step, m) for m in group_requests(step.q_len, step.kv_len))
-        return InvariantMetadata(self, slot_mapping.to(self.device), groups, step.num_tokens)
+        t = step.num_tokens
+        in_order = len(groups) == 1 and torch.equal(groups[0].out_rows.cpu(), torch.arange(t))
+        return InvariantMetadata(self, slot_mapping.to(self.device), groups, t, in_order)
+
+    def _slots(self, step: StepLayout, i: int, logical: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        return step.block_table[i, logical // bs] * bs + logical % bs
 
     def _group(self, step: StepLayout, members: list[int]) -> Group:
-        b, bs = len(members), self.block_size
+        b, g = len(members), self.granule
         q_len, kv_len = step.q_len[members], step.kv_len[members]
         r = int(q_len.max())
         lk = max(MIN_KEYS, -(-int(kv_len.max()) // KEY_TILE) * KEY_TILE)
-        tiles = [tiles_of(np.concatenate((np.arange(step.num_cached[i]), step.row_positions(i)))) for i in members]
-        nt, width = max(t[0].shape[0] for t in tiles), max(t[0].shape[1] for t in tiles)
+        positions = [np.concatenate((np.arange(step.num_cached[i]), step.row_positions(i))) for i in members]
         rows = np.zeros((b, r), np.int64)
-        keys = np.full((b, lk + 1), self.zero_slot, np.int64)  # one more: the index of "none"
+        granules = np.full((b, lk // g), self.zero_slot // g, np.int64)
         mask = np.zeros((b, r, lk), bool)
-        tile_keys = np.full((b, nt, width), lk, np.int64)
-        keep = np.zeros((b, nt, width), np.float32)
-        shared = False  # whether some span holds keys of two tiles
         for j, i in enumerate(members):
             start, q, kv, cached = int(step.qo_indptr[i]), int(q_len[j]), int(kv_len[j]), int(step.num_cached[i])
             rows[j] = start
             rows[j, :q] = start + np.arange(q)
-            logical = np.arange(kv)
-            keys[j, :kv] = step.block_table[i, logical // bs] * bs + logical % bs
+            used = -(-kv // g)  # past kv the granule's slots are masked (zero weight): any finite values do
+            granules[j, :used] = self._slots(step, i, np.arange(used) * g) // g
             mask[j, :q, :cached] = True
             mask[j, :q, cached:kv] = step.step_mask(i) if q > 1 else True
             mask[j, q:, 0] = True  # padding rows
+        real = (np.arange(r)[None, :] < q_len[:, None]).reshape(-1)
+        in_order = all(np.array_equal(p, np.arange(len(p))) for p in positions)
+        dev = self.device
+        return Group(
+            rows=torch.from_numpy(rows).to(dev),
+            out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
+            out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
+            key_granules=torch.from_numpy(granules).to(dev),
+            hidden=torch.from_numpy(_product_rows(~mask, self.group)).to(dev),
+            tiles=None if in_order else self._tiles(step, members, positions, lk),
+        )
+
+    def _tiles(self, step: StepLayout, members: list[int], positions: list[np.ndarray], lk: int) -> Tiles:
+        """Tiles of a group whose keys are not all in logical order (draft trees)."""
+        b = len(members)
+        tiles = [tiles_of(p) for p in positions]
+        nt, width = max(t[0].shape[0] for t in tiles), max(t[0].shape[1] for t in tiles)
+        keys = np.full((b, lk + 1), self.zero_slot, np.int64)  # one more: the index of "none"
+        tile_keys = np.full((b, nt, width), lk, np.int64)
+        keep = np.zeros((b, nt, width), np.float32)
+        shared = False  # whether some span holds keys of two tiles
+        for j, i in enumerate(members):
+            kv = int(step.kv_len[i])
+            keys[j, :kv] = self._slots(step, i, np.arange(kv))
             index, own = tiles[j]
             tile_keys[j, : index.shape[0], : index.shape[1]] = np.where(index < kv, index, lk)
             keep[j, : own.shape[0], : own.shape[1]] = own
             shared |= bool(((index < kv) & (own == 0)).any())
-        real = (np.arange(r)[None, :] < q_len[:, None]).reshape(-1)
         tile_slots = np.take_along_axis(keys, tile_keys.reshape(b, -1), 1).reshape(tile_keys.shape)
         dev = self.device
-        return Group(
-            rows=torch.from_numpy(rows).to(dev),
-            out_places=torch.from_numpy(np.flatnonzero(real)).to(dev),
-            out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
-            keys=torch.from_numpy(np.ascontiguousarray(keys[:, :lk])).to(dev),
-            hidden=torch.from_numpy(_product_rows(~mask, self.group)).to(dev),
+        return Tiles(
             tile_slots=torch.from_numpy(tile_slots).to(dev),
             tile_keys=torch.from_numpy(tile_keys).to(dev),
             keep=torch.from_numpy(keep).to(dev) if shared else None,
@@ -186,47 +221,66 @@ class InvariantBackend(TorchReferenceBackend):
         scale: float,
     ) -> torch.Tensor:
         t0 = time.perf_counter()
-        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [Hkv, S+1, D], [Hkv, S+1, D+1]
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [Hkv, S, D], [Hkv, S, D+1]
         d = q.shape[3]
         k_cache.index_copy_(1, metadata.slot_mapping, k[0])  # k[0]: [Hkv, T, D]
         v_cache[..., :d].index_copy_(1, metadata.slot_mapping, v[0])
-        out = q.new_empty(q.shape[1], metadata.num_tokens, d)  # [Hq, T, D]
-        for g in metadata.groups:
-            out[:, g.out_rows] = attend(q[0], k_cache, v_cache, g, scale)
+        if metadata.in_order:  # one group, the step's rows in order (decode steps): no scatter
+            out = attend(q[0], k_cache, v_cache, metadata.groups[0], scale, self.granule)
+        else:
+            out = q.new_empty(metadata.num_tokens, q.shape[1], d)  # [T, Hq, D]
+            for g in metadata.groups:
+                out[g.out_rows] = attend(q[0], k_cache, v_cache, g, scale, self.granule)
         self.seconds += time.perf_counter() - t0
-        return out.transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
+        return out.unsqueeze(0)  # [1, T, Hq, D], contiguous
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Group, scale: float) -> torch.Tensor:
-    """[Hq, n, D]: the group's real rows of q [Hq, T, D] attended over its keys in the pool."""
+def attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Group, scale: float, granule: int
+) -> torch.Tensor:
+    """[n, Hq, D]: the group's real rows of q [Hq, T, D] attended over its keys in the pool
+    (k_cache [Hkv, S, D], v_cache [Hkv, S, D+1], read in runs of `granule` slots)."""
     num_heads, _, d = q.shape
     num_kv = k_cache.shape[0]
     group = num_heads // num_kv  # query head h reads KV head h // group: fold each group's heads into rows
     b, r = g.rows.shape
-    lk, (nt, width) = g.keys.shape[1], g.tile_keys.shape[1:]
+    lk = g.hidden.shape[-1]
     rows = group * r
     padded = -(-rows // ROW_BLOCK) * ROW_BLOCK
     qf = q.new_zeros(num_kv, b, padded, d)
     own = q.index_select(1, g.rows.view(-1)).view(num_kv, group, b, r, d)  # index_select: far cheaper than [:, idx]
     qf[:, :, :rows].view(num_kv, b, group, r, d).copy_(own.transpose(1, 2))
-    keys = k_cache.index_select(1, g.keys.view(-1)).view(num_kv * b, lk, d)  # [Hkv*B, Lk, D]
+    granules = g.key_granules.view(-1)
+    keys = k_cache.view(num_kv, -1, granule * d).index_select(1, granules).view(num_kv * b, lk, d)
     scores = torch.bmm(qf.view(num_kv * b, padded, d), keys.transpose(1, 2)).view(num_kv, b, padded, lk)
     # In place from here (each new tensor costs as much as the arithmetic); padding rows see key 0.
     scores.masked_fill_(g.hidden, float("-inf")).mul_(scale)
-    weights = F.pad(scores.sub_(scores.amax(-1, keepdim=True)).exp_(), (0, 1))  # [Hkv, B, P, Lk + 1]: "none" is 0
-    index = g.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
-    w = torch.gather(weights, 3, index)  # [Hkv, B, P, nt*W]
-    if g.keep is not None:
-        w = w * g.keep.view(1, b, 1, nt * width)
-    w = w.view(num_kv, b, padded, nt, width).permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
-    values = v_cache.index_select(1, g.tile_slots.view(-1)).view(num_kv * b * nt, width, d + 1)  # with the ones
-    parts = torch.bmm(w, values).view(num_kv, b, nt, padded, d + 1)
+    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [Hkv, B, P, Lk]
+    if g.tiles is None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
+        nt, width = lk // KEY_TILE, KEY_TILE
+        w = weights.view(num_kv, b, padded, nt, width)
+        values = v_cache.view(num_kv, -1, granule * (d + 1)).index_select(1, granules)
+    else:
+        tiles = g.tiles
+        nt, width = tiles.tile_keys.shape[1:]
+        index = tiles.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
+        w = torch.gather(F.pad(weights, (0, 1)), 3, index)  # [Hkv, B, P, nt*W]; index Lk ("none") is 0
+        if tiles.keep is not None:
+            w = w * tiles.keep.view(1, b, 1, nt * width)
+        w = w.view(num_kv, b, padded, nt, width)
+        values = v_cache.index_select(1, tiles.tile_slots.view(-1))  # with the ones
+    w = w.permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
+    parts = torch.bmm(w, values.view(num_kv * b * nt, width, d + 1)).view(num_kv, b, nt, padded, d + 1)
     acc = parts[:, :, 0]
     for t in range(1, nt):  # tiles in logical order: the same sums as decoding one row at a time
         acc = acc + parts[:, :, t]
-    out = acc[:, :, :rows, :d] / acc[:, :, :rows, d:]  # [Hkv, B, G*R, D]
-    out = out.view(num_kv, b, group, r, d).permute(0, 2, 1, 3, 4).reshape(num_heads, b * r, d)
-    return out[:, g.out_places]
+    # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D].
+    out = q.new_empty(b, r, num_kv, group, d)
+    num, den = acc[:, :, :rows, :d], acc[:, :, :rows, d:]  # [Hkv, B, G*R, D], [Hkv, B, G*R, 1]
+    shape = (num_kv, b, group, r)
+    torch.div(num.view(*shape, d), den.view(*shape, 1), out=out.permute(2, 0, 3, 1, 4))
+    out = out.view(b * r, num_heads, d)
+    return out if g.out_places is None else out[g.out_places]
 
 
 @functools.cache

@@ -18,31 +18,34 @@ HEADS, KV_HEADS, D, BS = 6, 2, 16, 16
 needs_invariance = pytest.mark.skipif(not kernels_invariant(), reason="this CPU's kernels fail the invariance check")
 
 
-def _backends(num_blocks: int, gen: torch.Generator) -> tuple[InvariantBackend, TorchReferenceBackend]:
-    """Both backends over the same random pool (ours: a zero slot after it, values with a column of ones)."""
-    ours = InvariantBackend(1, num_blocks, BS, KV_HEADS, D, num_qo_heads=HEADS)
-    ref = TorchReferenceBackend(1, num_blocks, BS, KV_HEADS, D)
+def _backends(num_blocks: int, gen: torch.Generator, bs: int = BS) -> tuple[InvariantBackend, TorchReferenceBackend]:
+    """Both backends over the same random pool (ours: a zero block after it, values with a column of ones)."""
+    ours = InvariantBackend(1, num_blocks, bs, KV_HEADS, D, num_qo_heads=HEADS)
+    ref = TorchReferenceBackend(1, num_blocks, bs, KV_HEADS, D)
     torch.randn(ref.k_cache.shape, generator=gen, out=ref.k_cache)
     torch.randn(ref.v_cache.shape, generator=gen, out=ref.v_cache)
-    slots = num_blocks * BS
+    slots = num_blocks * bs
     ours.k_cache[:, :, :slots], ours.v_cache[:, :, :slots, :D] = ref.k_cache, ref.v_cache
     assert (ours.v_cache[:, :, :slots, D] == 1).all() and (ours.v_cache[:, :, slots] == 0).all()
     return ours, ref
 
 
 def _run(backend, seqs: list[SeqLayout], q, k, v) -> torch.Tensor:
-    slots = torch.cat([slots_of(s.block_ids, BS, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
+    bs = backend.block_size
+    slots = torch.cat([slots_of(s.block_ids, bs, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
     meta = backend.build_metadata(StepLayout.from_seqs(seqs), slots)
     return backend.forward(0, q, k, v, meta, scale=D**-0.5)[0]  # [T, Hq, D]
 
 
-def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]]) -> list[SeqLayout]:
+def _step(
+    rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]], bs: int = BS
+) -> list[SeqLayout]:
     """Requests of (cached, chunk, draft nodes), packed back to back."""
     seqs, start = [], 0
     for cached, chunk, nodes in kinds:
         parents = random_tree(rng, nodes, 50).parents if nodes else ()
         q_len = chunk + nodes
-        seqs.append(SeqLayout(start, q_len, cached, chunk, parents, picker.take(-(-(cached + q_len) // BS))))
+        seqs.append(SeqLayout(start, q_len, cached, chunk, parents, picker.take(-(-(cached + q_len) // bs))))
         start += q_len
     return seqs
 
@@ -90,6 +93,28 @@ def test_a_requests_rows_have_the_same_bits_alone_and_packed_with_others(seed):
         alone = SeqLayout(0, s.q_len, s.num_cached, s.num_chunk, s.draft_parents, s.block_ids)
         got = _run(ours, [alone], q[:, :, rows], k[:, :, rows].contiguous(), v[:, :, rows].contiguous())
         assert torch.equal(got, packed[rows])
+
+
+@needs_invariance
+@pytest.mark.parametrize("bs", [24, 128])  # keys read in runs of gcd(bs, KEY_TILE): 8 and 64 slots
+def test_keys_are_read_in_runs_for_any_block_size(bs):
+    rng, gen = random.Random(bs), torch.Generator().manual_seed(bs)
+    ours, ref = _backends(40, gen, bs)
+    assert ours.granule == np.gcd(bs, KEY_TILE)
+    kinds = [(70, 1, 0), (100, 1, 0), (130, 1, 9), (5, 1, 0), (0, 40, 0)]  # decode roots, a tree, a chunk
+    seqs = _step(rng, BlockPicker(rng, 40, "scattered"), kinds, bs)
+    total = seqs[-1].q_start + seqs[-1].q_len
+    q, k, v = torch.randn(3, 1, HEADS, total, D, generator=gen)
+    k, v = k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
+    packed = _run(ours, seqs, q, k, v)
+    torch.testing.assert_close(packed, _run(ref, seqs, q, k, v), rtol=1e-5, atol=1e-6)
+    decode = seqs[:2]  # alone they are one group whose rows are the step's in order
+    rows = [s.q_start for s in decode]
+    together = [SeqLayout(j, 1, s.num_cached, 1, (), s.block_ids) for j, s in enumerate(decode)]
+    meta = ours.build_metadata(StepLayout.from_seqs(together), torch.zeros(2, dtype=torch.long))
+    assert meta.in_order and meta.groups[0].tiles is None
+    got = _run(ours, together, q[:, :, rows], k[:, :, rows].contiguous(), v[:, :, rows].contiguous())
+    assert torch.equal(got, packed[rows])  # as among the others
 
 
 @needs_invariance
