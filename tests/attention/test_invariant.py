@@ -37,9 +37,7 @@ def _run(backend, seqs: list[SeqLayout], q, k, v) -> torch.Tensor:
     return backend.forward(0, q, k, v, meta, scale=D**-0.5)[0]  # [T, Hq, D]
 
 
-def _step(
-    rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]], bs: int = BS
-) -> list[SeqLayout]:
+def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]], bs: int = BS) -> list[SeqLayout]:
     """Requests of (cached, chunk, draft nodes), packed back to back."""
     seqs, start = [], 0
     for cached, chunk, nodes in kinds:
