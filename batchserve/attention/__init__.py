@@ -25,11 +25,13 @@ __all__ = [
 ]
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False) -> str:
+def resolve_backend(
+    name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False, head_dim: int = 64
+) -> str:
     """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed; on CPU the
     batch-invariant backend for a model whose products are batch-invariant too (the native
     model's `PackedLinear`s) where this CPU's kernels pass `kernels_invariant`; the torch
-    reference otherwise. Forcing a backend where it cannot run is an error."""
+    reference otherwise (`head_dim`: the model's, which the check runs at). Forcing a backend where it cannot run is an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
@@ -37,7 +39,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, invaria
     if name == "auto":
         if usable and installed:
             return "flashinfer"
-        return "invariant" if device.type == "cpu" and invariant_model and kernels_invariant() else "torch"
+        return "invariant" if device.type == "cpu" and invariant_model and kernels_invariant(head_dim) else "torch"
     if name == "invariant" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise ValueError(f"the invariant attention backend runs on CPU with oneDNN, got {device}")
     if name == "flashinfer" and not usable:

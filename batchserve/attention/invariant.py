@@ -6,8 +6,10 @@
 # decoded one by one the same tokens sit side by side. So every reduction is one whose order the
 # row's own keys fix:
 #
-# - scores: `bmm` with rows padded to a multiple of ROW_BLOCK (a lone remainder row takes
-#   another kernel) and at least MIN_KEYS keys; each score is one dot product over the head dim;
+# - scores: `bmm` with rows padded to a multiple of a row block (4 where this CPU's kernels give
+#   a row the same bits at any place in any call of a multiple of 4 rows, else 8: a lone
+#   remainder row takes another kernel) and at least MIN_KEYS keys; each score is one dot
+#   product over the head dim;
 # - softmax: the max (exact in any order), then exp elementwise;
 # - the weighted sum of values and the softmax's denominator (the pool keeps a column of ones
 #   beside every value) in `bmm` products over tiles of KEY_TILE logical positions: inside a tile
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from batchserve.attention.base import SeqLayout, StepLayout, slots_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
 
-ROW_BLOCK = 8  # rows of a product are padded to a multiple of this
+ROW_BLOCKS = (4, 8)  # rows of a product are padded to a multiple of the first that passes the check
 MIN_KEYS = KEY_TILE = 64  # keys of a score product, at least; logical positions per value product
 # Keys of other branches a tile may hold between a row's own: past this a request's draft rows
 # stay exact but may lose bit-equality with decoding (a product over more keys blocks them).
@@ -57,11 +59,11 @@ def group_requests(q_len: np.ndarray, kv_len: np.ndarray) -> list[list[int]]:
     return [by_keys[k] for k in sorted(by_keys)] + alone
 
 
-def _product_rows(hidden: np.ndarray, group: int) -> np.ndarray:
+def _product_rows(hidden: np.ndarray, group: int, row_block: int) -> np.ndarray:
     """[B, R, Lk] -> [B, P, Lk]: the rows as the score product lays them out (each of the group's
-    query heads' rows in turn, padded to a multiple of ROW_BLOCK rows that see key 0 only)."""
+    query heads' rows in turn, padded to a multiple of `row_block` rows that see key 0 only)."""
     b, r, lk = hidden.shape
-    padded = -(-group * r // ROW_BLOCK) * ROW_BLOCK
+    padded = -(-group * r // row_block) * row_block
     out = np.ones((b, padded, lk), bool)
     out[:, :, 0] = False
     out[:, : group * r] = np.tile(hidden, (1, group, 1))
@@ -136,9 +138,11 @@ class InvariantBackend(TorchReferenceBackend):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         num_qo_heads: int | None = None,
+        row_block: int | None = None,
     ) -> None:
         super().__init__(num_layers, 0, block_size, num_kv_heads, head_dim, dtype, device)
         self.group = (num_qo_heads or num_kv_heads) // num_kv_heads  # query heads per KV head
+        self.row_block = row_block or invariant_row_block(head_dim) or ROW_BLOCKS[-1]
         self.num_blocks = num_blocks
         self.granule = math.gcd(block_size, KEY_TILE)
         self.zero_slot = slots = num_blocks * block_size  # the zero block's first slot
@@ -183,7 +187,7 @@ class InvariantBackend(TorchReferenceBackend):
             out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
             key_granules=torch.from_numpy(granules).to(dev),
-            hidden=torch.from_numpy(_product_rows(~mask, self.group)).to(dev),
+            hidden=torch.from_numpy(_product_rows(~mask, self.group, self.row_block)).to(dev),
             tiles=None if in_order else self._tiles(step, members, positions, lk),
         )
 
@@ -245,8 +249,7 @@ def attend(
     group = num_heads // num_kv  # query head h reads KV head h // group: fold each group's heads into rows
     b, r = g.rows.shape
     lk = g.hidden.shape[-1]
-    rows = group * r
-    padded = -(-rows // ROW_BLOCK) * ROW_BLOCK
+    rows, padded = group * r, g.hidden.shape[1]
     qf = q.new_zeros(num_kv, b, padded, d)
     own = q.index_select(1, g.rows.view(-1)).view(num_kv, group, b, r, d)  # index_select: far cheaper than [:, idx]
     qf[:, :, :rows].view(num_kv, b, group, r, d).copy_(own.transpose(1, 2))
@@ -283,22 +286,55 @@ def attend(
     return out if g.out_places is None else out[g.out_places]
 
 
+def kernels_invariant(head_dim: int = 64) -> bool:
+    """Whether this CPU's kernels give `attend` the properties it relies on for heads of
+    `head_dim`; checked once per process on random data (the model's products are checked by
+    `batchserve.model.layers`)."""
+    return invariant_row_block(head_dim) is not None
+
+
 @functools.cache
-def kernels_invariant() -> bool:
-    """Whether this CPU's kernels give `attend` the properties it relies on; checked once per
-    process on random data (the model's products are checked by `batchserve.model.layers`)."""
-    return all(decoded_equals_tree(prefix, torch.Generator().manual_seed(prefix)) for prefix in CHECK_PREFIXES)
+def invariant_row_block(head_dim: int = 64) -> int | None:
+    """The smallest of ROW_BLOCKS for which a product row has the same bits at any place in any
+    call and a draft path equals the same tokens decoded; None if none does."""
+    for row_block in ROW_BLOCKS:
+        gen = torch.Generator().manual_seed(row_block)
+        if rows_anywhere(row_block, head_dim, gen) and all(
+            decoded_equals_tree(prefix, torch.Generator().manual_seed(prefix), head_dim=head_dim, row_block=row_block)
+            for prefix in CHECK_PREFIXES
+        ):
+            return row_block
+    return None
 
 
 CHECK_PREFIXES = (9, KEY_TILE - 3, KEY_TILE + 40, 2 * KEY_TILE + 5)
 
 
-def decoded_equals_tree(prefix: int, gen: torch.Generator, depth: int = 4) -> bool:
+def rows_anywhere(row_block: int, head_dim: int, gen: torch.Generator) -> bool:
+    """A row's `bmm` result at places across calls of multiples of `row_block` rows against the
+    same row alone at the top of a `row_block`-row call, for the score products (head_dim deep,
+    64 to 320 keys) and the value products (one to three tiles deep, head_dim + 1 wide)."""
+    for depth, width in ((head_dim, KEY_TILE), (head_dim, 5 * KEY_TILE), (KEY_TILE, head_dim + 1), (192, head_dim + 1)):
+        a, b = torch.randn(2, 64 * row_block, depth, generator=gen), torch.randn(2, depth, width, generator=gen)
+        for rows in (row_block, 3 * row_block, 16 * row_block, 64 * row_block):
+            full = torch.bmm(a[:, :rows], b)
+            for place in {0, rows // 2 + 1, rows - 1}:
+                alone = a.new_zeros(2, row_block, depth)
+                alone[:, 0] = a[:, place]
+                if not torch.equal(torch.bmm(alone, b)[:, 0], full[:, place]):
+                    return False
+    return True
+
+
+def decoded_equals_tree(
+    prefix: int, gen: torch.Generator, depth: int = 4, head_dim: int = 16, row_block: int = ROW_BLOCKS[-1]
+) -> bool:
     """A draft path of `depth` nodes after `prefix` keys, with MAX_SPREAD - depth siblings between
     its nodes and another request beside it, against the same tokens decoded one per step."""
-    backend = InvariantBackend(1, 40, 16, 2, 16, num_qo_heads=6)
+    d = head_dim
+    backend = InvariantBackend(1, 40, 16, 2, d, num_qo_heads=6, row_block=row_block)
     torch.randn(backend.k_cache.shape, generator=gen, out=backend.k_cache)
-    backend.v_cache[..., :16] = torch.randn(backend.v_cache[..., :16].shape, generator=gen)
+    backend.v_cache[..., :d] = torch.randn(backend.v_cache[..., :d].shape, generator=gen)
     siblings = np.bincount(torch.randint(0, depth, (MAX_SPREAD - depth,), generator=gen).numpy(), minlength=depth)
     parents: list[int | None] = []
     path: list[int] = []
@@ -309,7 +345,7 @@ def decoded_equals_tree(prefix: int, gen: torch.Generator, depth: int = 4) -> bo
     n = 1 + len(parents)
     blocks = tuple(range(-(-(prefix + n) // 16)))
     other = SeqLayout(n, 3, 5, 1, (None, 0), (len(blocks),))
-    q, k, v = torch.randn(3, 1, 6, n + 3, 16, generator=gen)
+    q, k, v = torch.randn(3, 1, 6, n + 3, d, generator=gen)
     k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
     tree = _step(backend, [SeqLayout(0, n, prefix, 1, tuple(parents), blocks), other], q, k, v)
     for level, row in enumerate([0] + [node + 1 for node in path]):  # the root, then the path's nodes
@@ -325,4 +361,4 @@ def _step(
 ) -> torch.Tensor:
     slots = torch.cat([slots_of(s.block_ids, backend.block_size, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
     meta = backend.build_metadata(StepLayout.from_seqs(seqs), slots)
-    return backend.forward(0, q, k, v, meta, scale=0.25)[0]  # [T, Hq, D]
+    return backend.forward(0, q, k, v, meta, scale=q.shape[-1] ** -0.5)[0]  # [T, Hq, D]

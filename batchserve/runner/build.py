@@ -41,7 +41,7 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
     from batchserve.model import has_invariant_linears
 
     invariant = has_invariant_linears(model)
-    backend_name = resolve_backend(config.model.attention_backend, param.device, param.dtype, invariant)
+    backend_name = resolve_backend(config.model.attention_backend, param.device, param.dtype, invariant, head_dim)
     backend = make_backend(
         backend_name,
         num_layers=mc.num_hidden_layers,

@@ -155,3 +155,31 @@ def test_requests_share_products_with_those_of_a_similar_length_and_a_prompt_chu
     kv_len = np.array([200, 250, 3000, 900, 20, 40, 129])
     # Keys up to 64, up to 256 (129 to 250), up to 4096; then the chunks of 300 and 17 rows.
     assert group_requests(q_len, kv_len) == [[4], [0, 1, 6], [2], [3], [5]]
+
+
+def test_the_row_check_fails_a_product_whose_rows_depend_on_their_place(monkeypatch):
+    real = torch.bmm
+
+    def by_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = real(a, b)
+        out[:, 1::2] = real(a[:, 1::2].flip(-1), b.flip(-2))  # odd rows: the reduction reversed
+        return out
+
+    assert invariant.rows_anywhere(4, 64, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(invariant.torch, "bmm", by_place)
+    assert not invariant.rows_anywhere(4, 64, torch.Generator().manual_seed(0))
+
+
+def test_rows_are_padded_to_the_smallest_row_block_that_passes(monkeypatch):
+    invariant.invariant_row_block.cache_clear()
+    try:
+        monkeypatch.setattr(invariant, "rows_anywhere", lambda row_block, *_: row_block == 8)
+        assert invariant.invariant_row_block(16) == 8
+        monkeypatch.setattr(invariant, "rows_anywhere", lambda *_: False)
+        assert invariant.invariant_row_block(32) is None and not invariant.kernels_invariant(32)
+    finally:
+        invariant.invariant_row_block.cache_clear()
+    for row_block in invariant.ROW_BLOCKS:
+        backend = InvariantBackend(1, 8, BS, KV_HEADS, D, num_qo_heads=HEADS, row_block=row_block)
+        meta = backend.build_metadata(StepLayout.from_seqs([SeqLayout(0, 1, 20, 1, (), (0, 1))]), torch.zeros(1, dtype=torch.long))
+        assert meta.groups[0].hidden.shape[1] == row_block  # 3 query heads per KV head: 3 rows, padded
