@@ -85,10 +85,7 @@ async def main(num_prompts: int, max_tokens: int, out: Path) -> None:
         "num_prompts": num_prompts,
         "max_tokens": max_tokens,
         "same_text": same,
-        **{
-            name: {"ttft": _stats([t for t, _ in r]), "total": _stats([e for _, e in r])}
-            for name, r in rows.items()
-        },
+        **{name: {"ttft": _stats([t for t, _ in r]), "total": _stats([e for _, e in r])} for name, r in rows.items()},
     }
     result["ttft_p50_overhead_ms"] = round(result["http"]["ttft"]["p50_ms"] - result["grpc"]["ttft"]["p50_ms"], 2)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,8 @@ def resolve_backend(
     """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed; on CPU the
     batch-invariant backend for a model whose products are batch-invariant too (the native
     model's `PackedLinear`s) where this CPU's kernels pass `kernels_invariant`; the torch
-    reference otherwise (`head_dim`: the model's, which the check runs at). Forcing a backend where it cannot run is an error."""
+    reference otherwise (`head_dim`: the model's, which the check runs at). Forcing a backend
+    where it cannot run is an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)

@@ -181,5 +181,6 @@ def test_rows_are_padded_to_the_smallest_row_block_that_passes(monkeypatch):
         invariant.invariant_row_block.cache_clear()
     for row_block in invariant.ROW_BLOCKS:
         backend = InvariantBackend(1, 8, BS, KV_HEADS, D, num_qo_heads=HEADS, row_block=row_block)
-        meta = backend.build_metadata(StepLayout.from_seqs([SeqLayout(0, 1, 20, 1, (), (0, 1))]), torch.zeros(1, dtype=torch.long))
+        step = StepLayout.from_seqs([SeqLayout(0, 1, 20, 1, (), (0, 1))])
+        meta = backend.build_metadata(step, torch.zeros(1, dtype=torch.long))
         assert meta.groups[0].hidden.shape[1] == row_block  # 3 query heads per KV head: 3 rows, padded
