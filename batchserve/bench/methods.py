@@ -145,6 +145,8 @@ class Row:
     reference_matches: int | None = None
     # an open-loop row: Poisson arrivals at this many requests per second, at most batch_size running
     request_rate: float | None = None
+    # a +repeat workload: tokens per step of its second round (exact repeats of the first, run after it)
+    repeat_tokens_per_step: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -146,11 +146,22 @@ def write_report(
         lines.extend(_method_table(rs))
         for suffix in ("", *KERNEL_SUFFIXES):
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix))
+        lines.extend(_repeat_rounds(rs))
         lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
         lines.extend(adaptive_summary(rs))
         lines.extend(phase_table(rs))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _repeat_rounds(rows: list[Row]) -> list[str]:
+    """A +repeat workload: each row's second round (the same prompts again, once the first round
+    has finished), where every draft from the first round's outputs would be accepted."""
+    seconds = [r for r in rows if r.repeat_tokens_per_step is not None]
+    if not seconds:
+        return []
+    parts = ", ".join(f"{r.method} b={r.batch_size}: {r.repeat_tokens_per_step:.2f}" for r in seconds)
+    return [f"\nTokens per step of the second round alone (exact repeats, run after the first): {parts}.\n"]
 
 
 def _llamacpp_note(rows: list[Row]) -> list[str]:

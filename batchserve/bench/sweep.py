@@ -121,6 +121,8 @@ def _batchserve_row(
     row = make_row(method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, lossless)
     row.mean_decoding_length = run.mean_len
     row.cached_share = None if run.cached_share is None else round(run.cached_share, 3)
+    if run.second_round_tokens_per_step is not None:
+        row.repeat_tokens_per_step = round(run.second_round_tokens_per_step, 3)
     row.request_rate = rate
     run.phases.apply(row)
     s.bar.update(1)

@@ -165,6 +165,28 @@ def test_repeat_sends_each_test_prompt_twice_in_two_rounds() -> None:
     assert main(["bench", "--dataset", "doc-qa+repeat", "--num-prompts", "0"]) == 2  # known, the count refused
 
 
+def test_exact_repeats_run_after_the_first_round_and_draft_from_its_outputs(tiny_tokenizer: Any) -> None:
+    from batchserve.bench.methods import batchserve_method, make_row
+    from batchserve.bench.report import _repeat_rounds
+    from batchserve.bench.runs import rounds_of, run_batchserve
+    from tests.conftest import make_ascii_model
+
+    a, b = [5, 6, 7], [9, 8]
+    assert rounds_of([a, b, a, b]) == [slice(0, 2), slice(2, None)]
+    assert rounds_of([a, b, b, a]) == [slice(0, 4)] and rounds_of([a, b, a]) == [slice(0, 3)]
+    prompts = [[5 + (i * 7 + j) % 60 for j in range(10)] for i in range(3)]
+    model = make_ascii_model()
+    m = batchserve_method("lookahead")
+    once = run_batchserve(model, tiny_tokenizer, prompts, 16, 3, m, [], 8)
+    twice = run_batchserve(model, tiny_tokenizer, prompts + prompts, 16, 3, m, [], 8)
+    assert once.second_round_tokens_per_step is None and twice.outputs == once.outputs + once.outputs
+    # The second round's requests start after the first's have finished: all their drafts are known.
+    assert twice.second_round_tokens_per_step > 2 * once.tokens_per_step
+    row = make_row("lookahead", "x+repeat", 3, twice.outputs, 1.0, [0.1], [0.1], twice.tokens_per_step, True)
+    row.repeat_tokens_per_step = twice.second_round_tokens_per_step
+    assert f"lookahead b=3: {row.repeat_tokens_per_step:.2f}" in _repeat_rounds([row])[0]
+
+
 def test_prediction_methods_send_each_samples_prediction(tiny_tokenizer: Any) -> None:
     from batchserve.bench.methods import batchserve_method, known_method, method_rank
     from batchserve.bench.runs import run_batchserve
