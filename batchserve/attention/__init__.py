@@ -7,7 +7,8 @@ import importlib.util
 import torch
 
 from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, slots_of
-from batchserve.attention.invariant import InvariantBackend, kernels_invariant
+from batchserve.attention.invariant import InvariantBackend
+from batchserve.attention.invariant_check import kernels_invariant
 from batchserve.attention.torch_ref import TorchReferenceBackend
 from batchserve.config import ATTENTION_BACKENDS
 

@@ -117,16 +117,7 @@ def run_batchserve(
         results, due, seconds = open_loop(llm, prompts, params, arrivals, refs)
         ttfts, tpots = open_loop_latencies(results, due)
     else:
-        results, seconds = [], 0.0
-        for part in rounds_of(prompts):  # exact repeats: the second round after the first has finished
-            t0 = time.perf_counter()
-            results += llm.generate(
-                prompts[part],
-                params if isinstance(params, SamplingParams) else params[part],
-                use_tqdm=False,
-                references=None if refs is None else refs[part],
-            )
-            seconds += time.perf_counter() - t0
+        results, seconds = _closed_loop(llm, prompts, params, refs)
         ttfts = closed_loop_ttfts(results, b)
         tpots = [(r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
     second = results[len(prompts) // 2 :] if len(rounds_of(prompts)) == 2 and arrivals is None else []
@@ -140,6 +131,23 @@ def run_batchserve(
     return EngineRun(
         outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, second_tps if second else None
     )
+
+
+def _closed_loop(llm: Any, prompts: list[list[int]], params: Any, refs: list[str | None] | None) -> tuple[list, float]:
+    """Every prompt queued at once (the engine runs as many as it seats), in rounds (`rounds_of`):
+    the results and the seconds the rounds took."""
+    results: list = []
+    seconds = 0.0
+    for part in rounds_of(prompts):  # exact repeats: the second round after the first has finished
+        t0 = time.perf_counter()
+        results += llm.generate(
+            prompts[part],
+            params if not isinstance(params, list) else params[part],
+            use_tqdm=False,
+            references=None if refs is None else refs[part],
+        )
+        seconds += time.perf_counter() - t0
+    return results, seconds
 
 
 def rounds_of(prompts: list[list[int]]) -> list[slice]:

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import batchserve.attention.invariant as invariant
+import batchserve.attention.invariant_check as check
 from batchserve.attention import InvariantBackend, SeqLayout, StepLayout, TorchReferenceBackend, slots_of
-from batchserve.attention.invariant import KEY_TILE, group_requests, kernels_invariant, tiles_of
+from batchserve.attention.invariant import KEY_TILE, group_requests, tiles_of
+from batchserve.attention.invariant_check import kernels_invariant
 from tests.attention.layouts import BlockPicker
 from tests.engine.drafters import random_tree
 
@@ -135,9 +137,9 @@ def test_an_accepted_draft_node_has_the_bits_of_the_same_token_decoded():
 
 
 @needs_invariance
-@pytest.mark.parametrize("prefix", invariant.CHECK_PREFIXES)
+@pytest.mark.parametrize("prefix", check.CHECK_PREFIXES)
 def test_the_start_up_check_passes_on_this_cpu(prefix):
-    assert invariant.decoded_equals_tree(prefix, torch.Generator().manual_seed(prefix))
+    assert check.decoded_equals_tree(prefix, torch.Generator().manual_seed(prefix))
 
 
 def test_the_check_fails_a_product_whose_sum_order_follows_the_row_count(monkeypatch):
@@ -146,8 +148,8 @@ def test_the_check_fails_a_product_whose_sum_order_follows_the_row_count(monkeyp
     def order_by_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return real(a, b) if a.shape[1] <= 8 else real(a.flip(-1), b.flip(-2))  # the reduction reversed
 
-    monkeypatch.setattr(invariant.torch, "bmm", order_by_rows)
-    assert not invariant.decoded_equals_tree(9, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(check.torch, "bmm", order_by_rows)
+    assert not check.decoded_equals_tree(9, torch.Generator().manual_seed(0))
 
 
 def test_requests_share_products_with_those_of_a_similar_length_and_a_prompt_chunk_goes_alone():
@@ -165,20 +167,20 @@ def test_the_row_check_fails_a_product_whose_rows_depend_on_their_place(monkeypa
         out[:, 1::2] = real(a[:, 1::2].flip(-1), b.flip(-2))  # odd rows: the reduction reversed
         return out
 
-    assert invariant.rows_anywhere(4, 64, torch.Generator().manual_seed(0))
-    monkeypatch.setattr(invariant.torch, "bmm", by_place)
-    assert not invariant.rows_anywhere(4, 64, torch.Generator().manual_seed(0))
+    assert check.rows_anywhere(4, 64, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(check.torch, "bmm", by_place)
+    assert not check.rows_anywhere(4, 64, torch.Generator().manual_seed(0))
 
 
 def test_rows_are_padded_to_the_smallest_row_block_that_passes(monkeypatch):
-    invariant.invariant_row_block.cache_clear()
+    check.invariant_row_block.cache_clear()
     try:
-        monkeypatch.setattr(invariant, "rows_anywhere", lambda row_block, *_: row_block == 8)
-        assert invariant.invariant_row_block(16) == 8
-        monkeypatch.setattr(invariant, "rows_anywhere", lambda *_: False)
-        assert invariant.invariant_row_block(32) is None and not invariant.kernels_invariant(32)
+        monkeypatch.setattr(check, "rows_anywhere", lambda row_block, *_: row_block == 8)
+        assert check.invariant_row_block(16) == 8
+        monkeypatch.setattr(check, "rows_anywhere", lambda *_: False)
+        assert check.invariant_row_block(32) is None and not check.kernels_invariant(32)
     finally:
-        invariant.invariant_row_block.cache_clear()
+        check.invariant_row_block.cache_clear()
     for row_block in invariant.ROW_BLOCKS:
         backend = InvariantBackend(1, 8, BS, KV_HEADS, D, num_qo_heads=HEADS, row_block=row_block)
         step = StepLayout.from_seqs([SeqLayout(0, 1, 20, 1, (), (0, 1))])
