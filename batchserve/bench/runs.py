@@ -113,32 +113,40 @@ def run_batchserve(
             for c in constraints
         ]
     refs = [p or None for p in predictions] if m.predicted and predictions else None
+    second = None  # a +repeat workload's second round
     if arrivals is not None:
         results, due, seconds = open_loop(llm, prompts, params, arrivals, refs)
         ttfts, tpots = open_loop_latencies(results, due)
     else:
-        results, seconds = _closed_loop(llm, prompts, params, refs)
+        rounds = rounds_of(prompts)  # exact repeats: the second round after the first has finished
+        results, seconds = _closed_loop(llm, prompts, rounds, params, refs)
         ttfts = closed_loop_ttfts(results, b)
         tpots = [(r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
-    second = results[len(prompts) // 2 :] if len(rounds_of(prompts)) == 2 and arrivals is None else []
-    second_tps = tokens_per_step(sum(len(r.token_ids) for r in second), sum(r.stats.steps for r in second))
+        second = results[rounds[1]] if len(rounds) == 2 else None
     steps = sum(r.stats.steps for r in results)
     outputs = [r.token_ids for r in results]
     mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
     cached = sum(r.stats.cached_prompt_tokens for r in results) / max(1, sum(map(len, prompts)))
-    tps = tokens_per_step(sum(len(o) for o in outputs), steps)
     cached_share = cached if m.prefix_caching else None
-    return EngineRun(
-        outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, second_tps if second else None
-    )
+    tps = tokens_per_step(sum(len(o) for o in outputs), steps)
+    return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, _tokens_per_step(second))
 
 
-def _closed_loop(llm: Any, prompts: list[list[int]], params: Any, refs: list[str | None] | None) -> tuple[list, float]:
-    """Every prompt queued at once (the engine runs as many as it seats), in rounds (`rounds_of`):
-    the results and the seconds the rounds took."""
+def _tokens_per_step(results: list | None) -> float | None:
+    """Tokens per step of `results` (None for none)."""
+    if results is None:
+        return None
+    return tokens_per_step(sum(len(r.token_ids) for r in results), sum(r.stats.steps for r in results))
+
+
+def _closed_loop(
+    llm: Any, prompts: list[list[int]], rounds: list[slice], params: Any, refs: list[str | None] | None
+) -> tuple[list, float]:
+    """Each round's prompts queued at once (the engine runs as many as it seats), one round after
+    the other: the results and the seconds the rounds took."""
     results: list = []
     seconds = 0.0
-    for part in rounds_of(prompts):  # exact repeats: the second round after the first has finished
+    for part in rounds:
         t0 = time.perf_counter()
         results += llm.generate(
             prompts[part],
