@@ -52,8 +52,10 @@ gpu-check: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check batchserve tests benchmarks load_tests
 
+# One pytest-xdist worker per core, a test file to a worker (its module fixtures computed once).
+TEST_WORKERS ?= auto
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import os
 from typing import Any
 
 import pytest
@@ -75,6 +76,22 @@ def make_ascii_model() -> Any:
     return model
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs one worker per core) each worker's torch gets its share
+    of the cores: two workers of two threads each on two cores spend more time waiting on each
+    other's threads than computing."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that load SmolLM2 (the longest) first, the rest in their order: spread over
+    xdist's workers file by file, the long ones then start early and the workers end together."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """A test that leaves a thread or a listener running can keep the interpreter from exiting
     after the summary. Then fail within two minutes, printing every thread's stack, rather than
@@ -89,7 +106,10 @@ def _private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     subprocesses inherit it) while tests that want a fresh profile cache point theirs elsewhere."""
     mp = pytest.MonkeyPatch()
     mp.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("profile-cache")))
-    mp.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
+    models = tmp_path_factory.mktemp("model-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one conversion for all workers: their shared temp root
+        models = tmp_path_factory.getbasetemp().parent / "model-cache"
+    mp.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(models))
     yield
     mp.undo()
 

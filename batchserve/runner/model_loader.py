@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -11,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,11 +176,39 @@ def load_model(
 ) -> tuple[Any, Any]:
     """(model, tokenizer), model in eval mode on `device`. Offline: nothing is downloaded."""
     t0 = time.perf_counter()
-    from transformers import AutoModelForCausalLM
-
     device, dtype = resolve_device_dtype(device, dtype)
     directory, gguf_file = resolve_model_path(path)
     logger.info("loading %s (%s on %s)", directory / gguf_file if gguf_file else directory, dtype, device)
+    with _converting(directory / gguf_file if gguf_file is not None else None, dtype):
+        model, tokenizer = _load(path, directory, gguf_file, dtype)
+    model.to(device).eval()
+    logger.info("model loaded in %.1f s", time.perf_counter() - t0)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _converting(gguf_path: Path | None, dtype: str) -> Iterator[None]:
+    """Held while a GGUF file is read and, the first time, converted: a second process loading
+    the same file (replicas starting together on one host) waits, then reads the first one's
+    cache entry instead of converting it again. No lock without a cache to share."""
+    entry = _entry_path(gguf_path, dtype) if gguf_path is not None else None
+    if entry is None:
+        yield
+        return
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(entry.parent / f".{entry.name}.lock", "a")
+    except OSError:  # a read-only cache: each process converts on its own
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
+
+
+def _load(path: Any, directory: Path, gguf_file: str | None, dtype: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM
+
     model = tokenizer = None
     entry = _cached_entry(directory / gguf_file, dtype) if gguf_file is not None else None
     if entry is not None:
@@ -196,8 +227,6 @@ def load_model(
     elif model is None:
         tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], local_files_only=True)
-    model.to(device).eval()
-    logger.info("model loaded in %.1f s", time.perf_counter() - t0)
     return model, tokenizer
 
 

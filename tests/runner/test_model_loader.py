@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import pytest
 import torch
@@ -85,6 +86,33 @@ def test_a_gguf_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch
     assert conversions == ["tiny.gguf"]
     load_model(path, "bfloat16")  # another dtype is another entry
     assert conversions == ["tiny.gguf"] * 2
+
+
+def test_loads_of_one_file_at_once_convert_it_once(tmp_path, monkeypatch):
+    """Replicas starting together on one host: the second load waits for the first's conversion
+    and reads its entry. Here the first conversion holds the lock while a second loader starts."""
+    path, conversions = _fake_gguf(tmp_path, monkeypatch)
+    real = model_loader._convert_gguf
+    started, release = threading.Event(), threading.Event()
+
+    def slow_convert(*args):
+        started.set()
+        assert release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", slow_convert)
+    first = threading.Thread(target=load_model, args=(path, "float32"))
+    first.start()
+    assert started.wait(10)
+    second: list = []
+    waiter = threading.Thread(target=lambda: second.append(load_model(path, "float32")))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not second  # waiting for the lock, not converting
+    release.set()
+    first.join(10)
+    waiter.join(10)
+    assert conversions == ["tiny.gguf"] and second[0][0].config.vocab_size == 256
 
 
 def test_a_changed_file_is_converted_again(tmp_path, monkeypatch):
