@@ -4,6 +4,7 @@ or an open loop over the prompts, latencies, step phases; and the workloads them
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +168,22 @@ def rounds_of(prompts: list[list[int]]) -> list[slice]:
     return [slice(0, len(prompts))]
 
 
+# The forward each loaded model was built into, per kernel set: a sweep's many engines on one
+# set share it (building one repacks every weight: ~0.5 s for SmolLM2, a KV pool's worth of time).
+_FORWARDS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, str], Any]] = weakref.WeakKeyDictionary()
+
+
+def forward_for(model: Any, m: Method) -> Any:
+    """The model method `m`'s engines run: `model` (as loaded) built for m's kernels, once."""
+    from batchserve.model import choose_impl
+
+    built = _FORWARDS.setdefault(model, {})
+    if m.kernels not in built:
+        forward = choose_impl(model, m.model_impl, m.cpu_linear, m.cpu_weights)
+        built[m.kernels] = None if forward is model else forward  # None: as loaded (no cycle to the key)
+    return built[m.kernels] or model
+
+
 def _engine(
     model: Any, tokenizer: Any, m: Method, b: int, decoding_length: int, profile: Any, token_budget: int | None
 ) -> Any:
@@ -179,7 +196,7 @@ def _engine(
         decoding_length=m.decoding_length or decoding_length,
         adaptive=m.adaptive,
         max_num_seqs=b,
-        hf_model=model,
+        hf_model=forward_for(model, m),
         tokenizer=tokenizer,
         cost_profile=profile,
         cpu_linear=m.cpu_linear,
@@ -255,11 +272,11 @@ def cost_profiles(methods: list[str], engine_model: Any, tokenizer: Any) -> dict
     """The profiles the server would use (cached per device, dtype, model and kernels; measured if absent)."""
     cost_profiles = {}
     specs = [batchserve_method(m) for m in methods]
-    for impl, cpu_linear, weights in {m.kernels for m in specs if m is not None and m.adaptive}:
+    for m in {m.kernels: m for m in specs if m is not None and m.adaptive}.values():
         from batchserve import LLM
 
-        kw = dict(cpu_linear=cpu_linear, model_impl=impl, cpu_weights=weights)
-        probe = LLM(adaptive=True, hf_model=engine_model, tokenizer=tokenizer, **kw)
-        cost_profiles[(impl, cpu_linear, weights)] = probe.engine.cost_profile
+        kw = dict(cpu_linear=m.cpu_linear, model_impl=m.model_impl, cpu_weights=m.cpu_weights)
+        probe = LLM(adaptive=True, hf_model=forward_for(engine_model, m), tokenizer=tokenizer, **kw)
+        cost_profiles[m.kernels] = probe.engine.cost_profile
         del probe
     return cost_profiles

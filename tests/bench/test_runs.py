@@ -1,0 +1,28 @@
+"""The bench's engines: one forward per loaded model and kernel set, shared by a sweep's runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchserve.bench.methods import batchserve_method
+from batchserve.bench.runs import forward_for, run_batchserve
+from tests.conftest import make_ascii_model
+
+
+def test_a_sweeps_engines_share_one_forward_per_kernel_set(tiny_tokenizer: Any) -> None:
+    from batchserve.model import NativeLlamaForCausalLM
+
+    model = make_ascii_model()
+    none, lookahead, blas, hf = (batchserve_method(n) for n in ("none", "lookahead", "none-blas", "none-hf"))
+    assert none is not None and lookahead is not None and blas is not None and hf is not None
+    native = forward_for(model, none)
+    assert isinstance(native, NativeLlamaForCausalLM)
+    assert forward_for(model, lookahead) is native  # same kernels: built once
+    assert forward_for(model, blas) is not native  # torch's BLAS is another forward
+    assert forward_for(model, hf) is model  # the transformers forward is the model as loaded
+    assert forward_for(make_ascii_model(), none) is not native  # another model, its own forward
+    # Engines of every method run on it, lossless against each other (the bench checks the rest).
+    prompts = [[5 + (i * 7 + j) % 60 for j in range(10)] for i in range(3)]
+    plain = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, none, [], 8)
+    drafted = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, lookahead, [], 8)
+    assert drafted.outputs == plain.outputs and all(len(o) == 12 for o in plain.outputs)
