@@ -24,7 +24,8 @@ prior (`explore`), so it is retried once the batch has room again.
 
 The time of a step is the profile's, refined online from measured steps (`observe_step`).
 A `SpeedGuard` (`speed_guard.py`) checks the outcome: where steps with drafts measure slower per
-token than steps without at this batch size, every expected gain is divided by its hedge.
+token than steps without at this batch size (steps with a prompt chunk judged apart), every
+expected gain is divided by its hedge.
 Every tuning value is a `DraftConfig` setting; `DraftBudgetPolicy.from_config` applies them.
 """
 
@@ -152,13 +153,15 @@ class DraftBudgetPolicy:
         context: float = 0.0,
         num_seqs: int | None = None,
         token_budget: int | None = None,
+        chunked: bool = False,
     ) -> dict[str, int]:
         """`num_roots`: requests emitting a token this step (with or without a draft);
         `num_other_tokens`: the step's other rows (prefill chunks, fixed-length drafts);
-        `context`: mean KV length of the step's rows; `token_budget`: most draft tokens."""
+        `context`: mean KV length of the step's rows; `token_budget`: most draft tokens;
+        `chunked`: the step carries a prompt chunk (the speed guard judges those apart)."""
         num_seqs = num_seqs if num_seqs is not None else max(1, num_roots)
         cap = token_budget if token_budget is not None else sum(c.max_tokens for c in candidates)
-        hedge = self.hedge(num_seqs)
+        hedge = self.hedge(num_seqs, chunked)
         # Each request's gains are non-increasing, so merging them in descending order takes
         # every request's nodes as a prefix.
         per_req = [
@@ -187,9 +190,9 @@ class DraftBudgetPolicy:
         self.planned_gain = gain[best_k] * hedge  # what they are expected to buy
         return lengths
 
-    def hedge(self, num_seqs: int) -> float:
+    def hedge(self, num_seqs: int, chunked: bool = False) -> float:
         """What the speed guard divides expected gains by at this batch size (1: no doubt)."""
-        return self.guard.hedge(num_seqs) if self.guard is not None else 1.0
+        return self.guard.hedge(num_seqs, chunked) if self.guard is not None else 1.0
 
     def _step_ms(
         self, rows: int, num_roots: int, context: float, num_seqs: int, curve: list[float] | None = None
@@ -209,6 +212,7 @@ class DraftBudgetPolicy:
         context: float = 0.0,
         num_seqs: int | None = None,
         token_budget: int | None = None,
+        chunked: bool = False,
     ) -> list[str]:
         """Which (request id, window rows) run this step. A window's rows buy nothing now; its
         expected later gain (`windows`) is valued at the time per token of decoding (the
@@ -222,7 +226,7 @@ class DraftBudgetPolicy:
         total = num_tokens
         now = self._step_ms(total, num_roots, context, num_seqs, curve)
         ranked = sorted(candidates, key=lambda c: -self.windows.gain(c[0]) / max(1, c[1]))
-        hedge = self.hedge(num_seqs)
+        hedge = self.hedge(num_seqs, chunked)
         admitted: list[str] = []
         for rid, rows in ranked:
             gain = self.windows.gain(rid) / hedge

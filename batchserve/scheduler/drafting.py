@@ -37,6 +37,7 @@ class DraftPlanner:
         self._proposals: dict[str, DraftTree] = {}
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
+        self._chunked = False  # this step carries a prompt chunk (the guard judges those apart)
         self.grammar = GrammarSteps()  # structured output's share of each step
 
     def start(self, req: Request) -> None:
@@ -87,7 +88,8 @@ class DraftPlanner:
         self._emitted = 0
         self.grammar.reset()
         guard = self.policy.guard if self.policy is not None else None
-        self._plain = guard is not None and _decode_only(items) and guard.wants_plain(len(items))
+        self._chunked = not _decode_only(items)
+        self._plain = guard is not None and guard.wants_plain(len(items), self._chunked)
         trees, windows = self.plan(items, requests, budget)
         out = []
         for item in items:
@@ -188,6 +190,7 @@ class DraftPlanner:
                     context=sum(requests[i.request_id].num_tokens for i in sampling) / len(sampling),
                     num_seqs=len(items),
                     token_budget=budget,
+                    chunked=self._chunked,
                 )
             except Exception:
                 logger.exception("the window budget failed; this step runs no policy windows")
@@ -242,6 +245,7 @@ class DraftPlanner:
                 context=sum(r.num_tokens for r in sampling) / len(sampling),
                 num_seqs=len(items),
                 token_budget=max(0, budget),
+                chunked=self._chunked,
             )
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")
@@ -280,17 +284,18 @@ class DraftPlanner:
             logger.exception("the window of request %s failed to update", item.request_id)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Teach the policy what a whole step costs, beyond the forward alone, and the speed
-        guard how fast it emitted tokens. Decode steps only: prompt-chunk rows need no logits
-        and would skew the fit, and they emit nothing the guard could compare."""
-        if self.policy is None or not out.requests or not _decode_only(out.requests):
+        """Teach the policy what a whole step costs, beyond the forward alone (decode steps only:
+        prompt-chunk rows need no logits and would skew the fit), and the speed guard how fast
+        the step emitted tokens (every step; those with a prompt chunk apart)."""
+        if self.policy is None or not out.requests:
             return
-        if self.config.learn_step_costs:
+        decode_only = _decode_only(out.requests)
+        if self.config.learn_step_costs and decode_only:
             context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
             self.policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
         if self.policy.guard is not None:
             drafted = any(r.draft is not None or r.window is not None for r in out.requests)
-            self.policy.guard.observe(len(out.requests), self._emitted, seconds * 1e3, drafted)
+            self.policy.guard.observe(len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only)
 
 
 def _decode_only(items: Iterable[ScheduledRequest]) -> bool:

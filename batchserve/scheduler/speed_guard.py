@@ -5,8 +5,12 @@ cost. A model can be wrong where it matters most: where drafting is roughly brea
 batch on a CPU, where every row costs real time), a small error in either estimate makes every
 step slower than not drafting at all. The guard checks the outcome instead of the model:
 
-- per batch size (requests in a decode step, in power-of-two buckets), milliseconds per emitted
-  token over the recent steps *with* draft rows and over those *without* (exponential averages);
+- per batch size (requests in a step, in power-of-two buckets), milliseconds per emitted token
+  over the recent steps *with* draft rows and over those *without* (exponential averages);
+- steps that carry a prompt chunk are judged apart from decode-only ones: the chunk's rows
+  dominate their time, so the two kinds are not comparable, but within each kind the chunks fall
+  on steps with and without drafts alike. Under an overloaded server nearly every step carries
+  one, and a guard of decode-only steps would never see a step;
 - a step without drafts is due after `period` steps with them (four times as long while drafts
   win clearly), so the baseline stays fresh; the policy's shadow drafts still get judged in it;
 - `hedge(num_seqs)` is a factor >= 1 that the policy divides every draft's expected gain by. It
@@ -88,27 +92,32 @@ class SpeedGuard:
         self.rate = rate  # how far one step's ratio moves the hedge (in log space)
         self.max_hedge = max_hedge
         self.relax = relax  # per step without drafts, how far the hedge drifts back toward 1
-        self.loads: dict[int, LoadState] = {}
+        self.loads: dict[int, LoadState] = {}  # decode-only steps, by batch-size bucket
+        self.chunked_loads: dict[int, LoadState] = {}  # steps with a prompt chunk
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
         """Batch sizes that share a state: 1, 2, 3-4, 5-8, 9-16, ..."""
         return 1 << max(0, num_seqs - 1).bit_length()
 
-    def _state(self, num_seqs: int) -> LoadState:
-        key = self.bucket(num_seqs)
-        state = self.loads.get(key)
+    def _state(self, num_seqs: int, chunked: bool) -> LoadState:
+        loads, key = self.chunked_loads if chunked else self.loads, self.bucket(num_seqs)
+        state = loads.get(key)
         if state is None:
-            state = self.loads[key] = LoadState()
+            state = loads[key] = LoadState()
         return state
 
-    def hedge(self, num_seqs: int) -> float:
-        state = self.loads.get(self.bucket(num_seqs))
+    def _known(self, num_seqs: int, chunked: bool) -> LoadState | None:
+        return (self.chunked_loads if chunked else self.loads).get(self.bucket(num_seqs))
+
+    def hedge(self, num_seqs: int, chunked: bool = False) -> float:
+        state = self._known(num_seqs, chunked)
         return state.hedge if state is not None else 1.0
 
-    def wants_plain(self, num_seqs: int) -> bool:
-        """Should this step run without drafts, to measure the baseline at this batch size?"""
-        state = self.loads.get(self.bucket(num_seqs))
+    def wants_plain(self, num_seqs: int, chunked: bool = False) -> bool:
+        """Should this step (`chunked`: it carries a prompt chunk) run without drafts, to measure
+        the baseline at this batch size?"""
+        state = self._known(num_seqs, chunked)
         if state is None or state.drafted.ms_per_token is None:
             return False  # nothing to compare yet: drafting first gives the other side
         if state.plain.ms_per_token is None:
@@ -117,12 +126,12 @@ class SpeedGuard:
         periods = _CLEAR_WIN_PERIODS if ratio is not None and ratio <= _CLEAR_WIN else 1
         return state.since_plain >= self.period * periods
 
-    def observe(self, num_seqs: int, tokens: int, elapsed_ms: float, drafted: bool) -> None:
-        """A decode step of `num_seqs` requests emitted `tokens` in `elapsed_ms`; `drafted`: it
-        verified draft rows (a step without any is the baseline)."""
+    def observe(self, num_seqs: int, tokens: int, elapsed_ms: float, drafted: bool, chunked: bool = False) -> None:
+        """A step of `num_seqs` requests emitted `tokens` in `elapsed_ms`; `drafted`: it verified
+        draft rows (a step without any is the baseline); `chunked`: it carried a prompt chunk."""
         if num_seqs < 1 or tokens < 1 or elapsed_ms <= 0:
             return
-        state = self._state(num_seqs)
+        state = self._state(num_seqs, chunked)
         if not drafted:
             state.plain.add(elapsed_ms, tokens, self.keep)
             state.since_plain = 0

@@ -176,3 +176,48 @@ def test_where_draft_rows_cost_more_than_they_buy_the_guard_turns_drafting_off()
     drafted = [_truth_step(s, machine) for _ in range(150)]
     assert guard.loads[2].ratio() is not None and guard.hedge(2) > 4
     assert sum(drafted[:20]) > 0 and sum(drafted[-50:]) < 0.2 * sum(drafted[:50])
+
+
+def test_steps_with_a_prompt_chunk_are_judged_apart_from_decode_only_ones():
+    g = SpeedGuard(period=1000, rate=0.5, max_hedge=8.0)
+    g.observe(16, 16, 130.0, drafted=False)  # decode-only: 8.1 ms per token
+    for _ in range(30):
+        g.observe(16, 20, 100.0, drafted=True)  # decode-only with drafts: 5 ms per token, they pay
+    g.observe(16, 16, 400.0, drafted=False, chunked=True)  # a chunk's rows: 25 ms per token
+    for _ in range(30):
+        g.observe(16, 17, 600.0, drafted=True, chunked=True)  # with drafts beside a chunk: slower
+    assert g.loads[16].ratio() < 1 and g.hedge(16) == 1.0  # the slow chunk steps did not count here
+    assert g.chunked_loads[16].ratio() > 1 and g.hedge(16, chunked=True) > 4
+    assert not g.wants_plain(16) and g.wants_plain(16, chunked=True) is False  # period 1000
+    fresh = SpeedGuard(period=2)
+    fresh.observe(4, 4, 50.0, drafted=True, chunked=True)
+    assert fresh.wants_plain(4, chunked=True) and not fresh.wants_plain(4)  # each kind has its baseline
+
+
+def test_an_overloaded_server_whose_every_step_carries_a_prompt_still_gets_guarded():
+    """A new request arrives at every step, so no step is decode-only; the 'machine' charges 100
+    ms per draft row while the profile prices it at 5: the guard must still turn drafting off."""
+    guard = SpeedGuard(period=4)
+    policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=5.0), AcceptanceTracker(8), guard=guard)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=8, adaptive=True),
+        BlockAllocator(1024, 4),
+        TruthDrafter(),
+        budget_policy=policy,
+    )
+    for rid in ("a", "b"):
+        s.add_request(Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=400), frozenset([0]), max_total_len=4096))
+    _truth_step(s, lambda rows: 100.0)  # the long requests' prompts
+
+    def machine(rows: int) -> float:
+        return 100.0 + 100.0 * max(0, rows - 5)  # two decode rows and a 3-token prompt are the base
+
+    drafted = []
+    for i in range(150):  # a one-token request arrives every step: its prompt rides along
+        s.add_request(Request(f"q{i}", [1, 2, 3], SamplingParams(max_new_tokens=1), frozenset([0]), max_total_len=64))
+        drafted.append(_truth_step(s, machine))
+    assert guard.loads == {}  # not one decode-only step
+    assert guard.chunked_loads[4].ratio() is not None and guard.hedge(4, chunked=True) > 4
+    assert sum(drafted[:20]) > 0 and sum(drafted[-50:]) < 0.2 * sum(drafted[:50])
+    assert {"a", "b"} <= set(s.requests) and len(s.requests) == 2  # every one-token request finished
