@@ -118,13 +118,14 @@ def test_the_settings_build_the_guard():
             DraftConfig(**bad)
 
 
-def _guarded_scheduler(period: int, slope: float) -> tuple[Scheduler, SpeedGuard]:
+def _guarded_scheduler(period: int, slope: float, seats: int = 2) -> tuple[Scheduler, SpeedGuard]:
+    """Two long requests "a" and "b" on a policy with a guard; `seats` running at most."""
     guard = SpeedGuard(period=period)
     policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=slope), AcceptanceTracker(8), guard=guard)
     s = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
+        SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=256),
         DraftConfig(decoding_length=8, adaptive=True),
-        BlockAllocator(512, 4),
+        BlockAllocator(1024, 4),
         TruthDrafter(),
         budget_policy=policy,
     )
@@ -197,17 +198,7 @@ def test_steps_with_a_prompt_chunk_are_judged_apart_from_decode_only_ones():
 def test_an_overloaded_server_whose_every_step_carries_a_prompt_still_gets_guarded():
     """A new request arrives at every step, so no step is decode-only; the 'machine' charges 100
     ms per draft row while the profile prices it at 5: the guard must still turn drafting off."""
-    guard = SpeedGuard(period=4)
-    policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=5.0), AcceptanceTracker(8), guard=guard)
-    s = Scheduler(
-        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256),
-        DraftConfig(decoding_length=8, adaptive=True),
-        BlockAllocator(1024, 4),
-        TruthDrafter(),
-        budget_policy=policy,
-    )
-    for rid in ("a", "b"):
-        s.add_request(Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=400), frozenset([0]), max_total_len=4096))
+    s, guard = _guarded_scheduler(period=4, slope=5.0, seats=3)
     _truth_step(s, lambda rows: 100.0)  # the long requests' prompts
 
     def machine(rows: int) -> float:
