@@ -125,18 +125,15 @@ def run_batchserve(
         tpots = [(r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
         second = results[rounds[1]] if len(rounds) == 2 else None
     steps = sum(r.stats.steps for r in results)
-    outputs = [r.token_ids for r in results]
     mean_len = sum(r.stats.draft_tokens_proposed for r in results) / max(1, steps)
     cached = sum(r.stats.cached_prompt_tokens for r in results) / max(1, sum(map(len, prompts)))
     cached_share = cached if m.prefix_caching else None
-    tps = tokens_per_step(sum(len(o) for o in outputs), steps)
-    return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, _tokens_per_step(second))
+    outputs = [r.token_ids for r in results]
+    tps, second_tps = _tokens_per_step(results), None if second is None else _tokens_per_step(second)
+    return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, second_tps)
 
 
-def _tokens_per_step(results: list | None) -> float | None:
-    """Tokens per step of `results` (None for none)."""
-    if results is None:
-        return None
+def _tokens_per_step(results: list) -> float:
     return tokens_per_step(sum(len(r.token_ids) for r in results), sum(r.stats.steps for r in results))
 
 
@@ -169,7 +166,7 @@ def rounds_of(prompts: list[list[int]]) -> list[slice]:
 
 
 # The forward each loaded model was built into, per kernel set: a sweep's many engines on one
-# set share it (building one repacks every weight: ~0.5 s for SmolLM2, a KV pool's worth of time).
+# set share it (building one repacks every weight, about 0.5 s for SmolLM2).
 _FORWARDS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, str], Any]] = weakref.WeakKeyDictionary()
 
 
