@@ -18,8 +18,9 @@
 #   tile is cut by logical position, not by slot, so a draft node's ancestors fall in the tiles
 #   they would fill when decoded one by one.
 #
-# Requests with few rows (decode roots, draft trees) are attended together, padded to the
-# group's largest, in one set of products per layer; a long prompt chunk is a group of its own.
+# Requests with few rows (decode roots, draft trees) of similar key and row counts are attended
+# together, padded to the group's largest, in one set of products per layer; a long prompt chunk
+# is a group of its own.
 # These are properties of the kernels torch ships, measured, not promised: `kernels_invariant()`
 # (invariant_check.py) checks them on the running CPU once, and the backend is chosen only where
 # they hold.
@@ -43,12 +44,16 @@ MIN_KEYS = KEY_TILE = 64  # keys of a score product, at least; logical positions
 # stay exact but may lose bit-equality with decoding (a product over more keys blocks them).
 MAX_SPREAD = 128
 GROUP_ROWS = 16  # requests with at most this many rows this step are attended together
+# What one more set of products per layer costs, in padded request rows: its ~20 small ops
+# against the share of the score and value products a padded row adds (SmolLM2's shapes, 2 cores:
+# about 5 ms a step against 0.5 ms a step).
+GROUP_COST_ROWS = 10
 
 
 def group_requests(q_len: np.ndarray, kv_len: np.ndarray) -> list[list[int]]:
     """Which requests share a set of products: those with at most GROUP_ROWS rows, by key count
-    rounded up to a power of two (one long context must not pad every short one to its length);
-    a request with more rows (a prompt chunk) alone."""
+    rounded up to a power of two (one long context must not pad every short one to its length),
+    then by row count (`split_by_rows`); a request with more rows (a prompt chunk) alone."""
     by_keys: dict[int, list[int]] = {}
     alone = []
     for i, (q, kv) in enumerate(zip(q_len.tolist(), kv_len.tolist())):
@@ -56,7 +61,30 @@ def group_requests(q_len: np.ndarray, kv_len: np.ndarray) -> list[list[int]]:
             alone.append([i])
         else:
             by_keys.setdefault(max(KEY_TILE, 1 << (kv - 1).bit_length()), []).append(i)
-    return [by_keys[k] for k in sorted(by_keys)] + alone
+    return [g for k in sorted(by_keys) for g in split_by_rows(by_keys[k], q_len)] + alone
+
+
+def split_by_rows(members: list[int], q_len: np.ndarray) -> list[list[int]]:
+    """`members` cut into groups of similar row counts, each in step order. A group pads every
+    request to its largest (decode roots beside one draft tree would each pay for the tree's
+    rows in the score and value products), and each group costs a set of products per layer
+    (GROUP_COST_ROWS): the cuts of the members sorted by rows that minimise the two together,
+    by dynamic programming over the distinct row counts (at most GROUP_ROWS of them)."""
+    rows = sorted({int(q_len[i]) for i in members})
+    counts = [sum(1 for i in members if q_len[i] == r) for r in rows]
+    best = [0.0] + [math.inf] * len(rows)  # best[j]: cost of the members with the j smallest row counts
+    cut = [0] * (len(rows) + 1)
+    for j in range(1, len(rows) + 1):
+        for i in range(j):  # one group of row counts rows[i:j], padded to rows[j - 1]; ties: fewer groups
+            cost = best[i] + GROUP_COST_ROWS + sum(counts[i:j]) * rows[j - 1]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(rows)
+    while j > 0:
+        lo, hi = rows[cut[j]], rows[j - 1]
+        groups.append([i for i in members if lo <= q_len[i] <= hi])
+        j = cut[j]
+    return groups[::-1]
 
 
 def _product_rows(hidden: np.ndarray, group: int, row_block: int) -> np.ndarray:

@@ -28,13 +28,17 @@ from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger("batchserve")
 
 # Dense where drafts live: on CPU the curve is not monotone there (a matmul with 2 or 3 rows
-# can be slower than one with 8), and the policy should see the dips it can use.
-TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# can be slower than one with 8), and the policy should see the dips it can use. The curve also
+# steps up right after each multiple of 16 rows (torch's int4 kernel reads every weight again
+# for each 16-row block: a 17-row step costs 15-20 ms more than a 16-row one with SmolLM2, not
+# the 1/16 of the way to 32 rows interpolation would say), so 17, 33 and 65 are measured: at
+# 16 or 32 requests the first draft row is the most expensive one.
+TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17, 20, 24, 32, 33, 48, 64, 65, 96, 128, 192, 256, 384, 512)
 CONTEXTS = (64, 512, 2048)
 # What a server measures at its first start, in seconds rather than minutes: the shape of the
 # curve at one context, coarsely. The policy's online fit refines it from the steps it serves;
 # `batchserve calibrate` measures the whole curve.
-QUICK_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+QUICK_TOKEN_COUNTS = (1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 128, 256, 512)
 # Two contexts: what a further request costs grows with its context (its attention row), and
 # one context would price short-prompt batches at the long one's cost, or the reverse.
 QUICK_CONTEXTS = (64, 512)
@@ -42,7 +46,7 @@ QUICK_REPEATS = 3
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 5  # 5: the quick profile measures two contexts
+PROFILE_VERSION = 6  # 5: the quick profile measures two contexts; 6: and the row after each 16
 
 
 def _device_name(device: torch.device) -> str:

@@ -11,7 +11,7 @@ import torch
 import batchserve.attention.invariant as invariant
 import batchserve.attention.invariant_check as check
 from batchserve.attention import InvariantBackend, SeqLayout, StepLayout, TorchReferenceBackend, slots_of
-from batchserve.attention.invariant import KEY_TILE, group_requests, tiles_of
+from batchserve.attention.invariant import GROUP_COST_ROWS, KEY_TILE, group_requests, split_by_rows, tiles_of
 from batchserve.attention.invariant_check import kernels_invariant
 from tests.attention.layouts import BlockPicker
 from tests.engine.drafters import random_tree
@@ -157,6 +157,20 @@ def test_requests_share_products_with_those_of_a_similar_length_and_a_prompt_chu
     kv_len = np.array([200, 250, 3000, 900, 20, 40, 129])
     # Keys up to 64, up to 256 (129 to 250), up to 4096; then the chunks of 300 and 17 rows.
     assert group_requests(q_len, kv_len) == [[4], [0, 1, 6], [2], [3], [5]]
+
+
+def test_decode_roots_are_not_padded_to_a_draft_trees_rows():
+    # Twenty roots and two 6-row trees: one group would pad all 22 requests to 6 rows.
+    q_len = np.array([1] * 10 + [6] + [1] * 10 + [6])
+    assert split_by_rows(list(range(22)), q_len) == [[*range(10), *range(11, 21)], [10, 21]]
+    # One root beside one tree: a second set of products costs more than the padding it saves.
+    assert split_by_rows([0, 1], np.array([1, 6])) == [[0, 1]]
+    # The cut is where padding costs more than a group: trees of 2 and 3 rows stay together.
+    q_len = np.array([1] * 30 + [2, 3] * 5 + [16] * 2)
+    groups = split_by_rows(list(range(len(q_len))), q_len)
+    assert groups == [list(range(30)), list(range(30, 40)), [40, 41]]
+    padded = sum(len(g) * max(q_len[g]) for g in groups) + GROUP_COST_ROWS * len(groups)
+    assert padded < len(q_len) * 16 + GROUP_COST_ROWS
 
 
 def test_the_row_check_fails_a_product_whose_rows_depend_on_their_place(monkeypatch):

@@ -123,6 +123,25 @@ def test_prefill_chunks_sharing_the_step_are_paid_for_anyway():
     assert sum(small.values()) >= sum(alone.values()) - 8
 
 
+def test_a_measured_step_in_the_curve_after_16_rows_is_priced():
+    # torch's int4 kernel on CPU: rows in blocks of 16, each block reading every weight again,
+    # so 17 rows cost far more than 16 while 18 to 32 add little. At 16 requests, two of them
+    # with a draft node of 90%: priced at the measured 17- and 18-row steps the two nodes do
+    # not pay; interpolated from 16 to 32 rows they look nearly free and are drafted.
+    rids = [f"r{i}" for i in range(16)]
+    tracker = trained({r: [0.9] if r in ("r0", "r1") else [0.0] for r in rids}, steps=200)
+    cands = [DraftCandidate(r, 1) for r in rids]
+
+    def profile(counts: tuple[int, ...]) -> CostProfile:
+        ms = {1: 10.0, 16: 13.2, 17: 20.0, 32: 24.0, 64: 60.0}
+        return CostProfile("int4-like", counts, (0,), (tuple(ms[n] for n in counts),))
+
+    measured = DraftBudgetPolicy(profile((1, 16, 17, 32, 64)), tracker).allocate(cands, num_roots=16)
+    assert sum(measured.values()) == 0
+    interpolated = DraftBudgetPolicy(profile((1, 16, 32, 64)), tracker).allocate(cands, num_roots=16)
+    assert interpolated == {r: int(r in ("r0", "r1")) for r in rids}
+
+
 def test_measured_engine_overhead_makes_drafts_cheaper():
     rids = [f"r{i}" for i in range(8)]
     probs = [0.5 * 0.9**j for j in range(64)]
