@@ -293,6 +293,7 @@ class EngineCore:
         end = time.perf_counter()
         phases.commit = end - t0
         phases.wall = end - step.start
+        phases.tokens = sum(len(o.new_token_ids) for o in outputs)
         if step.result is not None and not step.failed:
             try:  # the policy's cost model: a bug there costs its estimate, never the step's outputs
                 self.scheduler.observe_step(out, phases.wall)

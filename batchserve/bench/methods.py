@@ -140,6 +140,7 @@ class Row:
     overhead_ratio: float | None = None  # (step wall - forward) / step wall
     attention_share: float | None = None  # attention backend / step wall (CPU: where it is timed)
     decode_step_ms: float | None = None  # mean wall of the full-batch steps without a prompt chunk
+    seated_tokens_per_s: float | None = None  # tokens/s over the steps with every seat taken
     # a peer on other kernels (llamacpp: the GGUF's quantized weights): prompts whose output equals
     # HF greedy, which says how alike the outputs are, not losslessness
     reference_matches: int | None = None

@@ -30,6 +30,11 @@ class PhaseTotals:
     grammar: float = 0.0  # seconds in grammar matchers and masks (structured output)
     decode_steps: int = 0  # full steps without a prompt chunk: one committed token per request
     decode_wall: float = 0.0
+    # Steps with every seat taken (batch_size requests, prompt chunks included): a closed loop
+    # without its ramp-up and its tail, where fewer requests are left than seats. How requests
+    # happen to finish moves the tail (equal-length requests without drafts finish together).
+    seated_wall: float = 0.0
+    seated_tokens: int = 0
 
     def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
         if not out.requests:
@@ -41,6 +46,9 @@ class PhaseTotals:
         if phases.attention is not None:
             self.attention = (self.attention or 0.0) + phases.attention
         self.grammar += phases.grammar
+        if len(out.requests) == self.batch_size:
+            self.seated_wall += phases.wall
+            self.seated_tokens += phases.tokens
         if len(out.requests) == self.batch_size and all(len(r.token_ids) == 1 and r.sample for r in out.requests):
             self.decode_steps += 1
             self.decode_wall += phases.wall
@@ -58,6 +66,8 @@ class PhaseTotals:
                 row.phase_ms["grammar"] = round(self.grammar * 1e3 / self.steps, 3)
         if self.decode_steps:
             row.decode_step_ms = round(self.decode_wall * 1e3 / self.decode_steps, 3)
+        if self.seated_wall > 0:
+            row.seated_tokens_per_s = round(self.seated_tokens / self.seated_wall, 3)
 
 
 @dataclass(slots=True)

@@ -103,6 +103,8 @@ class StepPhases:
     # Part of schedule, verify and commit: seconds in grammar matchers and token masks (structured
     # output); 0 in a step without a constrained request.
     grammar: float = 0.0
+    # Not a time: the tokens the step's requests emitted (what the phases bought).
+    tokens: int = 0
 
     def items(self) -> list[tuple[str, float]]:
         return [(name, getattr(self, name)) for name in self.NAMES]

@@ -72,6 +72,12 @@ def test_never_slower_names_the_lowest_point_and_every_point_below_the_floor() -
     rows[3] = _row("lookahead-adaptive", 16, 49.0)
     assert "at least 0.97 everywhere" in "".join(never_slower(rows))
     assert never_slower([_row("none", 1, 10.0)]) == []  # nothing to compare
+    # With every seat taken (closed-loop points only): the tails a finish order leaves aside.
+    rows[3].seated_tokens_per_s, rows[2].seated_tokens_per_s = 45.0, 50.0
+    rows[1].seated_tokens_per_s, rows[0].seated_tokens_per_s = 30.0, 10.0
+    rows[5].seated_tokens_per_s = rows[4].seated_tokens_per_s = 1.0
+    seated = "".join(never_slower(rows, seated=True))
+    assert "with every seat taken at 2 load points: lowest 0.90x (b=16)" in seated
 
 
 def test_open_loop_table_compares_with_none_at_the_same_rate() -> None:

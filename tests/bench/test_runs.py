@@ -26,3 +26,24 @@ def test_a_sweeps_engines_share_one_forward_per_kernel_set(tiny_tokenizer: Any) 
     plain = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, none, [], 8)
     drafted = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, lookahead, [], 8)
     assert drafted.outputs == plain.outputs and all(len(o) == 12 for o in plain.outputs)
+
+
+def test_seated_throughput_leaves_out_the_steps_with_a_seat_empty() -> None:
+    from batchserve import SamplingParams
+    from batchserve.bench.methods import Row
+    from batchserve.bench.runs import PhaseTotals
+    from batchserve.scheduler import SchedulerOutput, StepPhases
+    from batchserve.scheduler.output import ScheduledRequest
+
+    def step(requests: int, tokens: int, wall: float) -> tuple[SchedulerOutput, StepPhases]:
+        reqs = tuple(
+            ScheduledRequest(f"r{i}", (1,), 9, (0, 1, 2), None, True, SamplingParams()) for i in range(requests)
+        )
+        return SchedulerOutput(requests=reqs, finished_request_ids=()), StepPhases(wall=wall, tokens=tokens)
+
+    totals = PhaseTotals(batch_size=4)
+    for requests, tokens, wall in ((4, 6, 0.1), (4, 4, 0.1), (1, 1, 0.05), (0, 0, 0.01)):  # then a lone tail
+        totals.add(*step(requests, tokens, wall))
+    row = Row("lookahead", "humaneval", 4, 4, 11, 1.0, 11 / 0.25, 1.0, 0.1, 0.1, 0.01, 0.01, True)
+    totals.apply(row)
+    assert totals.steps == 3 and row.seated_tokens_per_s == 50.0  # 10 tokens in 0.2 s; the tail left out

@@ -27,8 +27,10 @@ def test_phases_add_up_to_the_step_wall():
     core.step_listeners.append(lambda out, phases: seen.append((out, phases)))
     for i in range(8):
         core.add_request([1 + i, 2, 3, 4, 5, 6] * (1 + i), SamplingParams(max_new_tokens=24, ignore_eos=True))
+    emitted = 0
     while core.has_work():
-        core.step()
+        emitted += sum(len(o.new_token_ids) for o in core.step())
+    assert emitted == 8 * 24 == sum(p.tokens for _, p in seen)  # each step counts what it emitted
     assert len(seen) == core.num_steps >= 24
     assert any(out.requests and any(r.draft for r in out.requests) for out, _ in seen)  # drafts were verified
     for out, phases in seen:
