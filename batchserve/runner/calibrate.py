@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,15 @@ logger = logging.getLogger("batchserve")
 # steps up right after each multiple of 16 rows (torch's int4 kernel reads every weight again
 # for each 16-row block: a 17-row step costs 15-20 ms more than a 16-row one with SmolLM2, not
 # the 1/16 of the way to 32 rows interpolation would say), so 17, 33 and 65 are measured: at
-# 16 or 32 requests the first draft row is the most expensive one.
-TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17, 20, 24, 32, 33, 48, 64, 65, 96, 128, 192, 256, 384, 512)
+# 16 or 32 requests the first draft row is the most expensive one. On an AVX2 CPU the same
+# kernel reads the weights again for every 4 rows (5 rows cost what 8 do): 5 and 9 are measured
+# to find such a block (`row_block_of`).
+TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 17, 20, 24, 32, 33, 48, 64, 65, 96, 128, 192, 256, 384, 512)
 CONTEXTS = (64, 512, 2048)
 # What a server measures at its first start, in seconds rather than minutes: the shape of the
 # curve at one context, coarsely. The policy's online fit refines it from the steps it serves;
 # `batchserve calibrate` measures the whole curve.
-QUICK_TOKEN_COUNTS = (1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 128, 256, 512)
+QUICK_TOKEN_COUNTS = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 256, 512)
 # Two contexts: what a further request costs grows with its context (its attention row), and
 # one context would price short-prompt batches at the long one's cost, or the reverse.
 QUICK_CONTEXTS = (64, 512)
@@ -46,7 +49,7 @@ QUICK_REPEATS = 3
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 6  # 5: the quick profile measures two contexts; 6: and the row after each 16
+PROFILE_VERSION = 7  # 5: the quick profile measures two contexts; 6: and the row after each 16; 7: row blocks
 
 
 def _device_name(device: torch.device) -> str:
@@ -111,6 +114,18 @@ def _step(runner: ModelRunner, contexts: list[int], num_tokens: int) -> Schedule
             )
         )
     return SchedulerOutput(requests=tuple(reqs), finished_request_ids=())
+
+
+def row_block_of(counts: Sequence[int], step_ms: Sequence[float]) -> int:
+    """The row block a measured curve shows: the smallest B of 4 and 8 where one row past B
+    costs at least 60% of what the next B rows cost (a kernel that takes rows B at a time pays
+    the whole block for its first row); 1 where none does."""
+    at = dict(zip(counts, step_ms))
+    for b in (4, 8):
+        if b in at and b + 1 in at and 2 * b in at and at[2 * b] > at[b]:
+            if at[b + 1] - at[b] >= 0.6 * (at[2 * b] - at[b]):
+                return b
+    return 1
 
 
 def _blocks_needed(runner: ModelRunner, contexts: list[int], num_tokens: int) -> int:
@@ -201,6 +216,7 @@ def calibrate(
         contexts=tuple(usable),
         step_ms=tuple(rows),
         per_seq_ms=tuple(per_seq),
+        row_block=row_block_of(counts, rows[0]),
     )
 
 
@@ -245,6 +261,8 @@ def format_profile(profile: CostProfile) -> str:
     for i, n in enumerate(profile.token_counts):
         lines.append(f"{n:>11} " + "".join(f"{row[i]:>9.1f} ms" for row in profile.step_ms))
     lines.append("")
+    if profile.row_block > 1:
+        lines.append(f"rows are taken {profile.row_block} at a time: a started block costs a whole one")
     for c in profile.contexts:
         lines.append(f"each further request in a step at context {c}: +{profile.seq_ms(c):.2f} ms")
     for c in profile.contexts:

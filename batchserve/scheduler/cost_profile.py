@@ -43,6 +43,10 @@ class CostProfile:
     # [context] extra cost of each further request in a step: its own attention batch row,
     # the padding and gather of its KV, its metadata. Grows with context. Empty: none.
     per_seq_ms: tuple[float, ...] = ()
+    # Rows the forward's products take in blocks of (measured by `calibrate`; 1: none): torch's
+    # int4 kernel on an AVX2 CPU reads every weight again for each 4 rows, so past the first
+    # block a step costs what its rows rounded up to a whole block cost, not a linear share.
+    row_block: int = 1
 
     def __post_init__(self) -> None:
         if not self.token_counts or not self.contexts:
@@ -56,6 +60,8 @@ class CostProfile:
             raise ValueError("times must be positive")
         if self.per_seq_ms and len(self.per_seq_ms) != len(self.contexts):
             raise ValueError("per_seq_ms must have one entry per context")
+        if self.row_block < 1:
+            raise ValueError(f"row_block must be >= 1, got {self.row_block}")
 
     def curve(self, context: float = 0.0) -> list[float]:
         """Step time per `token_counts` entry at one context length (interpolated)."""
@@ -69,6 +75,9 @@ class CostProfile:
         """Predicted forward time of a step with `num_tokens` rows from `num_seqs` requests
         whose mean context is `context` (pass `curve(context)` to skip recomputing it)."""
         ys = curve if curve is not None else self.curve(context)
+        b = self.row_block
+        if b > 1 and num_tokens > b:  # a started block costs a whole one
+            num_tokens = -(-num_tokens // b) * b
         return _interp(self.token_counts, ys, num_tokens) + self.seq_ms(context) * max(0, num_seqs - 1)
 
     def seq_ms(self, context: float = 0.0) -> float:
@@ -98,6 +107,7 @@ class CostProfile:
             contexts=tuple(int(x) for x in d["contexts"]),
             step_ms=tuple(tuple(float(t) for t in row) for row in d["step_ms"]),
             per_seq_ms=_per_context(d.get("per_seq_ms", ()), len(d["contexts"])),
+            row_block=int(d.get("row_block", 1)),
         )
 
     def save(self, path: str | Path) -> None:

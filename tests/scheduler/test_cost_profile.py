@@ -39,6 +39,25 @@ def test_profile_written_with_one_per_request_cost_still_loads(tmp_path):
     assert old.seq_ms(777) == pytest.approx(0.4)
 
 
+def test_a_started_row_block_costs_a_whole_one(tmp_path):
+    # torch's int4 kernel on AVX2: each 4 rows read the weights again (measured 11, 14, 24, 25 ms
+    # at 1, 4, 5 and 8 rows). Inside the first block rows are interpolated as measured.
+    counts, ms = (1, 4, 5, 8, 16), (11.0, 14.0, 24.0, 25.0, 47.0)
+    blocked = CostProfile("int4", counts, (0,), (ms,), row_block=4)
+    assert blocked.time_ms(3) == pytest.approx(13.0)
+    assert blocked.time_ms(5) == blocked.time_ms(7) == blocked.time_ms(8) == pytest.approx(25.0)
+    assert blocked.time_ms(9) == blocked.time_ms(12) == pytest.approx(36.0)  # halfway from 8 to 16
+    assert CostProfile("int4", counts, (0,), (ms,)).time_ms(6) == pytest.approx(24.33, abs=0.01)
+    blocked.save(tmp_path / "p.json")
+    assert CostProfile.load(tmp_path / "p.json") == blocked
+    d = json.loads(blocked.to_json())
+    del d["row_block"]  # a profile from before blocks were measured
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert CostProfile.load(tmp_path / "old.json").row_block == 1
+    with pytest.raises(ValueError, match="row_block"):
+        CostProfile("int4", counts, (0,), (ms,), row_block=0)
+
+
 def test_critical_decoding_length():
     assert gpu_like(cdl=64).critical_decoding_length() == 64
     assert gpu_like(cdl=16).critical_decoding_length() == 16
