@@ -118,12 +118,12 @@ def _step(runner: ModelRunner, contexts: list[int], num_tokens: int) -> Schedule
 
 def row_block_of(counts: Sequence[int], step_ms: Sequence[float]) -> int:
     """The row block a measured curve shows: the smallest B of 4 and 8 where one row past B
-    costs at least 60% of what the next B rows cost (a kernel that takes rows B at a time pays
-    the whole block for its first row); 1 where none does."""
+    costs at least half of what the next B rows cost (a kernel that takes rows B at a time pays
+    the whole block for its first row; on a linear curve it is 1/B); 1 where none does."""
     at = dict(zip(counts, step_ms))
     for b in (4, 8):
         if b in at and b + 1 in at and 2 * b in at and at[2 * b] > at[b]:
-            if at[b + 1] - at[b] >= 0.6 * (at[2 * b] - at[b]):
+            if at[b + 1] - at[b] >= 0.5 * (at[2 * b] - at[b]):
                 return b
     return 1
 

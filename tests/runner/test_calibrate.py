@@ -25,6 +25,7 @@ def _core(num_blocks: int = 256, **draft) -> EngineCore:
 def test_a_curve_that_pays_a_whole_block_for_its_first_row_has_that_block():
     counts = (1, 2, 4, 5, 8, 9, 16)
     assert cal.row_block_of(counts, (11, 11, 14, 24, 25, 35, 47)) == 4  # int4 on AVX2, measured
+    assert cal.row_block_of(counts, (30, 31, 36, 49, 56, 75, 80)) == 4  # whole steps of that model, measured
     assert cal.row_block_of(counts, (11, 12, 14, 17, 26, 52, 58)) == 8  # 9 rows pay most of 9-16
     assert cal.row_block_of(counts, (10, 11, 12, 13, 16, 17, 24)) == 1  # linear: no block
     assert cal.row_block_of((1, 2, 4, 8), (10, 11, 12, 20)) == 1  # 5 and 9 not measured: no claim
