@@ -287,8 +287,7 @@ class EngineCore:
         if step.result is not None:
             runner = step.result.phases
             phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
-            phases.attention = runner.attention
-            phases.grammar = runner.grammar
+            phases.attention, phases.grammar = runner.attention, runner.grammar
         phases.grammar += self.scheduler.planner.grammar.seconds
         end = time.perf_counter()
         phases.commit = end - t0

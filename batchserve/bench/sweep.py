@@ -15,7 +15,8 @@ from tqdm import tqdm
 from batchserve.bench.load import poisson_arrivals
 from batchserve.bench.methods import KEEP, SINGLE, Row, batchserve_method, expected_outputs, make_row, pick_run
 from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
-from batchserve.bench.report import plot, save_results, write_report
+from batchserve.bench.plots import plot
+from batchserve.bench.report import save_results, write_report
 from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
 from batchserve.runner.build import eos_token_ids
 
