@@ -57,29 +57,30 @@ def step(block_size: int, num_seqs: int, drafts: tuple[int, ...], rng: random.Ra
     return SchedulerOutput(requests=tuple(reqs), finished_request_ids=())
 
 
+def step_ms(runner: object, out: SchedulerOutput) -> float:
+    t0 = time.perf_counter()
+    runner.execute(out)  # type: ignore[attr-defined]
+    return (time.perf_counter() - t0) * 1e3
+
+
 def fastest_ms(runner: object, out: SchedulerOutput, repeats: int = 15) -> float:
-    times = []
-    for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        runner.execute(out)  # type: ignore[attr-defined]
-        if i >= 2:  # two warm-up runs
-            times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
+    step_ms(runner, out), step_ms(runner, out)  # warm-up
+    return min(step_ms(runner, out) for _ in range(repeats))
 
 
 def grouping_ms(runner: object, out: SchedulerOutput, repeats: int = 25) -> tuple[float, float]:
     """(one group per key count, grouped by rows too): the fastest of `repeats`, the two
     alternating so that the machine's drift falls on both alike."""
     by_rows = invariant.split_by_rows
+    splits = (lambda members, q_len: [members], by_rows)
     times: tuple[list[float], list[float]] = ([], [])
     try:
-        for i in range(repeats + 2):
-            for variant, split in enumerate((lambda members, q_len: [members], by_rows)):
+        for i in range(repeats + 2):  # the first two: warm-up
+            for variant, split in enumerate(splits):
                 invariant.split_by_rows = split
-                t0 = time.perf_counter()
-                runner.execute(out)  # type: ignore[attr-defined]
+                ms = step_ms(runner, out)
                 if i >= 2:
-                    times[variant].append((time.perf_counter() - t0) * 1e3)
+                    times[variant].append(ms)
     finally:
         invariant.split_by_rows = by_rows
     return min(times[0]), min(times[1])

@@ -27,8 +27,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,19 +72,23 @@ def split_by_rows(members: list[int], q_len: np.ndarray) -> list[list[int]]:
     rows in the score and value products), and each group costs a set of products per layer
     (GROUP_COST_ROWS): the cuts of the members sorted by rows that minimise the two together,
     by dynamic programming over the distinct row counts (at most GROUP_ROWS of them)."""
-    rows = sorted({int(q_len[i]) for i in members})
-    counts = [sum(1 for i in members if q_len[i] == r) for r in rows]
+    q = {i: int(q_len[i]) for i in members}
+    counts = Counter(q.values())
+    if len(counts) == 1:  # every request the same rows (decode steps): nothing to pad
+        return [members]
+    rows = sorted(counts)
+    below = list(itertools.accumulate((counts[r] for r in rows), initial=0))  # below[j]: members in rows[:j]
     best = [0.0] + [math.inf] * len(rows)  # best[j]: cost of the members with the j smallest row counts
     cut = [0] * (len(rows) + 1)
     for j in range(1, len(rows) + 1):
         for i in range(j):  # one group of row counts rows[i:j], padded to rows[j - 1]; ties: fewer groups
-            cost = best[i] + GROUP_COST_ROWS + sum(counts[i:j]) * rows[j - 1]
+            cost = best[i] + GROUP_COST_ROWS + (below[j] - below[i]) * rows[j - 1]
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     groups, j = [], len(rows)
     while j > 0:
         lo, hi = rows[cut[j]], rows[j - 1]
-        groups.append([i for i in members if lo <= q_len[i] <= hi])
+        groups.append([i for i in members if lo <= q[i] <= hi])
         j = cut[j]
     return groups[::-1]
 

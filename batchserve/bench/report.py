@@ -86,14 +86,10 @@ def never_slower(
     def speed(r: Row) -> float | None:
         return r.seated_tokens_per_s if seated else r.tokens_per_s
 
-    def measured(name: str) -> dict[tuple[int, float | None], float]:
-        return {
-            point(r): s
-            for r in rows
-            if r.method == name and (s := speed(r)) is not None and not (seated and r.request_rate is not None)
-        }
-
-    ours, theirs = measured(method), measured(base)
+    if seated:
+        rows = [r for r in rows if r.request_rate is None]
+    ours = {point(r): s for r in rows if r.method == method and (s := speed(r)) is not None}
+    theirs = {point(r): s for r in rows if r.method == base and (s := speed(r)) is not None}
     ratios = {p: ours[p] / theirs[p] for p in ours.keys() & theirs.keys() if theirs[p]}
     if not ratios:
         return []
