@@ -66,7 +66,7 @@ class AcceptanceTracker:
         ests = self._est.get(request_id, self.prior)[:n]
         cal = self.calibration
         best_score = 1.0 if cal.weights[1] >= 0 else 0.0  # the fit is monotone in the score
-        return [max(g, cal.prob(e, best_score)) for g, e in zip(self._monotone(request_id)[:n], ests)]
+        return [max(g, p) for g, p in zip(self._monotone(request_id)[:n], cal.probs(ests, best_score))]
 
     def observe(
         self, request_id: str, num_offered: int, accepted_ranks: Iterable[int], scores: Sequence[float] = ()

@@ -35,6 +35,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from batchserve.config import DraftConfig
 from batchserve.scheduler.acceptance import AcceptanceTracker, WindowTracker
 from batchserve.scheduler.cost_profile import CostProfile
@@ -129,10 +131,15 @@ class DraftBudgetPolicy:
             else None,
         )
 
+    def upper_gains(self, request_id: str, limit: int) -> list[float]:
+        """The most each of the request's first `limit` draft ranks could be worth, whatever the
+        drafter's scores turn out to be: those clearing `min_gain`, best first. Their count is
+        the most the request could be given, so there is no point in proposing more."""
+        return sorted((g for g in self.tracker.upper_gains(request_id, limit) if g >= self.min_gain), reverse=True)
+
     def useful_length(self, request_id: str, limit: int) -> int:
-        """How many of the request's best draft ranks clear `min_gain`: the most it could be
-        given, so there is no point in proposing more."""
-        return sum(1 for g in self.tracker.upper_gains(request_id, limit) if g >= self.min_gain)
+        """How many of the request's draft ranks clear `min_gain` (`upper_gains`)."""
+        return len(self.upper_gains(request_id, limit))
 
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
@@ -159,36 +166,86 @@ class DraftBudgetPolicy:
         `num_other_tokens`: the step's other rows (prefill chunks, fixed-length drafts);
         `context`: mean KV length of the step's rows; `token_budget`: most draft tokens;
         `chunked`: the step carries a prompt chunk (the speed guard judges those apart)."""
+        gains = [self.tracker.gains(c.request_id, c.max_tokens, c.scores) for c in candidates]
+        lengths, self.planned_gain = self._choose(
+            [c.request_id for c in candidates],
+            gains,
+            num_roots=num_roots,
+            num_other_tokens=num_other_tokens,
+            context=context,
+            num_seqs=num_seqs,
+            token_budget=token_budget,
+            chunked=chunked,
+        )
+        return lengths
+
+    def hopeful(
+        self,
+        upper: Sequence[tuple[str, Sequence[float]]],
+        *,
+        num_roots: int,
+        num_other_tokens: int = 0,
+        context: float = 0.0,
+        num_seqs: int | None = None,
+        token_budget: int | None = None,
+        chunked: bool = False,
+    ) -> set[str]:
+        """The requests that would get a draft this step if every node were worth the most it
+        could be (`upper`: each request's `upper_gains`): the only ones whose trees are worth
+        building before `allocate`. On a busy step where no draft pays, that is none, and the
+        drafter is spared a tree search per request. Step arguments as in `allocate`."""
+        lengths, _ = self._choose(
+            [rid for rid, _ in upper],
+            [list(g) for _, g in upper],
+            num_roots=num_roots,
+            num_other_tokens=num_other_tokens,
+            context=context,
+            num_seqs=num_seqs,
+            token_budget=token_budget,
+            chunked=chunked,
+        )
+        return {rid for rid, k in lengths.items() if k > 0}
+
+    def _choose(
+        self,
+        request_ids: Sequence[str],
+        gains: Sequence[list[float]],
+        *,
+        num_roots: int,
+        num_other_tokens: int,
+        context: float,
+        num_seqs: int | None,
+        token_budget: int | None,
+        chunked: bool,
+    ) -> tuple[dict[str, int], float]:
+        """Draft lengths by request and the accepted tokens they are expected to buy, from each
+        request's node gains (non-increasing): the module docstring's two rules."""
         num_seqs = num_seqs if num_seqs is not None else max(1, num_roots)
-        cap = token_budget if token_budget is not None else sum(c.max_tokens for c in candidates)
+        cap = token_budget if token_budget is not None else sum(map(len, gains))
         hedge = self.hedge(num_seqs, chunked)
         # Each request's gains are non-increasing, so merging them in descending order takes
         # every request's nodes as a prefix.
-        per_req = [
-            [(g, c.request_id) for g in self.tracker.gains(c.request_id, c.max_tokens, c.scores) if g >= self.min_gain]
-            for c in candidates
-        ]
+        per_req = [[(g, rid) for g in gs if g >= self.min_gain] for rid, gs in zip(request_ids, gains)]
         ranked = list(heapq.merge(*per_req, key=lambda x: -x[0]))[: max(0, cap)]
-        gain = [0.0]  # what the first k nodes are worth, as the guard lets the policy count them
-        for g, _ in ranked:
-            gain.append(gain[-1] + g / hedge)
-
+        # gain[k]: what the first k nodes are worth, as the guard lets the policy count them
+        gain = np.concatenate(([0.0], np.cumsum([g for g, _ in ranked]) / hedge))
+        ks = np.arange(len(gain))
         curve = self.profile.curve(context)
 
-        def cost(extra: int, others: int) -> float:
-            return self._step_ms(num_roots + others + extra, num_roots, context, num_seqs, curve)
+        def cost(others: int) -> np.ndarray:  # [k] predicted ms of the step with k nodes
+            return self._steps_ms(num_roots + others + ks, num_roots, context, num_seqs, curve)
 
-        # 1. Decode-only optimum and the value of a token there.
-        best_k = max(range(len(gain)), key=lambda k: ((num_roots + gain[k]) / cost(k, 0), -k))
-        tau = cost(best_k, 0) / max(_MIN_TOKENS, num_roots + gain[best_k])
+        # 1. Decode-only optimum and the value of a token there (argmax: the fewest nodes of a tie).
+        decode = cost(0)
+        best_k = int(np.argmax((num_roots + gain) / decode))
+        tau = decode[best_k] / max(_MIN_TOKENS, num_roots + gain[best_k])
         # 2. The rest of the step's rows are paid for anyway: value nodes at tau each.
         if num_other_tokens > 0:
-            best_k = max(range(len(gain)), key=lambda k: (gain[k] * tau - cost(k, num_other_tokens), -k))
-        lengths = {c.request_id: 0 for c in candidates}
+            best_k = int(np.argmax(gain * tau - cost(num_other_tokens)))
+        lengths = dict.fromkeys(request_ids, 0)
         for _, rid in ranked[:best_k]:
             lengths[rid] += 1
-        self.planned_gain = gain[best_k] * hedge  # what they are expected to buy
-        return lengths
+        return lengths, float(gain[best_k]) * hedge  # what they are expected to buy
 
     def hedge(self, num_seqs: int, chunked: bool = False) -> float:
         """What the speed guard divides expected gains by at this batch size (1: no doubt)."""
@@ -198,7 +255,14 @@ class DraftBudgetPolicy:
         self, rows: int, num_roots: int, context: float, num_seqs: int, curve: list[float] | None = None
     ) -> float:
         """Predicted ms of a step of `rows` rows, `num_roots` of them one per sampling request."""
-        forward = self.scale * self.profile.time_ms(rows, context, num_seqs, curve)
+        curve = curve if curve is not None else self.profile.curve(context)
+        return float(self._steps_ms(np.array([rows]), num_roots, context, num_seqs, curve)[0])
+
+    def _steps_ms(
+        self, rows: np.ndarray, num_roots: int, context: float, num_seqs: int, curve: list[float]
+    ) -> np.ndarray:
+        """`_step_ms` at every row count of `rows` at once."""
+        forward = self.scale * self.profile.times_ms(rows, context, num_seqs, curve)
         return forward + self.overhead_per_seq_ms * num_seqs + self.overhead_per_draft_ms * (rows - num_roots)
 
     def admit_windows(

@@ -3,7 +3,7 @@
 `batchserve calibrate` measures it once per device, dtype and model: forward time against
 tokens in the step, at a few context lengths, plus what each further request in a step adds.
 The draft budget policy (`budget.py`) reads it to trade draft tokens against milliseconds.
-Pure Python.
+Pure Python and numpy.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise linear; clamps below xs[0], extrapolates the last segment above xs[-1]."""
@@ -23,6 +25,15 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     i = min(bisect.bisect_right(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _interp_many(xs: Sequence[float], ys: Sequence[float], x: np.ndarray) -> np.ndarray:
+    """`_interp` at every point of `x` at once."""
+    out = np.interp(x, xs, ys)
+    if len(xs) > 1:  # np.interp clamps above xs[-1] too: extrapolate the last segment there
+        above = x > xs[-1]
+        out[above] = ys[-1] + (ys[-1] - ys[-2]) * (x[above] - xs[-1]) / (xs[-1] - xs[-2])
+    return out
 
 
 def _per_context(value: Any, num_contexts: int) -> tuple[float, ...]:
@@ -74,11 +85,19 @@ class CostProfile:
     ) -> float:
         """Predicted forward time of a step with `num_tokens` rows from `num_seqs` requests
         whose mean context is `context` (pass `curve(context)` to skip recomputing it)."""
+        return float(self.times_ms(np.array([num_tokens]), context, num_seqs, curve)[0])
+
+    def times_ms(
+        self, num_tokens: np.ndarray, context: float = 0.0, num_seqs: int = 1, curve: list[float] | None = None
+    ) -> np.ndarray:
+        """`time_ms` at every row count of `num_tokens` at once (the budget weighs every draft
+        length of a step)."""
         ys = curve if curve is not None else self.curve(context)
+        x = np.asarray(num_tokens, dtype=float)
         b = self.row_block
-        if b > 1 and num_tokens > b:  # a started block costs a whole one
-            num_tokens = -(-num_tokens // b) * b
-        return _interp(self.token_counts, ys, num_tokens) + self.seq_ms(context) * max(0, num_seqs - 1)
+        if b > 1:
+            x = np.where(x > b, np.ceil(x / b) * b, x)
+        return _interp_many(self.token_counts, ys, x) + self.seq_ms(context) * max(0, num_seqs - 1)
 
     def seq_ms(self, context: float = 0.0) -> float:
         """Cost of one more request in a step at this mean context."""

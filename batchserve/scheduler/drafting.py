@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 
 from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, WindowDrafter
@@ -125,24 +126,40 @@ class DraftPlanner:
     def _trees(self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int) -> dict[str, DraftTree]:
         trees: dict[str, DraftTree] = {}
         self._proposals = {}
-        shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
+        pending: list[tuple[Request, int, list[float]]] = []  # policy requests: limit, upper gains
         for item in items:
             if not item.sample:
                 continue
             req = requests[item.request_id]
-            by_policy = self.policy is not None and req.params.decoding_length is None
-            tree = self._propose(req, min(self.limit(req), budget), by_policy)
-            if tree is None:
+            limit = min(self.limit(req), budget)
+            if self.policy is not None and req.params.decoding_length is None:
+                if limit > 0:
+                    pending.append((req, limit, self.policy.upper_gains(req.request_id, limit)))
                 continue
-            if by_policy:
-                shared.append((req, tree))
-                self._proposals[req.request_id] = tree
-            else:
+            tree = self._propose(req, limit)
+            if tree is not None:
                 trees[req.request_id] = tree
                 budget -= len(tree)
-        if shared and not self._plain:  # a baseline step judges the proposals but verifies none
-            sampling = [requests[i.request_id] for i in items if i.sample]
-            lengths = self._allocate(shared, items, sampling, sum(map(len, trees.values())), budget)
+        if not pending:
+            return trees
+        sampling = [requests[i.request_id] for i in items if i.sample]
+        fixed = sum(map(len, trees.values()))
+        # A baseline step judges proposals but verifies none: shadow drafts are all it needs.
+        hopeful = set() if self._plain else self._hopeful(pending, items, sampling, fixed, budget)
+        shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
+        for req, limit, upper in pending:
+            # Never propose more than could be given, and a tree search only where a draft could
+            # pay this step; else a shadow draft, which the request's output judges for free (its
+            # estimates rise when matches turn good).
+            wanted = len(upper) if req.request_id in hopeful else 0
+            tree = self._propose(req, max(wanted, min(limit, self.config.shadow_draft)))
+            if tree is None:
+                continue
+            self._proposals[req.request_id] = tree
+            if wanted:
+                shared.append((req, tree))
+        if shared:
+            lengths = self._allocate(shared, items, sampling, fixed, budget)
             for req, tree in shared:
                 k = lengths.get(req.request_id, 0)
                 if k > 0:
@@ -208,12 +225,7 @@ class DraftPlanner:
         remaining_ctx = req.max_total_len - req.num_tokens
         return max(0, min(length, remaining_out, remaining_ctx))
 
-    def _propose(self, req: Request, limit: int, by_policy: bool) -> DraftTree | None:
-        if by_policy and limit > 0:
-            assert self.policy is not None
-            # Never propose much more than could be given; but at least a shadow draft, which the
-            # request's output judges for free (its estimates rise when matches turn good).
-            limit = max(self.policy.useful_length(req.request_id, limit), min(limit, self.config.shadow_draft))
+    def _propose(self, req: Request, limit: int) -> DraftTree | None:
         if limit <= 0:
             return None
         try:
@@ -228,6 +240,40 @@ class DraftPlanner:
             tree = self.grammar.propose(req, tree, limit, forced)
         return tree if tree is not None and len(tree) else None
 
+    def _step_args(
+        self, items: list[ScheduledRequest], sampling: list[Request], fixed_draft_tokens: int, budget: int
+    ) -> dict[str, Any]:
+        """What the policy needs to know of this step beside its candidates."""
+        return dict(
+            num_roots=len(sampling),
+            num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + fixed_draft_tokens,
+            context=sum(r.num_tokens for r in sampling) / len(sampling),
+            num_seqs=len(items),
+            token_budget=max(0, budget),
+            chunked=self._chunked,
+        )
+
+    def _hopeful(
+        self,
+        pending: list[tuple[Request, int, list[float]]],
+        items: list[ScheduledRequest],
+        sampling: list[Request],
+        fixed_draft_tokens: int,
+        budget: int,
+    ) -> set[str]:
+        """The policy requests worth a tree search this step. A constrained request always is:
+        its grammar's forced tokens are drafts that the acceptance estimates know nothing of."""
+        assert self.policy is not None
+        always = {req.request_id for req, _, _ in pending if req.grammar is not None}
+        try:
+            return always | self.policy.hopeful(
+                [(req.request_id, upper) for req, _, upper in pending],
+                **self._step_args(items, sampling, fixed_draft_tokens, budget),
+            )
+        except Exception:
+            logger.exception("the draft budget failed; this step decodes without policy drafts")
+            return set()
+
     def _allocate(
         self,
         shared: list[tuple[Request, DraftTree]],
@@ -240,12 +286,7 @@ class DraftPlanner:
         try:
             return self.policy.allocate(
                 [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
-                num_roots=len(sampling),
-                num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + fixed_draft_tokens,
-                context=sum(r.num_tokens for r in sampling) / len(sampling),
-                num_seqs=len(items),
-                token_budget=max(0, budget),
-                chunked=self._chunked,
+                **self._step_args(items, sampling, fixed_draft_tokens, budget),
             )
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")

@@ -7,6 +7,7 @@ acceptance probabilities, `non_increasing` keeps a request's gains sorted for th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -94,34 +95,73 @@ class ScoreCalibration:
         self.prior_strength = prior_strength  # Hessian floor: how hard the first nodes move the fit
         self.clip = clip  # probabilities are clipped to [clip, 1 - clip] before their logit
         self.weights = [1.0, 0.0, 0.0]
-        self._hess = prior_strength * np.eye(3)
+        self._hess = [[prior_strength if i == j else 0.0 for j in range(3)] for i in range(3)]
 
     def prob(self, rank_estimate: float, score: float) -> float:
-        w = self.weights
-        z = w[0] * _logit(rank_estimate, self.clip) + w[1] * _logit(score, self.clip) + w[2]
-        return 1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z))))
+        return self.probs((rank_estimate,), score)[0]
+
+    def probs(self, rank_estimates: Sequence[float], score: float) -> list[float]:
+        """`prob` of each rank estimate at one score (the score's term computed once: the
+        policy asks this for every rank of every request, every step)."""
+        w0, w1, w2 = self.weights
+        clip = self.clip
+        offset = w1 * _logit(score, clip) + w2
+        out = []
+        for est in rank_estimates:
+            est = min(1.0 - clip, max(clip, est))
+            z = w0 * math.log(est / (1.0 - est)) + offset
+            out.append(1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z)))))
+        return out
 
     def observe(self, rank_estimates: Sequence[float], scores: Sequence[float], hits: Sequence[bool]) -> None:
         """One verified tree: each node's rank estimate and score then, and whether it hit."""
         if not hits:
             return
-        rows = [
-            (_logit(est, self.clip), _logit(score, self.clip), 1.0, self.prob(est, score), float(hit))
-            for est, score, hit in zip(rank_estimates, scores, hits)
-        ]
-        m = np.array(rows).reshape(-1, 5)
-        x, p, y = m[:, :3], m[:, 3], m[:, 4]
-        grad = x.T @ (p - y)
-        hess = (x * (p * (1.0 - p))[:, None]).T @ x
+        # Plain Python, not numpy: a tree has a few nodes and the fit 3 weights, and this runs for
+        # every request every step, where numpy's per-call cost is most of the work.
+        clip, w = self.clip, self.weights
+        grad = [0.0, 0.0, 0.0]
+        hess = [[0.0] * 3 for _ in range(3)]
+        for est, score, hit in zip(rank_estimates, scores, hits):
+            x = (_logit(est, clip), _logit(score, clip), 1.0)
+            z = w[0] * x[0] + w[1] * x[1] + w[2]
+            p = 1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z))))
+            r, c = p - float(hit), p * (1.0 - p)
+            for i in range(3):
+                grad[i] += x[i] * r
+                for j in range(3):
+                    hess[i][j] += c * x[i] * x[j]
         d = self.decay ** len(hits)
         # The floor keeps the step bounded once old evidence has decayed away.
-        self._hess = d * self._hess + hess + (1.0 - d) * self.prior_strength * np.eye(3)
-        self.weights = (np.array(self.weights) - np.linalg.solve(self._hess, grad)).tolist()
+        floor = (1.0 - d) * self.prior_strength
+        for i in range(3):
+            for j in range(3):
+                self._hess[i][j] = d * self._hess[i][j] + hess[i][j] + (floor if i == j else 0.0)
+        step = _solve3(self._hess, grad)
+        self.weights = [wi - si for wi, si in zip(w, step)]
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a 3x3 system (Gaussian elimination with partial pivoting)."""
+    m = [[*row, bi] for row, bi in zip(a, b)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= f * m[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x
 
 
 def non_increasing(xs: Sequence[float]) -> list[float]:
     """The closest non-increasing sequence (pool adjacent violators): keeps the total gain of
     every prefix honest while letting the greedy take nodes in order."""
+    if all(a >= b for a, b in itertools.pairwise(xs)):
+        return list(xs)  # already in order: the common case, every step for every request
     blocks: list[list[float]] = []  # [mean, count]
     for x in xs:
         blocks.append([x, 1.0])

@@ -58,6 +58,27 @@ def test_policy_drafts_where_the_drafter_is_sure():
     assert all(u >= g for u, g in zip(t.upper_gains("a", 16), t.gains("a", 16, sure)))
 
 
+def test_only_requests_whose_best_case_could_pay_are_worth_a_tree_search():
+    """`hopeful` allocates on the most each node could be worth: where that gives a request
+    nothing, neither can its real tree (its gains are at most those), so none is searched."""
+    t = trained({"sure": [0.97] * 16, "weak": [0.1] * 16, "dead": [0.0] * 16})
+    feed(t.calibration, {1.0: 0.3, 0.05: 0.02}, rounds=400)
+    policy = DraftBudgetPolicy(cpu_like(slope=6.0), t)
+    rids = ("sure", "weak", "dead")
+    upper = [(r, policy.upper_gains(r, 16)) for r in rids]
+    assert policy.upper_gains("dead", 16) == [] and policy.useful_length("weak", 16) == 16
+    assert policy.hopeful(upper, num_roots=3) == {"sure"}
+    # The real allocation, whatever the drafter's scores, gives no one else anything.
+    for scores in ((1.0,) * 16, (0.05,) * 16):
+        d = policy.allocate([DraftCandidate(r, 16, scores) for r in rids], num_roots=3)
+        assert d["weak"] == d["dead"] == 0
+    assert policy.allocate([DraftCandidate(r, 16) for r in rids], num_roots=3)["sure"] > 0
+    # On a free step every request with a useful rank is worth its search.
+    free = DraftBudgetPolicy(gpu_like(cdl=64), t)
+    assert free.hopeful(upper, num_roots=3) == {"sure", "weak"}
+    assert free.hopeful([], num_roots=3) == set()
+
+
 def test_scored_gains_are_non_increasing_along_the_tree():
     t = trained({"a": [0.5] * 8})
     feed(t.calibration, {1.0: 0.6, 0.05: 0.02}, rounds=200)

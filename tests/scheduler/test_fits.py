@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration, _nonnegative_ridge, non_increasing
+from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration, _nonnegative_ridge, _solve3, non_increasing
 from tests.scheduler.workloads import feed
 
 
@@ -40,6 +40,23 @@ def test_calibration_keeps_the_request_history_in_the_estimate():
             cal.observe([est] * 8, [0.5] * 8, [int((r + 1) * rate) > int(r * rate)] * 8)
     assert cal.prob(0.6, 0.5) == pytest.approx(0.6, abs=0.07)
     assert cal.prob(0.1, 0.5) == pytest.approx(0.1, abs=0.05)
+
+
+def test_calibration_probs_at_one_score_are_each_ranks_prob():
+    cal = ScoreCalibration()
+    feed(cal, {1.0: 0.4, 0.1: 0.05}, rounds=100)
+    ests = [0.0, 0.05, 0.3, 0.9, 1.0]
+    assert cal.probs(ests, 0.7) == pytest.approx([cal.prob(e, 0.7) for e in ests], rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_calibrations_3x3_solve_is_numpys(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(5, 3)) * (3.0, 1.0, 0.1)
+    a, b = x.T @ x + 0.05 * np.eye(3), rng.normal(size=3)
+    assert _solve3(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b), rel=1e-9, abs=1e-12)
+    swapped = np.array([[0.0, 2.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 3.0]])  # needs a row swap
+    assert _solve3(swapped.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(swapped, b), rel=1e-9)
 
 
 def _brute_force_ridge(x: np.ndarray, r: np.ndarray, strength: float, nonneg: tuple[int, ...]) -> np.ndarray:

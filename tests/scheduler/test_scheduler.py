@@ -9,7 +9,7 @@ from batchserve.draft import DraftTree, NoDrafter
 from batchserve.request import FinishReason, Request, RequestStatus, SamplingParams
 from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, RunnerOutput, Scheduler, SchedulerOutput
 from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy
-from tests.scheduler.workloads import gpu_like
+from tests.scheduler.workloads import cpu_like, gpu_like
 
 
 def _req(rid: str, n_prompt: int, max_new: int = 8, **kw) -> Request:
@@ -224,6 +224,43 @@ def test_scheduler_proposes_only_what_the_policy_could_give(shadow: int):
     # the silenced request only a shadow draft (judged by its output, never verified).
     assert drafter.asked == ([shadow] if shadow else []) + [5]
     assert {r.request_id: r.draft is None for r in out.requests} == {"silenced": True, "good": False}
+
+
+def test_a_step_where_no_draft_could_pay_searches_no_tree():
+    """Eight requests on a machine where a draft row costs as much as a token: even sure drafts
+    barely pay, and these are only middling. The drafter is asked for shadow drafts only (the
+    output judges them for free), never for a tree the policy could not give anything of."""
+    tracker = AcceptanceTracker(16)
+    drafter = CountingDrafter()
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2),
+        BlockAllocator(256, 4),
+        drafter,
+        budget_policy=DraftBudgetPolicy(cpu_like(base=10.0, slope=10.0), tracker),
+    )
+    for i in range(8):
+        s.add_request(_req(f"r{i}", 3, 200))
+    for _ in range(50):
+        for i in range(8):
+            tracker.observe(f"r{i}", 16, [j for j in range(16) if (i + j) % 3 == 0])  # a third hit
+    out = s.schedule()
+    assert all(r.draft is None for r in out.requests)
+    assert drafter.asked == [2] * 8
+    # Where the same drafts cost nothing, every request gets its tree searched, and drafts.
+    free = CountingDrafter()
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2),
+        BlockAllocator(256, 4),
+        free,
+        budget_policy=DraftBudgetPolicy(gpu_like(cdl=256), tracker),
+    )
+    for i in range(8):
+        s.add_request(_req(f"r{i}", 3, 200))
+    out = s.schedule()
+    assert all(n > 2 for n in free.asked) and len(free.asked) == 8
+    assert all(r.draft is not None for r in out.requests)
 
 
 class TruthDrafter(NoDrafter):
