@@ -137,12 +137,18 @@ class DraftConfig:
     acceptance_decay: float = setting(0.3, "adaptive: weight of the newest verification in the acceptance average")
     explore: float = setting(0.05, "adaptive: per idle step, how far a request's estimates drift back to the pool's")
     min_gain: float = setting(0.02, "adaptive: never draft a node accepted less often than this")
+    # What the profile does not see: drafting's own bookkeeping, and a step's time swinging by a
+    # tenth on a shared machine. A draft predicted to win by less is a coin toss that costs.
+    min_speedup: float = setting(0.05, "adaptive: draft only where the step is predicted this much faster per token")
     # Off by default: on a shared machine a step's time swings by half (sd ~100 ms at 16 requests on
     # 2 cores), and the fit's cost of a draft row then swings from 0 to 19 ms against ~3.5 measured
     # over a whole run. The speed guard below checks the outcome instead.
     learn_step_costs: bool = setting(False, "adaptive: refine the cost profile from measured steps")
     # A trie lookup, no forward row: what the request then emits judges it as if verified.
     shadow_draft: int = setting(4, "adaptive: tokens proposed, not verified, for a request given none")
+    # Each is a trie search and its judging: at 64 requests given nothing, 64 of them a step cost
+    # more than the evidence is worth. Past this many, requests take turns.
+    shadow_requests: int = setting(8, "adaptive: most requests given a shadow draft in one step")
     # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
     initial_acceptance: float = setting(0.6, "adaptive: acceptance guessed for rank 0 before any evidence")
     # Rank j starts at 0.6 * 0.8**j: a deeper node needs every node above it accepted too.
@@ -221,11 +227,13 @@ class DraftConfig:
             ("branch_length", self.branch_length >= 2, ">= 2"),
             ("prompt_weight", self.prompt_weight > 0, "> 0"),
             ("shadow_draft", self.shadow_draft >= 0, ">= 0"),
+            ("shadow_requests", self.shadow_requests >= 1, ">= 1"),
             ("trie_capacity", self.trie_capacity >= 1, ">= 1"),
             ("trie_max_scopes", self.trie_max_scopes >= 1, ">= 1"),
             ("acceptance_decay", 0 < self.acceptance_decay <= 1, "in (0, 1]"),
             ("explore", 0 <= self.explore <= 1, "in [0, 1]"),
             ("min_gain", 0 <= self.min_gain < 1, "in [0, 1)"),
+            ("min_speedup", 0 <= self.min_speedup < 1, "in [0, 1)"),
             ("initial_acceptance", 0 < self.initial_acceptance <= 1, "in (0, 1]"),
             ("initial_acceptance_falloff", 0 < self.initial_acceptance_falloff <= 1, "in (0, 1]"),
             ("acceptance_pool_rate", 0 <= self.acceptance_pool_rate <= 1, "in [0, 1]"),

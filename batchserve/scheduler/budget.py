@@ -66,6 +66,7 @@ class DraftBudgetPolicy:
         tracker: AcceptanceTracker,
         min_gain: float = _DEFAULTS.min_gain,
         *,
+        min_speedup: float = _DEFAULTS.min_speedup,
         windows: WindowTracker | None = None,
         step_cost_decay: float = _DEFAULTS.step_cost_decay,
         step_cost_ridge: float = _DEFAULTS.step_cost_ridge,
@@ -77,6 +78,7 @@ class DraftBudgetPolicy:
         self.tracker = tracker
         self.windows = windows or WindowTracker()
         self.min_gain = min_gain
+        self.min_speedup = min_speedup  # drafts must win by this much, as predicted, or none are sent
         self.planned_gain = 0.0  # expected accepted draft tokens of the last `allocate`
         # Measured decode steps against the profile, fitted online as
         #   elapsed = scale * profile + per_seq * requests + per_draft * draft rows
@@ -120,6 +122,7 @@ class DraftBudgetPolicy:
             profile,
             tracker,
             config.min_gain,
+            min_speedup=config.min_speedup,
             windows=windows,
             step_cost_decay=config.step_cost_decay,
             step_cost_ridge=config.step_cost_ridge,
@@ -237,11 +240,19 @@ class DraftBudgetPolicy:
 
         # 1. Decode-only optimum and the value of a token there (argmax: the fewest nodes of a tie).
         decode = cost(0)
-        best_k = int(np.argmax((num_roots + gain) / decode))
+        rate = (num_roots + gain) / decode  # [k] tokens per ms
+        best_k = int(np.argmax(rate))
         tau = decode[best_k] / max(_MIN_TOKENS, num_roots + gain[best_k])
-        # 2. The rest of the step's rows are paid for anyway: value nodes at tau each.
+        margin = self.min_speedup
+        if rate[best_k] < (1.0 + margin) * rate[0]:
+            best_k = 0  # not a clear win
+        # 2. The rest of the step's rows are paid for anyway: value nodes at tau each. The win
+        # asked for is the same: the time of `margin` times the roots' tokens.
         if num_other_tokens > 0:
-            best_k = int(np.argmax(gain * tau - cost(num_other_tokens)))
+            value = gain * tau - cost(num_other_tokens)
+            best_k = int(np.argmax(value))
+            if value[best_k] - value[0] < margin * num_roots * tau:
+                best_k = 0
         lengths = dict.fromkeys(request_ids, 0)
         for _, rid in ranked[:best_k]:
             lengths[rid] += 1

@@ -38,6 +38,7 @@ class DraftPlanner:
         self._proposals: dict[str, DraftTree] = {}
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
+        self._step = 0  # steps planned: whose turn a shadow draft is
         self._chunked = False  # this step carries a prompt chunk (the guard judges those apart)
         self.grammar = GrammarSteps()  # structured output's share of each step
 
@@ -147,12 +148,15 @@ class DraftPlanner:
         # A baseline step judges proposals but verifies none: shadow drafts are all it needs.
         hopeful = set() if self._plain else self._hopeful(pending, items, sampling, fixed, budget)
         shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
-        for req, limit, upper in pending:
+        self._step += 1
+        turns = max(1, -(-(len(pending) - len(hopeful)) // self.config.shadow_requests))  # 1: every step
+        for i, (req, limit, upper) in enumerate(pending):
             # Never propose more than could be given, and a tree search only where a draft could
             # pay this step; else a shadow draft, which the request's output judges for free (its
-            # estimates rise when matches turn good).
+            # estimates rise when matches turn good), at most `shadow_requests` of them a step.
             wanted = len(upper) if req.request_id in hopeful else 0
-            tree = self._propose(req, max(wanted, min(limit, self.config.shadow_draft)))
+            shadow = min(limit, self.config.shadow_draft) if wanted or (self._step + i) % turns == 0 else 0
+            tree = self._propose(req, max(wanted, shadow))
             if tree is None:
                 continue
             self._proposals[req.request_id] = tree

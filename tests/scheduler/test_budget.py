@@ -79,6 +79,25 @@ def test_only_requests_whose_best_case_could_pay_are_worth_a_tree_search():
     assert free.hopeful([], num_roots=3) == set()
 
 
+def test_drafts_are_sent_only_where_they_are_predicted_to_win_by_the_margin():
+    t = trained({"a": [0.5] * 4})
+    profile = cpu_like()
+    g = t.gains("a", 1)[0]
+    predicted = (1 + g) * profile.time_ms(1) / profile.time_ms(2) - 1  # one node's speedup
+    assert 0.2 < predicted < 0.6
+
+    def drafted(margin: float, **step) -> int:
+        policy = DraftBudgetPolicy(profile, t, min_speedup=margin)
+        return policy.allocate([DraftCandidate("a", 1)], num_roots=1, **step)["a"]
+
+    assert drafted(0.0) == drafted(predicted - 0.01) == 1
+    assert drafted(predicted + 0.01) == 0
+    # Beside a prompt chunk the win asked for is the same share of the roots' tokens.
+    assert drafted(0.0, num_other_tokens=64) == 1 and drafted(0.9, num_other_tokens=64) == 0
+    with pytest.raises(ValueError, match="min_speedup"):
+        DraftConfig(min_speedup=1.0)
+
+
 def test_scored_gains_are_non_increasing_along_the_tree():
     t = trained({"a": [0.5] * 8})
     feed(t.calibration, {1.0: 0.6, 0.05: 0.02}, rounds=200)
@@ -157,9 +176,10 @@ def test_a_measured_step_in_the_curve_after_16_rows_is_priced():
         ms = {1: 10.0, 16: 13.2, 17: 20.0, 32: 24.0, 64: 60.0}
         return CostProfile("int4-like", counts, (0,), (tuple(ms[n] for n in counts),))
 
-    measured = DraftBudgetPolicy(profile((1, 16, 17, 32, 64)), tracker).allocate(cands, num_roots=16)
+    # No margin (interpolated, the two nodes win by 1%): the pricing alone decides here.
+    measured = DraftBudgetPolicy(profile((1, 16, 17, 32, 64)), tracker, min_speedup=0.0).allocate(cands, num_roots=16)
     assert sum(measured.values()) == 0
-    interpolated = DraftBudgetPolicy(profile((1, 16, 32, 64)), tracker).allocate(cands, num_roots=16)
+    interpolated = DraftBudgetPolicy(profile((1, 16, 32, 64)), tracker, min_speedup=0.0).allocate(cands, num_roots=16)
     assert interpolated == {r: int(r in ("r0", "r1")) for r in rids}
 
 

@@ -263,6 +263,30 @@ def test_a_step_where_no_draft_could_pay_searches_no_tree():
     assert all(r.draft is not None for r in out.requests)
 
 
+def test_past_shadow_requests_the_requests_given_nothing_take_turns_at_a_shadow_draft():
+    tracker = AcceptanceTracker(16)
+    drafter = CountingDrafter()
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2, shadow_requests=4),
+        BlockAllocator(512, 4),
+        drafter,
+        budget_policy=DraftBudgetPolicy(cpu_like(base=10.0, slope=10.0), tracker),
+    )
+    for i in range(16):
+        s.add_request(_req(f"r{i}", 3, 200))
+    shadowed: list[set[str]] = []
+    for _ in range(4):
+        out = s.schedule()
+        assert all(r.draft is None for r in out.requests)
+        shadowed.append(set(s.planner._proposals))
+        s.update(out, RunnerOutput({r.request_id: [7] for r in out.requests}, {r.request_id: [] for r in out.requests}))
+    assert [len(x) for x in shadowed] == [4] * 4  # 16 requests given nothing, 4 shadows a step
+    assert set().union(*shadowed) == {f"r{i}" for i in range(16)}  # each in its turn
+    with pytest.raises(ValueError, match="shadow_requests"):
+        DraftConfig(shadow_requests=0)
+
+
 class TruthDrafter(NoDrafter):
     """Proposes the text's true continuation (position p holds 10 + p % 50) as a chain."""
 

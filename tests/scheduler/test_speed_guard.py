@@ -121,7 +121,8 @@ def test_the_settings_build_the_guard():
 def _guarded_scheduler(period: int, slope: float, seats: int = 2) -> tuple[Scheduler, SpeedGuard]:
     """Two long requests "a" and "b" on a policy with a guard; `seats` running at most."""
     guard = SpeedGuard(period=period)
-    policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=slope), AcceptanceTracker(8), guard=guard)
+    # No margin: what these tests see is the guard's doing alone.
+    policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=slope), AcceptanceTracker(8), guard=guard, min_speedup=0.0)
     s = Scheduler(
         SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=256),
         DraftConfig(decoding_length=8, adaptive=True),
