@@ -57,6 +57,22 @@ class DraftCandidate:
     scores: tuple[float, ...] = ()  # the drafter's score of each proposed node, if any
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What the policy needs to know of a step beside its candidates."""
+
+    num_roots: int  # requests emitting a token this step (with or without a draft)
+    num_other_tokens: int = 0  # the step's other rows (prefill chunks, fixed-length drafts)
+    context: float = 0.0  # mean KV length of the step's rows
+    num_seqs: int | None = None  # requests in the step (None: num_roots)
+    token_budget: int | None = None  # most draft tokens (None: all offered)
+    chunked: bool = False  # the step carries a prompt chunk (the speed guard judges those apart)
+
+    @property
+    def seqs(self) -> int:
+        return self.num_seqs if self.num_seqs is not None else max(1, self.num_roots)
+
+
 class DraftBudgetPolicy:
     """Chooses every sampling request's decoding length for one step (module docstring)."""
 
@@ -165,67 +181,33 @@ class DraftBudgetPolicy:
         token_budget: int | None = None,
         chunked: bool = False,
     ) -> dict[str, int]:
-        """`num_roots`: requests emitting a token this step (with or without a draft);
-        `num_other_tokens`: the step's other rows (prefill chunks, fixed-length drafts);
-        `context`: mean KV length of the step's rows; `token_budget`: most draft tokens;
-        `chunked`: the step carries a prompt chunk (the speed guard judges those apart)."""
+        """Draft lengths by request for a step of this shape (`StepShape`'s fields)."""
+        step = StepShape(num_roots, num_other_tokens, context, num_seqs, token_budget, chunked)
+        return self.allocate_step(candidates, step)
+
+    def allocate_step(self, candidates: Sequence[DraftCandidate], step: StepShape) -> dict[str, int]:
+        """Draft lengths by request: each candidate's nodes valued by its acceptance estimates
+        and the drafter's scores."""
         gains = [self.tracker.gains(c.request_id, c.max_tokens, c.scores) for c in candidates]
-        lengths, self.planned_gain = self._choose(
-            [c.request_id for c in candidates],
-            gains,
-            num_roots=num_roots,
-            num_other_tokens=num_other_tokens,
-            context=context,
-            num_seqs=num_seqs,
-            token_budget=token_budget,
-            chunked=chunked,
-        )
+        lengths, self.planned_gain = self._choose([c.request_id for c in candidates], gains, step)
         return lengths
 
-    def hopeful(
-        self,
-        upper: Sequence[tuple[str, Sequence[float]]],
-        *,
-        num_roots: int,
-        num_other_tokens: int = 0,
-        context: float = 0.0,
-        num_seqs: int | None = None,
-        token_budget: int | None = None,
-        chunked: bool = False,
-    ) -> set[str]:
+    def hopeful(self, upper: Sequence[tuple[str, Sequence[float]]], step: StepShape) -> set[str]:
         """The requests that would get a draft this step if every node were worth the most it
         could be (`upper`: each request's `upper_gains`): the only ones whose trees are worth
         building before `allocate`. On a busy step where no draft pays, that is none, and the
-        drafter is spared a tree search per request. Step arguments as in `allocate`."""
-        lengths, _ = self._choose(
-            [rid for rid, _ in upper],
-            [list(g) for _, g in upper],
-            num_roots=num_roots,
-            num_other_tokens=num_other_tokens,
-            context=context,
-            num_seqs=num_seqs,
-            token_budget=token_budget,
-            chunked=chunked,
-        )
+        drafter is spared a tree search per request."""
+        lengths, _ = self._choose([rid for rid, _ in upper], [list(g) for _, g in upper], step)
         return {rid for rid, k in lengths.items() if k > 0}
 
     def _choose(
-        self,
-        request_ids: Sequence[str],
-        gains: Sequence[list[float]],
-        *,
-        num_roots: int,
-        num_other_tokens: int,
-        context: float,
-        num_seqs: int | None,
-        token_budget: int | None,
-        chunked: bool,
+        self, request_ids: Sequence[str], gains: Sequence[list[float]], step: StepShape
     ) -> tuple[dict[str, int], float]:
         """Draft lengths by request and the accepted tokens they are expected to buy, from each
         request's node gains (non-increasing): the module docstring's two rules."""
-        num_seqs = num_seqs if num_seqs is not None else max(1, num_roots)
-        cap = token_budget if token_budget is not None else sum(map(len, gains))
-        hedge = self.hedge(num_seqs, chunked)
+        num_roots, num_other_tokens, context, num_seqs = step.num_roots, step.num_other_tokens, step.context, step.seqs
+        cap = step.token_budget if step.token_budget is not None else sum(map(len, gains))
+        hedge = self.hedge(num_seqs, step.chunked)
         # Each request's gains are non-increasing, so merging them in descending order takes
         # every request's nodes as a prefix.
         per_req = [[(g, rid) for g in gs if g >= self.min_gain] for rid, gs in zip(request_ids, gains)]

@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
 
 from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, WindowDrafter
 from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
 from batchserve.request import Request
-from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate
+from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate, StepShape
 from batchserve.scheduler.grammar_steps import GrammarSteps
 from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -244,11 +243,10 @@ class DraftPlanner:
             tree = self.grammar.propose(req, tree, limit, forced)
         return tree if tree is not None and len(tree) else None
 
-    def _step_args(
+    def _step_shape(
         self, items: list[ScheduledRequest], sampling: list[Request], fixed_draft_tokens: int, budget: int
-    ) -> dict[str, Any]:
-        """What the policy needs to know of this step beside its candidates."""
-        return dict(
+    ) -> StepShape:
+        return StepShape(
             num_roots=len(sampling),
             num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + fixed_draft_tokens,
             context=sum(r.num_tokens for r in sampling) / len(sampling),
@@ -272,7 +270,7 @@ class DraftPlanner:
         try:
             return always | self.policy.hopeful(
                 [(req.request_id, upper) for req, _, upper in pending],
-                **self._step_args(items, sampling, fixed_draft_tokens, budget),
+                self._step_shape(items, sampling, fixed_draft_tokens, budget),
             )
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")
@@ -288,9 +286,9 @@ class DraftPlanner:
     ) -> dict[str, int]:
         assert self.policy is not None
         try:
-            return self.policy.allocate(
+            return self.policy.allocate_step(
                 [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
-                **self._step_args(items, sampling, fixed_draft_tokens, budget),
+                self._step_shape(items, sampling, fixed_draft_tokens, budget),
             )
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")

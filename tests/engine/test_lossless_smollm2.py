@@ -64,9 +64,11 @@ async def test_staggered_concurrent_greedy_equals_hf(engine_model, prompts, refe
     batch_sizes: list[int] = []
 
     async def run(i: int, prompt: list[int]) -> list[int]:
-        # Request i arrives once the engine has run (i + 1) // 2 steps: the batch grows from 1
-        # to 16 within 8 steps, before the first requests can finish, then drains to 1.
-        while engine.num_steps < (i + 1) // 2:
+        # Request i arrives once the engine has run (i + 2) // 3 steps: the batch grows from 1
+        # to 16 within 5 steps, well before the first requests can finish (a drafter accepting
+        # 3 tokens a step ends a 32-token request in about 10; on a busy machine an arrival can
+        # slip a step or two behind its turn), then drains to 1.
+        while engine.num_steps < (i + 2) // 3:
             await asyncio.sleep(0.002)
         tokens: list[int] = []
         async for out in engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW)):

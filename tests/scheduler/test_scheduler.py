@@ -226,55 +226,41 @@ def test_scheduler_proposes_only_what_the_policy_could_give(shadow: int):
     assert {r.request_id: r.draft is None for r in out.requests} == {"silenced": True, "good": False}
 
 
+def _busy(n: int, profile, tracker: AcceptanceTracker, drafter, **draft) -> Scheduler:
+    """n 3-token requests on a policy over `profile`, 16-token drafts, 2-token shadow drafts."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2, **draft),
+        BlockAllocator(512, 4),
+        drafter,
+        budget_policy=DraftBudgetPolicy(profile, tracker),
+    )
+    for i in range(n):
+        s.add_request(_req(f"r{i}", 3, 200))
+    return s
+
+
 def test_a_step_where_no_draft_could_pay_searches_no_tree():
     """Eight requests on a machine where a draft row costs as much as a token: even sure drafts
     barely pay, and these are only middling. The drafter is asked for shadow drafts only (the
     output judges them for free), never for a tree the policy could not give anything of."""
     tracker = AcceptanceTracker(16)
-    drafter = CountingDrafter()
-    s = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2),
-        BlockAllocator(256, 4),
-        drafter,
-        budget_policy=DraftBudgetPolicy(cpu_like(base=10.0, slope=10.0), tracker),
-    )
-    for i in range(8):
-        s.add_request(_req(f"r{i}", 3, 200))
     for _ in range(50):
         for i in range(8):
             tracker.observe(f"r{i}", 16, [j for j in range(16) if (i + j) % 3 == 0])  # a third hit
-    out = s.schedule()
+    drafter = CountingDrafter()
+    out = _busy(8, cpu_like(base=10.0, slope=10.0), tracker, drafter).schedule()
     assert all(r.draft is None for r in out.requests)
     assert drafter.asked == [2] * 8
     # Where the same drafts cost nothing, every request gets its tree searched, and drafts.
     free = CountingDrafter()
-    s = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2),
-        BlockAllocator(256, 4),
-        free,
-        budget_policy=DraftBudgetPolicy(gpu_like(cdl=256), tracker),
-    )
-    for i in range(8):
-        s.add_request(_req(f"r{i}", 3, 200))
-    out = s.schedule()
+    out = _busy(8, gpu_like(cdl=256), tracker, free).schedule()
     assert all(n > 2 for n in free.asked) and len(free.asked) == 8
     assert all(r.draft is not None for r in out.requests)
 
 
 def test_past_shadow_requests_the_requests_given_nothing_take_turns_at_a_shadow_draft():
-    tracker = AcceptanceTracker(16)
-    drafter = CountingDrafter()
-    s = Scheduler(
-        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
-        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2, shadow_requests=4),
-        BlockAllocator(512, 4),
-        drafter,
-        budget_policy=DraftBudgetPolicy(cpu_like(base=10.0, slope=10.0), tracker),
-    )
-    for i in range(16):
-        s.add_request(_req(f"r{i}", 3, 200))
+    s = _busy(16, cpu_like(base=10.0, slope=10.0), AcceptanceTracker(16), CountingDrafter(), shadow_requests=4)
     shadowed: list[set[str]] = []
     for _ in range(4):
         out = s.schedule()
