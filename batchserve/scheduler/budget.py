@@ -156,10 +156,6 @@ class DraftBudgetPolicy:
         the most the request could be given, so there is no point in proposing more."""
         return sorted((g for g in self.tracker.upper_gains(request_id, limit) if g >= self.min_gain), reverse=True)
 
-    def useful_length(self, request_id: str, limit: int) -> int:
-        """How many of the request's draft ranks clear `min_gain` (`upper_gains`)."""
-        return len(self.upper_gains(request_id, limit))
-
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
         if num_tokens < 1 or num_seqs < 1:

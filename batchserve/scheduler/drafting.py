@@ -142,10 +142,9 @@ class DraftPlanner:
                 budget -= len(tree)
         if not pending:
             return trees
-        sampling = [requests[i.request_id] for i in items if i.sample]
-        fixed = sum(map(len, trees.values()))
+        shape = self._step_shape(items, requests, sum(map(len, trees.values())), budget)
         # A baseline step judges proposals but verifies none: shadow drafts are all it needs.
-        hopeful = set() if self._plain else self._hopeful(pending, items, sampling, fixed, budget)
+        hopeful = set() if self._plain else self._hopeful(pending, shape)
         shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
         self._step += 1
         turns = max(1, -(-(len(pending) - len(hopeful)) // self.config.shadow_requests))  # 1: every step
@@ -162,7 +161,7 @@ class DraftPlanner:
             if wanted:
                 shared.append((req, tree))
         if shared:
-            lengths = self._allocate(shared, items, sampling, fixed, budget)
+            lengths = self._allocate(shared, shape)
             for req, tree in shared:
                 k = lengths.get(req.request_id, 0)
                 if k > 0:
@@ -244,8 +243,10 @@ class DraftPlanner:
         return tree if tree is not None and len(tree) else None
 
     def _step_shape(
-        self, items: list[ScheduledRequest], sampling: list[Request], fixed_draft_tokens: int, budget: int
+        self, items: list[ScheduledRequest], requests: dict[str, Request], fixed_draft_tokens: int, budget: int
     ) -> StepShape:
+        """What the policy weighs this step's drafts against (their budget: `budget` tokens)."""
+        sampling = [requests[i.request_id] for i in items if i.sample]
         return StepShape(
             num_roots=len(sampling),
             num_other_tokens=sum(i.num_tokens for i in items) - len(sampling) + fixed_draft_tokens,
@@ -255,41 +256,22 @@ class DraftPlanner:
             chunked=self._chunked,
         )
 
-    def _hopeful(
-        self,
-        pending: list[tuple[Request, int, list[float]]],
-        items: list[ScheduledRequest],
-        sampling: list[Request],
-        fixed_draft_tokens: int,
-        budget: int,
-    ) -> set[str]:
+    def _hopeful(self, pending: list[tuple[Request, int, list[float]]], shape: StepShape) -> set[str]:
         """The policy requests worth a tree search this step. A constrained request always is:
         its grammar's forced tokens are drafts that the acceptance estimates know nothing of."""
         assert self.policy is not None
         always = {req.request_id for req, _, _ in pending if req.grammar is not None}
         try:
-            return always | self.policy.hopeful(
-                [(req.request_id, upper) for req, _, upper in pending],
-                self._step_shape(items, sampling, fixed_draft_tokens, budget),
-            )
+            return always | self.policy.hopeful([(req.request_id, upper) for req, _, upper in pending], shape)
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")
             return set()
 
-    def _allocate(
-        self,
-        shared: list[tuple[Request, DraftTree]],
-        items: list[ScheduledRequest],
-        sampling: list[Request],
-        fixed_draft_tokens: int,
-        budget: int,
-    ) -> dict[str, int]:
+    def _allocate(self, shared: list[tuple[Request, DraftTree]], shape: StepShape) -> dict[str, int]:
         assert self.policy is not None
         try:
-            return self.policy.allocate_step(
-                [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared],
-                self._step_shape(items, sampling, fixed_draft_tokens, budget),
-            )
+            candidates = [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared]
+            return self.policy.allocate_step(candidates, shape)
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")
             return {}

@@ -28,6 +28,10 @@ def _logit(p: float, clip: float) -> float:
     return math.log(p / (1.0 - p))
 
 
+def _sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z))))
+
+
 def _nonnegative_ridge(
     xx: np.ndarray, xr: np.ndarray, rr: float, strength: float, nonneg: tuple[int, ...]
 ) -> np.ndarray:
@@ -106,12 +110,7 @@ class ScoreCalibration:
         w0, w1, w2 = self.weights
         clip = self.clip
         offset = w1 * _logit(score, clip) + w2
-        out = []
-        for est in rank_estimates:
-            est = min(1.0 - clip, max(clip, est))
-            z = w0 * math.log(est / (1.0 - est)) + offset
-            out.append(1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z)))))
-        return out
+        return [_sigmoid(w0 * _logit(est, clip) + offset) for est in rank_estimates]
 
     def observe(self, rank_estimates: Sequence[float], scores: Sequence[float], hits: Sequence[bool]) -> None:
         """One verified tree: each node's rank estimate and score then, and whether it hit."""
@@ -124,8 +123,7 @@ class ScoreCalibration:
         hess = [[0.0] * 3 for _ in range(3)]
         for est, score, hit in zip(rank_estimates, scores, hits):
             x = (_logit(est, clip), _logit(score, clip), 1.0)
-            z = w[0] * x[0] + w[1] * x[1] + w[2]
-            p = 1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z))))
+            p = _sigmoid(w[0] * x[0] + w[1] * x[1] + w[2])
             r, c = p - float(hit), p * (1.0 - p)
             for i in range(3):
                 grad[i] += x[i] * r

@@ -66,7 +66,7 @@ def test_only_requests_whose_best_case_could_pay_are_worth_a_tree_search():
     policy = DraftBudgetPolicy(cpu_like(slope=6.0), t)
     rids = ("sure", "weak", "dead")
     upper = [(r, policy.upper_gains(r, 16)) for r in rids]
-    assert policy.upper_gains("dead", 16) == [] and policy.useful_length("weak", 16) == 16
+    assert policy.upper_gains("dead", 16) == [] and len(policy.upper_gains("weak", 16)) == 16
     assert policy.hopeful(upper, StepShape(3)) == {"sure"}
     # The real allocation, whatever the drafter's scores, gives no one else anything.
     for scores in ((1.0,) * 16, (0.05,) * 16):

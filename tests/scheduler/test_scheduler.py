@@ -293,7 +293,7 @@ def test_a_shadow_draft_that_the_output_matches_revives_a_silenced_request():
     s.add_request(_req("r", 3, 200))
     for _ in range(50):
         tracker.observe("r", 8, [])  # every draft rejected so far: silenced
-    assert s.planner.policy.useful_length("r", 8) == 0
+    assert s.planner.policy.upper_gains("r", 8) == []
     drafted = []
     for _ in range(8):
         out = s.schedule()
