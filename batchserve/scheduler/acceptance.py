@@ -73,23 +73,39 @@ class AcceptanceTracker:
     ) -> None:
         """Record one verification: ranks [0, num_offered) were drafted, `accepted_ranks` hit;
         `scores`: the drafter's score of each drafted node, if it gave them."""
-        est = self._est.setdefault(request_id, list(self.prior))
-        self._gains.pop(request_id, None)
-        hits = set(accepted_ranks)
-        n = min(num_offered, len(scores), self.max_rank)
-        if n:  # calibrate against the estimates as they were when the draft was sized
-            self.calibration.observe(est[:n], scores[:n], [j in hits for j in range(n)])
-        a = self.decay
-        for j in range(min(num_offered, self.max_rank)):
-            x = 1.0 if j in hits else 0.0
-            est[j] += a * (x - est[j])
-            self.prior[j] += a * self.pool_rate * (x - self.prior[j])  # slower than one request
+        est = self._record(request_id, 0, num_offered, accepted_ranks, scores)
         # Ranks not drafted drift back: the request's toward the pool's, and the pool's toward
         # the initial guess. Without the second, a streak of failures could silence every
         # request for good (no drafts, so no evidence that drafts would pay again).
         for j in range(num_offered, self.max_rank):
             est[j] += self.explore * (self.prior[j] - est[j])
             self.prior[j] += self.explore * self.pool_rate * (self.initial[j] - self.prior[j])
+
+    def observe_late(
+        self, request_id: str, start: int, stop: int, accepted_ranks: Iterable[int], scores: Sequence[float] = ()
+    ) -> None:
+        """Record ranks [start, stop) of a tree proposed in an earlier step that later steps'
+        tokens decided (`judging.py`); `scores`: theirs. The ranks' drift was that step's."""
+        self._record(request_id, start, stop, accepted_ranks, scores)
+
+    def _record(
+        self, request_id: str, start: int, stop: int, accepted_ranks: Iterable[int], scores: Sequence[float]
+    ) -> list[float]:
+        """The EMA step of ranks [start, stop) (the request's and, slower, the pool's) and the
+        score calibration's; the request's estimates."""
+        est = self._est.setdefault(request_id, list(self.prior))
+        self._gains.pop(request_id, None)
+        hits = set(accepted_ranks)
+        stop = min(stop, self.max_rank)
+        n = min(stop - start, len(scores))
+        if n > 0:  # calibrate against the estimates as they are now (a late tree's were close)
+            self.calibration.observe(est[start : start + n], scores[:n], [j in hits for j in range(start, start + n)])
+        a = self.decay
+        for j in range(start, stop):
+            x = 1.0 if j in hits else 0.0
+            est[j] += a * (x - est[j])
+            self.prior[j] += a * self.pool_rate * (x - self.prior[j])  # slower than one request
+        return est
 
     def skipped(self, request_id: str) -> None:
         """The request sampled without a draft this step: drift toward the prior."""

@@ -13,6 +13,7 @@ from batchserve.draft.tree import DraftTree
 from batchserve.request import Request
 from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate, StepShape
 from batchserve.scheduler.grammar_steps import GrammarSteps
+from batchserve.scheduler.judging import OpenJudgements
 from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("batchserve")
@@ -40,6 +41,7 @@ class DraftPlanner:
         self._step = 0  # steps planned: whose turn a shadow draft is
         self._chunked = False  # this step carries a prompt chunk (the guard judges those apart)
         self.grammar = GrammarSteps()  # structured output's share of each step
+        self.judgements = OpenJudgements()  # trees whose deeper nodes later tokens will decide
 
     def start(self, req: Request) -> None:
         """Tell the drafter of a request (it indexes the prompt), once, when it first runs."""
@@ -64,6 +66,7 @@ class DraftPlanner:
             return
         self._started.discard(request_id)
         self._proposals.pop(request_id, None)
+        self.judgements.forget(request_id)
         try:
             self.drafter.on_request_finish(request_id)
         except Exception:  # the request is finished and its blocks are free whatever the drafter does
@@ -280,7 +283,8 @@ class DraftPlanner:
         """Feed the policy's trackers which draft ranks (node indices) were on the accepted path,
         and, for drafters with a window, how many of them only the window's pool proposed.
         `emitted`: the tokens the request took this step. The whole proposal is judged by them,
-        the nodes not verified too (as far as the emitted tokens reach): free evidence."""
+        the nodes not verified too, as far as the emitted tokens reach, and the rest of it by the
+        next steps' tokens (`judging.py`): free evidence, the successes as well as the failures."""
         self._emitted += len(emitted)
         if self.policy is None:
             return
@@ -291,13 +295,14 @@ class DraftPlanner:
             else:
                 pooled = item.draft.pooled if item.draft is not None else frozenset()
                 windows.observe(item.request_id, sum(1 for node in accepted if node in pooled))
-        tracker = self.policy.tracker
-        proposal = self._proposals.pop(item.request_id, None) or item.draft
-        judged, hits = proposal.judged(emitted) if proposal is not None else (0, [])
-        if proposal is None or judged == 0:
-            tracker.skipped(item.request_id)
+        tracker, rid = self.policy.tracker, item.request_id
+        now, late = self.judgements.judge(rid, self._proposals.pop(rid, None) or item.draft, emitted)
+        if now is None:
+            tracker.skipped(rid)
         else:
-            tracker.observe(item.request_id, judged, hits, proposal.scores[:judged])
+            tracker.observe(rid, now.stop, now.hits, now.scores)
+        for d in late:  # earlier steps' trees, judged further by these tokens
+            tracker.observe_late(rid, d.start, d.stop, d.hits, d.scores)
 
     def observe_window(self, item: ScheduledRequest, outputs: list[int] | None) -> None:
         """Hand a window's output tokens back to the drafter (its pool and next level)."""

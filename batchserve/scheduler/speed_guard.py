@@ -16,7 +16,9 @@ step slower than not drafting at all. The guard checks the outcome instead of th
 - `hedge(num_seqs)` is a factor >= 1 that the policy divides every draft's expected gain by. It
   rises while steps with drafts are slower per token than steps without, and falls back to 1
   while they are faster; with drafts off (the hedge at its highest) it relaxes toward 1 on every
-  step without them, so drafting is tried again when the traffic changes.
+  step without them, so drafting is tried again when the traffic changes; more slowly after
+  tries that failed in a row, so a cost model that is wrong does not pay for a probe every few
+  steps for good.
 
 Both averages come from the same run on the same machine, interleaved, so a busy or slow
 machine moves both alike: the ratio is what counts. Pure Python.
@@ -34,6 +36,10 @@ _DEFAULTS = DraftConfig()
 # baseline is refreshed four times less often: drafts win by far more than the noise.
 _CLEAR_WIN = 0.8
 _CLEAR_WIN_PERIODS = 4
+# Drafts that keep failing where the cost model is wrong would cost a probe every few steps for
+# good: each failed probe in a row (past the first) halves how fast the hedge relaxes, down to
+# 1/2**_MAX_BACKOFF. One probe that wins resets it.
+_MAX_BACKOFF = 3
 
 
 @dataclass(slots=True)
@@ -65,6 +71,7 @@ class LoadState:
     plain: _Speed = field(default_factory=_Speed)
     hedge: float = 1.0
     since_plain: int = 0  # steps with drafts since the last one without
+    failed_probes: int = 0  # drafted steps after a plain one, slower per token than plain, in a row
 
     def ratio(self) -> float | None:
         """ms per token with drafts over without (< 1: drafts pay), once both are measured."""
@@ -135,8 +142,13 @@ class SpeedGuard:
         if not drafted:
             state.plain.add(elapsed_ms, tokens, self.keep)
             state.since_plain = 0
-            state.hedge = 1.0 + (state.hedge - 1.0) * (1.0 - self.relax)
+            # Back off: after each failed probe past the first, drafting is retried half as soon.
+            relax = self.relax / 2 ** min(_MAX_BACKOFF, max(0, state.failed_probes - 1))
+            state.hedge = 1.0 + (state.hedge - 1.0) * (1.0 - relax)
             return
+        plain = state.plain.ms_per_token
+        if state.since_plain == 0 and plain is not None:  # the first drafted step after a plain one
+            state.failed_probes = state.failed_probes + 1 if elapsed_ms / tokens > plain else 0
         state.drafted.add(elapsed_ms, tokens, self.keep)
         state.since_plain += 1
         ratio = state.ratio()

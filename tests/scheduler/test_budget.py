@@ -29,6 +29,19 @@ def test_tracker_learns_failures_successes_and_the_pool():
     assert t.gains("good", 16) == t.gains("never seen", 16)  # back to the pool
 
 
+def test_ranks_decided_late_move_only_themselves():
+    t = AcceptanceTracker(8, decay=0.5)
+    t.observe("r", 1, [0])  # a step that decided rank 0 only: ranks 1.. drifted, as ever
+    before = list(t._est["r"])
+    t.observe_late("r", 1, 3, [1])  # later tokens decide ranks 1 (a hit) and 2 (a miss)
+    after = t._est["r"]
+    assert after[1] == pytest.approx(before[1] + 0.5 * (1.0 - before[1]))
+    assert after[2] == pytest.approx(before[2] * 0.5)
+    assert after[0] == before[0] and after[3:] == before[3:]  # no drift for the others
+    t.observe_late("r", 6, 20, [7])  # past max_rank: clipped
+    assert t._est["r"][7] > before[7]
+
+
 def test_a_streak_of_failures_does_not_silence_drafting_for_good():
     t = AcceptanceTracker(16)
     policy = DraftBudgetPolicy(cpu_like(), t)

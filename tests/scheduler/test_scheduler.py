@@ -308,6 +308,30 @@ def test_a_shadow_draft_that_the_output_matches_revives_a_silenced_request():
     assert drafted[0] == 0 and drafted[-1] > 0
 
 
+def test_shadow_drafts_teach_every_rank_they_reach_not_only_the_first():
+    """Where no draft pays, a request's shadow drafts are judged by the tokens of the steps after
+    them too. Its matches are exact here, so every rank they reach learns that it would hit;
+    judged by one step's token alone, the first rank could learn a hit, the deeper ones only
+    misses (whenever the first missed), and a request whose matches turned good would never
+    earn deep drafts."""
+    tracker = AcceptanceTracker(16)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256),
+        DraftConfig(decoding_length=16, adaptive=True, shadow_draft=4),
+        BlockAllocator(512, 4),
+        TruthDrafter(),
+        budget_policy=DraftBudgetPolicy(cpu_like(base=10.0, slope=100.0), tracker),  # no draft pays
+    )
+    s.add_request(_req("r", 3, 200))
+    for _ in range(40):
+        out = s.schedule()
+        assert out.requests[0].draft is None
+        start = len(s.requests["r"].all_token_ids)
+        s.update(out, RunnerOutput({"r": [10 + start % 50]}, {"r": []}))
+    assert all(g > 0.9 for g in tracker.gains("r", 4))
+    assert tracker.gains("r", 5)[4] < 0.9  # past the shadow drafts' reach: no evidence
+
+
 def test_scheduler_applies_policy_overrides_and_feeds_acceptance():
     tracker = AcceptanceTracker(32)
     policy = DraftBudgetPolicy(gpu_like(cdl=16), tracker)

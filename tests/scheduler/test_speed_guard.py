@@ -78,6 +78,33 @@ def test_steps_without_drafts_relax_the_hedge_so_drafting_is_tried_again():
     assert g.hedge(4) < 1.2
 
 
+def test_probes_that_keep_failing_are_retried_less_and_less_often():
+    """Where the cost model is wrong, every try at drafting is slower: the hedge relaxes more
+    slowly after each failed try in a row (past the first), so tries get rarer; a try that wins
+    restores the pace."""
+    g = SpeedGuard(period=1000, rate=1.0, max_hedge=16.0, relax=0.2)
+    g.observe(4, 4, 40.0, drafted=False)
+
+    def plain_steps_until_a_try() -> int:  # the policy drafts again once the hedge is below 2
+        n = 0
+        while g.hedge(4) >= 2.0:
+            g.observe(4, 4, 40.0, drafted=False)
+            n += 1
+        return n
+
+    gaps = []
+    for _ in range(5):
+        for _ in range(10):
+            g.observe(4, 4, 80.0, drafted=True)  # a failed try: twice as slow per token
+        gaps.append(plain_steps_until_a_try())
+    assert gaps[1] > 1.5 * gaps[0] and gaps[2] > 1.5 * gaps[1]  # each failure past the first
+    assert gaps[4] == gaps[3]  # at the most backoff
+    g.observe(4, 8, 40.0, drafted=True)  # a try that wins
+    for _ in range(10):
+        g.observe(4, 4, 80.0, drafted=True)
+    assert plain_steps_until_a_try() == gaps[0]  # back to the first pace
+
+
 def test_a_bad_measurement_changes_nothing():
     g = SpeedGuard()
     for n, tokens, ms in [(0, 1, 10.0), (1, 0, 10.0), (1, 1, 0.0), (1, 1, -3.0)]:
