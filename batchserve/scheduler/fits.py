@@ -160,14 +160,16 @@ def non_increasing(xs: Sequence[float]) -> list[float]:
     every prefix honest while letting the greedy take nodes in order."""
     if all(a >= b for a, b in itertools.pairwise(xs)):
         return list(xs)  # already in order: the common case, every step for every request
-    blocks: list[list[float]] = []  # [mean, count]
+    means: list[float] = []  # the blocks so far: their means and sizes
+    sizes: list[int] = []
     for x in xs:
-        blocks.append([x, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
-            m2, n2 = blocks.pop()
-            m1, n1 = blocks[-1]
-            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+        m, n = x, 1
+        while means and means[-1] < m:  # pool with the block before while it is lower
+            m1, n1 = means.pop(), sizes.pop()
+            m, n = (m1 * n1 + m * n) / (n1 + n), n1 + n
+        means.append(m)
+        sizes.append(n)
     out: list[float] = []
-    for m, n in blocks:
-        out.extend([m] * int(n))
+    for m, n in zip(means, sizes):
+        out += [m] * n
     return out
