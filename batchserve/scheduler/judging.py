@@ -54,29 +54,32 @@ class OpenJudgements:
         None if none), and of the request's open trees, oldest first. A tree with nodes left
         undecided stays open."""
         late: list[Decided] = []
-        still: list[_Open] = []
-        for item in self._open.pop(request_id, []):
+        still = self._open.pop(request_id, [])
+        for item in still:
             item.emitted.extend(emitted)
-            self._advance(item, late, still)
-        now: list[Decided] = []
+            if (d := _advance(item)) is not None:
+                late.append(d)
+        now = None
         if proposal is not None and emitted:  # emitted: at least one node decided (k >= 1)
-            self._advance(_Open(proposal, list(emitted), 0), now, still)
+            fresh = _Open(proposal, list(emitted), 0)
+            now = _advance(fresh)
+            still.append(fresh)
+        still = [item for item in still if item.decided < len(item.tree)]
         if still:
             self._open[request_id] = still[-MAX_OPEN:]
-        return (now[0] if now else None), late
-
-    @staticmethod
-    def _advance(item: _Open, decided: list[Decided], still: list[_Open]) -> None:
-        k, hits = item.tree.judged(item.emitted)
-        if k > item.decided:
-            scores = item.tree.scores[item.decided : k]
-            decided.append(Decided(item.decided, k, tuple(h for h in hits if item.decided <= h < k), scores))
-            item.decided = k
-        if k < len(item.tree):
-            still.append(item)
+        return now, late
 
     def forget(self, request_id: str) -> None:
         self._open.pop(request_id, None)
 
     def num_open(self, request_id: str) -> int:
         return len(self._open.get(request_id, ()))
+
+
+def _advance(item: _Open) -> Decided | None:
+    """Judge an open tree by all the tokens emitted since it was proposed: its newly decided ranks."""
+    k, hits = item.tree.judged(item.emitted)
+    if k <= item.decided:
+        return None
+    start, item.decided = item.decided, k
+    return Decided(start, k, tuple(h for h in hits if start <= h < k), item.tree.scores[start:k])
