@@ -65,6 +65,11 @@ BATCHSERVE = {
     "lookahead-adaptive-hf": Method(
         "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, model_impl="transformers"
     ),
+    # ... and on ours where `auto` would not take it (on CUDA): what it brings there.
+    "none-native": Method("none", "hierarchical", False, model_impl="native"),
+    "lookahead-adaptive-native": Method(
+        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, model_impl="native"
+    ),
 }
 METHODS = PEERS + tuple(BATCHSERVE)
 NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
