@@ -54,7 +54,7 @@ def add_bench_parser(sub: Any) -> None:
         help="comma-separated: hf, hf-static (static cache + compiled forward), hf-prompt-lookup, hf-batch, "
         "llamacpp (llama-cpp-python on the same GGUF, batch 1), none, llma, parallel, lookahead, lookahead-cold, "
         "lookahead-4|16|64, lookahead-adaptive (and -blas / -hf / -native variants: torch's BLAS / the "
-        "transformers forward / ours where auto would not take it, as on CUDA), "
+        "transformers forward / ours even where auto would not take it), "
         "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W; "
         "jacobi-4|16|64 / hybrid-4|16|64: the window every step); "
         "a batchserve method with the suffix +nocache runs with prefix caching off",

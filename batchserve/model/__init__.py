@@ -30,6 +30,9 @@ __all__ = [
 ]
 
 
+NATIVE_DEVICES = ("cpu", "cuda")  # where `auto` takes the native forward (tested on both)
+
+
 def choose_impl(
     model: Any,
     impl: str,
@@ -40,22 +43,26 @@ def choose_impl(
 ) -> Any:
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
-    CPU, transformers elsewhere. On CUDA, auto keeps transformers until the native forward's
-    GPU tests (CUDA graphs) have passed on a device. On CPU the native model's linear layers
+    CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
+    transformers elsewhere. On CPU the native model's linear layers
     are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=q4_1`
     the layers' products are the GGUF file at `path`'s own Q4_1 blocks (`Int4Linear`), and
     `auto` takes them where `choose_cpu_weights` says. The native model's `cpu_weights` names
     what was chosen. A native model handed in (one engine's, reused by another: the bench and
     `tune` build many engines on one model) is returned as it is."""
     if getattr(model, "native", False):
-        if impl == "transformers" or cpu_weights not in ("auto", getattr(model, "cpu_weights", "float32")):
+        held = getattr(model, "cpu_weights", "float32")
+        # Off the CPU ("-") the weights are the model's own dtype: only q4_1 asks for something else.
+        compatible = ("auto", held) if held != "-" else ("auto", "float32")
+        if impl == "transformers" or cpu_weights not in compatible:
             raise ValueError(f"this native {model.cpu_weights} model cannot run as {impl}/{cpu_weights}")
         return model
-    on_cpu = next(model.parameters()).device.type == "cpu"
+    device = next(model.parameters()).device.type
+    on_cpu = device == "cpu"
     unsupported = supports(model.config)
     if cpu_weights == "q4_1":
         _check_q4_1(on_cpu, impl, unsupported)
-    if impl == "native" or (impl == "auto" and on_cpu and unsupported is None):
+    if impl == "native" or (impl == "auto" and device in NATIVE_DEVICES and unsupported is None):
         native = native_from_hf(model)
         weights = cpu_weights
         if weights == "auto":

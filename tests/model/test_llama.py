@@ -159,6 +159,17 @@ def test_a_native_model_handed_in_is_reused_as_it_is():
         choose_impl(native, "auto", cpu_weights="q4_1")
 
 
+def test_a_native_model_built_on_a_gpu_is_reused_with_the_default_weights():
+    # Off the CPU a native model's weights are its dtype ("-"): the bench reuses such a model with
+    # cpu_weights=float32 (the CLI default), which must not refuse it; q4_1 still must.
+    native = choose_impl(_model("llama"), "native")
+    native.cpu_weights = "-"
+    assert choose_impl(native, "native", cpu_weights="float32") is native
+    assert choose_impl(native, "auto", cpu_weights="auto") is native
+    with pytest.raises(ValueError, match="cannot run as native/q4_1"):
+        choose_impl(native, "native", cpu_weights="q4_1")
+
+
 def test_fused_projections_hold_the_same_weights():
     hf = _model("qwen2")
     native = native_from_hf(hf)
