@@ -18,7 +18,7 @@ DraftLayout = Literal["hierarchical", "parallel", "single"]
 DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
-CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "q4_1")  # batchserve.model.choose_impl
+CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
 # See batchserve.attention.resolve_backend.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch")
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
@@ -54,9 +54,10 @@ class ModelConfig:
     )
     cpu_weights: str = setting(
         "auto",
-        "native model on CPU: float32, or q4_1: a GGUF file's Q4_1 layers as stored, on torch's int4 kernel"
-        " (a quarter of the bytes per step; output is the quantized model's, not float32 HF's); auto: q4_1 for"
-        " a Q4_1 GGUF the engine loads where this CPU runs the int4 kernel vectorized and batch-invariantly",
+        "native model on CPU: float32; bfloat16: bfloat16 copies of the products' weights on oneDNN (AVX-512 CPUs);"
+        " q4_1: a GGUF file's Q4_1 layers as stored, on torch's int4 kernel. Both give the reduced-precision model's"
+        " output, not float32 HF's. auto: bfloat16 where this CPU runs it batch-invariantly, else q4_1 for a Q4_1"
+        " GGUF the engine loads where the int4 kernel runs vectorized and batch-invariantly, else float32",
         choices=CPU_WEIGHTS,
     )
 

@@ -60,6 +60,11 @@ BATCHSERVE = {
     "lookahead-adaptive-q4": Method(
         "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_weights="q4_1"
     ),
+    # bfloat16 copies of the weights on oneDNN's prepacked kernel (--cpu-weights bfloat16), AVX-512 CPUs.
+    "none-bf16": Method("none", "hierarchical", False, cpu_weights="bfloat16"),
+    "lookahead-adaptive-bf16": Method(
+        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_weights="bfloat16"
+    ),
     # The same on the transformers model's forward (--model-impl transformers): what ours brings.
     "none-hf": Method("none", "hierarchical", False, model_impl="transformers"),
     "lookahead-adaptive-hf": Method(
@@ -72,6 +77,8 @@ BATCHSERVE = {
     ),
 }
 METHODS = PEERS + tuple(BATCHSERVE)
+# --cpu-weights -> the suffix of the methods that run on those weights
+WEIGHTS_SUFFIX = {"float32": "", "bfloat16": "-bf16", "q4_1": "-q4"}
 NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
 # ... with this one, each request sends its sample's expected output as a predicted output (code-edit:
 # the code being edited; a JSONL line's "prediction"), as an OpenAI client does
@@ -171,12 +178,12 @@ def expected_outputs(
     outputs: list[list[int]],
     constrained: bool = False,
 ) -> list[list[int]] | None:
-    """What a run's outputs must equal: HF greedy; for other weights (q4_1), or under a constraint
-    HF does not apply, the same weights' plain decoding (`none` / `none-q4`, run first at that batch
-    size; `own`, keyed by `key`); None: nothing to compare."""
+    """What a run's outputs must equal: HF greedy; for other weights (q4_1, bfloat16), or under a
+    constraint HF does not apply, the same weights' plain decoding (`none` / `none-q4` / `none-bf16`,
+    run first at that batch size; `own`, keyed by `key`); None: nothing to compare."""
     if weights == "float32" and not constrained:
         return hf
-    plain = "none-q4" if weights == "q4_1" else "none"
+    plain = "none" + WEIGHTS_SUFFIX[weights]
     if method == plain:
         own[(weights, key)] = outputs
         return None

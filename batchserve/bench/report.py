@@ -35,7 +35,8 @@ def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, 
     )
 
 
-KERNEL_SUFFIXES = ("-q4", "-blas", "-hf", "-native")  # a method on other weights or kernels than float32 oneDNN
+# a method on other weights or kernels than float32 oneDNN
+KERNEL_SUFFIXES = ("-q4", "-bf16", "-blas", "-hf", "-native")
 
 
 def none_of(method: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from batchserve.bench.methods import batchserve_method, percentile
+from batchserve.bench.methods import WEIGHTS_SUFFIX, batchserve_method, percentile
 
 DRAFTS = ("none", "lookahead-adaptive")  # what a point runs: no drafts, or adaptive lookahead drafts
 SERVE_FLAGS = {"none": "--draft none", "lookahead-adaptive": "--draft lookahead --adaptive"}
@@ -117,14 +117,14 @@ class _Runner:
     num_prompts: int
     waves: int
     max_new: int
-    weights: str  # "q4_1" or "float32": what the server would run
+    weights: str  # "q4_1", "bfloat16" or "float32": what the server would run
     cost_profile: Any
     bar: Any
     repeats: int = 1  # runs per point; the median by tokens/s stands for it
     outputs: dict[int, list[list[int]]] = field(default_factory=dict)  # `none`'s, per concurrency
 
     def method(self, draft: str) -> Any:
-        m = batchserve_method(draft + ("-q4" if self.weights == "q4_1" else ""))
+        m = batchserve_method(draft + WEIGHTS_SUFFIX[self.weights])
         assert m is not None
         return m
 
@@ -213,7 +213,7 @@ def tune(
     work = load_dataset(dataset, max(num_prompts, waves * concurrency[-1]), tokenizer)
     total = 1 + (len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)) * repeats
     bar = tqdm(total=total, desc="tune", unit="run")
-    adaptive = "lookahead-adaptive" + ("-q4" if weights == "q4_1" else "")
+    adaptive = "lookahead-adaptive" + WEIGHTS_SUFFIX[weights]
     profile = cost_profiles([adaptive], model, tokenizer).popitem()[1]
     r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar, repeats)
     result = TuneResult(goals)

@@ -15,11 +15,18 @@ from batchserve.model.int4 import (
     load_gguf_embedding,
     load_gguf_int4,
 )
-from batchserve.model.layers import PackedLinear, packed_products_invariant, prepack_available
+from batchserve.model.layers import (
+    Bf16Linear,
+    PackedLinear,
+    bf16_prepack_available,
+    packed_products_invariant,
+    prepack_available,
+)
 from batchserve.model.llama import SUPPORTED_ARCHITECTURES, NativeLlamaForCausalLM, native_from_hf, supports
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "Bf16Linear",
     "NativeLlamaForCausalLM",
     "choose_cpu_weights",
     "choose_impl",
@@ -45,9 +52,10 @@ def choose_impl(
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
     transformers elsewhere. On CPU the native model's linear layers
-    are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=q4_1`
-    the layers' products are the GGUF file at `path`'s own Q4_1 blocks (`Int4Linear`), and
-    `auto` takes them where `choose_cpu_weights` says. The native model's `cpu_weights` names
+    are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=bfloat16`
+    every product is a `Bf16Linear`; with `q4_1` the layers' products are the GGUF file at
+    `path`'s own Q4_1 blocks (`Int4Linear`); `auto` takes what `choose_cpu_weights` says. The
+    native model's `cpu_weights` names
     what was chosen. A native model handed in (one engine's, reused by another: the bench and
     `tune` build many engines on one model) is returned as it is."""
     if getattr(model, "native", False):
@@ -62,6 +70,8 @@ def choose_impl(
     unsupported = supports(model.config)
     if cpu_weights == "q4_1":
         _check_q4_1(on_cpu, impl, unsupported)
+    if cpu_weights == "bfloat16":
+        _check_bf16(on_cpu, impl, unsupported, cpu_linear, next(model.parameters()).dtype)
     if impl == "native" or (impl == "auto" and device in NATIVE_DEVICES and unsupported is None):
         native = native_from_hf(model)
         weights = cpu_weights
@@ -71,18 +81,29 @@ def choose_impl(
         if weights == "q4_1":
             _load_q4_1(native, path)
         native.cpu_weights = weights if on_cpu else "-"
-        if on_cpu and cpu_linear != "torch" and prepack_available():
+        if weights == "bfloat16":
+            pack_linears(native, Bf16Linear)
+            if loaded_from_path:
+                _load_q8_embedding(native, path)
+        elif on_cpu and cpu_linear != "torch" and prepack_available():
             pack_linears(native)
         return native
     return model
 
 
 def choose_cpu_weights(on_cpu: bool, gguf_path: str | None) -> str:
-    """What `cpu_weights=auto` takes for a native model: `q4_1` where its file is a GGUF whose
-    layers are Q4_1 (`gguf_path`: None for the default model) and
-    this CPU runs torch's int4 kernel vectorized and batch-invariantly; else `float32`. On the
-    CPUs measured the Q4_1 step is faster at every batch size (docs/design.md)."""
-    if not on_cpu or not int4_fast_here():
+    """What `cpu_weights=auto` takes for a native model the engine loaded itself from `gguf_path`
+    (None: the default model): `bfloat16` where oneDNN runs prepacked bfloat16 products here
+    (AVX-512 CPUs) and they pass the batch-invariance check; else `q4_1` where the file is a GGUF
+    whose layers are Q4_1 and this CPU runs torch's int4 kernel vectorized and batch-invariantly;
+    else `float32`. Measured on an AVX-512 CPU (docs/design.md): `lookahead-adaptive` on
+    bfloat16 is 1.6x Q4_1 at 16 requests and 0.9x at one (int4 costs grow by 4-row blocks, so
+    draft rows and other requests' rows are dear on it); on AVX2 CPUs Q4_1 is the fast path."""
+    if not on_cpu:
+        return "float32"
+    if bf16_prepack_available() and packed_products_invariant(Bf16Linear):
+        return "bfloat16"
+    if not int4_fast_here():
         return "float32"
     from batchserve.runner.model_loader import resolve_model_path
 
@@ -91,6 +112,23 @@ def choose_cpu_weights(on_cpu: bool, gguf_path: str | None) -> str:
     except (OSError, ValueError):
         return "float32"
     return "q4_1" if gguf_file is not None and gguf_has_q4_1(directory / gguf_file) else "float32"
+
+
+def _check_bf16(on_cpu: bool, impl: str, unsupported: str | None, cpu_linear: str, dtype: torch.dtype) -> None:
+    if not on_cpu or impl == "transformers" or unsupported is not None or dtype != torch.float32:
+        raise ValueError("cpu_weights=bfloat16 needs the native model on CPU, loaded in float32")
+    if cpu_linear == "torch" or not bf16_prepack_available():
+        raise ValueError("cpu_weights=bfloat16 needs oneDNN's prepacked bfloat16 products (avx512 or avx_ne_convert)")
+
+
+def _load_q8_embedding(native: nn.Module, path: str | None) -> None:
+    """The token embedding on the GGUF file's own Q8_0 blocks where the model came from such a file
+    (exact: the values transformers loaded), a quarter of float32's bytes."""
+    from batchserve.runner.model_loader import resolve_model_path
+
+    directory, gguf_file = resolve_model_path(path)
+    if gguf_file is not None:
+        load_gguf_embedding(native, directory / gguf_file)
 
 
 def _check_q4_1(on_cpu: bool, impl: str, unsupported: str | None) -> None:
@@ -109,24 +147,27 @@ def _load_q4_1(native: nn.Module, path: str | None) -> None:
     load_gguf_embedding(native, directory / gguf_file)  # its Q8_0 blocks, where the file has them
 
 
-def pack_linears(model: nn.Module) -> bool:
-    """Swap every `nn.Linear` of `model` for a `PackedLinear` of the same weights, in place.
-    False (and nothing swapped) where oneDNN cannot reorder the model's dtype on this CPU
-    (bfloat16 without avx512 or avx_ne_convert)."""
+def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinear) -> bool:
+    """Swap every `nn.Linear` of `model` for a `layer_class` (`PackedLinear`: the same weights;
+    `Bf16Linear`: bfloat16 copies) in place. False (and nothing swapped) where oneDNN cannot
+    reorder the weights' dtype on this CPU (bfloat16 without avx512 or avx_ne_convert)."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
-        packed = {name: PackedLinear(m) for name, m in linears}
+        packed = {name: layer_class(m) for name, m in linears}
     except RuntimeError:
         return False
     int4 = any(isinstance(m, Int4Linear) for m in model.modules())
     for name, layer in packed.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-    # Every product of the model is a PackedLinear's: batch-invariant where this CPU's oneDNN is
-    # (checked in float32, the only dtype the invariant attention is checked in).
-    dtype = next(iter(packed.values())).weight.dtype if packed else torch.float32
+    # Every product of the model is a packed layer's: batch-invariant where this CPU's oneDNN is.
+    # The activations between products must be float32 (the only dtype the invariant attention is
+    # checked in): a float32 model, whose Bf16Linear products enter bfloat16 and leave float32.
+    dtype = next(iter(model.parameters())).dtype
     model.batch_invariant_linears = (
-        dtype == torch.float32 and packed_products_invariant() and (not int4 or int4_products_invariant())
+        dtype == torch.float32
+        and packed_products_invariant(layer_class)
+        and (not int4 or int4_products_invariant())
     )
     return True
 

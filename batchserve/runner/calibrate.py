@@ -76,8 +76,9 @@ def profile_key(runner: ModelRunner) -> str:
     dtype = str(param.dtype).removeprefix("torch.")
     backend = type(runner.backend).__name__.removesuffix("Backend") + ("-onednn" if runner.onednn_linear else "")
     impl = "native" if getattr(model, "native", False) else "hf"  # draft rows cost differently on each
-    if getattr(model, "cpu_weights", "float32") == "q4_1":
-        impl += "-q4_1"  # and on the int4 kernel
+    weights = getattr(model, "cpu_weights", "float32")
+    if weights in ("q4_1", "bfloat16"):
+        impl += f"-{weights}"  # and on the int4 kernel, or bfloat16 products
     return f"{name}-{num_params}-{impl}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
 
 

@@ -111,14 +111,17 @@ def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: An
     return len(alone.rows), sum(len(r.token_ids) for r in alone_out), problems
 
 
-@pytest.mark.parametrize("weights", ["float32", "q4_1"])
+@pytest.mark.parametrize("weights", ["float32", "q4_1", "bfloat16"])
 def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights):
-    """The shipped CPU default (native model, PackedLinear products, invariant attention), and
-    the same on the GGUF's Q4_1 blocks (Int4Linear products)."""
+    """The native model on each of its CPU weights: float32 (PackedLinear products), the GGUF's
+    Q4_1 blocks (Int4Linear) and bfloat16 copies (Bf16Linear), with the invariant attention."""
     from batchserve.model.int4 import int4_available
+    from batchserve.model.layers import bf16_prepack_available
 
     if weights == "q4_1" and not int4_available():
         pytest.skip("this torch has no CPU int4 kernel")
+    if weights == "bfloat16" and not bf16_prepack_available():
+        pytest.skip("oneDNN reorders no bfloat16 weights on this CPU")
     llm = _llm(*engine_model, "none", cpu_weights=weights)
     if llm.engine.attention_backend != "invariant":
         pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")

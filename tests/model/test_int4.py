@@ -129,17 +129,23 @@ def test_smollm2_runs_on_its_own_q4_1_blocks():
 
 
 @pytest.mark.slow
-def test_the_engine_serving_the_default_file_takes_its_q4_1_layers_where_they_are_fast():
+def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_this_cpu():
     """cpu_weights=auto, the shipped default: an engine that loads the default GGUF itself runs
-    its Q4_1 blocks on a CPU where the int4 kernel is fast and invariant, float32 elsewhere."""
+    bfloat16 products where this CPU runs them invariantly (AVX-512), else the file's Q4_1 blocks
+    where the int4 kernel is fast and invariant, else float32; on bfloat16 the token embedding is
+    the file's own Q8_0 blocks."""
     from batchserve import LLM
-    from batchserve.model.int4 import int4_fast_here
+    from batchserve.model import Bf16Linear, choose_cpu_weights
+    from batchserve.model.int4 import Q8Embedding
 
     llm = LLM(draft="none")
-    expected = "q4_1" if int4_fast_here() else "float32"
-    assert llm.engine.runner.model.cpu_weights == expected
+    model = llm.engine.runner.model
+    expected = choose_cpu_weights(True, None)
+    assert model.cpu_weights == expected
     assert llm.engine.forward_name.startswith(f"native {expected} weights")
-    assert any(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == (expected == "q4_1")
+    assert any(isinstance(m, Int4Linear) for m in model.modules()) == (expected == "q4_1")
+    assert any(isinstance(m, Bf16Linear) for m in model.modules()) == (expected == "bfloat16")
+    assert isinstance(model.embed_tokens, Q8Embedding) == (expected != "float32")
 
 
 def _gguf_of(path, types: dict[str, str]) -> str:
@@ -167,6 +173,7 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
     assert int4.gguf_has_q4_1(_gguf_of(tmp_path / "q4.gguf", {}))
     assert not int4.gguf_has_q4_1(_gguf_of(tmp_path / "mixed.gguf", {"ffn_down": "F32"}))
     monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: True)
+    monkeypatch.setattr("batchserve.model.bf16_prepack_available", lambda: False)  # an AVX2 CPU
     assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "q4_1"
     assert choose_cpu_weights(True, str(tmp_path / "mixed.gguf")) == "float32"
     assert choose_cpu_weights(False, str(tmp_path / "q4.gguf")) == "float32"  # not on CPU
@@ -176,7 +183,15 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
     assert choose_cpu_weights(True, str(tmp_path / "hf")) == "float32"  # a model directory
     monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: False)
     assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "float32"  # no fast int4 kernel here
-    # A model handed in (not loaded from the path here) keeps its own weights under auto.
     monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: True)
+    # Where bfloat16 products run (AVX-512), they win over Q4_1 for any model.
+    monkeypatch.setattr("batchserve.model.bf16_prepack_available", lambda: True)
+    monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: True)
+    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "bfloat16"
+    assert choose_cpu_weights(True, str(tmp_path / "hf")) == "bfloat16"
+    monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: False)
+    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "q4_1"  # not invariant here: not taken
+    assert choose_cpu_weights(False, str(tmp_path / "q4.gguf")) == "float32"
+    # A model handed in (not loaded from the path here) keeps its own weights under auto.
     native = choose_impl(make_tiny_model(), "auto", cpu_weights="auto", path=str(tmp_path / "q4.gguf"))
     assert native.cpu_weights == "float32" and not any(isinstance(m, Int4Linear) for m in native.modules())

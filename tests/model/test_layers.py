@@ -1,10 +1,13 @@
-"""The native forward's norm and rotary: transformers' arithmetic bit for bit, row by row."""
+"""The native forward's layers: norm and rotary with transformers' arithmetic bit for bit, row by row;
+the bfloat16 products row-invariant."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 
-from batchserve.model.layers import RMSNorm, Rotary
+from batchserve.model.layers import Bf16Linear, RMSNorm, Rotary, bf16_prepack_available, packed_products_invariant
 
 
 def test_the_fused_norm_has_transformers_bits_and_a_row_never_depends_on_the_others():
@@ -40,3 +43,46 @@ def test_the_rotation_has_transformers_bits_for_q_and_k_rotated_together():
     q, k = qkv[:, :48].view(6, 3, 16), qkv[:, 48:64].view(6, 1, 16)
     ref_q, ref_k = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin(), unsqueeze_dim=1)
     assert torch.equal(qk[:, :3], ref_q) and torch.equal(qk[:, 3:], ref_k)
+
+
+needs_bf16 = pytest.mark.skipif(not bf16_prepack_available(), reason="oneDNN reorders no bfloat16 weights here")
+
+
+@needs_bf16
+def test_bf16_products_take_float32_rows_and_give_float32_rows_near_the_float32_product():
+    gen = torch.Generator().manual_seed(2)
+    linear = nn.Linear(192, 320, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(320, 192, generator=gen) / 8)
+        linear.bias.copy_(torch.randn(320, generator=gen))
+    layer = Bf16Linear(linear)
+    x = torch.randn(7, 192, generator=gen)
+    with torch.no_grad():
+        out, exact = layer(x), linear(x)
+    assert out.dtype == torch.float32 and out.shape == (7, 320)
+    assert (out - exact).abs().max() < 0.05 * exact.abs().max()  # bfloat16's rounding, not another product
+    assert not torch.equal(out, exact)  # ... and rounded: this is not the float32 product
+    # The bias is added in float32 after the bfloat16 product.
+    assert layer.bias.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(out, Bf16Linear(_without_bias(linear))(x) + linear.bias)
+
+
+def _without_bias(linear: nn.Linear) -> nn.Linear:
+    bare = nn.Linear(linear.in_features, linear.out_features, bias=False)
+    with torch.no_grad():
+        bare.weight.copy_(linear.weight)
+    return bare
+
+
+@needs_bf16
+def test_a_row_of_a_bf16_product_has_the_same_bits_in_every_row_bucket():
+    # The check the engine runs once per process, on this CPU (a property of oneDNN's kernels).
+    assert packed_products_invariant(Bf16Linear)
+    gen = torch.Generator().manual_seed(3)
+    layer = Bf16Linear(nn.Linear(576, 1536, bias=False))
+    x = torch.randn(40, 576, generator=gen)
+    with torch.no_grad():
+        whole = layer(x)
+        assert all(torch.equal(layer(x[i : i + 1]), whole[i : i + 1]) for i in range(0, 40, 7))
+        assert torch.equal(layer(x[:5]), whole[:5]) and torch.equal(layer(x[3:20]), whole[3:20])

@@ -170,6 +170,24 @@ def test_a_native_model_built_on_a_gpu_is_reused_with_the_default_weights():
         choose_impl(native, "native", cpu_weights="q4_1")
 
 
+def test_bf16_weights_make_every_product_a_bf16_layer_of_a_float32_model():
+    from batchserve.model.layers import Bf16Linear, bf16_prepack_available
+
+    if not bf16_prepack_available():
+        with pytest.raises(ValueError, match="prepacked bfloat16"):
+            choose_impl(_model("llama"), "auto", cpu_weights="bfloat16")
+        return
+    native = choose_impl(_model("llama"), "auto", cpu_weights="bfloat16")
+    linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear | Bf16Linear)]
+    assert linears and all(isinstance(m, Bf16Linear) for m in linears)  # the LM head too
+    assert native.cpu_weights == "bfloat16" and native.batch_invariant_linears
+    assert next(native.parameters()).dtype == torch.float32  # norms, residuals, attention
+    with pytest.raises(ValueError, match="prepacked bfloat16"):
+        choose_impl(_model("llama"), "auto", cpu_linear="torch", cpu_weights="bfloat16")
+    with pytest.raises(ValueError, match="on CPU, loaded in float32"):
+        choose_impl(_model("llama"), "transformers", cpu_weights="bfloat16")
+
+
 def test_fused_projections_hold_the_same_weights():
     hf = _model("qwen2")
     native = native_from_hf(hf)
