@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from batchserve.bench.methods import FIXED_LENGTHS, SINGLE, Row, method_rank
+from batchserve.bench.methods import FIXED_LENGTHS, SINGLE, WEIGHTS_SUFFIX, Row, method_rank
 from batchserve.scheduler import StepPhases
 
 
@@ -36,7 +36,7 @@ def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, 
 
 
 # a method on other weights or kernels than float32 oneDNN
-KERNEL_SUFFIXES = ("-q4", "-bf16", "-blas", "-hf", "-native")
+KERNEL_SUFFIXES = (*(s for s in WEIGHTS_SUFFIX.values() if s), "-blas", "-hf", "-native")
 
 
 def none_of(method: str) -> str:

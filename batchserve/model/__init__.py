@@ -51,16 +51,16 @@ def choose_impl(
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
-    transformers elsewhere. On CPU the native model's linear layers
-    are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=bfloat16`
-    every product is a `Bf16Linear`; with `q4_1` the layers' products are the GGUF file at
-    `path`'s own Q4_1 blocks (`Int4Linear`); `auto` takes what `choose_cpu_weights` says. The
-    native model's `cpu_weights` names
-    what was chosen. A native model handed in (one engine's, reused by another: the bench and
+    transformers elsewhere. On CPU the native model's linear layers are `PackedLinear`
+    (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=bfloat16` every product is
+    a `Bf16Linear`; with `q4_1` the layers' products are the GGUF file at `path`'s own Q4_1
+    blocks (`Int4Linear`); `auto` takes what `choose_cpu_weights` says. The native model's
+    `cpu_weights` names what was chosen. A native model handed in (one engine's, reused by another: the bench and
     `tune` build many engines on one model) is returned as it is."""
     if getattr(model, "native", False):
         held = getattr(model, "cpu_weights", "float32")
-        # Off the CPU ("-") the weights are the model's own dtype: only q4_1 asks for something else.
+        # Off the CPU ("-") cpu_weights means what it means for a model built there: auto and
+        # float32 keep the model's dtype; q4_1 and bfloat16 are CPU weights.
         compatible = ("auto", held) if held != "-" else ("auto", "float32")
         if impl == "transformers" or cpu_weights not in compatible:
             raise ValueError(f"this native {model.cpu_weights} model cannot run as {impl}/{cpu_weights}")
@@ -163,7 +163,7 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
     # Every product of the model is a packed layer's: batch-invariant where this CPU's oneDNN is.
     # The activations between products must be float32 (the only dtype the invariant attention is
     # checked in): a float32 model, whose Bf16Linear products enter bfloat16 and leave float32.
-    dtype = next(iter(model.parameters())).dtype
+    dtype = next(model.parameters()).dtype
     model.batch_invariant_linears = (
         dtype == torch.float32
         and packed_products_invariant(layer_class)
