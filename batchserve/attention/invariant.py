@@ -129,6 +129,7 @@ class Group:
     """Requests attended in one set of products, rows and keys padded to the group's largest."""
 
     rows: torch.Tensor  # [B, R] step row of each row place (padding: the request's first row)
+    rows_in_order: bool  # rows are the step's rows 0..T-1 as they stand: q is read without a gather
     out_places: torch.Tensor | None  # [n] places (in the flattened [B, R]) holding real rows; None: all of them
     out_rows: torch.Tensor  # [n] their step rows
     key_granules: torch.Tensor  # [B, Lk/g] pool granule of each run of g keys (padding: the zero block's)
@@ -188,6 +189,8 @@ class InvariantBackend(TorchReferenceBackend):
         self.k_cache = torch.zeros(num_layers, num_kv_heads, size, head_dim, dtype=dtype, device=device)
         self.v_cache = torch.zeros(num_layers, num_kv_heads, size, head_dim + 1, dtype=dtype, device=device)
         self.v_cache[:, :, :slots, head_dim] = 1.0  # the denominator's column
+        # Each layer's views, made once (a step would make 90 of them): [Hkv, S, D], [Hkv, S, D+1], [Hkv, S, D].
+        self._layers = [(k, v, v[..., :head_dim]) for k, v in zip(self.k_cache, self.v_cache)]
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
         groups = tuple(self._group(step, m) for m in group_requests(step.q_len, step.kv_len))
@@ -222,6 +225,7 @@ class InvariantBackend(TorchReferenceBackend):
         dev = self.device
         return Group(
             rows=torch.from_numpy(rows).to(dev),
+            rows_in_order=rows.size == step.num_tokens and bool((rows.reshape(-1) == np.arange(rows.size)).all()),
             out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
             key_granules=torch.from_numpy(granules).to(dev),
@@ -263,10 +267,10 @@ class InvariantBackend(TorchReferenceBackend):
         scale: float,
     ) -> torch.Tensor:
         t0 = time.perf_counter()
-        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [Hkv, S, D], [Hkv, S, D+1]
+        k_cache, v_cache, v_values = self._layers[layer_idx]  # [Hkv, S, D], [Hkv, S, D+1], [Hkv, S, D]
         d = q.shape[3]
         k_cache.index_copy_(1, metadata.slot_mapping, k[0])  # k[0]: [Hkv, T, D]
-        v_cache[..., :d].index_copy_(1, metadata.slot_mapping, v[0])
+        v_values.index_copy_(1, metadata.slot_mapping, v[0])
         if metadata.in_order:  # one group, the step's rows in order (decode steps): no scatter
             out = attend(q[0], k_cache, v_cache, metadata.groups[0], scale, self.granule)
         else:
@@ -289,13 +293,19 @@ def attend(
     lk = g.hidden.shape[-1]
     rows, padded = group * r, g.hidden.shape[1]
     qf = q.new_zeros(num_kv, b, padded, d)
-    own = q.index_select(1, g.rows.view(-1)).view(num_kv, group, b, r, d)  # index_select: far cheaper than [:, idx]
-    qf[:, :, :rows].view(num_kv, b, group, r, d).copy_(own.transpose(1, 2))
+    # index_select: far cheaper than [:, idx]
+    own = q if g.rows_in_order else q.index_select(1, g.rows.view(-1))
+    own = own.reshape(num_kv, group, b, r, d).transpose(1, 2)
+    # A power-of-two scale is exact on q: (q*s)k has the bits of (qk)*s, one op less.
+    exact_scale = math.frexp(scale)[0] == 0.5
+    torch.mul(own, scale if exact_scale else 1.0, out=qf[:, :, :rows].view(num_kv, b, group, r, d))
     granules = g.key_granules.view(-1)
     keys = k_cache.view(num_kv, -1, granule * d).index_select(1, granules).view(num_kv * b, lk, d)
     scores = torch.bmm(qf.view(num_kv * b, padded, d), keys.transpose(1, 2)).view(num_kv, b, padded, lk)
     # In place from here (each new tensor costs as much as the arithmetic); padding rows see key 0.
-    scores.masked_fill_(g.hidden, float("-inf")).mul_(scale)
+    scores.masked_fill_(g.hidden, float("-inf"))
+    if not exact_scale:
+        scores.mul_(scale)
     weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [Hkv, B, P, Lk]
     if g.tiles is None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
         nt, width = lk // KEY_TILE, KEY_TILE
@@ -312,9 +322,9 @@ def attend(
         values = v_cache.index_select(1, tiles.tile_slots.view(-1))  # with the ones
     w = w.permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
     parts = torch.bmm(w, values.view(num_kv * b * nt, width, d + 1)).view(num_kv, b, nt, padded, d + 1)
-    acc = parts[:, :, 0]
-    for t in range(1, nt):  # tiles in logical order: the same sums as decoding one row at a time
-        acc = acc + parts[:, :, t]
+    acc, *rest = parts.unbind(2)
+    for part in rest:  # tiles in logical order: the same sums as decoding one row at a time
+        acc = acc + part
     # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D].
     out = q.new_empty(b, r, num_kv, group, d)
     num, den = acc[:, :, :rows, :d], acc[:, :, :rows, d:]  # [Hkv, B, G*R, D], [Hkv, B, G*R, 1]

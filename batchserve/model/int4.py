@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from batchserve.model.llama import product_out_dtype
+
 GROUP = 32  # values per Q4_1 block (and per int4 scale/zero group)
 # GGUF tensor name (per layer) -> (our module under layers.{i}, part of it, rows permuted like heads of ...)
 GGUF_LAYERS = {
@@ -50,7 +52,13 @@ class Int4Linear(nn.Module):
     row's result has the same bits whatever the number of rows (`int4_products_invariant`)."""
 
     def __init__(
-        self, q: np.ndarray, d: np.ndarray, m: np.ndarray, bias: torch.Tensor | None, sizes: tuple[int, ...]
+        self,
+        q: np.ndarray,
+        d: np.ndarray,
+        m: np.ndarray,
+        bias: torch.Tensor | None,
+        sizes: tuple[int, ...],
+        out_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -60,17 +68,19 @@ class Int4Linear(nn.Module):
         scale_zero = np.stack((d, m + 8 * d), axis=-1).transpose(1, 0, 2)  # [K/32, N, 2]
         self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)).to(torch.bfloat16))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        self.out_dtype = torch.float32 if bias is not None else out_dtype  # as Bf16Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, GROUP, self.scale_zero)
-        out = out.float()  # [T, N]
+        out = out.to(self.out_dtype)  # [T, N]
         return out if self.bias is None else out + self.bias
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(self(x).split(self.sizes, dim=-1))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 as int4"
+        out = str(self.out_dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 as int4, {out} out"
 
 
 class Q8Embedding(nn.Module):
@@ -106,8 +116,8 @@ def decode_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.n
 def load_gguf_embedding(model: nn.Module, gguf_path: str | Path) -> bool:
     """Swap the native model's token embedding for a `Q8Embedding` of the GGUF's own Q8_0 blocks,
     in place, where the file stores it so; whether it did. Every value must equal the weight
-    transformers loaded from the same file. A tied LM head keeps the float32 weight (its fast
-    kernel reads float32), so only the embedding's own copy goes."""
+    transformers loaded from the same file. A tied LM head keeps its own weight (float32, or the
+    bfloat16 copy a `Bf16Linear` head makes), so only the embedding's own copy goes."""
     import gguf
 
     t = gguf_tensors(gguf_path).get("token_embd.weight")
@@ -213,4 +223,5 @@ def _int4_of(layer: nn.Module, module: str, pieces: list[tuple[int, np.ndarray, 
     stored = torch.from_numpy(np.repeat(d, GROUP, axis=1) * q + np.repeat(m, GROUP, axis=1))
     if weight.shape != stored.shape or not torch.equal(weight, stored):
         raise ValueError(f"the GGUF's Q4_1 blocks do not match {module}'s loaded weight")
-    return Int4Linear(q, d, m, getattr(old, "bias", None), getattr(old, "sizes", (q.shape[0],)))
+    sizes = getattr(old, "sizes", (q.shape[0],))
+    return Int4Linear(q, d, m, getattr(old, "bias", None), sizes, product_out_dtype(module))

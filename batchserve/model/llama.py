@@ -26,6 +26,15 @@ PACKED_MODULES = {
     "up_proj": ("gate_up_proj", 1),
 }
 
+# Products whose output only enters the residual add (RMSNorm's fused `x + residual`): a
+# reduced-precision product hands them over in bfloat16, which the add widens exactly.
+RESIDUAL_PRODUCTS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def product_out_dtype(name: str) -> torch.dtype:
+    """The dtype a bfloat16 product named `name` (a module path in the model) leaves in."""
+    return torch.bfloat16 if name.endswith(RESIDUAL_PRODUCTS) else torch.float32
+
 
 def supports(config: Any) -> str | None:
     """None if the native forward runs this model exactly as transformers does, else why not."""

@@ -32,11 +32,11 @@ def _backends(num_blocks: int, gen: torch.Generator, bs: int = BS) -> tuple[Inva
     return ours, ref
 
 
-def _run(backend, seqs: list[SeqLayout], q, k, v) -> torch.Tensor:
+def _run(backend, seqs: list[SeqLayout], q, k, v, scale: float = D**-0.5) -> torch.Tensor:
     bs = backend.block_size
     slots = torch.cat([slots_of(s.block_ids, bs, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
     meta = backend.build_metadata(StepLayout.from_seqs(seqs), slots)
-    return backend.forward(0, q, k, v, meta, scale=D**-0.5)[0]  # [T, Hq, D]
+    return backend.forward(0, q, k, v, meta, scale=scale)[0]  # [T, Hq, D]
 
 
 def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]], bs: int = BS) -> list[SeqLayout]:
@@ -50,8 +50,9 @@ def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, i
     return seqs
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_it_computes_what_the_reference_backend_does(seed):
+# A power-of-two scale (D**-0.5 for D = 16, 64, 256) multiplies q exactly; another scales the scores.
+@pytest.mark.parametrize(("seed", "scale"), [(0, D**-0.5), (1, D**-0.5), (2, D**-0.5), (3, 0.3)])
+def test_it_computes_what_the_reference_backend_does(seed, scale):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ours, ref = _backends(400, gen)
     # A prompt chunk, decode roots with trees (one across a tile boundary), a lone root.
@@ -60,7 +61,7 @@ def test_it_computes_what_the_reference_backend_does(seed):
     total = seqs[-1].q_start + seqs[-1].q_len
     q, k, v = torch.randn(3, 1, HEADS, total, D, generator=gen)
     k, v = k[:, :KV_HEADS], v[:, :KV_HEADS]
-    torch.testing.assert_close(_run(ours, seqs, q, k, v), _run(ref, seqs, q, k, v), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_run(ours, seqs, q, k, v, scale), _run(ref, seqs, q, k, v, scale), rtol=1e-5, atol=1e-6)
 
 
 def test_tiles_cut_by_logical_position_and_keep_each_tiles_own_keys():
@@ -113,6 +114,7 @@ def test_keys_are_read_in_runs_for_any_block_size(bs):
     together = [SeqLayout(j, 1, s.num_cached, 1, (), s.block_ids) for j, s in enumerate(decode)]
     meta = ours.build_metadata(StepLayout.from_seqs(together), torch.zeros(2, dtype=torch.long))
     assert meta.in_order and meta.groups[0].tiles is None
+    assert meta.groups[0].rows_in_order  # q read as it stands, where among the others it is gathered
     got = _run(ours, together, q[:, :, rows], k[:, :, rows].contiguous(), v[:, :, rows].contiguous())
     assert torch.equal(got, packed[rows])  # as among the others
 

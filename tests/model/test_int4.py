@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchserve.model import choose_impl
+from batchserve.model import bf16_products_here, choose_impl
 from batchserve.model.int4 import (
     Int4Linear,
     Q8Embedding,
@@ -16,6 +16,7 @@ from batchserve.model.int4 import (
     int4_products_invariant,
     unpermute_rows,
 )
+from batchserve.model.layers import Bf16Linear, PackedLinear
 from tests.conftest import make_tiny_model
 
 needs_int4 = pytest.mark.skipif(not int4_available(), reason="this torch has no CPU int4 kernel")
@@ -79,6 +80,11 @@ def test_the_layer_computes_the_dequantized_product_and_its_rows_do_not_depend_o
     assert [t.shape[-1] for t in layer.split(x)] == [32, 16]
     if int4_products_invariant():
         assert all(torch.equal(layer(x[:n])[0], layer(x[:1])[0]) for n in (2, 3, 8, 20))
+    # Feeding the residual add alone it leaves in the kernel's bfloat16: the same values.
+    bare = Int4Linear(q, d, m, None, (48,))
+    narrow = Int4Linear(q, d, m, None, (48,), torch.bfloat16)(x)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), bare(x))
+    assert Int4Linear(q, d, m, bias, (48,), torch.bfloat16)(x).dtype == torch.float32  # a bias: float32
 
 
 def test_q4_1_weights_need_the_native_model_on_cpu():
@@ -105,6 +111,13 @@ def test_smollm2_runs_on_its_own_q4_1_blocks():
         llm = LLM(hf_model=model, tokenizer=tokenizer, cpu_weights="q4_1", draft=draft, adaptive=False)
         assert sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == 4 * 30
         assert isinstance(llm.engine.runner.model.embed_tokens, Q8Embedding)  # the file's Q8_0 blocks
+        # The LM head: bfloat16 where this CPU runs it invariantly (half float32's bytes), else float32.
+        head = llm.engine.runner.model.lm_head
+        assert isinstance(head, Bf16Linear if bf16_products_here() else PackedLinear)
+        assert {m.out_dtype for m in llm.engine.runner.model.layers[3].modules() if isinstance(m, Int4Linear)} == {
+            torch.float32,
+            torch.bfloat16,  # o_proj and down_proj feed the residual add alone
+        }
         outs[draft] = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=24))]
     assert outs["none"] == outs["lookahead"] and all(len(t) > 0 for t in outs["none"])
     # A block that does not match what transformers loaded fails the load, and no layer is swapped.

@@ -68,6 +68,25 @@ def test_bf16_products_take_float32_rows_and_give_float32_rows_near_the_float32_
         assert torch.equal(out, Bf16Linear(_without_bias(linear))(x) + linear.bias)
 
 
+@needs_bf16
+def test_a_bf16_product_feeding_the_residual_leaves_in_bfloat16_with_the_same_values():
+    gen = torch.Generator().manual_seed(4)
+    linear = nn.Linear(192, 320, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(320, 192, generator=gen))
+    x, residual = torch.randn(5, 192, generator=gen), torch.randn(5, 320, generator=gen)
+    with torch.no_grad():
+        wide, narrow = Bf16Linear(linear)(x), Bf16Linear(linear, torch.bfloat16)(x)
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    assert torch.equal(narrow.float(), wide)  # the kernel's bfloat16, not rounded again
+    # The residual add widens it exactly: the bits of the float32-out layer's sum.
+    norm = RMSNorm(320, 1e-5)
+    (h_wide, sum_wide), (h_narrow, sum_narrow) = norm(wide, residual), norm(narrow, residual)
+    assert sum_narrow.dtype == torch.float32 and torch.equal(sum_narrow, sum_wide) and torch.equal(h_narrow, h_wide)
+    # A bias is added in float32, so such a layer leaves in float32 whatever it was asked.
+    assert Bf16Linear(nn.Linear(192, 320), torch.bfloat16)(x).dtype == torch.float32
+
+
 def _without_bias(linear: nn.Linear) -> nn.Linear:
     bare = nn.Linear(linear.in_features, linear.out_features, bias=False)
     with torch.no_grad():

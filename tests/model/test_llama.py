@@ -180,6 +180,10 @@ def test_bf16_weights_make_every_product_a_bf16_layer_of_a_float32_model():
     native = choose_impl(_model("llama"), "auto", cpu_weights="bfloat16")
     linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear | Bf16Linear)]
     assert linears and all(isinstance(m, Bf16Linear) for m in linears)  # the LM head too
+    # Only the products whose output enters the residual add alone leave in bfloat16.
+    narrow = {name for name, m in native.named_modules() if getattr(m, "out_dtype", None) == torch.bfloat16}
+    residual = ("self_attn.o_proj", "mlp.down_proj")
+    assert narrow == {f"layers.{i}.{p}" for i in range(len(native.layers)) for p in residual}
     assert native.cpu_weights == "bfloat16" and native.batch_invariant_linears
     assert next(native.parameters()).dtype == torch.float32  # norms, residuals, attention
     with pytest.raises(ValueError, match="prepacked bfloat16"):
