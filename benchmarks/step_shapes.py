@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 
-import batchserve.attention.invariant as invariant
+import batchserve.attention.invariant_plan as invariant
 from batchserve.draft.tree import DraftTree
 from batchserve.llm import LLM
 from batchserve.request import SamplingParams

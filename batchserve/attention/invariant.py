@@ -27,10 +27,8 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,90 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.attention.base import StepLayout
+from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, ROW_BLOCKS, group_requests, product_rows, tiles_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
-
-ROW_BLOCKS = (4, 8)  # rows of a product are padded to a multiple of the first that passes the check
-MIN_KEYS = KEY_TILE = 64  # keys of a score product, at least; logical positions per value product
-# Keys of other branches a tile may hold between a row's own: past this a request's draft rows
-# stay exact but may lose bit-equality with decoding (a product over more keys blocks them).
-MAX_SPREAD = 128
-GROUP_ROWS = 16  # requests with at most this many rows this step are attended together
-# What one more set of products per layer costs, in padded request rows: its ~20 small ops
-# against the share of the score and value products a padded row adds (SmolLM2's shapes, 2 cores:
-# about 5 ms a step against 0.5 ms a step).
-GROUP_COST_ROWS = 10
-
-
-def group_requests(q_len: np.ndarray, kv_len: np.ndarray) -> list[list[int]]:
-    """Which requests share a set of products: those with at most GROUP_ROWS rows, by key count
-    rounded up to a power of two (one long context must not pad every short one to its length),
-    then by row count (`split_by_rows`); a request with more rows (a prompt chunk) alone."""
-    by_keys: dict[int, list[int]] = {}
-    alone = []
-    for i, (q, kv) in enumerate(zip(q_len.tolist(), kv_len.tolist())):
-        if q > GROUP_ROWS:
-            alone.append([i])
-        else:
-            by_keys.setdefault(max(KEY_TILE, 1 << (kv - 1).bit_length()), []).append(i)
-    return [g for k in sorted(by_keys) for g in split_by_rows(by_keys[k], q_len)] + alone
-
-
-def split_by_rows(members: list[int], q_len: np.ndarray) -> list[list[int]]:
-    """`members` cut into groups of similar row counts, each in step order. A group pads every
-    request to its largest (decode roots beside one draft tree would each pay for the tree's
-    rows in the score and value products), and each group costs a set of products per layer
-    (GROUP_COST_ROWS): the cuts of the members sorted by rows that minimise the two together,
-    by dynamic programming over the distinct row counts (at most GROUP_ROWS of them)."""
-    q = {i: int(q_len[i]) for i in members}
-    counts = Counter(q.values())
-    if len(counts) == 1:  # every request the same rows (decode steps): nothing to pad
-        return [members]
-    rows = sorted(counts)
-    below = list(itertools.accumulate((counts[r] for r in rows), initial=0))  # below[j]: members in rows[:j]
-    best = [0.0] + [math.inf] * len(rows)  # best[j]: cost of the members with the j smallest row counts
-    cut = [0] * (len(rows) + 1)
-    for j in range(1, len(rows) + 1):
-        for i in range(j):  # one group of row counts rows[i:j], padded to rows[j - 1]; ties: fewer groups
-            cost = best[i] + GROUP_COST_ROWS + (below[j] - below[i]) * rows[j - 1]
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(rows)
-    while j > 0:
-        lo, hi = rows[cut[j]], rows[j - 1]
-        groups.append([i for i in members if lo <= q[i] <= hi])
-        j = cut[j]
-    return groups[::-1]
-
-
-def _product_rows(hidden: np.ndarray, group: int, row_block: int) -> np.ndarray:
-    """[B, R, Lk] -> [B, P, Lk]: the rows as the score product lays them out (each of the group's
-    query heads' rows in turn, padded to a multiple of `row_block` rows that see key 0 only)."""
-    b, r, lk = hidden.shape
-    padded = -(-group * r // row_block) * row_block
-    out = np.ones((b, padded, lk), bool)
-    out[:, :, 0] = False
-    out[:, : group * r] = np.tile(hidden, (1, group, 1))
-    return out
-
-
-def tiles_of(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index [nt, W], keep [nt, W]) for keys at logical `positions` [L] (prefix, then this step's
-    rows): tile t holds the keys at positions [t*KEY_TILE, (t+1)*KEY_TILE), gathered from the span
-    of keys they lie in; index L marks places past the span. A draft tree's keys of two tiles can
-    share a span: `keep` (0/1) tells each tile's own."""
-    length = len(positions)
-    key_tile = positions // KEY_TILE
-    spans = []
-    for t in np.unique(key_tile).tolist():
-        idx = np.flatnonzero(key_tile == t)
-        spans.append((t, int(idx[0]), int(idx[-1]) + 1))
-    width = -(-max(hi - lo for _, lo, hi in spans) // KEY_TILE) * KEY_TILE
-    index = np.full((len(spans), width), length, np.int64)
-    keep = np.zeros((len(spans), width), np.float32)
-    for row, (t, lo, hi) in enumerate(spans):
-        index[row, : hi - lo] = np.arange(lo, hi)
-        keep[row, : hi - lo] = key_tile[lo:hi] == t
-    return index, keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +57,15 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class Tiles:
-    """Value tiles of a group with draft trees, whose tiles are gathered key by key."""
+    """Value tiles of a group with draft trees. The first `first` tiles hold every request's
+    committed keys in logical order (a draft node's position is past its request's prefix): they
+    are read as they stand, by granule, like a decode group's. The tiles from `first` on are
+    gathered key by key; their indexes count from key `first * KEY_TILE`."""
 
-    tile_slots: torch.Tensor  # [B, nt, W] pool slot of each tile place (past a span: the zero slot)
-    tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the request's keys (Lk: none)
+    first: int
+    prefix_granules: torch.Tensor  # [B * first * KEY_TILE / g] pool granules of the leading tiles' keys
+    tile_slots: torch.Tensor  # [B, nt, W] pool slot of each later tile place (past a span: the zero slot)
+    tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the keys from `first` on (past them: none)
     keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
 
 
@@ -229,14 +150,19 @@ class InvariantBackend(TorchReferenceBackend):
             out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
             key_granules=torch.from_numpy(granules).to(dev),
-            hidden=torch.from_numpy(_product_rows(~mask, self.group, self.row_block)).to(dev),
-            tiles=None if in_order else self._tiles(step, members, positions, lk),
+            hidden=torch.from_numpy(product_rows(~mask, self.group, self.row_block)).to(dev),
+            tiles=None if in_order else self._tiles(step, members, positions, lk, granules),
         )
 
-    def _tiles(self, step: StepLayout, members: list[int], positions: list[np.ndarray], lk: int) -> Tiles:
+    def _tiles(
+        self, step: StepLayout, members: list[int], positions: list[np.ndarray], lk: int, granules: np.ndarray
+    ) -> Tiles:
         """Tiles of a group whose keys are not all in logical order (draft trees)."""
         b = len(members)
-        tiles = [tiles_of(p) for p in positions]
+        # Tiles that hold only committed keys in every request: their keys stand in logical order.
+        first = min(int(step.num_cached[i]) for i in members) // KEY_TILE
+        start = first * KEY_TILE  # the later tiles' indexes count from here; lk - start: none
+        tiles = [tuple(x[first:] for x in tiles_of(p)) for p in positions]
         nt, width = max(t[0].shape[0] for t in tiles), max(t[0].shape[1] for t in tiles)
         keys = np.full((b, lk + 1), self.zero_slot, np.int64)  # one more: the index of "none"
         tile_keys = np.full((b, nt, width), lk, np.int64)
@@ -252,8 +178,10 @@ class InvariantBackend(TorchReferenceBackend):
         tile_slots = np.take_along_axis(keys, tile_keys.reshape(b, -1), 1).reshape(tile_keys.shape)
         dev = self.device
         return Tiles(
+            first=first,
+            prefix_granules=torch.from_numpy(granules[:, : start // self.granule].reshape(-1)).to(dev),
             tile_slots=torch.from_numpy(tile_slots).to(dev),
-            tile_keys=torch.from_numpy(tile_keys).to(dev),
+            tile_keys=torch.from_numpy(tile_keys - start).to(dev),
             keep=torch.from_numpy(keep).to(dev) if shared else None,
         )
 
@@ -279,6 +207,28 @@ class InvariantBackend(TorchReferenceBackend):
                 out[g.out_rows] = attend(q[0], k_cache, v_cache, g, scale, self.granule)
         self.seconds += time.perf_counter() - t0
         return out.unsqueeze(0)  # [1, T, Hq, D], contiguous
+
+
+def _tile_products(
+    weights: torch.Tensor, v_cache: torch.Tensor, granules: torch.Tensor, granule: int, nt: int
+) -> list[torch.Tensor]:
+    """The value products of `nt` tiles whose keys stand in logical order: weights [Hkv, B, P,
+    nt*KEY_TILE] (a view), values read from the pool by granule (`granules`: [B * nt*KEY_TILE/g])."""
+    if nt == 0:
+        return []
+    num_kv, b, padded, _ = weights.shape
+    d1 = v_cache.shape[-1]  # D + 1: the values and the ones
+    values = v_cache.view(num_kv, -1, granule * d1).index_select(1, granules)  # [Hkv, B*nt*W/g, g*(D+1)]
+    return _products(weights.view(num_kv, b, padded, nt, KEY_TILE), values)
+
+
+def _products(w: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+    """Per tile, weights w [Hkv, B, P, nt, W] times its values (`values`: [Hkv, B*nt*W, D+1] in
+    any view of that size): nt partial sums [Hkv, B, P, D+1], each over its tile's keys in order."""
+    num_kv, b, padded, nt, width = w.shape
+    w = w.permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
+    parts = torch.bmm(w, values.reshape(num_kv * b * nt, width, -1))  # [Hkv*B*nt, P, D+1]
+    return list(parts.view(num_kv, b, nt, padded, -1).unbind(2))
 
 
 def attend(
@@ -308,21 +258,20 @@ def attend(
         scores.mul_(scale)
     weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [Hkv, B, P, Lk]
     if g.tiles is None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
-        nt, width = lk // KEY_TILE, KEY_TILE
-        w = weights.view(num_kv, b, padded, nt, width)
-        values = v_cache.view(num_kv, -1, granule * (d + 1)).index_select(1, granules)
+        parts = _tile_products(weights, v_cache, granules, granule, lk // KEY_TILE)
     else:
         tiles = g.tiles
+        start = tiles.first * KEY_TILE
+        parts = _tile_products(weights[..., :start], v_cache, tiles.prefix_granules, granule, tiles.first)
         nt, width = tiles.tile_keys.shape[1:]
         index = tiles.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
-        w = torch.gather(F.pad(weights, (0, 1)), 3, index)  # [Hkv, B, P, nt*W]; index Lk ("none") is 0
+        # [Hkv, B, P, nt*W]; the index past the keys ("none") reads the pad's 0
+        w = torch.gather(F.pad(weights[..., start:], (0, 1)), 3, index)
         if tiles.keep is not None:
             w = w * tiles.keep.view(1, b, 1, nt * width)
-        w = w.view(num_kv, b, padded, nt, width)
         values = v_cache.index_select(1, tiles.tile_slots.view(-1))  # with the ones
-    w = w.permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
-    parts = torch.bmm(w, values.view(num_kv * b * nt, width, d + 1)).view(num_kv, b, nt, padded, d + 1)
-    acc, *rest = parts.unbind(2)
+        parts += _products(w.view(num_kv, b, padded, nt, width), values)
+    acc, *rest = parts
     for part in rest:  # tiles in logical order: the same sums as decoding one row at a time
         acc = acc + part
     # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D].

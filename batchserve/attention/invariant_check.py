@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from batchserve.attention.base import SeqLayout, StepLayout, slots_of
-from batchserve.attention.invariant import KEY_TILE, MAX_SPREAD, ROW_BLOCKS, InvariantBackend
+from batchserve.attention.invariant import InvariantBackend
+from batchserve.attention.invariant_plan import KEY_TILE, MAX_SPREAD, ROW_BLOCKS
 
 
 def kernels_invariant(head_dim: int = 64) -> bool:

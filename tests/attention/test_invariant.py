@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import batchserve.attention.invariant as invariant
 import batchserve.attention.invariant_check as check
+import batchserve.attention.invariant_plan as invariant_plan
 from batchserve.attention import InvariantBackend, SeqLayout, StepLayout, TorchReferenceBackend, slots_of
-from batchserve.attention.invariant import GROUP_COST_ROWS, KEY_TILE, group_requests, split_by_rows, tiles_of
 from batchserve.attention.invariant_check import kernels_invariant
+from batchserve.attention.invariant_plan import GROUP_COST_ROWS, KEY_TILE, group_requests, split_by_rows, tiles_of
 from tests.attention.layouts import BlockPicker
 from tests.engine.drafters import random_tree
 
@@ -197,7 +197,7 @@ def test_rows_are_padded_to_the_smallest_row_block_that_passes(monkeypatch):
         assert check.invariant_row_block(32) is None and not check.kernels_invariant(32)
     finally:
         check.invariant_row_block.cache_clear()
-    for row_block in invariant.ROW_BLOCKS:
+    for row_block in invariant_plan.ROW_BLOCKS:
         backend = InvariantBackend(1, 8, BS, KV_HEADS, D, num_qo_heads=HEADS, row_block=row_block)
         step = StepLayout.from_seqs([SeqLayout(0, 1, 20, 1, (), (0, 1))])
         meta = backend.build_metadata(step, torch.zeros(1, dtype=torch.long))
