@@ -64,7 +64,8 @@ class EngineCore:
         from batchserve.model import choose_impl
 
         mc = config.model
-        model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here)
+        seats = config.scheduler.max_num_seqs
+        model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here, seats)
         self.runner, facts = build_runner(model, tokenizer, config)
         self.forward_name = forward_name(model, facts.attention_backend)
         logger.info("forward: %s", self.forward_name)

@@ -54,6 +54,7 @@ def choose_impl(
     cpu_weights: str = "auto",
     path: str | None = None,
     loaded_from_path: bool = False,
+    max_num_seqs: int | None = None,
 ) -> Any:
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
@@ -62,7 +63,8 @@ def choose_impl(
     (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=bfloat16` every product is
     a `Bf16Linear`; with `q4_1` the layers' products are the GGUF file at `path`'s own Q4_1
     blocks (`Int4Linear`) and the LM head a `Bf16Linear` where bfloat16 runs invariantly; `auto`
-    takes what `choose_cpu_weights` says. The native model's `cpu_weights` names what was chosen.
+    takes what `choose_cpu_weights` says for a server of `max_num_seqs` seats. The native model's
+    `cpu_weights` names what was chosen.
     A native model handed in (one engine's, reused by another: the bench and `tune` build many
     engines on one model) is returned as it is."""
     if getattr(model, "native", False):
@@ -85,7 +87,7 @@ def choose_impl(
         weights = cpu_weights
         if weights == "auto":
             # A model handed in keeps the weights it came with: only the engine knows its file.
-            weights = choose_cpu_weights(on_cpu, path) if loaded_from_path else "float32"
+            weights = choose_cpu_weights(on_cpu, path, max_num_seqs) if loaded_from_path else "float32"
         if weights == "q4_1":
             _load_q4_1(native, path)
         native.cpu_weights = weights if on_cpu else "-"
@@ -101,27 +103,36 @@ def choose_impl(
     return model
 
 
-def choose_cpu_weights(on_cpu: bool, gguf_path: str | None) -> str:
+def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:
     """What `cpu_weights=auto` takes for a native model the engine loaded itself from `gguf_path`
-    (None: the default model): `bfloat16` where oneDNN runs prepacked bfloat16 products here
-    (AVX-512 CPUs) and they pass the batch-invariance check; else `q4_1` where the file is a GGUF
-    whose layers are Q4_1 and this CPU runs torch's int4 kernel vectorized and batch-invariantly;
-    else `float32`. Measured on an AVX-512 CPU (docs/design.md): `lookahead-adaptive` on
-    bfloat16 is 1.6x Q4_1 at 16 requests and 0.9x at one (int4 costs grow by 4-row blocks, so
-    draft rows and other requests' rows are dear on it); on AVX2 CPUs Q4_1 is the fast path."""
+    (None: the default model) to serve `max_num_seqs` requests at once (None: unknown): `bfloat16`
+    where oneDNN runs prepacked bfloat16 products here (AVX-512 CPUs) and they pass the
+    batch-invariance check, except for a one-seat server of a Q4_1 file; else `q4_1` where the
+    file is a GGUF whose layers are Q4_1 and this CPU runs torch's int4 kernel vectorized and
+    batch-invariantly; else `float32`. Measured on an AVX-512 CPU (docs/design.md):
+    `lookahead-adaptive` on bfloat16 is 1.3x Q4_1 at 4 requests and 1.3-1.6x at 16, but Q4_1 is
+    1.1-1.3x bfloat16 at one (int4 costs grow by 4-row blocks, so draft rows and other requests'
+    rows are dear on it, and one request has none of the latter); on AVX2 CPUs Q4_1 is the fast path."""
     if not on_cpu:
         return "float32"
-    if bf16_products_here():
+    if bf16_products_here() and (max_num_seqs != 1 or not _q4_1_fast_for(gguf_path)):
         return "bfloat16"
-    if not int4_fast_here():
-        return "float32"
+    return "q4_1" if _q4_1_fast_for(gguf_path) else "float32"
+
+
+def _q4_1_fast_for(gguf_path: str | None) -> bool:
+    """Whether the model file is a GGUF whose layers are Q4_1 and the int4 kernel is fast here."""
+    return int4_fast_here() and _is_q4_1_gguf(gguf_path)
+
+
+def _is_q4_1_gguf(gguf_path: str | None) -> bool:
     from batchserve.runner.model_loader import resolve_model_path
 
     try:
         directory, gguf_file = resolve_model_path(gguf_path)
     except (OSError, ValueError):
-        return "float32"
-    return "q4_1" if gguf_file is not None and gguf_has_q4_1(directory / gguf_file) else "float32"
+        return False
+    return gguf_file is not None and gguf_has_q4_1(directory / gguf_file)
 
 
 def bf16_products_here() -> bool:
