@@ -189,7 +189,8 @@ def tune_command(args: argparse.Namespace) -> int:
         )
     from pathlib import Path
 
-    from batchserve.bench.tune import Goals, answer_lines, tune
+    from batchserve.bench.tune import Goals, tune
+    from batchserve.bench.tune_report import answer_lines
 
     try:
         goals = Goals(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)

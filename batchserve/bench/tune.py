@@ -10,14 +10,14 @@ with the most output tokens/s whose TTFT and TPOT at the goals' percentile are w
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from batchserve.bench.methods import WEIGHTS_SUFFIX, batchserve_method, percentile
+from batchserve.bench.tune_report import write_tune_report
 
 DRAFTS = ("none", "lookahead-adaptive")  # what a point runs: no drafts, or adaptive lookahead drafts
 SERVE_FLAGS = {"none": "--draft none", "lookahead-adaptive": "--draft lookahead --adaptive"}
@@ -60,16 +60,18 @@ class Point:
     tokens_per_step: float
     lossless: bool | None = None  # with drafts: outputs equal `none`'s at the same concurrency
     missed: str = ""  # the goals it misses
+    weights: str = ""  # the CPU weights it ran ("q4_1", "bfloat16", "float32"; "": not recorded)
 
     @property
     def meets(self) -> bool:
         return not self.missed
 
     def serve_flags(self) -> str:
-        return (
+        flags = (
             f"--max-num-seqs {self.max_num_seqs} --max-num-batched-tokens {self.max_num_batched_tokens} "
             f"{SERVE_FLAGS[self.draft]}"
         )
+        return flags + (f" --cpu-weights {self.weights}" if self.weights else "")
 
 
 @dataclass(slots=True)
@@ -164,6 +166,7 @@ class _Runner:
 
     def point(self, draft: str, c: int, budget: int) -> Point:
         p, outputs = self.run(draft, c, budget)
+        p.weights = self.weights
         if draft == "none":
             self.outputs.setdefault(c, outputs)
         elif c in self.outputs:
@@ -206,140 +209,44 @@ def tune(
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_model, tokenizer = load_model(model_path, "float32")
     on_cpu = next(hf_model.parameters()).device.type == "cpu"
-    weights = choose_cpu_weights(on_cpu, model_path)
-    # The server's forward, built once: every run's engine reuses it.
-    model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
-    del hf_model
+    # Each point runs the weights a server with its seats would take (`auto` takes Q4_1 for one
+    # seat on AVX-512 CPUs, bfloat16 for more): one forward per kind, reused by every run.
+    weights_at = {c: choose_cpu_weights(on_cpu, model_path, c) for c in concurrency}
     work = load_dataset(dataset, max(num_prompts, waves * concurrency[-1]), tokenizer)
-    total = 1 + (len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)) * repeats
+    kinds = len(set(weights_at.values()))
+    total = kinds + (len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)) * repeats
     bar = tqdm(total=total, desc="tune", unit="run")
-    adaptive = "lookahead-adaptive" + WEIGHTS_SUFFIX[weights]
-    profile = cost_profiles([adaptive], model, tokenizer).popitem()[1]
-    r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar, repeats)
+    runners: dict[str, _Runner] = {}
+
+    def runner(c: int) -> _Runner:
+        weights = weights_at[c]
+        if weights not in runners:
+            model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
+            adaptive = "lookahead-adaptive" + WEIGHTS_SUFFIX[weights]
+            profile = cost_profiles([adaptive], model, tokenizer).popitem()[1]
+            r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar, repeats)
+            r._once("none", 1, default_budget)  # unmeasured: a forward's first run pays one-time setup
+            runners[weights] = r
+        return runners[weights]
+
     result = TuneResult(goals)
     try:
-        r._once("none", 1, default_budget)  # unmeasured: the first run in a process pays one-time setup
         for c in concurrency:
             for draft in DRAFTS:
-                result.points.append(r.point(draft, c, default_budget))
+                result.points.append(runner(c).point(draft, c, default_budget))
         stage1 = recommend(result.points) or closest(result.points, goals)
         assert stage1 is not None
         for budget in budgets:
             if budget >= stage1.max_num_seqs:  # every running request needs a token per step
-                result.points.append(r.point(stage1.draft, stage1.max_num_seqs, budget))
+                result.points.append(runner(stage1.max_num_seqs).point(stage1.draft, stage1.max_num_seqs, budget))
             else:
                 bar.update(repeats)
         result.best = recommend(result.points)
         if confirm and result.best is not None:
-            again, _ = r.run(result.best.draft, result.best.max_num_seqs, result.best.max_num_batched_tokens)
+            best = result.best
+            again, _ = runner(best.max_num_seqs).run(best.draft, best.max_num_seqs, best.max_num_batched_tokens)
             result.confirmed_tokens_per_s = again.tokens_per_s
     finally:
         bar.close()
-    write_tune_report(result, out_dir, dataset, max_new, weights)
+    write_tune_report(result, out_dir, dataset, max_new)
     return result
-
-
-def write_tune_report(result: TuneResult, out_dir: Path, dataset: str, max_new: int, weights: str) -> None:
-    """DIR/tune.json (every point), tune.md (the table and the answer) and tune.png."""
-    g = result.goals
-    (out_dir / "tune.json").write_text(
-        json.dumps(
-            {
-                "dataset": dataset,
-                "goals": asdict(g),
-                "points": [asdict(p) for p in result.points],
-                "best": None if result.best is None else asdict(result.best),
-                "confirmed_tokens_per_s": result.confirmed_tokens_per_s,
-            },
-            indent=1,
-        )
-    )
-    p = f"p{g.percentile:g}"
-    goals = ", ".join(
-        f"{name} {p} <= {v:g} ms" for name, v in (("TTFT", g.ttft_ms), ("TPOT", g.tpot_ms)) if v is not None
-    )
-    lines = [
-        f"# batchserve tune: {dataset}\n",
-        f"Goals: {goals or 'none (the most throughput)'}. Closed loop, c clients and `--max-num-seqs c`, "
-        f"{max_new} new tokens, greedy, {weights} weights.\n",
-        f"| drafts | max-num-seqs | max-num-batched-tokens | tokens/s | TTFT {p} (ms) | TPOT {p} (ms) | tokens/step "
-        "| same output as none | goals |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for pt in result.points:
-        same = "-" if pt.lossless is None else ("yes" if pt.lossless else "**NO**")
-        lines.append(
-            f"| {pt.draft} | {pt.max_num_seqs} | {pt.max_num_batched_tokens} | {pt.tokens_per_s:.1f} | "
-            f"{pt.ttft_ms:.0f} | {pt.tpot_ms:.1f} | {pt.tokens_per_step:.2f} | {same} | "
-            f"{'met' if pt.meets else pt.missed} |"
-        )
-    lines.append("")
-    lines.extend(answer_lines(result))
-    (out_dir / "tune.md").write_text("\n".join(lines) + "\n")
-    plot_tune(result, out_dir / "tune.png")
-
-
-def answer_lines(result: TuneResult) -> list[str]:
-    """The recommendation and the flags to serve with, or why there is none."""
-    best = result.best
-    if best is None:
-        near = closest(result.points, result.goals)
-        out = ["**No setting measured meets the goals.**"]
-        if near is not None:
-            out.append(
-                f"Closest: {near.draft}, {near.max_num_seqs} seqs ({near.missed}). Loosen the goals, or serve "
-                "fewer requests at once on a faster machine."
-            )
-        return out
-    out = [
-        f"**Recommended:** {best.draft} at {best.max_num_seqs} running request{'s' if best.max_num_seqs > 1 else ''}, "
-        f"{best.max_num_batched_tokens} tokens per step: {best.tokens_per_s:.1f} tokens/s predicted.",
-        "",
-        f"    batchserve serve {best.serve_flags()}",
-    ]
-    if result.confirm_ratio is not None:
-        out.append(
-            f"\nConfirmed by a second run: {result.confirmed_tokens_per_s:.1f} tokens/s "
-            f"({result.confirm_ratio:.2f}x the prediction)."
-        )
-    return out
-
-
-def plot_tune(result: TuneResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    g = result.goals
-    fig, (top, bottom) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for draft in DRAFTS:
-        pts = sorted(
-            (p.max_num_seqs, p.tokens_per_s, p.tpot_ms)
-            for p in result.points
-            if p.draft == draft and p.max_num_batched_tokens == (result.points[0].max_num_batched_tokens)
-        )
-        if not pts:
-            continue
-        cs, tps, tpots = zip(*pts)
-        top.plot(cs, tps, marker="o", label=draft)
-        bottom.plot(tps, tpots, marker="o", label=draft)
-        for c, x, y in pts:
-            bottom.annotate(str(c), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
-    if result.best is not None:
-        top.plot([result.best.max_num_seqs], [result.best.tokens_per_s], "k*", markersize=14, label="recommended")
-    if g.tpot_ms is not None:
-        bottom.axhline(g.tpot_ms, color="red", linestyle=":", label=f"TPOT goal (p{g.percentile:g})")
-    top.set_xscale("log", base=2)
-    seats = sorted({p.max_num_seqs for p in result.points})
-    top.set_xticks(seats, [str(c) for c in seats])
-    top.set_xlabel("concurrency (max-num-seqs)")
-    top.set_ylabel("output tokens / s")
-    bottom.set_xlabel("output tokens / s (labels: concurrency)")
-    bottom.set_ylabel(f"TPOT p{g.percentile:g} (ms)")
-    for ax in (top, bottom):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

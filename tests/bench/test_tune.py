@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from batchserve.bench.tune import Goals, Point, TuneResult, answer_lines, closest, recommend, write_tune_report
+from batchserve.bench.tune import Goals, Point, TuneResult, closest, recommend
+from batchserve.bench.tune_report import answer_lines, write_tune_report
 from batchserve.cli import main
 
 
@@ -40,6 +41,8 @@ def test_the_recommendation_is_the_fastest_point_within_the_goals() -> None:
     best = recommend(points)
     assert best is points[3]  # ties on tokens/s go to the point with fewer seats? equal seats: first
     assert best.serve_flags() == "--max-num-seqs 4 --max-num-batched-tokens 512 --draft lookahead --adaptive"
+    best.weights = "q4_1"  # what it ran is what the server is told to run
+    assert best.serve_flags().endswith("--adaptive --cpu-weights q4_1")
     assert recommend([_point("none", 2, 50, 1, 1, g), _point("none", 1, 50, 1, 1, g)]).max_num_seqs == 1
     result = TuneResult(g, points, best, confirmed_tokens_per_s=52.0)
     text = "\n".join(answer_lines(result))
@@ -53,7 +56,7 @@ def test_when_nothing_meets_the_goals_it_says_so_and_names_the_closest(tmp_path:
     result = TuneResult(g, points, None)
     text = "\n".join(answer_lines(result))
     assert "No setting measured meets the goals" in text and "Closest: lookahead-adaptive, 1 seqs" in text
-    write_tune_report(result, tmp_path, "code-edit", 64, "q4_1")
+    write_tune_report(result, tmp_path, "code-edit", 64)
     data = json.loads((tmp_path / "tune.json").read_text())
     assert data["best"] is None and len(data["points"]) == 2 and data["goals"]["ttft_ms"] == 10
     md = (tmp_path / "tune.md").read_text()
@@ -114,8 +117,13 @@ def test_tune_on_smollm2_recommends_flags_it_measured(
     assert len(points) == 5 and points[4]["max_num_batched_tokens"] == 256
     assert all(p["tokens_per_s"] > 0 and p["missed"] == "" for p in points)
     assert all(p["lossless"] is True for p in points if p["draft"] != "none" and p["max_num_batched_tokens"] == 512)
+    # Each point ran the weights a server with its seats takes (one seat: Q4_1 on AVX-512 too).
+    from batchserve.model import choose_cpu_weights
+
+    assert all(p["weights"] == choose_cpu_weights(True, None, p["max_num_seqs"]) for p in points)
     best = data["best"]
     assert best["tokens_per_s"] == max(p["tokens_per_s"] for p in points)
     assert data["confirmed_tokens_per_s"] > 0
     assert f"batchserve serve --max-num-seqs {best['max_num_seqs']}" in printed
+    assert f"--cpu-weights {best['weights']}" in printed
     assert "Recommended" in (out / "tune.md").read_text()
