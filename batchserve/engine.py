@@ -63,8 +63,7 @@ class EngineCore:
             raise ValueError("pass the tokenizer together with the model")
         from batchserve.model import choose_impl
 
-        mc = config.model
-        seats = config.scheduler.max_num_seqs
+        mc, seats = config.model, config.scheduler.max_num_seqs
         model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here, seats)
         self.runner, facts = build_runner(model, tokenizer, config)
         self.forward_name = forward_name(model, facts.attention_backend)

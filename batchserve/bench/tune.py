@@ -10,6 +10,7 @@ with the most output tokens/s whose TTFT and TPOT at the goals' percentile are w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,22 +232,34 @@ def tune(
 
     result = TuneResult(goals)
     try:
-        for c in concurrency:
-            for draft in DRAFTS:
-                result.points.append(runner(c).point(draft, c, default_budget))
-        stage1 = recommend(result.points) or closest(result.points, goals)
-        assert stage1 is not None
-        for budget in budgets:
-            if budget >= stage1.max_num_seqs:  # every running request needs a token per step
-                result.points.append(runner(stage1.max_num_seqs).point(stage1.draft, stage1.max_num_seqs, budget))
-            else:
-                bar.update(repeats)
-        result.best = recommend(result.points)
-        if confirm and result.best is not None:
-            best = result.best
-            again, _ = runner(best.max_num_seqs).run(best.draft, best.max_num_seqs, best.max_num_batched_tokens)
-            result.confirmed_tokens_per_s = again.tokens_per_s
+        _measure(result, runner, concurrency, budgets, default_budget, confirm)
     finally:
         bar.close()
     write_tune_report(result, out_dir, dataset, max_new)
     return result
+
+
+def _measure(
+    result: TuneResult,
+    runner: Callable[[int], _Runner],
+    concurrency: list[int],
+    budgets: list[int],
+    default_budget: int,
+    confirm: bool,
+) -> None:
+    """Stage 1 at every concurrency, stage 2 at the best point's seats, the confirmation (module doc)."""
+    for c in concurrency:
+        for draft in DRAFTS:
+            result.points.append(runner(c).point(draft, c, default_budget))
+    stage1 = recommend(result.points) or closest(result.points, result.goals)
+    assert stage1 is not None
+    seats = stage1.max_num_seqs
+    for budget in budgets:
+        if budget >= seats:  # every running request needs a token per step
+            result.points.append(runner(seats).point(stage1.draft, seats, budget))
+        else:
+            runner(seats).bar.update(runner(seats).repeats)
+    result.best = best = recommend(result.points)
+    if confirm and best is not None:
+        again, _ = runner(best.max_num_seqs).run(best.draft, best.max_num_seqs, best.max_num_batched_tokens)
+        result.confirmed_tokens_per_s = again.tokens_per_s
