@@ -49,7 +49,7 @@ QUICK_REPEATS = 3
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 8  # 5: two contexts; 6: the row after each 16; 7: row blocks; 8: Q4_1 with a bfloat16 LM head
+PROFILE_VERSION = 9  # 6: the row after each 16; 7: row blocks; 8: Q4_1's bfloat16 LM head; 9: finer row buckets
 
 
 def _device_name(device: torch.device) -> str:
