@@ -218,21 +218,18 @@ def tune(
     total = kinds + (len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)) * repeats
     bar = tqdm(total=total, desc="tune", unit="run")
     runners: dict[str, _Runner] = {}
-
-    def runner(c: int) -> _Runner:
-        weights = weights_at[c]
-        if weights not in runners:
-            model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
-            adaptive = "lookahead-adaptive" + WEIGHTS_SUFFIX[weights]
-            profile = cost_profiles([adaptive], model, tokenizer).popitem()[1]
-            r = _Runner(model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar, repeats)
-            r._once("none", 1, default_budget)  # unmeasured: a forward's first run pays one-time setup
-            runners[weights] = r
-        return runners[weights]
-
+    for weights in dict.fromkeys(weights_at.values()):  # each forward built once, then the HF model goes
+        model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
+        profile = cost_profiles(["lookahead-adaptive" + WEIGHTS_SUFFIX[weights]], model, tokenizer).popitem()[1]
+        runners[weights] = _Runner(
+            model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar, repeats
+        )
+    del hf_model
     result = TuneResult(goals)
     try:
-        _measure(result, runner, concurrency, budgets, default_budget, confirm)
+        for r in runners.values():
+            r._once("none", 1, default_budget)  # unmeasured: a forward's first run pays one-time setup
+        _measure(result, lambda c: runners[weights_at[c]], concurrency, budgets, default_budget, confirm)
     finally:
         bar.close()
     write_tune_report(result, out_dir, dataset, max_new)

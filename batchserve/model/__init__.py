@@ -191,7 +191,8 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
         setattr(model.get_submodule(parent) if parent else model, child, layer)
     # Every product of the model is a packed layer's: batch-invariant where this CPU's oneDNN is.
     # The activations between products must be float32 (the only dtype the invariant attention is
-    # checked in): a float32 model, whose Bf16Linear products enter bfloat16 and leave float32.
+    # checked in): a float32 model, whose Bf16Linear products enter bfloat16 and leave float32
+    # (o_proj and down_proj leave bfloat16 for the residual add alone, which widens it exactly).
     dtype = next(model.parameters()).dtype
     model.batch_invariant_linears = (
         dtype == torch.float32
