@@ -250,12 +250,12 @@ def _measure(
             result.points.append(runner(c).point(draft, c, default_budget))
     stage1 = recommend(result.points) or closest(result.points, result.goals)
     assert stage1 is not None
-    seats = stage1.max_num_seqs
+    seats, at_best = stage1.max_num_seqs, runner(stage1.max_num_seqs)
     for budget in budgets:
         if budget >= seats:  # every running request needs a token per step
-            result.points.append(runner(seats).point(stage1.draft, seats, budget))
+            result.points.append(at_best.point(stage1.draft, seats, budget))
         else:
-            runner(seats).bar.update(runner(seats).repeats)
+            at_best.bar.update(at_best.repeats)
     result.best = best = recommend(result.points)
     if confirm and best is not None:
         again, _ = runner(best.max_num_seqs).run(best.draft, best.max_num_seqs, best.max_num_batched_tokens)

@@ -115,14 +115,11 @@ def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
     rows are dear on it, and one request has none of the latter); on AVX2 CPUs Q4_1 is the fast path."""
     if not on_cpu:
         return "float32"
-    if bf16_products_here() and (max_num_seqs != 1 or not _q4_1_fast_for(gguf_path)):
+    if max_num_seqs != 1 and bf16_products_here():
         return "bfloat16"
-    return "q4_1" if _q4_1_fast_for(gguf_path) else "float32"
-
-
-def _q4_1_fast_for(gguf_path: str | None) -> bool:
-    """Whether the model file is a GGUF whose layers are Q4_1 and the int4 kernel is fast here."""
-    return int4_fast_here() and _is_q4_1_gguf(gguf_path)
+    if int4_fast_here() and _is_q4_1_gguf(gguf_path):
+        return "q4_1"
+    return "bfloat16" if bf16_products_here() else "float32"
 
 
 def _is_q4_1_gguf(gguf_path: str | None) -> bool:

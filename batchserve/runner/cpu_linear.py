@@ -9,8 +9,8 @@ bits; greedy output stays the model's own.
 oneDNN keeps state for every input shape it sees: with the raw row count of each step a
 server's memory grew by about 400 MB over 150 mixed SmolLM2 requests (torch's BLAS stays
 flat). Rows are therefore padded up to one of a few bucket sizes (at most a quarter again
-as many from 3 rows on), so that state is bounded by the number of buckets: `make soak` (32 users, 10 minutes)
-grew by 2.2% from minute 2 on. So it is the CPU default (`auto`), and `torch` turns it off.
+as many from 3 rows on), so that state is bounded by the number of buckets: `make soak`
+(32 users, 10 minutes) grew by 2.2% from minute 2 on. So it is the CPU default (`auto`), and `torch` turns it off.
 """
 
 from __future__ import annotations
