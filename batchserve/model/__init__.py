@@ -192,9 +192,7 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
     # (o_proj and down_proj leave bfloat16 for the residual add alone, which widens it exactly).
     dtype = next(model.parameters()).dtype
     model.batch_invariant_linears = (
-        dtype == torch.float32
-        and packed_products_invariant(layer_class)
-        and (not int4 or int4_products_invariant())
+        dtype == torch.float32 and packed_products_invariant(layer_class) and (not int4 or int4_products_invariant())
     )
     return True
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchserve.draft.tree import DraftTree
@@ -47,9 +48,14 @@ QUICK_TOKEN_COUNTS = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 256, 512)
 QUICK_CONTEXTS = (64, 512)
 QUICK_REPEATS = 3
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
+# Draft rows per request in the step that measures what a draft row costs among many requests:
+# uneven, as a budget hands them out (most requests get none or one, a few a deep tree), two a
+# request on average. Tiled over the step's requests.
+DRAFT_PATTERN = (0, 0, 1, 0, 2, 1, 5, 7)
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 9  # 6: the row after each 16; 7: row blocks; 8: Q4_1's bfloat16 LM head; 9: finer row buckets
+PROFILE_VERSION = 10  # 6: the row after each 16; 7: row blocks; 8: Q4_1's bfloat16 LM head; 9: finer row buckets;
+# 10: draft rows among many requests
 
 
 def _device_name(device: torch.device) -> str:
@@ -93,16 +99,39 @@ def profile_path(key: str) -> Path:
 def _step(runner: ModelRunner, contexts: list[int], num_tokens: int) -> SchedulerOutput:
     """One request per entry of `contexts`, each computing 1 token plus a draft chain, with
     `num_tokens` rows in all (split as evenly as possible)."""
-    bs = runner.backend.block_size
     n = len(contexts)
+    rows = [num_tokens // n + (1 if i < num_tokens % n else 0) for i in range(n)]
+    return _requests(runner, contexts, [_chain(r - 1) for r in rows])
+
+
+def _chain(n: int) -> DraftTree | None:
+    return DraftTree.chain([(7 * j + 3) % 97 + 1 for j in range(n)]) if n > 0 else None
+
+
+def _tree(n: int) -> DraftTree | None:
+    """n draft nodes shaped as a trie proposes them: two branches off the root, the first one deep."""
+    if n < 2:
+        return _chain(n)
+    parents = (None, None, 0, *range(2, n - 1))
+    return DraftTree(tuple((7 * j + 3) % 97 + 1 for j in range(n)), parents[:n])
+
+
+def _draft_step(runner: ModelRunner, contexts: list[int]) -> tuple[SchedulerOutput, int]:
+    """One request per entry of `contexts` with `DRAFT_PATTERN`'s trees: the step and its draft rows."""
+    drafts = [DRAFT_PATTERN[i % len(DRAFT_PATTERN)] for i in range(len(contexts))]
+    return _requests(runner, contexts, [_tree(d) for d in drafts]), sum(drafts)
+
+
+def _requests(runner: ModelRunner, contexts: list[int], drafts: list[DraftTree | None]) -> SchedulerOutput:
+    """One request per entry of `contexts`, each computing 1 token plus its draft."""
+    bs = runner.backend.block_size
     reqs = []
     next_block = 0
-    for i, ctx in enumerate(contexts):
-        rows = num_tokens // n + (1 if i < num_tokens % n else 0)
+    for i, (ctx, draft) in enumerate(zip(contexts, drafts)):
+        rows = 1 + (len(draft) if draft is not None else 0)
         num_blocks = -(-(ctx + rows) // bs)
         blocks = tuple(range(next_block, next_block + num_blocks))
         next_block += num_blocks
-        draft = DraftTree.chain([(7 * j + 3) % 97 + 1 for j in range(rows - 1)]) if rows > 1 else None
         reqs.append(
             ScheduledRequest(
                 request_id=f"calibrate-{i}",
@@ -183,7 +212,7 @@ def calibrate(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(usable) * (len(counts) + 2) * repeats, desc="calibrate", unit="step")
+        bar = tqdm(total=len(usable) * (len(counts) + 3) * repeats, desc="calibrate", unit="step")
 
     def tick() -> None:
         if bar is not None:
@@ -191,22 +220,15 @@ def calibrate(
 
     rows: list[tuple[float, ...]] = []
     per_seq: list[float] = []
+    per_draft: list[float] = []
     try:
         for ctx in usable:
             if bar is not None:
                 bar.set_postfix_str(f"context {ctx}")
             rows.append(tuple(_curve(runner, [_step(runner, [ctx], n) for n in counts], repeats, tick)))
-            # The same rows from one request and from n: what each further request adds.
-            n = PER_SEQ_REQUESTS
-            while n > 1 and _blocks_needed(runner, [ctx] * n, n) > pool:
-                n //= 2
-            if n > 1:
-                one, many = _curve(runner, [_step(runner, [ctx], n), _step(runner, [ctx] * n, n)], repeats, tick)
-                per_seq.append(max(0.0, (many - one) / (n - 1)))
-            else:
-                per_seq.append(0.0)
-                for _ in range(2 * repeats):
-                    tick()
+            seq_ms, draft_ms = _many_requests(runner, ctx, counts, rows[-1], repeats, tick)
+            per_seq.append(seq_ms)
+            per_draft.append(draft_ms)
     finally:
         if bar is not None:
             bar.close()
@@ -218,7 +240,39 @@ def calibrate(
         step_ms=tuple(rows),
         per_seq_ms=tuple(per_seq),
         row_block=row_block_of(counts, rows[0]),
+        draft_ms=tuple(per_draft),
     )
+
+
+def _many_requests(
+    runner: ModelRunner, ctx: int, counts: list[int], curve: Sequence[float], repeats: int, tick: Any
+) -> tuple[float, float]:
+    """What each further request in a step adds (the same rows from one request and from n), and
+    what each draft row adds among m <= n requests beyond the one-request `curve`
+    (`DRAFT_PATTERN`'s trees against the rows' share of the curve plus the requests' own cost);
+    0 where the pool or the step's rows allow too few requests."""
+    pool, deepest = runner.backend.num_blocks, max(DRAFT_PATTERN) + 1
+    n = PER_SEQ_REQUESTS
+    while n > 1 and _blocks_needed(runner, [ctx] * n, n) > pool:
+        n //= 2
+    m = n
+    while m > 1 and (
+        _blocks_needed(runner, [ctx] * m, m * deepest) > pool or m + _draft_step(runner, [ctx] * m)[1] > counts[-1]
+    ):
+        m //= 2
+    drafted, num_drafts = _draft_step(runner, [ctx] * m)
+    steps = [_step(runner, [ctx], n), _step(runner, [ctx] * n, n)] if n > 1 else []
+    steps += [drafted] if m > 1 and num_drafts > 0 else []
+    times = _curve(runner, steps, repeats, tick)
+    for _ in range((3 - len(steps)) * repeats):
+        tick()
+    if n < 2:
+        return 0.0, 0.0
+    seq_ms = max(0.0, (times[1] - times[0]) / (n - 1))
+    if len(times) < 3:
+        return seq_ms, 0.0
+    predicted = float(np.interp(m + num_drafts, counts, curve)) + seq_ms * (m - 1)
+    return seq_ms, max(0.0, (times[2] - predicted) / num_drafts)
 
 
 def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: int, max_context: int) -> CostProfile:
@@ -266,6 +320,8 @@ def format_profile(profile: CostProfile) -> str:
         lines.append(f"rows are taken {profile.row_block} at a time: a started block costs a whole one")
     for c in profile.contexts:
         lines.append(f"each further request in a step at context {c}: +{profile.seq_ms(c):.2f} ms")
+    for c in profile.contexts:
+        lines.append(f"each draft row among several requests at context {c}: +{profile.draft_row_ms(c):.2f} ms")
     for c in profile.contexts:
         lines.append(
             f"critical decoding length at context {c}: {profile.critical_decoding_length(context=c)} "

@@ -160,8 +160,8 @@ class DraftBudgetPolicy:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
         if num_tokens < 1 or num_seqs < 1:
             return
-        predicted = self.profile.time_ms(num_tokens, context, num_seqs)
         drafts = float(max(0, num_tokens - num_seqs))
+        predicted = self.profile.time_ms(num_tokens, context, num_seqs, draft_rows=drafts)
         beta = self._step_fit.observe((predicted, float(num_seqs), drafts), elapsed_ms - predicted)
         self.scale = min(self.max_scale, max(1.0 / self.max_scale, 1.0 + beta[0]))
         self.overhead_per_seq_ms, self.overhead_per_draft_ms = beta[1], beta[2]
@@ -214,7 +214,7 @@ class DraftBudgetPolicy:
         curve = self.profile.curve(context)
 
         def cost(others: int) -> np.ndarray:  # [k] predicted ms of the step with k nodes
-            return self._steps_ms(num_roots + others + ks, num_roots, context, num_seqs, curve)
+            return self._steps_ms(num_roots + others + ks, ks, context, num_seqs, curve)
 
         # 1. Decode-only optimum and the value of a token there (argmax: the fewest nodes of a tie).
         decode = cost(0)
@@ -241,18 +241,18 @@ class DraftBudgetPolicy:
         return self.guard.hedge(num_seqs, chunked) if self.guard is not None else 1.0
 
     def _step_ms(
-        self, rows: int, num_roots: int, context: float, num_seqs: int, curve: list[float] | None = None
+        self, rows: int, drafts: int, context: float, num_seqs: int, curve: list[float] | None = None
     ) -> float:
-        """Predicted ms of a step of `rows` rows, `num_roots` of them one per sampling request."""
+        """Predicted ms of a step of `rows` rows, `drafts` of them draft (or window) rows."""
         curve = curve if curve is not None else self.profile.curve(context)
-        return float(self._steps_ms(np.array([rows]), num_roots, context, num_seqs, curve)[0])
+        return float(self._steps_ms(np.array([rows]), np.array([drafts]), context, num_seqs, curve)[0])
 
     def _steps_ms(
-        self, rows: np.ndarray, num_roots: int, context: float, num_seqs: int, curve: list[float]
+        self, rows: np.ndarray, drafts: np.ndarray, context: float, num_seqs: int, curve: list[float]
     ) -> np.ndarray:
-        """`_step_ms` at every row count of `rows` at once."""
-        forward = self.scale * self.profile.times_ms(rows, context, num_seqs, curve)
-        return forward + self.overhead_per_seq_ms * num_seqs + self.overhead_per_draft_ms * (rows - num_roots)
+        """`_step_ms` at every (row count, draft rows) of `rows` and `drafts` at once."""
+        forward = self.scale * self.profile.times_ms(rows, context, num_seqs, curve, drafts)
+        return forward + self.overhead_per_seq_ms * num_seqs + self.overhead_per_draft_ms * drafts
 
     def admit_windows(
         self,
@@ -275,9 +275,10 @@ class DraftBudgetPolicy:
         num_seqs = num_seqs if num_seqs is not None else max(1, num_roots)
         cap = token_budget if token_budget is not None else sum(n for _, n in candidates)
         curve = self.profile.curve(context)
-        tau = self._step_ms(num_decode_tokens, num_roots, context, num_seqs, curve) / max(_MIN_TOKENS, expected_tokens)
+        drafts = num_decode_tokens - num_roots  # the windows' rows join these
+        tau = self._step_ms(num_decode_tokens, drafts, context, num_seqs, curve) / max(_MIN_TOKENS, expected_tokens)
         total = num_tokens
-        now = self._step_ms(total, num_roots, context, num_seqs, curve)
+        now = self._step_ms(total, drafts, context, num_seqs, curve)
         ranked = sorted(candidates, key=lambda c: -self.windows.gain(c[0]) / max(1, c[1]))
         hedge = self.hedge(num_seqs, chunked)
         admitted: list[str] = []
@@ -285,8 +286,8 @@ class DraftBudgetPolicy:
             gain = self.windows.gain(rid) / hedge
             if rows > cap or gain < self.min_gain:
                 continue
-            after = self._step_ms(total + rows, num_roots, context, num_seqs, curve)
+            after = self._step_ms(total + rows, drafts + rows, context, num_seqs, curve)
             if gain * tau >= after - now:
                 admitted.append(rid)
-                total, now, cap = total + rows, after, cap - rows
+                total, drafts, now, cap = total + rows, drafts + rows, after, cap - rows
         return admitted

@@ -58,6 +58,11 @@ class CostProfile:
     # int4 kernel on an AVX2 CPU reads every weight again for each 4 rows, so past the first
     # block a step costs what its rows rounded up to a whole block cost, not a linear share.
     row_block: int = 1
+    # [context] extra cost of each draft row in a step of several requests, beyond what the
+    # one-request curve says for a row: requests carry drafts of different sizes and shapes
+    # (trees), so attention pads or splits them into more groups; one request's chain, which
+    # the curve measures, pays for neither. Empty: none (older profiles).
+    draft_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_counts or not self.contexts:
@@ -67,10 +72,11 @@ class CostProfile:
                 raise ValueError(f"{name} must be ascending and non-negative, got {xs}")
         if len(self.step_ms) != len(self.contexts) or any(len(r) != len(self.token_counts) for r in self.step_ms):
             raise ValueError("step_ms must be [len(contexts)][len(token_counts)]")
-        if any(t <= 0 for row in self.step_ms for t in row) or any(t < 0 for t in self.per_seq_ms):
+        if any(t <= 0 for row in self.step_ms for t in row) or any(t < 0 for t in (*self.per_seq_ms, *self.draft_ms)):
             raise ValueError("times must be positive")
-        if self.per_seq_ms and len(self.per_seq_ms) != len(self.contexts):
-            raise ValueError("per_seq_ms must have one entry per context")
+        for name, per_context in (("per_seq_ms", self.per_seq_ms), ("draft_ms", self.draft_ms)):
+            if per_context and len(per_context) != len(self.contexts):
+                raise ValueError(f"{name} must have one entry per context")
         if self.row_block < 1:
             raise ValueError(f"row_block must be >= 1, got {self.row_block}")
 
@@ -81,27 +87,45 @@ class CostProfile:
         ]
 
     def time_ms(
-        self, num_tokens: float, context: float = 0.0, num_seqs: int = 1, curve: list[float] | None = None
+        self,
+        num_tokens: float,
+        context: float = 0.0,
+        num_seqs: int = 1,
+        curve: list[float] | None = None,
+        draft_rows: float = 0.0,
     ) -> float:
         """Predicted forward time of a step with `num_tokens` rows from `num_seqs` requests
-        whose mean context is `context` (pass `curve(context)` to skip recomputing it)."""
-        return float(self.times_ms(np.array([num_tokens]), context, num_seqs, curve)[0])
+        whose mean context is `context` (pass `curve(context)` to skip recomputing it), of
+        which `draft_rows` are draft rows."""
+        return float(self.times_ms(np.array([num_tokens]), context, num_seqs, curve, np.array([draft_rows]))[0])
 
     def times_ms(
-        self, num_tokens: np.ndarray, context: float = 0.0, num_seqs: int = 1, curve: list[float] | None = None
+        self,
+        num_tokens: np.ndarray,
+        context: float = 0.0,
+        num_seqs: int = 1,
+        curve: list[float] | None = None,
+        draft_rows: np.ndarray | None = None,
     ) -> np.ndarray:
-        """`time_ms` at every row count of `num_tokens` at once (the budget weighs every draft
-        length of a step)."""
+        """`time_ms` at every row count of `num_tokens` (and its `draft_rows`) at once: the
+        budget weighs every draft length of a step."""
         ys = curve if curve is not None else self.curve(context)
         x = np.asarray(num_tokens, dtype=float)
         b = self.row_block
         if b > 1:
             x = np.where(x > b, np.ceil(x / b) * b, x)
-        return _interp_many(self.token_counts, ys, x) + self.seq_ms(context) * max(0, num_seqs - 1)
+        out = _interp_many(self.token_counts, ys, x) + self.seq_ms(context) * max(0, num_seqs - 1)
+        if draft_rows is not None and num_seqs > 1:
+            out = out + self.draft_row_ms(context) * np.asarray(draft_rows, dtype=float)
+        return out
 
     def seq_ms(self, context: float = 0.0) -> float:
         """Cost of one more request in a step at this mean context."""
         return max(0.0, _interp(self.contexts, self.per_seq_ms, context)) if self.per_seq_ms else 0.0
+
+    def draft_row_ms(self, context: float = 0.0) -> float:
+        """Extra cost of a draft row in a step of several requests at this mean context."""
+        return max(0.0, _interp(self.contexts, self.draft_ms, context)) if self.draft_ms else 0.0
 
     def critical_decoding_length(self, tolerance: float = 0.1, context: float | None = None) -> int:
         """The largest measured token count whose step costs at most (1 + tolerance) times a
@@ -127,6 +151,7 @@ class CostProfile:
             step_ms=tuple(tuple(float(t) for t in row) for row in d["step_ms"]),
             per_seq_ms=_per_context(d.get("per_seq_ms", ()), len(d["contexts"])),
             row_block=int(d.get("row_block", 1)),
+            draft_ms=tuple(float(x) for x in d.get("draft_ms", ())),
         )
 
     def save(self, path: str | Path) -> None:

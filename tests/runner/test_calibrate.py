@@ -67,6 +67,29 @@ def test_calibrate_keeps_the_dips_and_ignores_interference(monkeypatch):
     assert profile.time_ms(4) < profile.time_ms(2)  # the policy sees the cheaper step
 
 
+def test_calibrate_measures_what_a_draft_row_costs_among_many_requests(monkeypatch):
+    """Uneven draft trees across many requests cost more a row than one request's chain (the
+    attention pads or splits them): the profile's draft_ms is that extra, and only that."""
+
+    def fake_time(runner, out):
+        n = len(out.requests)
+        rows = sum(1 + len(r.draft or ()) for r in out.requests)
+        trees = any(r.draft is not None and len(r.draft) > 1 and r.draft.parents[1] is None for r in out.requests)
+        return 10.0 + rows + 0.5 * (n - 1) + (3.0 * (rows - n) if n > 1 and trees else 0.0)
+
+    monkeypatch.setattr(cal, "_time_once", fake_time)
+    profile = cal.calibrate(_core().runner, max_tokens=48, max_context=1024, contexts=(8,), repeats=2, progress=False)
+    assert profile.per_seq_ms == pytest.approx((0.5,))
+    assert profile.draft_ms == pytest.approx((3.0,))
+    # The measured step: DRAFT_PATTERN's trees, two draft rows a request on average.
+    step, drafts = cal._draft_step(_core().runner, [8] * 16)
+    assert drafts == 32 and len(step.requests) == 16
+    assert max(len(r.draft or ()) for r in step.requests) == max(cal.DRAFT_PATTERN)
+    # Too few rows allowed for many requests' drafts: none measured, nothing claimed.
+    small = cal.calibrate(_core().runner, max_tokens=4, max_context=1024, contexts=(8,), repeats=1, progress=False)
+    assert small.draft_ms == (0.0,)
+
+
 def test_lower_quartile():
     assert cal.lower_quartile([5.0]) == 5.0
     assert cal.lower_quartile([9.0, 1.0, 100.0, 2.0, 3.0]) == 2.0  # not the single luckiest run

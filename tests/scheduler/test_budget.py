@@ -196,6 +196,24 @@ def test_a_measured_step_in_the_curve_after_16_rows_is_priced():
     assert interpolated == {r: int(r in ("r0", "r1")) for r in rids}
 
 
+def test_draft_rows_dearer_among_many_requests_are_drafted_less():
+    # A 60% node pays on the one-request curve at 8 requests; with each draft row among several
+    # requests costing 2.5 ms more (measured uneven trees), fewer do, and one request alone, whose
+    # chain the curve measured, is unaffected.
+    rids = [f"r{i}" for i in range(8)]
+    tracker = trained({r: [0.6] * 2 + [0.3] * 14 for r in rids}, steps=200)
+    cands = [DraftCandidate(r, 16) for r in rids]
+    p = cpu_like()
+    drafty = CostProfile("x", COUNTS, p.contexts, p.step_ms, draft_ms=(2.5, 2.5))
+    plain = DraftBudgetPolicy(p, tracker).allocate(cands, num_roots=8)
+    dear = DraftBudgetPolicy(drafty, tracker).allocate(cands, num_roots=8)
+    assert 0 < sum(dear.values()) < sum(plain.values())
+    alone = [DraftCandidate("r0", 16)]
+    assert DraftBudgetPolicy(drafty, tracker).allocate(alone, num_roots=1) == DraftBudgetPolicy(p, tracker).allocate(
+        alone, num_roots=1
+    )
+
+
 def test_measured_engine_overhead_makes_drafts_cheaper():
     rids = [f"r{i}" for i in range(8)]
     probs = [0.5 * 0.9**j for j in range(64)]

@@ -83,3 +83,25 @@ def test_load_of_something_else_names_the_file(tmp_path):
     bad.write_text('{"hello": 1}')
     with pytest.raises(ValueError, match=r"bad\.json"):
         CostProfile.load(bad)
+
+
+def test_draft_rows_cost_their_extra_only_among_several_requests(tmp_path):
+    p = cpu_like()
+    drafty = CostProfile("x", COUNTS, (0, 2048), p.step_ms, draft_ms=(1.0, 3.0))
+    # 16 rows of 8 requests, 8 of them drafts: the curve's share plus 8 draft rows' extra.
+    assert drafty.time_ms(16, num_seqs=8, draft_rows=8) == pytest.approx(p.time_ms(16) + 8 * 1.0)
+    assert drafty.time_ms(16, 1024, num_seqs=8, draft_rows=8) == pytest.approx(p.time_ms(16, 1024) + 8 * 2.0)
+    # One request's chain is what the curve itself measured; no drafts, no extra.
+    assert drafty.time_ms(16, num_seqs=1, draft_rows=15) == pytest.approx(p.time_ms(16))
+    assert drafty.time_ms(16, num_seqs=16) == pytest.approx(p.time_ms(16, num_seqs=16))
+    assert drafty.draft_row_ms(1024) == pytest.approx(2.0)
+    drafty.save(tmp_path / "p.json")
+    assert CostProfile.load(tmp_path / "p.json") == drafty
+    d = json.loads(drafty.to_json())
+    del d["draft_ms"]  # a profile from before draft rows were measured among requests
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert CostProfile.load(tmp_path / "old.json").draft_row_ms(0) == 0.0
+    with pytest.raises(ValueError, match="one entry per context"):
+        CostProfile("x", COUNTS, (0, 2048), p.step_ms, draft_ms=(1.0,))
+    with pytest.raises(ValueError, match="positive"):
+        CostProfile("x", COUNTS, (0, 2048), p.step_ms, draft_ms=(1.0, -1.0))
