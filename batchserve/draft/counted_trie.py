@@ -48,6 +48,17 @@ class Trie:
                 return None
         return node
 
+    def suffix_match(self, key: Sequence[int], limit: int) -> int:
+        """The longest suffix of `key` (at most `limit` tokens) that is a path with children:
+        a run seen before, with what followed it."""
+        best = 0
+        for m in range(1, min(limit, len(key)) + 1):
+            node = self.find(key[len(key) - m :])
+            if node is None or not node.children:
+                break
+            best = m
+        return best
+
     def prune(self) -> None:
         """Halve every count and delete the nodes that fall below 1 (with their subtrees)."""
         removed = 0

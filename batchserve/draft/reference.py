@@ -107,6 +107,7 @@ class ReferenceDrafts:
                 found.append((-match, order, ref))
         builder = TreeBuilder(max_tokens)
         state.offered = []
+        longest = max((-f[0] for f in found), default=0)
         for _, _, ref in sorted(found, key=lambda f: f[:2]):
             chain = tuple(ref.tokens[ref.pos : ref.pos + length].tolist()) if ref.pos is not None else ()
             if not chain or (builder.full and (None, chain[0]) not in builder.index):
@@ -118,7 +119,7 @@ class ReferenceDrafts:
                     break
                 parent = builder.add(parent, tok, 1.0)
         tree = builder.tree()
-        return None if tree is None else tree.with_referenced(range(len(tree)))
+        return None if tree is None else tree.with_referenced(range(len(tree))).with_match(longest)
 
     def ahead(
         self, request_id: str, token_ids: Sequence[int], max_tokens: int, own: DraftTree | None, single: bool = False

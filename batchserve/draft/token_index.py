@@ -36,6 +36,10 @@ class TokenIndex:
         self._buf[self.size : end] = token_ids
         self.size = end
 
+    def suffix_match(self, key: Sequence[int], limit: int) -> int:
+        """`suffix_match` over this index's tokens, at any depth (not only `branch_length`)."""
+        return suffix_match(self.tokens, key, limit)
+
     def find(self, key: Sequence[int]) -> IndexNode | None:
         """The node of `key`: where it occurs (its most recent MAX_OCCURRENCES occurrences)."""
         m, toks = len(key), self.tokens
@@ -47,6 +51,24 @@ class TokenIndex:
         if not len(starts):
             return None
         return IndexNode(self, starts[-MAX_OCCURRENCES:] + m, m)
+
+
+def suffix_match(tokens: np.ndarray, key: Sequence[int], limit: int) -> int:
+    """The longest suffix of `key` (at most `limit` tokens) that occurs in `tokens` [n] with a
+    token after it: how much of what was just said has been said before, and what came next."""
+    limit = min(limit, len(key))
+    if limit < 1 or len(tokens) < 2:
+        return 0
+    ends = np.flatnonzero(tokens[:-1] == key[-1])  # [k] where the last token occurs, a token after it
+    m = 0
+    while len(ends) and m < limit:  # the occurrences that extend one more token back
+        m += 1
+        if m == limit:
+            break
+        back = ends - m
+        ends = ends[back >= 0]
+        ends = ends[tokens[ends - m] == key[-1 - m]]
+    return m
 
 
 class IndexNode:

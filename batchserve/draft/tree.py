@@ -8,6 +8,9 @@ from typing import Any
 
 import numpy as np
 
+# The longest match a tree reports (`DraftTree.match`): past a few dozen tokens a copy is a copy.
+MATCH_CAP = 32
+
 
 def ancestor_mask(parents: Sequence[int | None]) -> np.ndarray:
     """[n, n] bool: row i is True at node i's ancestors (the root excluded) and at i itself.
@@ -49,6 +52,10 @@ class DraftTree:
     # Nodes copied from the request's own references (a client's predicted output): their
     # accepted count is what the prediction bought (usage's accepted_prediction_tokens).
     referenced: frozenset[int] = frozenset()
+    # How good the retrieval was, before any forward: the longest suffix of the request's tokens
+    # (at most MATCH_CAP) that the drafter found earlier with a token after it; 0: not measured.
+    # A long match is a copy in progress (a code edit, a repeated answer); one token is a guess.
+    match: int = 0
     depths: tuple[int, ...] = field(init=False)  # root children have depth 1
     children: dict[int | None, dict[int, int]] = field(init=False)  # node (None: the root) -> {token: child}
     _mask: Any = field(init=False, default=None, repr=False, compare=False)  # ancestor_mask, built on first use
@@ -101,7 +108,7 @@ class DraftTree:
             return self
         pooled = frozenset(i for i in self.pooled if i < n)
         referenced = frozenset(i for i in self.referenced if i < n)
-        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n], pooled, referenced)
+        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n], pooled, referenced, self.match)
 
     def judged(self, emitted: Sequence[int]) -> tuple[int, list[int]]:
         """What the step's `emitted` tokens (accepted drafts, then the model's own) say of this
@@ -125,11 +132,15 @@ class DraftTree:
 
     def with_pooled(self, nodes: Iterable[int]) -> DraftTree:
         """This tree with `nodes` marked as proposed by the pool alone."""
-        return DraftTree(self.tokens, self.parents, self.scores, frozenset(nodes), self.referenced)
+        return DraftTree(self.tokens, self.parents, self.scores, frozenset(nodes), self.referenced, self.match)
 
     def with_referenced(self, nodes: Iterable[int]) -> DraftTree:
         """This tree with `nodes` marked as copied from the request's references."""
-        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, frozenset(nodes))
+        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, frozenset(nodes), self.match)
+
+    def with_match(self, match: int) -> DraftTree:
+        """This tree with its retrieval's match length (`match`)."""
+        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, self.referenced, min(MATCH_CAP, match))
 
 
 @dataclass(slots=True)
@@ -221,7 +232,8 @@ def merge_trees(first: DraftTree | None, second: DraftTree | None, max_tokens: i
     if merged is None:
         return None
     pooled = {i for i in seconds if i is not None and i >= num_first}
-    return merged.with_pooled(pooled).with_referenced(_mapped(first, firsts) | _mapped(second, seconds))
+    merged = merged.with_pooled(pooled).with_referenced(_mapped(first, firsts) | _mapped(second, seconds))
+    return merged.with_match(max(first.match if first is not None else 0, second.match))
 
 
 def _mapped(tree: DraftTree | None, index: list[int | None]) -> set[int]:

@@ -40,7 +40,7 @@ from batchserve.config import DraftConfig
 from batchserve.draft.counted_trie import Trie, TrieNode
 from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.token_index import IndexNode, TokenIndex
-from batchserve.draft.tree import DraftTree, TreeBuilder
+from batchserve.draft.tree import MATCH_CAP, DraftTree, TreeBuilder
 
 
 @dataclass(slots=True)
@@ -179,7 +179,13 @@ class TrieDrafter:
             expand(start, builder)
             if builder.full or (layout == "single" and builder.tokens):
                 break
-        return self.references.ahead(request_id, token_ids, max_tokens, builder.tree(), single=layout == "single")
+        tree = builder.tree()
+        if tree is not None:  # how good the match is: the policy's evidence before the forward
+            match = local.suffix_match(token_ids, MATCH_CAP) if local is not None else 0
+            if output is not None and match < self.config.branch_length - 1:
+                match = max(match, output.suffix_match(token_ids, self.config.branch_length - 1))
+            tree = tree.with_match(match)
+        return self.references.ahead(request_id, token_ids, max_tokens, tree, single=layout == "single")
 
     # ---- warm-up -------------------------------------------------------------------------
 

@@ -103,4 +103,5 @@ def _subtree(tree: DraftTree, kept: list[int]) -> DraftTree:
         tuple(tree.scores[i] for i in kept) if tree.scores else (),
         frozenset(index[i] for i in tree.pooled if i in index),
         frozenset(index[i] for i in tree.referenced if i in index),
+        tree.match,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from batchserve.config import DraftConfig
+from batchserve.draft.tree import MATCH_CAP
 from batchserve.scheduler.fits import ScoreCalibration, non_increasing
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
@@ -52,28 +53,37 @@ class AcceptanceTracker:
     def max_rank(self) -> int:
         return len(self.prior)
 
-    def gains(self, request_id: str, n: int, scores: Sequence[float] = ()) -> list[float]:
+    def gains(self, request_id: str, n: int, scores: Sequence[float] = (), match: int = 0) -> list[float]:
         """Expected extra tokens of the request's first `n` draft nodes, non-increasing.
-        With the drafter's `scores` for those nodes, each is calibrated against its score."""
+        With the drafter's `scores` for those nodes, each is calibrated against its score and
+        the tree's `match` length."""
         if not scores:
             return self._monotone(request_id)[:n]
         ests = self._est.get(request_id, self.prior)[:n]
-        return non_increasing([self.calibration.prob(e, sc) for e, sc in zip(ests, scores)])
+        return non_increasing([self.calibration.prob(e, sc, match) for e, sc in zip(ests, scores)])
 
     def upper_gains(self, request_id: str, n: int) -> list[float]:
-        """The most the first `n` nodes could be worth whatever the drafter's scores turn out
-        to be: what is worth proposing before the tree exists."""
+        """The most the first `n` nodes could be worth whatever the drafter's scores and match
+        turn out to be: what is worth proposing before the tree exists."""
         ests = self._est.get(request_id, self.prior)[:n]
         cal = self.calibration
-        best_score = 1.0 if cal.weights[1] >= 0 else 0.0  # the fit is monotone in the score
-        return [max(g, p) for g, p in zip(self._monotone(request_id)[:n], cal.probs(ests, best_score))]
+        # The fit is monotone in the score and in the match: the best case is at one end.
+        best_score = 1.0 if cal.weights[1] >= 0 else 0.0
+        best_match = MATCH_CAP if cal.weights[2] >= 0 else 0
+        return [max(g, p) for g, p in zip(self._monotone(request_id)[:n], cal.probs(ests, best_score, best_match))]
 
     def observe(
-        self, request_id: str, num_offered: int, accepted_ranks: Iterable[int], scores: Sequence[float] = ()
+        self,
+        request_id: str,
+        num_offered: int,
+        accepted_ranks: Iterable[int],
+        scores: Sequence[float] = (),
+        match: int = 0,
     ) -> None:
         """Record one verification: ranks [0, num_offered) were drafted, `accepted_ranks` hit;
-        `scores`: the drafter's score of each drafted node, if it gave them."""
-        est = self._record(request_id, 0, num_offered, accepted_ranks, scores)
+        `scores`: the drafter's score of each drafted node, if it gave them; `match`: the
+        tree's match length."""
+        est = self._record(request_id, 0, num_offered, accepted_ranks, scores, match)
         # Ranks not drafted drift back: the request's toward the pool's, and the pool's toward
         # the initial guess. Without the second, a streak of failures could silence every
         # request for good (no drafts, so no evidence that drafts would pay again).
@@ -82,14 +92,27 @@ class AcceptanceTracker:
             self.prior[j] += self.explore * self.pool_rate * (self.initial[j] - self.prior[j])
 
     def observe_late(
-        self, request_id: str, start: int, stop: int, accepted_ranks: Iterable[int], scores: Sequence[float] = ()
+        self,
+        request_id: str,
+        start: int,
+        stop: int,
+        accepted_ranks: Iterable[int],
+        scores: Sequence[float] = (),
+        match: int = 0,
     ) -> None:
         """Record ranks [start, stop) of a tree proposed in an earlier step that later steps'
-        tokens decided (`judging.py`); `scores`: theirs. The ranks' drift was that step's."""
-        self._record(request_id, start, stop, accepted_ranks, scores)
+        tokens decided (`judging.py`); `scores` and `match`: theirs. The ranks' drift was that
+        step's."""
+        self._record(request_id, start, stop, accepted_ranks, scores, match)
 
     def _record(
-        self, request_id: str, start: int, stop: int, accepted_ranks: Iterable[int], scores: Sequence[float]
+        self,
+        request_id: str,
+        start: int,
+        stop: int,
+        accepted_ranks: Iterable[int],
+        scores: Sequence[float],
+        match: int = 0,
     ) -> list[float]:
         """The EMA step of ranks [start, stop) (the request's and, slower, the pool's) and the
         score calibration's; the request's estimates."""
@@ -99,7 +122,9 @@ class AcceptanceTracker:
         stop = min(stop, self.max_rank)
         n = min(stop - start, len(scores))
         if n > 0:  # calibrate against the estimates as they are now (a late tree's were close)
-            self.calibration.observe(est[start : start + n], scores[:n], [j in hits for j in range(start, start + n)])
+            self.calibration.observe(
+                est[start : start + n], scores[:n], [j in hits for j in range(start, start + n)], match
+            )
         a = self.decay
         for j in range(start, stop):
             x = 1.0 if j in hits else 0.0

@@ -55,6 +55,7 @@ class DraftCandidate:
     request_id: str
     max_tokens: int
     scores: tuple[float, ...] = ()  # the drafter's score of each proposed node, if any
+    match: int = 0  # the tree's match length (`DraftTree.match`; 0: not measured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +185,7 @@ class DraftBudgetPolicy:
     def allocate_step(self, candidates: Sequence[DraftCandidate], step: StepShape) -> dict[str, int]:
         """Draft lengths by request: each candidate's nodes valued by its acceptance estimates
         and the drafter's scores."""
-        gains = [self.tracker.gains(c.request_id, c.max_tokens, c.scores) for c in candidates]
+        gains = [self.tracker.gains(c.request_id, c.max_tokens, c.scores, c.match) for c in candidates]
         lengths, self.planned_gain = self._choose([c.request_id for c in candidates], gains, step)
         return lengths
 

@@ -274,7 +274,7 @@ class DraftPlanner:
     def _allocate(self, shared: list[tuple[Request, DraftTree]], shape: StepShape) -> dict[str, int]:
         assert self.policy is not None
         try:
-            candidates = [DraftCandidate(req.request_id, len(tree), tree.scores) for req, tree in shared]
+            candidates = [DraftCandidate(req.request_id, len(tree), tree.scores, tree.match) for req, tree in shared]
             return self.policy.allocate_step(candidates, shape)
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")
@@ -301,9 +301,9 @@ class DraftPlanner:
         if now is None:
             tracker.skipped(rid)
         else:
-            tracker.observe(rid, now.stop, now.hits, now.scores)
+            tracker.observe(rid, now.stop, now.hits, now.scores, now.match)
         for d in late:  # earlier steps' trees, judged further by these tokens
-            tracker.observe_late(rid, d.start, d.stop, d.hits, d.scores)
+            tracker.observe_late(rid, d.start, d.stop, d.hits, d.scores, d.match)
 
     def observe_window(self, item: ScheduledRequest, outputs: list[int] | None) -> None:
         """Hand a window's output tokens back to the drafter (its pool and next level)."""

@@ -39,6 +39,7 @@ class Decided:
     stop: int
     hits: tuple[int, ...]
     scores: tuple[float, ...]  # the drafter's scores of ranks [start, stop), if it gave them
+    match: int = 0  # the tree's match length (`DraftTree.match`)
 
 
 @dataclass(slots=True)
@@ -82,4 +83,4 @@ def _advance(item: _Open) -> Decided | None:
     if k <= item.decided:
         return None
     start, item.decided = item.decided, k
-    return Decided(start, k, tuple(h for h in hits if start <= h < k), item.tree.scores[start:k])
+    return Decided(start, k, tuple(h for h in hits if start <= h < k), item.tree.scores[start:k], item.tree.match)

@@ -9,7 +9,7 @@ from batchserve.config import DraftConfig
 from batchserve.draft import DraftTree, HybridDrafter, JacobiDrafter, NoDrafter, SingleBranchDrafter, TrieDrafter
 from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.simulate import simulate
-from batchserve.draft.tree import merge_trees
+from batchserve.draft.tree import MATCH_CAP, merge_trees
 from tests.engine.drafters import token_path
 
 REF = [10, 11, 12, 13, 14, 15, 16, 17]
@@ -93,6 +93,20 @@ def test_merging_and_cutting_trees_keeps_the_marks():
     assert {token_path(merged, i) for i in merged.referenced} == {(1,), (1, 2)}
     assert {token_path(merged, i) for i in merged.pooled} == {(1, 3)}  # (1,) came from the reference
     assert merged.prefix(1).referenced == frozenset({0}) and merged.prefix(1).pooled == frozenset()
+    # The merged tree's match is its best source's; cutting and marking keep it; it is capped.
+    assert merge_trees(ref.with_match(3), pool.with_match(9), 10).match == 9
+    assert merge_trees(ref.with_match(3), pool, 10).match == 3
+    kept = ref.with_match(7)
+    assert kept.prefix(1).match == kept.with_pooled({0}).match == kept.with_referenced({1}).match == 7
+    assert ref.with_match(10**6).match == MATCH_CAP
+
+
+def test_a_prediction_being_followed_is_the_longest_match():
+    d = ReferenceDrafts()
+    d.start("r", [REF])
+    assert d.propose("r", [1, 2, 3], 3).match == MATCH_CAP  # read from its start, then along
+    d.accepted("r", [10, 99])  # the output left it
+    assert d.propose("r", [1, 2, 3, 10, 99, 13], 3).match == 1  # found again from one token
 
 
 @pytest.mark.parametrize("make", [TrieDrafter, SingleBranchDrafter, JacobiDrafter, HybridDrafter])

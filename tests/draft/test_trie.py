@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from batchserve.config import DraftConfig
 from batchserve.draft import DraftTree, TrieDrafter
 from batchserve.draft.simulate import simulate
+from batchserve.draft.tree import MATCH_CAP
 from batchserve.draft.trie import Trie
 from batchserve.request import SamplingParams
 from tests.engine.drafters import token_path
@@ -238,3 +240,41 @@ def test_warm_up_goes_into_its_scope_and_drafts_only_there():
     # A scoped request's output feeds its own scope only.
     d.on_tokens_accepted("theirs", [40, 41, 42])
     assert d.outputs["acme"].find([40, 41]) is None and d.outputs[""].find([40, 41]) is not None
+
+
+def test_suffix_match_is_the_longest_run_said_before_with_what_came_next():
+    from batchserve.draft.token_index import suffix_match
+
+    toks = np.array([7, 1, 2, 3, 4, 9, 2, 3, 4], np.int32)
+    assert suffix_match(toks, [1, 2, 3, 4], 32) == 4  # [1 2 3 4] at 1-4, followed by 9
+    assert suffix_match(toks, [8, 2, 3, 4], 32) == 3
+    assert suffix_match(toks, [1, 2, 3, 4], 2) == 2  # capped
+    assert suffix_match(toks, [4], 32) == 1
+    assert suffix_match(toks[:5], [1, 2, 3, 4], 32) == 0  # only at the very end: nothing came next
+    assert suffix_match(toks, [5], 32) == 0 and suffix_match(toks, [], 32) == 0
+    t = Trie()
+    t.insert_sequence([1, 2, 3, 4, 9], branch_length=4)
+    assert t.suffix_match([0, 2, 3, 4], 8) == 3  # [2 3 4] -> 9
+    assert t.suffix_match([0, 1, 2, 3], 8) == 3  # [1 2 3 4] is a path, but [0 1 2 3] is not
+    assert t.suffix_match([3, 9], 8) == 0  # 9 ends every run: nothing follows it
+
+
+def test_a_tree_reports_how_long_its_match_is():
+    """A draft copying a long run of the request's own text says so (`match`), and one found
+    from a single token says that: the policy's evidence before the forward."""
+    d = _drafter(branch_length=6)
+    code = list(range(100, 140))
+    d.on_request_start("a", [*code, 7])
+    copying = d.propose("a", [*code, 7, *code[:20]], 4)  # 20 tokens of the prompt copied so far
+    assert copying.tokens == tuple(code[20:24]) and copying.match == 20
+    d.on_request_start("b", [*code, 7])
+    guessing = d.propose("b", [*code, 7, 55, 56, 120], 4)  # only the last token was seen before
+    assert guessing.tokens[0] == 121 and guessing.match == 1
+    long = [*code, 7, *code, *code]
+    d.on_request_start("c", long[:-1])
+    assert d.propose("c", long, 2).match == MATCH_CAP
+    # Another request's output (its scope's trie) counts, up to what the trie holds.
+    d.on_request_start("w", [1])
+    d.on_tokens_accepted("w", [60, 61, 62, 63, 64, 65, 66, 67])
+    d.on_request_start("r", [2])
+    assert d.propose("r", [2, 60, 61, 62, 63, 64], 2).match == 5  # branch_length - 1

@@ -214,6 +214,24 @@ def test_draft_rows_dearer_among_many_requests_are_drafted_less():
     )
 
 
+def test_a_long_match_is_drafted_deeper_than_a_guess_with_the_same_scores():
+    """Once the calibration has seen that long matches hit and one-token matches miss, the same
+    ranks and scores are worth more nodes after a long match; and what is worth proposing
+    before the tree exists (`upper_gains`) counts on the best match."""
+    tracker = AcceptanceTracker(16)
+    for r in range(400):
+        for match, rate in ((1, 0.2), (24, 0.9)):
+            tracker.calibration.observe([0.5] * 8, [0.8] * 8, [int((r + 1) * rate) > int(r * rate)] * 8, match)
+    for rid in ("copy", "guess"):
+        tracker.observe(rid, 8, range(4), [0.8] * 8)
+    scores = (0.8,) * 16
+    cands = [DraftCandidate("copy", 16, scores, match=24), DraftCandidate("guess", 16, scores, match=1)]
+    d = DraftBudgetPolicy(cpu_like(), tracker).allocate(cands, num_roots=2)
+    assert d["copy"] > d["guess"]
+    assert tracker.gains("copy", 4, scores[:4], 24) > tracker.gains("copy", 4, scores[:4], 1)
+    assert tracker.upper_gains("guess", 4) >= tracker.gains("guess", 4, scores[:4], 24)
+
+
 def test_measured_engine_overhead_makes_drafts_cheaper():
     rids = [f"r{i}" for i in range(8)]
     probs = [0.5 * 0.9**j for j in range(64)]

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration, _nonnegative_ridge, _solve3, non_increasing
+from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration, _nonnegative_ridge, _solve, match_feature, non_increasing
 from tests.scheduler.workloads import feed
 
 
@@ -50,13 +50,31 @@ def test_calibration_probs_at_one_score_are_each_ranks_prob():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_calibrations_3x3_solve_is_numpys(seed):
+def test_the_calibrations_solve_is_numpys(seed):
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(5, 3)) * (3.0, 1.0, 0.1)
-    a, b = x.T @ x + 0.05 * np.eye(3), rng.normal(size=3)
-    assert _solve3(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b), rel=1e-9, abs=1e-12)
+    for n in (3, 4):
+        x = rng.normal(size=(6, n)) * np.array([3.0, 1.0, 0.1, 2.0][:n])
+        a, b = x.T @ x + 0.05 * np.eye(n), rng.normal(size=n)
+        assert _solve(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b), rel=1e-9, abs=1e-12)
+    b = rng.normal(size=3)
     swapped = np.array([[0.0, 2.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 3.0]])  # needs a row swap
-    assert _solve3(swapped.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(swapped, b), rel=1e-9)
+    assert _solve(swapped.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(swapped, b), rel=1e-9)
+
+
+def test_calibration_learns_what_a_long_match_means():
+    """Same rank estimates and scores; trees found after a long match (a copy in progress) hit
+    far more often than after a one-token match: the fit tells them apart, and a tree whose
+    match was not measured (0) stays between."""
+    cal = ScoreCalibration()
+    assert cal.prob(0.3, 0.5, match=16) == pytest.approx(cal.prob(0.3, 0.5, match=1), abs=1e-9)  # no evidence yet
+    for r in range(800):
+        for match, rate in ((1, 0.3), (16, 0.9)):
+            cal.observe([0.5] * 8, [0.7] * 8, [int((r + 1) * rate) > int(r * rate)] * 8, match)
+    assert cal.prob(0.5, 0.7, match=16) == pytest.approx(0.9, abs=0.05)
+    assert cal.prob(0.5, 0.7, match=1) == pytest.approx(0.3, abs=0.05)
+    assert cal.prob(0.5, 0.7, match=1) < cal.prob(0.5, 0.7, match=4) < cal.prob(0.5, 0.7, match=16)
+    assert cal.probs([0.5, 0.2], 0.7, 16) == pytest.approx([cal.prob(0.5, 0.7, 16), cal.prob(0.2, 0.7, 16)])
+    assert match_feature(0) == 0.0 and match_feature(1) == 1.0 and match_feature(3) == 2.0
 
 
 def _brute_force_ridge(x: np.ndarray, r: np.ndarray, strength: float, nonneg: tuple[int, ...]) -> np.ndarray:
