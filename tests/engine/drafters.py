@@ -143,3 +143,23 @@ class WrongChainDrafter(_KnowsTheTruth):
         wrong = (rest[0] + 1) % self.vocab
         self.proposed.append((request_id, max_tokens))
         return DraftTree.chain([wrong] * max_tokens)
+
+
+class MatchTellingDrafter(_KnowsTheTruth):
+    """Knows each request's true output; every other proposal is the true next tokens with a long
+    match (`DraftTree.match` 24), the others a chain whose first token is wrong with a match of 1.
+    Every node scores the same: only the match tells the two apart."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        super().__init__(truth, vocab)
+        self.calls = 0
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
+        rest = self._rest(request_id, token_ids)[:max_tokens]
+        if not rest:
+            return None
+        self.calls += 1
+        good = self.calls % 2 == 0
+        tokens = rest if good else [(rest[0] + 1) % self.vocab] * len(rest)
+        tree = DraftTree.chain(tokens)
+        return DraftTree(tree.tokens, tree.parents, (0.8,) * len(tokens), match=24 if good else 1)

@@ -8,7 +8,7 @@ from batchserve import SamplingParams
 from batchserve.config import DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.scheduler.cost_profile import CostProfile
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
-from tests.engine.drafters import OracleDrafter, RandomTreeDrafter, random_prompts
+from tests.engine.drafters import MatchTellingDrafter, OracleDrafter, RandomTreeDrafter, random_prompts
 
 COUNTS = (1, 8, 16, 32, 64, 128, 256, 1024)
 # Flat up to 32 tokens, then 0.5 ms per token: a small GPU's shape.
@@ -54,6 +54,18 @@ def test_adaptive_with_bad_drafts_is_lossless_and_backs_off(reference):
     # Random trees are almost never accepted: after the first few steps the tracker stops
     # paying for them (a fixed length of 32 would verify up to 32 per step).
     assert proposed / steps < 8
+
+
+def test_the_engine_teaches_the_policy_what_a_long_match_means(reference):
+    """Trees whose match is long are right and trees found from one token are wrong, with the
+    same scores: the engine passes each tree's match to the calibration, which learns it."""
+    prompts = [list(p) for p in reference]
+    llm = _llm(MatchTellingDrafter(reference, vocab=TINY_VOCAB))
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=48))
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference[tuple(p)]
+    calibration = llm.engine.scheduler.planner.policy.tracker.calibration
+    assert calibration.prob(0.5, 0.8, match=24) > 0.7 > 0.3 > calibration.prob(0.5, 0.8, match=1)
 
 
 def test_per_request_override_bypasses_the_policy(reference):
