@@ -7,7 +7,14 @@ import itertools
 import numpy as np
 import pytest
 
-from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration, _nonnegative_ridge, _solve, match_feature, non_increasing
+from batchserve.scheduler.fits import (
+    DecayedRidge,
+    ScoreCalibration,
+    _nonnegative_ridge,
+    _solve,
+    match_feature,
+    non_increasing,
+)
 from tests.scheduler.workloads import feed
 
 
