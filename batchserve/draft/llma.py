@@ -53,8 +53,8 @@ class SingleBranchDrafter(NoDrafter):
             if start is not None:
                 copy_from = start + match_len
                 copied = list(token_ids[copy_from : copy_from + max_tokens])
-                if copied:
-                    return DraftTree.chain(copied)
+                if copied:  # no scores: the match only reaches the policy through scored trees
+                    return DraftTree.chain(copied).with_match(match_len)
         return None
 
     @staticmethod

@@ -107,11 +107,12 @@ class ReferenceDrafts:
                 found.append((-match, order, ref))
         builder = TreeBuilder(max_tokens)
         state.offered = []
-        longest = max((-f[0] for f in found), default=0)
-        for _, _, ref in sorted(found, key=lambda f: f[:2]):
+        longest = 0  # the longest match among the references the tree drafts from
+        for neg_match, _, ref in sorted(found, key=lambda f: f[:2]):
             chain = tuple(ref.tokens[ref.pos : ref.pos + length].tolist()) if ref.pos is not None else ()
             if not chain or (builder.full and (None, chain[0]) not in builder.index):
                 continue
+            longest = max(longest, -neg_match)
             state.offered.append(chain)
             parent: int | None = None
             for tok in chain:

@@ -67,6 +67,9 @@ class DraftTree:
             raise ValueError("scores must be empty or one per node")
         if any(not 0.0 <= s <= 1.0 for s in self.scores):
             raise ValueError("scores must be probabilities in [0, 1]")
+        if self.match < 0:
+            raise ValueError(f"match must be >= 0, got {self.match}")
+        object.__setattr__(self, "match", min(MATCH_CAP, self.match))
         depths: list[int] = []
         children: dict[int | None, dict[int, int]] = {}
         for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
@@ -140,7 +143,7 @@ class DraftTree:
 
     def with_match(self, match: int) -> DraftTree:
         """This tree with its retrieval's match length (`match`)."""
-        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, self.referenced, min(MATCH_CAP, match))
+        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, self.referenced, match)
 
 
 @dataclass(slots=True)

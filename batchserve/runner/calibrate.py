@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from batchserve.draft.tree import DraftTree
@@ -116,10 +115,10 @@ def _tree(n: int) -> DraftTree | None:
     return DraftTree(tuple((7 * j + 3) % 97 + 1 for j in range(n)), parents[:n])
 
 
-def _draft_step(runner: ModelRunner, contexts: list[int]) -> tuple[SchedulerOutput, int]:
-    """One request per entry of `contexts` with `DRAFT_PATTERN`'s trees: the step and its draft rows."""
+def _draft_step(runner: ModelRunner, contexts: list[int]) -> SchedulerOutput:
+    """One request per entry of `contexts` with `DRAFT_PATTERN`'s trees (`_pattern_rows` draft rows)."""
     drafts = [DRAFT_PATTERN[i % len(DRAFT_PATTERN)] for i in range(len(contexts))]
-    return _requests(runner, contexts, [_tree(d) for d in drafts]), sum(drafts)
+    return _requests(runner, contexts, [_tree(d) for d in drafts])
 
 
 def _requests(runner: ModelRunner, contexts: list[int], drafts: list[DraftTree | None]) -> SchedulerOutput:
@@ -212,7 +211,7 @@ def calibrate(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(usable) * (len(counts) + 3) * repeats, desc="calibrate", unit="step")
+        bar = tqdm(total=len(usable) * (len(counts) + 4) * repeats, desc="calibrate", unit="step")
 
     def tick() -> None:
         if bar is not None:
@@ -226,7 +225,7 @@ def calibrate(
             if bar is not None:
                 bar.set_postfix_str(f"context {ctx}")
             rows.append(tuple(_curve(runner, [_step(runner, [ctx], n) for n in counts], repeats, tick)))
-            seq_ms, draft_ms = _many_requests(runner, ctx, counts, rows[-1], repeats, tick)
+            seq_ms, draft_ms = _many_requests(runner, ctx, counts[-1], repeats, tick)
             per_seq.append(seq_ms)
             per_draft.append(draft_ms)
     finally:
@@ -244,35 +243,38 @@ def calibrate(
     )
 
 
-def _many_requests(
-    runner: ModelRunner, ctx: int, counts: list[int], curve: Sequence[float], repeats: int, tick: Any
-) -> tuple[float, float]:
+def _many_requests(runner: ModelRunner, ctx: int, max_rows: int, repeats: int, tick: Any) -> tuple[float, float]:
     """What each further request in a step adds (the same rows from one request and from n), and
-    what each draft row adds among m <= n requests beyond the one-request `curve`
-    (`DRAFT_PATTERN`'s trees against the rows' share of the curve plus the requests' own cost);
-    0 where the pool or the step's rows allow too few requests."""
+    what each draft row adds among m <= n requests (`DRAFT_PATTERN`'s trees) beyond one request's
+    chain of as many rows and the requests' own cost; 0 where the pool or `max_rows` allow too
+    few requests for the pattern."""
     pool, deepest = runner.backend.num_blocks, max(DRAFT_PATTERN) + 1
     n = PER_SEQ_REQUESTS
     while n > 1 and _blocks_needed(runner, [ctx] * n, n) > pool:
         n //= 2
     m = n
-    while m > 1 and (
-        _blocks_needed(runner, [ctx] * m, m * deepest) > pool or m + _draft_step(runner, [ctx] * m)[1] > counts[-1]
+    while m >= len(DRAFT_PATTERN) and (
+        _blocks_needed(runner, [ctx] * m, m * deepest) > pool or m + _pattern_rows(m) > max_rows
     ):
         m //= 2
-    drafted, num_drafts = _draft_step(runner, [ctx] * m)
     steps = [_step(runner, [ctx], n), _step(runner, [ctx] * n, n)] if n > 1 else []
-    steps += [drafted] if m > 1 and num_drafts > 0 else []
+    if m >= len(DRAFT_PATTERN):
+        steps += [_step(runner, [ctx], m + _pattern_rows(m)), _draft_step(runner, [ctx] * m)]
     times = _curve(runner, steps, repeats, tick)
-    for _ in range((3 - len(steps)) * repeats):
+    for _ in range((4 - len(steps)) * repeats):
         tick()
     if n < 2:
         return 0.0, 0.0
     seq_ms = max(0.0, (times[1] - times[0]) / (n - 1))
-    if len(times) < 3:
+    if len(times) < 4:
         return seq_ms, 0.0
-    predicted = float(np.interp(m + num_drafts, counts, curve)) + seq_ms * (m - 1)
-    return seq_ms, max(0.0, (times[2] - predicted) / num_drafts)
+    chain, trees = times[2:]
+    return seq_ms, max(0.0, (trees - chain - seq_ms * (m - 1)) / _pattern_rows(m))
+
+
+def _pattern_rows(m: int) -> int:
+    """Draft rows of `DRAFT_PATTERN` tiled over m requests."""
+    return sum(DRAFT_PATTERN[i % len(DRAFT_PATTERN)] for i in range(m))
 
 
 def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: int, max_context: int) -> CostProfile:
@@ -289,7 +291,7 @@ def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: 
         "no cost profile for %s yet: a quick one (%d step shapes x %d runs) before serving; the policy refines it "
         "online, and `batchserve calibrate` measures the whole curve",
         key,
-        len(QUICK_TOKEN_COUNTS) + 2,
+        len(QUICK_TOKEN_COUNTS) + 4,
         QUICK_REPEATS + 1,
     )
     t0 = time.perf_counter()

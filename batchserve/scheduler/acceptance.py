@@ -38,6 +38,7 @@ class AcceptanceTracker:
         self.prior = list(self.initial)  # pooled over requests: where new requests start
         self.calibration = calibration or ScoreCalibration()  # for drafts whose nodes carry scores
         self._est: dict[str, list[float]] = {}
+        self._match: dict[str, int] = {}  # the match length of the request's last judged tree
         self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
 
     def _monotone(self, request_id: str) -> list[float]:
@@ -63,14 +64,16 @@ class AcceptanceTracker:
         return non_increasing([self.calibration.prob(e, sc, match) for e, sc in zip(ests, scores)])
 
     def upper_gains(self, request_id: str, n: int) -> list[float]:
-        """The most the first `n` nodes could be worth whatever the drafter's scores and match
-        turn out to be: what is worth proposing before the tree exists."""
+        """The most the first `n` nodes could be worth whatever the drafter's scores turn out to
+        be, at the match the request's last tree had (a copy stays a copy from one step to the
+        next, a guess mostly a guess; a request without one yet: the longest): what is worth
+        proposing before the tree exists. A request not worth a tree still gets a shadow draft,
+        whose match is judged, so one whose text turns into a copy is seen within a step."""
         ests = self._est.get(request_id, self.prior)[:n]
         cal = self.calibration
-        # The fit is monotone in the score and in the match: the best case is at one end.
-        best_score = 1.0 if cal.weights[1] >= 0 else 0.0
-        best_match = MATCH_CAP if cal.weights[2] >= 0 else 0
-        return [max(g, p) for g, p in zip(self._monotone(request_id)[:n], cal.probs(ests, best_score, best_match))]
+        best_score = 1.0 if cal.weights[1] >= 0 else 0.0  # the fit is monotone in the score
+        match = self._match.get(request_id, MATCH_CAP)
+        return [max(g, p) for g, p in zip(self._monotone(request_id)[:n], cal.probs(ests, best_score, match))]
 
     def observe(
         self,
@@ -84,6 +87,8 @@ class AcceptanceTracker:
         `scores`: the drafter's score of each drafted node, if it gave them; `match`: the
         tree's match length."""
         est = self._record(request_id, 0, num_offered, accepted_ranks, scores, match)
+        if num_offered:
+            self._match[request_id] = match
         # Ranks not drafted drift back: the request's toward the pool's, and the pool's toward
         # the initial guess. Without the second, a streak of failures could silence every
         # request for good (no drafts, so no evidence that drafts would pay again).
@@ -139,6 +144,7 @@ class AcceptanceTracker:
     def forget(self, request_id: str) -> None:
         self._est.pop(request_id, None)
         self._gains.pop(request_id, None)
+        self._match.pop(request_id, None)
 
 
 class WindowTracker:

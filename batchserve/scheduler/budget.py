@@ -6,9 +6,10 @@ Pure Python and numpy. Two inputs:
 - an `AcceptanceTracker`: per request, an exponential moving average of how often the draft
   node at each rank (the drafter's k-th best node) ends up on the accepted path, pooled
   across requests as the prior for new ones. Where the drafter also scores its nodes (the
-  trie's path frequency), a `ScoreCalibration` (`fits.py`) shared by all requests combines
-  the two into one probability, so a step whose drafts the trie is sure of gets more tokens
-  than one where it is guessing, beyond what the request's recent history says.
+  trie's path frequency) and measures its match (`DraftTree.match`), a `ScoreCalibration`
+  (`fits.py`) shared by all requests combines the three into one probability, so a step whose
+  drafts copy a long match the trie is sure of gets more tokens than one where it is guessing,
+  beyond what the request's recent history says.
 
 A node's estimate is exactly the expected number of extra tokens it buys, so the policy can
 trade tokens against milliseconds:
@@ -215,6 +216,8 @@ class DraftBudgetPolicy:
         curve = self.profile.curve(context)
 
         def cost(others: int) -> np.ndarray:  # [k] predicted ms of the step with k nodes
+            # Draft rows: the k nodes (fixed-length drafts among `others` would add the same
+            # constant to every k, which moves no decision).
             return self._steps_ms(num_roots + others + ks, ks, context, num_seqs, curve)
 
         # 1. Decode-only optimum and the value of a token there (argmax: the fewest nodes of a tie).

@@ -1,7 +1,8 @@
 """The measured cost of a forward step on one device: `CostProfile`, its interpolation and JSON form.
 
 `batchserve calibrate` measures it once per device, dtype and model: forward time against
-tokens in the step, at a few context lengths, plus what each further request in a step adds.
+tokens in the step, at a few context lengths, plus what each further request in a step adds
+and what a draft row adds among many requests (uneven trees) beyond its share of the curve.
 The draft budget policy (`budget.py`) reads it to trade draft tokens against milliseconds.
 Pure Python and numpy.
 """

@@ -78,16 +78,17 @@ class DecayedRidge:
         return _nonnegative_ridge(self._xx, self._xr, self._rr, self.strength, self.nonneg).tolist()
 
 
-def match_feature(match: int) -> float:
-    """The calibration's view of a tree's match length: log2(1 + match), 0 for no measure. Each
+def match_features(match: int) -> tuple[float, float]:
+    """The calibration's view of a tree's match length: (measured or not, log2(1 + match)). Each
     doubling of the match moves the logit by the same amount (1 to 2 tokens says as much as 16
-    to 32)."""
-    return math.log2(1 + max(0, match))
+    to 32); a drafter that does not measure it (0: a Jacobi pool's tree) gets neither term, so
+    its trees are not priced as the shortest match."""
+    return (1.0, math.log2(1 + match)) if match > 0 else (0.0, 0.0)
 
 
 class ScoreCalibration:
     """P(node accepted) = sigmoid(a * logit(rank estimate) + b * logit(drafter score)
-    + d * match_feature(tree's match length) + c), fitted online to every verified node of
+    + (d, e) . match_features(tree's match length) + c), fitted online to every verified node of
     every request.
 
     The drafter's score alone is far too confident (a trie continuation seen once has score
@@ -97,7 +98,7 @@ class ScoreCalibration:
     code edits: a first node accepted about 35% of the time after a match of 1 token, 85-90%
     after 4 or more). Together they predict better than any one. The fit is a recursive
     Newton step with a decaying Hessian (about the last `1 / (1 - decay)` nodes), started at
-    (1, 0, 0, 0): until evidence arrives, the rank estimate is used as it is.
+    (1, 0, 0, 0, 0): until evidence arrives, the rank estimate is used as it is.
     """
 
     def __init__(
@@ -109,7 +110,7 @@ class ScoreCalibration:
         self.decay = decay
         self.prior_strength = prior_strength  # Hessian floor: how hard the first nodes move the fit
         self.clip = clip  # probabilities are clipped to [clip, 1 - clip] before their logit
-        self.weights = [1.0, 0.0, 0.0, 0.0]  # rank estimate, score, match, bias
+        self.weights = [1.0, 0.0, 0.0, 0.0, 0.0]  # rank estimate, score, match measured, log match, bias
         n = len(self.weights)
         self._hess = [[prior_strength if i == j else 0.0 for j in range(n)] for i in range(n)]
 
@@ -119,9 +120,10 @@ class ScoreCalibration:
     def probs(self, rank_estimates: Sequence[float], score: float, match: int = 0) -> list[float]:
         """`prob` of each rank estimate at one score and match (their terms computed once: the
         policy asks this for every rank of every request, every step)."""
-        w0, w1, w2, w3 = self.weights
+        w0, w1, w2, w3, w4 = self.weights
         clip = self.clip
-        offset = w1 * _logit(score, clip) + w2 * match_feature(match) + w3
+        measured, log_match = match_features(match)
+        offset = w1 * _logit(score, clip) + w2 * measured + w3 * log_match + w4
         return [_sigmoid(w0 * _logit(est, clip) + offset) for est in rank_estimates]
 
     def observe(
@@ -131,15 +133,15 @@ class ScoreCalibration:
         tree's match length."""
         if not hits:
             return
-        # Plain Python, not numpy: a tree has a few nodes and the fit 4 weights, and this runs for
+        # Plain Python, not numpy: a tree has a few nodes and the fit 5 weights, and this runs for
         # every request every step, where numpy's per-call cost is most of the work.
         clip, w, n = self.clip, self.weights, len(self.weights)
         grad = [0.0] * n
         hess = [[0.0] * n for _ in range(n)]
-        m = match_feature(match)
+        measured, log_match = match_features(match)
         for est, score, hit in zip(rank_estimates, scores, hits):
-            x = (_logit(est, clip), _logit(score, clip), m, 1.0)
-            p = _sigmoid(w[0] * x[0] + w[1] * x[1] + w[2] * x[2] + w[3])
+            x = (_logit(est, clip), _logit(score, clip), measured, log_match, 1.0)
+            p = _sigmoid(sum(wi * xi for wi, xi in zip(w, x)))
             r, c = p - float(hit), p * (1.0 - p)
             for i in range(n):
                 grad[i] += x[i] * r

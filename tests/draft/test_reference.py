@@ -107,6 +107,13 @@ def test_a_prediction_being_followed_is_the_longest_match():
     assert d.propose("r", [1, 2, 3], 3).match == MATCH_CAP  # read from its start, then along
     d.accepted("r", [10, 99])  # the output left it
     assert d.propose("r", [1, 2, 3, 10, 99, 13], 3).match == 1  # found again from one token
+    # A reference followed to its end drafts nothing, so it does not lend the tree its match.
+    d.start("s", [[10, 11], [11, 30, 31]])
+    d.accepted("s", [10, 11])
+    tree = d.propose("s", [1, 10, 11], 4)
+    assert tree.tokens == (30, 31) and tree.match == 1
+    with pytest.raises(ValueError, match="match"):
+        DraftTree((1,), (None,), match=-1)
 
 
 @pytest.mark.parametrize("make", [TrieDrafter, SingleBranchDrafter, JacobiDrafter, HybridDrafter])

@@ -255,7 +255,7 @@ def test_suffix_match_is_the_longest_run_said_before_with_what_came_next():
     t = Trie()
     t.insert_sequence([1, 2, 3, 4, 9], branch_length=4)
     assert t.suffix_match([0, 2, 3, 4], 8) == 3  # [2 3 4] -> 9
-    assert t.suffix_match([0, 1, 2, 3], 8) == 3  # [1 2 3 4] is a path, but [0 1 2 3] is not
+    assert t.suffix_match([0, 1, 2, 3], 8) == 3  # [1 2 3] -> 4, but [0 1 2 3] is not a path
     assert t.suffix_match([3, 9], 8) == 0  # 9 ends every run: nothing follows it
 
 
@@ -267,6 +267,9 @@ def test_a_tree_reports_how_long_its_match_is():
     d.on_request_start("a", [*code, 7])
     copying = d.propose("a", [*code, 7, *code[:20]], 4)  # 20 tokens of the prompt copied so far
     assert copying.tokens == tuple(code[20:24]) and copying.match == 20
+    # As in the engine, the request's own index holds what it said: its latest tokens are no match.
+    d.on_tokens_accepted("a", code[:20])
+    assert d.propose("a", [*code, 7, *code[:20]], 4).match == 20
     d.on_request_start("b", [*code, 7])
     guessing = d.propose("b", [*code, 7, 55, 56, 120], 4)  # only the last token was seen before
     assert guessing.tokens[0] == 121 and guessing.match == 1

@@ -82,8 +82,8 @@ def test_calibrate_measures_what_a_draft_row_costs_among_many_requests(monkeypat
     assert profile.per_seq_ms == pytest.approx((0.5,))
     assert profile.draft_ms == pytest.approx((3.0,))
     # The measured step: DRAFT_PATTERN's trees, two draft rows a request on average.
-    step, drafts = cal._draft_step(_core().runner, [8] * 16)
-    assert drafts == 32 and len(step.requests) == 16
+    step = cal._draft_step(_core().runner, [8] * 16)
+    assert cal._pattern_rows(16) == 32 == sum(len(r.draft or ()) for r in step.requests) and len(step.requests) == 16
     assert max(len(r.draft or ()) for r in step.requests) == max(cal.DRAFT_PATTERN)
     # Too few rows allowed for many requests' drafts: none measured, nothing claimed.
     small = cal.calibrate(_core().runner, max_tokens=4, max_context=1024, contexts=(8,), repeats=1, progress=False)

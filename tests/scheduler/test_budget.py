@@ -222,14 +222,17 @@ def test_a_long_match_is_drafted_deeper_than_a_guess_with_the_same_scores():
     for r in range(400):
         for match, rate in ((1, 0.2), (24, 0.9)):
             tracker.calibration.observe([0.5] * 8, [0.8] * 8, [int((r + 1) * rate) > int(r * rate)] * 8, match)
-    for rid in ("copy", "guess"):
-        tracker.observe(rid, 8, range(4), [0.8] * 8)
+    for rid, match in (("copy", 24), ("guess", 1)):
+        tracker.observe(rid, 8, range(4), [0.8] * 8, match)
     scores = (0.8,) * 16
     cands = [DraftCandidate("copy", 16, scores, match=24), DraftCandidate("guess", 16, scores, match=1)]
     d = DraftBudgetPolicy(cpu_like(), tracker).allocate(cands, num_roots=2)
     assert d["copy"] > d["guess"]
     assert tracker.gains("copy", 4, scores[:4], 24) > tracker.gains("copy", 4, scores[:4], 1)
-    assert tracker.upper_gains("guess", 4) >= tracker.gains("guess", 4, scores[:4], 24)
+    # Before the tree: at the request's last match (a copy stays a copy), the longest for a new one.
+    assert tracker.upper_gains("copy", 8)[4:] > tracker.upper_gains("guess", 8)[4:]
+    tracker.forget("copy")
+    assert tracker.upper_gains("copy", 8) == tracker.upper_gains("new", 8)
 
 
 def test_measured_engine_overhead_makes_drafts_cheaper():

@@ -12,7 +12,7 @@ from batchserve.scheduler.fits import (
     ScoreCalibration,
     _nonnegative_ridge,
     _solve,
-    match_feature,
+    match_features,
     non_increasing,
 )
 from tests.scheduler.workloads import feed
@@ -59,8 +59,8 @@ def test_calibration_probs_at_one_score_are_each_ranks_prob():
 @pytest.mark.parametrize("seed", range(4))
 def test_the_calibrations_solve_is_numpys(seed):
     rng = np.random.default_rng(seed)
-    for n in (3, 4):
-        x = rng.normal(size=(6, n)) * np.array([3.0, 1.0, 0.1, 2.0][:n])
+    for n in (3, 5):
+        x = rng.normal(size=(7, n)) * np.array([3.0, 1.0, 0.1, 2.0, 0.5][:n])
         a, b = x.T @ x + 0.05 * np.eye(n), rng.normal(size=n)
         assert _solve(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b), rel=1e-9, abs=1e-12)
     b = rng.normal(size=3)
@@ -70,18 +70,19 @@ def test_the_calibrations_solve_is_numpys(seed):
 
 def test_calibration_learns_what_a_long_match_means():
     """Same rank estimates and scores; trees found after a long match (a copy in progress) hit
-    far more often than after a one-token match: the fit tells them apart, and a tree whose
-    match was not measured (0) stays between."""
+    far more often than after a one-token match: the fit tells them apart. Trees whose drafter
+    does not measure a match (0) are priced by what they do, not as the shortest match."""
     cal = ScoreCalibration()
     assert cal.prob(0.3, 0.5, match=16) == pytest.approx(cal.prob(0.3, 0.5, match=1), abs=1e-9)  # no evidence yet
     for r in range(800):
-        for match, rate in ((1, 0.3), (16, 0.9)):
+        for match, rate in ((1, 0.3), (16, 0.9), (0, 0.6)):
             cal.observe([0.5] * 8, [0.7] * 8, [int((r + 1) * rate) > int(r * rate)] * 8, match)
     assert cal.prob(0.5, 0.7, match=16) == pytest.approx(0.9, abs=0.05)
     assert cal.prob(0.5, 0.7, match=1) == pytest.approx(0.3, abs=0.05)
+    assert cal.prob(0.5, 0.7, match=0) == pytest.approx(0.6, abs=0.05)
     assert cal.prob(0.5, 0.7, match=1) < cal.prob(0.5, 0.7, match=4) < cal.prob(0.5, 0.7, match=16)
     assert cal.probs([0.5, 0.2], 0.7, 16) == pytest.approx([cal.prob(0.5, 0.7, 16), cal.prob(0.2, 0.7, 16)])
-    assert match_feature(0) == 0.0 and match_feature(1) == 1.0 and match_feature(3) == 2.0
+    assert match_features(0) == (0.0, 0.0) and match_features(1) == (1.0, 1.0) and match_features(3) == (1.0, 2.0)
 
 
 def _brute_force_ridge(x: np.ndarray, r: np.ndarray, strength: float, nonneg: tuple[int, ...]) -> np.ndarray:
