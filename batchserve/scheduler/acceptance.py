@@ -38,7 +38,6 @@ class AcceptanceTracker:
         self.prior = list(self.initial)  # pooled over requests: where new requests start
         self.calibration = calibration or ScoreCalibration()  # for drafts whose nodes carry scores
         self._est: dict[str, list[float]] = {}
-        self._match: dict[str, int] = {}  # the match length of the request's last judged tree
         self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
 
     def _monotone(self, request_id: str) -> list[float]:
@@ -63,16 +62,15 @@ class AcceptanceTracker:
         ests = self._est.get(request_id, self.prior)[:n]
         return non_increasing([self.calibration.prob(e, sc, match) for e, sc in zip(ests, scores)])
 
-    def upper_gains(self, request_id: str, n: int) -> list[float]:
+    def upper_gains(self, request_id: str, n: int, match: int | None = None) -> list[float]:
         """The most the first `n` nodes could be worth whatever the drafter's scores turn out to
-        be, at the match the request's last tree had (a copy stays a copy from one step to the
-        next, a guess mostly a guess; a request without one yet: the longest): what is worth
-        proposing before the tree exists. A request not worth a tree still gets a shadow draft,
-        whose match is judged, so one whose text turns into a copy is seen within a step."""
+        be, at the `match` the drafter measured before building the tree (None: it cannot tell
+        before, so the longest): what is worth proposing before the tree exists."""
         ests = self._est.get(request_id, self.prior)[:n]
         cal = self.calibration
         best_score = 1.0 if cal.weights[1] >= 0 else 0.0  # the fit is monotone in the score
-        match = self._match.get(request_id, MATCH_CAP)
+        if match is None:
+            match = MATCH_CAP if cal.weights[3] >= 0 else 1  # and in log2(1 + match)
         return [max(g, p) for g, p in zip(self._monotone(request_id)[:n], cal.probs(ests, best_score, match))]
 
     def observe(
@@ -87,8 +85,6 @@ class AcceptanceTracker:
         `scores`: the drafter's score of each drafted node, if it gave them; `match`: the
         tree's match length."""
         est = self._record(request_id, 0, num_offered, accepted_ranks, scores, match)
-        if num_offered:
-            self._match[request_id] = match
         # Ranks not drafted drift back: the request's toward the pool's, and the pool's toward
         # the initial guess. Without the second, a streak of failures could silence every
         # request for good (no drafts, so no evidence that drafts would pay again).
@@ -144,7 +140,6 @@ class AcceptanceTracker:
     def forget(self, request_id: str) -> None:
         self._est.pop(request_id, None)
         self._gains.pop(request_id, None)
-        self._match.pop(request_id, None)
 
 
 class WindowTracker:

@@ -273,6 +273,7 @@ def test_a_tree_reports_how_long_its_match_is():
     d.on_request_start("b", [*code, 7])
     guessing = d.propose("b", [*code, 7, 55, 56, 120], 4)  # only the last token was seen before
     assert guessing.tokens[0] == 121 and guessing.match == 1
+    assert d.match_length("b", [*code, 7, 55, 56, 120]) == 1 == guessing.match  # before the search
     long = [*code, 7, *code, *code]
     d.on_request_start("c", long[:-1])
     assert d.propose("c", long, 2).match == MATCH_CAP
