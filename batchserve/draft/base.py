@@ -43,16 +43,6 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
-class MatchMeasuring(Protocol):
-    """A drafter that can tell how good its next tree's match is before building it."""
-
-    def match_length(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """The `DraftTree.match` that `propose` for these tokens would report (0: no match):
-        cheaper than the tree search, so the policy can skip the search where a short match
-        could not pay for the rows."""
-
-
-@runtime_checkable
 class WindowDrafter(Protocol):
     """A drafter that also asks for rows computed but never verified (the Jacobi window)."""
 

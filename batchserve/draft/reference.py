@@ -74,12 +74,6 @@ class ReferenceDrafts:
     def finish(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def following(self, request_id: str) -> bool:
-        """Whether one of the request's references is being read along its output (a match as
-        long as the text agreed)."""
-        state = self._requests.get(request_id)
-        return state is not None and any(ref.pos is not None and ref.pos < len(ref.tokens) for ref in state.refs)
-
     def accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Move each reference's position along the accepted tokens, and size the next chain."""
         state = self._requests.get(request_id)

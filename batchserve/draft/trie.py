@@ -49,7 +49,6 @@ class _RequestState:
     num_prompt: int
     layout: str | None = None  # per-request layout override
     scope: str | None = ""  # the output trie it reads and feeds; None: its own n-grams only
-    match: tuple[int, int] | None = None  # (tokens, match length) last measured (`match_length`)
 
 
 # A position in the merged view of a request's token index and its scope's output trie.
@@ -182,26 +181,19 @@ class TrieDrafter:
                 break
         tree = builder.tree()
         if tree is not None:  # how good the match is: the policy's evidence before the forward
-            tree = tree.with_match(self.match_length(request_id, token_ids, references=False))
+            tree = tree.with_match(self.match_length(request_id, token_ids))
         return self.references.ahead(request_id, token_ids, max_tokens, tree, single=layout == "single")
 
-    def match_length(self, request_id: str, token_ids: Sequence[int], references: bool = True) -> int:
+    def match_length(self, request_id: str, token_ids: Sequence[int]) -> int:
         """The longest suffix of `token_ids` seen before with a token after it: in the request's
-        own prompt and output (up to MATCH_CAP) or its scope's outputs (up to the trie's depth);
-        with `references`, MATCH_CAP while one of the request's references is being followed.
-        Kept per request for its current length: the planner asks before `propose` does."""
-        if references and self.references.following(request_id):
-            return MATCH_CAP
+        own prompt and output (up to MATCH_CAP) or its scope's outputs (up to the trie's depth)."""
         state = self._requests.get(request_id)
         if state is None:
             return 0
-        if state.match is not None and state.match[0] == len(token_ids):
-            return state.match[1]
         match = state.local.suffix_match(token_ids, MATCH_CAP)
         output = self.outputs.get(state.scope) if state.scope is not None else None
         if output is not None and match < self.config.branch_length - 1:
             match = max(match, output.suffix_match(token_ids, self.config.branch_length - 1))
-        state.match = (len(token_ids), match)
         return match
 
     # ---- warm-up -------------------------------------------------------------------------

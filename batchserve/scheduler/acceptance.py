@@ -62,15 +62,18 @@ class AcceptanceTracker:
         ests = self._est.get(request_id, self.prior)[:n]
         return non_increasing([self.calibration.prob(e, sc, match) for e, sc in zip(ests, scores)])
 
-    def upper_gains(self, request_id: str, n: int, match: int | None = None) -> list[float]:
-        """The most the first `n` nodes could be worth whatever the drafter's scores turn out to
-        be, at the `match` the drafter measured before building the tree (None: it cannot tell
-        before, so the longest): what is worth proposing before the tree exists."""
+    def upper_gains(self, request_id: str, n: int) -> list[float]:
+        """The most the first `n` nodes could be worth whatever the drafter's scores and match
+        turn out to be: what is worth proposing before the tree exists. Optimistic on purpose:
+        a request searched is a tree judged to its depth (evidence for its deep ranks), and a
+        search costs far less than a forward row. Measured against using each request's match
+        before the search: exact repeats at 16 running drafted 3.3-3.8 tokens a step in their
+        second round that way, 4.15 this way."""
         ests = self._est.get(request_id, self.prior)[:n]
         cal = self.calibration
-        best_score = 1.0 if cal.weights[1] >= 0 else 0.0  # the fit is monotone in the score
-        if match is None:
-            match = MATCH_CAP if cal.weights[3] >= 0 else 1  # and in log2(1 + match)
+        # The fit is monotone in the score and in log2(1 + match): the best case is at one end.
+        best_score = 1.0 if cal.weights[1] >= 0 else 0.0
+        match = MATCH_CAP if cal.weights[3] >= 0 else 1
         return [max(g, p) for g, p in zip(self._monotone(request_id)[:n], cal.probs(ests, best_score, match))]
 
     def observe(

@@ -152,13 +152,11 @@ class DraftBudgetPolicy:
             else None,
         )
 
-    def upper_gains(self, request_id: str, limit: int, match: int | None = None) -> list[float]:
+    def upper_gains(self, request_id: str, limit: int) -> list[float]:
         """The most each of the request's first `limit` draft ranks could be worth, whatever the
-        drafter's scores turn out to be, at the `match` it measured (None: not known before the
-        tree): those clearing `min_gain`, best first. Their count is the most the request could
-        be given, so there is no point in proposing more."""
-        gains = self.tracker.upper_gains(request_id, limit, match)
-        return sorted((g for g in gains if g >= self.min_gain), reverse=True)
+        drafter's scores and match turn out to be: those clearing `min_gain`, best first. Their
+        count is the most the request could be given, so there is no point in proposing more."""
+        return sorted((g for g in self.tracker.upper_gains(request_id, limit) if g >= self.min_gain), reverse=True)
 
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from batchserve.config import DraftConfig
-from batchserve.draft.base import Drafter, MatchMeasuring, WindowDrafter
+from batchserve.draft.base import Drafter, WindowDrafter
 from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
 from batchserve.request import Request
@@ -138,8 +138,7 @@ class DraftPlanner:
             limit = min(self.limit(req), budget)
             if self.policy is not None and req.params.decoding_length is None:
                 if limit > 0:
-                    upper = self.policy.upper_gains(req.request_id, limit, self._match_length(req))
-                    pending.append((req, limit, upper))
+                    pending.append((req, limit, self.policy.upper_gains(req.request_id, limit)))
                 continue
             tree = self._propose(req, limit)
             if tree is not None:
@@ -231,17 +230,6 @@ class DraftPlanner:
         remaining_out = req.params.max_new_tokens - len(req.output_token_ids) - 1
         remaining_ctx = req.max_total_len - req.num_tokens
         return max(0, min(length, remaining_out, remaining_ctx))
-
-    def _match_length(self, req: Request) -> int | None:
-        """The match the drafter's next tree for `req` would have, if it can tell before the
-        search (None: it cannot, or measuring failed)."""
-        if not isinstance(self.drafter, MatchMeasuring):
-            return None
-        try:
-            return self.drafter.match_length(req.request_id, req.all_token_ids)
-        except Exception:  # a drafter bug costs the estimate, not the request
-            logger.exception("measuring the match of request %s failed", req.request_id)
-            return None
 
     def _propose(self, req: Request, limit: int) -> DraftTree | None:
         if limit <= 0:

@@ -116,16 +116,6 @@ def test_a_prediction_being_followed_is_the_longest_match():
         DraftTree((1,), (None,), match=-1)
 
 
-def test_a_followed_prediction_is_the_longest_match_before_the_search():
-    d = TrieDrafter(DraftConfig(branch_length=6))
-    d.on_request_start("r", [1, 2, 3], references=[REF])
-    assert d.match_length("r", [1, 2, 3]) == MATCH_CAP  # read from its start
-    d.on_tokens_accepted("r", [10, 99])  # the output left it
-    assert d.match_length("r", [1, 2, 3, 10, 99]) == 0  # nothing seen before: no match
-    d.on_request_start("s", [1, 2, 3])
-    assert d.match_length("s", [1, 2, 3, 1, 2]) == 2 and d.match_length("gone", [1]) == 0
-
-
 @pytest.mark.parametrize("make", [TrieDrafter, SingleBranchDrafter, JacobiDrafter, HybridDrafter])
 def test_every_drafter_drafts_the_references_first_and_forgets_them(make):
     d = make(DraftConfig(method="jacobi")) if make in (JacobiDrafter, HybridDrafter) else make()

@@ -153,11 +153,6 @@ class MatchTellingDrafter(_KnowsTheTruth):
     def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int) -> None:
         super().__init__(truth, vocab)
         self.calls = 0
-        self.measured = 0  # match_length calls: the planner asks before searching
-
-    def match_length(self, request_id: str, token_ids: Sequence[int]) -> int:
-        self.measured += 1
-        return 24 if (self.calls + 1) % 2 == 0 else 1
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
         rest = self._rest(request_id, token_ids)[:max_tokens]

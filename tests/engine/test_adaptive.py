@@ -66,7 +66,6 @@ def test_the_engine_teaches_the_policy_what_a_long_match_means(reference):
         assert r.token_ids == reference[tuple(p)]
     calibration = llm.engine.scheduler.planner.policy.tracker.calibration
     assert calibration.prob(0.5, 0.8, match=24) > 0.7 > 0.3 > calibration.prob(0.5, 0.8, match=1)
-    assert llm.engine.drafter.measured > 0  # asked before each search
 
 
 def test_per_request_override_bypasses_the_policy(reference):

@@ -218,7 +218,7 @@ def test_draft_rows_dearer_among_many_requests_are_drafted_less():
 def test_a_long_match_is_drafted_deeper_than_a_guess_with_the_same_scores():
     """Once the calibration has seen that long matches hit and one-token matches miss, the same
     ranks and scores are worth more nodes after a long match; and what is worth proposing
-    before the tree exists (`upper_gains`) counts on the match measured before the search."""
+    before the tree exists (`upper_gains`) counts on the best match."""
     tracker = AcceptanceTracker(16)
     for r in range(400):
         for match, rate in ((1, 0.2), (24, 0.9)):
@@ -230,9 +230,8 @@ def test_a_long_match_is_drafted_deeper_than_a_guess_with_the_same_scores():
     d = DraftBudgetPolicy(cpu_like(), tracker).allocate(cands, num_roots=2)
     assert d["copy"] > d["guess"]
     assert tracker.gains("copy", 4, scores[:4], 24) > tracker.gains("copy", 4, scores[:4], 1)
-    # Before the tree: at the match the drafter measured, the longest where it cannot tell.
-    assert tracker.upper_gains("guess", 8, 24)[4:] > tracker.upper_gains("guess", 8, 1)[4:]
-    assert tracker.upper_gains("guess", 8) == tracker.upper_gains("guess", 8, MATCH_CAP)
+    # Before the tree: whatever the match turns out to be, so at the longest.
+    assert tracker.upper_gains("guess", 4) >= tracker.gains("guess", 4, scores[:4], MATCH_CAP)
 
 
 def test_measured_engine_overhead_makes_drafts_cheaper():
