@@ -139,20 +139,22 @@ class ScoreCalibration:
         grad = [0.0] * n
         hess = [[0.0] * n for _ in range(n)]
         measured, log_match = match_features(match)
+        fixed = w[2] * measured + w[3] * log_match + w[4]  # the terms every node of the tree shares
         for est, score, hit in zip(rank_estimates, scores, hits):
             x = (_logit(est, clip), _logit(score, clip), measured, log_match, 1.0)
-            p = _sigmoid(sum(wi * xi for wi, xi in zip(w, x)))
+            p = _sigmoid(w[0] * x[0] + w[1] * x[1] + fixed)
             r, c = p - float(hit), p * (1.0 - p)
             for i in range(n):
                 grad[i] += x[i] * r
-                for j in range(n):
-                    hess[i][j] += c * x[i] * x[j]
+                cx, row = c * x[i], hess[i]
+                for j in range(i, n):  # the upper triangle; mirrored below
+                    row[j] += cx * x[j]
         d = self.decay ** len(hits)
         # The floor keeps the step bounded once old evidence has decayed away.
         floor = (1.0 - d) * self.prior_strength
         for i in range(n):
-            for j in range(n):
-                self._hess[i][j] = d * self._hess[i][j] + hess[i][j] + (floor if i == j else 0.0)
+            for j in range(i, n):
+                self._hess[i][j] = self._hess[j][i] = d * self._hess[i][j] + hess[i][j] + (floor if i == j else 0.0)
         step = _solve(self._hess, grad)
         self.weights = [wi - si for wi, si in zip(w, step)]
 
