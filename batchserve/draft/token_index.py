@@ -65,8 +65,7 @@ def suffix_match(tokens: np.ndarray, key: Sequence[int], limit: int) -> int:
         m += 1
         if m == limit:
             break
-        back = ends - m
-        ends = ends[back >= 0]
+        ends = ends[ends >= m]
         ends = ends[tokens[ends - m] == key[-1 - m]]
     return m
 

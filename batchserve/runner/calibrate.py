@@ -103,16 +103,20 @@ def _step(runner: ModelRunner, contexts: list[int], num_tokens: int) -> Schedule
     return _requests(runner, contexts, [_chain(r - 1) for r in rows])
 
 
+def _tokens(n: int) -> tuple[int, ...]:
+    """n distinct draft tokens (siblings must differ)."""
+    return tuple((7 * j + 3) % 97 + 1 for j in range(n))
+
+
 def _chain(n: int) -> DraftTree | None:
-    return DraftTree.chain([(7 * j + 3) % 97 + 1 for j in range(n)]) if n > 0 else None
+    return DraftTree.chain(_tokens(n)) if n > 0 else None
 
 
 def _tree(n: int) -> DraftTree | None:
     """n draft nodes shaped as a trie proposes them: two branches off the root, the first one deep."""
     if n < 2:
         return _chain(n)
-    parents = (None, None, 0, *range(2, n - 1))
-    return DraftTree(tuple((7 * j + 3) % 97 + 1 for j in range(n)), parents[:n])
+    return DraftTree(_tokens(n), (None, None, 0, *range(2, n - 1))[:n])
 
 
 def _draft_step(runner: ModelRunner, contexts: list[int]) -> SchedulerOutput:

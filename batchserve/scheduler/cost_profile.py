@@ -122,11 +122,15 @@ class CostProfile:
 
     def seq_ms(self, context: float = 0.0) -> float:
         """Cost of one more request in a step at this mean context."""
-        return max(0.0, _interp(self.contexts, self.per_seq_ms, context)) if self.per_seq_ms else 0.0
+        return self._at(self.per_seq_ms, context)
 
     def draft_row_ms(self, context: float = 0.0) -> float:
         """Extra cost of a draft row in a step of several requests at this mean context."""
-        return max(0.0, _interp(self.contexts, self.draft_ms, context)) if self.draft_ms else 0.0
+        return self._at(self.draft_ms, context)
+
+    def _at(self, per_context: tuple[float, ...], context: float) -> float:
+        """A per-context cost at this context (interpolated; 0 where none was measured)."""
+        return max(0.0, _interp(self.contexts, per_context, context)) if per_context else 0.0
 
     def critical_decoding_length(self, tolerance: float = 0.1, context: float | None = None) -> int:
         """The largest measured token count whose step costs at most (1 + tolerance) times a

@@ -95,8 +95,8 @@ class ScoreCalibration:
     1 and is accepted about a fifth of the time) and the rank estimate alone knows nothing
     about this step's match; the match length says whether the drafter is copying (a code
     edit, a repeated answer: most nodes accepted) or guessing from a token or two (measured on
-    code edits: a first node accepted about 35% of the time after a match of 1 token, 85-90%
-    after 4 or more). Together they predict better than any one. The fit is a recursive
+    code edits: a first node accepted about 35% of the time after a match of 1 token, 75-90%
+    after 3 or more). Together they predict better than any one. The fit is a recursive
     Newton step with a decaying Hessian (about the last `1 / (1 - decay)` nodes), started at
     (1, 0, 0, 0, 0): until evidence arrives, the rank estimate is used as it is.
     """
@@ -120,11 +120,15 @@ class ScoreCalibration:
     def probs(self, rank_estimates: Sequence[float], score: float, match: int = 0) -> list[float]:
         """`prob` of each rank estimate at one score and match (their terms computed once: the
         policy asks this for every rank of every request, every step)."""
-        w0, w1, w2, w3, w4 = self.weights
+        w0, w1 = self.weights[:2]
         clip = self.clip
-        measured, log_match = match_features(match)
-        offset = w1 * _logit(score, clip) + w2 * measured + w3 * log_match + w4
+        offset = w1 * _logit(score, clip) + self._tree_term(match_features(match))
         return [_sigmoid(w0 * _logit(est, clip) + offset) for est in rank_estimates]
+
+    def _tree_term(self, features: tuple[float, float]) -> float:
+        """The logit's part that every node of a tree shares: its match features and the bias."""
+        w = self.weights
+        return w[2] * features[0] + w[3] * features[1] + w[4]
 
     def observe(
         self, rank_estimates: Sequence[float], scores: Sequence[float], hits: Sequence[bool], match: int = 0
@@ -138,8 +142,8 @@ class ScoreCalibration:
         clip, w, n = self.clip, self.weights, len(self.weights)
         grad = [0.0] * n
         hess = [[0.0] * n for _ in range(n)]
-        measured, log_match = match_features(match)
-        fixed = w[2] * measured + w[3] * log_match + w[4]  # the terms every node of the tree shares
+        measured, log_match = features = match_features(match)
+        fixed = self._tree_term(features)
         for est, score, hit in zip(rank_estimates, scores, hits):
             x = (_logit(est, clip), _logit(score, clip), measured, log_match, 1.0)
             p = _sigmoid(w[0] * x[0] + w[1] * x[1] + fixed)
