@@ -33,40 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from batchserve.attention.base import StepLayout
+from batchserve.attention.invariant_attend import Group, Tiles, attend, make_scratch
 from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, ROW_BLOCKS, group_requests, product_rows, tiles_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
-
-
-@dataclass(frozen=True, slots=True)
-class Group:
-    """Requests attended in one set of products, rows and keys padded to the group's largest."""
-
-    rows: torch.Tensor  # [B, R] step row of each row place (padding: the request's first row)
-    rows_in_order: bool  # rows are the step's rows 0..T-1 as they stand: q is read without a gather
-    out_places: torch.Tensor | None  # [n] places (in the flattened [B, R]) holding real rows; None: all of them
-    out_rows: torch.Tensor  # [n] their step rows
-    key_granules: torch.Tensor  # [B, Lk/g] pool granule of each run of g keys (padding: the zero block's)
-    hidden: torch.Tensor  # [B, P, Lk] bool over the product's rows (head-major, padded): True may not attend
-    # None where every request's keys are in logical order (decode rows, chunks, chains): tile t
-    # is keys [t*KEY_TILE, (t+1)*KEY_TILE), read straight from the scores and the key granules.
-    tiles: Tiles | None
-
-
-@dataclass(frozen=True, slots=True)
-class Tiles:
-    """Value tiles of a group with draft trees. The first `first` tiles hold every request's
-    committed keys in logical order (a draft node's position is past its request's prefix): they
-    are read as they stand, by granule, like a decode group's. The tiles from `first` on are
-    gathered key by key; their indexes count from key `first * KEY_TILE`."""
-
-    first: int
-    prefix_granules: torch.Tensor  # [B * first * KEY_TILE / g] pool granules of the leading tiles' keys
-    tile_slots: torch.Tensor  # [B, nt, W] pool slot of each later tile place (past a span: the zero slot)
-    tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the keys from `first` on (past them: none)
-    keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,14 +115,17 @@ class InvariantBackend(TorchReferenceBackend):
         real = (np.arange(r)[None, :] < q_len[:, None]).reshape(-1)
         in_order = all(np.array_equal(p, np.arange(len(p))) for p in positions)
         dev = self.device
+        hidden = product_rows(~mask, self.group, self.row_block)  # [B, P, Lk]
+        scratch = make_scratch(self.k_cache, self.group, (b, r, hidden.shape[1], lk), g, in_order)
         return Group(
             rows=torch.from_numpy(rows).to(dev),
             rows_in_order=rows.size == step.num_tokens and bool((rows.reshape(-1) == np.arange(rows.size)).all()),
             out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
             key_granules=torch.from_numpy(granules).to(dev),
-            hidden=torch.from_numpy(product_rows(~mask, self.group, self.row_block)).to(dev),
+            hidden=torch.from_numpy(hidden).to(dev),
             tiles=None if in_order else self._tiles(step, members, positions, lk, granules),
+            scratch=scratch,
         )
 
     def _tiles(
@@ -207,77 +181,3 @@ class InvariantBackend(TorchReferenceBackend):
                 out[g.out_rows] = attend(q[0], k_cache, v_cache, g, scale, self.granule)
         self.seconds += time.perf_counter() - t0
         return out.unsqueeze(0)  # [1, T, Hq, D], contiguous
-
-
-def _tile_products(
-    weights: torch.Tensor, v_cache: torch.Tensor, granules: torch.Tensor, granule: int, nt: int
-) -> list[torch.Tensor]:
-    """The value products of `nt` tiles whose keys stand in logical order: weights [Hkv, B, P,
-    nt*KEY_TILE] (a view), values read from the pool by granule (`granules`: [B * nt*KEY_TILE/g])."""
-    if nt == 0:
-        return []
-    num_kv, b, padded, _ = weights.shape
-    d1 = v_cache.shape[-1]  # D + 1: the values and the ones
-    values = v_cache.view(num_kv, -1, granule * d1).index_select(1, granules)  # [Hkv, B*nt*W/g, g*(D+1)]
-    return _products(weights.view(num_kv, b, padded, nt, KEY_TILE), values)
-
-
-def _products(w: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
-    """Per tile, weights w [Hkv, B, P, nt, W] times its values (`values`: [Hkv, B*nt*W, D+1] in
-    any view of that size): nt partial sums [Hkv, B, P, D+1], each over its tile's keys in order."""
-    num_kv, b, padded, nt, width = w.shape
-    w = w.permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
-    parts = torch.bmm(w, values.reshape(num_kv * b * nt, width, -1))  # [Hkv*B*nt, P, D+1]
-    return list(parts.view(num_kv, b, nt, padded, -1).unbind(2))
-
-
-def attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Group, scale: float, granule: int
-) -> torch.Tensor:
-    """[n, Hq, D]: the group's real rows of q [Hq, T, D] attended over its keys in the pool
-    (k_cache [Hkv, S, D], v_cache [Hkv, S, D+1], read in runs of `granule` slots)."""
-    num_heads, _, d = q.shape
-    num_kv = k_cache.shape[0]
-    group = num_heads // num_kv  # query head h reads KV head h // group: fold each group's heads into rows
-    b, r = g.rows.shape
-    lk = g.hidden.shape[-1]
-    rows, padded = group * r, g.hidden.shape[1]
-    qf = q.new_zeros(num_kv, b, padded, d)
-    # index_select: far cheaper than [:, idx]
-    own = q if g.rows_in_order else q.index_select(1, g.rows.view(-1))
-    own = own.reshape(num_kv, group, b, r, d).transpose(1, 2)
-    # A power-of-two scale is exact on q: (q*s)k has the bits of (qk)*s, one op less.
-    exact_scale = math.frexp(scale)[0] == 0.5
-    torch.mul(own, scale if exact_scale else 1.0, out=qf[:, :, :rows].view(num_kv, b, group, r, d))
-    granules = g.key_granules.view(-1)
-    keys = k_cache.view(num_kv, -1, granule * d).index_select(1, granules).view(num_kv * b, lk, d)
-    scores = torch.bmm(qf.view(num_kv * b, padded, d), keys.transpose(1, 2)).view(num_kv, b, padded, lk)
-    # In place from here (each new tensor costs as much as the arithmetic); padding rows see key 0.
-    scores.masked_fill_(g.hidden, float("-inf"))
-    if not exact_scale:
-        scores.mul_(scale)
-    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [Hkv, B, P, Lk]
-    if g.tiles is None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
-        parts = _tile_products(weights, v_cache, granules, granule, lk // KEY_TILE)
-    else:
-        tiles = g.tiles
-        start = tiles.first * KEY_TILE
-        parts = _tile_products(weights[..., :start], v_cache, tiles.prefix_granules, granule, tiles.first)
-        nt, width = tiles.tile_keys.shape[1:]
-        index = tiles.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
-        # [Hkv, B, P, nt*W]; the index past the keys ("none") reads the pad's 0
-        w = torch.gather(F.pad(weights[..., start:], (0, 1)), 3, index)
-        if tiles.keep is not None:
-            w = w * tiles.keep.view(1, b, 1, nt * width)
-        values = v_cache.index_select(1, tiles.tile_slots.view(-1))  # with the ones
-        parts += _products(w.view(num_kv, b, padded, nt, width), values)
-    acc, *rest = parts
-    for part in rest:  # tiles in logical order: the same sums as decoding one row at a time
-        acc = acc + part
-    # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D].
-    out = q.new_empty(b, r, num_kv, group, d)
-    num, den = acc[:, :, :rows, :d], acc[:, :, :rows, d:]  # [Hkv, B, G*R, D], [Hkv, B, G*R, 1]
-    shape = (num_kv, b, group, r)
-    torch.div(num.view(*shape, d), den.view(*shape, 1), out=out.permute(2, 0, 3, 1, 4))
-    out = out.view(b * r, num_heads, d)
-    return out if g.out_places is None else out[g.out_places]

@@ -1,0 +1,190 @@
+"""One group's attention products for the batch-invariant backend (`invariant.py` says why each
+reduction is ordered as it is): the group's layout, its per-step scratch, the products."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchserve.attention.invariant_plan import KEY_TILE
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Requests attended in one set of products, rows and keys padded to the group's largest."""
+
+    rows: torch.Tensor  # [B, R] step row of each row place (padding: the request's first row)
+    rows_in_order: bool  # rows are the step's rows 0..T-1 as they stand: q is read without a gather
+    out_places: torch.Tensor | None  # [n] places (in the flattened [B, R]) holding real rows; None: all of them
+    out_rows: torch.Tensor  # [n] their step rows
+    key_granules: torch.Tensor  # [B, Lk/g] pool granule of each run of g keys (padding: the zero block's)
+    hidden: torch.Tensor  # [B, P, Lk] bool over the product's rows (head-major, padded): True may not attend
+    # None where every request's keys are in logical order (decode rows, chunks, chains): tile t
+    # is keys [t*KEY_TILE, (t+1)*KEY_TILE), read straight from the scores and the key granules.
+    tiles: Tiles | None
+    scratch: Scratch
+
+
+@dataclass(frozen=True, slots=True)
+class Scratch:
+    """A group's buffers and their views, made once per step and reused by every layer: each
+    tensor or view made in a layer costs a dispatch (a 1-row decode layer made about 40 before).
+    Every layer overwrites what it reads: q's real rows, the gathered keys and values, the
+    scores and the value products; q's padding rows stay zero."""
+
+    q_rows: torch.Tensor  # [Hkv, G, B, R, D] view of q's real rows: where q (times the scale) lands
+    q: torch.Tensor  # [Hkv*B, P, D] the score product's rows (each KV head's G*R rows, then padding)
+    keys: torch.Tensor  # [Hkv, B*Lk/g, g*D] the keys as gathered granule by granule
+    keys_t: torch.Tensor  # [Hkv*B, D, Lk] view: the score product's right side
+    scores: torch.Tensor  # [Hkv*B, P, Lk]
+    weights: torch.Tensor  # [Hkv, B, P, Lk] view of the scores (softmax numerators in place)
+    values: torch.Tensor | None  # [Hkv, B*nt*W/g, g*(D+1)] keys-in-order groups: values gathered by granule
+    values_t: torch.Tensor | None  # [Hkv*B*nt, W, D+1] view: the value products' right side
+    parts: torch.Tensor | None  # [Hkv*B*nt, P, D+1] the value products, tile by tile
+    tile_parts: tuple[torch.Tensor, ...]  # nt views [Hkv, B, P, D+1] of `parts`, the first the running sum
+
+
+def make_scratch(
+    k_cache: torch.Tensor, group: int, shape: tuple[int, int, int, int], granule: int, in_order: bool
+) -> Scratch:
+    """A group's scratch for k_cache's layout ([L, Hkv, S, D]: dtype, device, heads, head dim):
+    `group` query heads per KV head, `shape` = (B requests, R rows each, P product rows, Lk keys)."""
+    _, kv_heads, _, d = k_cache.shape
+    b, r, padded, lk = shape
+    like = {"dtype": k_cache.dtype, "device": k_cache.device}
+    q = torch.zeros(kv_heads, b, padded, d, **like)
+    q_rows = q[:, :, : group * r].view(kv_heads, b, group, r, d).transpose(1, 2)
+    keys = torch.empty(kv_heads, b * lk // granule, granule * d, **like)
+    scores = torch.empty(kv_heads * b, padded, lk, **like)
+    values = values_t = parts = None
+    tile_parts: tuple[torch.Tensor, ...] = ()
+    if in_order:
+        nt = lk // KEY_TILE
+        values = torch.empty(kv_heads, b * lk // granule, granule * (d + 1), **like)
+        values_t = values.view(kv_heads * b * nt, KEY_TILE, d + 1)
+        parts = torch.empty(kv_heads * b * nt, padded, d + 1, **like)
+        tile_parts = tuple(parts.view(kv_heads, b, nt, padded, d + 1).unbind(2))
+    return Scratch(
+        q_rows=q_rows,
+        q=q.view(kv_heads * b, padded, d),
+        keys=keys,
+        keys_t=keys.view(kv_heads * b, lk, d).transpose(1, 2),
+        scores=scores,
+        weights=scores.view(kv_heads, b, padded, lk),
+        values=values,
+        values_t=values_t,
+        parts=parts,
+        tile_parts=tile_parts,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """Value tiles of a group with draft trees. The first `first` tiles hold every request's
+    committed keys in logical order (a draft node's position is past its request's prefix): they
+    are read as they stand, by granule, like a decode group's. The tiles from `first` on are
+    gathered key by key; their indexes count from key `first * KEY_TILE`."""
+
+    first: int
+    prefix_granules: torch.Tensor  # [B * first * KEY_TILE / g] pool granules of the leading tiles' keys
+    tile_slots: torch.Tensor  # [B, nt, W] pool slot of each later tile place (past a span: the zero slot)
+    tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the keys from `first` on (past them: none)
+    keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
+
+
+def _tile_products(
+    weights: torch.Tensor, v_cache: torch.Tensor, granules: torch.Tensor, granule: int, nt: int
+) -> list[torch.Tensor]:
+    """The value products of `nt` tiles whose keys stand in logical order: weights [Hkv, B, P,
+    nt*KEY_TILE] (a view), values read from the pool by granule (`granules`: [B * nt*KEY_TILE/g])."""
+    if nt == 0:
+        return []
+    num_kv, b, padded, _ = weights.shape
+    d1 = v_cache.shape[-1]  # D + 1: the values and the ones
+    values = v_cache.view(num_kv, -1, granule * d1).index_select(1, granules)  # [Hkv, B*nt*W/g, g*(D+1)]
+    return _products(weights.view(num_kv, b, padded, nt, KEY_TILE), values)
+
+
+def _products(w: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+    """Per tile, weights w [Hkv, B, P, nt, W] times its values (`values`: [Hkv, B*nt*W, D+1] in
+    any view of that size): nt partial sums [Hkv, B, P, D+1], each over its tile's keys in order."""
+    num_kv, b, padded, nt, width = w.shape
+    w = w.permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
+    parts = torch.bmm(w, values.reshape(num_kv * b * nt, width, -1))  # [Hkv*B*nt, P, D+1]
+    return list(parts.view(num_kv, b, nt, padded, -1).unbind(2))
+
+
+def attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Group, scale: float, granule: int
+) -> torch.Tensor:
+    """[n, Hq, D]: the group's real rows of q [Hq, T, D] attended over its keys in the pool
+    (k_cache [Hkv, S, D], v_cache [Hkv, S, D+1], read in runs of `granule` slots), into the
+    group's scratch (see `Scratch`; the products write into it)."""
+    num_heads, _, d = q.shape
+    num_kv = k_cache.shape[0]
+    group = num_heads // num_kv  # query head h reads KV head h // group: fold each group's heads into rows
+    b, r = g.rows.shape
+    sc = g.scratch
+    own = q if g.rows_in_order else q.index_select(1, g.rows.view(-1))  # index_select: far cheaper than [:, idx]
+    # A power-of-two scale is exact on q: (q*s)k has the bits of (qk)*s, one op less.
+    exact_scale = math.frexp(scale)[0] == 0.5
+    torch.mul(own.reshape(num_kv, group, b, r, d), scale if exact_scale else 1.0, out=sc.q_rows)
+    granules = g.key_granules.view(-1)
+    torch.index_select(k_cache.view(num_kv, -1, granule * d), 1, granules, out=sc.keys)
+    torch.bmm(sc.q, sc.keys_t, out=sc.scores)  # [Hkv*B, P, Lk]
+    # In place from here (each new tensor costs as much as the arithmetic); padding rows see key 0.
+    weights = sc.weights.masked_fill_(g.hidden, float("-inf"))  # [Hkv, B, P, Lk]
+    if not exact_scale:
+        weights.mul_(scale)
+    weights.sub_(weights.amax(-1, keepdim=True)).exp_()
+    if g.tiles is None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
+        acc = _in_order_products(sc, v_cache, granules, granule)
+    else:
+        acc = _tree_products(weights, v_cache, g.tiles, granule)
+    # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D].
+    out = q.new_empty(b, r, num_kv, group, d)
+    rows = group * r
+    num, den = acc[:, :, :rows, :d], acc[:, :, :rows, d:]  # [Hkv, B, G*R, D], [Hkv, B, G*R, 1]
+    shape = (num_kv, b, group, r)
+    torch.div(num.view(*shape, d), den.view(*shape, 1), out=out.permute(2, 0, 3, 1, 4))
+    out = out.view(b * r, num_heads, d)
+    return out if g.out_places is None else out[g.out_places]
+
+
+def _in_order_products(sc: Scratch, v_cache: torch.Tensor, granules: torch.Tensor, granule: int) -> torch.Tensor:
+    """[Hkv, B, P, D+1]: the value products of a group whose keys stand in logical order, tile
+    by tile into the scratch, the tiles' partial sums added in tile order into the first."""
+    assert sc.values is not None and sc.values_t is not None and sc.parts is not None
+    num_kv, b, padded, _ = sc.weights.shape
+    d1 = v_cache.shape[-1]  # D + 1: the values and the ones
+    torch.index_select(v_cache.view(num_kv, -1, granule * d1), 1, granules, out=sc.values)
+    nt = len(sc.tile_parts)
+    w = sc.weights.view(num_kv, b, padded, nt, KEY_TILE).transpose(2, 3).reshape(-1, padded, KEY_TILE)
+    torch.bmm(w, sc.values_t, out=sc.parts)  # [Hkv*B*nt, P, D+1]
+    acc, *rest = sc.tile_parts
+    for part in rest:  # tiles in logical order: the same sums as decoding one row at a time
+        acc.add_(part)
+    return acc
+
+
+def _tree_products(weights: torch.Tensor, v_cache: torch.Tensor, tiles: Tiles, granule: int) -> torch.Tensor:
+    """[Hkv, B, P, D+1]: the value products of a group with draft trees: the leading tiles'
+    committed keys read by granule as they stand, the later tiles gathered key by key."""
+    num_kv, b, padded, _ = weights.shape
+    start = tiles.first * KEY_TILE
+    parts = _tile_products(weights[..., :start], v_cache, tiles.prefix_granules, granule, tiles.first)
+    nt, width = tiles.tile_keys.shape[1:]
+    index = tiles.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
+    # [Hkv, B, P, nt*W]; the index past the keys ("none") reads the pad's 0
+    w = torch.gather(F.pad(weights[..., start:], (0, 1)), 3, index)
+    if tiles.keep is not None:
+        w = w * tiles.keep.view(1, b, 1, nt * width)
+    values = v_cache.index_select(1, tiles.tile_slots.view(-1))  # with the ones
+    parts += _products(w.view(num_kv, b, padded, nt, width), values)
+    acc, *rest = parts
+    for part in rest:  # tiles in logical order: the same sums as decoding one row at a time
+        acc = acc + part
+    return acc
