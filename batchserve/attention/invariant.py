@@ -123,7 +123,7 @@ class InvariantBackend(TorchReferenceBackend):
             out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
             key_granules=torch.from_numpy(granules).to(dev),
-            hidden=torch.from_numpy(hidden).to(dev),
+            hidden=torch.from_numpy(np.where(hidden, -np.inf, 0.0).astype(np.float32)).to(dev, self.k_cache.dtype),
             tiles=None if in_order else self._tiles(step, members, positions, lk, granules),
             scratch=scratch,
         )
