@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from batchserve.attention.base import StepLayout
-from batchserve.attention.invariant_attend import Group, Tiles, attend, make_scratch
+from batchserve.attention.invariant_attend import Group, Tiles, attend, make_scratch, scratch_storage
 from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, ROW_BLOCKS, group_requests, product_rows, tiles_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
 
@@ -85,7 +86,12 @@ class InvariantBackend(TorchReferenceBackend):
         self._layers = [(k, v, v[..., :head_dim]) for k, v in zip(self.k_cache, self.v_cache)]
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
-        groups = tuple(self._group(step, m) for m in group_requests(step.q_len, step.kv_len))
+        plans = [self._group(step, m) for m in group_requests(step.q_len, step.kv_len)]
+        storage = scratch_storage(plans, self.k_cache, self.granule)
+        groups = tuple(
+            dataclasses.replace(g, scratch=make_scratch(g, storage, self.group, self.k_cache, self.granule))
+            for g in plans
+        )
         t = step.num_tokens
         in_order = len(groups) == 1 and torch.equal(groups[0].out_rows.cpu(), torch.arange(t))
         return InvariantMetadata(self, slot_mapping.to(self.device), groups, t, in_order)
@@ -116,7 +122,6 @@ class InvariantBackend(TorchReferenceBackend):
         in_order = all(np.array_equal(p, np.arange(len(p))) for p in positions)
         dev = self.device
         hidden = product_rows(~mask, self.group, self.row_block)  # [B, P, Lk]
-        scratch = make_scratch(self.k_cache, self.group, (b, r, hidden.shape[1], lk), g, in_order)
         return Group(
             rows=torch.from_numpy(rows).to(dev),
             rows_in_order=rows.size == step.num_tokens and bool((rows.reshape(-1) == np.arange(rows.size)).all()),
@@ -125,7 +130,6 @@ class InvariantBackend(TorchReferenceBackend):
             key_granules=torch.from_numpy(granules).to(dev),
             hidden=torch.from_numpy(np.where(hidden, -np.inf, 0.0).astype(np.float32)).to(dev, self.k_cache.dtype),
             tiles=None if in_order else self._tiles(step, members, positions, lk, granules),
-            scratch=scratch,
         )
 
     def _tiles(

@@ -4,6 +4,7 @@ reduction is ordered as it is): the group's layout, its per-step scratch, the pr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ class Group:
     # None where every request's keys are in logical order (decode rows, chunks, chains): tile t
     # is keys [t*KEY_TILE, (t+1)*KEY_TILE), read straight from the scores and the key granules.
     tiles: Tiles | None
-    scratch: Scratch
+    scratch: Scratch | None = None  # set once the step's groups are planned (`make_scratch`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,8 @@ class Scratch:
     """A group's buffers and their views, made once per step and reused by every layer: each
     tensor or view made in a layer costs a dispatch (a 1-row decode layer made about 40 before).
     Every layer overwrites what it reads: q's real rows, the gathered keys and values, the
-    scores and the value products; q's padding rows stay zero."""
+    scores and the value products. The step's groups share one storage per buffer (`storage`):
+    they are attended one after another, so a step holds as much as its largest group needs."""
 
     q_rows: torch.Tensor  # [Hkv, G, B, R, D] view of q's real rows: where q (times the scale) lands
     q: torch.Tensor  # [Hkv*B, P, D] the score product's rows (each KV head's G*R rows, then padding)
@@ -49,37 +51,58 @@ class Scratch:
     tile_parts: tuple[torch.Tensor, ...]  # nt views [Hkv, B, P, D+1] of `parts`, the first the running sum
 
 
-def make_scratch(
-    k_cache: torch.Tensor, group: int, shape: tuple[int, int, int, int], granule: int, in_order: bool
-) -> Scratch:
-    """A group's scratch for k_cache's layout ([L, Hkv, S, D]: dtype, device, heads, head dim):
-    `group` query heads per KV head, `shape` = (B requests, R rows each, P product rows, Lk keys)."""
+def _buffer_shapes(g: Group, kv_heads: int, d: int, granule: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each of group g's buffers."""
+    b, _ = g.rows.shape
+    _, padded, lk = g.hidden.shape
+    shapes = {"q": (kv_heads, b, padded, d), "keys": (kv_heads, b * lk // granule, granule * d)}
+    shapes["scores"] = (kv_heads * b, padded, lk)
+    if g.tiles is None:  # keys in logical order: values gathered by granule too
+        shapes["values"] = (kv_heads, b * lk // granule, granule * (d + 1))
+        shapes["parts"] = (kv_heads * b * (lk // KEY_TILE), padded, d + 1)
+    return shapes
+
+
+def scratch_storage(groups: Sequence[Group], k_cache: torch.Tensor, granule: int) -> dict[str, torch.Tensor]:
+    """One flat tensor per buffer, as large as the largest group's (k_cache: [L, Hkv, S, D]). q's is
+    zeroed: a group's padding rows hold zeros or, once another group wrote there, its finite
+    queries; either way a padding row sees key 0 only and is dropped, and a product row's bits
+    do not depend on the other rows (`kernels_invariant`)."""
     _, kv_heads, _, d = k_cache.shape
-    b, r, padded, lk = shape
-    like = {"dtype": k_cache.dtype, "device": k_cache.device}
-    q = torch.zeros(kv_heads, b, padded, d, **like)
-    q_rows = q[:, :, : group * r].view(kv_heads, b, group, r, d).transpose(1, 2)
-    keys = torch.empty(kv_heads, b * lk // granule, granule * d, **like)
-    scores = torch.empty(kv_heads * b, padded, lk, **like)
-    values = values_t = parts = None
-    tile_parts: tuple[torch.Tensor, ...] = ()
-    if in_order:
-        nt = lk // KEY_TILE
-        values = torch.empty(kv_heads, b * lk // granule, granule * (d + 1), **like)
-        values_t = values.view(kv_heads * b * nt, KEY_TILE, d + 1)
-        parts = torch.empty(kv_heads * b * nt, padded, d + 1, **like)
-        tile_parts = tuple(parts.view(kv_heads, b, nt, padded, d + 1).unbind(2))
+    sizes: dict[str, int] = {}
+    for g in groups:
+        for kind, shape in _buffer_shapes(g, kv_heads, d, granule).items():
+            sizes[kind] = max(sizes.get(kind, 0), math.prod(shape))
+    storage = {kind: k_cache.new_empty(n) for kind, n in sizes.items()}
+    storage["q"].zero_()
+    return storage
+
+
+def make_scratch(
+    g: Group, storage: dict[str, torch.Tensor], group: int, k_cache: torch.Tensor, granule: int
+) -> Scratch:
+    """Group g's scratch: views of `storage` (`scratch_storage`), `group` query heads per KV head."""
+    _, kv_heads, _, d = k_cache.shape
+    b, r = g.rows.shape
+    _, padded, lk = g.hidden.shape
+    view = {
+        kind: storage[kind][: math.prod(shape)].view(shape)
+        for kind, shape in _buffer_shapes(g, kv_heads, d, granule).items()
+    }
+    q, keys, scores = view["q"], view["keys"], view["scores"]
+    values, parts = view.get("values"), view.get("parts")
+    nt = lk // KEY_TILE
     return Scratch(
-        q_rows=q_rows,
+        q_rows=q[:, :, : group * r].view(kv_heads, b, group, r, d).transpose(1, 2),
         q=q.view(kv_heads * b, padded, d),
         keys=keys,
         keys_t=keys.view(kv_heads * b, lk, d).transpose(1, 2),
         scores=scores,
         weights=scores.view(kv_heads, b, padded, lk),
         values=values,
-        values_t=values_t,
+        values_t=None if values is None else values.view(kv_heads * b * nt, KEY_TILE, d + 1),
         parts=parts,
-        tile_parts=tile_parts,
+        tile_parts=() if parts is None else tuple(parts.view(kv_heads, b, nt, padded, d + 1).unbind(2)),
     )
 
 
@@ -130,6 +153,7 @@ def attend(
     group = num_heads // num_kv  # query head h reads KV head h // group: fold each group's heads into rows
     b, r = g.rows.shape
     sc = g.scratch
+    assert sc is not None, "a group is attended after its scratch is made"
     own = q if g.rows_in_order else q.index_select(1, g.rows.view(-1))  # index_select: far cheaper than [:, idx]
     # A power-of-two scale is exact on q: (q*s)k has the bits of (qk)*s, one op less.
     exact_scale = math.frexp(scale)[0] == 0.5

@@ -97,6 +97,40 @@ def test_a_requests_rows_have_the_same_bits_alone_and_packed_with_others(seed):
 
 
 @needs_invariance
+def test_a_steps_groups_share_their_scratch_and_every_layer_keeps_each_rows_bits():
+    # Three layers over one metadata: the groups (short and long contexts, a tree, a prompt chunk)
+    # write one shared set of buffers in turn, layer after layer.
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    layers, blocks = 3, 600
+    ours = InvariantBackend(layers, blocks, BS, KV_HEADS, D, num_qo_heads=HEADS)
+    slots = blocks * BS
+    torch.randn(ours.k_cache[:, :, :slots].shape, generator=gen, out=ours.k_cache[:, :, :slots])
+    ours.v_cache[:, :, :slots, :D] = torch.randn(ours.v_cache[:, :, :slots, :D].shape, generator=gen)
+    kinds = [(20, 1, 0), (900, 1, 0), (130, 1, 9), (0, 40, 0), (25, 1, 0)]
+    seqs = _step(rng, BlockPicker(rng, blocks, "scattered"), kinds)
+    total = seqs[-1].q_start + seqs[-1].q_len
+    q, k, v = torch.randn(3, layers, HEADS, total, D, generator=gen)
+    k, v = k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
+
+    def run(step_seqs: list[SeqLayout], rows: slice) -> list[torch.Tensor]:
+        slot_ids = torch.cat([slots_of(s.block_ids, BS, torch.arange(s.num_cached, s.kv_len)) for s in step_seqs])
+        meta = ours.build_metadata(StepLayout.from_seqs(step_seqs), slot_ids)
+        if len(step_seqs) > 1:
+            assert len(meta.groups) >= 3
+            ptrs = {g.scratch.scores.untyped_storage().data_ptr() for g in meta.groups}
+            assert len(ptrs) == 1  # one storage for every group: peak memory as the largest group's
+        qs, ks, vs = (x[:, :, rows].contiguous() for x in (q, k, v))
+        return [ours.forward(i, qs[None, i], ks[None, i], vs[None, i], meta, D**-0.5)[0] for i in range(layers)]
+
+    packed = run(seqs, slice(0, total))
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        alone = run([SeqLayout(0, s.q_len, s.num_cached, s.num_chunk, s.draft_parents, s.block_ids)], rows)
+        for layer in range(layers):
+            assert torch.equal(alone[layer], packed[layer][rows])
+
+
+@needs_invariance
 @pytest.mark.parametrize("bs", [24, 128])  # keys read in runs of gcd(bs, KEY_TILE): 8 and 64 slots
 def test_keys_are_read_in_runs_for_any_block_size(bs):
     rng, gen = random.Random(bs), torch.Generator().manual_seed(bs)
