@@ -74,7 +74,8 @@ def scratch_storage(groups: Sequence[Group], k_cache: torch.Tensor, granule: int
         for kind, shape in _buffer_shapes(g, kv_heads, d, granule).items():
             sizes[kind] = max(sizes.get(kind, 0), math.prod(shape))
     storage = {kind: k_cache.new_empty(n) for kind, n in sizes.items()}
-    storage["q"].zero_()
+    if "q" in storage:  # a step without requests has no groups
+        storage["q"].zero_()
     return storage
 
 
