@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from batchserve.attention.base import StepLayout
-from batchserve.attention.invariant_attend import Group, Tiles, attend, make_scratch, scratch_storage
+from batchserve.attention.invariant_attend import SCRATCH_BYTES, Group, Tiles, attend, make_scratch, scratch_storage
 from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, ROW_BLOCKS, group_requests, product_rows, tiles_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
 
@@ -75,6 +75,7 @@ class InvariantBackend(TorchReferenceBackend):
 
             row_block = invariant_row_block(head_dim) or ROW_BLOCKS[-1]
         self.row_block = row_block
+        self.scratch_bytes = SCRATCH_BYTES  # the most a step keeps in scratch for its forward (`Scratch`)
         self.num_blocks = num_blocks
         self.granule = math.gcd(block_size, KEY_TILE)
         self.zero_slot = slots = num_blocks * block_size  # the zero block's first slot
@@ -87,10 +88,14 @@ class InvariantBackend(TorchReferenceBackend):
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
         plans = [self._group(step, m) for m in group_requests(step.q_len, step.kv_len)]
-        storage = scratch_storage(plans, self.k_cache, self.granule)
+        pool = self._layers[0][0]  # [Hkv, S, D]
+        storage = scratch_storage(plans, pool, self.granule, self.scratch_bytes)
         groups = tuple(
-            dataclasses.replace(g, scratch=make_scratch(g, storage, self.group, self.k_cache, self.granule))
-            for g in plans
+            plans
+            if storage is None
+            else (
+                dataclasses.replace(g, scratch=make_scratch(g, storage, self.group, pool, self.granule)) for g in plans
+            )
         )
         t = step.num_tokens
         in_order = len(groups) == 1 and torch.equal(groups[0].out_rows.cpu(), torch.arange(t))
@@ -113,7 +118,7 @@ class InvariantBackend(TorchReferenceBackend):
             start, q, kv, cached = int(step.qo_indptr[i]), int(q_len[j]), int(kv_len[j]), int(step.num_cached[i])
             rows[j] = start
             rows[j, :q] = start + np.arange(q)
-            used = -(-kv // g)  # past kv the granule's slots are masked (zero weight): any finite values do
+            used = -(-kv // g)  # past kv the granule's slots are masked (zero weight): any finite keys and values do
             granules[j, :used] = self._slots(step, i, np.arange(used) * g) // g
             mask[j, :q, :cached] = True
             mask[j, :q, cached:kv] = step.step_mask(i) if q > 1 else True
@@ -128,7 +133,7 @@ class InvariantBackend(TorchReferenceBackend):
             out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
             key_granules=torch.from_numpy(granules).to(dev),
-            hidden=torch.from_numpy(np.where(hidden, -np.inf, 0.0).astype(np.float32)).to(dev, self.k_cache.dtype),
+            hidden=torch.from_numpy(np.where(hidden, np.float32(-np.inf), np.float32(0.0))).to(dev, self.k_cache.dtype),
             tiles=None if in_order else self._tiles(step, members, positions, lk, granules),
         )
 

@@ -23,21 +23,26 @@ class Group:
     out_rows: torch.Tensor  # [n] their step rows
     key_granules: torch.Tensor  # [B, Lk/g] pool granule of each run of g keys (padding: the zero block's)
     # [B, P, Lk] over the product's rows (head-major, padded): 0 where a row may attend, -inf where not.
-    # Added, not masked_fill_'ed: the same scores (s + 0 is s) at a tenth of the cost.
+    # Added, not masked_fill_'ed: the same scores (s + 0 is s, a finite s - inf is -inf) at a
+    # tenth of the cost. Keys past a request's own must be finite, as values always had to be
+    # (0 times a NaN is NaN): the pool's are (zeros, or earlier requests' keys and values).
     hidden: torch.Tensor
     # None where every request's keys are in logical order (decode rows, chunks, chains): tile t
     # is keys [t*KEY_TILE, (t+1)*KEY_TILE), read straight from the scores and the key granules.
     tiles: Tiles | None
-    scratch: Scratch | None = None  # set once the step's groups are planned (`make_scratch`)
+    scratch: Scratch | None = None  # the step's, once its groups are planned; None: made in each layer
 
 
 @dataclass(frozen=True, slots=True)
 class Scratch:
     """A group's buffers and their views, made once per step and reused by every layer: each
     tensor or view made in a layer costs a dispatch (a 1-row decode layer made about 40 before).
-    Every layer overwrites what it reads: q's real rows, the gathered keys and values, the
-    scores and the value products. The step's groups share one storage per buffer (`storage`):
-    they are attended one after another, so a step holds as much as its largest group needs."""
+    Every layer writes all it reads: q's real rows, the gathered keys and values, the scores and
+    the value products. The step's groups share one storage per buffer (`scratch_storage`): they
+    are attended one after another. A step's storage stays for its whole forward, so it is kept
+    only while small (`SCRATCH_BYTES`); a step that needs more (long prompt chunks, long contexts,
+    where one more allocation a layer costs nothing next to the arithmetic) makes each layer's
+    buffers as it goes, as `attend` does for a group without one."""
 
     q_rows: torch.Tensor  # [Hkv, G, B, R, D] view of q's real rows: where q (times the scale) lands
     q: torch.Tensor  # [Hkv*B, P, D] the score product's rows (each KV head's G*R rows, then padding)
@@ -63,27 +68,36 @@ def _buffer_shapes(g: Group, kv_heads: int, d: int, granule: int) -> dict[str, t
     return shapes
 
 
-def scratch_storage(groups: Sequence[Group], k_cache: torch.Tensor, granule: int) -> dict[str, torch.Tensor]:
-    """One flat tensor per buffer, as large as the largest group's (k_cache: [L, Hkv, S, D]). q's is
-    zeroed: a group's padding rows hold zeros or, once another group wrote there, its finite
-    queries; either way a padding row sees key 0 only and is dropped, and a product row's bits
-    do not depend on the other rows (`kernels_invariant`)."""
-    _, kv_heads, _, d = k_cache.shape
+# The most a step keeps in scratch for its whole forward (see `Scratch`): a batch-1 decode at an
+# 8k context needs about 13 MiB, 16 requests at 2k about 50.
+SCRATCH_BYTES = 64 << 20
+
+
+def scratch_storage(
+    groups: Sequence[Group], pool: torch.Tensor, granule: int, limit: int | None
+) -> dict[str, torch.Tensor] | None:
+    """One flat tensor per buffer, each as large as that buffer's largest group needs (pool: one
+    layer's keys [Hkv, S, D], for the heads, head dim, dtype and device); None past `limit`
+    bytes. q's storage is zeroed, though nothing depends on it: a padding row of the score
+    product may hold what another group wrote there, a product row's bits do not depend on the
+    other rows (`kernels_invariant`), and a padding row sees key 0 only and is dropped."""
+    kv_heads, _, d = pool.shape
     sizes: dict[str, int] = {}
     for g in groups:
         for kind, shape in _buffer_shapes(g, kv_heads, d, granule).items():
             sizes[kind] = max(sizes.get(kind, 0), math.prod(shape))
-    storage = {kind: k_cache.new_empty(n) for kind, n in sizes.items()}
+    if limit is not None and sum(sizes.values()) * pool.element_size() > limit:
+        return None
+    storage = {kind: pool.new_empty(n) for kind, n in sizes.items()}
     if "q" in storage:  # a step without requests has no groups
         storage["q"].zero_()
     return storage
 
 
-def make_scratch(
-    g: Group, storage: dict[str, torch.Tensor], group: int, k_cache: torch.Tensor, granule: int
-) -> Scratch:
-    """Group g's scratch: views of `storage` (`scratch_storage`), `group` query heads per KV head."""
-    _, kv_heads, _, d = k_cache.shape
+def make_scratch(g: Group, storage: dict[str, torch.Tensor], group: int, pool: torch.Tensor, granule: int) -> Scratch:
+    """Group g's scratch: views of `storage` (`scratch_storage`), `group` query heads per KV head
+    (pool: one layer's keys [Hkv, S, D])."""
+    kv_heads, _, d = pool.shape
     b, r = g.rows.shape
     _, padded, lk = g.hidden.shape
     view = {
@@ -154,7 +168,10 @@ def attend(
     group = num_heads // num_kv  # query head h reads KV head h // group: fold each group's heads into rows
     b, r = g.rows.shape
     sc = g.scratch
-    assert sc is not None, "a group is attended after its scratch is made"
+    if sc is None:  # a step too large to keep scratch for its whole forward: this layer's own
+        storage = scratch_storage((g,), k_cache, granule, limit=None)
+        assert storage is not None
+        sc = make_scratch(g, storage, group, k_cache, granule)
     own = q if g.rows_in_order else q.index_select(1, g.rows.view(-1))  # index_select: far cheaper than [:, idx]
     # A power-of-two scale is exact on q: (q*s)k has the bits of (qk)*s, one op less.
     exact_scale = math.frexp(scale)[0] == 0.5

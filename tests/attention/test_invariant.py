@@ -96,12 +96,14 @@ def test_a_requests_rows_have_the_same_bits_alone_and_packed_with_others(seed):
         assert torch.equal(got, packed[rows])
 
 
-@needs_invariance
-def test_a_steps_groups_share_their_scratch_and_every_layer_keeps_each_rows_bits():
-    # Three layers over one metadata: the groups (short and long contexts, a tree, a prompt chunk)
-    # write one shared set of buffers in turn, layer after layer.
-    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
-    layers, blocks = 3, 600
+SCRATCH_BUFFERS = ("q", "keys", "scores", "values", "parts")
+
+
+def _layered_step(seed: int, layers: int = 3):
+    """A backend of `layers` random layers and a step whose groups differ (short and long
+    contexts, a tree, a prompt chunk): (backend, seqs, q, k, v), q/k/v [3 or 2 heads per layer]."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    blocks = 600
     ours = InvariantBackend(layers, blocks, BS, KV_HEADS, D, num_qo_heads=HEADS)
     slots = blocks * BS
     torch.randn(ours.k_cache[:, :, :slots].shape, generator=gen, out=ours.k_cache[:, :, :slots])
@@ -110,24 +112,54 @@ def test_a_steps_groups_share_their_scratch_and_every_layer_keeps_each_rows_bits
     seqs = _step(rng, BlockPicker(rng, blocks, "scattered"), kinds)
     total = seqs[-1].q_start + seqs[-1].q_len
     q, k, v = torch.randn(3, layers, HEADS, total, D, generator=gen)
-    k, v = k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
+    return ours, seqs, q, k[:, :KV_HEADS].contiguous(), v[:, :KV_HEADS].contiguous()
 
-    def run(step_seqs: list[SeqLayout], rows: slice) -> list[torch.Tensor]:
-        slot_ids = torch.cat([slots_of(s.block_ids, BS, torch.arange(s.num_cached, s.kv_len)) for s in step_seqs])
-        meta = ours.build_metadata(StepLayout.from_seqs(step_seqs), slot_ids)
-        if len(step_seqs) > 1:
-            assert len(meta.groups) >= 3
-            ptrs = {g.scratch.scores.untyped_storage().data_ptr() for g in meta.groups}
-            assert len(ptrs) == 1  # one storage for every group: peak memory as the largest group's
-        qs, ks, vs = (x[:, :, rows].contiguous() for x in (q, k, v))
-        return [ours.forward(i, qs[None, i], ks[None, i], vs[None, i], meta, D**-0.5)[0] for i in range(layers)]
 
-    packed = run(seqs, slice(0, total))
+def _run_layers(backend, seqs, q, k, v, rows: slice, scale: float, poison: bool = False):
+    """Every layer of `backend` over one metadata; `poison`: the step's scratch filled with NaN
+    first (every buffer a layer reads must be one it wrote)."""
+    slot_ids = torch.cat([slots_of(s.block_ids, BS, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
+    meta = backend.build_metadata(StepLayout.from_seqs(seqs), slot_ids)
+    if poison:
+        for g in meta.groups:
+            for name in SCRATCH_BUFFERS:
+                buf = getattr(g.scratch, name)
+                if buf is not None:
+                    buf.fill_(float("nan"))
+    qs, ks, vs = (x[:, :, rows].contiguous() for x in (q, k, v))
+    return meta, [backend.forward(i, qs[None, i], ks[None, i], vs[None, i], meta, scale)[0] for i in range(len(q))]
+
+
+@needs_invariance
+@pytest.mark.parametrize("scale", [D**-0.5, 0.3])
+def test_a_steps_groups_share_their_scratch_and_every_layer_keeps_each_rows_bits(scale):
+    # Three layers over one metadata: the groups write one shared set of buffers in turn.
+    ours, seqs, q, k, v = _layered_step(5)
+    total = seqs[-1].q_start + seqs[-1].q_len
+    meta, packed = _run_layers(ours, seqs, q, k, v, slice(0, total), scale)
+    assert len(meta.groups) >= 3
+    for name in SCRATCH_BUFFERS:  # one storage per buffer for every group that has it (a tree: no values)
+        bufs = [getattr(g.scratch, name) for g in meta.groups]
+        assert len({b.untyped_storage().data_ptr() for b in bufs if b is not None}) == 1
     for s in seqs:
         rows = slice(s.q_start, s.q_start + s.q_len)
-        alone = run([SeqLayout(0, s.q_len, s.num_cached, s.num_chunk, s.draft_parents, s.block_ids)], rows)
-        for layer in range(layers):
-            assert torch.equal(alone[layer], packed[layer][rows])
+        alone = [SeqLayout(0, s.q_len, s.num_cached, s.num_chunk, s.draft_parents, s.block_ids)]
+        _, got = _run_layers(ours, alone, q, k, v, rows, scale)
+        for layer, out in enumerate(got):
+            assert torch.equal(out, packed[layer][rows])
+
+
+@needs_invariance
+def test_a_layer_reads_only_scratch_it_wrote_and_a_step_past_the_cap_makes_its_own():
+    ours, seqs, q, k, v = _layered_step(6)
+    every = slice(0, seqs[-1].q_start + seqs[-1].q_len)
+    _, clean = _run_layers(ours, seqs, q, k, v, every, D**-0.5)
+    _, poisoned = _run_layers(ours, seqs, q, k, v, every, D**-0.5, poison=True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, poisoned))
+    ours.scratch_bytes = 1024  # this step needs more: no step scratch, each layer its own buffers
+    meta, capped = _run_layers(ours, seqs, q, k, v, every, D**-0.5)
+    assert all(g.scratch is None for g in meta.groups)
+    assert all(torch.equal(a, b) for a, b in zip(clean, capped))
 
 
 @needs_invariance
