@@ -156,7 +156,7 @@ class CostProfile:
             step_ms=tuple(tuple(float(t) for t in row) for row in d["step_ms"]),
             per_seq_ms=_per_context(d.get("per_seq_ms", ()), len(d["contexts"])),
             row_block=int(d.get("row_block", 1)),
-            draft_ms=tuple(float(x) for x in d.get("draft_ms", ())),
+            draft_ms=_per_context(d.get("draft_ms", ()), len(d["contexts"])),
         )
 
     def save(self, path: str | Path) -> None:
