@@ -208,10 +208,7 @@ def _in_order_products(sc: Scratch, v_cache: torch.Tensor, granules: torch.Tenso
     nt = len(sc.tile_parts)
     w = sc.weights.view(num_kv, b, padded, nt, KEY_TILE).transpose(2, 3).reshape(-1, padded, KEY_TILE)
     torch.bmm(w, sc.values_t, out=sc.parts)  # [Hkv*B*nt, P, D+1]
-    acc, *rest = sc.tile_parts
-    for part in rest:  # tiles in logical order: the same sums as decoding one row at a time
-        acc.add_(part)
-    return acc
+    return _sum_tiles(sc.tile_parts)
 
 
 def _tree_products(weights: torch.Tensor, v_cache: torch.Tensor, tiles: Tiles, granule: int) -> torch.Tensor:
@@ -228,7 +225,13 @@ def _tree_products(weights: torch.Tensor, v_cache: torch.Tensor, tiles: Tiles, g
         w = w * tiles.keep.view(1, b, 1, nt * width)
     values = v_cache.index_select(1, tiles.tile_slots.view(-1))  # with the ones
     parts += _products(w.view(num_kv, b, padded, nt, width), values)
+    return _sum_tiles(parts)
+
+
+def _sum_tiles(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tiles' partial sums [Hkv, B, P, D+1] added in tile (logical) order into the first, in
+    place: the same sums as decoding one row at a time, in a decode group and a tree group alike."""
     acc, *rest = parts
-    for part in rest:  # tiles in logical order: the same sums as decoding one row at a time
-        acc = acc + part
+    for part in rest:
+        acc.add_(part)
     return acc
