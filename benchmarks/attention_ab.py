@@ -35,8 +35,8 @@ def step_ms(num_seqs: int, low: int, high: int, rows: int, backend_cls: type, re
         start, first = start + rows, first + n
     step = StepLayout.from_seqs(seqs)
     slots = torch.cat([slots_of(s.block_ids, BLOCK, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
-    q = torch.randn(1, HEADS, start, HEAD_DIM)  # [1, Hq, T, D]
-    k, v = torch.randn(1, KV_HEADS, start, HEAD_DIM), torch.randn(1, KV_HEADS, start, HEAD_DIM)
+    q = torch.randn(HEADS, start, HEAD_DIM)  # [Hq, T, D]
+    k, v = torch.randn(KV_HEADS, start, HEAD_DIM), torch.randn(KV_HEADS, start, HEAD_DIM)
 
     def run() -> None:
         meta = backend.build_metadata(step, slots)

@@ -160,9 +160,10 @@ class AttentionBackend(ABC):
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, scale: float
     ) -> torch.Tensor:
-        """Write this step's k/v into the pool, attend, return [1, T, Hq, D].
+        """Write this step's k/v into the pool, attend, return [T, Hq, D].
 
-        q is [1, Hq, T, D]; k and v are [1, Hkv, T, D] (this step's tokens only, RoPE applied).
+        q is [Hq, T, D]; k and v are [Hkv, T, D]: the step's packed rows, head-major, no batch
+        dimension (this step's tokens only, RoPE applied).
         """
 
     @abstractmethod

@@ -136,13 +136,11 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"layer {layer_idx} uses scale {scale}, the step was planned with {self.sm_scale}")
         slots = metadata.slot_mapping
         hkv, d = self.num_kv_heads, self.head_dim
-        self.k_cache[layer_idx].view(-1, hkv, d).index_copy_(
-            0, slots, k[0].transpose(0, 1).to(self.dtype)
-        )  # [T, Hkv, D]
-        self.v_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, v[0].transpose(0, 1).to(self.dtype))
-        qt = q[0].transpose(0, 1).contiguous().to(self.dtype)  # [T, Hq, D]
+        self.k_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, k.transpose(0, 1).to(self.dtype))  # [T, Hkv, D]
+        self.v_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, v.transpose(0, 1).to(self.dtype))
+        qt = q.transpose(0, 1).contiguous().to(self.dtype)  # [T, Hq, D]
         out = self._wrapper.run(qt, (self.k_cache[layer_idx], self.v_cache[layer_idx]))  # [T, Hq, D]
-        return out.unsqueeze(0).to(q.dtype)  # [1, T, Hq, D]
+        return out.to(q.dtype)  # [T, Hq, D]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         src, dst = src.to(self.device), dst.to(self.device)

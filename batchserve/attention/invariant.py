@@ -36,7 +36,15 @@ import numpy as np
 import torch
 
 from batchserve.attention.base import StepLayout
-from batchserve.attention.invariant_attend import SCRATCH_BYTES, Group, Tiles, attend, make_scratch, scratch_storage
+from batchserve.attention.invariant_attend import (
+    SCRATCH_BYTES,
+    Group,
+    LayerPool,
+    Tiles,
+    attend,
+    make_scratch,
+    scratch_storage,
+)
 from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, ROW_BLOCKS, group_requests, product_rows, tiles_of
 from batchserve.attention.torch_ref import TorchReferenceBackend
 
@@ -83,20 +91,16 @@ class InvariantBackend(TorchReferenceBackend):
         self.k_cache = torch.zeros(num_layers, num_kv_heads, size, head_dim, dtype=dtype, device=device)
         self.v_cache = torch.zeros(num_layers, num_kv_heads, size, head_dim + 1, dtype=dtype, device=device)
         self.v_cache[:, :, :slots, head_dim] = 1.0  # the denominator's column
-        # Each layer's views, made once (a step would make 90 of them): [Hkv, S, D], [Hkv, S, D+1], [Hkv, S, D].
-        self._layers = [(k, v, v[..., :head_dim]) for k, v in zip(self.k_cache, self.v_cache)]
+        # Each layer's views, made once (a step would make 150 of them).
+        self.pools = [LayerPool.of(k, v, self.group, self.granule) for k, v in zip(self.k_cache, self.v_cache)]
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
         plans = [self._group(step, m) for m in group_requests(step.q_len, step.kv_len)]
-        pool = self._layers[0][0]  # [Hkv, S, D]
-        storage = scratch_storage(plans, pool, self.granule, self.scratch_bytes)
-        groups = tuple(
-            plans
-            if storage is None
-            else (
-                dataclasses.replace(g, scratch=make_scratch(g, storage, self.group, pool, self.granule)) for g in plans
-            )
-        )
+        pool = self.pools[0]
+        storage = scratch_storage(plans, pool, self.scratch_bytes)
+        if storage is not None:
+            plans = [dataclasses.replace(g, scratch=make_scratch(g, storage, pool)) for g in plans]
+        groups = tuple(plans)
         t = step.num_tokens
         in_order = len(groups) == 1 and torch.equal(groups[0].out_rows.cpu(), torch.arange(t))
         return InvariantMetadata(self, slot_mapping.to(self.device), groups, t, in_order)
@@ -128,12 +132,13 @@ class InvariantBackend(TorchReferenceBackend):
         dev = self.device
         hidden = product_rows(~mask, self.group, self.row_block)  # [B, P, Lk]
         return Group(
-            rows=torch.from_numpy(rows).to(dev),
+            rows=torch.from_numpy(rows.reshape(-1)).to(dev),
             rows_in_order=rows.size == step.num_tokens and bool((rows.reshape(-1) == np.arange(rows.size)).all()),
             out_places=None if real.all() else torch.from_numpy(np.flatnonzero(real)).to(dev),
             out_rows=torch.from_numpy(rows.reshape(-1)[real]).to(dev),
-            key_granules=torch.from_numpy(granules).to(dev),
+            key_granules=torch.from_numpy(granules.reshape(-1)).to(dev),
             hidden=torch.from_numpy(np.where(hidden, np.float32(-np.inf), np.float32(0.0))).to(dev, self.k_cache.dtype),
+            num_rows=r,
             tiles=None if in_order else self._tiles(step, members, positions, lk, granules),
         )
 
@@ -178,15 +183,14 @@ class InvariantBackend(TorchReferenceBackend):
         scale: float,
     ) -> torch.Tensor:
         t0 = time.perf_counter()
-        k_cache, v_cache, v_values = self._layers[layer_idx]  # [Hkv, S, D], [Hkv, S, D+1], [Hkv, S, D]
-        d = q.shape[3]
-        k_cache.index_copy_(1, metadata.slot_mapping, k[0])  # k[0]: [Hkv, T, D]
-        v_values.index_copy_(1, metadata.slot_mapping, v[0])
+        pool = self.pools[layer_idx]
+        pool.keys.index_copy_(1, metadata.slot_mapping, k)  # k: [Hkv, T, D]
+        pool.new_values.index_copy_(1, metadata.slot_mapping, v)
         if metadata.in_order:  # one group, the step's rows in order (decode steps): no scatter
-            out = attend(q[0], k_cache, v_cache, metadata.groups[0], scale, self.granule)
+            out = attend(q, pool, metadata.groups[0], scale)
         else:
-            out = q.new_empty(metadata.num_tokens, q.shape[1], d)  # [T, Hq, D]
+            out = q.new_empty(metadata.num_tokens, q.shape[0], q.shape[2])  # [T, Hq, D]
             for g in metadata.groups:
-                out[g.out_rows] = attend(q[0], k_cache, v_cache, g, scale, self.granule)
+                out[g.out_rows] = attend(q, pool, g, scale)
         self.seconds += time.perf_counter() - t0
-        return out.unsqueeze(0)  # [1, T, Hq, D], contiguous
+        return out  # [T, Hq, D], contiguous

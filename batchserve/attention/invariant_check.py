@@ -71,12 +71,12 @@ def decoded_equals_tree(
     n = 1 + len(parents)
     blocks = tuple(range(-(-(prefix + n) // 16)))
     other = SeqLayout(n, 3, 5, 1, (None, 0), (len(blocks),))
-    q, k, v = torch.randn(3, 1, 6, n + 3, d, generator=gen)
-    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    q, k, v = torch.randn(3, 6, n + 3, d, generator=gen)  # [heads, T, D] each
+    k, v = k[:2].contiguous(), v[:2].contiguous()
     tree = _step(backend, [SeqLayout(0, n, prefix, 1, tuple(parents), blocks), other], q, k, v)
     for level, row in enumerate([0] + [node + 1 for node in path]):  # the root, then the path's nodes
         one = [SeqLayout(0, 1, prefix + level, 1, (), blocks)]
-        alone = _step(backend, one, q[:, :, [row]], k[:, :, [row]].contiguous(), v[:, :, [row]].contiguous())
+        alone = _step(backend, one, q[:, [row]], k[:, [row]].contiguous(), v[:, [row]].contiguous())
         if not torch.equal(alone[0], tree[row]):
             return False
     return True
@@ -87,4 +87,4 @@ def _step(
 ) -> torch.Tensor:
     slots = torch.cat([slots_of(s.block_ids, backend.block_size, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
     meta = backend.build_metadata(StepLayout.from_seqs(seqs), slots)
-    return backend.forward(0, q, k, v, meta, scale=q.shape[-1] ** -0.5)[0]  # [T, Hq, D]
+    return backend.forward(0, q, k, v, meta, scale=q.shape[-1] ** -0.5)  # [T, Hq, D]

@@ -110,12 +110,12 @@ class TorchReferenceBackend(AttentionBackend):
     ) -> torch.Tensor:
         t0 = time.perf_counter()
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [Hkv, slots, D]
-        k_cache.index_copy_(1, metadata.slot_mapping, k[0])  # k[0]: [Hkv, T, D]
-        v_cache.index_copy_(1, metadata.slot_mapping, v[0])
-        num_heads, head_dim = q.shape[1], q.shape[3]
+        k_cache.index_copy_(1, metadata.slot_mapping, k)  # k: [Hkv, T, D]
+        v_cache.index_copy_(1, metadata.slot_mapping, v)
+        num_heads, head_dim = q.shape[0], q.shape[2]
         out = q.new_empty(num_heads, metadata.num_tokens, head_dim)  # [Hq, T, D]
         for s in metadata.seqs:
-            qs = q[0, :, s.start : s.stop]  # [Hq, q_len, D]
+            qs = q[:, s.start : s.stop]  # [Hq, q_len, D]
             if s.gather is not None:
                 ks, vs = k_cache.index_select(1, s.gather), v_cache.index_select(1, s.gather)  # [Hkv, kv_len, D]
             elif len(s.runs) == 1:
@@ -129,7 +129,7 @@ class TorchReferenceBackend(AttentionBackend):
             )
             out[:, s.start : s.stop] = o[0]
         self.seconds += time.perf_counter() - t0
-        return out.transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
+        return out.transpose(0, 1)  # [T, Hq, D]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         src, dst = src.to(self.device), dst.to(self.device)

@@ -72,7 +72,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, GROUP, self.scale_zero)
-        out = out.to(self.out_dtype)  # [T, N]
+        if self.out_dtype is not torch.bfloat16:  # [T, N]; a call that changes nothing still costs a dispatch
+            out = out.to(self.out_dtype)
         return out if self.bias is None else out + self.bias
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -135,7 +135,9 @@ class Bf16Linear(PackedLinear):
         self.out_dtype = torch.float32 if linear.bias is not None else out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._product(x.to(torch.bfloat16), None).to(self.out_dtype)  # [T, out]
+        out = self._product(x.to(torch.bfloat16), None)  # [T, out]
+        if self.out_dtype is not torch.bfloat16:  # a call that changes nothing still costs a dispatch
+            out = out.to(self.out_dtype)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -215,6 +217,5 @@ class Rotary(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [heads, T, D] (any strides, e.g. a head-major view of the q|k|v product) rotated,
         contiguous head-major [heads, T, D]: the layout the attention backends read."""
-        half = x.shape[-1] // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # contiguous [heads, T, D]
+        swapped = x.roll(x.shape[-1] // 2, -1)  # the halves swapped, contiguous [heads, T, D]: one op, not three
         return swapped.mul_(sin).add_(x * cos)  # in place: each new tensor costs as much as the arithmetic

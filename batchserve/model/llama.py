@@ -78,13 +78,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Any) -> torch.Tensor:
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
-        heads = qkv.view(t, hq + 2 * hkv, d).transpose(0, 1)  # [Hq + 2 Hkv, T, D], a view
-        qk = Rotary.apply(heads[: hq + hkv], cos, sin)  # [Hq + Hkv, T, D] contiguous: q and k in one rotation
-        # The backend's layout: [1, heads, T, D] in, [1, T, Hq, D] out.
-        out = metadata.backend.forward(
-            self.layer_idx, qk[None, :hq], qk[None, hq:], heads[None, hq + hkv :], metadata, self.scaling
-        )
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        qk, v = qkv.view(t, hq + 2 * hkv, d).transpose(0, 1).split((hq + hkv, hkv))  # [heads, T, D] views
+        qk = Rotary.apply(qk, cos, sin)  # [Hq + Hkv, T, D] contiguous: q and k in one rotation
+        q, k = qk.split((hq, hkv))  # the backend's layout: [heads, T, D] in, [T, Hq, D] out
+        out = metadata.backend.forward(self.layer_idx, q, k, v, metadata, self.scaling)
+        return self.o_proj(out.reshape(t, hq * d))
 
 
 class MLP(nn.Module):

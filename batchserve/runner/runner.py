@@ -37,8 +37,9 @@ def _attention(
     if attn_metadata is None:
         raise RuntimeError("batchserve attention called without attn_metadata (use ModelRunner)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attn_metadata.backend.forward(module.layer_idx, query, key, value, attn_metadata, scale)
-    return out, None
+    # transformers' [1, H, T, D] in and [1, T, Hq, D] out; the backends take the packed rows.
+    out = attn_metadata.backend.forward(module.layer_idx, query[0], key[0], value[0], attn_metadata, scale)
+    return out[None], None
 
 
 def register_attention() -> None:

@@ -52,8 +52,10 @@ def test_flashinfer_matches_the_reference(block_size, num_heads, num_kv_heads, h
     slots = slot_mapping(seqs, block_size)
     scale = head_dim**-0.5
     step = StepLayout.from_seqs(seqs)
-    expected = ref.forward(layer, q.float(), k.float(), v.float(), ref.build_metadata(step, slots), scale)
-    got = fi.forward(layer, q, k, v, fi.build_metadata(step, slots), scale)
+    # The backends take the packed rows [heads, T, D] and return [T, Hq, D]; [None] adds the batch dimension back.
+    ref_meta = ref.build_metadata(step, slots)
+    expected = ref.forward(layer, q[0].float(), k[0].float(), v[0].float(), ref_meta, scale)[None]
+    got = fi.forward(layer, q[0], k[0], v[0], fi.build_metadata(step, slots), scale)[None]
     assert got.shape == expected.shape == (1, total, num_heads, head_dim)
     rel = ((got.float() - expected).norm() / expected.norm()).item()
     assert rel < 1e-2, rel

@@ -55,9 +55,9 @@ def test_plan_read_as_flashinfer_reads_it_matches_the_reference(block_size, num_
     ref.v_cache.normal_()
     seqs = random_step(rng, block_size, num_blocks)
     total = sum(s.q_len for s in seqs)
-    q = torch.randn(1, num_heads, total, head_dim)
-    k = torch.randn(1, num_kv_heads, total, head_dim)
-    v = torch.randn(1, num_kv_heads, total, head_dim)
+    q = torch.randn(num_heads, total, head_dim)
+    k = torch.randn(num_kv_heads, total, head_dim)
+    v = torch.randn(num_kv_heads, total, head_dim)
     scale = head_dim**-0.5
     step = StepLayout.from_seqs(seqs)
     expected = ref.forward(layer, q, k, v, ref.build_metadata(step, slot_mapping(seqs, block_size)), scale)
@@ -70,8 +70,8 @@ def test_plan_read_as_flashinfer_reads_it_matches_the_reference(block_size, num_
     # The backend writes the step's K/V before attending, as the reference just did.
     pages = (num_blocks, block_size, num_kv_heads, head_dim)
     k_pages, v_pages = (c[layer].transpose(0, 1).reshape(pages) for c in (ref.k_cache, ref.v_cache))
-    got = emulate(q[0].transpose(0, 1), k_pages, v_pages, plan, scale)
-    torch.testing.assert_close(got.unsqueeze(0), expected, atol=1e-5, rtol=1e-5)
+    got = emulate(q.transpose(0, 1), k_pages, v_pages, plan, scale)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def build_plan_of(seqs: list[SeqLayout], page_size: int) -> PagedPlan:

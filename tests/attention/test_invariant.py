@@ -36,7 +36,7 @@ def _run(backend, seqs: list[SeqLayout], q, k, v, scale: float = D**-0.5) -> tor
     bs = backend.block_size
     slots = torch.cat([slots_of(s.block_ids, bs, torch.arange(s.num_cached, s.kv_len)) for s in seqs])
     meta = backend.build_metadata(StepLayout.from_seqs(seqs), slots)
-    return backend.forward(0, q, k, v, meta, scale=scale)[0]  # [T, Hq, D]
+    return backend.forward(0, q[0], k[0], v[0], meta, scale=scale)  # [T, Hq, D]
 
 
 def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]], bs: int = BS) -> list[SeqLayout]:
@@ -96,7 +96,7 @@ def test_a_requests_rows_have_the_same_bits_alone_and_packed_with_others(seed):
         assert torch.equal(got, packed[rows])
 
 
-SCRATCH_BUFFERS = ("q", "keys", "scores", "values", "parts")
+SCRATCH_BUFFERS = ("q", "keys", "scores", "values", "tiles", "parts")
 
 
 def _layered_step(seed: int, layers: int = 3):
@@ -127,7 +127,7 @@ def _run_layers(backend, seqs, q, k, v, rows: slice, scale: float, poison: bool 
                 if buf is not None:
                     buf.fill_(float("nan"))
     qs, ks, vs = (x[:, :, rows].contiguous() for x in (q, k, v))
-    return meta, [backend.forward(i, qs[None, i], ks[None, i], vs[None, i], meta, scale)[0] for i in range(len(q))]
+    return meta, [backend.forward(i, qs[i], ks[i], vs[i], meta, scale) for i in range(len(q))]
 
 
 @needs_invariance

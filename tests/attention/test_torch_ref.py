@@ -94,7 +94,7 @@ def test_reference_matches_naive_dense(block_size, num_heads, num_kv_heads, seed
     ] >= set(paths)
     assert placement != "runs" or "runs" in paths  # the small tree over a long prefix
     assert placement != "scattered" or "gather" in paths
-    out = backend.forward(layer, q, k, v, meta, scale=head_dim**-0.5)  # [1, T, Hq, D]
+    out = backend.forward(layer, q[0], k[0], v[0], meta, scale=head_dim**-0.5)[None]  # [1, T, Hq, D]
     assert out.shape == (1, total, num_heads, head_dim)
 
     for s, allowed, (pk, pv) in zip(seqs, expected_allowed, prefixes):
