@@ -113,8 +113,11 @@ class InvariantBackend(TorchReferenceBackend):
         b, g = len(members), self.granule
         q_len, kv_len = step.q_len[members], step.kv_len[members]
         r = int(q_len.max())
-        lk = max(MIN_KEYS, -(-int(kv_len.max()) // KEY_TILE) * KEY_TILE)
         positions = [np.concatenate((np.arange(step.num_cached[i]), step.row_positions(i))) for i in members]
+        in_order = all(np.array_equal(p, np.arange(len(p))) for p in positions)
+        # A draft tree's gathered tiles read their empty places from the last key, hidden from
+        # every row: keys reach one past the longest request's.
+        lk = max(MIN_KEYS, -(-(int(kv_len.max()) + (not in_order)) // KEY_TILE) * KEY_TILE)
         rows = np.zeros((b, r), np.int64)
         granules = np.full((b, lk // g), self.zero_slot // g, np.int64)
         mask = np.zeros((b, r, lk), bool)
@@ -128,7 +131,6 @@ class InvariantBackend(TorchReferenceBackend):
             mask[j, :q, cached:kv] = step.step_mask(i) if q > 1 else True
             mask[j, q:, 0] = True  # padding rows
         real = (np.arange(r)[None, :] < q_len[:, None]).reshape(-1)
-        in_order = all(np.array_equal(p, np.arange(len(p))) for p in positions)
         dev = self.device
         hidden = product_rows(~mask, self.group, self.row_block)  # [B, P, Lk]
         return Group(
@@ -149,18 +151,19 @@ class InvariantBackend(TorchReferenceBackend):
         b = len(members)
         # Tiles that hold only committed keys in every request: their keys stand in logical order.
         first = min(int(step.num_cached[i]) for i in members) // KEY_TILE
-        start = first * KEY_TILE  # the later tiles' indexes count from here; lk - start: none
+        start = first * KEY_TILE  # the later tiles' indexes count from here
         tiles = [tuple(x[first:] for x in tiles_of(p)) for p in positions]
         nt, width = max(t[0].shape[0] for t in tiles), max(t[0].shape[1] for t in tiles)
-        keys = np.full((b, lk + 1), self.zero_slot, np.int64)  # one more: the index of "none"
-        tile_keys = np.full((b, nt, width), lk, np.int64)
+        none = lk - 1  # past every request's keys: zero weight in every row, the zero block's value
+        keys = np.full((b, lk), self.zero_slot, np.int64)
+        tile_keys = np.full((b, nt, width), none, np.int64)
         keep = np.zeros((b, nt, width), np.float32)
         shared = False  # whether some span holds keys of two tiles
         for j, i in enumerate(members):
             kv = int(step.kv_len[i])
             keys[j, :kv] = self._slots(step, i, np.arange(kv))
             index, own = tiles[j]
-            tile_keys[j, : index.shape[0], : index.shape[1]] = np.where(index < kv, index, lk)
+            tile_keys[j, : index.shape[0], : index.shape[1]] = np.where(index < kv, index, none)
             keep[j, : own.shape[0], : own.shape[1]] = own
             shared |= bool(((index < kv) & (own == 0)).any())
         tile_slots = np.take_along_axis(keys, tile_keys.reshape(b, -1), 1).reshape(tile_keys.shape)

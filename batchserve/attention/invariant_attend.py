@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchserve.attention.invariant_plan import KEY_TILE
 
@@ -70,6 +69,49 @@ class Group:
 
 
 @dataclass(frozen=True, slots=True)
+class Tiles:
+    """Value tiles of a group with draft trees. The first `first` tiles hold every request's
+    committed keys in logical order (a draft node's position is past its request's prefix): they
+    are read as they stand, by granule, like a decode group's. The tiles from `first` on are
+    gathered key by key; their indexes count from key `first * KEY_TILE`."""
+
+    first: int
+    prefix_granules: torch.Tensor  # [B * first * KEY_TILE / g] pool granules of the leading tiles' keys
+    tile_slots: torch.Tensor  # [B, nt, W] pool slot of each later tile place (past a span: the zero slot)
+    tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the keys from `first` on (past a span: the last key)
+    keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
+
+
+@dataclass(frozen=True, slots=True)
+class ByGranule:
+    """Value tiles whose keys stand in logical order (all of a decode group's, a tree group's
+    leading ones): weights copied tile-major out of the scores, values read by granule."""
+
+    granules: torch.Tensor  # [B*nt*W/g] pool granules of the tiles' keys
+    values: torch.Tensor  # [Hkv, B*nt*W/g, g*(D+1)]
+    values_t: torch.Tensor  # [Hkv*B*nt, W, D+1] view: the products' right side
+    weights: torch.Tensor  # [Hkv, B, nt, P, W] view of the scores, tile-major
+    tiles: torch.Tensor  # [Hkv*B*nt, P, W] the products' left side (the weights copied)
+    parts: torch.Tensor  # [Hkv*B*nt, P, D+1]
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """A tree group's later value tiles, gathered key by key from the scores and the pool."""
+
+    source: torch.Tensor  # [Hkv, B, P, nt, Lk - start] view: the scores from `first`'s key on, per tile
+    index: torch.Tensor  # [Hkv, B, P, nt, W] view: each tile place's key in `source`
+    tiles: torch.Tensor  # [Hkv*B*nt, P, W] the products' left side
+    tiles_major: torch.Tensor  # [Hkv, B, nt, P, W] view of `tiles`
+    tiles_out: torch.Tensor  # [Hkv, B, P, nt, W] view of `tiles`: where the gather writes
+    keep: torch.Tensor | None  # [1, B, nt, 1, W] view of `Tiles.keep`
+    slots: torch.Tensor  # [B*nt*W] pool slot of each tile place
+    values: torch.Tensor  # [Hkv, B*nt*W, D+1]
+    values_t: torch.Tensor  # [Hkv*B*nt, W, D+1] view
+    parts: torch.Tensor  # [Hkv*B*nt, P, D+1]
+
+
+@dataclass(frozen=True, slots=True)
 class Scratch:
     """A group's buffers and their views, made once per step and reused by every layer: each
     tensor or view made in a layer costs a dispatch (a 1-row decode layer made about 40 before).
@@ -86,18 +128,21 @@ class Scratch:
     keys_t: torch.Tensor  # [Hkv*B, D, Lk] view: the score product's right side
     scores: torch.Tensor  # [Hkv*B, P, Lk]
     weights: torch.Tensor  # [Hkv, B, P, Lk] view of the scores (softmax numerators in place)
-    values: torch.Tensor | None  # [Hkv, B*nt*W/g, g*(D+1)] keys-in-order groups: values gathered by granule
-    values_t: torch.Tensor | None  # [Hkv*B*nt, W, D+1] view: the value products' right side
-    # [Hkv, B, nt, P, W] view of the scores tile-major, and the buffer it is copied into as the
-    # value products' left side [Hkv*B*nt, P, W] (keys-in-order groups)
-    weights_by_tile: torch.Tensor | None
-    tiles: torch.Tensor | None
-    parts: torch.Tensor | None  # [Hkv*B*nt, P, D+1] the value products, tile by tile
-    tile_parts: tuple[torch.Tensor, ...]  # nt views [Hkv, B, P, D+1] of `parts`, the first the running sum
-    # Views of the running sum: its real rows' weighted values [Hkv, B, G, R, D] and denominators
-    # [Hkv, B, G, R, 1] (keys-in-order groups).
-    num: torch.Tensor | None
-    den: torch.Tensor | None
+    by_granule: ByGranule | None  # None: a tree group with no tile of committed keys only
+    gathered: Gathered | None  # None: keys in logical order (decode rows, chunks, chains)
+    tile_parts: tuple[torch.Tensor, ...]  # every tile's products [Hkv, B, P, D+1] in logical order
+    # Views of the first tile's products, the running sum: its real rows' weighted values
+    # [Hkv, B, G, R, D] and denominators [Hkv, B, G, R, 1].
+    num: torch.Tensor
+    den: torch.Tensor
+
+
+def _counts(g: Group) -> tuple[int, int, int]:
+    """(tiles read by granule, tiles gathered, a gathered tile's width W) of group g."""
+    lk = g.hidden.shape[2]
+    if g.tiles is None:
+        return lk // KEY_TILE, 0, 0
+    return g.tiles.first, *g.tiles.tile_keys.shape[1:]
 
 
 def _buffer_shapes(g: Group, pool: LayerPool) -> dict[str, tuple[int, ...]]:
@@ -106,10 +151,15 @@ def _buffer_shapes(g: Group, pool: LayerPool) -> dict[str, tuple[int, ...]]:
     b, padded, lk = g.hidden.shape
     shapes = {"q": (kv_heads, b, padded, d), "keys": (kv_heads, b * lk // granule, granule * d)}
     shapes["scores"] = (kv_heads * b, padded, lk)
-    if g.tiles is None:  # keys in logical order: values gathered by granule too
-        shapes["values"] = (kv_heads, b * lk // granule, granule * (d + 1))
-        shapes["tiles"] = (kv_heads * b * (lk // KEY_TILE), padded, KEY_TILE)
-        shapes["parts"] = (kv_heads * b * (lk // KEY_TILE), padded, d + 1)
+    ordered, nt, width = _counts(g)
+    if ordered:
+        shapes["values"] = (kv_heads, b * ordered * KEY_TILE // granule, granule * (d + 1))
+        shapes["tiles"] = (kv_heads * b * ordered, padded, KEY_TILE)
+        shapes["parts"] = (kv_heads * b * ordered, padded, d + 1)
+    if nt:
+        shapes["gathered_tiles"] = (kv_heads * b * nt, padded, width)
+        shapes["gathered_values"] = (kv_heads, b * nt * width, d + 1)
+        shapes["gathered_parts"] = (kv_heads * b * nt, padded, d + 1)
     return shapes
 
 
@@ -140,11 +190,41 @@ def make_scratch(g: Group, storage: dict[str, torch.Tensor], pool: LayerPool) ->
     """Group g's scratch: views of `storage` (`scratch_storage`) for a layer pool's shapes."""
     kv_heads, group, d = pool.num_kv_heads, pool.group, pool.head_dim
     b, padded, lk = g.hidden.shape
-    r, nt = g.num_rows, lk // KEY_TILE
+    r = g.num_rows
     view = {kind: storage[kind][: math.prod(shape)].view(shape) for kind, shape in _buffer_shapes(g, pool).items()}
     q, keys, scores = view["q"], view["keys"], view["scores"]
-    values, tiles, parts = view.get("values"), view.get("tiles"), view.get("parts")
-    tile_parts = () if parts is None else tuple(parts.view(kv_heads, b, nt, padded, d + 1).unbind(2))
+    weights = scores.view(kv_heads, b, padded, lk)
+    ordered, nt, width = _counts(g)
+    by_granule = gathered = None
+    tile_parts: tuple[torch.Tensor, ...] = ()
+    if ordered:
+        parts = view["parts"]
+        by_granule = ByGranule(
+            granules=g.key_granules if g.tiles is None else g.tiles.prefix_granules,
+            values=view["values"],
+            values_t=view["values"].view(kv_heads * b * ordered, KEY_TILE, d + 1),
+            weights=weights.view(kv_heads, b, padded, lk // KEY_TILE, KEY_TILE)[:, :, :, :ordered].transpose(2, 3),
+            tiles=view["tiles"],
+            parts=parts,
+        )
+        tile_parts = tuple(parts.view(kv_heads, b, ordered, padded, d + 1).unbind(2))
+    if nt:
+        assert g.tiles is not None
+        start, tiles, parts = ordered * KEY_TILE, view["gathered_tiles"], view["gathered_parts"]
+        keep, major = g.tiles.keep, tiles.view(kv_heads, b, nt, padded, width)
+        gathered = Gathered(
+            source=weights[..., start:].unsqueeze(3).expand(kv_heads, b, padded, nt, lk - start),
+            index=g.tiles.tile_keys.view(1, b, 1, nt, width).expand(kv_heads, b, padded, nt, width),
+            tiles=tiles,
+            tiles_major=major,
+            tiles_out=major.transpose(2, 3),
+            keep=None if keep is None else keep.view(1, b, nt, 1, width),
+            slots=g.tiles.tile_slots.view(-1),
+            values=view["gathered_values"],
+            values_t=view["gathered_values"].view(kv_heads * b * nt, width, d + 1),
+            parts=parts,
+        )
+        tile_parts += tuple(parts.view(kv_heads, b, nt, padded, d + 1).unbind(2))
     shape = (kv_heads, b, group, r)
     return Scratch(
         q_rows=q[:, :, : group * r].view(kv_heads, b, group, r, d).transpose(1, 2),
@@ -152,49 +232,13 @@ def make_scratch(g: Group, storage: dict[str, torch.Tensor], pool: LayerPool) ->
         keys=keys,
         keys_t=keys.view(kv_heads * b, lk, d).transpose(1, 2),
         scores=scores,
-        weights=scores.view(kv_heads, b, padded, lk),
-        values=values,
-        values_t=None if values is None else values.view(kv_heads * b * nt, KEY_TILE, d + 1),
-        weights_by_tile=None if tiles is None else scores.view(kv_heads, b, padded, nt, KEY_TILE).transpose(2, 3),
-        tiles=tiles,
-        parts=parts,
+        weights=weights,
+        by_granule=by_granule,
+        gathered=gathered,
         tile_parts=tile_parts,
-        num=tile_parts[0][:, :, : group * r, :d].view(*shape, d) if tile_parts else None,
-        den=tile_parts[0][:, :, : group * r, d:].view(*shape, 1) if tile_parts else None,
+        num=tile_parts[0][:, :, : group * r, :d].view(*shape, d),
+        den=tile_parts[0][:, :, : group * r, d:].view(*shape, 1),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Tiles:
-    """Value tiles of a group with draft trees. The first `first` tiles hold every request's
-    committed keys in logical order (a draft node's position is past its request's prefix): they
-    are read as they stand, by granule, like a decode group's. The tiles from `first` on are
-    gathered key by key; their indexes count from key `first * KEY_TILE`."""
-
-    first: int
-    prefix_granules: torch.Tensor  # [B * first * KEY_TILE / g] pool granules of the leading tiles' keys
-    tile_slots: torch.Tensor  # [B, nt, W] pool slot of each later tile place (past a span: the zero slot)
-    tile_keys: torch.Tensor  # [B, nt, W] the same as an index into the keys from `first` on (past them: none)
-    keep: torch.Tensor | None  # [B, nt, W] float 0/1, where a span holds keys of two tiles
-
-
-def _tile_products(weights: torch.Tensor, pool: LayerPool, granules: torch.Tensor, nt: int) -> list[torch.Tensor]:
-    """The value products of `nt` tiles whose keys stand in logical order: weights [Hkv, B, P,
-    nt*KEY_TILE] (a view), values read from the pool by granule (`granules`: [B * nt*KEY_TILE/g])."""
-    if nt == 0:
-        return []
-    num_kv, b, padded, _ = weights.shape
-    values = pool.value_granules.index_select(1, granules)  # [Hkv, B*nt*W/g, g*(D+1)]
-    return _products(weights.view(num_kv, b, padded, nt, KEY_TILE), values)
-
-
-def _products(w: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
-    """Per tile, weights w [Hkv, B, P, nt, W] times its values (`values`: [Hkv, B*nt*W, D+1] in
-    any view of that size): nt partial sums [Hkv, B, P, D+1], each over its tile's keys in order."""
-    num_kv, b, padded, nt, width = w.shape
-    w = w.permute(0, 1, 3, 2, 4).reshape(num_kv * b * nt, padded, width)
-    parts = torch.bmm(w, values.reshape(num_kv * b * nt, width, -1))  # [Hkv*B*nt, P, D+1]
-    return list(parts.view(num_kv, b, nt, padded, -1).unbind(2))
 
 
 def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float) -> torch.Tensor:
@@ -218,46 +262,24 @@ def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float) -> torch.Te
     if not exact_scale:
         weights.mul_(scale)
     weights.sub_(weights.amax(-1, keepdim=True)).exp_()
-    if g.tiles is None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
-        _in_order_products(sc, pool, g.key_granules)
-        num, den = sc.num, sc.den
-    else:
-        acc = _tree_products(weights, pool, g.tiles)
-        rows, shape = group * r, (kv_heads, b, group, r)
-        num, den = acc[:, :, :rows, :d].view(*shape, d), acc[:, :, :rows, d:].view(*shape, 1)
+    if sc.by_granule is not None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
+        t = sc.by_granule
+        torch.index_select(pool.value_granules, 1, t.granules, out=t.values)
+        t.tiles.view(t.weights.shape).copy_(t.weights)  # tile-major: each tile's weights one matrix
+        torch.bmm(t.tiles, t.values_t, out=t.parts)  # [Hkv*B*nt, P, D+1]
+    if sc.gathered is not None:  # a draft tree's tiles, key by key
+        t = sc.gathered
+        torch.gather(t.source, 4, t.index, out=t.tiles_out)
+        if t.keep is not None:
+            t.tiles_major.mul_(t.keep)
+        torch.index_select(pool.values, 1, t.slots, out=t.values)  # with the ones
+        torch.bmm(t.tiles, t.values_t, out=t.parts)
+    _sum_tiles(sc.tile_parts)
     # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D]
     # (a new tensor each layer: a caller may keep every layer's output).
     out = q.new_empty(b * r, kv_heads * group, d)
-    torch.div(num, den, out=out.view(b, r, kv_heads, group, d).permute(2, 0, 3, 1, 4))
+    torch.div(sc.num, sc.den, out=out.view(b, r, kv_heads, group, d).permute(2, 0, 3, 1, 4))
     return out if g.out_places is None else out[g.out_places]
-
-
-def _in_order_products(sc: Scratch, pool: LayerPool, granules: torch.Tensor) -> torch.Tensor:
-    """[Hkv, B, P, D+1]: the value products of a group whose keys stand in logical order, tile
-    by tile into the scratch, the tiles' partial sums added in tile order into the first."""
-    assert sc.values is not None and sc.values_t is not None and sc.parts is not None
-    assert sc.tiles is not None and sc.weights_by_tile is not None
-    torch.index_select(pool.value_granules, 1, granules, out=sc.values)
-    sc.tiles.view(sc.weights_by_tile.shape).copy_(sc.weights_by_tile)  # tile-major: each tile's weights a matrix
-    torch.bmm(sc.tiles, sc.values_t, out=sc.parts)  # [Hkv*B*nt, P, D+1]
-    return _sum_tiles(sc.tile_parts)
-
-
-def _tree_products(weights: torch.Tensor, pool: LayerPool, tiles: Tiles) -> torch.Tensor:
-    """[Hkv, B, P, D+1]: the value products of a group with draft trees: the leading tiles'
-    committed keys read by granule as they stand, the later tiles gathered key by key."""
-    num_kv, b, padded, _ = weights.shape
-    start = tiles.first * KEY_TILE
-    parts = _tile_products(weights[..., :start], pool, tiles.prefix_granules, tiles.first)
-    nt, width = tiles.tile_keys.shape[1:]
-    index = tiles.tile_keys.view(1, b, 1, nt * width).expand(num_kv, b, padded, nt * width)
-    # [Hkv, B, P, nt*W]; the index past the keys ("none") reads the pad's 0
-    w = torch.gather(F.pad(weights[..., start:], (0, 1)), 3, index)
-    if tiles.keep is not None:
-        w = w * tiles.keep.view(1, b, 1, nt * width)
-    values = pool.values.index_select(1, tiles.tile_slots.view(-1))  # with the ones
-    parts += _products(w.view(num_kv, b, padded, nt, width), values)
-    return _sum_tiles(parts)
 
 
 def _sum_tiles(parts: Sequence[torch.Tensor]) -> torch.Tensor:

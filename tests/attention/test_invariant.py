@@ -96,7 +96,15 @@ def test_a_requests_rows_have_the_same_bits_alone_and_packed_with_others(seed):
         assert torch.equal(got, packed[rows])
 
 
-SCRATCH_BUFFERS = ("q", "keys", "scores", "values", "tiles", "parts")
+def _buffers(sc) -> dict[str, torch.Tensor]:
+    """A group's scratch buffers by name (what its layers write), those it has."""
+    out = {"q": sc.q, "keys": sc.keys, "scores": sc.scores}
+    if sc.by_granule is not None:
+        out |= {"values": sc.by_granule.values, "tiles": sc.by_granule.tiles, "parts": sc.by_granule.parts}
+    if sc.gathered is not None:
+        t = sc.gathered
+        out |= {"gathered_tiles": t.tiles, "gathered_values": t.values, "gathered_parts": t.parts}
+    return out
 
 
 def _layered_step(seed: int, layers: int = 3):
@@ -122,10 +130,8 @@ def _run_layers(backend, seqs, q, k, v, rows: slice, scale: float, poison: bool 
     meta = backend.build_metadata(StepLayout.from_seqs(seqs), slot_ids)
     if poison:
         for g in meta.groups:
-            for name in SCRATCH_BUFFERS:
-                buf = getattr(g.scratch, name)
-                if buf is not None:
-                    buf.fill_(float("nan"))
+            for buf in _buffers(g.scratch).values():
+                buf.fill_(float("nan"))
     qs, ks, vs = (x[:, :, rows].contiguous() for x in (q, k, v))
     return meta, [backend.forward(i, qs[i], ks[i], vs[i], meta, scale) for i in range(len(q))]
 
@@ -138,8 +144,10 @@ def test_a_steps_groups_share_their_scratch_and_every_layer_keeps_each_rows_bits
     total = seqs[-1].q_start + seqs[-1].q_len
     meta, packed = _run_layers(ours, seqs, q, k, v, slice(0, total), scale)
     assert len(meta.groups) >= 3
-    for name in SCRATCH_BUFFERS:  # one storage per buffer for every group that has it (a tree: no values)
-        bufs = [getattr(g.scratch, name) for g in meta.groups]
+    names = {name for g in meta.groups for name in _buffers(g.scratch)}
+    assert {"values", "gathered_values"} <= names  # decode groups and a tree
+    for name in names:  # one storage per buffer for every group that has it
+        bufs = [_buffers(g.scratch).get(name) for g in meta.groups]
         assert len({b.untyped_storage().data_ptr() for b in bufs if b is not None}) == 1
     for s in seqs:
         rows = slice(s.q_start, s.q_start + s.q_len)
