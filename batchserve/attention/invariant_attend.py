@@ -92,6 +92,7 @@ class ByGranule:
     values_t: torch.Tensor  # [Hkv*B*nt, W, D+1] view: the products' right side
     weights: torch.Tensor  # [Hkv, B, nt, P, W] view of the scores, tile-major
     tiles: torch.Tensor  # [Hkv*B*nt, P, W] the products' left side (the weights copied)
+    tiles_major: torch.Tensor  # [Hkv, B, nt, P, W] view of `tiles`: where the weights are copied
     parts: torch.Tensor  # [Hkv*B*nt, P, D+1]
 
 
@@ -205,6 +206,7 @@ def make_scratch(g: Group, storage: dict[str, torch.Tensor], pool: LayerPool) ->
             values_t=view["values"].view(kv_heads * b * ordered, KEY_TILE, d + 1),
             weights=weights.view(kv_heads, b, padded, lk // KEY_TILE, KEY_TILE)[:, :, :, :ordered].transpose(2, 3),
             tiles=view["tiles"],
+            tiles_major=view["tiles"].view(kv_heads, b, ordered, padded, KEY_TILE),
             parts=parts,
         )
         tile_parts = tuple(parts.view(kv_heads, b, ordered, padded, d + 1).unbind(2))
@@ -265,7 +267,7 @@ def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float) -> torch.Te
     if sc.by_granule is not None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
         t = sc.by_granule
         torch.index_select(pool.value_granules, 1, t.granules, out=t.values)
-        t.tiles.view(t.weights.shape).copy_(t.weights)  # tile-major: each tile's weights one matrix
+        t.tiles_major.copy_(t.weights)  # tile-major: each tile's weights one matrix
         torch.bmm(t.tiles, t.values_t, out=t.parts)  # [Hkv*B*nt, P, D+1]
     if sc.gathered is not None:  # a draft tree's tiles, key by key
         t = sc.gathered
