@@ -53,8 +53,9 @@ PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more
 DRAFT_PATTERN = (0, 0, 1, 0, 2, 1, 5, 7)
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.
-PROFILE_VERSION = 11  # 6: the row after each 16; 7: row blocks; 8: Q4_1's bfloat16 LM head; 9: finer row buckets;
+PROFILE_VERSION = 12  # 6: the row after each 16; 7: row blocks; 8: Q4_1's bfloat16 LM head; 9: finer row buckets;
 # 10: draft rows among many requests; 11: the invariant attention's per-step scratch and additive mask
+# 12: fewer torch calls a layer (packed-row backends, tree tiles through the scratch)
 
 
 def _device_name(device: torch.device) -> str:
