@@ -35,10 +35,10 @@ class StaticContextAttention:
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: object, scale: float
     ) -> torch.Tensor:
-        keys = torch.cat((self.k[layer_idx], k), dim=2)  # [1, Hkv, C+T, D]
-        values = torch.cat((self.v[layer_idx], v), dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)  # [1, Hq, T, D]
-        return out.transpose(1, 2)  # [1, T, Hq, D]
+        keys = torch.cat((self.k[layer_idx], k[None]), dim=2)  # [1, Hkv, C+T, D]; q, k, v: [heads, T, D]
+        values = torch.cat((self.v[layer_idx], v[None]), dim=2)
+        out = F.scaled_dot_product_attention(q[None], keys, values, scale=scale, enable_gqa=True)  # [1, Hq, T, D]
+        return out[0].transpose(0, 1)  # [T, Hq, D]
 
 
 class Meta:

@@ -21,8 +21,9 @@ class StaticAttention:
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: object, scale: float
     ) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [1, Hq, T, D]
-        return out.transpose(1, 2)  # [1, T, Hq, D]
+        # The backends' layout: [heads, T, D] in, [T, Hq, D] out.
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)  # [T, Hq, D]
 
 
 @pytest.mark.parametrize("rows", [1, 8, 32])
