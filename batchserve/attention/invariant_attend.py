@@ -276,18 +276,11 @@ def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float) -> torch.Te
             t.tiles_major.mul_(t.keep)
         torch.index_select(pool.values, 1, t.slots, out=t.values)  # with the ones
         torch.bmm(t.tiles, t.values_t, out=t.parts)
-    _sum_tiles(sc.tile_parts)
+    acc, *rest = sc.tile_parts  # summed in tile (logical) order into the first, in place: the same
+    for part in rest:  # sums as decoding one row at a time, in a decode group and a tree group alike
+        acc.add_(part)
     # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D]
     # (a new tensor each layer: a caller may keep every layer's output).
     out = q.new_empty(b * r, kv_heads * group, d)
     torch.div(sc.num, sc.den, out=out.view(b, r, kv_heads, group, d).permute(2, 0, 3, 1, 4))
     return out if g.out_places is None else out[g.out_places]
-
-
-def _sum_tiles(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tiles' partial sums [Hkv, B, P, D+1] added in tile (logical) order into the first, in
-    place: the same sums as decoding one row at a time, in a decode group and a tree group alike."""
-    acc, *rest = parts
-    for part in rest:
-        acc.add_(part)
-    return acc
