@@ -190,13 +190,13 @@ class DraftBudgetPolicy:
         lengths, self.planned_gain = self._choose([c.request_id for c in candidates], gains, step)
         return lengths
 
-    def hopeful(self, upper: Sequence[tuple[str, Sequence[float]]], step: StepShape) -> set[str]:
+    def hopeful(self, upper: Sequence[tuple[str, Sequence[float]]], step: StepShape) -> dict[str, int]:
         """The requests that would get a draft this step if every node were worth the most it
-        could be (`upper`: each request's `upper_gains`): the only ones whose trees are worth
-        building before `allocate`. On a busy step where no draft pays, that is none, and the
-        drafter is spared a tree search per request."""
+        could be (`upper`: each request's `upper_gains`), with the nodes each would get: the only
+        ones whose trees are worth building before `allocate`. On a busy step where no draft
+        pays, that is none, and the drafter is spared a tree search per request."""
         lengths, _ = self._choose([rid for rid, _ in upper], [list(g) for _, g in upper], step)
-        return {rid for rid, k in lengths.items() if k > 0}
+        return {rid: k for rid, k in lengths.items() if k > 0}
 
     def _choose(
         self, request_ids: Sequence[str], gains: Sequence[list[float]], step: StepShape

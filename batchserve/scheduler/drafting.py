@@ -17,6 +17,8 @@ from batchserve.scheduler.judging import OpenJudgements
 from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("batchserve")
+# A hopeful request's tree holds up to this many times the nodes it would get at best (and a shadow draft's more).
+PROPOSAL_HEADROOM = 2
 
 
 class DraftPlanner:
@@ -148,7 +150,7 @@ class DraftPlanner:
             return trees
         shape = self._step_shape(items, requests, sum(map(len, trees.values())), budget)
         # A baseline step judges proposals but verifies none: shadow drafts are all it needs.
-        hopeful = set() if self._plain else self._hopeful(pending, shape)
+        hopeful = {} if self._plain else self._hopeful(pending, shape)
         shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
         self._step += 1
         turns = max(1, -(-(len(pending) - len(hopeful)) // self.config.shadow_requests))  # 1: every step
@@ -156,7 +158,7 @@ class DraftPlanner:
             # Never propose more than could be given, and a tree search only where a draft could
             # pay this step; else a shadow draft, which the request's output judges for free (its
             # estimates rise when matches turn good), at most `shadow_requests` of them a step.
-            wanted = len(upper) if req.request_id in hopeful else 0
+            wanted = self._proposal(len(upper), hopeful.get(req.request_id, 0))
             shadow = min(limit, self.config.shadow_draft) if wanted or (self._step + i) % turns == 0 else 0
             tree = self._propose(req, max(wanted, shadow))
             if tree is None:
@@ -260,16 +262,28 @@ class DraftPlanner:
             chunked=self._chunked,
         )
 
-    def _hopeful(self, pending: list[tuple[Request, int, list[float]]], shape: StepShape) -> set[str]:
-        """The policy requests worth a tree search this step. A constrained request always is:
-        its grammar's forced tokens are drafts that the acceptance estimates know nothing of."""
+    def _hopeful(self, pending: list[tuple[Request, int, list[float]]], shape: StepShape) -> dict[str, int]:
+        """The policy requests worth a tree search this step, with the nodes each would get at
+        best. A constrained request always is, to its limit: its grammar's forced tokens are
+        drafts that the acceptance estimates know nothing of."""
         assert self.policy is not None
-        always = {req.request_id for req, _, _ in pending if req.grammar is not None}
+        always = {req.request_id: limit for req, limit, _ in pending if req.grammar is not None}
         try:
-            return always | self.policy.hopeful([(req.request_id, upper) for req, _, upper in pending], shape)
+            return self.policy.hopeful([(req.request_id, upper) for req, _, upper in pending], shape) | always
         except Exception:
             logger.exception("the draft budget failed; this step decodes without policy drafts")
-            return set()
+            return {}
+
+    def _proposal(self, most: int, best: int) -> int:
+        """How many nodes to propose for a request that could be given `most` at all and `best` if
+        every node were worth the most it could be (0: none this step). The real allocation can
+        give one request more than its best case (when the others' real trees turn out worse),
+        so the proposal has room past it; but a busy step gives a request one or two nodes of
+        the dozens it could take, and searching all of them cost more Python than the forward's
+        draft rows (measured at 16 requests: 43 nodes proposed, 1.5 given)."""
+        if best <= 0:
+            return 0
+        return min(most, PROPOSAL_HEADROOM * best + self.config.shadow_draft)
 
     def _allocate(self, shared: list[tuple[Request, DraftTree]], shape: StepShape) -> dict[str, int]:
         assert self.policy is not None

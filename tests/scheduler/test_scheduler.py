@@ -410,3 +410,30 @@ def test_finished_requests_leave_no_window_estimate():
         s.update(out, _fake_run(out))
         out = s.schedule()
     assert "a" not in policy.windows._est
+
+
+def test_a_busy_step_searches_a_tree_a_little_past_what_the_request_could_be_given():
+    """Sixteen requests whose first ranks are sure and later ones middling, on a machine where rows
+    cost: at best each would be given a few nodes. The drafter is asked for twice that plus a
+    shadow draft's length (2 here: room for the real allocation to give one request more), not
+    for every rank that could pay on a free machine; what the step verifies fits in it."""
+    tracker = AcceptanceTracker(16)
+    for _ in range(50):
+        for i in range(16):
+            tracker.observe(f"r{i}", 16, [0, 1] + [j for j in range(2, 16) if j % 4 == 0])
+    drafter = CountingDrafter()
+    s = _busy(16, cpu_like(base=40.0, slope=1.0), tracker, drafter)
+    policy = s.planner.policy
+    assert policy is not None
+    most = {f"r{i}": len(policy.upper_gains(f"r{i}", 16)) for i in range(16)}  # ranks that could pay at all
+    best: dict[str, int] = {}  # what each request would be given at best, as the planner saw it
+    hopeful = policy.hopeful
+    policy.hopeful = lambda upper, step: best.update(hopeful(upper, step)) or dict(best)  # type: ignore[method-assign]
+    out = s.schedule()
+    assert len(best) == 16 and all(0 < best[rid] < most[rid] for rid in best)
+    asked = dict(zip((r.request_id for r in out.requests), drafter.asked))
+    assert all(asked[rid] == min(most[rid], 2 * k + 2) for rid, k in best.items())
+    assert any(asked[rid] < most[rid] for rid in best)
+    for r in out.requests:  # what the step verifies is a prefix of what was proposed
+        assert r.draft is None or len(r.draft) <= asked[r.request_id]
+    assert any(r.draft is not None for r in out.requests)
