@@ -186,6 +186,9 @@ class DraftConfig:
         choices=DRAFT_LAYOUTS,
     )
     branch_length: int = setting(12, "lookahead: n-gram length inserted into the trie")
+    # A request's own prompt and output are an array searched when drafting (`TokenIndex`): depth
+    # costs nothing to index, and a request that copies its prompt (a code edit) drafts further.
+    own_branch_length: int = setting(32, "lookahead: longest path drafted from a request's own prompt and output")
     max_match: int = setting(4, "longest suffix of the request's tokens tried as a match key")
     min_match: int = setting(1, "shortest suffix accepted as a match key")
     prompt_weight: float = setting(100.0, "lookahead: how much more a request's own n-grams count")
@@ -227,6 +230,7 @@ class DraftConfig:
         for name, ok, bounds in (
             ("decoding_length", self.decoding_length >= 0, ">= 0"),
             ("branch_length", self.branch_length >= 2, ">= 2"),
+            ("own_branch_length", self.own_branch_length >= 2, ">= 2"),
             ("prompt_weight", self.prompt_weight > 0, "> 0"),
             ("shadow_draft", self.shadow_draft >= 0, ">= 0"),
             ("shadow_requests", self.shadow_requests >= 1, ">= 1"),

@@ -7,7 +7,8 @@ Two kinds of trie, one node type:
   is a tenant key (or "" for everyone); a request with no scope reads and writes none, so
   one tenant's output can never become another tenant's draft;
 - one *token index* per running request: its own prompt and output as one array, searched
-  when drafting as if it were a trie of all their n-grams, weighted far above the global
+  when drafting as if it were a trie of all their runs of up to `own_branch_length` tokens
+  (deeper than the output tries: depth costs an array nothing), weighted far above the global
   counts (branch weighting) and dropped whole when the request ends (branch elimination), so
   a finished request leaves no trace of its prompt. An array instead of dict nodes: an
   8k-token prompt costs 64 KiB and well under a millisecond to index, not 27 MiB and 0.4 s,
@@ -96,7 +97,7 @@ class TrieDrafter:
         references: Sequence[Sequence[int]] = (),
     ) -> None:
         self.on_request_finish(request_id)  # a restarted id starts clean
-        index = TokenIndex(prompt_token_ids, self.config.branch_length)
+        index = TokenIndex(prompt_token_ids, self.config.own_branch_length)
         self._requests[request_id] = _RequestState(index, len(prompt_token_ids), layout, scope)
         self.references.start(request_id, references)
         if scope is not None:

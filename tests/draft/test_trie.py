@@ -50,6 +50,23 @@ def test_prompt_branches_are_inserted_at_start():
     assert tree is not None and tree.tokens[:3] == (7, 8, 9)
 
 
+def test_a_request_copying_its_prompt_drafts_past_the_output_tries_depth():
+    # A 20-token run of the prompt, started again: the request's own text drafts all of it in one
+    # path (own_branch_length 24), while the output trie counts runs of branch_length (6) only.
+    run = list(range(100, 120))
+    d = _drafter(own_branch_length=24)
+    d.on_request_start("a", [*run, 7, run[0]], scope="")
+    tree = d.propose("a", [*run, 7, run[0]], 32)
+    # The whole rest of the prompt after the 1-token match: 21 tokens in one path.
+    assert tree is not None and (*run[1:], 7, run[0]) in _paths(tree)
+    d.on_tokens_accepted("a", run[1:])  # the same run as output: the trie keeps 6-token runs
+    assert d.output.find(run[1:7]) is not None and d.output.find(run[1:8]) is None
+    shallow = _drafter(own_branch_length=6)
+    shallow.on_request_start("a", [*run, 7, run[0]])
+    tree = shallow.propose("a", [*run, 7, run[0]], 32)
+    assert tree is not None and max(map(len, _paths(tree))) == 5  # 6 tokens, the match key's among them
+
+
 def test_own_output_is_reused_on_the_fly():
     d = _drafter()
     prompt = [1, 2, 3]
