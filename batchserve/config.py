@@ -187,8 +187,10 @@ class DraftConfig:
     )
     branch_length: int = setting(12, "lookahead: n-gram length inserted into the trie")
     # A request's own prompt and output are an array searched when drafting (`TokenIndex`): depth
-    # costs nothing to index, and a request that copies its prompt (a code edit) drafts further.
-    own_branch_length: int = setting(32, "lookahead: longest path drafted from a request's own prompt and output")
+    # costs nothing to index, and deeper paths let a request that copies its prompt draft further.
+    # Not by default: at 32 the policy drafts rows past what they buy (HumanEval at batch 1 0.90x,
+    # code edits 0.98x, though a prompt with long verbatim copies gained 1.28x; benchmarks/README.md).
+    own_branch_length: int = setting(12, "lookahead: longest path drafted from a request's own prompt and output")
     max_match: int = setting(4, "longest suffix of the request's tokens tried as a match key")
     min_match: int = setting(1, "shortest suffix accepted as a match key")
     prompt_weight: float = setting(100.0, "lookahead: how much more a request's own n-grams count")

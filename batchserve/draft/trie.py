@@ -8,7 +8,7 @@ Two kinds of trie, one node type:
   one tenant's output can never become another tenant's draft;
 - one *token index* per running request: its own prompt and output as one array, searched
   when drafting as if it were a trie of all their runs of up to `own_branch_length` tokens
-  (deeper than the output tries: depth costs an array nothing), weighted far above the global
+  (a depth of its own: it costs an array nothing to index), weighted far above the global
   counts (branch weighting) and dropped whole when the request ends (branch elimination), so
   a finished request leaves no trace of its prompt. An array instead of dict nodes: an
   8k-token prompt costs 64 KiB and well under a millisecond to index, not 27 MiB and 0.4 s,

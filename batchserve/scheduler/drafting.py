@@ -279,8 +279,8 @@ class DraftPlanner:
         every node were worth the most it could be (0: none this step). The real allocation can
         give one request more than its best case (when the others' real trees turn out worse),
         so the proposal has room past it; but a busy step gives a request one or two nodes of
-        the dozens it could take, and searching all of them cost more Python than the forward's
-        draft rows (measured at 16 requests: 43 nodes proposed, 1.5 given)."""
+        the dozens it could take (measured at 16 requests: 43 nodes proposed for 1.5 given, 5.2
+        ms of tree search a step; capped, 12 for 1.7 and 3.2 ms)."""
         if best <= 0:
             return 0
         return min(most, PROPOSAL_HEADROOM * best + self.config.shadow_draft)
