@@ -32,9 +32,9 @@ Every tuning value is a `DraftConfig` setting; `DraftBudgetPolicy.from_config` a
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -206,10 +206,10 @@ class DraftBudgetPolicy:
         num_roots, num_other_tokens, context, num_seqs = step.num_roots, step.num_other_tokens, step.context, step.seqs
         cap = step.token_budget if step.token_budget is not None else sum(map(len, gains))
         hedge = self.hedge(num_seqs, step.chunked)
-        # Each request's gains are non-increasing, so merging them in descending order takes
-        # every request's nodes as a prefix.
-        per_req = [[(g, rid) for g in gs if g >= self.min_gain] for rid, gs in zip(request_ids, gains)]
-        ranked = list(heapq.merge(*per_req, key=lambda x: -x[0]))[: max(0, cap)]
+        # Each request's gains are non-increasing, so sorting them all in descending order takes
+        # every request's nodes as a prefix (a stable sort: ties in request order, as a merge).
+        per_req = ((g, rid) for rid, gs in zip(request_ids, gains) for g in gs if g >= self.min_gain)
+        ranked = sorted(per_req, key=itemgetter(0), reverse=True)[: max(0, cap)]
         # gain[k]: what the first k nodes are worth, as the guard lets the policy count them
         gain = np.concatenate(([0.0], np.cumsum([g for g, _ in ranked]) / hedge))
         ks = np.arange(len(gain))

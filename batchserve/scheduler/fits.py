@@ -7,8 +7,8 @@ acceptance probabilities, `non_increasing` keeps a request's gains sorted for th
 
 from __future__ import annotations
 
-import itertools
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -183,7 +183,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 def non_increasing(xs: Sequence[float]) -> list[float]:
     """The closest non-increasing sequence (pool adjacent violators): keeps the total gain of
     every prefix honest while letting the greedy take nodes in order."""
-    if all(a >= b for a, b in itertools.pairwise(xs)):
+    if all(map(operator.ge, xs, xs[1:])):  # (map over a slice: a C loop, not a generator's)
         return list(xs)  # already in order: the common case, every step for every request
     means: list[float] = []  # the blocks so far: their means and sizes
     sizes: list[int] = []
