@@ -92,10 +92,9 @@ class AcceptanceTracker:
         # the initial guess. Without the second, a streak of failures could silence every
         # request for good (no drafts, so no evidence that drafts would pay again). As slices:
         # the same arithmetic as a loop over the ranks, at a third of its cost.
-        n, a, b = num_offered, self.explore, self.explore * self.pool_rate
-        if n < self.max_rank:
-            est[n:] = [e + a * (p - e) for e, p in zip(est[n:], self.prior[n:])]
-            self.prior[n:] = [p + b * (i - p) for p, i in zip(self.prior[n:], self.initial[n:])]
+        n, a, b = num_offered, self.explore, self.explore * self.pool_rate  # n past the ranks: no-ops
+        est[n:] = [e + a * (p - e) for e, p in zip(est[n:], self.prior[n:])]
+        self.prior[n:] = [p + b * (i - p) for p, i in zip(self.prior[n:], self.initial[n:])]
 
     def observe_late(
         self,
