@@ -191,6 +191,9 @@ class DraftConfig:
     # Not by default: at 32 the policy drafts rows past what they buy (HumanEval at batch 1 0.90x,
     # code edits 0.98x, though a prompt with long verbatim copies gained 1.28x; benchmarks/README.md).
     own_branch_length: int = setting(12, "lookahead: longest path drafted from a request's own prompt and output")
+    copy_chain: bool = setting(
+        True, "lookahead: draft first what followed the longest earlier match in the request's own text"
+    )
     max_match: int = setting(4, "longest suffix of the request's tokens tried as a match key")
     min_match: int = setting(1, "shortest suffix accepted as a match key")
     prompt_weight: float = setting(100.0, "lookahead: how much more a request's own n-grams count")

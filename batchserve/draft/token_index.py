@@ -40,6 +40,30 @@ class TokenIndex:
         """`suffix_match` over this index's tokens, at any depth (not only `branch_length`)."""
         return suffix_match(self.tokens, key, limit)
 
+    def copy_source(self, key: Sequence[int], limit: int) -> tuple[int, np.ndarray]:
+        """Where a request whose text ends with `key` would be copying from: (m, after) for the
+        longest suffix of `key` (at most `limit`) that occurs here with a token after it, and
+        where what followed each of its occurrences begins ([k] ascending, the most recent
+        MAX_OCCURRENCES). m is 0 when nothing matches."""
+        m, ends = _suffix_occurrences(self.tokens, key, limit)
+        return m, ends[-MAX_OCCURRENCES:] + 1
+
+    def continuation(self, after: np.ndarray, length: int) -> list[tuple[int, float]]:
+        """What followed the most recent occurrence (`copy_source`), up to `length` tokens and
+        `branch_length` deep, each with its share among the occurrences that agree so far (what
+        the trie's counts would give it)."""
+        toks = self.tokens
+        copied = toks[after[-1] : after[-1] + min(length, self.branch_length)].tolist()
+        chain: list[tuple[int, float]] = []
+        for i, tok in enumerate(copied):
+            if len(after) == 1:  # one occurrence left: it is the copy, every share 1
+                return chain + [(t, 1.0) for t in copied[i:]]
+            after = after[after < self.size]  # [k] occurrences with a next token
+            agree = toks[after] == tok
+            chain.append((tok, float(np.count_nonzero(agree)) / len(after)))
+            after = after[agree] + 1
+        return chain
+
     def find(self, key: Sequence[int]) -> IndexNode | None:
         """The node of `key`: where it occurs (its most recent MAX_OCCURRENCES occurrences)."""
         m, toks = len(key), self.tokens
@@ -56,18 +80,25 @@ class TokenIndex:
 def suffix_match(tokens: np.ndarray, key: Sequence[int], limit: int) -> int:
     """The longest suffix of `key` (at most `limit` tokens) that occurs in `tokens` [n] with a
     token after it: how much of what was just said has been said before, and what came next."""
+    return _suffix_occurrences(tokens, key, limit)[0]
+
+
+def _suffix_occurrences(tokens: np.ndarray, key: Sequence[int], limit: int) -> tuple[int, np.ndarray]:
+    """(m, ends): `suffix_match`'s m and where each occurrence of that m-token suffix ends in
+    `tokens` (its last token's place, ascending)."""
     limit = min(limit, len(key))
+    none = np.empty(0, np.int64)
     if limit < 1 or len(tokens) < 2:
-        return 0
+        return 0, none
     ends = np.flatnonzero(tokens[:-1] == key[-1])  # [k] where the last token occurs, a token after it
-    m = 0
+    m, found = 0, none
     while len(ends) and m < limit:  # the occurrences that extend one more token back
-        m += 1
+        m, found = m + 1, ends
         if m == limit:
             break
         ends = ends[ends >= m]
         ends = ends[tokens[ends - m] == key[-1 - m]]
-    return m
+    return m, found
 
 
 class IndexNode:
@@ -87,6 +118,11 @@ class IndexNode:
     @property
     def count(self) -> float:
         return float(len(self._ends))
+
+    @property
+    def latest(self) -> int:
+        """Where what followed the most recent occurrence begins."""
+        return int(self._ends[-1])
 
     @property
     def children(self) -> dict[int, IndexNode]:

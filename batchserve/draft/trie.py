@@ -14,8 +14,12 @@ Two kinds of trie, one node type:
   8k-token prompt costs 64 KiB and well under a millisecond to index, not 27 MiB and 0.4 s,
   and it is built when the request is admitted to run, never while it only waits.
 
-A request's references (a client's predicted output, `reference.py`) draft ahead of both, and
-stay the request's own: they are never inserted into any trie.
+Before the counts, a *copy chain*: what followed the most recent occurrence of the longest run
+of the request's own text that it ends with (where a code edit or a quoted passage is copying
+from), when that run is long enough to be a copy rather than a guess.
+
+A request's references (a client's predicted output, `reference.py`) draft ahead of all of
+these, and stay the request's own: they are never inserted into any trie.
 
 A node's count is the number of times its path (from the root) occurred as a run of
 consecutive tokens, for paths up to `branch_length` tokens. Counts never grow along a
@@ -42,6 +46,13 @@ from batchserve.draft.counted_trie import Trie, TrieNode
 from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.token_index import IndexNode, TokenIndex
 from batchserve.draft.tree import MATCH_CAP, DraftTree, TreeBuilder
+
+# A copy chain drafts this many tokens per token of match (up to `own_branch_length`): a short
+# match is a guess, a long one a copy in progress. Below COPY_MIN_MATCH tokens the counts guess
+# better (target-guided replays of SmolLM2's outputs: from 1 token up, the chain lost up to 2%
+# of tokens a step at decoding lengths 1-2; from 3, never; docs/design.md).
+COPY_PER_MATCH = 2
+COPY_MIN_MATCH = 3
 
 
 @dataclass(slots=True)
@@ -169,6 +180,14 @@ class TrieDrafter:
         layout = (state.layout if state is not None else None) or self.config.layout
         builder = TreeBuilder(max_tokens)
         expand = {"hierarchical": self._best_first, "parallel": self._parallel, "single": self._single}[layout]
+        own = None  # the match in the request's own text, when already measured
+        if local is not None and self.config.copy_chain:
+            # What followed the longest earlier match, first: where the request is copying from
+            # (a code edit's source, a passage quoted). Counts alone would weigh every
+            # occurrence of a short key alike; the longest agreement, most recent, is the copy.
+            own, after = local.copy_source(token_ids, MATCH_CAP)
+            if own >= COPY_MIN_MATCH:
+                self._add_chain(builder, local.continuation(after, COPY_PER_MATCH * own))
         # Multi-stage retrieval: the longest matching suffix first; shorter matches fill
         # whatever budget is left (their branches merge into the same tree by token path).
         longest = min(self.config.max_match, len(token_ids), self.config.branch_length - 1)
@@ -182,16 +201,17 @@ class TrieDrafter:
                 break
         tree = builder.tree()
         if tree is not None:  # how good the match is: the policy's evidence before the forward
-            tree = tree.with_match(self.match_length(request_id, token_ids))
+            tree = tree.with_match(self.match_length(request_id, token_ids, own))
         return self.references.ahead(request_id, token_ids, max_tokens, tree, single=layout == "single")
 
-    def match_length(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def match_length(self, request_id: str, token_ids: Sequence[int], own: int | None = None) -> int:
         """The longest suffix of `token_ids` seen before with a token after it: in the request's
-        own prompt and output (up to MATCH_CAP) or its scope's outputs (up to the trie's depth)."""
+        own prompt and output (up to MATCH_CAP; `own` if already measured) or its scope's
+        outputs (up to the trie's depth)."""
         state = self._requests.get(request_id)
         if state is None:
             return 0
-        match = state.local.suffix_match(token_ids, MATCH_CAP)
+        match = state.local.suffix_match(token_ids, MATCH_CAP) if own is None else own
         output = self.outputs.get(state.scope) if state.scope is not None else None
         if output is not None and match < self.config.branch_length - 1:
             match = max(match, output.suffix_match(token_ids, self.config.branch_length - 1))

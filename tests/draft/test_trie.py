@@ -160,7 +160,9 @@ def test_own_prompt_outranks_global_output():
     d.on_request_start("a", [5, 6, 70, 71, 1])
     tree = d.propose("a", [5, 6, 70, 71, 1, 5, 6], 2)
     assert tree.tokens == (70, 71)
-    d2 = _drafter(prompt_weight=0.01)  # without the weighting, the global branch wins
+    # Without the weighting, the global branch wins (the copy chain, which reads the request's
+    # own text whatever the weights, off).
+    d2 = _drafter(prompt_weight=0.01, copy_chain=False)
     d2.warm_up([[5, 6, 30, 31]] * 20)
     d2.on_request_start("a", [5, 6, 70, 71, 1])
     assert d2.propose("a", [5, 6, 70, 71, 1, 5, 6], 2).tokens == (30, 31)
@@ -299,3 +301,34 @@ def test_a_tree_reports_how_long_its_match_is():
     d.on_tokens_accepted("w", [60, 61, 62, 63, 64, 65, 66, 67])
     d.on_request_start("r", [2])
     assert d.propose("r", [2, 60, 61, 62, 63, 64], 2).match == 5  # branch_length - 1
+
+
+def test_the_copy_chain_follows_the_longest_agreement_most_recent_first():
+    # Continuations of 7: 8 9 twice (counts favour it), then 7 4 3 after "1 2 7", which the
+    # text's end (the output so far) agrees with on three tokens.
+    prompt = [5, 7, 8, 9, 6, 7, 8, 9, 1, 2, 7, 4, 3, 0, 11, 12, 13, 14]
+    trees = []
+    for copy_chain in (True, False):
+        d = _drafter(branch_length=12, max_match=1, copy_chain=copy_chain)
+        d.on_request_start("a", prompt)
+        d.on_tokens_accepted("a", [1, 2, 7])
+        trees.append(d.propose("a", [*prompt, 1, 2, 7], 8))
+    tree, counts_only = trees
+    assert tree.match == 3 and tree.tokens[:6] == (4, 3, 0, 11, 12, 13)  # 2 tokens per token of match
+    assert tree.parents[:6] == (None, 0, 1, 2, 3, 4) and tree.scores[:6] == (1.0,) * 6  # one occurrence agrees
+    assert tree.tokens[6:] == (8, 9)  # the counts fill the rest
+    assert counts_only.tokens[:2] == (8, 9)  # counts alone: the common continuation first
+
+
+def test_a_copy_is_scored_by_the_share_of_its_occurrences_and_a_guess_left_to_the_counts():
+    # "1 2 3" occurred four times: followed by 4 three times, by 5 once (the most recent).
+    prompt = [1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 7, 6]
+    d = _drafter(branch_length=12)
+    d.on_request_start("a", prompt)
+    tree = d.propose("a", [*prompt, 1, 2, 3], 6)
+    assert tree.match == 3 and tree.tokens[:2] == (5, 6)  # the most recent copy first
+    assert tree.scores[:2] == (pytest.approx(0.25), pytest.approx(0.25))  # 1 of the 4 occurrences
+    assert 4 in tree.tokens  # the counts' continuation still drafted after it
+    # A match of 2 is a guess: the counts order the tree (the common 4 first), not the copy.
+    tree = d.propose("a", [*prompt, 7, 2, 3], 6)
+    assert tree.match == 2 and tree.tokens[0] == 4
