@@ -134,6 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=str(directory / gguf if gguf else directory),
         dtype=str(next(core.runner.model.parameters()).dtype).removeprefix("torch."),
     )
+    from batchserve import heap
+
+    heap.settle()  # the model, tokenizer and libraries: never walked by a full collection again
     try:
         return asyncio.run(serve_forever(server, started))
     except PortInUse as e:  # taken between the check and the bind

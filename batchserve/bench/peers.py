@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from batchserve import heap
+
 PeerRun = tuple[list[list[int]], float, list[float], list[float]]
 LLAMACPP_MISSING = "llamacpp: not installed (pip install 'batchserve[llamacpp]')"
 
@@ -61,6 +63,7 @@ def _compile_static(model: Any, prompt: list[int], max_new: int, kwargs: dict[st
     tqdm.write(f"{desc}: compiled in {time.perf_counter() - t0:.1f} s")
 
 
+@heap.settled()  # as our engine's runs: no full collections over the loaded model
 def run_hf(
     model: Any,
     prompts: list[list[int]],
@@ -105,6 +108,7 @@ def run_hf(
 HF_BATCH_TOKENS = 512  # tokens per step: our engine's default `max_num_batched_tokens`
 
 
+@heap.settled()
 def run_hf_batch(model: Any, prompts: list[list[int]], max_new: int, b: int) -> PeerRun:
     """HF `generate_batch`, greedy, with at most `b` requests per batch. Its KV pool is sized to
     the workload (the b longest requests) and its step to our engine's default token budget: by
@@ -171,6 +175,7 @@ def load_llamacpp(gguf: Path, prompts: list[list[int]], max_new: int) -> Any:
     )
 
 
+@heap.settled()
 def run_llamacpp(llm: Any, prompts: list[list[int]], max_new: int, stop: Collection[int], desc: str) -> PeerRun:
     """llama.cpp greedy, one prompt at a time (llama-cpp-python serves one sequence), fed the
     engine tokenizer's ids and stopped at the engine's end-of-sequence ids or `max_new` tokens."""

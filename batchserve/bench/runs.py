@@ -8,6 +8,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from batchserve import heap
 from batchserve.bench.datasets import REPEAT, Sample, load_samples, split, split_workload
 from batchserve.bench.load import open_loop, open_loop_latencies
 from batchserve.bench.methods import Method, Row, batchserve_method
@@ -126,11 +127,13 @@ def run_batchserve(
     refs = [p or None for p in predictions] if m.predicted and predictions else None
     second = None  # a +repeat workload's second round
     if arrivals is not None:
-        results, due, seconds = open_loop(llm, prompts, params, arrivals, refs)
+        with heap.settled():  # as `batchserve serve` runs: no full collections over the loaded engine
+            results, due, seconds = open_loop(llm, prompts, params, arrivals, refs)
         ttfts, tpots = open_loop_latencies(results, due)
     else:
         rounds = rounds_of(prompts)  # exact repeats: the second round after the first has finished
-        results, seconds = _closed_loop(llm, prompts, rounds, params, refs)
+        with heap.settled():
+            results, seconds = _closed_loop(llm, prompts, rounds, params, refs)
         ttfts = closed_loop_ttfts(results, b)
         tpots = [(r.finish_time - r.first_token_time) / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
         second = results[rounds[1]] if len(rounds) == 2 else None

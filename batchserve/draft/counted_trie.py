@@ -19,6 +19,7 @@ class Trie:
     def __init__(self) -> None:
         self.root = TrieNode()
         self.num_nodes = 0
+        self.epoch = 0  # prunes so far: a node held outside the trie may be gone since
 
     def insert_sequence(
         self, tokens: Sequence[int], branch_length: int, first: int = 0, last: int | None = None
@@ -31,14 +32,24 @@ class Trie:
                 node = self._child(node, tok)
                 node.count += 1
 
-    def insert_last(self, window: Sequence[int], start: int = 0) -> None:
-        """Count the runs ending at the last token of `window` and starting at `start` or later
-        (the on-the-fly insertion of one new token; shorter runs were counted before)."""
-        for i in range(start, len(window)):
-            node = self.root
-            for tok in window[i:]:
-                node = self._child(node, tok)
-            node.count += 1
+    def extend_runs(self, ends: list[TrieNode], tok: int) -> list[TrieNode]:
+        """Count the runs that end at a new token `tok`: each run of `ends` (the nodes of the
+        runs ending just before it, longest first) extended by it, then `tok` alone. Returns the
+        new runs' nodes, longest first: one step per run, where walking each from the root
+        would take as many steps as it is long."""
+        runs = []
+        for node in (*ends, self.root):
+            child = self._child(node, tok)
+            child.count += 1
+            runs.append(child)
+        return runs
+
+    def path(self, tokens: Sequence[int]) -> TrieNode:
+        """The node of `tokens`, made (uncounted) where pruning removed it."""
+        node = self.root
+        for tok in tokens:
+            node = self._child(node, tok)
+        return node
 
     def find(self, key: Sequence[int]) -> TrieNode | None:
         node: TrieNode | None = self.root
@@ -61,6 +72,7 @@ class Trie:
 
     def prune(self) -> None:
         """Halve every count and delete the nodes that fall below 1 (with their subtrees)."""
+        self.epoch += 1
         removed = 0
         stack = [self.root]
         while stack:

@@ -109,9 +109,20 @@ class DraftTree:
         best first, so this is the best `n`-node draft."""
         if n >= len(self.tokens):
             return self
-        pooled = frozenset(i for i in self.pooled if i < n)
-        referenced = frozenset(i for i in self.referenced if i < n)
-        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n], pooled, referenced, self.match)
+        tokens, parents = self.tokens[:n], self.parents[:n]
+        children: dict[int | None, dict[int, int]] = {}
+        for i, (tok, parent) in enumerate(zip(tokens, parents)):
+            children.setdefault(parent, {})[tok] = i
+        return self._derived(
+            tokens=tokens,
+            parents=parents,
+            scores=self.scores[:n],
+            pooled=frozenset(i for i in self.pooled if i < n),
+            referenced=frozenset(i for i in self.referenced if i < n),
+            depths=self.depths[:n],
+            children=children,
+            _mask=None if self._mask is None else self._mask[:n, :n],
+        )
 
     def judged(self, emitted: Sequence[int]) -> tuple[int, list[int]]:
         """What the step's `emitted` tokens (accepted drafts, then the model's own) say of this
@@ -135,15 +146,26 @@ class DraftTree:
 
     def with_pooled(self, nodes: Iterable[int]) -> DraftTree:
         """This tree with `nodes` marked as proposed by the pool alone."""
-        return DraftTree(self.tokens, self.parents, self.scores, frozenset(nodes), self.referenced, self.match)
+        return self._derived(pooled=frozenset(nodes))
 
     def with_referenced(self, nodes: Iterable[int]) -> DraftTree:
         """This tree with `nodes` marked as copied from the request's references."""
-        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, frozenset(nodes), self.match)
+        return self._derived(referenced=frozenset(nodes))
 
     def with_match(self, match: int) -> DraftTree:
         """This tree with its retrieval's match length (`match`)."""
-        return DraftTree(self.tokens, self.parents, self.scores, self.pooled, self.referenced, match)
+        if match < 0:
+            raise ValueError(f"match must be >= 0, got {match}")
+        return self._derived(match=min(MATCH_CAP, match))
+
+    def _derived(self, **changes: Any) -> DraftTree:
+        """A copy with `changes` to its fields, not validated again: the derivations above keep
+        a valid tree valid, and a step makes a few per request (validating one of 64 nodes costs
+        about 80 us)."""
+        tree = object.__new__(DraftTree)
+        for name in DraftTree.__slots__:
+            object.__setattr__(tree, name, changes[name] if name in changes else getattr(self, name))
+        return tree
 
 
 @dataclass(slots=True)

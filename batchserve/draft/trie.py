@@ -35,10 +35,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchserve.config import DraftConfig
@@ -46,6 +45,7 @@ from batchserve.draft.counted_trie import Trie, TrieNode
 from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.token_index import IndexNode, TokenIndex
 from batchserve.draft.tree import MATCH_CAP, DraftTree, TreeBuilder
+from batchserve.draft.warmup import read_corpus
 
 # A copy chain drafts this many tokens per token of match (up to `own_branch_length`): a short
 # match is a guess, a long one a copy in progress. Below COPY_MIN_MATCH tokens the counts guess
@@ -61,6 +61,12 @@ class _RequestState:
     num_prompt: int
     layout: str | None = None  # per-request layout override
     scope: str | None = ""  # the output trie it reads and feeds; None: its own n-grams only
+    # The output trie's nodes of the runs of its output that end at its last token (longest
+    # first, each shorter than branch_length): a new token extends each by one node. Valid for
+    # `runs_of` as it stood at `runs_epoch` prunes.
+    runs: list[TrieNode] = field(default_factory=list)
+    runs_of: Trie | None = None
+    runs_epoch: int = 0
 
 
 # A position in the merged view of a request's token index and its scope's output trie.
@@ -126,15 +132,23 @@ class TrieDrafter:
         # The scope's trie learns output only: runs that start after the prompt.
         output = self._output(state.scope)
         before = output.num_nodes
-        tokens = state.local.tokens[-(len(token_ids) + b - 1) :].tolist()  # the new tokens and what precedes them
-        num_output = state.local.size - state.num_prompt
-        for i in range(len(token_ids)):
-            end = len(tokens) - len(token_ids) + i + 1  # window ends at new token i
-            window = tokens[max(0, end - b) : end]
-            new_output = num_output - (len(token_ids) - 1 - i)  # output tokens up to this one
-            output.insert_last(window, start=max(0, len(window) - new_output))
+        if state.runs_of is not output or state.runs_epoch != output.epoch:
+            state.runs = self._run_ends(state, output, len(token_ids))
+        runs = state.runs
+        for tok in token_ids:
+            runs = output.extend_runs(runs, tok)[-(b - 1) :]  # a run of b tokens extends no further
+        state.runs, state.runs_of, state.runs_epoch = runs, output, output.epoch
         self.num_output_nodes += output.num_nodes - before
         self._keep_capacity(state.scope)
+
+    def _run_ends(self, state: _RequestState, output: Trie, num_new: int) -> list[TrieNode]:
+        """The nodes of the output runs that end before the `num_new` newest tokens (longest
+        first, each shorter than branch_length), found from the root: for a request new to
+        `output`, or after a prune."""
+        end = state.local.size - num_new  # the runs end at token end - 1
+        longest = min(self.config.branch_length - 1, end - state.num_prompt)
+        tokens = state.local.tokens[end - max(0, longest) : end].tolist()
+        return [output.path(tokens[i:]) for i in range(len(tokens))]
 
     def _keep_capacity(self, current: str) -> None:
         """Over `trie_capacity` nodes in all: idle scopes go whole (least recently used first),
@@ -246,24 +260,7 @@ class TrieDrafter:
         self, path: str | Path, tokenize: Callable[[str], list[int]] | None = None, scope: str = ""
     ) -> int:
         """JSONL, one object per line with `token_ids` (list of ints) or `text` (needs `tokenize`)."""
-        seqs: list[list[int]] = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-                if isinstance(obj, dict) and isinstance(obj.get("token_ids"), list):
-                    seqs.append([int(t) for t in obj["token_ids"]])
-                elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
-                    if tokenize is None:
-                        raise ValueError(f"{path}:{lineno}: text entries need a tokenizer")
-                    seqs.append(tokenize(obj["text"]))
-                else:
-                    raise ValueError(f'{path}:{lineno}: expected {{"token_ids": [...]}} or {{"text": "..."}}')
-        return self.warm_up(seqs, scope)
+        return self.warm_up(read_corpus(path, tokenize), scope)
 
     # ---- retrieval -----------------------------------------------------------------------
 

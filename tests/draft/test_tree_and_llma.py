@@ -57,6 +57,34 @@ def test_chain_and_random_trees_hold_invariants():
         assert sum(len(kids) for kids in t.children.values()) == len(t)
 
 
+def test_derived_trees_equal_the_same_trees_built_and_checked_from_scratch():
+    rng = random.Random(1)
+    for _ in range(200):
+        t = random_tree(rng, rng.randint(1, 64), 50)
+        n = len(t)
+        scores = tuple(sorted((rng.random() for _ in range(n)), reverse=True))
+        t = DraftTree(t.tokens, t.parents, scores)
+        pooled, referenced = {i for i in range(n) if rng.random() < 0.3}, {i for i in range(n) if rng.random() < 0.3}
+        match = rng.randrange(0, 50)
+        if rng.random() < 0.5:
+            t.mask  # noqa: B018 - a cached mask is carried into a prefix
+        derived = t.with_pooled(pooled).with_referenced(referenced).with_match(match)
+        assert derived == DraftTree(t.tokens, t.parents, scores, frozenset(pooled), frozenset(referenced), match)
+        k = rng.randint(0, n)
+        cut = derived.prefix(k)
+        fresh = DraftTree(
+            t.tokens[:k],
+            t.parents[:k],
+            scores[:k],
+            frozenset(i for i in pooled if i < k),
+            frozenset(i for i in referenced if i < k),
+            match,
+        )
+        assert cut == fresh and (cut.mask == fresh.mask).all()
+    with pytest.raises(ValueError, match=">= 0"):
+        DraftTree((5,), (None,)).with_match(-1)
+
+
 def test_llma_copies_after_longest_most_recent_match():
     d = SingleBranchDrafter(max_match=4)
     #        0  1  2  3  4  5  6  7  8  9 10

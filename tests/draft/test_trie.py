@@ -34,10 +34,9 @@ def test_trie_counts_every_run_up_to_branch_length():
     assert t.find([1, 2, 1]).count == 1 and t.find([1, 2, 1, 2]) is None  # longer than 3
     # On-the-fly insertion of the same tokens one by one gives the same counts.
     u = Trie()
-    seen: list[int] = []
+    runs: list = []
     for tok in [1, 2, 1, 2, 3]:
-        seen.append(tok)
-        u.insert_last(seen[-3:])
+        runs = u.extend_runs(runs, tok)[-2:]  # runs of 3 extend no further
     for key in ([1], [2], [1, 2], [2, 1], [1, 2, 1], [2, 1, 2], [1, 2, 3], [2, 3], [3]):
         assert u.find(key).count == t.find(key).count, key
     assert u.num_nodes == t.num_nodes

@@ -39,7 +39,8 @@ def test_the_index_reads_as_the_dict_trie_of_every_run(kind):
         trie.insert_sequence(tokens[:split], b)
         index = TokenIndex(tokens[:split], b)
         for i in range(split, len(tokens)):  # output tokens arrive one step at a time
-            trie.insert_last(tokens[max(0, i + 1 - b) : i + 1])
+            for start in range(max(0, i + 1 - b), i + 1):  # every run ending at token i
+                trie.path(tokens[start : i + 1]).count += 1
         index.extend(tokens[split:])
         assert index.tokens.tolist() == tokens
         for m in range(1, 5):
@@ -149,3 +150,53 @@ def test_a_corpus_inserted_in_slices_counts_as_one_insert():
     d = TrieDrafter(DraftConfig(method="lookahead", branch_length=6))
     steps = list(d.warm_up_slices([seq, seq[:10]], scope="acme", slice_tokens=128))
     assert len(steps) == 8 + 1 and d.outputs["acme"].num_nodes == whole.num_nodes
+
+
+class _FromTheRoot(TrieDrafter):
+    """Output runs counted as the drafter once did: each run ending at a new token walked from the root."""
+
+    def on_tokens_accepted(self, request_id, token_ids):
+        state = self._requests[request_id]
+        b = self.config.branch_length
+        state.local.extend(token_ids)
+        output = self._output(state.scope)
+        before = output.num_nodes
+        tokens = state.local.tokens.tolist()
+        for i in range(state.local.size - len(token_ids), state.local.size):
+            for start in range(max(i + 1 - b, state.num_prompt), i + 1):  # runs inside the output
+                output.path(tokens[start : i + 1]).count += 1
+        self.num_output_nodes += output.num_nodes - before
+        self._keep_capacity(state.scope)
+
+
+def _same_trie(a, b) -> None:
+    assert a.count == b.count and list(a.children) == list(b.children)  # creation order too
+    for tok, child in a.children.items():
+        _same_trie(child, b.children[tok])
+
+
+def test_runs_extended_node_by_node_count_what_walks_from_the_root_count():
+    rng = random.Random(7)
+    config = DraftConfig(method="lookahead", branch_length=5, trie_capacity=300, trie_max_scopes=2)
+    ours, reference = TrieDrafter(config), _FromTheRoot(config)
+    live: list[str] = []
+    for event in range(3000):
+        if len(live) < 4 and rng.random() < 0.05 or not live:  # requests come and go in three scopes
+            rid, scope = f"r{event}", rng.choice(["a", "b", "c"])
+            prompt = [rng.randrange(8) for _ in range(rng.randint(1, 6))]
+            for d in (ours, reference):
+                d.on_request_start(rid, prompt, scope=scope)
+            live.append(rid)
+        elif rng.random() < 0.02:
+            rid = live.pop(rng.randrange(len(live)))
+            for d in (ours, reference):
+                d.on_request_finish(rid)
+        else:  # a step's accepted tokens, repetitive enough that runs recur and prunes come
+            rid, tokens = rng.choice(live), [rng.randrange(8) for _ in range(rng.randint(1, 4))]
+            for d in (ours, reference):
+                d.on_tokens_accepted(rid, tokens)
+        assert list(ours.outputs) == list(reference.outputs)
+        assert ours.num_output_nodes == reference.num_output_nodes
+    assert sum(t.epoch for t in ours.outputs.values()) > 5  # prunes happened on the way
+    for scope, trie in ours.outputs.items():
+        _same_trie(trie.root, reference.outputs[scope].root)
