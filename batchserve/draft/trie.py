@@ -47,10 +47,8 @@ from batchserve.draft.token_index import IndexNode, TokenIndex
 from batchserve.draft.tree import MATCH_CAP, DraftTree, TreeBuilder
 from batchserve.draft.warmup import read_corpus
 
-# A copy chain drafts this many tokens per token of match (up to `own_branch_length`): a short
-# match is a guess, a long one a copy in progress. Below COPY_MIN_MATCH tokens the counts guess
-# better (target-guided replays of SmolLM2's outputs: from 1 token up, the chain lost up to 2%
-# of tokens a step at decoding lengths 1-2; from 3, never; docs/design.md).
+# A copy chain drafts this many tokens per token of match (up to `own_branch_length`). Below
+# COPY_MIN_MATCH tokens a match is a guess that the counts make better (docs/design.md).
 COPY_PER_MATCH = 2
 COPY_MIN_MATCH = 3
 
@@ -205,6 +203,8 @@ class TrieDrafter:
         # Multi-stage retrieval: the longest matching suffix first; shorter matches fill
         # whatever budget is left (their branches merge into the same tree by token path).
         longest = min(self.config.max_match, len(token_ids), self.config.branch_length - 1)
+        if layout == "single" and builder.tokens:  # one branch: the copy is it
+            longest = 0
         for m in range(longest, self.config.min_match - 1, -1):
             key = token_ids[-m:]
             start = (local.find(key) if local is not None else None, output.find(key) if output is not None else None)

@@ -317,6 +317,10 @@ def test_the_copy_chain_follows_the_longest_agreement_most_recent_first():
     assert tree.parents[:6] == (None, 0, 1, 2, 3, 4) and tree.scores[:6] == (1.0,) * 6  # one occurrence agrees
     assert tree.tokens[6:] == (8, 9)  # the counts fill the rest
     assert counts_only.tokens[:2] == (8, 9)  # counts alone: the common continuation first
+    single = _drafter(branch_length=12, max_match=1, layout="single")
+    single.on_request_start("a", prompt)
+    single.on_tokens_accepted("a", [1, 2, 7])
+    assert single.propose("a", [*prompt, 1, 2, 7], 8).tokens == (4, 3, 0, 11, 12, 13)  # one branch: the copy
 
 
 def test_a_copy_is_scored_by_the_share_of_its_occurrences_and_a_guess_left_to_the_counts():

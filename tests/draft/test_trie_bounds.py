@@ -181,7 +181,7 @@ def test_runs_extended_node_by_node_count_what_walks_from_the_root_count():
     ours, reference = TrieDrafter(config), _FromTheRoot(config)
     live: list[str] = []
     for event in range(3000):
-        if len(live) < 4 and rng.random() < 0.05 or not live:  # requests come and go in three scopes
+        if (len(live) < 4 and rng.random() < 0.05) or not live:  # requests come and go in three scopes
             rid, scope = f"r{event}", rng.choice(["a", "b", "c"])
             prompt = [rng.randrange(8) for _ in range(rng.randint(1, 6))]
             for d in (ours, reference):
