@@ -52,6 +52,8 @@ class TokenIndex:
         """What followed the most recent occurrence (`copy_source`), up to `length` tokens and
         `branch_length` deep, each with its share among the occurrences that agree so far (what
         the trie's counts would give it)."""
+        if not len(after):
+            return []
         toks = self.tokens
         copied = toks[after[-1] : after[-1] + min(length, self.branch_length)].tolist()
         chain: list[tuple[int, float]] = []
@@ -118,11 +120,6 @@ class IndexNode:
     @property
     def count(self) -> float:
         return float(len(self._ends))
-
-    @property
-    def latest(self) -> int:
-        """Where what followed the most recent occurrence begins."""
-        return int(self._ends[-1])
 
     @property
     def children(self) -> dict[int, IndexNode]:
