@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchserve.jsonl import json_lines
+
 
 @dataclass(frozen=True, slots=True)
 class Sample:
@@ -151,23 +153,21 @@ def jsonl(path: str | Path, limit: int = MAX_JSONL_LINES) -> list[Sample]:
     predicted output where the bench asks for it). Blank lines are skipped."""
     path = Path(path)
     out: list[Sample] = []
+    cap = min(limit, MAX_JSONL_LINES)
     try:
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if len(out) >= min(limit, MAX_JSONL_LINES):
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}: line {n}: not JSON ({e.msg})") from None
-                try:
-                    out.append(_jsonl_sample(row, n))
-                except DatasetError as e:
-                    raise DatasetError(f"{path}: {e}") from None
+        for n, row in json_lines(path) if cap > 0 else ():
+            try:
+                out.append(_jsonl_sample(row, n))
+            except DatasetError as e:
+                raise DatasetError(f"{path}: {e}") from None
+            if len(out) >= cap:
+                break
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"{path}: cannot read it ({e})") from None
+    except DatasetError:
+        raise
+    except ValueError as e:  # a line that is not JSON
+        raise DatasetError(str(e)) from None
     if not out:
         raise DatasetError(f"{path}: no prompts in it")
     return out

@@ -232,7 +232,7 @@ def test_warm_up_file(tmp_path):
         _drafter().warm_up_file(path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"token_ids": [1]}\nnot json\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line 2: not JSON"):
         _drafter().warm_up_file(bad)
 
 
