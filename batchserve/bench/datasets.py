@@ -153,21 +153,14 @@ def jsonl(path: str | Path, limit: int = MAX_JSONL_LINES) -> list[Sample]:
     predicted output where the bench asks for it). Blank lines are skipped."""
     path = Path(path)
     out: list[Sample] = []
-    cap = min(limit, MAX_JSONL_LINES)
-    try:
-        for n, row in json_lines(path) if cap > 0 else ():
+    try:  # islice: a line past the cap is never read
+        for n, row in itertools.islice(json_lines(path, DatasetError), min(limit, MAX_JSONL_LINES)):
             try:
                 out.append(_jsonl_sample(row, n))
             except DatasetError as e:
                 raise DatasetError(f"{path}: {e}") from None
-            if len(out) >= cap:
-                break
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"{path}: cannot read it ({e})") from None
-    except DatasetError:
-        raise
-    except ValueError as e:  # a line that is not JSON
-        raise DatasetError(str(e)) from None
     if not out:
         raise DatasetError(f"{path}: no prompts in it")
     return out

@@ -203,16 +203,14 @@ class TrieDrafter:
         # Multi-stage retrieval: the longest matching suffix first; shorter matches fill
         # whatever budget is left (their branches merge into the same tree by token path).
         longest = min(self.config.max_match, len(token_ids), self.config.branch_length - 1)
-        if layout == "single" and builder.tokens:  # one branch: the copy is it
-            longest = 0
         for m in range(longest, self.config.min_match - 1, -1):
+            if builder.full or (layout == "single" and builder.tokens):  # a copy chain may be the one branch
+                break
             key = token_ids[-m:]
             start = (local.find(key) if local is not None else None, output.find(key) if output is not None else None)
             if start[0] is None and start[1] is None:
                 continue
             expand(start, builder)
-            if builder.full or (layout == "single" and builder.tokens):
-                break
         tree = builder.tree()
         if tree is not None:  # how good the match is: the policy's evidence before the forward
             tree = tree.with_match(self.match_length(request_id, token_ids, own))
