@@ -32,9 +32,9 @@ Every tuning value is a `DraftConfig` setting; `DraftBudgetPolicy.from_config` a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 
 import numpy as np
 
@@ -156,7 +156,13 @@ class DraftBudgetPolicy:
         """The most each of the request's first `limit` draft ranks could be worth, whatever the
         drafter's scores and match turn out to be: those clearing `min_gain`, best first. Their
         count is the most the request could be given, so there is no point in proposing more."""
-        return sorted((g for g in self.tracker.upper_gains(request_id, limit) if g >= self.min_gain), reverse=True)
+        return self.upper_gains_many([(request_id, limit)])[0]
+
+    def upper_gains_many(self, wanted: Sequence[tuple[str, int]]) -> list[list[float]]:
+        """`upper_gains` of each (request id, limit), all at once (a step's requests)."""
+        floor = self.min_gain
+        uppers = self.tracker.upper_gains_many(wanted)
+        return [sorted((g for g in gains if g >= floor), reverse=True) for gains in uppers]
 
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
@@ -208,10 +214,14 @@ class DraftBudgetPolicy:
         hedge = self.hedge(num_seqs, step.chunked)
         # Each request's gains are non-increasing, so sorting them all in descending order takes
         # every request's nodes as a prefix (a stable sort: ties in request order, as a merge).
-        per_req = ((g, rid) for rid, gs in zip(request_ids, gains) for g in gs if g >= self.min_gain)
-        ranked = sorted(per_req, key=itemgetter(0), reverse=True)[: max(0, cap)]
+        sizes = [len(gs) for gs in gains]
+        values = np.fromiter(itertools.chain.from_iterable(gains), float, sum(sizes))  # [nodes]
+        owners = np.repeat(np.arange(len(sizes)), sizes)  # [nodes] each node's request
+        worth = values >= self.min_gain
+        values, owners = values[worth], owners[worth]
+        order = np.argsort(-values, kind="stable")[: max(0, cap)]
         # gain[k]: what the first k nodes are worth, as the guard lets the policy count them
-        gain = np.concatenate(([0.0], np.cumsum([g for g, _ in ranked]) / hedge))
+        gain = np.concatenate(([0.0], np.cumsum(values[order]) / hedge))
         ks = np.arange(len(gain))
         curve = self.profile.curve(context)
 
@@ -235,24 +245,20 @@ class DraftBudgetPolicy:
             best_k = int(np.argmax(value))
             if value[best_k] - value[0] < margin * num_roots * tau:
                 best_k = 0
-        lengths = dict.fromkeys(request_ids, 0)
-        for _, rid in ranked[:best_k]:
-            lengths[rid] += 1
-        return lengths, float(gain[best_k]) * hedge  # what they are expected to buy
+        counts = np.bincount(owners[order[:best_k]], minlength=len(sizes)).tolist()
+        return dict(zip(request_ids, counts)), float(gain[best_k]) * hedge  # what they are expected to buy
 
     def hedge(self, num_seqs: int, chunked: bool = False) -> float:
         """What the speed guard divides expected gains by at this batch size (1: no doubt)."""
         return self.guard.hedge(num_seqs, chunked) if self.guard is not None else 1.0
 
-    def _step_ms(
-        self, rows: int, drafts: int, context: float, num_seqs: int, curve: list[float] | None = None
-    ) -> float:
+    def _step_ms(self, rows: int, drafts: int, context: float, num_seqs: int, curve: np.ndarray | None = None) -> float:
         """Predicted ms of a step of `rows` rows, `drafts` of them draft (or window) rows."""
         curve = curve if curve is not None else self.profile.curve(context)
         return float(self._steps_ms(np.array([rows]), np.array([drafts]), context, num_seqs, curve)[0])
 
     def _steps_ms(
-        self, rows: np.ndarray, drafts: np.ndarray, context: float, num_seqs: int, curve: list[float]
+        self, rows: np.ndarray, drafts: np.ndarray, context: float, num_seqs: int, curve: np.ndarray
     ) -> np.ndarray:
         """`_step_ms` at every (row count, draft rows) of `rows` and `drafts` at once."""
         forward = self.scale * self.profile.times_ms(rows, context, num_seqs, curve, drafts)

@@ -81,18 +81,21 @@ class CostProfile:
         if self.row_block < 1:
             raise ValueError(f"row_block must be >= 1, got {self.row_block}")
 
-    def curve(self, context: float = 0.0) -> list[float]:
-        """Step time per `token_counts` entry at one context length (interpolated)."""
-        return [
-            _interp(self.contexts, [row[i] for row in self.step_ms], context) for i in range(len(self.token_counts))
-        ]
+    def curve(self, context: float = 0.0) -> np.ndarray:
+        """[len(token_counts)] step time per `token_counts` entry at one context length
+        (`_interp` of each column, in one set of array operations: the policy asks every step)."""
+        xs, rows = self.contexts, np.asarray(self.step_ms)
+        if len(xs) == 1 or context <= xs[0]:
+            return rows[0]
+        i = min(bisect.bisect_right(xs, context), len(xs) - 1)
+        return rows[i - 1] + (rows[i] - rows[i - 1]) * (context - xs[i - 1]) / (xs[i] - xs[i - 1])
 
     def time_ms(
         self,
         num_tokens: float,
         context: float = 0.0,
         num_seqs: int = 1,
-        curve: list[float] | None = None,
+        curve: np.ndarray | None = None,
         draft_rows: float = 0.0,
     ) -> float:
         """Predicted forward time of a step with `num_tokens` rows from `num_seqs` requests
@@ -105,7 +108,7 @@ class CostProfile:
         num_tokens: np.ndarray,
         context: float = 0.0,
         num_seqs: int = 1,
-        curve: list[float] | None = None,
+        curve: np.ndarray | None = None,
         draft_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """`time_ms` at every row count of `num_tokens` (and its `draft_rows`) at once: the

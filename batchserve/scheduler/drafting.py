@@ -132,7 +132,7 @@ class DraftPlanner:
     def _trees(self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int) -> dict[str, DraftTree]:
         trees: dict[str, DraftTree] = {}
         self._proposals = {}
-        pending: list[tuple[Request, int, list[float]]] = []  # policy requests: limit, upper gains
+        by_policy: list[tuple[Request, int]] = []  # policy requests and their limits
         for item in items:
             if not item.sample:
                 continue
@@ -140,14 +140,17 @@ class DraftPlanner:
             limit = min(self.limit(req), budget)
             if self.policy is not None and req.params.decoding_length is None:
                 if limit > 0:
-                    pending.append((req, limit, self.policy.upper_gains(req.request_id, limit)))
+                    by_policy.append((req, limit))
                 continue
             tree = self._propose(req, limit)
             if tree is not None:
                 trees[req.request_id] = tree
                 budget -= len(tree)
-        if not pending:
+        if not by_policy:
             return trees
+        assert self.policy is not None
+        uppers = self.policy.upper_gains_many([(req.request_id, limit) for req, limit in by_policy])
+        pending = [(req, limit, upper) for (req, limit), upper in zip(by_policy, uppers)]  # with upper gains
         shape = self._step_shape(items, requests, sum(map(len, trees.values())), budget)
         # A baseline step judges proposals but verifies none: shadow drafts are all it needs.
         hopeful = {} if self._plain else self._hopeful(pending, shape)

@@ -17,19 +17,18 @@ from batchserve.config import DraftConfig
 
 _DEFAULTS = DraftConfig()  # ScoreCalibration's defaults are the settings'
 
-# Bound on the sigmoid's argument so math.exp never overflows; sigmoid(30) is 1 - 1e-13, so
+# Bound on the sigmoid's argument so exp never overflows; sigmoid(30) is 1 - 1e-13, so
 # no probability that matters changes. A numerical guard, not a tuning value.
 _MAX_LOGIT = 30.0
 
 
-def _logit(p: float, clip: float) -> float:
-    """log(p / (1 - p)), with p clipped to [clip, 1 - clip] so scores of 0 and 1 stay finite."""
-    p = min(1.0 - clip, max(clip, p))
-    return math.log(p / (1.0 - p))
+def _sigmoids(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -_MAX_LOGIT, _MAX_LOGIT)))
 
 
-def _sigmoid(z: float) -> float:
-    return 1.0 / (1.0 + math.exp(-max(-_MAX_LOGIT, min(_MAX_LOGIT, z))))
+# Queued nodes fitted at once at most: a caller that never reads the weights (a test feeding
+# thousands of trees) still gets a Newton step every few trees, not one for all of them.
+_FIT_EVERY = 64
 
 
 def _nonnegative_ridge(
@@ -99,6 +98,12 @@ class ScoreCalibration:
     after 3 or more). Together they predict better than any one. The fit is a recursive
     Newton step with a decaying Hessian (about the last `1 / (1 - decay)` nodes), started at
     (1, 0, 0, 0, 0): until evidence arrives, the rank estimate is used as it is.
+
+    Verified trees are queued (`observe`) and fitted together, one Newton step for all that
+    arrived since the weights were last read (an engine step's trees, every request's), or
+    every `_FIT_EVERY` nodes: the step's arithmetic runs once in numpy instead of once per tree
+    in Python (at 16 requests, about 12 trees a step). Every probability goes through one
+    vectorized formula (`probs_each`), so equal inputs give equal bits wherever they are asked.
     """
 
     def __init__(
@@ -110,74 +115,84 @@ class ScoreCalibration:
         self.decay = decay
         self.prior_strength = prior_strength  # Hessian floor: how hard the first nodes move the fit
         self.clip = clip  # probabilities are clipped to [clip, 1 - clip] before their logit
-        self.weights = [1.0, 0.0, 0.0, 0.0, 0.0]  # rank estimate, score, match measured, log match, bias
-        n = len(self.weights)
-        self._hess = [[prior_strength if i == j else 0.0 for j in range(n)] for i in range(n)]
+        # rank estimate, score, match measured, log match, bias
+        self._weights = np.array([1.0, 0.0, 0.0, 0.0, 0.0])
+        self._hess = prior_strength * np.eye(len(self._weights))
+        # Nodes verified since the last fit: rank estimate, score, match length, hit.
+        self._queued: tuple[list[float], list[float], list[int], list[bool]] = ([], [], [], [])
+
+    @property
+    def weights(self) -> list[float]:
+        """The fitted weights, every queued tree fitted first."""
+        if self._queued[3]:
+            self._fit()
+        return self._weights.tolist()
 
     def prob(self, rank_estimate: float, score: float, match: int = 0) -> float:
         return self.probs((rank_estimate,), score, match)[0]
 
     def probs(self, rank_estimates: Sequence[float], score: float, match: int = 0) -> list[float]:
-        """`prob` of each rank estimate at one score and match (their terms computed once: the
-        policy asks this for every rank of every request, every step)."""
-        w0, w1 = self.weights[:2]
-        clip = self.clip
-        offset = w1 * _logit(score, clip) + self._tree_term(match_features(match))
-        return [_sigmoid(w0 * _logit(est, clip) + offset) for est in rank_estimates]
+        """`prob` of each rank estimate at one score and match (the policy asks this for every
+        rank of every request, every step)."""
+        return self.probs_each(rank_estimates, [score] * len(rank_estimates), match)
 
-    def _tree_term(self, features: tuple[float, float]) -> float:
-        """The logit's part that every node of a tree shares: its match features and the bias."""
+    def probs_each(self, rank_estimates: Sequence[float], scores: Sequence[float], match: int = 0) -> list[float]:
+        """`prob` of each (rank estimate, score) pair: the nodes of one tree of this match."""
+        if not len(rank_estimates):
+            return []
+        return self.prob_array(np.array(rank_estimates, dtype=float), np.array(scores, dtype=float), match).tolist()
+
+    def prob_array(self, rank_estimates: np.ndarray, scores: np.ndarray | float, match: int = 0) -> np.ndarray:
+        """`prob` elementwise over arrays of any shape (a score array broadcasts against the
+        estimates): the one formula every probability comes from."""
         w = self.weights
-        return w[2] * features[0] + w[3] * features[1] + w[4]
+        measured, log_match = match_features(match)
+        scores = np.broadcast_to(np.asarray(scores, dtype=float), rank_estimates.shape)
+        z = w[0] * self._logits(rank_estimates) + w[1] * self._logits(scores)
+        return _sigmoids(z + (w[2] * measured + w[3] * log_match + w[4]))
+
+    def _logits(self, ps: Sequence[float] | np.ndarray) -> np.ndarray:
+        """log(p / (1 - p)) of each, p clipped to [clip, 1 - clip] so scores of 0 and 1 stay finite."""
+        p = np.clip(np.asarray(ps, dtype=float), self.clip, 1.0 - self.clip)
+        return np.log(p / (1.0 - p))
 
     def observe(
         self, rank_estimates: Sequence[float], scores: Sequence[float], hits: Sequence[bool], match: int = 0
     ) -> None:
         """One verified tree: each node's rank estimate and score then, whether it hit, and the
-        tree's match length."""
-        if not hits:
+        tree's match length. Queued: fitted with the others when the weights are next read."""
+        n = min(len(rank_estimates), len(scores), len(hits))
+        if n == 0:
             return
-        # Plain Python, not numpy: a tree has a few nodes and the fit 5 weights, and this runs for
-        # every request every step, where numpy's per-call cost is most of the work.
-        clip, w, n = self.clip, self.weights, len(self.weights)
-        grad = [0.0] * n
-        hess = [[0.0] * n for _ in range(n)]
-        measured, log_match = features = match_features(match)
-        fixed = self._tree_term(features)
-        for est, score, hit in zip(rank_estimates, scores, hits):
-            x = (_logit(est, clip), _logit(score, clip), measured, log_match, 1.0)
-            p = _sigmoid(w[0] * x[0] + w[1] * x[1] + fixed)
-            r, c = p - float(hit), p * (1.0 - p)
-            for i in range(n):
-                grad[i] += x[i] * r
-                cx, row = c * x[i], hess[i]
-                for j in range(i, n):  # the upper triangle; mirrored below
-                    row[j] += cx * x[j]
-        d = self.decay ** len(hits)
+        ests, node_scores, matches, node_hits = self._queued
+        ests += rank_estimates[:n]
+        node_scores += scores[:n]
+        matches += [match] * n
+        node_hits += hits[:n]
+        if len(node_hits) >= _FIT_EVERY:
+            self._fit()
+
+    def _fit(self) -> None:
+        """One Newton step for every queued node, from the weights they were queued under."""
+        ests, scores, matches, hits = self._queued
+        n = len(hits)
+        m = np.array(matches, dtype=float)
+        x = np.empty((n, len(self._weights)))  # [n, 5] each node's features
+        x[:, 0] = self._logits(ests)
+        x[:, 1] = self._logits(scores)
+        x[:, 2] = m > 0
+        x[:, 3] = np.where(m > 0, np.log2(1.0 + m), 0.0)  # match_features, node by node
+        x[:, 4] = 1.0
+        p = _sigmoids((x * self._weights).sum(1))
+        r, c = p - np.array(hits, dtype=float), p * (1.0 - p)
+        grad = (x * r[:, None]).sum(0)  # [5]
+        hess = np.einsum("ni,n,nj->ij", x, c, x)  # [5, 5] (einsum: no BLAS thread pool for a 5x5)
+        d = self.decay**n
         # The floor keeps the step bounded once old evidence has decayed away.
-        floor = (1.0 - d) * self.prior_strength
-        for i in range(n):
-            for j in range(i, n):
-                self._hess[i][j] = self._hess[j][i] = d * self._hess[i][j] + hess[i][j] + (floor if i == j else 0.0)
-        step = _solve(self._hess, grad)
-        self.weights = [wi - si for wi, si in zip(w, step)]
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b for a small n x n system (Gaussian elimination with partial pivoting)."""
-    n = len(b)
-    m = [[*row, bi] for row, bi in zip(a, b)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
+        self._hess = d * self._hess + hess + (1.0 - d) * self.prior_strength * np.eye(len(grad))
+        self._weights = self._weights - np.linalg.solve(self._hess, grad)
+        for queue in self._queued:
+            queue.clear()
 
 
 def non_increasing(xs: Sequence[float]) -> list[float]:

@@ -11,7 +11,6 @@ from batchserve.scheduler.fits import (
     DecayedRidge,
     ScoreCalibration,
     _nonnegative_ridge,
-    _solve,
     match_features,
     non_increasing,
 )
@@ -54,18 +53,6 @@ def test_calibration_probs_at_one_score_are_each_ranks_prob():
     feed(cal, {1.0: 0.4, 0.1: 0.05}, rounds=100)
     ests = [0.0, 0.05, 0.3, 0.9, 1.0]
     assert cal.probs(ests, 0.7) == pytest.approx([cal.prob(e, 0.7) for e in ests], rel=1e-12)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_the_calibrations_solve_is_numpys(seed):
-    rng = np.random.default_rng(seed)
-    for n in (3, 5):
-        x = rng.normal(size=(7, n)) * np.array([3.0, 1.0, 0.1, 2.0, 0.5][:n])
-        a, b = x.T @ x + 0.05 * np.eye(n), rng.normal(size=n)
-        assert _solve(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b), rel=1e-9, abs=1e-12)
-    b = rng.normal(size=3)
-    swapped = np.array([[0.0, 2.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 3.0]])  # needs a row swap
-    assert _solve(swapped.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(swapped, b), rel=1e-9)
 
 
 def test_calibration_learns_what_a_long_match_means():
