@@ -194,6 +194,10 @@ class DraftConfig:
     copy_chain: bool = setting(
         True, "lookahead: draft first what followed the longest earlier match in the request's own text"
     )
+    # A request repeating an earlier answer copies it at any depth; 32k tokens: 128 KiB.
+    recent_output_tokens: int = setting(
+        32768, "lookahead: tokens of finished outputs (all scopes) a copy chain may draft from (0: none)"
+    )
     max_match: int = setting(4, "longest suffix of the request's tokens tried as a match key")
     min_match: int = setting(1, "shortest suffix accepted as a match key")
     prompt_weight: float = setting(100.0, "lookahead: how much more a request's own n-grams count")
@@ -241,6 +245,7 @@ class DraftConfig:
             ("shadow_requests", self.shadow_requests >= 1, ">= 1"),
             ("trie_capacity", self.trie_capacity >= 1, ">= 1"),
             ("trie_max_scopes", self.trie_max_scopes >= 1, ">= 1"),
+            ("recent_output_tokens", self.recent_output_tokens >= 0, ">= 0"),
             ("acceptance_decay", 0 < self.acceptance_decay <= 1, "in (0, 1]"),
             ("explore", 0 <= self.explore <= 1, "in [0, 1]"),
             ("min_gain", 0 <= self.min_gain < 1, "in [0, 1)"),

@@ -42,15 +42,11 @@ from pathlib import Path
 
 from batchserve.config import DraftConfig
 from batchserve.draft.counted_trie import Trie, TrieNode
+from batchserve.draft.recent import RecentOutputs, copy_chain
 from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.token_index import IndexNode, TokenIndex
 from batchserve.draft.tree import MATCH_CAP, DraftTree, TreeBuilder
 from batchserve.draft.warmup import read_corpus
-
-# A copy chain drafts this many tokens per token of match (up to `own_branch_length`). Below
-# COPY_MIN_MATCH tokens a match is a guess that the counts make better (docs/design.md).
-COPY_PER_MATCH = 2
-COPY_MIN_MATCH = 3
 
 
 @dataclass(slots=True)
@@ -82,6 +78,7 @@ class TrieDrafter:
         self._live: Counter[str] = Counter()  # running requests per scope
         self._requests: dict[str, _RequestState] = {}
         self.references = ReferenceDrafts(config.max_match, config.min_match)  # per request, never in a trie
+        self.recent = RecentOutputs(config.recent_output_tokens, config.own_branch_length)  # copy sources
         self._tiebreak = itertools.count()
 
     @property
@@ -173,11 +170,13 @@ class TrieDrafter:
 
     def _drop_scope(self, scope: str) -> None:
         self.num_output_nodes -= self.outputs.pop(scope).num_nodes
+        self.recent.drop(scope)
 
     def on_request_finish(self, request_id: str) -> None:
         self.references.finish(request_id)
         state = self._requests.pop(request_id, None)
         if state is not None and state.scope is not None:
+            self.recent.add(state.scope, state.local.tokens[state.num_prompt :].tolist())
             self._live[state.scope] -= 1
             if not self._live[state.scope]:
                 del self._live[state.scope]
@@ -197,9 +196,11 @@ class TrieDrafter:
             # What followed the longest earlier match, first: where the request is copying from
             # (a code edit's source, a passage quoted). Counts alone would weigh every
             # occurrence of a short key alike; the longest agreement, most recent, is the copy.
-            own, after = local.copy_source(token_ids, MATCH_CAP)
-            if own >= COPY_MIN_MATCH:
-                self._add_chain(builder, local.continuation(after, COPY_PER_MATCH * own))
+            own, chain = copy_chain(local, token_ids, MATCH_CAP)
+            seen, theirs = self.recent.copy(scope, token_ids, MATCH_CAP) if scope is not None else (0, [])
+            if seen > own:  # a repeat of an output its scope finished: the longer agreement wins
+                own, chain = seen, theirs
+            self._add_chain(builder, chain)
         # Multi-stage retrieval: the longest matching suffix first; shorter matches fill
         # whatever budget is left (their branches merge into the same tree by token path).
         longest = min(self.config.max_match, len(token_ids), self.config.branch_length - 1)

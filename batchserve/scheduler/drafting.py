@@ -146,9 +146,8 @@ class DraftPlanner:
             if tree is not None:
                 trees[req.request_id] = tree
                 budget -= len(tree)
-        if not by_policy:
+        if not by_policy or self.policy is None:
             return trees
-        assert self.policy is not None
         uppers = self.policy.upper_gains_many([(req.request_id, limit) for req, limit in by_policy])
         pending = [(req, limit, upper) for (req, limit), upper in zip(by_policy, uppers)]  # with upper gains
         shape = self._step_shape(items, requests, sum(map(len, trees.values())), budget)

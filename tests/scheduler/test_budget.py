@@ -409,3 +409,39 @@ def test_windows_run_where_their_gain_pays_for_their_rows_best_value_first():
     steep = DraftBudgetPolicy(cpu_like(base=10.0, slope=20.0), AcceptanceTracker(8))
     steep.windows.observe("sure", 1)
     assert steep.admit_windows([("sure", 8)], **kw) == []  # 160 ms of rows for ~15 ms of tokens
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_step_takes_the_best_nodes_of_all_requests_in_order(seed):
+    """The allocation against the rule written out plainly: every request's gains above
+    `min_gain`, best first (ties in request order), the prefix whose tokens per ms is best
+    (and a clear win), counted back per request."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    policy = DraftBudgetPolicy(cpu_like(), AcceptanceTracker(16), min_speedup=0.0)
+    for _ in range(20):
+        n = int(rng.integers(1, 9))
+        gains = [
+            sorted(rng.choice([0.9, 0.5, 0.3, 0.01, 0.2], size=int(rng.integers(0, 10))), reverse=True)
+            for _ in range(n)
+        ]
+        ids = [f"r{i}" for i in range(n)]
+        shape = StepShape(n, context=200.0, token_budget=int(rng.integers(0, 40)))
+        lengths, expected_gain = policy._choose(ids, [list(g) for g in gains], shape)
+        ranked = sorted(((g, i) for i, gs in enumerate(gains) for g in gs if g >= policy.min_gain), key=lambda x: -x[0])
+        ranked = ranked[: shape.token_budget]
+        rates = [
+            (n + sum(g for g, _ in ranked[:k])) / policy._step_ms(n + k, k, 200.0, n) for k in range(len(ranked) + 1)
+        ]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        assert lengths == {rid: sum(1 for _, i in ranked[:best] if i == j) for j, rid in enumerate(ids)}
+        assert expected_gain == pytest.approx(sum(g for g, _ in ranked[:best]))
+
+
+def test_upper_gains_of_a_step_are_each_requests_own():
+    t = trained({"a": [0.9] * 4 + [0.1] * 12, "b": [0.3] * 16})
+    t.calibration.observe([0.5] * 8, [0.9] * 8, [True] * 6 + [False] * 2, 12)
+    many = t.upper_gains_many([("a", 16), ("b", 5), ("new", 3)])
+    assert many == [t.upper_gains("a", 16), t.upper_gains("b", 5), t.upper_gains("new", 3)]
+    assert [len(g) for g in many] == [16, 5, 3] and t.upper_gains_many([]) == []
