@@ -15,8 +15,8 @@ Two kinds of trie, one node type:
   and it is built when the request is admitted to run, never while it only waits.
 
 Before the counts, a *copy chain*: what followed the most recent occurrence of the longest run
-of the request's own text that it ends with (where a code edit or a quoted passage is copying
-from), when that run is long enough to be a copy rather than a guess.
+that the request's text ends with, in its own text (a code edit's source, a quoted passage) or in
+its scope's recent outputs (a repeated answer, `recent.py`), when long enough to be a copy.
 
 A request's references (a client's predicted output, `reference.py`) draft ahead of all of
 these, and stay the request's own: they are never inserted into any trie.
@@ -112,6 +112,7 @@ class TrieDrafter:
         index = TokenIndex(prompt_token_ids, self.config.own_branch_length)
         self._requests[request_id] = _RequestState(index, len(prompt_token_ids), layout, scope)
         self.references.start(request_id, references)
+        self.recent.begin(request_id, scope, prompt_token_ids)
         if scope is not None:
             self._live[scope] += 1
 
@@ -176,7 +177,7 @@ class TrieDrafter:
         self.references.finish(request_id)
         state = self._requests.pop(request_id, None)
         if state is not None and state.scope is not None:
-            self.recent.add(state.scope, state.local.tokens[state.num_prompt :].tolist())
+            self.recent.end(request_id, state.local.tokens[state.num_prompt :].tolist())
             self._live[state.scope] -= 1
             if not self._live[state.scope]:
                 del self._live[state.scope]
@@ -193,12 +194,12 @@ class TrieDrafter:
         expand = {"hierarchical": self._best_first, "parallel": self._parallel, "single": self._single}[layout]
         own = None  # the match in the request's own text, when already measured
         if local is not None and self.config.copy_chain:
-            # What followed the longest earlier match, first: where the request is copying from
-            # (a code edit's source, a passage quoted). Counts alone would weigh every
-            # occurrence of a short key alike; the longest agreement, most recent, is the copy.
+            # What followed the longest earlier match, first: where the request is copying from.
+            # Counts alone would weigh every occurrence of a short key alike; the longest
+            # agreement (its own text's, or a recent output's if longer), most recent, is the copy.
             own, chain = copy_chain(local, token_ids, MATCH_CAP)
-            seen, theirs = self.recent.copy(scope, token_ids, MATCH_CAP) if scope is not None else (0, [])
-            if seen > own:  # a repeat of an output its scope finished: the longer agreement wins
+            seen, theirs = self.recent.copy(request_id, token_ids, MATCH_CAP)
+            if seen > own:
                 own, chain = seen, theirs
             self._add_chain(builder, chain)
         # Multi-stage retrieval: the longest matching suffix first; shorter matches fill
