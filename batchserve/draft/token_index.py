@@ -95,12 +95,32 @@ def _suffix_occurrences(tokens: np.ndarray, key: Sequence[int], limit: int) -> t
     ends = np.flatnonzero(tokens[:-1] == key[-1])  # [k] where the last token occurs, a token after it
     m, found = 0, none
     while len(ends) and m < limit:  # the occurrences that extend one more token back
+        if len(ends) <= _FEW:  # a long copy narrows to one or two early: finish each in one compare
+            return _longest_of(tokens, key, limit, ends)
         m, found = m + 1, ends
         if m == limit:
             break
         ends = ends[ends >= m]
         ends = ends[tokens[ends - m] == key[-1 - m]]
     return m, found
+
+
+# Occurrences few enough to measure one by one: each costs a few array calls, where narrowing
+# them all one token back per round costs a few array calls per token of match (32 for a copy).
+_FEW = 4
+
+
+def _longest_of(tokens: np.ndarray, key: Sequence[int], limit: int, ends: np.ndarray) -> tuple[int, np.ndarray]:
+    """`_suffix_occurrences` over candidate `ends` (each already agreeing with key's last token):
+    how far back each agrees, and the ends that agree the furthest."""
+    back = np.asarray(key[-limit:][::-1])  # [<= limit] key's last tokens, the last first
+    agree = []
+    for end in ends.tolist():
+        span = tokens[max(0, end - len(back) + 1) : end + 1][::-1]  # the text ending there, the last first
+        same = span == back[: len(span)]
+        agree.append(len(span) if same.all() else int(np.argmin(same)))
+    m = max(agree)
+    return m, ends[np.array(agree) == m]
 
 
 class IndexNode:

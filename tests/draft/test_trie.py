@@ -277,6 +277,35 @@ def test_suffix_match_is_the_longest_run_said_before_with_what_came_next():
     assert t.suffix_match([3, 9], 8) == 0  # 9 ends every run: nothing follows it
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_suffix_occurrences_are_every_occurrence_of_the_longest_suffix(seed):
+    """Against a brute force, over texts with many occurrences of a key (a tiny vocabulary) and
+    with few (a long copy): the longest suffix said before with a token after it, and where
+    each of its occurrences ends."""
+    from batchserve.draft.token_index import _suffix_occurrences
+
+    rng = np.random.default_rng(seed)
+    for vocab in (2, 3, 50):
+        toks = rng.integers(0, vocab, int(rng.integers(1, 120))).astype(np.int32)
+        for _ in range(20):
+            key = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+            if rng.random() < 0.5 and len(toks) > 10:  # copying: the key ends with a run of the text
+                at = int(rng.integers(1, len(toks) - 1))
+                key = [*key, *toks[max(0, at - 30) : at].tolist()]
+            limit = int(rng.integers(1, 40))
+            agree = [
+                next(
+                    (k for k in range(min(limit, len(key), e + 1)) if toks[e - k] != key[-1 - k]),
+                    min(limit, len(key), e + 1),
+                )
+                for e in range(len(toks) - 1)
+            ]
+            m = max(agree, default=0)
+            expected = [e for e, a in enumerate(agree) if a == m] if m else []
+            got_m, got = _suffix_occurrences(toks, key, limit)
+            assert (got_m, got.tolist()) == (m, expected)
+
+
 def test_a_tree_reports_how_long_its_match_is():
     """A draft copying a long run of the request's own text says so (`match`), and one found
     from a single token says that: the policy's evidence before the forward."""
