@@ -148,9 +148,10 @@ class DraftConfig:
     learn_step_costs: bool = setting(False, "adaptive: refine the cost profile from measured steps")
     # A trie lookup, no forward row: what the request then emits judges it as if verified.
     shadow_draft: int = setting(4, "adaptive: tokens proposed, not verified, for a request given none")
-    # Each is a trie search and its judging: at 64 requests given nothing, 64 of them a step cost
-    # more than the evidence is worth. Past this many, requests take turns.
-    shadow_requests: int = setting(8, "adaptive: most requests given a shadow draft in one step")
+    # Each is a trie search and its judging, about 0.12 ms on 2 cores: at 16 requests, 8 of them a
+    # step were a tenth of the drafting's Python, paid in steps without drafts too (48-token answers
+    # at 16 in flight, 4 against 8 in one process: 1.02x). Past this many, requests take turns.
+    shadow_requests: int = setting(4, "adaptive: most requests given a shadow draft in one step")
     # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
     initial_acceptance: float = setting(0.6, "adaptive: acceptance guessed for rank 0 before any evidence")
     # Rank j starts at 0.6 * 0.8**j: a deeper node needs every node above it accepted too.

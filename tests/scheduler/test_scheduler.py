@@ -249,9 +249,9 @@ def test_a_step_where_no_draft_could_pay_searches_no_tree():
         for i in range(8):
             tracker.observe(f"r{i}", 16, [j for j in range(16) if (i + j) % 3 == 0])  # a third hit
     drafter = CountingDrafter()
-    out = _busy(8, cpu_like(base=10.0, slope=10.0), tracker, drafter).schedule()
+    out = _busy(8, cpu_like(base=10.0, slope=10.0), tracker, drafter, shadow_requests=8).schedule()
     assert all(r.draft is None for r in out.requests)
-    assert drafter.asked == [2] * 8
+    assert drafter.asked == [2] * 8  # every one of them a shadow (8 allowed a step)
     # Where the same drafts cost nothing, every request gets its tree searched, and drafts.
     free = CountingDrafter()
     out = _busy(8, gpu_like(cdl=256), tracker, free).schedule()
