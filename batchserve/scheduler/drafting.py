@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -25,9 +24,11 @@ PROPOSAL_HEADROOM = 2
 class DraftPlanner:
     """Proposes a tree per sampling request and decides how much of each the step verifies.
 
-    Requests with their own `decoding_length` (and all without a budget policy) get up to that
-    many tokens, first come first served; the policy shares the rest by expected gain. A failing
-    drafter or policy costs drafts, never requests."""
+    Requests with their own `decoding_length` (and every request without a budget policy)
+    get up to that many tokens, first come first served; the policy shares what is left
+    among the others by expected gain. Speculation is optional: a failing drafter or policy
+    costs drafts, never requests.
+    """
 
     def __init__(self, drafter: Drafter, config: DraftConfig, policy: DraftBudgetPolicy | None) -> None:
         self.drafter = drafter
@@ -39,7 +40,6 @@ class DraftPlanner:
         # none): what the request then emits judges all of it (`observe_acceptance`).
         self._proposals: dict[str, DraftTree] = {}
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
-        self._seconds = 0.0  # this step's drafting (trees, windows, judging): what `none` never pays
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
         self._step = 0  # steps planned: whose turn a shadow draft is
         self._chunked = False  # this step carries a prompt chunk (the guard judges those apart)
@@ -76,8 +76,8 @@ class DraftPlanner:
             logger.exception("the drafter failed to forget request %s", request_id)
 
     def _scope(self, req: Request) -> str | None:
-        """Whose output n-grams `req` drafts from and adds to; None: its own text only (a request
-        without speculation: its text never becomes anyone's draft)."""
+        """Whose output n-grams `req` drafts from and adds to; None: its own text only. A request
+        without speculation shares nothing: its text never becomes anyone's draft."""
         if req.params.decoding_length == 0:
             return None
         return {"global": "", "tenant": req.tenant}.get(self.config.trie_scope)
@@ -89,16 +89,15 @@ class DraftPlanner:
         budget: int,
         ensure_blocks: Callable[[Request, int], bool],
     ) -> list[ScheduledRequest]:
-        """`items` with this step's trees and windows, where `ensure_blocks(req, slots)` finds the
-        blocks for them (short of blocks, the window goes first, then the tree)."""
+        """`items` with this step's trees and windows, where `ensure_blocks(req, slots)` finds
+        the blocks for them. Speculation is optional: short of blocks, the window goes first,
+        then the tree."""
         self._emitted = 0
         self.grammar.reset()
         guard = self.policy.guard if self.policy is not None else None
         self._chunked = not _decode_only(items)
         self._plain = guard is not None and guard.wants_plain(len(items), self._chunked)
-        t0 = time.perf_counter()
         trees, windows = self.plan(items, requests, budget)
-        self._seconds = time.perf_counter() - t0
         out = []
         for item in items:
             tree, window = trees.get(item.request_id), windows.get(item.request_id)
@@ -278,10 +277,12 @@ class DraftPlanner:
             return {}
 
     def _proposal(self, most: int, best: int) -> int:
-        """Nodes to propose for a request that could be given `most` at all and `best` if every node
-        were worth the most it could be (0: none). Room past `best` (the others' real trees may be
-        worse), but not all it could take: at 16 requests, 43 nodes proposed for 1.5 given (5.2 ms
-        of search a step), capped 12 for 1.7 (3.2 ms)."""
+        """How many nodes to propose for a request that could be given `most` at all and `best` if
+        every node were worth the most it could be (0: none this step). The real allocation can
+        give one request more than its best case (when the others' real trees turn out worse),
+        so the proposal has room past it; but a busy step gives a request one or two nodes of
+        the dozens it could take (measured at 16 requests: 43 nodes proposed for 1.5 given, 5.2
+        ms of tree search a step; capped, 12 for 1.7 and 3.2 ms)."""
         if best <= 0:
             return 0
         return min(most, PROPOSAL_HEADROOM * best + self.config.shadow_draft)
@@ -296,13 +297,14 @@ class DraftPlanner:
             return {}
 
     def observe_acceptance(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
-        """Feed the policy's trackers which draft ranks (node indices) were on the accepted path
-        (and, with a window, how many only its pool proposed). The whole proposal is judged by the
-        `emitted` tokens as far as they reach, the rest by later steps' (`judging.py`)."""
+        """Feed the policy's trackers which draft ranks (node indices) were on the accepted path,
+        and, for drafters with a window, how many of them only the window's pool proposed.
+        `emitted`: the tokens the request took this step. The whole proposal is judged by them,
+        the nodes not verified too, as far as the emitted tokens reach, and the rest of it by the
+        next steps' tokens (`judging.py`): free evidence, the successes as well as the failures."""
         self._emitted += len(emitted)
         if self.policy is None:
             return
-        t0 = time.perf_counter()
         if self.windowed:
             windows = self.policy.windows
             if item.window is None:
@@ -318,7 +320,6 @@ class DraftPlanner:
             tracker.observe(rid, now.stop, now.hits, now.scores, now.match)
         for d in late:  # earlier steps' trees, judged further by these tokens
             tracker.observe_late(rid, d.start, d.stop, d.hits, d.scores, d.match)
-        self._seconds += time.perf_counter() - t0
 
     def observe_window(self, item: ScheduledRequest, outputs: list[int] | None) -> None:
         """Hand a window's output tokens back to the drafter (its pool and next level)."""
@@ -330,8 +331,9 @@ class DraftPlanner:
             logger.exception("the window of request %s failed to update", item.request_id)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Teach the policy what a whole step costs, beyond the forward (decode steps only: chunk rows
-        need no logits), and the speed guard how fast it emitted tokens (chunk steps apart)."""
+        """Teach the policy what a whole step costs, beyond the forward alone (decode steps only:
+        prompt-chunk rows need no logits and would skew the fit), and the speed guard how fast
+        the step emitted tokens (every step; those with a prompt chunk apart)."""
         if self.policy is None or not out.requests:
             return
         decode_only = _decode_only(out.requests)
@@ -340,9 +342,7 @@ class DraftPlanner:
             self.policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
         if self.policy.guard is not None:
             drafted = any(r.draft is not None or r.window is not None for r in out.requests)
-            # The baseline is a step as `none` runs it: without this step's drafting.
-            ms = seconds * 1e3 - (0.0 if drafted else self._seconds * 1e3)
-            self.policy.guard.observe(len(out.requests), self._emitted, ms, drafted, not decode_only)
+            self.policy.guard.observe(len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only)
 
 
 def _decode_only(items: Iterable[ScheduledRequest]) -> bool:
