@@ -193,7 +193,7 @@ class DraftConfig:
     # code edits 0.98x, though a prompt with long verbatim copies gained 1.28x; benchmarks/README.md).
     own_branch_length: int = setting(12, "lookahead: longest path drafted from a request's own prompt and output")
     copy_chain: bool = setting(
-        True, "lookahead: draft first what followed the longest earlier match in the request's own text"
+        True, "lookahead: draft first what followed the longest earlier match (own text, recent outputs)"
     )
     # A request repeating an earlier answer copies it at any depth; 32k tokens: 128 KiB.
     recent_output_tokens: int = setting(

@@ -103,7 +103,7 @@ class ScoreCalibration:
     arrived since the weights were last read (an engine step's trees, every request's), or
     every `_FIT_EVERY` nodes: the step's arithmetic runs once in numpy instead of once per tree
     in Python (at 16 requests, about 12 trees a step). Every probability goes through one
-    vectorized formula (`probs_each`), so equal inputs give equal bits wherever they are asked.
+    vectorized formula (`prob_array`), so equal inputs give equal bits wherever they are asked.
     """
 
     def __init__(
