@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -112,14 +112,17 @@ class RecentOutputs:
         kept = self._scopes.get(run.scope) if run is not None else None
         if run is None or kept is None:
             return 0, []
-        if run.repeat is not None and run.repeat >= kept.trimmed:
+        if run.repeat is not None:
             start, done = run.repeat - kept.trimmed, token_ids[run.num_prompt :]
             tokens = kept.text.tokens
-            if np.array_equal(tokens[start : start + len(done)], done):
+            if start >= 0 and np.array_equal(tokens[start : start + len(done)], done):
                 chain = tokens[start + len(done) : start + len(done) + self.depth].tolist()
                 chain = chain[: chain.index(SEPARATOR)] if SEPARATOR in chain else chain
                 if chain:
                     return MATCH_CAP, [(tok, 1.0) for tok in chain]
+            # Diverged, trimmed away or ended: an output only grows, so it never copies it again
+            # (and never compares its whole output again, step after step).
+            self._running[request_id] = replace(run, repeat=None)
         return copy_chain(kept.text, token_ids, limit)
 
 

@@ -111,6 +111,7 @@ def test_a_repeated_prompt_copies_the_earlier_answer_from_its_first_token_while_
     tree = d.propose("again", [*prompt, *ANSWER[:10], 7], 16)
     assert tree is None or tree.match < MATCH_CAP
     assert d.recent.copy("again", [*prompt, *ANSWER[:10], 7], MATCH_CAP)[0] == 0
+    assert d.recent._running["again"].repeat is None  # not compared again, step after step
     d.on_request_start("other", [9, *prompt])  # another prompt: nothing to copy before its output
     assert d.recent.copy("other", [9, *prompt], MATCH_CAP) == (0, [])
 
