@@ -287,11 +287,17 @@ def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: 
     key = profile_key(runner)
     target = Path(path) if path is not None else profile_path(key)
     if target.exists():
-        profile = CostProfile.load(target)
-        if profile.key != key:
-            logger.warning("cost profile %s was measured for %r, not %r", target, profile.key, key)
-        logger.info("cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
-        return profile
+        try:
+            profile = CostProfile.load(target)
+        except ValueError:
+            if path is not None:  # the operator named this file: say it is wrong
+                raise
+            logger.warning("cached cost profile %s is damaged: measuring it again", target)
+        else:
+            if profile.key != key:
+                logger.warning("cost profile %s was measured for %r, not %r", target, profile.key, key)
+            logger.info("cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
+            return profile
     logger.info(
         "no cost profile for %s yet: a quick one (%d step shapes x %d runs) before serving; the policy refines it "
         "online, and `batchserve calibrate` measures the whole curve",
@@ -310,7 +316,11 @@ def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: 
         token_counts=QUICK_TOKEN_COUNTS,
     )
     logger.info("quick cost profile measured in %.1f s", time.perf_counter() - t0)
-    profile.save(target)
+    try:
+        profile.save(target)
+    except OSError as e:  # a read-only or full cache: serve with the profile in memory
+        logger.warning("could not save cost profile %s (%s); it will be measured again on the next start", target, e)
+        return profile
     logger.info("saved cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
     return profile
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -165,9 +167,16 @@ class CostProfile:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)  # never leave a half-written profile behind
+        # A temporary file of its own, then an atomic rename: never a half-written profile, and
+        # replicas sharing a cache directory that save at once cannot clobber each other's file.
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:

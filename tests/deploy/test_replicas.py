@@ -18,7 +18,7 @@ import pytest
 from batchserve.server.client import Client
 from batchserve.v1 import generation_pb2 as pb
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
-from tests.server.conftest import CHAT_TEMPLATE, free_port
+from tests.server.conftest import CHAT_TEMPLATE, free_port_block, server_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,7 +146,7 @@ def test_locust_over_two_replicas(model_dir, tmp_path):
             "--model",
             str(model_dir),
             "--port",
-            str(free_port()),
+            str(free_port_block(6)),  # gRPC, metrics and HTTP of each server
             "--replicas",
             "2",
             "--",
@@ -164,7 +164,7 @@ def test_locust_over_two_replicas(model_dir, tmp_path):
             "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
         },
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr + server_logs(out)
     finished = [int(n) for n in re.findall(r"replica [\d.:]+: (\d+) requests finished", proc.stdout)]
     assert len(finished) == 2 and min(finished) > 0, proc.stdout  # both replicas served
     assert "shed by RESOURCE_EXHAUSTED: 0" in proc.stdout

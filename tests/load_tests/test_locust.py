@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
-from tests.server.conftest import CHAT_TEMPLATE, free_port
+from tests.server.conftest import CHAT_TEMPLATE, free_port_block, server_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_short_locust_run(tmp_path, protocol):
             "--model",
             str(model_dir),
             "--port",
-            str(free_port()),
+            str(free_port_block(3)),  # gRPC, metrics and HTTP of each server
             "--protocol",
             protocol,
             "--",
@@ -56,7 +56,7 @@ def test_short_locust_run(tmp_path, protocol):
             "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
         },
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr + server_logs(out)
     stats = {row["Name"]: row for row in csv.DictReader(open(out / "locust_stats.csv"))}
     for name in ("Generate", "StreamGenerate", "StreamGenerate TTFT"):
         assert int(stats[name]["Request Count"]) > 0, name

@@ -124,8 +124,22 @@ def test_engine_calibrates_once_then_reads_the_cache(tmp_path, monkeypatch):
     second = _core(adaptive=True)
     assert len(calls) == 1 and second.cost_profile == first.cost_profile
     assert second.scheduler.budget_policy is not None
+    saved[0].write_text('{"key": ')  # a damaged cache entry is measured again, not fatal
+    third = _core(adaptive=True)
+    assert len(calls) == 2 and CostProfile.load(saved[0]) == third.cost_profile
     # No speculation, no profile needed.
-    assert _core(adaptive=True, method="none").cost_profile is None and len(calls) == 1
+    assert _core(adaptive=True, method="none").cost_profile is None and len(calls) == 2
+
+
+def test_a_cache_that_cannot_be_written_still_serves(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")  # profiles/ cannot be made under a file
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(cal, "QUICK_REPEATS", 1)
+    with caplog.at_level("WARNING"):
+        core = _core(adaptive=True)
+    assert core.cost_profile is not None and core.scheduler.budget_policy is not None
+    assert "could not save cost profile" in caplog.text
 
 
 def test_profile_path_is_per_key(tmp_path, monkeypatch):

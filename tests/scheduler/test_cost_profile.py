@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -27,6 +28,22 @@ def test_profile_interpolates_extrapolates_and_round_trips(tmp_path):
         assert CostProfile.load(tmp_path / "p.json") == profile
     with pytest.raises(ValueError, match="one entry per context"):
         CostProfile("x", COUNTS, (0, 2048), p.step_ms, per_seq_ms=(0.5,))
+
+
+def test_replicas_saving_one_profile_at_once_never_fail_or_tear_it(tmp_path):
+    # Replicas that share a cache directory and start together each save the profile they
+    # measured: every save succeeds and the file is always one whole profile.
+    profiles = [CostProfile(f"k{i}", COUNTS, (0, 2048), cpu_like().step_ms) for i in range(4)]
+    target = tmp_path / "profiles" / "p.json"
+
+    def save_many(profile: CostProfile) -> None:
+        for _ in range(100):
+            profile.save(target)
+            assert CostProfile.load(target) in profiles
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(save_many, profiles))  # re-raises a failed save or a torn read
+    assert [p.name for p in target.parent.iterdir()] == ["p.json"]  # no temporary file left
 
 
 def test_profile_written_with_one_per_request_cost_still_loads(tmp_path):

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -35,6 +37,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_block(count: int) -> int:
+    """A base port whose `count` consecutive ports are all free now, for a script that listens on
+    PORT, PORT+1, ... Chosen below the kernel's ephemeral range: other tests' port-0 binds and
+    client sockets draw from that range, so none of them can take one of ours before the
+    server binds it (a block taken from `free_port()` could collide with them)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    top = low - count if low > 12000 else 65535 - count  # an unusual range: any high port
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, top)
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {count} free ports found")
+
+
+def server_logs(out: Path, tail: int = 4000) -> str:
+    """The end of each server log a load_tests/run.sh run left in `out`, for a failure message."""
+    logs = sorted(out.glob("server*.log"))
+    return "".join(f"\n--- {p.name} ---\n{p.read_text(errors='replace')[-tail:]}" for p in logs)
 
 
 class Running:
