@@ -56,7 +56,7 @@ class ModelConfig:
         "auto",
         "native model on CPU: float32; bfloat16: bfloat16 copies of the products' weights on oneDNN (AVX-512 CPUs);"
         " q4_1: a GGUF file's Q4_1 layers as stored, on torch's int4 kernel. Both give the reduced-precision model's"
-        " output, not float32 HF's. auto: bfloat16 where this CPU runs it batch-invariantly (with max_num_seqs 1,"
+        " output, not float32 HF's. auto: bfloat16 where this CPU runs it batch-invariantly (with max_num_seqs 1 or 2,"
         " q4_1 first), else q4_1 for a Q4_1 GGUF the engine loads where the int4 kernel runs vectorized and"
         " batch-invariantly, else float32",
         choices=CPU_WEIGHTS,

@@ -31,6 +31,7 @@ from batchserve.model.llama import (
 )
 
 __all__ = [
+    "Q4_1_MAX_SEATS",
     "SUPPORTED_ARCHITECTURES",
     "Bf16Linear",
     "NativeLlamaForCausalLM",
@@ -103,19 +104,25 @@ def choose_impl(
     return model
 
 
+# The most seats a server of a Q4_1 file may have for `auto` to keep Q4_1 where bfloat16 products
+# run: with so few rows a step, int4's cheaper small steps beat bfloat16's flat cost (docs/design.md).
+Q4_1_MAX_SEATS = 2
+
+
 def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:
     """What `cpu_weights=auto` takes for a native model the engine loaded itself from `gguf_path`
     (None: the default model) to serve `max_num_seqs` requests at once (None: unknown): `bfloat16`
     where oneDNN runs prepacked bfloat16 products here (AVX-512 CPUs) and they pass the
-    batch-invariance check, except for a one-seat server of a Q4_1 file; else `q4_1` where the
-    file is a GGUF whose layers are Q4_1 and this CPU runs torch's int4 kernel vectorized and
-    batch-invariantly; else `float32`. Measured on an AVX-512 CPU (docs/design.md):
-    `lookahead-adaptive` on bfloat16 is 1.3x Q4_1 at 4 requests and 1.3-1.6x at 16, but Q4_1 is
-    1.1-1.3x bfloat16 at one (int4 costs grow by 4-row blocks, so draft rows and other requests'
-    rows are dear on it, and one request has none of the latter); on AVX2 CPUs Q4_1 is the fast path."""
+    batch-invariance check, except for a server of a Q4_1 file with at most Q4_1_MAX_SEATS seats;
+    else `q4_1` where the file is a GGUF whose layers are Q4_1 and this CPU runs torch's int4
+    kernel vectorized and batch-invariantly; else `float32`. Measured on an AVX-512 CPU
+    (docs/design.md): at 1 and 2 requests Q4_1 is faster (plain decoding 1.55x at 2, drafting
+    1.04x), at 3 and more bfloat16 (int4 costs grow by 4-row blocks, so draft rows and other
+    requests' rows are dear on it); on AVX2 CPUs Q4_1 is the fast path."""
     if not on_cpu:
         return "float32"
-    if max_num_seqs != 1 and bf16_products_here():
+    few_seats = max_num_seqs is not None and max_num_seqs <= Q4_1_MAX_SEATS
+    if not few_seats and bf16_products_here():
         return "bfloat16"
     if int4_fast_here() and _is_q4_1_gguf(gguf_path):
         return "q4_1"

@@ -145,19 +145,19 @@ def test_smollm2_runs_on_its_own_q4_1_blocks():
 @pytest.mark.parametrize("seats", [16, 1])
 def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_this_cpu(seats):
     """cpu_weights=auto, the shipped default: an engine that loads the default GGUF itself runs
-    bfloat16 products where this CPU runs them invariantly (AVX-512; with one seat, the file's
+    bfloat16 products where this CPU runs them invariantly (AVX-512; with one or two seats, the file's
     Q4_1 blocks where the int4 kernel is fast), else the file's Q4_1 blocks where the int4 kernel
     is fast and invariant, else float32; on bfloat16 the token embedding is the file's own Q8_0
     blocks."""
     from batchserve import LLM
-    from batchserve.model import Bf16Linear, bf16_products_here, choose_cpu_weights, int4_fast_here
+    from batchserve.model import Q4_1_MAX_SEATS, Bf16Linear, bf16_products_here, choose_cpu_weights, int4_fast_here
     from batchserve.model.int4 import Q8Embedding
 
     llm = LLM(draft="none", max_num_seqs=seats)
     model = llm.engine.runner.model
     expected = choose_cpu_weights(True, None, seats)
     if bf16_products_here():
-        assert expected == ("q4_1" if seats == 1 and int4_fast_here() else "bfloat16")
+        assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and int4_fast_here() else "bfloat16")
     assert model.cpu_weights == expected
     assert llm.engine.forward_name.startswith(f"native {expected} weights")
     assert any(isinstance(m, Int4Linear) for m in model.modules()) == (expected == "q4_1")
@@ -209,9 +209,10 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
     monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: True)
     assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "bfloat16"
     assert choose_cpu_weights(True, str(tmp_path / "hf")) == "bfloat16"
-    # ... except for one request at a time on a Q4_1 file: no other rows for bfloat16 to carry.
+    # ... except for one or two requests at a time on a Q4_1 file: too few rows for bfloat16's flat cost.
     assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=1) == "q4_1"
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=2) == "bfloat16"
+    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=2) == "q4_1"
+    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=3) == "bfloat16"
     assert choose_cpu_weights(True, str(tmp_path / "hf"), max_num_seqs=1) == "bfloat16"  # no Q4_1 file
     monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: False)
     assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=1) == "bfloat16"
