@@ -42,10 +42,16 @@ def test_phases_add_up_to_the_step_wall():
             assert phases.forward > 0 and phases.prepare > 0 and phases.verify > 0
             # The CPU backend times itself: inside the forward, never more than it.
             assert phases.attention is not None and 0 < phases.attention < phases.forward
-    # What no phase covers (handing the step between them) is under 5% of the wall time.
-    covered = sum(sum(t for _, t in p.items()) for _, p in seen)
-    wall = sum(p.wall for _, p in seen)
-    assert covered >= 0.95 * wall, (covered, wall)
+    # What no phase covers (handing the step between them) is under 5% of the wall time, in the
+    # typical step with drafts and without: work left untimed would show in every such step,
+    # while a preemption by the OS between two phases (a shared machine) lands in one or two.
+    for drafted in (True, False):
+        shares = sorted(
+            sum(t for _, t in p.items()) / p.wall
+            for out, p in seen
+            if out.requests and any(r.draft for r in out.requests) == drafted
+        )
+        assert shares and shares[len(shares) // 2] >= 0.95, (drafted, shares)
 
 
 def test_a_failing_listener_does_not_stop_the_engine():
