@@ -173,6 +173,7 @@ class CostProfile:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(self.to_json())
+            os.chmod(tmp, 0o644)  # readable as a plain write leaves it (mkstemp makes it private)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

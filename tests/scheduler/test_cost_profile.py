@@ -44,6 +44,7 @@ def test_replicas_saving_one_profile_at_once_never_fail_or_tear_it(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(save_many, profiles))  # re-raises a failed save or a torn read
     assert [p.name for p in target.parent.iterdir()] == ["p.json"]  # no temporary file left
+    assert target.stat().st_mode & 0o777 == 0o644  # readable by other replicas' users, as before
 
 
 def test_profile_written_with_one_per_request_cost_still_loads(tmp_path):
