@@ -44,7 +44,10 @@ def free_port_block(count: int) -> int:
     PORT, PORT+1, ... Chosen below the kernel's ephemeral range: other tests' port-0 binds and
     client sockets draw from that range, so none of them can take one of ours before the
     server binds it (a block taken from `free_port()` could collide with them)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:  # not Linux: the IANA ephemeral range starts at 49152
+        low = 49152
     top = low - count if low > 12000 else 65535 - count  # an unusual range: any high port
     rng = random.Random()
     for _ in range(200):
