@@ -9,6 +9,9 @@ import numpy as np
 # Occurrences of a match key that drafting looks at, the most recent first: a key as common as
 # a single space can occur thousands of times in a long prompt, and the newest say the most.
 MAX_OCCURRENCES = 256
+# Occurrences few enough to measure one by one: each costs a few array calls, where narrowing
+# them all one token back per round costs a few array calls per token of match (32 for a copy).
+_FEW = 4
 
 
 class TokenIndex:
@@ -103,11 +106,6 @@ def _suffix_occurrences(tokens: np.ndarray, key: Sequence[int], limit: int) -> t
         ends = ends[ends >= m]
         ends = ends[tokens[ends - m] == key[-1 - m]]
     return m, found
-
-
-# Occurrences few enough to measure one by one: each costs a few array calls, where narrowing
-# them all one token back per round costs a few array calls per token of match (32 for a copy).
-_FEW = 4
 
 
 def _longest_of(tokens: np.ndarray, key: Sequence[int], limit: int, ends: np.ndarray) -> tuple[int, np.ndarray]:
