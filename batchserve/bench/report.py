@@ -19,7 +19,12 @@ def save_results(rows: list[Row], out_dir: Path) -> None:
 
 
 def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, keep: str, waves: int) -> str:
-    best_of = f" Each batchserve row is the {keep} of {repeats} runs, taken in rounds." if repeats > 1 else ""
+    best_of = (
+        f" Each batchserve row, and the llamacpp row where batch 1 is swept, is the {keep} of {repeats} runs, "
+        "taken in rounds."
+        if repeats > 1
+        else ""
+    )
     prompts = f"{num_prompts} prompts per dataset"
     if waves:
         prompts = (

@@ -39,6 +39,10 @@ class _Sweep:
     cost_profiles: dict[tuple[str, str], CostProfile]
     bar: Any
     gguf: Path | None = None  # the engine's GGUF file, for the llamacpp peer
+    # llama.cpp loaded, with the engine's stop ids; `llamacpp_rounds`: it runs at batch 1 in the
+    # batchserve methods' rounds, `repeats` times (its speed moves with the machine's as theirs do)
+    llamacpp: tuple[Any, frozenset[int]] | None = None
+    llamacpp_rounds: bool = False
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
 
 
@@ -50,6 +54,7 @@ def _peer_rows(
     checks against its own weights' plain decoding, constrained alike)."""
     eos = s.tokenizer.eos_token_id
     first = prompts[:num_prompts]
+    s.llamacpp = None  # the last dataset's
     rows: list[Row] = []
     if constrained or not _needs_hf(s.methods):  # every batchserve method checks against its own `none`
         return rows, [[] for _ in prompts]
@@ -69,14 +74,22 @@ def _peer_rows(
         outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
         rows.append(make_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
         s.bar.update(1)
-    if "llamacpp" in s.methods and s.gguf is not None:
-        llm = load_llamacpp(s.gguf, first, s.max_new)
-        stop = eos_token_ids(s.ref_model, s.tokenizer)  # the engine's own stop set
-        outs, secs, ttfts, tpots = run_llamacpp(llm, first, s.max_new, stop, f"{dataset} llamacpp")
-        rows.append(make_row("llamacpp", dataset, 1, outs, secs, ttfts, tpots, 1.0, None))
-        rows[-1].reference_matches = sum(o == r for o, r in zip(outs, reference))
-        s.bar.update(1)
+    if "llamacpp" in s.methods and s.gguf is not None:  # a context for this dataset's longest prompt
+        s.llamacpp = load_llamacpp(s.gguf, prompts, s.max_new), eos_token_ids(s.ref_model, s.tokenizer)
+        if not s.llamacpp_rounds:
+            rows.append(_llamacpp_row(s, dataset, first, reference))
     return rows, reference
+
+
+def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: list[list[int]]) -> Row:
+    """One run of llama.cpp greedy over the prompts, one at a time; how many equal HF's."""
+    assert s.llamacpp is not None
+    llm, stop = s.llamacpp
+    outs, secs, ttfts, tpots = run_llamacpp(llm, prompts, s.max_new, stop, f"{dataset} llamacpp")
+    row = make_row("llamacpp", dataset, 1, outs, secs, ttfts, tpots, 1.0, None)
+    row.reference_matches = sum(o == r for o, r in zip(outs, reference))
+    s.bar.update(1)
+    return row
 
 
 def _needs_hf(methods: list[str]) -> bool:
@@ -150,7 +163,10 @@ def _batch_rows(
         rows.append(make_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
         s.bar.update(1)
     runs: dict[str, list[Row]] = {}
+    with_llamacpp = s.llamacpp_rounds and s.llamacpp is not None and b == 1 and rate is None
     for _ in range(s.repeats):
+        if with_llamacpp:
+            runs.setdefault("llamacpp", []).append(_llamacpp_row(s, dataset, prompts, reference))
         for m in s.methods:
             if batchserve_method(m) is not None:
                 runs.setdefault(m, []).append(_batchserve_row(s, dataset, b, m, prompts, reference, work, rate))
@@ -218,9 +234,11 @@ def run(
     profiles = cost_profiles(methods, engine_model, tokenizer)
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     rates = list(request_rates or [])
+    llamacpp_rounds = "llamacpp" in methods and repeats > 1 and 1 in batch_sizes
     runs_per_point = sum(m not in SINGLE for m in methods) * repeats
     total = len(datasets) * (
         sum(m in SINGLE for m in methods)
+        + (repeats - 1) * llamacpp_rounds
         + len(batch_sizes) * runs_per_point
         + len(rates) * sum(batchserve_method(m) is not None for m in methods) * repeats
     )
@@ -228,6 +246,7 @@ def run(
     s = _Sweep(
         methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar, gguf
     )
+    s.llamacpp_rounds = llamacpp_rounds
     rows: list[Row] = []
     for dataset in datasets:
         _dataset_rows(s, dataset, num_prompts, count, rates, rows, out_dir)

@@ -136,3 +136,47 @@ def test_sweep_without_llama_cpp_skips_the_peer_and_says_how_to_install_it(
     assert LLAMACPP_MISSING in capsys.readouterr().out
     report = (tmp_path / "out" / "report.md").read_text()
     assert "llamacpp: not installed (pip install 'batchserve[llamacpp]')" in report
+
+
+def test_repeated_sweep_runs_llamacpp_in_the_rounds_at_batch_1_and_keeps_the_median(
+    fake_llama_cpp: type[FakeLlama],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model: Any,
+    tiny_tokenizer: Any,
+) -> None:
+    """With repeats, llama.cpp's speed is sampled beside ours, round by round (the machine's speed
+    drifts), from one load; its row is the kept run of the repeats, like a batchserve row's."""
+    from batchserve import runner
+    from batchserve.bench import sweep
+    from batchserve.bench.methods import make_row
+
+    order: list[str] = []
+    speeds = iter([4.0, 1.0, 2.0])  # seconds of the three batchserve runs
+
+    def fake_row(s: Any, dataset: str, b: int, method: str, prompts: list[list[int]], *args: Any, **kw: Any) -> Any:
+        order.append(method)
+        return make_row(method, dataset, b, [[1, 2]] * len(prompts), next(speeds), [0.1], [0.1], 1.0, True)
+
+    monkeypatch.setattr(runner, "load_model", lambda path, dtype: (tiny_model, tiny_tokenizer))
+    monkeypatch.setattr(sweep, "load_dataset", lambda name, n, tok: sweep.Workload([[1, 2], [3, 4, 5]], []))
+    monkeypatch.setattr(
+        sweep, "run_hf", lambda m, prompts, *a, **k: ([[10, 11, 12, 13]] * len(prompts), 1.0, [0.1], [0.1])
+    )
+    monkeypatch.setattr(sweep, "_batchserve_row", fake_row)
+    monkeypatch.setattr(
+        sweep, "run_llamacpp", lambda llm, prompts, *a: (order.append("llamacpp"), run_llamacpp(llm, prompts, *a))[1]
+    )
+    gguf = tmp_path / "m.gguf"
+    gguf.touch()
+    sweep.run(
+        ["humaneval"], ["hf", "llamacpp", "none"], [1], 2, 4, tmp_path / "out", str(gguf), repeats=3, keep="median"
+    )
+    assert order == ["llamacpp", "none"] * 3  # in rounds, never all of one engine first
+    assert len(fake_llama_cpp.made) == 1  # loaded once for the dataset
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert sorted(r["method"] for r in rows) == ["hf", "llamacpp", "none"]  # one row each
+    (ours,) = [r for r in rows if r["method"] == "none"]
+    assert ours["seconds"] == 2.0  # the median of 4, 1 and 2 seconds
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "the llamacpp row where batch 1 is swept, is the median of 3 runs" in report
