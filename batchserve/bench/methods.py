@@ -160,6 +160,8 @@ class Row:
     request_rate: float | None = None
     # a +repeat workload: tokens per step of its second round (exact repeats of the first, run after it)
     repeat_tokens_per_step: float | None = None
+    # a repeated (method, batch): every run's tokens/s in round order, the kept one among them
+    run_tokens_per_s: list[float] | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -227,4 +229,6 @@ def pick_run(runs: list[Row], keep: str) -> Row:
     row = by_speed[-1] if keep == "fastest" else by_speed[(len(by_speed) - 1) // 2]
     if any(r.lossless is False for r in runs):
         row = replace(row, lossless=False)
+    if len(runs) > 1:
+        row = replace(row, run_tokens_per_s=[r.tokens_per_s for r in runs])
     return row

@@ -161,6 +161,7 @@ def write_report(
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix))
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix, seated=True))
         lines.extend(_repeat_rounds(rs))
+        lines.extend(_every_run(rs))
         lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
         lines.extend(adaptive_summary(rs))
@@ -176,6 +177,18 @@ def _repeat_rounds(rows: list[Row]) -> list[str]:
         return []
     parts = ", ".join(f"{r.method} b={r.batch_size}: {r.repeat_tokens_per_step:.2f}" for r in seconds)
     return [f"\nTokens per step of the second round alone (exact repeats, run after the first): {parts}.\n"]
+
+
+def _every_run(rows: list[Row]) -> list[str]:
+    """Repeated rows: every run's tokens/s in round order (a round runs each method once), so a
+    ratio can be read round by round as well as between the kept runs."""
+    runs = [r for r in rows if r.run_tokens_per_s]
+    if not runs:
+        return []
+    parts = "; ".join(
+        f"{r.method} b={r.batch_size}: {', '.join(f'{x:.1f}' for x in r.run_tokens_per_s or [])}" for r in runs
+    )
+    return [f"\nEvery run's tokens/s, in round order: {parts}.\n"]
 
 
 def _llamacpp_note(rows: list[Row]) -> list[str]:

@@ -238,6 +238,8 @@ def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch() -> None
     assert pick_run([row(20.0), row(30.0)], "median").tokens_per_s == 20.0  # even count: the lower middle
     marked = pick_run([row(30.0), row(45.0, lossless=False)], "median")
     assert marked.tokens_per_s == 30.0 and marked.lossless is False
+    assert pick_run(runs, "median").run_tokens_per_s == [30.0, 45.0, 20.0]  # every run, in round order
+    assert pick_run([row(30.0)], "median").run_tokens_per_s is None
     with pytest.raises(SystemExit):
         main(["bench", "--keep", "mean"])
 

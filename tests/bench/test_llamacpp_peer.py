@@ -178,5 +178,7 @@ def test_repeated_sweep_runs_llamacpp_in_the_rounds_at_batch_1_and_keeps_the_med
     assert sorted(r["method"] for r in rows) == ["hf", "llamacpp", "none"]  # one row each
     (ours,) = [r for r in rows if r["method"] == "none"]
     assert ours["seconds"] == 2.0  # the median of 4, 1 and 2 seconds
+    assert len(ours["run_tokens_per_s"]) == 3
     report = (tmp_path / "out" / "report.md").read_text()
     assert "the llamacpp row where batch 1 is swept, is the median of 3 runs" in report
+    assert "Every run's tokens/s, in round order: llamacpp b=1: " in report and "; none b=1: 1.0, 4.0, 2.0." in report
