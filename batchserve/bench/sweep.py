@@ -213,7 +213,7 @@ def run(
     different steps is measured at a smaller batch than b.
 
     `repeats` > 1 runs every batchserve (method, batch) that many times, in rounds over the
-    methods, and keeps the fastest run (`keep="fastest"`: interference on a shared machine
+    methods (llamacpp too, at batch 1), and keeps the fastest run (`keep="fastest"`: interference on a shared machine
     mostly slows a run down) or the median one (`keep="median"`: robust to a lucky run as
     well as an unlucky one). Rounds spread drift over all methods alike. Every run is
     checked for losslessness.
@@ -243,10 +243,8 @@ def run(
         + len(rates) * sum(batchserve_method(m) is not None for m in methods) * repeats
     )
     bar = tqdm(total=total, desc="bench", unit="run")
-    s = _Sweep(
-        methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar, gguf
-    )
-    s.llamacpp_rounds = llamacpp_rounds
+    s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar)
+    s.gguf, s.llamacpp_rounds = gguf, llamacpp_rounds
     rows: list[Row] = []
     for dataset in datasets:
         _dataset_rows(s, dataset, num_prompts, count, rates, rows, out_dir)
