@@ -89,9 +89,16 @@ def test_peer_runs_only_on_a_gguf_with_llama_cpp_importable(
     assert llamacpp_gguf(str(gguf)) == (None, LLAMACPP_MISSING)
 
 
-def _tiny_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Any, tokenizer: Any) -> list[dict[str, Any]]:
-    """The bench sweep with `hf` and `llamacpp` at batch 1 on two prompts, without a real model:
-    the tiny model, a fixed HF reference, and whatever `llama_cpp` the test installed."""
+def _tiny_sweep(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    model: Any,
+    tokenizer: Any,
+    methods: tuple[str, ...] = ("hf", "llamacpp"),
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """The bench sweep with `methods` at batch 1 on two prompts, without a real model: the tiny
+    model, a fixed HF reference, and whatever `llama_cpp` the test installed."""
     from batchserve import runner
     from batchserve.bench import sweep
 
@@ -101,7 +108,7 @@ def _tiny_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Any, tok
     monkeypatch.setattr(sweep, "run_hf", lambda m, prompts, *a, **k: (reference[: len(prompts)], 1.0, [0.1], [0.1]))
     gguf = tmp_path / "m.gguf"
     gguf.touch()
-    sweep.run(["humaneval"], ["hf", "llamacpp"], [1], 2, 4, tmp_path / "out", str(gguf))
+    sweep.run(["humaneval"], list(methods), [1], 2, 4, tmp_path / "out", str(gguf), **options)
     return json.loads((tmp_path / "out" / "results.json").read_text())
 
 
@@ -147,7 +154,6 @@ def test_repeated_sweep_runs_llamacpp_in_the_rounds_at_batch_1_and_keeps_the_med
 ) -> None:
     """With repeats, llama.cpp's speed is sampled beside ours, round by round (the machine's speed
     drifts), from one load; its row is the kept run of the repeats, like a batchserve row's."""
-    from batchserve import runner
     from batchserve.bench import sweep
     from batchserve.bench.methods import make_row
 
@@ -158,23 +164,16 @@ def test_repeated_sweep_runs_llamacpp_in_the_rounds_at_batch_1_and_keeps_the_med
         order.append(method)
         return make_row(method, dataset, b, [[1, 2]] * len(prompts), next(speeds), [0.1], [0.1], 1.0, True)
 
-    monkeypatch.setattr(runner, "load_model", lambda path, dtype: (tiny_model, tiny_tokenizer))
-    monkeypatch.setattr(sweep, "load_dataset", lambda name, n, tok: sweep.Workload([[1, 2], [3, 4, 5]], []))
-    monkeypatch.setattr(
-        sweep, "run_hf", lambda m, prompts, *a, **k: ([[10, 11, 12, 13]] * len(prompts), 1.0, [0.1], [0.1])
-    )
+    def logged_llamacpp(llm: Any, prompts: list[list[int]], *args: Any) -> Any:
+        order.append("llamacpp")
+        return run_llamacpp(llm, prompts, *args)
+
     monkeypatch.setattr(sweep, "_batchserve_row", fake_row)
-    monkeypatch.setattr(
-        sweep, "run_llamacpp", lambda llm, prompts, *a: (order.append("llamacpp"), run_llamacpp(llm, prompts, *a))[1]
-    )
-    gguf = tmp_path / "m.gguf"
-    gguf.touch()
-    sweep.run(
-        ["humaneval"], ["hf", "llamacpp", "none"], [1], 2, 4, tmp_path / "out", str(gguf), repeats=3, keep="median"
-    )
+    monkeypatch.setattr(sweep, "run_llamacpp", logged_llamacpp)
+    methods = ("hf", "llamacpp", "none")
+    rows = _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer, methods, repeats=3, keep="median")
     assert order == ["llamacpp", "none"] * 3  # in rounds, never all of one engine first
     assert len(fake_llama_cpp.made) == 1  # loaded once for the dataset
-    rows = json.loads((tmp_path / "out" / "results.json").read_text())
     assert sorted(r["method"] for r in rows) == ["hf", "llamacpp", "none"]  # one row each
     (ours,) = [r for r in rows if r["method"] == "none"]
     assert ours["seconds"] == 2.0  # the median of 4, 1 and 2 seconds
