@@ -215,8 +215,8 @@ def run(
     `repeats` > 1 runs every batchserve (method, batch) that many times, in rounds over the
     methods (llamacpp too, at batch 1), and keeps the fastest run (`keep="fastest"`:
     interference on a shared machine mostly slows a run down) or the median one
-    (`keep="median"`: robust to a lucky run as well as an unlucky one). Rounds spread drift over all methods alike. Every run is
-    checked for losslessness.
+    (`keep="median"`: robust to a lucky run as well as an unlucky one). Rounds spread drift
+    over all methods alike. Every run is checked for losslessness.
 
     `request_rates` adds, per rate, an open loop of Poisson arrivals (the same schedule for every
     method) with at most max(`batch_sizes`) running, over max(`num_prompts`, `waves` x that) prompts."""
