@@ -161,7 +161,7 @@ def write_report(
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix))
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix, seated=True))
         lines.extend(_repeat_rounds(rs))
-        lines.extend(_every_run(rs))
+        lines.extend(_every_run(everything))
         lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
         lines.extend(adaptive_summary(rs))
@@ -186,7 +186,7 @@ def _every_run(rows: list[Row]) -> list[str]:
     if not runs:
         return []
     parts = "; ".join(
-        f"{r.method} b={r.batch_size}: {', '.join(f'{x:.1f}' for x in r.run_tokens_per_s or [])}" for r in runs
+        f"{r.method} {_load_point(r)}: {', '.join(f'{x:.1f}' for x in r.run_tokens_per_s or [])}" for r in runs
     )
     return [f"\nEvery run's tokens/s, in round order: {parts}.\n"]
 

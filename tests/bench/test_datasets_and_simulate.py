@@ -228,6 +228,7 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path: Path, monk
 
 def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch() -> None:
     from batchserve.bench.methods import Row, pick_run
+    from batchserve.bench.report import _every_run
 
     def row(tps: float, lossless: bool = True) -> Row:
         return Row("none", "humaneval", 1, 2, 10, 1.0, tps, 1.0, 0.1, 0.1, 0.1, 0.1, lossless)
@@ -240,6 +241,12 @@ def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch() -> None
     assert marked.tokens_per_s == 30.0 and marked.lossless is False
     assert pick_run(runs, "median").run_tokens_per_s == [30.0, 45.0, 20.0]  # every run, in round order
     assert pick_run([row(30.0)], "median").run_tokens_per_s is None
+    open_loop = replace(pick_run(runs, "median"), request_rate=2.5)
+    (line,) = _every_run([pick_run(runs, "fastest"), open_loop, pick_run([row(30.0)], "median")])
+    assert (
+        line.strip()
+        == "Every run's tokens/s, in round order: none b=1: 30.0, 45.0, 20.0; none 2.5 req/s: 30.0, 45.0, 20.0."
+    )
     with pytest.raises(SystemExit):
         main(["bench", "--keep", "mean"])
 
