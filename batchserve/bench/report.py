@@ -156,6 +156,7 @@ def write_report(
         everything = [r for r in rows if r.dataset == dataset]
         rs = [r for r in everything if r.request_rate is None]
         lines.append(f"\n## {dataset}\n")
+        lines.extend(_short_of_prompts(everything, num_prompts, waves))
         lines.extend(_method_table(rs))
         for suffix in ("", *KERNEL_SUFFIXES):
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix))
@@ -167,6 +168,20 @@ def write_report(
         lines.extend(adaptive_summary(rs))
         lines.extend(phase_table(rs))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _short_of_prompts(rows: list[Row], num_prompts: int, waves: int) -> list[str]:
+    """The load points that ran fewer prompts than the header says, because the dataset's test
+    split holds no more (the count moves what a closed loop's ramp-up and tail weigh)."""
+    short: dict[str, tuple[int, int]] = {}
+    for r in rows:
+        asked = num_prompts if r.method in SINGLE else max(num_prompts, waves * r.batch_size)
+        if r.num_prompts < asked:
+            short.setdefault(_load_point(r), (r.num_prompts, asked))
+    if not short:
+        return []
+    parts = ", ".join(f"{point} ran {ran} of the {asked} asked for" for point, (ran, asked) in short.items())
+    return [f"The dataset holds fewer test prompts than asked: {parts}.\n"]
 
 
 def _repeat_rounds(rows: list[Row]) -> list[str]:

@@ -251,6 +251,31 @@ def test_repeated_runs_keep_the_fastest_or_the_median_and_any_mismatch() -> None
         main(["bench", "--keep", "mean"])
 
 
+def test_the_report_says_where_the_dataset_held_fewer_prompts_than_asked() -> None:
+    from batchserve.bench.methods import Row
+    from batchserve.bench.report import _short_of_prompts
+
+    def row(method: str, b: int, n: int, rate: float | None = None) -> Row:
+        return Row(method, "humaneval", b, n, 10, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1, 0.1, None, request_rate=rate)
+
+    # 82 test prompts, 16 asked, --waves 2: b=8 asks 16 (all there), b=64 asks 128, and the open loop too
+    rows = [
+        row("hf", 1, 16),
+        row("none", 8, 16),
+        row("none", 64, 82),
+        row("lookahead", 64, 82),
+        row("none", 64, 82, 6.0),
+    ]
+    (line,) = _short_of_prompts(rows, 16, 2)
+    assert line.strip() == (
+        "The dataset holds fewer test prompts than asked: b=64 ran 82 of the 128 asked for, "
+        "6 req/s ran 82 of the 128 asked for."
+    )
+    assert _short_of_prompts(rows[:2], 16, 2) == []
+    (peer,) = _short_of_prompts([row("hf", 1, 10)], 16, 2)  # a peer runs the first --num-prompts
+    assert "b=1 ran 10 of the 16 asked for" in peer
+
+
 def test_closed_loop_ttft_counts_from_when_a_seat_frees() -> None:
     from types import SimpleNamespace
 
