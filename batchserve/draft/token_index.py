@@ -12,6 +12,8 @@ MAX_OCCURRENCES = 256
 # Occurrences few enough to measure one by one: each costs a few array calls, where narrowing
 # them all one token back per round costs a few array calls per token of match (32 for a copy).
 _FEW = 4
+# Occurrences few enough to group by their next token in Python (`IndexNode.children`).
+_FEW_ENDS = 16
 
 
 class TokenIndex:
@@ -129,9 +131,11 @@ class IndexNode:
 
     __slots__ = ("_children", "_depth", "_ends", "_index")
 
-    def __init__(self, index: TokenIndex, ends: np.ndarray, depth: int) -> None:
+    def __init__(self, index: TokenIndex, ends: np.ndarray | list[int], depth: int) -> None:
         self._index = index
-        self._ends = ends  # [k] int64, ascending: the position after each occurrence
+        # Ascending: the position after each occurrence. A list when few (a draft makes a node
+        # for every child it looks at, most of them one or two occurrences deep in a copy).
+        self._ends = ends
         self._depth = depth  # tokens in the path
         self._children: dict[int, IndexNode] | None = None
 
@@ -142,14 +146,26 @@ class IndexNode:
     @property
     def children(self) -> dict[int, IndexNode]:
         if self._children is None:
-            self._children = {}
-            if self._depth < self._index.branch_length:
-                ends = self._ends[self._ends < self._index.size]  # [k'] occurrences with a next token
-                groups: dict[int, list[int]] = {}
-                for end, tok in zip(ends.tolist(), self._index.tokens[ends].tolist()):
-                    groups.setdefault(tok, []).append(end + 1)
-                self._children = {
-                    tok: IndexNode(self._index, np.array(e, dtype=np.int64), self._depth + 1)
-                    for tok, e in groups.items()
-                }
+            self._children = {} if self._depth >= self._index.branch_length else self._grouped()
         return self._children
+
+    def _grouped(self) -> dict[int, IndexNode]:
+        """The children: this node's occurrences that have a next token, grouped by it."""
+        index, depth = self._index, self._depth + 1
+        ends = self._ends
+        if len(ends) <= _FEW_ENDS:  # a few: Python beats numpy's cost per call
+            toks = index.tokens
+            groups: dict[int, list[int]] = {}
+            for end in ends if isinstance(ends, list) else ends.tolist():
+                if end < index.size:
+                    groups.setdefault(int(toks[end]), []).append(end + 1)
+            return {tok: IndexNode(index, e, depth) for tok, e in groups.items()}
+        ends = ends[ends < index.size]  # [k] occurrences with a next token
+        toks = index.tokens[ends]  # [k] the token after each
+        order = np.argsort(toks, kind="stable")  # [k] by token, each token's occurrences ascending
+        bounds = np.flatnonzero(np.diff(toks[order])) + 1  # [n-1] where each token's run starts
+        firsts = np.concatenate(([0], bounds))  # [n]
+        runs = np.split(ends[order] + 1, bounds)  # n arrays, ascending
+        tokens = toks[order[firsts]].tolist()
+        by_first = np.argsort(order[firsts]).tolist()  # a trie creates children first occurrence first
+        return {tokens[g]: IndexNode(index, runs[g], depth) for g in by_first}

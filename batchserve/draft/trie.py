@@ -270,24 +270,27 @@ class TrieDrafter:
             out.count if out is not None else 0.0
         )
 
-    @staticmethod
-    def _children(pair: _Pair) -> dict[int, _Pair]:
-        local, out = pair
-        kids: dict[int, _Pair] = {}
-        if out is not None:
-            for tok, child in out.children.items():
-                kids[tok] = (None, child)
-        if local is not None:
-            for tok, child in local.children.items():
-                kids[tok] = (child, kids[tok][1] if tok in kids else None)
-        return kids
-
     def _weighted_children(self, pair: _Pair) -> list[tuple[int, _Pair, float, float]]:
         """(token, child, weight, probability given `pair`) for each continuation: the
-        probability is the child's share of all continuations' weight."""
-        kids = [(tok, child, self._weight(child)) for tok, child in self._children(pair).items()]
+        probability is the child's share of all continuations' weight. The scope's children
+        come first, then the request's own new ones (the order ties are broken in). Runs for
+        every node a draft adds: written for speed, with `_weight`'s arithmetic."""
+        local, out = pair
+        pw = self.config.prompt_weight
+        kids: list[tuple[int, _Pair, float]]
+        if local is None:
+            kids = [(tok, (None, c), c.count) for tok, c in out.children.items()] if out is not None else []
+        elif out is None:
+            kids = [(tok, (c, None), c.count * pw) for tok, c in local.children.items()]
+        else:
+            theirs = out.children
+            own = local.children
+            kids = [(tok, (own.get(tok), c), self._weight((own.get(tok), c))) for tok, c in theirs.items()]
+            kids += [(tok, (c, None), c.count * pw) for tok, c in own.items() if tok not in theirs]
         total = sum(w for _, _, w in kids)
-        return [(tok, child, w, w / total if total > 0 else 0.0) for tok, child, w in kids]
+        if total > 0:
+            return [(tok, child, w, w / total) for tok, child, w in kids]
+        return [(tok, child, w, 0.0) for tok, child, w in kids]
 
     def _best_first(self, start: _Pair, builder: TreeBuilder) -> None:
         """Hierarchical: the heaviest nodes under the match, shared prefixes merged."""

@@ -24,13 +24,16 @@ def _same_subtree(index_node, trie_node, depth_left: int) -> None:
         _same_subtree(index_node.children[tok], child, depth_left - 1)
 
 
-@pytest.mark.parametrize("kind", ["random", "repetitive"])
+# "few-symbols": keys with dozens of occurrences and several next tokens each (children grouped
+# by array operations, where a handful of occurrences is grouped in Python).
+@pytest.mark.parametrize("kind", ["random", "repetitive", "few-symbols"])
 def test_the_index_reads_as_the_dict_trie_of_every_run(kind):
     rng = random.Random(3)
     b = 6
     for _ in range(20):
-        if kind == "random":
-            tokens = [rng.randrange(12) for _ in range(rng.randint(1, 120))]
+        if kind in ("random", "few-symbols"):
+            symbols = 12 if kind == "random" else 4
+            tokens = [rng.randrange(symbols) for _ in range(rng.randint(1, 120))]
         else:
             unit = [rng.randrange(50) for _ in range(rng.randint(2, 6))]
             tokens = (unit * 40)[: rng.randint(1, 150)]
