@@ -1,4 +1,4 @@
-"""The `batchserve` command line: serve, calibrate, generate, bench and tune."""
+"""The `batchserve` command line: serve, calibrate, generate, bench, tune and plot."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import argparse
 import sys
 from typing import Any
 
-from batchserve.bench.commands import add_bench_parser, add_tune_parser, bench_command, int_list, tune_command
+from batchserve.bench.commands import (
+    add_bench_parser,
+    add_plot_parser,
+    add_tune_parser,
+    bench_command,
+    int_list,
+    plot_command,
+    tune_command,
+)
 from batchserve.config import SETTINGS, EngineConfig, Setting, settings_of
 
 SECTION_TITLES = {
@@ -44,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     add_bench_parser(sub)
     add_tune_parser(sub)
+    add_plot_parser(sub)
     return parser
 
 
@@ -185,6 +194,7 @@ COMMANDS = {
     "generate": _generate,
     "bench": bench_command,
     "tune": tune_command,
+    "plot": plot_command,
 }
 
 

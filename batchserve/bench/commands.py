@@ -213,3 +213,37 @@ def tune_command(args: argparse.Namespace) -> int:
     print("\n".join(answer_lines(result)))
     print(f"wrote {out / 'tune.md'}, {out / 'tune.json'}, {out / 'tune.png'}")
     return 0 if result.best is not None else 1
+
+
+def add_plot_parser(sub: Any) -> None:
+    plot = sub.add_parser(
+        "plot", help="draw throughput and speedup over none against requests in flight, from bench results"
+    )
+    plot.add_argument(
+        "results",
+        nargs="+",
+        help="results.json files or bench --out directories; a later one's point replaces an earlier one's",
+    )
+    plot.add_argument("--out", default="concurrency.png", help="the PNG to write")
+    plot.add_argument("--title", default=None, help="a line above the panels (say what the runs measured)")
+    plot.add_argument("--methods", default=None, help="comma-separated methods to draw (default: every one)")
+
+
+def plot_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from batchserve.bench.methods import read_rows
+    from batchserve.bench.plots import plot_concurrency
+
+    try:
+        rows = read_rows([Path(p) for p in args.results])
+        if args.methods is not None:
+            wanted = {m.strip() for m in args.methods.split(",") if m.strip()}
+            rows = [r for r in rows if r.method in wanted]
+        plot_concurrency(rows, Path(args.out), args.title)
+    except (ValueError, OSError) as e:
+        print(f"batchserve plot: {e}", file=sys.stderr)
+        return 2
+    datasets = ", ".join(dict.fromkeys(r.dataset for r in rows))
+    print(f"wrote {args.out}: {len(rows)} points of {datasets}")
+    return 0

@@ -6,7 +6,9 @@ settings (drafter, trie layout, warm trie or not, fixed or adaptive decoding len
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch", "llamacpp")
@@ -122,6 +124,15 @@ def method_rank(name: str) -> tuple[int, bool, str]:
     return METHODS.index(family), base != name, name
 
 
+# a method on other weights or kernels than float32 oneDNN
+KERNEL_SUFFIXES = (*(s for s in WEIGHTS_SUFFIX.values() if s), "-blas", "-hf", "-native")
+
+
+def none_of(method: str) -> str:
+    """The plain decoding a method is compared with: `none` on the same weights and kernels."""
+    return "none" + next((s for s in KERNEL_SUFFIXES if s in method), "")
+
+
 def known_method(name: str) -> bool:
     return name in PEERS or batchserve_method(name) is not None
 
@@ -232,3 +243,25 @@ def pick_run(runs: list[Row], keep: str) -> Row:
     if len(runs) > 1:
         row = replace(row, run_tokens_per_s=[r.tokens_per_s for r in runs])
     return row
+
+
+def read_rows(paths: list[Path]) -> list[Row]:
+    """The rows of bench runs' results.json files (a path may be a run's directory). Where two
+    files hold the same point (dataset, method, batch, request rate), the later file's stands.
+    A file that is missing or not a bench's results raises ValueError, naming it."""
+    points: dict[tuple[str, str, int, float | None], Row] = {}
+    names = {f.name for f in fields(Row)}
+    for path in paths:
+        file = path / "results.json" if path.is_dir() else path
+        try:
+            items = json.loads(file.read_text())
+            if not isinstance(items, list):
+                raise TypeError("not a list of rows")
+            rows = [Row(**{k: v for k, v in item.items() if k in names}) for item in items]
+            if any(not isinstance(r.batch_size, int) or not isinstance(r.tokens_per_s, int | float) for r in rows):
+                raise TypeError("a row's batch_size or tokens_per_s is not a number")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError) as e:
+            raise ValueError(f"{file}: not a bench results.json ({e})") from None
+        for r in rows:
+            points[(r.dataset, r.method, r.batch_size, r.request_rate)] = r
+    return list(points.values())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from batchserve.bench.methods import FIXED_LENGTHS, SINGLE, WEIGHTS_SUFFIX, Row, method_rank
+from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, method_rank, none_of
 from batchserve.scheduler import StepPhases
 
 
@@ -38,15 +38,6 @@ def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, 
         "for the engine to admit it is included. `vs hf`: tokens/s over HF `generate` at batch 1; "
         "`vs hf-batch`: over HF `generate_batch` at the same batch size.\n"
     )
-
-
-# a method on other weights or kernels than float32 oneDNN
-KERNEL_SUFFIXES = (*(s for s in WEIGHTS_SUFFIX.values() if s), "-blas", "-hf", "-native")
-
-
-def none_of(method: str) -> str:
-    """The plain decoding a method is compared with: `none` on the same weights and kernels."""
-    return "none" + next((s for s in KERNEL_SUFFIXES if s in method), "")
 
 
 def _method_table(rows: list[Row]) -> list[str]:
