@@ -11,6 +11,7 @@ import tracemalloc
 import pytest
 
 from batchserve.config import DraftConfig
+from batchserve.draft import token_index
 from batchserve.draft.token_index import MAX_OCCURRENCES, TokenIndex
 from batchserve.draft.trie import Trie, TrieDrafter
 
@@ -24,14 +25,16 @@ def _same_subtree(index_node, trie_node, depth_left: int) -> None:
         _same_subtree(index_node.children[tok], child, depth_left - 1)
 
 
-# "few-symbols": keys with dozens of occurrences and several next tokens each (children grouped
-# by array operations, where a handful of occurrences is grouped in Python).
-@pytest.mark.parametrize("kind", ["random", "repetitive", "few-symbols"])
-def test_the_index_reads_as_the_dict_trie_of_every_run(kind):
+# "few-symbols": keys with dozens of occurrences and several next tokens each. "arrays": every
+# node's children grouped by array operations (the path for nodes of many occurrences).
+@pytest.mark.parametrize("kind", ["random", "repetitive", "few-symbols", "few-symbols-arrays"])
+def test_the_index_reads_as_the_dict_trie_of_every_run(kind, monkeypatch):
+    if kind.endswith("-arrays"):
+        monkeypatch.setattr(token_index, "_FEW_ENDS", 0)
     rng = random.Random(3)
     b = 6
     for _ in range(20):
-        if kind in ("random", "few-symbols"):
+        if kind != "repetitive":
             symbols = 12 if kind == "random" else 4
             tokens = [rng.randrange(symbols) for _ in range(rng.randint(1, 120))]
         else:
