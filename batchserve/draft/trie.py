@@ -271,10 +271,8 @@ class TrieDrafter:
         )
 
     def _weighted_children(self, pair: _Pair) -> list[tuple[int, _Pair, float, float]]:
-        """(token, child, weight, probability given `pair`) for each continuation: the
-        probability is the child's share of all continuations' weight. The scope's children
-        come first, then the request's own new ones (the order ties are broken in). Runs for
-        every node a draft adds: written for speed, with `_weight`'s arithmetic."""
+        """(token, child, weight, share of all continuations' weight) for each continuation: the
+        scope's first, then the request's own new ones (the order ties are broken in)."""
         local, out = pair
         pw = self.config.prompt_weight
         kids: list[tuple[int, _Pair, float]]
@@ -283,8 +281,7 @@ class TrieDrafter:
         elif out is None:
             kids = [(tok, (c, None), c.count * pw) for tok, c in local.children.items()]
         else:
-            theirs = out.children
-            own = local.children
+            theirs, own = out.children, local.children
             kids = [(tok, (own.get(tok), c), self._weight((own.get(tok), c))) for tok, c in theirs.items()]
             kids += [(tok, (c, None), c.count * pw) for tok, c in own.items() if tok not in theirs]
         total = sum(w for _, _, w in kids)
@@ -299,7 +296,8 @@ class TrieDrafter:
         while heap and not builder.full:
             _, _, parent, tok, pair, prob = heapq.heappop(heap)
             idx = builder.add(parent, tok, prob)
-            self._push_children(heap, pair, idx)
+            if not builder.full:  # else the loop ends: the node's children would never be popped
+                self._push_children(heap, pair, idx)
 
     def _push_children(self, heap: list, pair: _Pair, parent: int | None) -> None:
         for tok, child, w, prob in self._weighted_children(pair):
