@@ -69,7 +69,8 @@ def _plot_draft_tokens(ax: Any, rows: list[Row], dataset: str, colors: dict[str,
     ax.set_xlabel("batch size (requests in flight)")
     ax.set_ylabel("mean draft tokens per request step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # a run without drafting methods leaves the panel empty
+        ax.legend(fontsize=8)
 
 
 def plot(rows: list[Row], path: Path) -> None:
