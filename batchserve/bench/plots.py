@@ -4,6 +4,7 @@ plain decoding against requests in flight, TPOT against throughput)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,23 +76,9 @@ def _plot_draft_tokens(ax: Any, rows: list[Row], dataset: str, colors: dict[str,
 
 def plot(rows: list[Row], path: Path) -> None:
     """The plot at `path`: one column per dataset; throughput against batch size, TPOT against
-    throughput, draft tokens per step against batch size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r.request_rate is None]  # the curves are the closed loop's
-    datasets = list(dict.fromkeys(r.dataset for r in rows))
-    fig, axes = plt.subplots(3, len(datasets), figsize=(6 * len(datasets), 12), squeeze=False)
-    colors = _palette(rows)
-    for column, dataset in enumerate(datasets):
-        _plot_throughput(axes[0][column], rows, dataset, colors)
-        _plot_latency(axes[1][column], rows, dataset, colors)
-        _plot_draft_tokens(axes[2][column], rows, dataset, colors)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    throughput, draft tokens per step against batch size. None without closed-loop rows."""
+    if any(r.request_rate is None for r in rows):
+        _draw(rows, path, (_plot_throughput, _plot_latency, _plot_draft_tokens), (6, 12), dpi=110)
 
 
 # The line the adaptive policy must stay above at every load: drafts never make a server slower.
@@ -128,24 +115,34 @@ def _plot_speedup(ax: Any, rows: list[Row], dataset: str, colors: dict[str, Any]
 def plot_concurrency(rows: list[Row], path: Path, title: str | None = None) -> None:
     """The concurrency figure at `path`, one column per dataset: throughput against batch size,
     speedup over `none` against batch size (with the 0.97x line), TPOT against throughput.
-    Closed-loop rows only."""
+    Closed-loop rows only; ValueError without any."""
+    _draw(rows, path, (_plot_throughput, _plot_speedup, _plot_latency), (5, 11), dpi=80, title=title)
+
+
+Panel = Callable[[Any, list[Row], str, dict[str, Any]], None]  # (axes, rows, dataset, colours)
+
+
+def _draw(
+    rows: list[Row], path: Path, panels: Sequence[Panel], size: tuple[float, float], dpi: int, title: str | None = None
+) -> None:
+    """A figure of the closed-loop rows at `path`: a column per dataset (`size`: one column's
+    width and the height, in inches), a row per panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.request_rate is None]
+    rows = [r for r in rows if r.request_rate is None]  # the curves are the closed loop's
     datasets = list(dict.fromkeys(r.dataset for r in rows))
     if not datasets:
         raise ValueError("no closed-loop rows to plot (of the methods asked for)")
-    fig, axes = plt.subplots(3, len(datasets), figsize=(5 * len(datasets), 11), squeeze=False)
+    fig, axes = plt.subplots(len(panels), len(datasets), figsize=(size[0] * len(datasets), size[1]), squeeze=False)
     colors = _palette(rows)
     for column, dataset in enumerate(datasets):
-        _plot_throughput(axes[0][column], rows, dataset, colors)
-        _plot_speedup(axes[1][column], rows, dataset, colors)
-        _plot_latency(axes[2][column], rows, dataset, colors)
+        for row, panel in enumerate(panels):
+            panel(axes[row][column], rows, dataset, colors)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)

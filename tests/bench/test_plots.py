@@ -99,3 +99,12 @@ def test_plot_command_writes_the_figure_and_refuses_bad_input(tmp_path: Path, ca
     assert main(["plot", str(open_loop), "--out", str(tmp_path / "y.png")]) == 2
     assert "no closed-loop rows" in capsys.readouterr().err
     assert not any((tmp_path / f).exists() for f in ("x.png", "y.png", "z.png"))
+
+
+def test_the_bench_plot_skips_a_run_without_closed_loop_rows(tmp_path: Path) -> None:
+    from batchserve.bench.plots import plot
+
+    plot([_row("none", 8, 10.0, rate=2.0)], tmp_path / "open.png")  # a long run never fails at its last line
+    assert not (tmp_path / "open.png").exists()
+    plot([_row("none", 1, 10.0), _row("lookahead", 1, 20.0)], tmp_path / "closed.png")
+    assert (tmp_path / "closed.png").read_bytes()[:4] == b"\x89PNG"
