@@ -71,7 +71,14 @@ def add_bench_parser(sub: Any) -> None:
     )
     bench.add_argument("--out", default="bench_out", help="directory for results.json, report.md, throughput.png")
     bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
-    bench.add_argument("--decoding-lengths", type=int_list, default=[4, 8, 16, 32, 64], help="--simulate only")
+    bench.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="the model's greedy outputs replayed through the trie and a clairvoyant copier: what copying reaches",
+    )
+    bench.add_argument(
+        "--decoding-lengths", type=int_list, default=[4, 8, 16, 32, 64], help="--simulate and --ceiling only"
+    )
     bench.add_argument("--num-samples", type=int, default=164, help="--simulate: samples per dataset (half dev)")
     bench.add_argument("--no-speed", action="store_true", help="--simulate: skip the trie timing and memory")
 
@@ -130,17 +137,41 @@ def _bench_problem(args: argparse.Namespace, methods: list[str]) -> str | None:
     return None
 
 
+def _ceiling_problem(args: argparse.Namespace) -> str | None:
+    if args.simulate:
+        return "--ceiling and --simulate are two different replays: choose one"
+    if not args.decoding_lengths or min(args.num_prompts, args.max_new_tokens, *args.decoding_lengths) < 1:
+        return "--num-prompts, --max-new-tokens and --decoding-lengths must be >= 1"
+    return None
+
+
+def _ceiling(args: argparse.Namespace, datasets: list[str]) -> int:
+    from pathlib import Path
+
+    from batchserve.bench import ceiling
+
+    out = Path(args.out)
+    rows = ceiling.main(datasets, args.decoding_lengths, args.num_prompts, args.max_new_tokens, args.model, out)
+    print("\n".join(ceiling.report_lines(rows, args.max_new_tokens)))
+    print(f"wrote {out / 'ceiling.md'}, {out / 'ceiling.json'}")
+    return 0
+
+
 def bench_command(args: argparse.Namespace) -> int:
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     problem = dataset_problem(datasets)
     if problem is None and args.simulate and set(datasets) - {"humaneval", "sharegpt"}:
         problem = "--simulate replays humaneval and sharegpt only"
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if problem is None and not args.simulate:
+    if problem is None and args.ceiling:
+        problem = _ceiling_problem(args)
+    elif problem is None and not args.simulate:
         problem = _bench_problem(args, methods)
     if problem is not None:
         print(f"batchserve bench: {problem}", file=sys.stderr)
         return 2
+    if args.ceiling:
+        return _ceiling(args, datasets)
     if args.simulate:
         from batchserve.bench.simulate import main as simulate_main
 
