@@ -1,7 +1,8 @@
 """`batchserve bench --ceiling`: how many tokens a step copying the input can reach on a workload.
 
-The model's own greedy outputs for a dataset's test prompts are replayed (target-guided, as
-`draft/simulate.py` does) through two drafters, at each decoding length:
+The model's own greedy outputs for a dataset's test prompts are replayed (target-guided, with
+`simulate.replay`, as `--simulate` replays reference answers) through two drafters, at each
+decoding length:
 - the trie drafter, warmed with the dev split's outputs as the bench warms it, the requests
   replayed one after another as a server at batch 1 would see them;
 - a clairvoyant copier that, each step, drafts the longest continuation of the true output found
@@ -21,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from batchserve.bench import simulate
+from batchserve.bench.simulate import Encoded
 from batchserve.config import DraftConfig
 from batchserve.draft import TrieDrafter
-from batchserve.draft.simulate import SimulationResult, simulate
 from batchserve.request import SamplingParams, tokens_per_step
 
 
@@ -70,11 +72,8 @@ def replay(
     dataset: str, prompts: list[list[int]], outputs: list[list[int]], warm: list[list[int]], length: int
 ) -> CeilingRow:
     """One row: the trie's and the copier's tokens a step over a workload's outputs."""
-    drafter = TrieDrafter(DraftConfig(method="lookahead"))
-    drafter.warm_up(warm)
-    trie = SimulationResult()
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        trie.merge(simulate(drafter, f"ceiling-{i}", prompt, output, length))
+    samples = [Encoded(p, o) for p, o in zip(prompts, outputs)]
+    trie = simulate.replay(lambda: TrieDrafter(DraftConfig(method="lookahead")), warm, samples, length)
     tokens = sum(map(len, outputs))
     copier = sum(copier_steps(p, o, length) for p, o in zip(prompts, outputs))
     return CeilingRow(
