@@ -1,15 +1,21 @@
 """`batchserve bench --ceiling`: how many tokens a step copying the input can reach on a workload.
 
 The model's own greedy outputs for a dataset's test prompts are replayed (target-guided, with
-`simulate.replay`, as `--simulate` replays reference answers) through two drafters, at each
-decoding length:
+`simulate.replay`, as `--simulate` replays reference answers) at each decoding length through:
 - the trie drafter, warmed with the dev split's outputs as the bench warms it, the requests
-  replayed one after another as a server at batch 1 would see them;
-- a clairvoyant copier that, each step, drafts the longest continuation of the true output found
-  anywhere in the request's prompt and output so far. No drafter that copies the request's own
-  text can accept more a step; the gap between the two is what better copying could still win,
-  before the cost of verifying it. (The trie can exceed it where its warmed outputs hold text
-  the request has not seen.)
+  replayed one after another as a server at batch 1 would see them; again with each sample's
+  prediction as the request's predicted output, where the dataset has one (code edits);
+- an anchored copier: each step, of the places right after an earlier occurrence of the token the
+  request's text ends with, the one whose continuation agrees longest with the true output. Every
+  branch a drafter takes from the request's prompt and output by matching what they end with (the
+  trie's copy chain and token index, LLMA) starts at such a place, and a step accepts one path:
+  so none of them accepts more a step; only other text (the scope's earlier outputs, a prediction
+  not in the prompt) can take the trie past it;
+- a clairvoyant copier that drafts the longest continuation of the true output found anywhere
+  in the request's prompt and output so far, matched or not: no drafter that copies the request's
+  own text can accept more. On the workloads measured, most of what it takes beyond the anchored
+  copier are runs of one or two tokens that happen to recur somewhere, which no drafter could
+  tell from the rest.
 """
 
 from __future__ import annotations
@@ -36,54 +42,76 @@ class CeilingRow:
     num_prompts: int
     output_tokens: int
     trie_tokens_per_step: float
+    prediction_tokens_per_step: float | None  # the trie with each sample's prediction; None: the dataset has none
+    anchored_tokens_per_step: float
     copier_tokens_per_step: float
 
 
 def longest_copy(context: np.ndarray, target: Sequence[int]) -> int:
     """The longest prefix of `target` that occurs anywhere in `context` [n] (as a run of it)."""
-    if not len(target) or not len(context):
+    return _longest_from(context, target, np.arange(len(context)))
+
+
+def anchored_copy(context: np.ndarray, target: Sequence[int]) -> int:
+    """The longest prefix of `target` that follows an earlier occurrence of `context`'s last token."""
+    if len(context) < 2:
         return 0
-    starts = np.flatnonzero(context == target[0])  # [k] where a copy could start
+    return _longest_from(context, target, np.flatnonzero(context[:-1] == context[-1]) + 1)
+
+
+def _longest_from(context: np.ndarray, target: Sequence[int], starts: np.ndarray) -> int:
+    """How far the copy from the best of `starts` (places in `context` [n]) agrees with `target`."""
     m = 0
-    while len(starts):
-        m += 1
-        if m == len(target):
-            break
+    while m < len(target):
         starts = starts[starts + m < len(context)]
         starts = starts[context[starts + m] == target[m]]
+        if not len(starts):
+            break
+        m += 1
     return m
 
 
-def copier_steps(prompt: Sequence[int], output: Sequence[int], decoding_length: int) -> int:
-    """Steps the clairvoyant copier needs to emit `output` after `prompt`: each step accepts the
-    longest copy (at most `decoding_length` tokens, and none past the output's last token) and
-    the model's own next token."""
+def copier_steps(prompt: Sequence[int], output: Sequence[int], decoding_length: int, anchored: bool = False) -> int:
+    """Steps the clairvoyant copier (`anchored`: the anchored one) needs to emit `output` after
+    `prompt`: each step accepts its copy (at most `decoding_length` tokens, and none past the
+    output's last token) and the model's own next token."""
+    copy = anchored_copy if anchored else longest_copy
     tokens = np.asarray([*prompt, *output], dtype=np.int64)
     done, steps = 0, 0
     while done < len(output):
         room = min(decoding_length, len(output) - done - 1)
-        accepted = longest_copy(tokens[: len(prompt) + done], output[done : done + room]) if room > 0 else 0
+        accepted = copy(tokens[: len(prompt) + done], output[done : done + room]) if room > 0 else 0
         done += accepted + 1
         steps += 1
     return steps
 
 
 def replay(
-    dataset: str, prompts: list[list[int]], outputs: list[list[int]], warm: list[list[int]], length: int
+    dataset: str,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    warm: list[list[int]],
+    length: int,
+    predictions: list[list[int]] | None = None,
 ) -> CeilingRow:
-    """One row: the trie's and the copier's tokens a step over a workload's outputs."""
+    """One row: the drafters' and the copiers' tokens a step over a workload's outputs
+    (`predictions`: each prompt's predicted output, [] for none; None: the dataset has none)."""
+
+    def trie(samples: list[Encoded]) -> float:
+        drafter = simulate.replay(lambda: TrieDrafter(DraftConfig(method="lookahead")), warm, samples, length)
+        return round(drafter.tokens_per_step, 3)
+
     samples = [Encoded(p, o) for p, o in zip(prompts, outputs)]
-    trie = simulate.replay(lambda: TrieDrafter(DraftConfig(method="lookahead")), warm, samples, length)
+    predicted = None
+    if predictions is not None:
+        predicted = trie([Encoded(p, o, r) for p, o, r in zip(prompts, outputs, predictions, strict=True)])
     tokens = sum(map(len, outputs))
-    copier = sum(copier_steps(p, o, length) for p, o in zip(prompts, outputs))
-    return CeilingRow(
-        dataset,
-        length,
-        len(prompts),
-        tokens,
-        round(trie.tokens_per_step, 3),
-        round(tokens_per_step(tokens, copier), 3),
-    )
+
+    def copier(anchored: bool) -> float:
+        steps = sum(copier_steps(p, o, length, anchored) for p, o in zip(prompts, outputs))
+        return round(tokens_per_step(tokens, steps), 3)
+
+    return CeilingRow(dataset, length, len(prompts), tokens, trie(samples), predicted, copier(True), copier(False))
 
 
 def greedy_outputs(llm: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -102,7 +130,11 @@ def ceiling_rows(
     for dataset in datasets:
         workload = load_dataset(dataset, num_prompts, llm.tokenizer)
         outputs = greedy_outputs(llm, workload.prompts, max_new_tokens)
-        rows += [replay(dataset, workload.prompts, outputs, workload.warm, n) for n in lengths]
+        predictions = None
+        if any(workload.predictions):
+            tokenize = llm.tokenizer
+            predictions = [tokenize(p, add_special_tokens=False).input_ids if p else [] for p in workload.predictions]
+        rows += [replay(dataset, workload.prompts, outputs, workload.warm, n, predictions) for n in lengths]
     return rows
 
 
@@ -111,19 +143,29 @@ def report_lines(rows: list[CeilingRow], max_new_tokens: int) -> list[str]:
         f"# Copy ceiling: the model's greedy outputs ({max_new_tokens} new tokens at most) replayed",
         "",
         "Tokens a step (emitted per verification step, the model's own token included) of the warmed trie",
-        "drafter and of a clairvoyant copier that drafts the longest continuation found in the request's",
-        "prompt and output so far: no drafter copying the request's own text accepts more.",
+        "drafter, of the same with each sample's prediction sent as the predicted output (where the dataset",
+        "has one), of an anchored copier (the best place after an earlier occurrence of the text's last",
+        "token: the most any drafter matching what the text ends with can take from the request's own",
+        "text) and of a clairvoyant copier (the longest continuation found anywhere in the request's prompt",
+        "and output so far: the most any drafter copying the request's own text can take).",
         "",
-        "| dataset | prompts | output tokens | decoding length | trie | copier | trie / copier |",
-        "|---|---|---|---|---|---|---|",
+        "| dataset | prompts | output tokens | decoding length | trie | trie + prediction | anchored copier "
+        "| copier | trie / anchored | trie / copier |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        share = r.trie_tokens_per_step / r.copier_tokens_per_step if r.copier_tokens_per_step else 0.0
+        predicted = "-" if r.prediction_tokens_per_step is None else f"{r.prediction_tokens_per_step:.2f}"
         lines.append(
             f"| {r.dataset} | {r.num_prompts} | {r.output_tokens} | {r.decoding_length} "
-            f"| {r.trie_tokens_per_step:.2f} | {r.copier_tokens_per_step:.2f} | {share:.0%} |"
+            f"| {r.trie_tokens_per_step:.2f} | {predicted} | {r.anchored_tokens_per_step:.2f} "
+            f"| {r.copier_tokens_per_step:.2f} | {_share(r.trie_tokens_per_step, r.anchored_tokens_per_step)} "
+            f"| {_share(r.trie_tokens_per_step, r.copier_tokens_per_step)} |"
         )
     return lines
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%}" if whole else "-"
 
 
 def main(

@@ -13,7 +13,7 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -30,6 +30,7 @@ LAYOUTS = ("single", "parallel", "hierarchical")
 class Encoded:
     prompt: list[int]
     output: list[int]
+    prediction: list[int] = field(default_factory=list)  # a predicted output sent with the request, if any
 
 
 def encode(samples: list[Sample], tokenizer: Any) -> list[Encoded]:
@@ -54,7 +55,8 @@ def replay(make: Callable[[], Drafter], warm: list[list[int]], test: list[Encode
         drafter.warm_up(warm)
     total = SimulationResult()
     for i, s in enumerate(test):
-        total.merge(simulate(drafter, f"sim-{i}", s.prompt, s.output, length))
+        references = [s.prediction] if s.prediction else []
+        total.merge(simulate(drafter, f"sim-{i}", s.prompt, s.output, length, references))
     return total
 
 
