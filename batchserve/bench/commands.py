@@ -74,7 +74,7 @@ def add_bench_parser(sub: Any) -> None:
     bench.add_argument(
         "--ceiling",
         action="store_true",
-        help="the model's greedy outputs replayed through the trie and a clairvoyant copier: what copying reaches",
+        help="the model's greedy outputs replayed through the trie (with predictions where given) and two copiers",
     )
     bench.add_argument(
         "--decoding-lengths", type=int_list, default=[4, 8, 16, 32, 64], help="--simulate and --ceiling only"
