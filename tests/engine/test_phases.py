@@ -25,13 +25,17 @@ def test_phases_add_up_to_the_step_wall():
     core = _core()
     seen: list[tuple[SchedulerOutput, StepPhases]] = []
     core.step_listeners.append(lambda out, phases: seen.append((out, phases)))
-    for i in range(8):
-        core.add_request([1 + i, 2, 3, 4, 5, 6] * (1 + i), SamplingParams(max_new_tokens=24, ignore_eos=True))
+    # Two rounds, drafted and then plain, so that each kind of step has many samples: the check
+    # below takes a median, which a single step (one OS preemption) would decide on its own.
     emitted = 0
-    while core.has_work():
-        emitted += sum(len(o.new_token_ids) for o in core.step())
-    assert emitted == 8 * 24 == sum(p.tokens for _, p in seen)  # each step counts what it emitted
-    assert len(seen) == core.num_steps >= 24
+    for decoding_length in (None, 0):
+        for i in range(8):
+            params = SamplingParams(max_new_tokens=24, ignore_eos=True, decoding_length=decoding_length)
+            core.add_request([1 + i, 2, 3, 4, 5, 6] * (1 + i), params)
+        while core.has_work():
+            emitted += sum(len(o.new_token_ids) for o in core.step())
+    assert emitted == 2 * 8 * 24 == sum(p.tokens for _, p in seen)  # each step counts what it emitted
+    assert len(seen) == core.num_steps >= 2 * 24
     assert any(out.requests and any(r.draft for r in out.requests) for out, _ in seen)  # drafts were verified
     for out, phases in seen:
         times = dict(phases.items())
@@ -51,7 +55,7 @@ def test_phases_add_up_to_the_step_wall():
             for out, p in seen
             if out.requests and any(r.draft for r in out.requests) == drafted
         )
-        assert shares and shares[len(shares) // 2] >= 0.95, (drafted, shares)
+        assert len(shares) >= 10 and shares[len(shares) // 2] >= 0.95, (drafted, shares)
     # ... and over the whole run, a gap in only some steps (one preemption costs a few percent).
     covered = sum(sum(t for _, t in p.items()) for _, p in seen)
     assert covered >= 0.90 * sum(p.wall for _, p in seen)
