@@ -282,7 +282,7 @@ class TrieDrafter:
             kids = [(tok, (c, None), c.count * pw) for tok, c in local.children.items()]
         else:
             theirs, own = out.children, local.children
-            kids = [(tok, (own.get(tok), c), self._weight((own.get(tok), c))) for tok, c in theirs.items()]
+            kids = [(tok, both := (own.get(tok), c), self._weight(both)) for tok, c in theirs.items()]
             kids += [(tok, (c, None), c.count * pw) for tok, c in own.items() if tok not in theirs]
         total = sum(w for _, _, w in kids)
         if total > 0:
