@@ -126,6 +126,15 @@ class StepLayout:
         return flat
 
 
+@dataclass(frozen=True, slots=True)
+class StepBucket:
+    """The static shape a step is padded to: one captured graph per bucket."""
+
+    rows: int  # packed rows, padding rows included
+    requests: int  # real requests the attention plan holds (the padding request comes on top)
+    tree: bool  # some request has more than one row: the attention reads a custom mask
+
+
 def _spec_mask(s: SeqLayout) -> np.ndarray | None:
     """[n, n] over a request's draft nodes then window rows; None if it has neither."""
     tree = ancestor_mask(s.draft_parents) if s.draft_parents else None
@@ -155,6 +164,13 @@ class AttentionBackend(ABC):
 
         `slot_mapping` [num_tokens] gives the pool slot each new token's K/V is written to.
         """
+
+    def plan(self, step: StepLayout, slot_mapping: torch.Tensor, bucket: StepBucket | None = None) -> Any:
+        """The step's metadata, planned from its host arrays. `bucket`: the step is padded to it and
+        replays (or, without a graph, runs) that bucket's static buffers; a backend whose kernels
+        run inside a graph plans into the bucket's own metadata, the same object every step (the
+        one the graph captured). The others plan afresh, as for any step."""
+        return self.build_metadata(step, slot_mapping)
 
     @abstractmethod
     def forward(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.attention.base import AttentionBackend, StepLayout
+from batchserve.attention.base import AttentionBackend, StepBucket, StepLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
 
@@ -40,8 +40,12 @@ def _int32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
 
-def build_plan(step: StepLayout, page_size: int) -> PagedPlan:
-    """The page table and flattened masks of a packed step, in a few array operations."""
+def build_plan(step: StepLayout, page_size: int, num_requests: int | None = None) -> PagedPlan:
+    """The page table and flattened masks of a packed step, in a few array operations.
+    `num_requests`: pad with requests of no rows (one key on page 0, never read) up to this many:
+    a graph's plan has a fixed batch size."""
+    if num_requests is not None and num_requests > len(step.num_cached):
+        step = pad_requests(step, num_requests)
     kv_len = step.kv_len
     num_pages = -(-kv_len // page_size)  # [B]
     short = np.flatnonzero(num_pages > step.num_blocks)
@@ -58,9 +62,27 @@ def build_plan(step: StepLayout, page_size: int) -> PagedPlan:
     )
 
 
+def pad_requests(step: StepLayout, num_requests: int) -> StepLayout:
+    """The same step with requests of no rows appended up to `num_requests` (one cached key each,
+    on page 0: FlashInfer needs a last page of 1 to page_size slots; no row reads it)."""
+    extra = num_requests - len(step.num_cached)
+    table = np.zeros((num_requests, step.block_table.shape[1]), np.int64)
+    table[: len(step.num_cached)] = step.block_table
+    return StepLayout(
+        qo_indptr=np.concatenate((step.qo_indptr, np.full(extra, step.qo_indptr[-1]))),
+        num_cached=np.concatenate((step.num_cached, np.ones(extra, np.int64))),
+        num_chunk=np.concatenate((step.num_chunk, np.zeros(extra, np.int64))),
+        num_blocks=np.concatenate((step.num_blocks, np.ones(extra, np.int64))),
+        block_table=table,
+        spec_masks=(*step.spec_masks, *(None,) * extra),
+        positions=step.positions,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class FlashInferMetadata:
     backend: FlashInferBackend
+    wrapper: Any  # the planned BatchPrefillWithPagedKVCacheWrapper every layer's run() uses
     slot_mapping: torch.Tensor  # [T] pool slot of each new token (on the device)
     num_tokens: int
 
@@ -104,30 +126,72 @@ class FlashInferBackend(AttentionBackend):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._flashinfer = flashinfer
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+        # Graph-replayed steps: one wrapper per bucket over its own fixed buffers (they share the
+        # workspace: one step runs at a time).
+        self._buckets: dict[StepBucket, FlashInferMetadata] = {}
+        self.max_model_len = 0  # set by the runner: sizes a bucket's mask buffer
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> FlashInferMetadata:
-        plan = build_plan(step, self.block_size)
-        dev = self.device
-        # Planned once per step; every layer's run() reuses it.
-        self._wrapper.plan(
-            plan.qo_indptr.to(dev),
-            plan.kv_indptr.to(dev),
-            plan.kv_indices.to(dev),
-            plan.kv_last_page_len.to(dev),
+        self._plan(self._wrapper, build_plan(step, self.block_size), masked=True)
+        return FlashInferMetadata(self, self._wrapper, slot_mapping.to(self.device), step.num_tokens)
+
+    def plan(
+        self, step: StepLayout, slot_mapping: torch.Tensor, bucket: StepBucket | None = None
+    ) -> FlashInferMetadata:
+        """With a bucket: plan its wrapper (made on first use over fixed buffers, the graph's
+        inputs) from the host arrays; `slot_mapping` must be the same static buffer every step."""
+        if bucket is None:
+            return self.build_metadata(step, slot_mapping)
+        metadata = self._buckets.get(bucket)
+        if metadata is None:
+            metadata = self._buckets[bucket] = self._bucket_metadata(bucket, slot_mapping)
+        # Requests past the step's own (and the padding request) have no rows: a fixed batch size.
+        self._plan(metadata.wrapper, build_plan(step, self.block_size, bucket.requests + 1), masked=bucket.tree)
+        return metadata
+
+    def _bucket_metadata(self, bucket: StepBucket, slot_mapping: torch.Tensor) -> FlashInferMetadata:
+        dev, n = self.device, bucket.requests + 1
+        int32 = {"dtype": torch.int32, "device": dev}
+        buffers: dict[str, torch.Tensor] = {
+            "qo_indptr_buf": torch.zeros(n + 1, **int32),
+            "paged_kv_indptr_buf": torch.zeros(n + 1, **int32),
+            # Every pool page once, and each padding request's page.
+            "paged_kv_indices_buf": torch.zeros(self.num_blocks + n + bucket.rows, **int32),
+            "paged_kv_last_page_len_buf": torch.zeros(n, **int32),
+        }
+        if bucket.tree:
+            # The mask bits of the largest plan: every row over the longest context, packed to
+            # bytes per request.
+            bits = bucket.rows * (max(self.max_model_len, 1) + bucket.rows)
+            buffers["custom_mask_buf"] = torch.zeros(bits // 8 + n + 8, dtype=torch.uint8, device=dev)
+            buffers["mask_indptr_buf"] = torch.zeros(n + 1, **int32)
+        wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True, backend="fa2", **buffers
+        )
+        return FlashInferMetadata(self, wrapper, slot_mapping, bucket.rows)
+
+    def _plan(self, wrapper: Any, plan: PagedPlan, masked: bool) -> None:
+        """Plan from host (CPU) tensors: FlashInfer reads the index arrays on the host anyway, so
+        no device round trip; it copies what its kernels need to the device itself."""
+        wrapper.plan(
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.kv_last_page_len,
             self.num_qo_heads,
             self.num_kv_heads,
             self.head_dim,
             self.block_size,
-            custom_mask=plan.custom_mask.to(dev),
+            custom_mask=plan.custom_mask if masked else None,
             causal=False,
             pos_encoding_mode="NONE",
             sm_scale=self.sm_scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
-        return FlashInferMetadata(self, slot_mapping.to(dev), step.num_tokens)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, scale: float
@@ -139,7 +203,7 @@ class FlashInferBackend(AttentionBackend):
         self.k_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, k.transpose(0, 1).to(self.dtype))  # [T, Hkv, D]
         self.v_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, v.transpose(0, 1).to(self.dtype))
         qt = q.transpose(0, 1).contiguous().to(self.dtype)  # [T, Hq, D]
-        out = self._wrapper.run(qt, (self.k_cache[layer_idx], self.v_cache[layer_idx]))  # [T, Hq, D]
+        out = metadata.wrapper.run(qt, (self.k_cache[layer_idx], self.v_cache[layer_idx]))  # [T, Hq, D]
         return out.to(q.dtype)  # [T, Hq, D]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:

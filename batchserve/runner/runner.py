@@ -14,7 +14,8 @@ from batchserve.attention.base import AttentionBackend
 from batchserve.request import SamplingParams
 from batchserve.runner.batch import BlockTables, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
-from batchserve.runner.sampler import SampledRows, apply_token_masks, choose_tokens, verify
+from batchserve.runner.graphs import StepGraphs
+from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, apply_token_masks, choose_on_device
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 
 logger = logging.getLogger("batchserve")
@@ -63,7 +64,9 @@ class ModelRunner:
     SchedulerOutput, and the only state it keeps is tensors and generators.
     """
 
-    def __init__(self, model: Any, backend: AttentionBackend, cpu_linear: str = "auto") -> None:
+    def __init__(
+        self, model: Any, backend: AttentionBackend, cpu_linear: str = "auto", graphs: StepGraphs | None = None
+    ) -> None:
         if not getattr(model, "native", False):  # the native model calls the backend itself
             register_attention()
             model.set_attn_implementation(ATTN_IMPL)
@@ -75,6 +78,9 @@ class ModelRunner:
         self._uniforms: dict[str, list[float]] = {}  # drawn but not yet used, per sampling request
         self._tables = BlockTables()
         self._pinned: torch.Tensor | None = None  # CUDA: host staging buffer for the step's inputs
+        # Steps without a prompt chunk through bucketed static buffers (replayed CUDA graphs once
+        # captured); None: every step runs eagerly at its own size.
+        self.graphs = graphs
 
     def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
         for rid in request_ids:
@@ -101,44 +107,65 @@ class ModelRunner:
         self.release(out.finished_request_ids)
         bs = self.backend.block_size
         step = pack(out.requests, self._tables, bs)
-        ids, pos, slots, keep = self._to_device(step.input_ids, step.positions, step.slot_mapping, step.keep)
-        metadata = self.backend.build_metadata(step.layout, slots)
         self.backend.seconds = 0.0
-        t1 = time.perf_counter()
-        logits = self.model(
-            input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep, attn_metadata=metadata
-        ).logits[0]  # [K, V]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the forward's phase ends when its logits exist
-        t2 = time.perf_counter()
+        bucket = self.graphs.bucket_for(step.layout) if self.graphs is not None else None
+        if bucket is not None:
+            assert self.graphs is not None
+            metadata, kept = self.graphs.prepare(step, bucket)
+            t1 = time.perf_counter()
+            logits = self.graphs.forward(bucket, metadata, kept)  # [K, V]; replayed where captured
+        else:
+            ids, pos, slots, keep = self._to_device(step.input_ids, step.positions, step.slot_mapping, step.keep)
+            metadata = self.backend.build_metadata(step.layout, slots)
+            t1 = time.perf_counter()
+            logits = self.model(
+                input_ids=ids[None],
+                position_ids=pos[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                attn_metadata=metadata,
+            ).logits[0]  # [K, V]
+        # Host work the kernels do not wait for (on CUDA they are still running): counted as prepare.
+        t_host = time.perf_counter()
+        sampling = [(i, r) for i, r in enumerate(out.requests) if r.sample]
+        trees = TreeRows.of(
+            [(int(step.logit_start[i]), r.draft, r.window.num_outputs if r.window else 0) for i, r in sampling]
+        )
+        sampled = self._sampled_rows(out, step.logit_start, logits.shape[-1])
+        host = time.perf_counter() - t_host
+        t_grammar = time.perf_counter()
         masks = [
             (int(step.logit_start[i]), r.token_mask) for i, r in enumerate(out.requests) if r.token_mask is not None
         ]
         if masks:
             apply_token_masks(logits, masks)
-        grammar = time.perf_counter() - t2 if masks else 0.0
-        choices = choose_tokens(logits, self._sampled_rows(out, step.logit_start))  # one device-to-host copy
+        grammar = time.perf_counter() - t_grammar if masks else 0.0
+        # Token choice and acceptance on the logits' device; the step's one device-to-host copy.
+        result = accept(choose_on_device(logits, sampled), trees).tolist() if sampling else []
+        t2 = time.perf_counter()
 
+        s = len(sampling)
+        deepest, bonus, windows = result[:s], result[s : 2 * s], result[2 * s :]
         emitted: dict[str, list[int]] = {}
         accepted_nodes: dict[str, list[int]] = {}
         window_outputs: dict[str, list[int]] = {}
         moves: list[tuple[int, int, int]] = []  # (request, from KV index, to KV index)
         consumed: list[tuple[str, int]] = []  # (sampling request, uniforms its emitted tokens used)
-        for i, r in enumerate(out.requests):
-            if not r.sample:
-                continue
-            row = int(step.logit_start[i])
-            verified = 1 + (len(r.draft) if r.draft is not None else 0)  # the root and the draft nodes
-            tokens, accepted = verify(r.draft, choices[row : row + verified])
+        w = 0
+        for j, (i, r) in enumerate(sampling):
+            accepted = accepted_path(r.draft, int(step.logit_start[i]), deepest[j])
+            tokens = [r.draft.tokens[node] for node in accepted] if r.draft is not None else []
+            tokens.append(bonus[j])
             if r.window is not None:  # kept after the tree: the window's output rows, argmax
-                window_outputs[r.request_id] = choices[row + verified : row + verified + r.window.num_outputs]
+                window_outputs[r.request_id] = windows[w : w + r.window.num_outputs]
+                w += r.window.num_outputs
             emitted[r.request_id] = tokens
             accepted_nodes[r.request_id] = accepted
             if not r.params.greedy:
                 consumed.append((r.request_id, len(tokens)))
             # Compaction: accepted node i sits at KV index base + i; it belongs at base + j.
             base = r.num_computed_tokens + len(r.token_ids)
-            moves.extend((i, base + node, base + j) for j, node in enumerate(accepted) if node != j)
+            moves.extend((i, base + node, base + k) for k, node in enumerate(accepted) if node != k)
         if moves:
             req, src, dst = (np.array(m, np.int64) for m in zip(*moves))
             table = step.layout.block_table[req]  # [M, W]
@@ -146,9 +173,10 @@ class ModelRunner:
         # Only now, with nothing left to raise: a retried step must find the same uniforms.
         for rid, n in consumed:
             del self._uniforms[rid][:n]
-        phases = StepPhases(prepare=t1 - t0, forward=t2 - t1, verify=time.perf_counter() - t2)
+        phases = StepPhases(prepare=t1 - t0 + host, forward=t2 - t1 - host - grammar, verify=time.perf_counter() - t2)
         phases.attention = self.backend.seconds if self.backend.timed else None
         phases.grammar = grammar
+        phases.verify += grammar
         return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases, window_outputs=window_outputs)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
@@ -168,7 +196,7 @@ class ModelRunner:
         np.concatenate(arrays, out=staged.numpy())
         return list(staged.to(self.device, non_blocking=True).split(sizes))
 
-    def _sampled_rows(self, out: SchedulerOutput, logit_start: np.ndarray) -> SampledRows | None:
+    def _sampled_rows(self, out: SchedulerOutput, logit_start: np.ndarray, vocab: int) -> SampledRows | None:
         """Parameters and uniforms of the kept rows of sampling (non-greedy) requests."""
         rows: list[int] = []
         params: list[tuple[float, int, float]] = []
@@ -186,12 +214,15 @@ class ModelRunner:
             return None
         temperature, top_k, top_p = zip(*params)
         dev = self.device
+        cuts = [k for k in top_k if 0 < k < vocab]  # a cut at or past the vocabulary keeps every token
         return SampledRows(
             rows=torch.tensor(rows, device=dev),
             temperature=torch.tensor(temperature, dtype=torch.float32, device=dev),
             top_k=torch.tensor(top_k, device=dev),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
             uniform=torch.tensor(uniforms, dtype=torch.float64, device=dev),
+            max_top_k=max(cuts, default=0),
+            any_top_p=any(p < 1.0 for p in top_p),
         )
 
     def _uniform_stream(self, request_id: str, seed: int | None, n: int) -> list[float]:

@@ -1,10 +1,15 @@
-"""Token choice for every kept row of a step at once, and the draft-tree walk.
+"""Token choice for every kept row of a step at once, and the draft trees' acceptance.
 
 Greedy rows take the argmax. Sampled rows warp their logits (temperature, top-k, top-p) and
 invert the CDF at one uniform each: a row at depth d of a request's tree uses the request's
 d-th unused uniform, so every emitted token consumes exactly one uniform of the request's
-own seeded stream, in order, with or without drafts. All choices come back in one
-device-to-host copy; the walk itself is a few dict lookups per accepted token.
+own seeded stream, in order, with or without drafts.
+
+Acceptance runs on the device too (`accept`): a node is accepted when it and each of its
+ancestors carry the token the model chose at their parent; each request's deepest accepted
+node ends its walk. One small device-to-host copy per step brings back, per request, that
+node and the model's token after it (and the window rows' tokens): never the logits. Nothing
+in here reads a device value on the host before that copy.
 """
 
 from __future__ import annotations
@@ -26,22 +31,33 @@ class SampledRows:
     top_k: torch.Tensor  # [S] int64, 0 = no cut
     top_p: torch.Tensor  # [S] float32
     uniform: torch.Tensor  # [S] float64 in [0, 1)
+    # From the host's own parameters, so that warping reads nothing back from the device:
+    # The largest top-k below the vocabulary among the rows (0: none cuts; None: read it from top_k).
+    max_top_k: int | None = None
+    any_top_p: bool = True  # some row cuts by top-p
 
 
 def warp_rows(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    max_top_k: int | None = None,
+    any_top_p: bool = True,
 ) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, row by row. [S, V] -> [S, V] float32."""
+    """Probabilities after temperature, top-k and top-p, row by row. [S, V] -> [S, V] float32.
+    `max_top_k` (the largest cut among the rows, 0 for none) and `any_top_p` come from the host's
+    parameters; without `max_top_k` it is read from `top_k` (a device-to-host copy)."""
     x = logits.float() / temperature[:, None]
     vocab = x.shape[-1]
     cut_k = (top_k > 0) & (top_k < vocab)
-    if bool(cut_k.any()):
-        kmax = int(top_k[cut_k].max())
+    kmax = max_top_k if max_top_k is not None else int(top_k.masked_fill(~cut_k, 0).max())
+    if kmax > 0:
         kth = x.topk(kmax, dim=-1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])  # [S, 1]
         x = x.masked_fill(cut_k[:, None] & (x < kth), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     cut_p = top_p < 1.0
-    if bool(cut_p.any()):
+    if any_top_p:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & cut_p[:, None]
@@ -63,9 +79,21 @@ def apply_token_masks(logits: torch.Tensor, masks: list[tuple[int, np.ndarray]])
 
 def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int]:
     """The model's choice at every kept row: argmax, or one inverse-CDF draw. logits: [K, V]."""
+    return choose_on_device(logits, sampled).tolist()
+
+
+def choose_on_device(logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
+    """[K] the model's choice at every kept row, left on the logits' device."""
     choice = logits.argmax(dim=-1)  # [K]
     if sampled is not None:
-        probs = warp_rows(logits[sampled.rows], sampled.temperature, sampled.top_k, sampled.top_p)  # [S, V]
+        probs = warp_rows(
+            logits[sampled.rows],
+            sampled.temperature,
+            sampled.top_k,
+            sampled.top_p,
+            sampled.max_top_k,
+            sampled.any_top_p,
+        )  # [S, V]
         cdf = probs.double().cumsum(dim=-1)
         target = (sampled.uniform * cdf[:, -1])[:, None]  # [S, 1]
         idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)  # [S, 1]
@@ -73,7 +101,7 @@ def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int
         positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
         last_kept = torch.where(probs > 0, positions, -1).cummax(dim=-1).values  # [S, V]
         choice[sampled.rows] = last_kept.gather(1, idx).squeeze(1)
-    return choice.tolist()
+    return choice
 
 
 def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list[int]]:
@@ -84,3 +112,90 @@ def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list
     stops. The last emitted token is always the model's own.
     """
     return walk(draft, lambda node: choices[0 if node is None else 1 + node])
+
+
+@dataclass(frozen=True, slots=True)
+class TreeRows:
+    """Where each sampling request's tree sits among the step's kept rows (host arrays, int64).
+
+    Request j's root is kept row `roots[j]`, its draft node i is row `roots[j] + 1 + i`; its window
+    rows (if any) follow its tree and are listed in `window`.
+    """
+
+    roots: np.ndarray  # [S] kept row of each sampling request's root
+    node_rows: np.ndarray  # [N] kept row of every draft node of the step
+    node_parent: np.ndarray  # [N] kept row of each node's parent (a root child: its root)
+    node_token: np.ndarray  # [N] the token each node carries
+    node_depth: np.ndarray  # [N] depth below the root (root children: 1)
+    node_request: np.ndarray  # [N] which sampling request (index into roots)
+    pair_node: np.ndarray  # [P] index into the nodes ...
+    pair_ancestor: np.ndarray  # [P] ... and one of its ancestors-or-self (as a node index)
+    window: np.ndarray  # [W] kept rows whose choice is returned as it is (window outputs)
+
+    @classmethod
+    def of(cls, trees: list[tuple[int, DraftTree | None, int]]) -> TreeRows:
+        """From (root row, draft, window rows after the tree) per sampling request."""
+        roots, rows, parents, tokens, depths, owners, pair_n, pair_a, window = ([] for _ in range(9))
+        first = 0  # node index of the request's first node
+        for j, (root, tree, num_window) in enumerate(trees):
+            roots.append(root)
+            n = 0 if tree is None else len(tree)
+            if n:
+                rows.append(np.arange(root + 1, root + 1 + n))
+                parents.append(np.array([root if q is None else root + 1 + q for q in tree.parents], np.int64))
+                tokens.append(np.array(tree.tokens, np.int64))
+                depths.append(np.array(tree.depths, np.int64))
+                owners.append(np.full(n, j, np.int64))
+                node, ancestor = np.nonzero(tree.mask)  # [n, n] ancestor-or-self
+                pair_n.append(node + first)
+                pair_a.append(ancestor + first)
+                first += n
+            if num_window:
+                window.append(np.arange(root + 1 + n, root + 1 + n + num_window))
+
+        def cat(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+        return cls(
+            np.array(roots, np.int64), cat(rows), cat(parents), cat(tokens), cat(depths), cat(owners),
+            cat(pair_n), cat(pair_a), cat(window),
+        )  # fmt: skip
+
+
+def accept(choices: torch.Tensor, tree: TreeRows) -> torch.Tensor:
+    """Greedy or sampled acceptance of every tree of the step, on the choices' device.
+
+    choices: [K] the model's token at each kept row. Returns [2 S + W] int64: each request's deepest
+    accepted row (its root where no node is accepted), the model's token after it (the bonus
+    token), then the window rows' tokens. Node i is accepted iff every node on its path carries
+    the token chosen at its parent; siblings carry distinct tokens, so the accepted nodes of a
+    tree form one path from its root and the deepest one ends it.
+    """
+    dev = choices.device
+    roots = torch.from_numpy(tree.roots).to(dev)
+    deepest = roots.clone()
+    if len(tree.node_rows):
+        k = len(choices)
+        node_rows, parent = torch.from_numpy(tree.node_rows).to(dev), torch.from_numpy(tree.node_parent).to(dev)
+        match = torch.from_numpy(tree.node_token).to(dev) == choices[parent]  # [N]
+        pair_node, pair_ancestor = (torch.from_numpy(a).to(dev) for a in (tree.pair_node, tree.pair_ancestor))
+        misses = torch.zeros(len(node_rows), dtype=torch.int64, device=dev)
+        misses.index_add_(0, pair_node, (~match[pair_ancestor]).long())  # [N] mismatches on each node's path
+        depth = torch.from_numpy(tree.node_depth).to(dev)
+        key = torch.where(misses == 0, depth * k + node_rows, -1)  # deeper wins; a root's key is its row
+        deepest = deepest.scatter_reduce(0, torch.from_numpy(tree.node_request).to(dev), key, "amax")
+        deepest = deepest % k
+    window = choices[torch.from_numpy(tree.window).to(dev)]
+    return torch.cat((deepest, choices[deepest], window))
+
+
+def accepted_path(tree: DraftTree | None, root: int, deepest: int) -> list[int]:
+    """The accepted node indices, root first, from the deepest accepted kept row."""
+    node = deepest - root - 1 if deepest != root else None
+    path: list[int] = []
+    while node is not None:
+        assert tree is not None
+        path.append(node)
+        node = tree.parents[node]
+    path.reverse()
+    return path

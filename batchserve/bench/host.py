@@ -1,0 +1,158 @@
+"""The host side of a step, measured alone: the engine driven by a stand-in forward that costs
+nothing, so what is left of a step is schedule + prepare + verify + commit.
+
+On a GPU the forward of a replayed step costs a few milliseconds; the host work around it then
+decides the step's speed. A stand-in model that answers every kept row at once (no layers, no
+attention) leaves exactly that work on the clock, on any machine. Its answer follows a bigram
+table built from the prompts (the next token after a row's input is the one that followed it
+last in the prompts), so outputs copy prompt text and the drafts are accepted as on real
+copy-heavy workloads: the tree walks, compactions and trie updates all run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from batchserve.request import SamplingParams
+from batchserve.scheduler import SchedulerOutput, StepPhases
+
+HOST_PHASES = ("schedule", "prepare", "verify", "commit")
+
+
+class StandInModel(nn.Module):
+    """A model with the runner's interface whose forward does no model work: the logits of every
+    kept row are one-hot at `successor[input token]`, except at every `break_every`-th position,
+    where the text breaks off (another token: no draft copies past it, as a real model's answers
+    leave the text they copy now and then). One layer's worth of shape facts (a small KV pool)."""
+
+    native = True  # the runner calls it directly, with the step's attention metadata
+    cpu_weights = "-"
+
+    def __init__(
+        self, successor: torch.Tensor, break_every: int = 4, num_kv_heads: int = 1, head_dim: int = 16
+    ) -> None:
+        super().__init__()
+        self.break_every = break_every
+        vocab = len(successor)
+        self.register_buffer("successor", successor.long())  # [V]
+        self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # the device and dtype the runner reads
+        self.config = SimpleNamespace(
+            model_type="llama",
+            vocab_size=vocab,
+            hidden_size=num_kv_heads * head_dim,
+            num_attention_heads=num_kv_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_hidden_layers=1,
+            max_position_embeddings=1 << 16,
+            eos_token_id=None,
+        )
+        self.generation_config = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_to_keep: torch.Tensor,
+        attn_metadata: Any,
+        use_cache: bool = False,
+    ) -> SimpleNamespace:
+        kept = input_ids[0, logits_to_keep]  # [K]
+        pos = position_ids[0, logits_to_keep]  # [K]
+        vocab = self.config.vocab_size
+        nxt = torch.where(pos % self.break_every == 0, (kept * 7 + pos) % vocab, self.successor[kept])  # [K]
+        logits = torch.zeros(len(kept), vocab)  # [K, V]
+        logits[torch.arange(len(kept)), nxt] = 1.0
+        return SimpleNamespace(logits=logits[None])  # [1, K, V]
+
+
+def bigram_successor(prompts: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """[V] the token that last followed each token in `prompts`; t + 1 for tokens never followed."""
+    successor = (torch.arange(vocab) + 1) % vocab
+    for ids in prompts:
+        if len(ids) > 1:
+            successor[torch.tensor(ids[:-1])] = torch.tensor(ids[1:])
+    return successor
+
+
+class HostStats(NamedTuple):
+    """Host milliseconds per step (medians over steps with every seat taken)."""
+
+    requests: int  # requests in flight in the measured steps
+    steps: int  # steps measured
+    phase_ms: dict[str, float]  # median ms per step of each host phase
+    host_ms: float  # median of schedule + prepare + verify + commit per step
+    rows: float  # mean rows per step (roots, draft nodes)
+    tokens_per_step: float  # mean tokens a request emitted per step
+
+
+@dataclass(slots=True)
+class _Steps:
+    seats: int
+    phases: list[StepPhases]
+    rows: list[int]
+
+    def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
+        # Full steps only, without a prompt chunk: the steady state a replayed step serves.
+        if len(out.requests) == self.seats and all(len(r.token_ids) == 1 for r in out.requests):
+            self.phases.append(phases)
+            self.rows.append(out.num_tokens)
+
+
+def measure_host(
+    core: Any, prompts: Sequence[Sequence[int]], requests: int, max_new_tokens: int, decoding_length: int | None = None
+) -> HostStats:
+    """Run `prompts` through `core` (an EngineCore over a StandInModel) `requests` at a time, each
+    to `max_new_tokens`, and report the host phases of the full steps."""
+    seen = _Steps(requests, [], [])
+    core.step_listeners.append(seen.add)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, decoding_length=decoding_length)
+    queue = list(prompts)
+    emitted = 0
+    try:
+        while queue or core.has_work():
+            while queue and len(core.scheduler.requests) < requests:
+                core.add_request(list(queue.pop(0)), params)
+            emitted += sum(len(o.new_token_ids) for o in core.step())
+    finally:
+        core.step_listeners.remove(seen.add)
+    if not seen.phases:
+        raise ValueError(f"no step ran {requests} requests at once: give at least {requests} prompts")
+    phase_ms = {n: statistics.median(getattr(p, n) for p in seen.phases) * 1e3 for n in HOST_PHASES}
+    host = statistics.median(sum(getattr(p, n) for n in HOST_PHASES) for p in seen.phases) * 1e3
+    tokens = sum(p.tokens for p in seen.phases) / (len(seen.phases) * requests)
+    return HostStats(requests, len(seen.phases), phase_ms, host, statistics.fmean(seen.rows), tokens)
+
+
+def stand_in_engine(
+    prompts: Sequence[Sequence[int]], tokenizer: Any, vocab: int, seats: int, decoding_length: int
+) -> Any:
+    """An EngineCore over a StandInModel (trie drafts, fixed decoding length, a pool for `seats`)."""
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from batchserve.engine import EngineCore
+
+    config = EngineConfig(
+        model=ModelConfig(attention_backend="torch"),
+        cache=CacheConfig(block_size=16, num_blocks=max(256, seats * 96)),
+        scheduler=SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=max(512, seats * (decoding_length + 1))),
+        draft=DraftConfig(decoding_length=decoding_length, adaptive=False),
+    )
+    return EngineCore(config, StandInModel(bigram_successor(prompts, vocab)), tokenizer)
+
+
+def time_host(
+    prompts: Sequence[Sequence[int]], tokenizer: Any, vocab: int, points: Sequence[tuple[int, int]], max_new_tokens: int
+) -> list[HostStats]:
+    """HostStats at each (requests, decoding length) point, each on a fresh engine."""
+    out = []
+    for requests, length in points:
+        core = stand_in_engine(prompts, tokenizer, vocab, requests, length)
+        out.append(measure_host(core, prompts, requests, max_new_tokens))
+    return out
