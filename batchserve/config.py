@@ -22,6 +22,7 @@ CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4_1")  # batchs
 # See batchserve.attention.resolve_backend.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch")
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
+CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.build.graphs_mode
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths
 FIXED_DECODING_LENGTH = 16  # the default length when every request drafts the same
 
@@ -61,8 +62,16 @@ class ModelConfig:
         " batch-invariantly, else float32",
         choices=CPU_WEIGHTS,
     )
+    cuda_graphs: str = setting(
+        "auto",
+        "steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket (on; auto:"
+        " where the model runs natively on CUDA); eager: the same bucketed static-buffer steps without capture (any"
+        " device); off: every step at its own size",
+        choices=CUDA_GRAPHS,
+    )
 
     def __post_init__(self) -> None:
+        check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         check_choice("dtype", self.dtype, MODEL_DTYPES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,10 @@ import torch
 
 from batchserve.attention import make_backend, resolve_backend
 from batchserve.config import EngineConfig
+from batchserve.runner.graphs import CaptureReport, StepGraphs
 from batchserve.runner.runner import ModelRunner
+
+logger = logging.getLogger("batchserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,8 @@ class ModelFacts:
     probe_block: int  # one more block, outside that pool: scratch K/V for the device probe
     attention_backend: str  # the resolved backend ("torch" or "flashinfer")
     eos_token_ids: frozenset[int]
+    graphs: str = "off"  # the resolved cuda_graphs mode: on (captured), eager or off
+    capture: CaptureReport | None = None  # what capturing the graphs took (mode `on`)
 
 
 def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[ModelRunner, ModelFacts]:
@@ -45,7 +51,9 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
     backend = make_backend(
         backend_name,
         num_layers=mc.num_hidden_layers,
-        num_blocks=num_blocks + 1,  # the last one is the probe's (EngineCore.device_works)
+        # Two blocks past the scheduler's pool: the device probe's (EngineCore.device_works) and the
+        # scratch block that padding rows of bucketed steps write to.
+        num_blocks=num_blocks + 2,
         block_size=config.cache.block_size,
         num_qo_heads=mc.num_attention_heads,
         num_kv_heads=num_kv_heads,
@@ -54,15 +62,65 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
         device=param.device,
         sm_scale=attention_scale(model),
     )
+    max_model_len = config.model.max_model_len or mc.max_position_embeddings
+    backend.max_model_len = max_model_len
+    mode = graphs_mode(config.model.cuda_graphs, param.device, getattr(model, "native", False))
+    graphs = None
+    if mode != "off":
+        sc = config.scheduler
+        graphs = StepGraphs.for_settings(
+            model,
+            backend,
+            num_blocks + 1,
+            graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, config),
+            sc.max_num_seqs,
+        )
+    runner = ModelRunner(model, backend, config.model.cpu_linear, graphs)
+    capture = None
+    if mode == "on":
+        assert graphs is not None
+        logger.info("capturing CUDA graphs for %d step buckets", len(graphs.all_buckets()))
+        capture = graphs.capture()
+        logger.info(
+            "CUDA graphs: %d captured in %.1f s, %.0f MiB of device memory",
+            capture.graphs,
+            capture.seconds,
+            capture.bytes / 2**20,
+        )
     facts = ModelFacts(
         vocab_size=mc.vocab_size,
-        max_model_len=config.model.max_model_len or mc.max_position_embeddings,
+        max_model_len=max_model_len,
         num_blocks=num_blocks,
         probe_block=num_blocks,
         attention_backend=backend_name,
         eos_token_ids=eos_token_ids(model, tokenizer),
+        graphs=mode,
+        capture=capture,
     )
-    return ModelRunner(model, backend, config.model.cpu_linear), facts
+    return runner, facts
+
+
+def graphs_mode(setting: str, device: torch.device, native: bool) -> str:
+    """`on`, `eager` or `off` for the cuda_graphs setting: auto is on for the native model on CUDA
+    (the forward whose Python makes no data-dependent decision), off elsewhere. `on` where no
+    graph can be captured is an error."""
+    if setting == "auto":
+        return "on" if device.type == "cuda" and native else "off"
+    if setting == "on" and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=on needs a CUDA device, the model is on {device} (eager runs the same steps)")
+    if setting == "on" and not native:
+        raise ValueError("cuda_graphs=on needs the native model (model_impl native or auto)")
+    return setting
+
+
+def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, config: EngineConfig) -> int:
+    """The most rows a step without a prompt chunk can have: every seat's root, draft and window
+    rows, within the step's token budget (a larger step runs eagerly)."""
+    d = config.draft
+    per_request = 1 + (d.decoding_length if d.method != "none" else 0)
+    if d.method in ("jacobi", "hybrid"):  # the window's rows and the pooled n-grams' nodes
+        per_request += (d.ngram_size - 1) * (d.window_size + d.guesses)
+    return max(1, min(max_num_batched_tokens, max_num_seqs * per_request))
 
 
 def kv_blocks_for_memory(

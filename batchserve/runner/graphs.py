@@ -137,7 +137,10 @@ class StepGraphs:
     scratch_block: int  # a pool block outside every request's: the padding rows' K/V
     rows: tuple[int, ...]  # row buckets
     requests: tuple[int, ...]  # request buckets
-    input_ids: torch.Tensor = field(init=False)  # [max rows] int64, and so on
+    max_rows: int = 0  # the largest step the settings allow (0: the largest row bucket)
+    max_requests: int = 0  # the most requests in a step (0: the largest request bucket)
+    _inputs: torch.Tensor = field(init=False)  # [4, max rows] int64 on the device: the four below
+    input_ids: torch.Tensor = field(init=False)  # [max rows] int64 (views of _inputs)
     positions: torch.Tensor = field(init=False)
     slot_mapping: torch.Tensor = field(init=False)
     keep: torch.Tensor = field(init=False)
@@ -158,7 +161,8 @@ class StepGraphs:
         cls, model: Any, backend: AttentionBackend, scratch_block: int, max_rows: int, max_requests: int
     ) -> StepGraphs:
         device = next(model.parameters()).device
-        return cls(model, backend, device, scratch_block, row_buckets(max_rows), request_buckets(max_requests))
+        rows, requests = row_buckets(max_rows), request_buckets(max_requests)
+        return cls(model, backend, device, scratch_block, rows, requests, max_rows, max_requests)
 
     def bucket_for(self, layout: StepLayout) -> StepBucket | None:
         """The bucket a step pads to; None where it has a prompt chunk or exceeds every bucket."""
@@ -173,13 +177,15 @@ class StepGraphs:
     def all_buckets(self) -> list[StepBucket]:
         """Every bucket `bucket_for` can return, largest first (captures share memory best that way)."""
         out = []
+        top_rows, top_requests = self.max_rows or self.rows[-1], self.max_requests or self.requests[-1]
         for i, rows in enumerate(self.rows):
             rows_after = self.rows[i - 1] if i else 0  # a step in this bucket has more rows than this
             for j, requests in enumerate(self.requests):
                 requests_after = self.requests[j - 1] if j else 0
-                if requests_after + 1 < rows:  # some n <= requests requests with more rows than n
-                    out.append(StepBucket(rows, requests, tree=True))
-                if max(rows_after, requests_after) < min(rows, requests):  # n rows, one per request
+                most_rows, most_requests = min(rows, top_rows), min(requests, top_requests)
+                if requests_after < most_requests and requests_after + 1 < most_rows and rows_after < most_rows:
+                    out.append(StepBucket(rows, requests, tree=True))  # n requests, more rows than n
+                if max(rows_after, requests_after) < min(most_rows, most_requests):  # n rows, one per request
                     out.append(StepBucket(rows, requests, tree=False))
         return sorted(out, key=lambda b: (b.rows, b.requests, b.tree), reverse=True)
 
@@ -260,7 +266,7 @@ class StepGraphs:
 def filler_layout(bucket: StepBucket, scratch_block: int, block_size: int) -> StepLayout:
     """A step of the bucket's shape made of padding alone (capture and its warm-up): one-row
     requests over the scratch block, then the remaining rows as the padding request."""
-    reqs = min(bucket.requests, bucket.rows - 1 if bucket.tree else bucket.rows)
+    reqs = min(bucket.requests, bucket.rows - 2 if bucket.tree else bucket.rows)  # a tree: a 2+ row request
     pad = bucket.rows - reqs
     blocks = -(-pad // block_size)
     q_len = np.array([1] * reqs + [pad] * (pad > 0), np.int64)

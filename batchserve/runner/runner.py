@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from batchserve.attention.base import AttentionBackend
 from batchserve.request import SamplingParams
-from batchserve.runner.batch import BlockTables, pack
+from batchserve.runner.batch import BlockTables, PackedStep, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.graphs import StepGraphs
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, apply_token_masks, choose_on_device
@@ -105,27 +106,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         self.release(out.finished_request_ids)
-        bs = self.backend.block_size
-        step = pack(out.requests, self._tables, bs)
+        step = pack(out.requests, self._tables, self.backend.block_size)
         self.backend.seconds = 0.0
-        bucket = self.graphs.bucket_for(step.layout) if self.graphs is not None else None
-        if bucket is not None:
-            assert self.graphs is not None
-            metadata, kept = self.graphs.prepare(step, bucket)
-            t1 = time.perf_counter()
-            logits = self.graphs.forward(bucket, metadata, kept)  # [K, V]; replayed where captured
-        else:
-            ids, pos, slots, keep = self._to_device(step.input_ids, step.positions, step.slot_mapping, step.keep)
-            metadata = self.backend.build_metadata(step.layout, slots)
-            t1 = time.perf_counter()
-            logits = self.model(
-                input_ids=ids[None],
-                position_ids=pos[None],
-                use_cache=False,
-                logits_to_keep=keep,
-                attn_metadata=metadata,
-            ).logits[0]  # [K, V]
-        # Host work the kernels do not wait for (on CUDA they are still running): counted as prepare.
+        launch, t1 = self._launch(step)
+        logits = launch()  # [K, V]; on CUDA the kernels are queued and still running
+        # Host work the kernels do not wait for: counted as prepare.
         t_host = time.perf_counter()
         sampling = [(i, r) for i, r in enumerate(out.requests) if r.sample]
         trees = TreeRows.of(
@@ -143,12 +128,40 @@ class ModelRunner:
         # Token choice and acceptance on the logits' device; the step's one device-to-host copy.
         result = accept(choose_on_device(logits, sampled), trees).tolist() if sampling else []
         t2 = time.perf_counter()
+        output = self._emit(sampling, step, result)
+        phases = output.phases
+        phases.prepare, phases.forward = t1 - t0 + host, t2 - t1 - host - grammar
+        phases.verify = time.perf_counter() - t2 + grammar
+        phases.attention = self.backend.seconds if self.backend.timed else None
+        phases.grammar = grammar
+        return output
 
-        s = len(sampling)
+    def _launch(self, step: PackedStep) -> tuple[Callable[[], torch.Tensor], float]:
+        """Stage the step's inputs and plan its attention; returns (a call that runs the forward
+        and gives the kept rows' logits [K, V], the time staging ended). A step without a prompt
+        chunk goes through its bucket's static buffers (a graph replay where captured)."""
+        bucket = self.graphs.bucket_for(step.layout) if self.graphs is not None else None
+        if bucket is not None:
+            graphs = self.graphs
+            assert graphs is not None
+            metadata, kept = graphs.prepare(step, bucket)
+            return (lambda: graphs.forward(bucket, metadata, kept)), time.perf_counter()
+        ids, pos, slots, keep = self._to_device(step.input_ids, step.positions, step.slot_mapping, step.keep)
+        metadata = self.backend.build_metadata(step.layout, slots)
+
+        def forward() -> torch.Tensor:
+            kwargs = {"use_cache": False, "logits_to_keep": keep, "attn_metadata": metadata}
+            return self.model(input_ids=ids[None], position_ids=pos[None], **kwargs).logits[0]
+
+        return forward, time.perf_counter()
+
+    def _emit(self, sampling: list[tuple[int, ScheduledRequest]], step: PackedStep, result: list[int]) -> RunnerOutput:
+        """The host's share of verification: each request's accepted path and tokens from the
+        step's copied result ([deepest row] * S, [bonus token] * S, window tokens), the KV
+        compaction of accepted nodes, and the uniforms the sampled tokens used."""
+        s, bs = len(sampling), self.backend.block_size
         deepest, bonus, windows = result[:s], result[s : 2 * s], result[2 * s :]
-        emitted: dict[str, list[int]] = {}
-        accepted_nodes: dict[str, list[int]] = {}
-        window_outputs: dict[str, list[int]] = {}
+        out = RunnerOutput(emitted={}, accepted={}, phases=StepPhases())
         moves: list[tuple[int, int, int]] = []  # (request, from KV index, to KV index)
         consumed: list[tuple[str, int]] = []  # (sampling request, uniforms its emitted tokens used)
         w = 0
@@ -157,13 +170,13 @@ class ModelRunner:
             tokens = [r.draft.tokens[node] for node in accepted] if r.draft is not None else []
             tokens.append(bonus[j])
             if r.window is not None:  # kept after the tree: the window's output rows, argmax
-                window_outputs[r.request_id] = windows[w : w + r.window.num_outputs]
+                out.window_outputs[r.request_id] = windows[w : w + r.window.num_outputs]
                 w += r.window.num_outputs
-            emitted[r.request_id] = tokens
-            accepted_nodes[r.request_id] = accepted
+            out.emitted[r.request_id] = tokens
+            out.accepted[r.request_id] = accepted
             if not r.params.greedy:
                 consumed.append((r.request_id, len(tokens)))
-            # Compaction: accepted node i sits at KV index base + i; it belongs at base + j.
+            # Compaction: accepted node i sits at KV index base + i; it belongs at base + k.
             base = r.num_computed_tokens + len(r.token_ids)
             moves.extend((i, base + node, base + k) for k, node in enumerate(accepted) if node != k)
         if moves:
@@ -173,11 +186,7 @@ class ModelRunner:
         # Only now, with nothing left to raise: a retried step must find the same uniforms.
         for rid, n in consumed:
             del self._uniforms[rid][:n]
-        phases = StepPhases(prepare=t1 - t0 + host, forward=t2 - t1 - host - grammar, verify=time.perf_counter() - t2)
-        phases.attention = self.backend.seconds if self.backend.timed else None
-        phases.grammar = grammar
-        phases.verify += grammar
-        return RunnerOutput(emitted=emitted, accepted=accepted_nodes, phases=phases, window_outputs=window_outputs)
+        return out
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Host int64 arrays as device tensors: zero-copy on CPU, one pinned copy on CUDA."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from batchserve import SamplingParams
 from batchserve.draft.tree import DraftTree
 from batchserve.request import MAX_INT32
-from batchserve.runner.sampler import SampledRows, choose_tokens, verify, warp_rows
+from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, choose_tokens, verify, warp_rows
 from tests.conftest import TINY_VOCAB, tiny_llm
 from tests.engine.test_sampling import reference_probs
 
@@ -76,3 +78,62 @@ def test_verify_follows_the_models_choices_down_the_tree():
     assert verify(tree, [5, 6, 9, 0, 0]) == ([5, 6, 9], [0, 1])
     assert verify(tree, [7, 0, 0, 3, 0]) == ([7, 3], [2])
     assert verify(None, [4]) == ([4], [])
+
+
+def _random_tree(rng: random.Random, n: int) -> DraftTree:
+    """n nodes in topological order, siblings with distinct tokens from a small vocabulary."""
+    tokens: list[int] = []
+    parents: list[int | None] = []
+    used: dict[int | None, set[int]] = {}
+    while len(tokens) < n:
+        parent = rng.choice([None, *range(len(tokens))])
+        free = [t for t in range(6) if t not in used.setdefault(parent, set())]
+        if not free:
+            continue
+        token = rng.choice(free)
+        used[parent].add(token)
+        tokens.append(token)
+        parents.append(parent)
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def test_acceptance_on_the_device_equals_the_walk_down_each_tree():
+    rng = random.Random(0)
+    for _ in range(200):
+        requests = []  # (root row, tree, window rows)
+        row = 0
+        for _ in range(rng.randint(1, 6)):
+            tree = _random_tree(rng, rng.randint(1, 12)) if rng.random() < 0.8 else None
+            window = rng.choice([0, 0, 3])
+            requests.append((row, tree, window))
+            row += 1 + (len(tree) if tree else 0) + window
+        # Choices from the same small vocabulary, so that long paths are accepted often.
+        choices = [rng.randrange(6) for _ in range(row)]
+        result = accept(torch.tensor(choices), TreeRows.of(requests)).tolist()
+        s = len(requests)
+        windows = result[2 * s :]
+        w = 0
+        for j, (root, tree, window) in enumerate(requests):
+            verified = 1 + (len(tree) if tree else 0)
+            tokens, nodes = verify(tree, choices[root : root + verified])
+            assert accepted_path(tree, root, result[j]) == nodes
+            path_tokens = [tree.tokens[i] for i in nodes] if tree else []
+            assert [*path_tokens, result[s + j]] == tokens
+            assert windows[w : w + window] == choices[root + verified : root + verified + window]
+            w += window
+
+
+def test_warping_with_the_hosts_cut_sizes_equals_reading_them_from_the_device():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 300, generator=gen)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5])
+    top_k = torch.tensor([0, 5, 300, 40, 1000])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0])
+    read = warp_rows(logits, temperature, top_k, top_p)
+    told = warp_rows(logits, temperature, top_k, top_p, max_top_k=40, any_top_p=True)
+    assert torch.equal(read, told)
+    # No row cuts by top-p: the host says so and the sort is skipped, with the same result.
+    ones = torch.ones(5)
+    assert torch.equal(
+        warp_rows(logits, temperature, top_k, ones), warp_rows(logits, temperature, top_k, ones, 40, False)
+    )
