@@ -72,6 +72,7 @@ class EngineCore:
         self.vocab_size = facts.vocab_size
         self.max_model_len = facts.max_model_len
         self.attention_backend = facts.attention_backend
+        self.graphs, self.graphs_report = facts.graphs, facts.capture  # cuda_graphs as resolved; what capture took
         self.eos_token_ids = facts.eos_token_ids
         self._probe_block = facts.probe_block
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from batchserve.attention.base import AttentionBackend, StepLayout
+from batchserve.attention.flashinfer_backend import PagedPlan, build_plan
 from batchserve.request import SamplingParams
 from batchserve.scheduler import SchedulerOutput, StepPhases
 
@@ -28,18 +30,25 @@ HOST_PHASES = ("schedule", "prepare", "verify", "commit")
 
 class StandInModel(nn.Module):
     """A model with the runner's interface whose forward does no model work: the logits of every
-    kept row are one-hot at `successor[input token]`, except at every `break_every`-th position,
-    where the text breaks off (another token: no draft copies past it, as a real model's answers
-    leave the text they copy now and then). One layer's worth of shape facts (a small KV pool)."""
+    kept row are one-hot at `successor[input token]`, except that at one (position, token) pair in
+    `break_every` (a fixed hash) the text jumps to another token of `jumps` (the prompts' tokens): a
+    draft copying the text misses there, as a real model's answers leave the text they copy now and
+    then, and copying resumes from the new place. One layer's worth of shape facts (a small KV pool)."""
 
     native = True  # the runner calls it directly, with the step's attention metadata
     cpu_weights = "-"
 
     def __init__(
-        self, successor: torch.Tensor, break_every: int = 4, num_kv_heads: int = 1, head_dim: int = 16
+        self,
+        successor: torch.Tensor,
+        jumps: torch.Tensor,
+        break_every: int = 3,
+        num_kv_heads: int = 1,
+        head_dim: int = 16,
     ) -> None:
         super().__init__()
         self.break_every = break_every
+        self.register_buffer("jumps", jumps.long())  # [J] where the text may jump to
         vocab = len(successor)
         self.register_buffer("successor", successor.long())  # [V]
         self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)  # the device and dtype the runner reads
@@ -66,9 +75,10 @@ class StandInModel(nn.Module):
     ) -> SimpleNamespace:
         kept = input_ids[0, logits_to_keep]  # [K]
         pos = position_ids[0, logits_to_keep]  # [K]
-        vocab = self.config.vocab_size
-        nxt = torch.where(pos % self.break_every == 0, (kept * 7 + pos) % vocab, self.successor[kept])  # [K]
-        logits = torch.zeros(len(kept), vocab)  # [K, V]
+        nxt = self.successor[kept]  # [K]
+        h = pos * 7919 + kept * 104729  # [K] a fixed hash of (position, token)
+        nxt = torch.where(h % self.break_every == 0, self.jumps[(h // self.break_every) % len(self.jumps)], nxt)
+        logits = torch.zeros(len(kept), self.config.vocab_size)  # [K, V]
         logits[torch.arange(len(kept)), nxt] = 1.0
         return SimpleNamespace(logits=logits[None])  # [1, K, V]
 
@@ -80,6 +90,26 @@ def bigram_successor(prompts: Sequence[Sequence[int]], vocab: int) -> torch.Tens
         if len(ids) > 1:
             successor[torch.tensor(ids[:-1])] = torch.tensor(ids[1:])
     return successor
+
+
+class PlanOnlyBackend(AttentionBackend):
+    """The host's share of a GPU step's attention: the step planned into FlashInfer's page table
+    and mask arrays (`build_plan`, what the GPU backend hands its planner), with no pool and no
+    kernel. The stand-in model never calls `forward`; compaction is device work (a no-op here)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> PagedPlan:
+        return build_plan(step, self.block_size)
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, scale: float
+    ) -> torch.Tensor:
+        raise RuntimeError("the stand-in model computes no attention")
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        pass
 
 
 class HostStats(NamedTuple):
@@ -134,17 +164,24 @@ def measure_host(
 def stand_in_engine(
     prompts: Sequence[Sequence[int]], tokenizer: Any, vocab: int, seats: int, decoding_length: int
 ) -> Any:
-    """An EngineCore over a StandInModel (trie drafts, fixed decoding length, a pool for `seats`)."""
+    """An EngineCore over a StandInModel (trie drafts, fixed decoding length, a pool for `seats`),
+    its steps bucketed as for CUDA graphs and planned as for FlashInfer (`PlanOnlyBackend`)."""
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
     from batchserve.engine import EngineCore
 
     config = EngineConfig(
-        model=ModelConfig(attention_backend="torch"),
+        # The bucketed steps a GPU replays: padding, staging and planning are host work too.
+        model=ModelConfig(attention_backend="torch", cuda_graphs="eager"),
         cache=CacheConfig(block_size=16, num_blocks=max(256, seats * 96)),
         scheduler=SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=max(512, seats * (decoding_length + 1))),
         draft=DraftConfig(decoding_length=decoding_length, adaptive=False),
     )
-    return EngineCore(config, StandInModel(bigram_successor(prompts, vocab)), tokenizer)
+    jumps = torch.tensor([t for ids in prompts for t in ids])
+    core = EngineCore(config, StandInModel(bigram_successor(prompts, vocab), jumps), tokenizer)
+    core.runner.backend = PlanOnlyBackend(config.cache.num_blocks + 2, config.cache.block_size)
+    if core.runner.graphs is not None:
+        core.runner.graphs.backend = core.runner.backend
+    return core
 
 
 def time_host(

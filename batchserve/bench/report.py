@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from batchserve.bench.host import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, method_rank, none_of
 from batchserve.scheduler import StepPhases
 
@@ -246,15 +247,16 @@ def phase_table(rows: list[Row]) -> list[str]:
         return []
     names = (*StepPhases.NAMES, "wall")
     out = [
-        "\nWhere a step goes (ms per engine step; overhead = (wall - forward) / wall; attention: the "
+        "\nWhere a step goes (ms per engine step; host: schedule + prepare + verify + commit, what the host adds "
+        "to every device step; overhead = (wall - forward) / wall; attention: the "
         "part of forward inside the attention backend, and its share of the wall; decode step: the "
         "mean wall of full-batch steps without a prompt chunk; grammar: time in structured output's "
         "matchers and masks, and its share of the wall; seated tok/s: tokens/s over the steps with "
         "every seat taken, the run without its ramp-up and tail):\n",
         "| method | batch | steps | "
         + " | ".join(names)
-        + " | overhead | attention | attention share | decode step | grammar | grammar share | seated tok/s |",
-        "|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|",
+        + " | host | overhead | attention | attention share | decode step | grammar | grammar share | seated tok/s |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(timed, key=lambda r: (r.batch_size, method_rank(r.method))):
         assert r.phase_ms is not None
@@ -272,7 +274,10 @@ def phase_table(rows: list[Row]) -> list[str]:
                 (r.seated_tokens_per_s, "{:.1f}"),
             )
         )
-        out.append(f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {r.overhead_ratio:.3f} | {extra} |")
+        host = sum(r.phase_ms[n] for n in HOST_PHASES)
+        out.append(
+            f"| {r.method} | {r.batch_size} | {r.steps} | {cells} | {host:.2f} | {r.overhead_ratio:.3f} | {extra} |"
+        )
     return out
 
 

@@ -15,9 +15,17 @@ MATCH_CAP = 32
 def ancestor_mask(parents: Sequence[int | None]) -> np.ndarray:
     """[n, n] bool: row i is True at node i's ancestors (the root excluded) and at i itself.
 
-    Nodes are in topological order; one vectorized pass per tree level, not one per node.
+    Nodes are in topological order. Up to 62 nodes each row is built as the bits of one integer
+    (its parent's and its own) and unpacked in one vectorized step; larger trees take one
+    vectorized pass per tree level.
     """
-    mask = np.eye(len(parents), dtype=bool)
+    n = len(parents)
+    if n <= 62:
+        bits: list[int] = []
+        for i, q in enumerate(parents):
+            bits.append(1 << i if q is None else bits[q] | 1 << i)
+        return ((np.array(bits, np.int64)[:, None] >> np.arange(n)) & 1).astype(bool)
+    mask = np.eye(n, dtype=bool)
     by_depth: list[tuple[list[int], list[int]]] = []  # per depth below the root's children: (nodes, parents)
     depth: list[int] = []
     for i, q in enumerate(parents):  # parents precede children

@@ -64,29 +64,9 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
     )
     max_model_len = config.model.max_model_len or mc.max_position_embeddings
     backend.max_model_len = max_model_len
-    mode = graphs_mode(config.model.cuda_graphs, param.device, getattr(model, "native", False))
-    graphs = None
-    if mode != "off":
-        sc = config.scheduler
-        graphs = StepGraphs.for_settings(
-            model,
-            backend,
-            num_blocks + 1,
-            graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, config),
-            sc.max_num_seqs,
-        )
+    mode, graphs = step_graphs(model, backend, config, scratch_block=num_blocks + 1)
     runner = ModelRunner(model, backend, config.model.cpu_linear, graphs)
-    capture = None
-    if mode == "on":
-        assert graphs is not None
-        logger.info("capturing CUDA graphs for %d step buckets", len(graphs.all_buckets()))
-        capture = graphs.capture()
-        logger.info(
-            "CUDA graphs: %d captured in %.1f s, %.0f MiB of device memory",
-            capture.graphs,
-            capture.seconds,
-            capture.bytes / 2**20,
-        )
+    capture = capture_graphs(graphs) if mode == "on" and graphs is not None else None
     facts = ModelFacts(
         vocab_size=mc.vocab_size,
         max_model_len=max_model_len,
@@ -98,6 +78,25 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
         capture=capture,
     )
     return runner, facts
+
+
+def step_graphs(model: Any, backend: Any, config: EngineConfig, scratch_block: int) -> tuple[str, StepGraphs | None]:
+    """The resolved cuda_graphs mode and, unless off, the bucketed steps' buffers."""
+    param = next(model.parameters())
+    mode = graphs_mode(config.model.cuda_graphs, param.device, getattr(model, "native", False))
+    if mode == "off":
+        return mode, None
+    sc = config.scheduler
+    rows = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, config)
+    return mode, StepGraphs.for_settings(model, backend, scratch_block, rows, sc.max_num_seqs)
+
+
+def capture_graphs(graphs: StepGraphs) -> CaptureReport:
+    logger.info("capturing CUDA graphs for %d step buckets", len(graphs.all_buckets()))
+    report = graphs.capture()
+    mib = report.bytes / 2**20
+    logger.info("CUDA graphs: %d captured in %.1f s, %.0f MiB of device memory", report.graphs, report.seconds, mib)
+    return report
 
 
 def graphs_mode(setting: str, device: torch.device, native: bool) -> str:

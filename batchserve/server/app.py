@@ -300,6 +300,9 @@ async def serve_forever(server: BatchServer, started: float | None = None) -> in
         loop.add_signal_handler(sig, on_signal, sig)
     port = await server.start()
     since = f" {time.monotonic() - started:.1f} s after start" if started is not None else ""
+    captured = server.engine.core.graphs_report
+    if captured is not None:
+        since += f" (CUDA graphs: {captured.graphs} in {captured.seconds:.1f} s, {captured.bytes / 2**20:.0f} MiB)"
     logger.info("READY: health SERVING on %s:%d%s; Ctrl-C drains and stops", server.config.host, port, since)
     signalled = asyncio.create_task(stop.wait())
     died = asyncio.create_task(server.engine.died.wait())

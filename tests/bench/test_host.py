@@ -1,0 +1,58 @@
+"""The host side of a step, timed with a stand-in forward that does no model work."""
+
+from __future__ import annotations
+
+import torch
+
+from batchserve.bench.host import (
+    HOST_PHASES,
+    PlanOnlyBackend,
+    StandInModel,
+    bigram_successor,
+    measure_host,
+    stand_in_engine,
+)
+from batchserve.bench.methods import Row
+from batchserve.bench.report import phase_table
+from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 200 + 1 for j in range(40)] for i in range(n)]
+
+
+def test_the_stand_in_answers_from_its_bigram_table_and_jumps_now_and_then():
+    successor = bigram_successor([[5, 9, 2], [9, 4]], 16)
+    assert successor[5] == 9 and successor[9] == 4 and successor[2] == 3  # the last seen follower; else t + 1
+    model = StandInModel(successor, torch.tensor([7]), break_every=1_000_000)
+    ids = torch.tensor([[5, 9, 5, 9]])
+    logits = model(ids, torch.tensor([[1, 2, 3, 4]]), torch.tensor([0, 1, 3]), None).logits[0]
+    assert logits.shape == (3, 16)
+    assert logits.argmax(-1).tolist() == [9, 4, 4]
+    jumping = StandInModel(successor, torch.tensor([7]), break_every=1)  # every row jumps
+    logits = jumping(ids, torch.tensor([[1, 2, 3, 4]]), torch.tensor([0, 1, 3]), None).logits[0]
+    assert logits.argmax(-1).tolist() == [7, 7, 7]
+
+
+def test_host_phases_are_measured_over_full_steps_with_trees():
+    prompts = _prompts(12)
+    tokenizer = make_tiny_tokenizer()
+    for requests, length in ((1, 8), (4, 6)):
+        core = stand_in_engine(prompts, tokenizer, TINY_VOCAB, requests, length)
+        stats = measure_host(core, prompts, requests, max_new_tokens=24)
+        assert stats.requests == requests and stats.steps >= 5
+        assert set(stats.phase_ms) == set(HOST_PHASES) and all(t > 0 for t in stats.phase_ms.values())
+        assert stats.host_ms > 0
+        assert stats.rows > requests  # draft nodes were verified ...
+        assert stats.tokens_per_step > 1  # ... and accepted (the outputs copy the prompts)
+        assert isinstance(core.runner.backend, PlanOnlyBackend)  # planned as for FlashInfer, no kernel ran
+
+
+def test_the_bench_phase_table_shows_the_host_side():
+    row = Row("lookahead", "humaneval", 16, 8, 100, 1.0, 100.0, 2.0, 0.1, 0.1, 0.01, 0.01, True, steps=50)
+    row.phase_ms = {"schedule": 1.0, "prepare": 0.5, "forward": 10.0, "verify": 0.25, "commit": 0.25, "wall": 12.0}
+    row.overhead_ratio = 2.0 / 12.0
+    lines = phase_table([row])
+    header = [c.strip() for c in lines[1].split("|")]
+    cells = [c.strip() for c in lines[3].split("|")]
+    assert cells[header.index("host")] == "2.00"  # schedule + prepare + verify + commit
