@@ -12,6 +12,7 @@ import torch
 from batchserve.bench.host import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, method_rank, none_of
 from batchserve.scheduler import StepPhases
+from batchserve.scheduler.cost_profile import CostProfile
 
 
 def save_results(rows: list[Row], out_dir: Path) -> None:
@@ -138,12 +139,16 @@ def write_report(
     keep: str = "fastest",
     waves: int = 0,
     skipped: str = "",
+    profiles: dict[str, CostProfile] | None = None,
 ) -> None:
     """DIR/report.md: per dataset, the method table, the adaptive summary and the phase table;
-    `skipped`: a line on an optional peer the run went without, and why."""
+    `skipped`: a line on an optional peer the run went without, and why; `profiles`: the cost
+    profiles the adaptive methods sized their drafts by (by kernels), as a draft row's price."""
     lines = [_header(num_prompts, max_new, decoding_length, repeats, keep, waves)]
     if skipped:
         lines.append(f"{skipped}\n")
+    for kernels, profile in (profiles or {}).items():
+        lines.extend(row_price_table(profile, kernels))
     for dataset in dict.fromkeys(r.dataset for r in rows):
         everything = [r for r in rows if r.dataset == dataset]
         rs = [r for r in everything if r.request_rate is None]
@@ -237,6 +242,31 @@ def adaptive_summary(rows: list[Row]) -> list[str]:
             f"{ada.tokens_per_s / best.tokens_per_s:.2f}x | {ada.tokens_per_s / none.tokens_per_s:.2f}x | "
             f"{ada.mean_decoding_length or 0:.1f} |"
         )
+    return out
+
+
+# Row counts the price table shows: the CUDA graphs' small row buckets (runner/graphs.py).
+PRICE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def row_price_table(profile: CostProfile, kernels: str = "", context: int = 512) -> list[str]:
+    """What the adaptive length sees a step cost: ms per step at each row bucket (one request,
+    `context` keys) and the price of a row past one, per row: on a GPU, of replayed steps."""
+    counts = [n for n in PRICE_ROWS if n <= profile.token_counts[-1]]
+    if not counts:
+        return []
+    ms = [profile.time_ms(n, context) for n in counts]
+    name = f" ({kernels})" if kernels else ""
+    out = [
+        f"\nThe cost profile{name} the adaptive length sizes drafts by ({profile.key}; one request, {context} "
+        "keys): ms per step at each row count, and what each row past the first adds:\n",
+        "| rows | " + " | ".join(str(n) for n in counts) + " |",
+        "|---|" + "---|" * len(counts),
+        "| step ms | " + " | ".join(f"{t:.2f}" for t in ms) + " |",
+        "| ms per extra row | - | "
+        + " | ".join(f"{(t - ms[0]) / (n - 1):.3f}" for n, t in zip(counts[1:], ms[1:]))
+        + " |",
+    ]
     return out
 
 

@@ -249,6 +249,7 @@ def run(
     for dataset in datasets:
         _dataset_rows(s, dataset, num_prompts, count, rates, rows, out_dir)
     bar.close()
-    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped)
+    by_kernels = {"-".join(str(k) for k in kernels if k): p for kernels, p in profiles.items()}
+    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped, by_kernels)
     plot(rows, out_dir / "throughput.png")
     return rows

@@ -56,3 +56,19 @@ def test_the_bench_phase_table_shows_the_host_side():
     header = [c.strip() for c in lines[1].split("|")]
     cells = [c.strip() for c in lines[3].split("|")]
     assert cells[header.index("host")] == "2.00"  # schedule + prepare + verify + commit
+
+
+def test_the_report_prices_a_draft_row_per_bucket_from_the_cost_profile():
+    from batchserve.bench.report import row_price_table
+    from batchserve.scheduler.cost_profile import CostProfile
+
+    # A flat step up to 8 rows, then 0.5 ms a row: a GPU whose spare FLOPs run out at 8 rows.
+    counts = (1, 8, 16, 32)
+    profile = CostProfile("gpu", counts, (0, 1024), ((2.0, 2.0, 6.0, 14.0), (2.0, 2.0, 6.0, 14.0)))
+    lines = row_price_table(profile, "bf16")
+    header = [c.strip() for c in lines[1].split("|")][1:-1]
+    step = [c.strip() for c in lines[3].split("|")][1:-1]
+    extra = [c.strip() for c in lines[4].split("|")][1:-1]
+    assert header[1:] == ["1", "2", "4", "8", "12", "16", "24", "32"]  # the buckets the profile covers
+    assert step[header.index("8")] == "2.00" and step[header.index("16")] == "6.00"
+    assert extra[header.index("8")] == "0.000" and extra[header.index("32")] == f"{12.0 / 31:.3f}"
