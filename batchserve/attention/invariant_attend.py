@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from batchserve.attention.invariant_plan import KEY_TILE
+from batchserve.threads import rows_whole
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +264,8 @@ def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float) -> torch.Te
     weights = sc.weights.add_(g.hidden)  # [Hkv, B, P, Lk]
     if not exact_scale:
         weights.mul_(scale)
-    weights.sub_(weights.amax(-1, keepdim=True)).exp_()
+    with rows_whole(kv_heads * b * weights.shape[2], weights.shape[3]):  # exp: each row on one thread
+        weights.sub_(weights.amax(-1, keepdim=True)).exp_()
     if sc.by_granule is not None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
         t = sc.by_granule
         torch.index_select(pool.value_granules, 1, t.granules, out=t.values)

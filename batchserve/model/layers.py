@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchserve.threads import rows_whole
+
 
 class RMSNorm(nn.Module):
     """RMSNorm with the residual add fused in: `norm(x)` -> normed; `norm(x, residual)` ->
@@ -170,11 +172,14 @@ def packed_products_invariant(layer_class: type[PackedLinear] = PackedLinear) ->
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up over a merged [T, 2I] gate|up output -> [T, I]."""
+    """silu(gate) * up over a merged [T, 2I] gate|up output -> [T, I], on as many threads as split
+    it at whole rows (`batchserve.threads`): a row's bits depend on no other row, nor on the
+    thread count."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        with rows_whole(gate.shape[0], gate.shape[1]):
+            return F.silu(gate) * up
 
 
 class Rotary(nn.Module):

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from batchserve.draft.tree import DraftTree, walk
+from batchserve.threads import torch_threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,20 @@ def warp_rows(
 ) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, row by row. [S, V] -> [S, V] float32.
     `max_top_k` (the largest cut among the rows, 0 for none) and `any_top_p` come from the host's
-    parameters; without `max_top_k` it is read from `top_k` (a device-to-host copy)."""
+    parameters; without `max_top_k` it is read from `top_k` (a device-to-host copy). One thread:
+    see `choose_on_device`."""
+    with torch_threads(1):
+        return _warp(logits, temperature, top_k, top_p, max_top_k, any_top_p)
+
+
+def _warp(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    max_top_k: int | None,
+    any_top_p: bool,
+) -> torch.Tensor:
     x = logits.float() / temperature[:, None]
     vocab = x.shape[-1]
     cut_k = (top_k > 0) & (top_k < vocab)
@@ -86,22 +100,30 @@ def choose_on_device(logits: torch.Tensor, sampled: SampledRows | None) -> torch
     """[K] the model's choice at every kept row, left on the logits' device."""
     choice = logits.argmax(dim=-1)  # [K]
     if sampled is not None:
-        probs = warp_rows(
-            logits[sampled.rows],
-            sampled.temperature,
-            sampled.top_k,
-            sampled.top_p,
-            sampled.max_top_k,
-            sampled.any_top_p,
-        )  # [S, V]
-        cdf = probs.double().cumsum(dim=-1)
-        target = (sampled.uniform * cdf[:, -1])[:, None]  # [S, 1]
-        idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)  # [S, 1]
-        # Never land on a token the warp removed (float edge of the CDF): step back to a kept one.
-        positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
-        last_kept = torch.where(probs > 0, positions, -1).cummax(dim=-1).values  # [S, V]
-        choice[sampled.rows] = last_kept.gather(1, idx).squeeze(1)
+        # One thread: torch splits a reduction over a vocabulary-wide row between threads when few
+        # rows share the call, so a row's sums would depend on the rows beside it.
+        with torch_threads(1):
+            choice[sampled.rows] = _draw(logits, sampled)
     return choice
+
+
+def _draw(logits: torch.Tensor, sampled: SampledRows) -> torch.Tensor:
+    """[S] one inverse-CDF draw per sampled row."""
+    probs = warp_rows(
+        logits[sampled.rows],
+        sampled.temperature,
+        sampled.top_k,
+        sampled.top_p,
+        sampled.max_top_k,
+        sampled.any_top_p,
+    )  # [S, V]
+    cdf = probs.double().cumsum(dim=-1)
+    target = (sampled.uniform * cdf[:, -1])[:, None]  # [S, 1]
+    idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)  # [S, 1]
+    # Never land on a token the warp removed (float edge of the CDF): step back to a kept one.
+    positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+    last_kept = torch.where(probs > 0, positions, -1).cummax(dim=-1).values  # [S, V]
+    return last_kept.gather(1, idx).squeeze(1)
 
 
 def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list[int]]:

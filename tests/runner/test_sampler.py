@@ -137,3 +137,30 @@ def test_warping_with_the_hosts_cut_sizes_equals_reading_them_from_the_device():
     assert torch.equal(
         warp_rows(logits, temperature, top_k, ones), warp_rows(logits, temperature, top_k, ones, 40, False)
     )
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_a_sampled_rows_warp_and_draw_keep_their_bits_alone_and_among_others(threads):
+    """SmolLM2's 49,152-token vocabulary: one row warped and drawn alone, and the same row among 7
+    others with other parameters, gives the same probabilities and token, bit for bit, at any
+    thread count (its sums and softmax are the row's own)."""
+    vocab, rows = 49152, 8
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 0.9, 1.1, 0.8, 1.0])
+    top_k = torch.tensor([0, 50, 0, 1000, 0, 7, 0, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.95, 1.0, 0.5, 1.0, 1.0, 0.99])
+    uniform = torch.rand(rows, generator=gen, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = warp_rows(logits, temperature, top_k, top_p)
+        chosen = choose_tokens(logits, SampledRows(torch.arange(rows), temperature, top_k, top_p, uniform))
+        for i in range(rows):
+            one = slice(i, i + 1)
+            alone = warp_rows(logits[one], temperature[one], top_k[one], top_p[one])
+            assert torch.equal(alone, together[one]), i
+            rows_i = SampledRows(torch.tensor([0]), temperature[one], top_k[one], top_p[one], uniform[one])
+            assert choose_tokens(logits[one], rows_i) == [chosen[i]], i
+    finally:
+        torch.set_num_threads(before)
