@@ -52,7 +52,7 @@ class EngineCore:
         """`cost_profile` (adaptive decoding length) defaults to the cached one for this
         model and device, measured on first use."""
         from batchserve.runner import load_model
-        from batchserve.runner.build import build_runner, forward_name
+        from batchserve.runner.build import build_checked_runner, forward_name
 
         self.config = config = config or EngineConfig()
         loaded_here = model is None  # cpu_weights=auto reads the file only where the model came from it
@@ -64,14 +64,14 @@ class EngineCore:
 
         mc, seats = config.model, config.scheduler.max_num_seqs
         model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here, seats)
-        self.runner, facts = build_runner(model, tokenizer, config)
+        self.runner, facts = build_checked_runner(model, tokenizer, config)
         self.forward_name = forward_name(model, facts.attention_backend)
         logger.info("forward: %s", self.forward_name)
         self.tokenizer = tokenizer
-        self.vocab_size = facts.vocab_size
-        self.max_model_len = facts.max_model_len
+        self.vocab_size, self.max_model_len = facts.vocab_size, facts.max_model_len
         self.attention_backend = facts.attention_backend
         self.graphs, self.graphs_report = facts.graphs, facts.capture  # cuda_graphs as resolved; what capture took
+        self.batch_invariant, self.invariance_check = facts.batch_invariant, facts.check  # checked at start
         self.eos_token_ids = facts.eos_token_ids
         self._probe_block = facts.probe_block
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from batchserve.attention import make_backend, resolve_backend
 from batchserve.config import EngineConfig
 from batchserve.runner.graphs import CaptureReport, StepGraphs
 from batchserve.runner.runner import ModelRunner
+from batchserve.runner.self_check import CheckResult, check_invariance
 
 logger = logging.getLogger("batchserve")
 
@@ -28,6 +30,42 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     graphs: str = "off"  # the resolved cuda_graphs mode: on (captured), eager or off
     capture: CaptureReport | None = None  # what capturing the graphs took (mode `on`)
+    # The start-up check of the contract on this model (`self_check`): None where none is claimed
+    # (no invariant attention: the torch reference, or a GPU).
+    check: CheckResult | None = None
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a request's logits were found bit for bit the same alone and in a batch."""
+        return self.check is not None and self.check.invariant
+
+
+def build_checked_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[ModelRunner, ModelFacts]:
+    """`build_runner`, then the contract checked on the real model where the invariant attention
+    claims it. A failed comparison says so and falls back to the torch reference attention, as
+    `auto` does where the kernel checks fail; a pool too small to check keeps the backend."""
+    runner, facts = build_runner(model, tokenizer, config)
+    if facts.attention_backend != "invariant":
+        return runner, facts
+    check = check_invariance(runner, facts.num_blocks)
+    failed = check.rows > 0 and not check.invariant
+    if check.invariant:
+        logger.info(
+            "batch invariance: checked on the model, %d rows bit for bit the same (%.2f s)", check.rows, check.seconds
+        )
+    elif failed:
+        logger.warning(
+            "batch invariance: FAILED on the model at %d threads (%s): falling back to the torch attention; a request's"
+            " logits may depend on its batch",
+            torch.get_num_threads(),
+            check.detail,
+        )
+        del runner
+        fallback = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_backend="torch"))
+        runner, facts = build_runner(model, tokenizer, fallback)
+    else:
+        logger.warning("batch invariance: %s", check.detail)
+    return runner, dataclasses.replace(facts, check=check)
 
 
 def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[ModelRunner, ModelFacts]:

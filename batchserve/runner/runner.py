@@ -136,6 +136,12 @@ class ModelRunner:
         phases.grammar = grammar
         return output
 
+    @torch.inference_mode()
+    def logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """[K, V] the kept rows' logits of one step, nothing chosen or compacted (for checks)."""
+        launch, _ = self._launch(pack(out.requests, self._tables, self.backend.block_size))
+        return launch()
+
     def _launch(self, step: PackedStep) -> tuple[Callable[[], torch.Tensor], float]:
         """Stage the step's inputs and plan its attention; returns (a call that runs the forward
         and gives the kept rows' logits [K, V], the time staging ended). A step without a prompt

@@ -213,7 +213,9 @@ class OpenAIServer:
         self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()  # gRPC says RESOURCE_EXHAUSTED
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchserve"}
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchserve"}
+        # An extension: whether the start-up check found a request's logits the same in any batch.
+        return card | {"batch_invariant": self.frontend.engine.core.batch_invariant}
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -90,6 +90,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_batch_size=cfg.scheduler.max_num_seqs,
             max_waiting_requests=self.frontend.info.max_waiting_requests,
             prefix_caching=cfg.cache.prefix_caching,
+            batch_invariant=core.batch_invariant,
         )
 
     async def AddCorpus(self, request: pb.AddCorpusRequest, context: grpc.aio.ServicerContext) -> pb.AddCorpusResponse:

@@ -193,10 +193,11 @@ def test_a_padded_step_writes_nothing_outside_its_slots_and_the_scratch_block():
     step = pack(out.requests, runner._tables, bs)
     bucket = graphs.bucket_for(step.layout)
     assert bucket == StepBucket(4, 1, tree=True) and step.layout.num_tokens == 3
+    scratch = set(range(graphs.scratch_block * bs, (graphs.scratch_block + 1) * bs))
+    backend.k_cache[:, :, sorted(scratch)] = 7.0  # a mark that no K can be (earlier padding rows wrote there)
     before = backend.k_cache.clone()
     runner.execute(out)
     changed = set((backend.k_cache != before).any(dim=(0, 1, 3)).nonzero().flatten().tolist())  # slots written
-    scratch = set(range(graphs.scratch_block * bs, (graphs.scratch_block + 1) * bs))
     assert changed <= set(step.slot_mapping.tolist()) | scratch
     assert changed & scratch  # the padding row did write, to the scratch block alone
     assert graphs.scratch_block == backend.num_blocks - 1 and graphs.scratch_block != core._probe_block

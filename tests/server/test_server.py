@@ -337,6 +337,9 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
     assert list(tok.token_ids) == [104, 105]
     info = await running.stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.vocab_size == 256 and info.max_model_len == 1024 and info.draft_method == "lookahead"
+    # The start-up check's verdict on this model (the invariant attention where this CPU passes).
+    core = running.server.engine.core
+    assert info.batch_invariant == core.batch_invariant == (core.attention_backend == "invariant")
 
 
 async def test_shutdown_not_serving_then_in_flight_completes():
