@@ -118,6 +118,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = engine_config(args)
         server_config = ServerConfig(**{s.field: getattr(args, s.name) for s in _server_settings()})
+        from batchserve.threads import resolve_threads
+
+        threads, source = resolve_threads(config.model.num_threads)
+        config = config.with_settings(num_threads=threads)
+        logging.getLogger("batchserve").info("torch threads: %d (%s)", threads, source)
     except ValueError as e:
         print(f"batchserve serve: {e}", file=sys.stderr)
         return 2

@@ -62,6 +62,11 @@ class ModelConfig:
         " batch-invariantly, else float32",
         choices=CPU_WEIGHTS,
     )
+    num_threads: int | None = setting(
+        None,
+        "torch threads for the forward (default for `serve`: $BATCHSERVE_NUM_THREADS, else the cores this process may"
+        " use: its CPU affinity and cgroup quota; elsewhere torch's own)",
+    )
     cuda_graphs: str = setting(
         "auto",
         "steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket (on; auto:"
@@ -72,6 +77,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         check_choice("dtype", self.dtype, MODEL_DTYPES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)

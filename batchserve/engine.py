@@ -18,6 +18,7 @@ from batchserve.scheduler import BlockAllocator, RunnerOutput, ScheduledRequest,
 from batchserve.scheduler.budget import DraftBudgetPolicy
 from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.text import Prompt, TextCodec
+from batchserve.threads import set_threads
 
 logger = logging.getLogger("batchserve")
 
@@ -56,6 +57,7 @@ class EngineCore:
 
         self.config = config = config or EngineConfig()
         loaded_here = model is None  # cpu_weights=auto reads the file only where the model came from it
+        set_threads(config.model.num_threads)  # before the invariance checks: they hold at this count
         if model is None:
             model, tokenizer = load_model(config.model.path, config.model.dtype, config.model.device)
         elif tokenizer is None:
@@ -65,15 +67,13 @@ class EngineCore:
         mc, seats = config.model, config.scheduler.max_num_seqs
         model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here, seats)
         self.runner, facts = build_checked_runner(model, tokenizer, config)
-        self.forward_name = forward_name(model, facts.attention_backend)
+        self.forward_name, self.tokenizer = forward_name(model, facts.attention_backend), tokenizer
         logger.info("forward: %s", self.forward_name)
-        self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = facts.vocab_size, facts.max_model_len
         self.attention_backend = facts.attention_backend
         self.graphs, self.graphs_report = facts.graphs, facts.capture  # cuda_graphs as resolved; what capture took
         self.batch_invariant, self.invariance_check = facts.batch_invariant, facts.check  # checked at start
-        self.eos_token_ids = facts.eos_token_ids
-        self._probe_block = facts.probe_block
+        self.eos_token_ids, self._probe_block = facts.eos_token_ids, facts.probe_block
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)
         # Structured output: constraints compiled once per text (front ends compile off the loop first).
         self.grammars = GrammarCompiler(tokenizer, facts.vocab_size, config.limits.max_constraint_chars)

@@ -9,15 +9,21 @@ depend on the step's row count and on the thread count. `row_threads` picks, per
 threads at which every chunk is whole rows with no tail, which computes each row exactly as one
 thread does; reductions over rows wider than GRAIN_SIZE (the sampler's vocabulary-wide sums) are
 split inside the row, so they run on one thread (`torch_threads(1)`).
+
+And how many threads the server runs: torch's default is every core of the machine, which in a
+container is the node's, not the pod's (`resolve_threads`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
+THREADS_ENV = "BATCHSERVE_NUM_THREADS"  # the server's thread count where no flag sets it
 # ATen's internal::GRAIN_SIZE: elementwise ops on at most this many elements run on one thread.
 GRAIN_SIZE = 32768
 # Elements one step of a vectorized elementwise loop takes (two AVX-512 vectors of bfloat16; a
@@ -60,3 +66,53 @@ def rows_whole(rows: int, width: int) -> Iterator[None]:
     block gives each row the bits one thread gives it."""
     with torch_threads(row_threads(rows, width)):
         yield
+
+
+def set_threads(n: int | None) -> None:
+    """torch's intra-op threads to `n` (None: left as they are)."""
+    if n is not None:
+        torch.set_num_threads(n)
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs this process's cgroup may use (its CFS quota over its period), or None where it
+    sets no quota: cgroup v2's `cpu.max`, else v1's `cpu.cfs_quota_us` and `cpu.cfs_period_us`."""
+    base = Path(root)
+    try:
+        quota, period = (base / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((base / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((base / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
+
+def available_cpus(root: str = "/sys/fs/cgroup") -> tuple[int, str]:
+    """(cores this process may use, where that comes from): its CPU affinity, capped by its
+    cgroup's quota (rounded down: threads past a quota wait for the next period)."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = cgroup_cpu_limit(root)
+    if limit is not None and int(limit) < affinity:
+        return max(1, int(limit)), f"the cgroup's CPU quota of {limit:g}"
+    return affinity, "the CPU affinity"
+
+
+def resolve_threads(setting: int | None, environ: Mapping[str, str] = os.environ) -> tuple[int, str]:
+    """(torch threads to run, why): the setting, else $BATCHSERVE_NUM_THREADS (the deployment sets
+    it from the pod's CPU limit), else `available_cpus()`. Raises ValueError for a bad value."""
+    if setting is not None:
+        return setting, "--num-threads"
+    raw = environ.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{THREADS_ENV} must be a whole number of threads >= 1, got {raw!r}")
+        return value, f"${THREADS_ENV}"
+    return available_cpus()

@@ -228,3 +228,19 @@ def test_the_dockerfile_installs_like_make_and_runs_the_server():
     cmd = re.search(r"^CMD (\[.*\])$", text, re.M)
     assert cmd is not None
     build_parser().parse_args(["serve", *yaml.safe_load(cmd.group(1))])
+
+
+def _cpus(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+@pytest.mark.parametrize(("name", "deployment"), _deployments(), ids=lambda x: x if isinstance(x, str) else "")
+def test_torch_threads_come_from_the_pods_cpu_limit(name, deployment):
+    """BATCHSERVE_NUM_THREADS is the container's own CPU limit (torch alone takes the node's cores),
+    and the limit holds what the pod requests."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    ref = env["BATCHSERVE_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
+    assert ref["resource"] == "limits.cpu" and ref["containerName"] == container["name"]
+    resources = container["resources"]
+    assert _cpus(resources["limits"]["cpu"]) >= _cpus(resources["requests"]["cpu"]) >= 1

@@ -42,7 +42,8 @@ def _serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Client]:
         stderr=subprocess.STDOUT,
         text=True,
         # The default adaptive policy calibrates on first start: into a fresh cache here.
-        env={**os.environ, "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache")},
+        # Its torch threads as the deployment sets them (the pod's CPU limit).
+        env={**os.environ, "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"), "BATCHSERVE_NUM_THREADS": "1"},
     )
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -73,6 +74,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         assert "shutting down" in log and "finished: 3 prompt + 300 output tokens" in log
         assert "quick cost profile measured" in log and len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
         assert "READY: health SERVING" in log
+        assert "torch threads: 1 ($BATCHSERVE_NUM_THREADS)" in log
     finally:
         client.close()
         if proc.poll() is None:
