@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from batchserve.model.layers import in_checked_rows
 from batchserve.model.llama import product_out_dtype
 
 GROUP = 32  # values per Q4_1 block (and per int4 scale/zero group)
@@ -71,10 +72,13 @@ class Int4Linear(nn.Module):
         self.out_dtype = torch.float32 if bias is not None else out_dtype  # as Bf16Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, GROUP, self.scale_zero)
+        out = in_checked_rows(x.to(torch.bfloat16), self._mm)
         if self.out_dtype is not torch.bfloat16:  # [T, N]; a call that changes nothing still costs a dispatch
             out = out.to(self.out_dtype)
         return out if self.bias is None else out + self.bias
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP, self.scale_zero)  # [T, N]
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(self(x).split(self.sizes, dim=-1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,16 @@ ROW_BUCKETS = (
 )
 
 
+def in_checked_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`product(x)` for x [T, in] in calls of at most ROW_BUCKETS[-1] rows (the most the kernel
+    checks cover): a step larger than that (a long prompt chunk under a large token budget) is
+    split, so every row still comes out of a checked call."""
+    most = ROW_BUCKETS[-1]
+    if x.shape[0] <= most:
+        return product(x)
+    return torch.cat([product(part) for part in x.split(most)])  # [T, out]
+
+
 def row_bucket(rows: int, least: int = 1) -> int:
     """The bucket `rows` (at least `least`) is padded up to; beyond the last, `rows` itself."""
     rows = max(rows, least)
@@ -108,7 +119,10 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[0]  # x: [T, in]
+        return in_checked_rows(x, lambda part: self._bucketed(part, bias))
+
+    def _bucketed(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0]  # x: [T, in], T at most the last bucket
         padded = row_bucket(rows, least=LEAST_ROWS)
         if padded != rows:
             x = F.pad(x, (0, 0, 0, padded - rows))  # [padded, in]

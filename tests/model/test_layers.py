@@ -105,3 +105,23 @@ def test_a_row_of_a_bf16_product_has_the_same_bits_in_every_row_bucket():
         whole = layer(x)
         assert all(torch.equal(layer(x[i : i + 1]), whole[i : i + 1]) for i in range(0, 40, 7))
         assert torch.equal(layer(x[:5]), whole[:5]) and torch.equal(layer(x[3:20]), whole[3:20])
+
+
+def test_a_product_past_the_last_bucket_is_computed_in_checked_calls():
+    """A step of more rows than the last row bucket (a long chunk under a large token budget) is
+    split into calls the kernel checks cover: every row has the bits it has in a small call."""
+    from batchserve.model.layers import ROW_BUCKETS, PackedLinear, prepack_available
+
+    if not prepack_available():
+        pytest.skip("this torch cannot prepack oneDNN weights")
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(96, 64, generator=gen))
+    packed = PackedLinear(linear)
+    rows = ROW_BUCKETS[-1] * 2 + 300
+    x = torch.randn(rows, 64, generator=gen)
+    out = packed(x)
+    assert out.shape == (rows, 96)
+    for i in (0, ROW_BUCKETS[-1] - 1, ROW_BUCKETS[-1], rows - 1):
+        assert torch.equal(out[i], packed(x[i : i + 8])[0])
