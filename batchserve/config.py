@@ -158,15 +158,15 @@ class DraftConfig:
     # What the profile does not see: drafting's own bookkeeping, and a step's time swinging by a
     # tenth on a shared machine. A draft predicted to win by less is a coin toss that costs.
     min_speedup: float = setting(0.05, "adaptive: draft only where the step is predicted this much faster per token")
-    # Off by default: on a shared machine a step's time swings by half (sd ~100 ms at 16 requests on
-    # 2 cores), and the fit's cost of a draft row then swings from 0 to 19 ms against ~3.5 measured
-    # over a whole run. The speed guard below checks the outcome instead.
+    # Off by default: on a shared machine a step's time swings by half, and the fit's cost of a
+    # draft row then swings far from what a whole run measures (benchmarks/README.md). The speed
+    # guard below checks the outcome instead.
     learn_step_costs: bool = setting(False, "adaptive: refine the cost profile from measured steps")
     # A trie lookup, no forward row: what the request then emits judges it as if verified.
     shadow_draft: int = setting(4, "adaptive: tokens proposed, not verified, for a request given none")
-    # Each is a trie search and its judging, about 0.12 ms on 2 cores: at 16 requests, 8 of them a
-    # step were a tenth of the drafting's Python, paid in steps without drafts too (48-token answers
-    # at 16 in flight, 4 against 8 in one process: 1.02x). Past this many, requests take turns.
+    # Each is a trie search and its judging: at 16 requests, 8 of them a step were a tenth of the
+    # drafting's Python, paid in steps without drafts too (benchmarks/README.md). Past this many,
+    # requests take turns.
     shadow_requests: int = setting(4, "adaptive: most requests given a shadow draft in one step")
     # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
     initial_acceptance: float = setting(0.6, "adaptive: acceptance guessed for rank 0 before any evidence")

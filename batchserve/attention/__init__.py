@@ -64,7 +64,11 @@ def make_backend(
     device: torch.device,
     sm_scale: float | None = None,
 ) -> AttentionBackend:
-    name = resolve_backend(name, device, dtype)
+    """The backend `name` names, resolved already (`resolve_backend`, which the runner calls once
+    with what it knows of the model); `auto` alone is resolved here, as for a model that
+    claims no invariant products."""
+    if name == "auto":
+        name = resolve_backend(name, device, dtype)
     if name == "invariant":
         return InvariantBackend(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads

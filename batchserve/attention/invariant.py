@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchserve.attention.base import StepLayout
+from batchserve.attention.base import AttentionBackend, StepLayout
 from batchserve.attention.invariant_attend import (
     SCRATCH_BYTES,
     Group,
@@ -46,7 +46,7 @@ from batchserve.attention.invariant_attend import (
     scratch_storage,
 )
 from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, ROW_BLOCKS, group_requests, product_rows, tiles_of
-from batchserve.attention.torch_ref import TorchReferenceBackend
+from batchserve.attention.torch_ref import copy_pool_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +58,10 @@ class InvariantMetadata:
     in_order: bool  # one group whose real rows are the step's rows in order: its output is the step's
 
 
-class InvariantBackend(TorchReferenceBackend):
-    """The torch backend's paged pool plus a zero block at its end, the values stored with a
-    column of ones; attention computed batch-invariantly (above). Keys (and, where tiles are
+class InvariantBackend(AttentionBackend):
+    """A head-major paged pool ([layers, Hkv, slots, D], as the torch reference's) plus a zero
+    block at its end, the values stored with a column of ones; attention computed
+    batch-invariantly (above). Keys (and, where tiles are
     the identity, values) are gathered in granules of g = gcd(block size, KEY_TILE) slots, a
     request's logical positions in order: far fewer, larger copies than slot by slot."""
 
@@ -76,7 +77,9 @@ class InvariantBackend(TorchReferenceBackend):
         num_qo_heads: int | None = None,
         row_block: int | None = None,
     ) -> None:
-        super().__init__(num_layers, 0, block_size, num_kv_heads, head_dim, dtype, device)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.timed = self.device.type == "cpu"  # it computes on the host's clock
         self.group = (num_qo_heads or num_kv_heads) // num_kv_heads  # query heads per KV head
         if row_block is None:
             from batchserve.attention.invariant_check import invariant_row_block  # it builds backends
@@ -175,6 +178,9 @@ class InvariantBackend(TorchReferenceBackend):
             tile_keys=torch.from_numpy(tile_keys - start).to(dev),
             keep=torch.from_numpy(keep).to(dev) if shared else None,
         )
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_pool_slots((self.k_cache, self.v_cache), src, dst)
 
     def forward(
         self,

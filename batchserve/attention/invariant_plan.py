@@ -17,8 +17,8 @@ MIN_KEYS = KEY_TILE = 64  # keys of a score product, at least; logical positions
 MAX_SPREAD = 128
 GROUP_ROWS = 16  # requests with at most this many rows this step are attended together
 # What one more set of products per layer costs, in padded request rows: its ~20 small ops
-# against the share of the score and value products a padded row adds (SmolLM2's shapes, 2 cores:
-# about 5 ms a step against 0.5 ms a step).
+# against the share of the score and value products a padded row adds (measured on SmolLM2's
+# shapes: benchmarks/README.md).
 GROUP_COST_ROWS = 10
 
 

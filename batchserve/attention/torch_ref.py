@@ -132,10 +132,14 @@ class TorchReferenceBackend(AttentionBackend):
         return out.transpose(0, 1)  # [T, Hq, D]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        src, dst = src.to(self.device), dst.to(self.device)
+        copy_pool_slots((self.k_cache, self.v_cache), src, dst)
+
+
+def copy_pool_slots(caches: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Move slots `src` to `dst` in head-major pools [L, Hkv, slots, ...] (draft compaction)."""
+    for cache in caches:
         # Advanced indexing gathers before it scatters, so overlapping src/dst are safe.
-        self.k_cache[:, :, dst] = self.k_cache[:, :, src]
-        self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+        cache[:, :, dst.to(cache.device)] = cache[:, :, src.to(cache.device)]
 
 
 def _attend_runs(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: _Seq, scale: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ MAX_OCCURRENCES = 256
 # them all one token back per round costs a few array calls per token of match (32 for a copy).
 _FEW = 4
 # Occurrences few enough to group by their next token in Python (`IndexNode.children`): array
-# operations cost 15-45 us a node, a Python loop about 0.2 us an occurrence.
+# operations cost tens of a Python loop's cost per occurrence a node (benchmarks/README.md).
 _FEW_ENDS = 128
 
 

@@ -168,8 +168,8 @@ class DraftTree:
 
     def _derived(self, **changes: Any) -> DraftTree:
         """A copy with `changes` to its fields, not validated again: the derivations above keep
-        a valid tree valid, and a step makes a few per request (validating one of 64 nodes costs
-        about 80 us)."""
+        a valid tree valid, and a step makes a few per request (validating a large tree costs
+        as much as the rest of its bookkeeping)."""
         tree = object.__new__(DraftTree)
         for name in DraftTree.__slots__:
             object.__setattr__(tree, name, changes[name] if name in changes else getattr(self, name))

@@ -1,9 +1,9 @@
 """Constraints compiled to llguidance grammars, validated, bounded and cached by their text.
 
-Why llguidance (measured on SmolLM2's 49,152-token vocabulary, 2 CPU cores): a token mask in
-0.03 ms (median; 0.4 ms at worst) with no start-up compile per grammar beyond ~1 ms, a ~3 MB
-wheel without dependencies, and the operations a draft tree needs: consume a token, roll back,
-and the mask at any state. xgrammar would add triton and a TVM runtime to a CPU install, and
+Why llguidance: a token mask over SmolLM2's 49,152-token vocabulary in a small fraction of a
+step with no start-up compile per grammar worth the name (measured: benchmarks/README.md), a
+small wheel without dependencies, and the operations a draft tree needs: consume a token, roll
+back, and the mask at any state. xgrammar would add triton and a TVM runtime to a CPU install, and
 precompiles a grammar against the whole vocabulary before its first mask. Pure Python and
 numpy around it; no torch.
 """

@@ -116,9 +116,9 @@ def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
     batch-invariance check, except for a server of a Q4_1 file with at most Q4_1_MAX_SEATS seats;
     else `q4_1` where the file is a GGUF whose layers are Q4_1 and this CPU runs torch's int4
     kernel vectorized and batch-invariantly; else `float32`. Measured on an AVX-512 CPU
-    (docs/design.md): at 1 request Q4_1 is faster, at 2 plain decoding is 1.3-1.55x faster on it
-    and drafting as fast; from 3 bfloat16 drafts faster (int4 costs grow by 4-row blocks, so draft
-    rows and other requests' rows are dear on it); on AVX2 CPUs Q4_1 is the fast path."""
+    (docs/design.md has the figures): at 1 and 2 requests Q4_1 is faster, from 3 bfloat16 drafts
+    faster (int4 costs grow by 4-row blocks, so draft rows and other requests' rows are dear on
+    it); on AVX2 CPUs Q4_1 is the fast path."""
     if not on_cpu:
         return "float32"
     few_seats = max_num_seqs is not None and max_num_seqs <= Q4_1_MAX_SEATS

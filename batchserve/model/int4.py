@@ -80,9 +80,6 @@ class Int4Linear(nn.Module):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP, self.scale_zero)  # [T, N]
 
-    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(self(x).split(self.sizes, dim=-1))
-
     def extra_repr(self) -> str:
         out = str(self.out_dtype).removeprefix("torch.")
         return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 as int4, {out} out"

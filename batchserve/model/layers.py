@@ -59,15 +59,12 @@ class MergedLinear(nn.Linear):
         start = sum(self.sizes[:part])
         getattr(self, leaf)[start : start + self.sizes[part]].copy_(tensor)
 
-    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(self(x).split(self.sizes, dim=-1))
-
 
 # Row counts a oneDNN product is called with: a step's rows are padded up to the next one, so
-# oneDNN's per-shape state stays bounded (a server's raw row counts grew it by ~400 MB). Four
-# buckets an octave from 8 on, so padding adds at most a quarter: past 8 rows a row costs about
-# as much as the next (SmolLM2's 121 bfloat16 products, 2 AVX-512 cores: 15.0 / 20.4 / 24.0 /
-# 31.4 / 40.9 ms at 8 / 18 / 24 / 36 / 48 rows), so 33 rows padded to 48 paid 30% for nothing.
+# oneDNN's per-shape state stays bounded (raw row counts grow it without bound). Four buckets an
+# octave from 8 on, so padding adds at most a quarter: past 8 rows a row costs about as much as
+# the next, so coarser buckets pay for rows nobody asked for. (Figures in benchmarks/README.md,
+# "Figures behind the code's choices": kept there, where a rerun updates them.)
 ROW_BUCKETS = (
     *(1, 2, 3, 4, 6, 8, 10, 12, 14, 16),
     *(20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128),
@@ -98,8 +95,7 @@ def prepack_available() -> bool:
 
 
 # Fewest rows a prepacked oneDNN product is called with: a 1-row call takes another kernel (not
-# batch-invariant), and on the CPUs measured 4 rows cost less than 1 or 2 (SmolLM2's products,
-# 30 layers, 2 AVX-512 cores: float32 27 / 25 / 21 ms, bfloat16 15 / 14 / 10 ms at 1 / 2 / 4 rows).
+# batch-invariant), and on the CPUs measured 4 rows cost less than 1 or 2 (benchmarks/README.md).
 LEAST_ROWS = 4
 
 
@@ -130,9 +126,6 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.bias)
-
-    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(self(x).split(self.sizes, dim=-1))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"

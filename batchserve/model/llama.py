@@ -6,8 +6,8 @@ Shape of one step: ids [T] -> embeddings [T, H] -> layers -> the kept rows [K, H
 [K, V]. No Python decision inside depends on the step's data (only on the model's shape).
 
 Inside the model a submodule runs as `m.forward(x)`, not `m(x)`: `nn.Module.__call__` costs a
-few microseconds for its hooks' bookkeeping, and a step makes about 300 such calls (0.76 ms of a
-15 ms one-row Q4_1 step on 2 cores, measured). Module hooks are therefore not run inside it."""
+few microseconds for its hooks' bookkeeping, and a step makes about 300 such calls, a share of a
+one-row step worth saving (benchmarks/README.md). Module hooks are therefore not run inside it."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ class ModelFacts:
     max_model_len: int
     num_blocks: int  # KV blocks in the pool the scheduler allocates from
     probe_block: int  # one more block, outside that pool: scratch K/V for the device probe
-    attention_backend: str  # the resolved backend ("torch" or "flashinfer")
+    attention_backend: str  # the resolved backend: "invariant" or "torch" on CPU, "flashinfer" on CUDA
     eos_token_ids: frozenset[int]
     graphs: str = "off"  # the resolved cuda_graphs mode: on (captured), eager or off
     capture: CaptureReport | None = None  # what capturing the graphs took (mode `on`)

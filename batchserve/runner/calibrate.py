@@ -31,8 +31,8 @@ logger = logging.getLogger("batchserve")
 # Dense where drafts live: on CPU the curve is not monotone there (a matmul with 2 or 3 rows
 # can be slower than one with 8), and the policy should see the dips it can use. The curve also
 # steps up right after each multiple of 16 rows (torch's int4 kernel reads every weight again
-# for each 16-row block: a 17-row step costs 15-20 ms more than a 16-row one with SmolLM2, not
-# the 1/16 of the way to 32 rows interpolation would say), so 17, 33 and 65 are measured: at
+# for each 16-row block: a 17-row step costs far more than a 16-row one, not the 1/16 of the
+# way to 32 rows interpolation would say), so 17, 33 and 65 are measured: at
 # 16 or 32 requests the first draft row is the most expensive one. On an AVX2 CPU the same
 # kernel reads the weights again for every 4 rows (5 rows cost what 8 do): 5 and 9 are measured
 # to find such a block (`row_block_of`).

@@ -32,7 +32,7 @@ class DraftPlanner:
 
     def __init__(self, drafter: Drafter, config: DraftConfig, policy: DraftBudgetPolicy | None) -> None:
         self.drafter = drafter
-        self.windowed = isinstance(drafter, WindowDrafter)  # once: a Protocol isinstance costs ~20 us
+        self.windowed = isinstance(drafter, WindowDrafter)  # once: a Protocol isinstance is slow
         self.config = config
         self.policy = policy  # None: every request drafts `decoding_length` tokens
         self._started: set[str] = set()  # requests the drafter has been told of
@@ -281,8 +281,7 @@ class DraftPlanner:
         every node were worth the most it could be (0: none this step). The real allocation can
         give one request more than its best case (when the others' real trees turn out worse),
         so the proposal has room past it; but a busy step gives a request one or two nodes of
-        the dozens it could take (measured at 16 requests: 43 nodes proposed for 1.5 given, 5.2
-        ms of tree search a step; capped, 12 for 1.7 and 3.2 ms)."""
+        the dozens it could take, and searching for the rest costs (benchmarks/README.md)."""
         if best <= 0:
             return 0
         return min(most, PROPOSAL_HEADROOM * best + self.config.shadow_draft)

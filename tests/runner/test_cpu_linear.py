@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchserve.model.layers import ROW_BUCKETS, row_bucket
-from batchserve.runner.cpu_linear import onednn_available, use_onednn_linear
+from batchserve.runner.cpu_linear import OneDNNLinear, onednn_available, use_onednn_linear
 from tests.conftest import make_tiny_model
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
@@ -18,14 +18,18 @@ def test_onednn_linear_switches_in_place_and_keeps_the_models_choices():
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(ids).logits
+        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
         assert use_onednn_linear(model, "onednn") is True
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all("forward" in m.__dict__ for m in linears)
+        assert linears and all(type(m) is OneDNNLinear for m in linears)  # a layer class of its own
+        assert [m.weight for m in linears] == weights  # over the same parameters (tied ones stay tied)
         fast = model(ids).logits
         torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
         assert torch.equal(fast.argmax(-1), plain.argmax(-1))
         assert use_onednn_linear(model, "torch") is False
-        assert not any("forward" in m.__dict__ for m in linears)  # torch's own forward again
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(type(m) is torch.nn.Linear for m in linears)  # torch's own layer again
+        assert [m.weight for m in linears] == weights
         assert torch.equal(model(ids).logits, plain)
 
 
@@ -36,7 +40,7 @@ def test_auto_is_the_default_and_takes_onednn_for_a_float32_cpu_model():
     assert ModelConfig().cpu_linear == "auto"
     model = make_tiny_model()
     assert use_onednn_linear(model, "auto") is True
-    assert all("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert all(type(m) is OneDNNLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_onednn_linear_is_refused_where_it_cannot_run():
@@ -57,9 +61,9 @@ def test_rows_are_padded_to_few_buckets():
 
 @needs_onednn
 def test_the_linear_layer_calls_onednn_with_padded_rows_and_returns_the_real_ones(monkeypatch):
-    layer = torch.nn.Linear(8, 4)
-    model = torch.nn.Sequential(layer)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
     assert use_onednn_linear(model, "onednn")
+    layer = model[0]
     real = torch.ops.mkldnn._linear_pointwise
     seen: list[int] = []
 
