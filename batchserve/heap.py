@@ -2,10 +2,11 @@
 
 A loaded engine holds a few hundred thousand long-lived Python objects (torch modules, the
 tokenizer, imported libraries, a warmed trie). A full collection walks all of them: a pause
-of several steps' time, landing on whatever request is running (benchmarks/README.md). Freezing them after startup leaves the
-collector only what serving creates. Reference counting still frees frozen objects that are
-dropped; only a frozen object in a reference cycle outlives its use, so the heap is collected
-first and frozen only where it lives as long as the process (or is unfrozen after, below).
+of several steps' time, landing on whatever request is running (benchmarks/README.md).
+Freezing them after startup leaves the collector only what serving creates. Reference
+counting still frees frozen objects that are dropped; only a frozen object in a reference
+cycle outlives its use, so the heap is collected first and frozen only where it lives as long
+as the process (or is unfrozen after, below).
 """
 
 from __future__ import annotations
