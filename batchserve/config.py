@@ -19,10 +19,14 @@ DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
 CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
-# See batchserve.attention.resolve_backend.
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch")  # attention.resolve_backend
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.build.graphs_mode
+CUDA_GRAPHS_HELP = (
+    "on: steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket; auto: on"
+    " for the native model on CUDA; eager: the same bucketed steps without capture (any device); off: none of it"
+)
+THREADS_HELP = "torch threads (serve: $BATCHSERVE_NUM_THREADS, else the CPUs it may use: affinity, cgroup quota)"
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths
 FIXED_DECODING_LENGTH = 16  # the default length when every request drafts the same
 
@@ -62,18 +66,8 @@ class ModelConfig:
         " batch-invariantly, else float32",
         choices=CPU_WEIGHTS,
     )
-    num_threads: int | None = setting(
-        None,
-        "torch threads for the forward (default for `serve`: $BATCHSERVE_NUM_THREADS, else the cores this process may"
-        " use: its CPU affinity and cgroup quota; elsewhere torch's own)",
-    )
-    cuda_graphs: str = setting(
-        "auto",
-        "steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket (on; auto:"
-        " where the model runs natively on CUDA); eager: the same bucketed static-buffer steps without capture (any"
-        " device); off: every step at its own size",
-        choices=CUDA_GRAPHS,
-    )
+    num_threads: int | None = setting(None, THREADS_HELP)
+    cuda_graphs: str = setting("auto", CUDA_GRAPHS_HELP, choices=CUDA_GRAPHS)
 
     def __post_init__(self) -> None:
         check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
