@@ -123,7 +123,6 @@ class GenerationUser(User):
             return
         self._fire("StreamGenerate", start, tokens, None)
 
-
     @task(1)
     def cancel(self) -> None:
         """A client that stops reading: the server must abort the request and free its KV."""
