@@ -77,7 +77,7 @@ def test_the_layer_computes_the_dequantized_product_and_its_rows_do_not_depend_o
     weight = torch.from_numpy(np.repeat(d, 32, axis=1) * q + np.repeat(m, 32, axis=1))
     x = torch.randn(20, 128)
     torch.testing.assert_close(layer(x), x @ weight.T + bias, rtol=2e-2, atol=2e-2)  # bfloat16 inside
-    assert [t.shape[-1] for t in layer.split(x)] == [32, 16]
+    assert layer.sizes == (32, 16) and layer(x).shape == (20, 48)  # the merged parts' sizes, kept
     if int4_products_invariant():
         assert all(torch.equal(layer(x[:n])[0], layer(x[:1])[0]) for n in (2, 3, 8, 20))
     # Feeding the residual add alone it leaves in the kernel's bfloat16: the same values.
