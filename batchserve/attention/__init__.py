@@ -63,6 +63,7 @@ def make_backend(
     dtype: torch.dtype,
     device: torch.device,
     sm_scale: float | None = None,
+    max_model_len: int = 0,
 ) -> AttentionBackend:
     """The backend `name` names, resolved already (`resolve_backend`, which the runner calls once
     with what it knows of the model); `auto` alone is resolved here, as for a model that
@@ -77,6 +78,15 @@ def make_backend(
         from batchserve.attention.flashinfer_backend import FlashInferBackend  # imports flashinfer
 
         return FlashInferBackend(
-            num_layers, num_blocks, block_size, num_qo_heads, num_kv_heads, head_dim, dtype, device, sm_scale
+            num_layers,
+            num_blocks,
+            block_size,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            sm_scale,
+            max_model_len,
         )
     return TorchReferenceBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)

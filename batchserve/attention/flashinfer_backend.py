@@ -99,7 +99,9 @@ class FlashInferBackend(AttentionBackend):
         dtype: torch.dtype,
         device: torch.device | str,
         sm_scale: float | None = None,
+        max_model_len: int = 0,
     ) -> None:
+        """`max_model_len`: the longest context, which sizes a graph bucket's mask buffer."""
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"the FlashInfer backend needs a CUDA device, got {device}")
@@ -132,7 +134,7 @@ class FlashInferBackend(AttentionBackend):
         # Graph-replayed steps: one wrapper per bucket over its own fixed buffers (they share the
         # workspace: one step runs at a time).
         self._buckets: dict[StepBucket, FlashInferMetadata] = {}
-        self.max_model_len = 0  # set by the runner: sizes a bucket's mask buffer
+        self.max_model_len = max_model_len
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> FlashInferMetadata:
         self._plan(self._wrapper, build_plan(step, self.block_size), masked=True)

@@ -86,6 +86,7 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
 
     invariant = has_invariant_linears(model)
     backend_name = resolve_backend(config.model.attention_backend, param.device, param.dtype, invariant, head_dim)
+    max_model_len = config.model.max_model_len or mc.max_position_embeddings
     backend = make_backend(
         backend_name,
         num_layers=mc.num_hidden_layers,
@@ -99,9 +100,8 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
         dtype=param.dtype,
         device=param.device,
         sm_scale=attention_scale(model),
+        max_model_len=max_model_len,
     )
-    max_model_len = config.model.max_model_len or mc.max_position_embeddings
-    backend.max_model_len = max_model_len
     mode, graphs = step_graphs(model, backend, config, scratch_block=num_blocks + 1)
     runner = ModelRunner(model, backend, config.model.cpu_linear, graphs)
     capture = capture_graphs(graphs) if mode == "on" and graphs is not None else None

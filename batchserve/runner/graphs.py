@@ -17,7 +17,7 @@ staging and planning are tested against the unpadded step.
 from __future__ import annotations
 
 import bisect
-import logging
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -28,8 +28,6 @@ import torch
 from batchserve.attention.base import AttentionBackend, StepBucket, StepLayout
 from batchserve.runner.batch import PackedStep
 
-logger = logging.getLogger("batchserve")
-
 # Row buckets: fine where steps are common (decode at a few requests, small trees), then by 32.
 SMALL_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 ROW_STEP = 32
@@ -39,15 +37,12 @@ REQUEST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
     """Every row bucket up to the first that holds `max_rows` (the largest step the settings allow)."""
-    out = [b for b in SMALL_ROW_BUCKETS if b < max_rows]
-    top = SMALL_ROW_BUCKETS[-1]
-    while not out or out[-1] < max_rows:
-        nxt = next((b for b in SMALL_ROW_BUCKETS if b > (out[-1] if out else 0)), None)
-        if nxt is None:
-            top = (out[-1] if out else top) + ROW_STEP
-            nxt = top
-        out.append(nxt)
-    return tuple(out)
+    out: list[int] = []
+    for b in itertools.chain(SMALL_ROW_BUCKETS, itertools.count(SMALL_ROW_BUCKETS[-1] + ROW_STEP, ROW_STEP)):
+        out.append(b)
+        if b >= max_rows:
+            return tuple(out)
+    raise AssertionError("unreachable: the buckets grow without end")
 
 
 def request_buckets(max_requests: int) -> tuple[int, ...]:
@@ -128,8 +123,8 @@ class CaptureReport(NamedTuple):
 @dataclass(slots=True)
 class StepGraphs:
     """Static input buffers for the largest bucket, the buckets the settings allow, and (on CUDA,
-    after `capture`) one graph per bucket. `run` executes a padded step: replayed where its
-    bucket is captured, eagerly otherwise (always on CPU)."""
+    after `capture`) one graph per bucket. `prepare` stages and plans a padded step, `forward`
+    runs it: replayed where its bucket is captured, eagerly otherwise (always on CPU)."""
 
     model: Any
     backend: AttentionBackend

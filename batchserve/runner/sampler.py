@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchserve.draft.tree import DraftTree, walk
+from batchserve.draft.tree import DraftTree
 from batchserve.threads import torch_threads
 
 
@@ -91,11 +91,6 @@ def apply_token_masks(logits: torch.Tensor, masks: list[tuple[int, np.ndarray]])
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
-def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int]:
-    """The model's choice at every kept row: argmax, or one inverse-CDF draw. logits: [K, V]."""
-    return choose_on_device(logits, sampled).tolist()
-
-
 def choose_on_device(logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
     """[K] the model's choice at every kept row, left on the logits' device."""
     choice = logits.argmax(dim=-1)  # [K]
@@ -124,16 +119,6 @@ def _draw(logits: torch.Tensor, sampled: SampledRows) -> torch.Tensor:
     positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
     last_kept = torch.where(probs > 0, positions, -1).cummax(dim=-1).values  # [S, V]
     return last_kept.gather(1, idx).squeeze(1)
-
-
-def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list[int]]:
-    """Walk the tree from the root; return (emitted tokens, accepted draft node indices).
-
-    `choices[0]` is the model's token after the root, `choices[1 + i]` after draft node i. At
-    each node the model's choice is taken; if a child carries it the walk moves there, else it
-    stops. The last emitted token is always the model's own.
-    """
-    return walk(draft, lambda node: choices[0 if node is None else 1 + node])
 
 
 @dataclass(frozen=True, slots=True)

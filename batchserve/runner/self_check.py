@@ -58,6 +58,7 @@ def check_invariance(runner: ModelRunner, num_blocks: int) -> CheckResult:
         alone = runner.logits(SchedulerOutput((_request("a", root, PROMPT, blocks[0], TREE),), ()))
         # Among others: a longer prompt chunk beside the same prompt, then the same rows mid-step.
         other, third = _tokens(PROMPT + 21, 9, vocab), _tokens(PROMPT // 2, 17, vocab)
+        chain = DraftTree.chain(_tokens(5, 21, vocab))  # the request before it drafts too
         runner.logits(
             SchedulerOutput(
                 (
@@ -71,7 +72,7 @@ def check_invariance(runner: ModelRunner, num_blocks: int) -> CheckResult:
         mixed = runner.logits(
             SchedulerOutput(
                 (
-                    _request("x", root, len(other), blocks[1], DraftTree.chain(_tokens(5, 21, vocab))),
+                    _request("x", root, len(other), blocks[1], chain),
                     _request("b", root, PROMPT, blocks[2], TREE),
                     _request("y", root, len(third), blocks[3], None),
                 ),
@@ -80,7 +81,8 @@ def check_invariance(runner: ModelRunner, num_blocks: int) -> CheckResult:
         )
     finally:
         runner.release([f"{CHECK_ID}-{n}" for n in "abxy"])
-    mine = mixed[6 : 6 + 1 + len(TREE)]  # after x's root and its 5 draft rows
+    start = 1 + len(chain)  # after x's root and its draft rows
+    mine = mixed[start : start + 1 + len(TREE)]
     same = [torch.equal(a, b) for a, b in zip(alone, mine)]
     detail = "" if all(same) else f"rows {[i for i, s in enumerate(same) if not s]} of {len(same)} differ"
     return CheckResult(all(same), len(same), time.perf_counter() - t0, detail)

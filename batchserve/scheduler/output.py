@@ -84,9 +84,10 @@ class StepPhases:
     """Seconds one engine step spent in each phase; `wall` is the whole step, end to end.
 
     schedule: batching, drafting and the draft budget; prepare: packing, slot mapping,
-    attention metadata and host-to-device copies; forward: the model (up to its logits being
-    ready); verify: token choice, tree walks and KV compaction; commit: appending tokens,
-    detokenizing, stop checks and outputs. `attention` is part of forward, not a phase of its own.
+    attention metadata, host-to-device copies and the acceptance arrays; forward: the model, token
+    choice and acceptance on the device, up to the step's one copy back; verify: grammar masks,
+    the accepted paths and KV compaction; commit: appending tokens, detokenizing, stop checks and
+    outputs. `attention` is part of forward, not a phase of its own.
     """
 
     NAMES: ClassVar[tuple[str, ...]] = ("schedule", "prepare", "forward", "verify", "commit")

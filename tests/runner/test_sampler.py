@@ -8,11 +8,22 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
-from batchserve.draft.tree import DraftTree
+from batchserve.draft.tree import DraftTree, walk
 from batchserve.request import MAX_INT32
-from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, choose_tokens, verify, warp_rows
+from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, choose_on_device, warp_rows
 from tests.conftest import TINY_VOCAB, tiny_llm
 from tests.engine.test_sampling import reference_probs
+
+
+def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int]:
+    """Every kept row's choice, on the host."""
+    return choose_on_device(logits, sampled).tolist()
+
+
+def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list[int]]:
+    """The walk down a tree on the host (`draft.tree.walk`), the oracle `accept` is checked against:
+    `choices[0]` after the root, `choices[1 + i]` after draft node i."""
+    return walk(draft, lambda node: choices[0 if node is None else 1 + node])
 
 
 def _rows(rows, temperature, top_k, top_p, uniform) -> SampledRows:
