@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchserve.model import quant_kernels
 from batchserve.model.int4 import (
     Int4Linear,
     gguf_has_q4_1,
@@ -13,6 +14,7 @@ from batchserve.model.int4 import (
     int4_fast_here,
     int4_products_invariant,
     load_gguf_embedding,
+    load_gguf_head,
     load_gguf_int4,
 )
 from batchserve.model.layers import (
@@ -22,6 +24,7 @@ from batchserve.model.layers import (
     packed_products_invariant,
     prepack_available,
 )
+from batchserve.model.quant import Q4Linear, Q8Linear, quant_products_invariant
 from batchserve.model.llama import (
     SUPPORTED_ARCHITECTURES,
     NativeLlamaForCausalLM,
@@ -40,6 +43,7 @@ __all__ = [
     "choose_impl",
     "has_invariant_linears",
     "native_from_hf",
+    "our_q4_here",
     "pack_linears",
     "supports",
 ]
@@ -63,7 +67,9 @@ def choose_impl(
     transformers elsewhere. On CPU the native model's linear layers are `PackedLinear`
     (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=bfloat16` every product is
     a `Bf16Linear`; with `q4_1` the layers' products are the GGUF file at `path`'s own Q4_1
-    blocks (`Int4Linear`) and the LM head a `Bf16Linear` where bfloat16 runs invariantly; `auto`
+    blocks on our kernel (`Q4Linear`, the head a `Q8Linear` over the file's Q8_0 blocks), or
+    where it cannot run on torch's int4 kernel (`Int4Linear`, the head a `Bf16Linear` where
+    bfloat16 runs invariantly); `auto`
     takes what `choose_cpu_weights` says for a server of `max_num_seqs` seats. The native model's
     `cpu_weights` names what was chosen.
     A native model handed in (one engine's, reused by another: the bench and `tune` build many
@@ -104,29 +110,35 @@ def choose_impl(
     return model
 
 
-# The most seats a server of a Q4_1 file may have for `auto` to keep Q4_1 where bfloat16 products
-# run: with so few rows a step, int4's cheaper small steps beat bfloat16's flat cost (docs/design.md).
+# The most seats a server of a Q4_1 file may have for `auto` to keep Q4_1 on torch's int4 kernel
+# where bfloat16 products run: its cost grows by 4-row blocks, so past 2 seats bfloat16 wins.
 Q4_1_MAX_SEATS = 2
+
+
+def our_q4_here() -> bool:
+    """Whether our kernels (`Q4Linear`, `Q8Linear`) build and run batch-invariantly here."""
+    return quant_kernels.available() and quant_products_invariant()
 
 
 def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:
     """What `cpu_weights=auto` takes for a native model the engine loaded itself from `gguf_path`
-    (None: the default model) to serve `max_num_seqs` requests at once (None: unknown): `bfloat16`
-    where oneDNN runs prepacked bfloat16 products here (AVX-512 CPUs) and they pass the
-    batch-invariance check, except for a server of a Q4_1 file with at most Q4_1_MAX_SEATS seats;
-    else `q4_1` where the file is a GGUF whose layers are Q4_1 and this CPU runs torch's int4
-    kernel vectorized and batch-invariantly; else `float32`. Measured on an AVX-512 CPU
-    (docs/design.md has the figures): at 1 and 2 requests Q4_1 is faster, from 3 bfloat16 drafts
-    faster (int4 costs grow by 4-row blocks, so draft rows and other requests' rows are dear on
-    it); on AVX2 CPUs Q4_1 is the fast path."""
+    (None: the default model) to serve `max_num_seqs` requests at once (None: unknown).
+    For a GGUF whose layers are Q4_1:
+    - `q4_1` at every seat count where our kernels run and bfloat16 products do not (AVX2 CPUs):
+      they read each weight block once per step, so they beat every other format here at 1 to
+      64 rows (benchmarks/README.md);
+    - where oneDNN runs bfloat16 products invariantly (AVX-512 CPUs), `q4_1` up to
+      Q4_1_MAX_SEATS seats and `bfloat16` past them, as measured there;
+    - `q4_1` on torch's int4 kernel where ours cannot run but that one is vectorized and
+      invariant.
+    Otherwise `bfloat16` where it runs, else `float32`."""
     if not on_cpu:
         return "float32"
     few_seats = max_num_seqs is not None and max_num_seqs <= Q4_1_MAX_SEATS
-    if not few_seats and bf16_products_here():
-        return "bfloat16"
-    if int4_fast_here() and _is_q4_1_gguf(gguf_path):
+    bf16 = bf16_products_here()
+    if _is_q4_1_gguf(gguf_path) and (our_q4_here() or int4_fast_here()) and (few_seats or not bf16):
         return "q4_1"
-    return "bfloat16" if bf16_products_here() else "float32"
+    return "bfloat16" if bf16 else "float32"
 
 
 def _is_q4_1_gguf(gguf_path: str | None) -> bool:
@@ -162,19 +174,27 @@ def _load_q8_embedding(native: nn.Module, path: str | None) -> None:
 
 
 def _check_q4_1(on_cpu: bool, impl: str, unsupported: str | None) -> None:
-    if not on_cpu or impl == "transformers" or unsupported is not None or not int4_available():
-        raise ValueError("cpu_weights=q4_1 needs the native model on CPU and torch's int4 kernel")
+    if not on_cpu or impl == "transformers" or unsupported is not None:
+        raise ValueError("cpu_weights=q4_1 needs the native model on CPU")
+    if not our_q4_here() and not int4_available():
+        reason = quant_kernels.unavailable_reason() or "they are not batch-invariant here"
+        raise ValueError(f"cpu_weights=q4_1 needs our kernels ({reason}) or torch's int4 kernel")
 
 
 def _load_q4_1(native: nn.Module, path: str | None) -> None:
+    """The file's Q4_1 layers on our kernel (and its Q8_0 head, where it stores one, tied or
+    not), else on torch's int4 kernel; the Q8_0 token embedding either way."""
     from batchserve.runner.model_loader import resolve_model_path
 
     directory, gguf_file = resolve_model_path(path)
     if gguf_file is None:
         raise ValueError("cpu_weights=q4_1 reads a GGUF model file; this model is a directory")
-    if load_gguf_int4(native, directory / gguf_file) == 0:
+    ours = our_q4_here()
+    if load_gguf_int4(native, directory / gguf_file, Q4Linear if ours else Int4Linear) == 0:
         raise ValueError(f"{gguf_file} has no Q4_1 layers")
-    load_gguf_embedding(native, directory / gguf_file)  # its Q8_0 blocks, where the file has them
+    embedding = load_gguf_embedding(native, directory / gguf_file)  # its Q8_0 blocks, where the file has them
+    if ours:
+        load_gguf_head(native, directory / gguf_file, embedding)
 
 
 def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinear) -> bool:
@@ -190,6 +210,7 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
     except RuntimeError:
         return False
     int4 = any(isinstance(m, Int4Linear) for m in model.modules())
+    ours = any(isinstance(m, (Q4Linear, Q8Linear)) for m in model.modules())
     for name, layer in packed.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
@@ -199,7 +220,10 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
     # (o_proj and down_proj leave bfloat16 for the residual add alone, which widens it exactly).
     dtype = next(model.parameters()).dtype
     model.batch_invariant_linears = (
-        dtype == torch.float32 and packed_products_invariant(layer_class) and (not int4 or int4_products_invariant())
+        dtype == torch.float32
+        and packed_products_invariant(layer_class)
+        and (not int4 or int4_products_invariant())
+        and (not ours or quant_products_invariant())
     )
     return True
 

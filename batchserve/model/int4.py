@@ -13,6 +13,7 @@ from torch import nn
 
 from batchserve.model.layers import in_checked_rows
 from batchserve.model.llama import product_out_dtype
+from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Embedding, Q8Linear, fits
 
 GROUP = 32  # values per Q4_1 block (and per int4 scale/zero group)
 # GGUF tensor name (per layer) -> (our module under layers.{i}, part of it, rows permuted like heads of ...)
@@ -85,26 +86,6 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 as int4, {out} out"
 
 
-class Q8Embedding(nn.Module):
-    """A token embedding over Q8_0 blocks as stored (int8 values, one scale per 32): a looked-up
-    row is `d * q` in float32, exactly the value transformers dequantizes (an 8-bit value times
-    a float16 scale needs 19 bits of the 24 float32 has), at a quarter of the bytes."""
-
-    def __init__(self, q: np.ndarray, d: np.ndarray) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = q.shape
-        self.register_buffer("q", torch.from_numpy(np.ascontiguousarray(q)))  # [V, H] int8
-        self.register_buffer("d", torch.from_numpy(np.ascontiguousarray(d)))  # [V, H/32] float32
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.shape[0]  # ids: [T]
-        q = self.q.index_select(0, ids).view(t, -1, GROUP)  # [T, H/32, 32]
-        return (q.float() * self.d.index_select(0, ids)[..., None]).view(t, self.embedding_dim)  # [T, H]
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, Q8_0"
-
-
 def decode_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """(q [rows, cols] int8, d [rows, cols/32] float32) of Q8_0 blocks [rows, cols/32 * 34]
     bytes: each block is d (float16) and 32 int8 values; a value is d * q."""
@@ -114,24 +95,48 @@ def decode_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.n
     return q, d
 
 
-@torch.no_grad()
-def load_gguf_embedding(model: nn.Module, gguf_path: str | Path) -> bool:
-    """Swap the native model's token embedding for a `Q8Embedding` of the GGUF's own Q8_0 blocks,
-    in place, where the file stores it so; whether it did. Every value must equal the weight
-    transformers loaded from the same file. A tied LM head keeps its own weight (float32, or the
-    bfloat16 copy a `Bf16Linear` head makes), so only the embedding's own copy goes."""
+def _q8_blocks(gguf_path: str | Path, name: str, weight: torch.Tensor, what: str) -> Q8Blocks | None:
+    """The file's Q8_0 tensor `name` as `Q8Blocks`, checked value for value against `weight`
+    (what transformers loaded from the same file); None where the file does not store it so."""
     import gguf
 
-    t = gguf_tensors(gguf_path).get("token_embd.weight")
+    t = gguf_tensors(gguf_path).get(name)
     if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
-        return False
+        return None
     cols, rows = (int(n) for n in t.shape)
     q, d = decode_q8_0(t.data, rows, cols)
-    weight = model.embed_tokens.weight.detach()  # type: ignore[union-attr]
     stored = torch.from_numpy(q.astype(np.float32) * np.repeat(d, GROUP, axis=1))
-    if weight.shape != stored.shape or not torch.equal(weight.float(), stored):
-        raise ValueError("the GGUF's Q8_0 token embedding does not match the loaded embed_tokens")
-    model.embed_tokens = Q8Embedding(q, d)
+    if weight.shape != stored.shape or not torch.equal(weight.detach().float(), stored):
+        raise ValueError(f"the GGUF's Q8_0 {name} does not match the loaded {what}")
+    return Q8Blocks(q, d)
+
+
+@torch.no_grad()
+def load_gguf_embedding(model: nn.Module, gguf_path: str | Path) -> Q8Blocks | None:
+    """Swap the native model's token embedding for a `Q8Embedding` of the GGUF's own Q8_0 blocks,
+    in place, where the file stores it so; the blocks (None: nothing swapped). Every value must
+    equal the weight transformers loaded from the same file. The LM head keeps its own weight
+    unless `load_gguf_head` puts it on the same blocks."""
+    blocks = _q8_blocks(gguf_path, "token_embd.weight", model.embed_tokens.weight, "token embedding")  # type: ignore[union-attr]
+    if blocks is not None:
+        model.embed_tokens = Q8Embedding(blocks)
+    return blocks
+
+
+@torch.no_grad()
+def load_gguf_head(model: nn.Module, gguf_path: str | Path, embedding: Q8Blocks | None) -> bool:
+    """Swap the LM head for a `Q8Linear` over the file's Q8_0 blocks where it stores them: its
+    own `output.weight`, or for a tied head the embedding's blocks (one copy for both); whether
+    it did."""
+    head = model.lm_head  # type: ignore[union-attr]
+    blocks = _q8_blocks(gguf_path, "output.weight", head.weight, "LM head")
+    if blocks is None and "output.weight" not in gguf_tensors(gguf_path) and embedding is not None:
+        if not torch.equal(head.weight.detach().float(), embedding.lookup(torch.arange(embedding.rows))):
+            raise ValueError("the tied LM head does not match the GGUF's token embedding")
+        blocks = embedding
+    if blocks is None or getattr(head, "bias", None) is not None:
+        return False
+    model.lm_head = Q8Linear(blocks)
     return True
 
 
@@ -183,9 +188,9 @@ def gguf_has_q4_1(gguf_path: str | Path) -> bool:
 
 
 @torch.no_grad()
-def load_gguf_int4(model: nn.Module, gguf_path: str | Path) -> int:
+def load_gguf_int4(model: nn.Module, gguf_path: str | Path, layer_class: type[nn.Module] = Int4Linear) -> int:
     """Swap the native model's layer products (still `nn.Linear`s: before `pack_linears`) for
-    `Int4Linear`s of the GGUF's own Q4_1 blocks, in place; the number swapped (from the first
+    `layer_class`es (`Int4Linear`: torch's kernel; `Q4Linear`: ours) of the GGUF's own Q4_1 blocks, in place; the number swapped (from the first
     layer whose tensors are not all Q4_1 on, layers stay as they are). Each block's `d*q + m`
     must equal the weight transformers loaded from the same file (a wrong name or row order
     fails loudly, not quietly); every layer is checked before any is swapped, so a failure
@@ -194,7 +199,7 @@ def load_gguf_int4(model: nn.Module, gguf_path: str | Path) -> int:
 
     config: Any = model.config  # type: ignore[assignment]
     tensors = gguf_tensors(gguf_path)
-    swaps: list[tuple[nn.Module, str, Int4Linear]] = []
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
     for i, layer in enumerate(model.layers):  # type: ignore[union-attr]
         parts: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
         for name, (module, part, heads) in GGUF_LAYERS.items():
@@ -211,14 +216,20 @@ def load_gguf_int4(model: nn.Module, gguf_path: str | Path) -> int:
         if not parts:
             break
         for module, pieces in parts.items():
-            swaps.append((layer, module, _int4_of(layer, module, sorted(pieces, key=lambda p: p[0]))))
+            pieces.sort(key=lambda p: p[0])
+            swaps.append((layer, module, _int4_of(layer, module, pieces, layer_class)))
     for layer, module, int4 in swaps:
         parent, _, child = module.rpartition(".")
         setattr(layer.get_submodule(parent), child, int4)
     return len(swaps)
 
 
-def _int4_of(layer: nn.Module, module: str, pieces: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> Int4Linear:
+def _int4_of(
+    layer: nn.Module,
+    module: str,
+    pieces: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
+    layer_class: type[nn.Module],
+) -> nn.Module:
     old = layer.get_submodule(module)
     q, d, m = (np.concatenate([p[k] for p in pieces]) for k in (1, 2, 3))
     weight = old.weight.detach().float()  # what transformers dequantized from the same blocks
@@ -226,4 +237,6 @@ def _int4_of(layer: nn.Module, module: str, pieces: list[tuple[int, np.ndarray, 
     if weight.shape != stored.shape or not torch.equal(weight, stored):
         raise ValueError(f"the GGUF's Q4_1 blocks do not match {module}'s loaded weight")
     sizes = getattr(old, "sizes", (q.shape[0],))
-    return Int4Linear(q, d, m, getattr(old, "bias", None), sizes, product_out_dtype(module))
+    if layer_class is Q4Linear and not fits(*q.shape):
+        layer_class = Int4Linear  # our kernel takes whole column groups only
+    return layer_class(q, d, m, getattr(old, "bias", None), sizes, product_out_dtype(module))

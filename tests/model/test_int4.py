@@ -1,4 +1,6 @@
-"""The GGUF's Q4_1 layers on torch's int4 kernel: decoding the blocks, the row order, the layer, the refusals."""
+"""The GGUF's Q4_1 layers: decoding the blocks, the row order, torch's int4 layer, loading the
+default model on our kernel or torch's, the `auto` choice, the refusals. (Our kernel's own
+layers are tested in test_quant.py.)"""
 
 from __future__ import annotations
 
@@ -6,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from batchserve.model import bf16_products_here, choose_impl
+from batchserve.model import bf16_products_here, choose_impl, our_q4_here
 from batchserve.model.int4 import (
     Int4Linear,
-    Q8Embedding,
     decode_q4_1,
     decode_q8_0,
     int4_available,
@@ -17,6 +18,7 @@ from batchserve.model.int4 import (
     unpermute_rows,
 )
 from batchserve.model.layers import Bf16Linear, PackedLinear
+from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Embedding, Q8Linear
 from tests.conftest import make_tiny_model
 
 needs_int4 = pytest.mark.skipif(not int4_available(), reason="this torch has no CPU int4 kernel")
@@ -52,7 +54,7 @@ def test_q8_0_blocks_decode_and_look_up_exactly_as_gguf_dequantizes_them():
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
     q, d = decode_q8_0(raw, 40, 96)
     assert q.dtype == np.int8 and d.shape == (40, 3)
-    embedding = Q8Embedding(q, d)
+    embedding = Q8Embedding(Q8Blocks(q, d))  # 40 rows: padded to whole groups of 8 inside
     ids = torch.tensor([3, 0, 39, 3])
     assert torch.equal(embedding(ids), torch.from_numpy(expected)[ids])
 
@@ -97,27 +99,39 @@ def test_q4_1_weights_need_the_native_model_on_cpu():
 
 
 @pytest.mark.slow
-@needs_int4
-def test_smollm2_runs_on_its_own_q4_1_blocks():
+@pytest.mark.parametrize("kernel", ["ours", "torch"])
+def test_smollm2_runs_on_its_own_q4_1_blocks(kernel, monkeypatch):
     """Every layer product of the default model becomes the file's Q4_1 blocks (each checked
-    against what transformers dequantized from them), and drafts leave the output unchanged."""
+    against what transformers dequantized from them), on our kernel (the LM head on the file's
+    Q8_0 blocks, shared with the embedding) or, where ours cannot run, torch's int4 kernel; drafts
+    leave the output unchanged."""
     from batchserve import LLM, SamplingParams
     from batchserve.runner import load_model
 
+    if kernel == "ours" and not our_q4_here():
+        pytest.skip("our kernels cannot run here")
+    if kernel == "torch":
+        if not int4_available():
+            pytest.skip("this torch has no CPU int4 kernel")
+        monkeypatch.setattr("batchserve.model.our_q4_here", lambda: False)  # as without a compiler
     model, tokenizer = load_model(None, "float32")
     prompts = ["def fibonacci(n):", "The capital of France is"]
     outs = {}
     for draft in ("none", "lookahead"):
         llm = LLM(hf_model=model, tokenizer=tokenizer, cpu_weights="q4_1", draft=draft, adaptive=False)
-        assert sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules()) == 4 * 30
-        assert isinstance(llm.engine.runner.model.embed_tokens, Q8Embedding)  # the file's Q8_0 blocks
-        # The LM head: bfloat16 where this CPU runs it invariantly (half float32's bytes), else float32.
-        head = llm.engine.runner.model.lm_head
-        assert isinstance(head, Bf16Linear if bf16_products_here() else PackedLinear)
-        assert {m.out_dtype for m in llm.engine.runner.model.layers[3].modules() if isinstance(m, Int4Linear)} == {
-            torch.float32,
-            torch.bfloat16,  # o_proj and down_proj feed the residual add alone
-        }
+        native = llm.engine.runner.model
+        layer_class = Q4Linear if kernel == "ours" else Int4Linear
+        assert sum(isinstance(m, layer_class) for m in native.modules()) == 4 * 30
+        assert isinstance(native.embed_tokens, Q8Embedding)  # the file's Q8_0 blocks
+        head = native.lm_head
+        if kernel == "ours":
+            assert isinstance(head, Q8Linear) and head.blocks is native.embed_tokens.blocks  # one copy
+        else:  # bfloat16 where this CPU runs it invariantly (half float32's bytes), else float32
+            assert isinstance(head, Bf16Linear if bf16_products_here() else PackedLinear)
+            assert {m.out_dtype for m in native.layers[3].modules() if isinstance(m, Int4Linear)} == {
+                torch.float32,
+                torch.bfloat16,  # o_proj and down_proj feed the residual add alone
+            }
         outs[draft] = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=24))]
     assert outs["none"] == outs["lookahead"] and all(len(t) > 0 for t in outs["none"])
     # A block that does not match what transformers loaded fails the load, and no layer is swapped.
@@ -145,25 +159,29 @@ def test_smollm2_runs_on_its_own_q4_1_blocks():
 @pytest.mark.parametrize("seats", [16, 1])
 def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_this_cpu(seats):
     """cpu_weights=auto, the shipped default: an engine that loads the default GGUF itself runs
-    bfloat16 products where this CPU runs them invariantly (AVX-512; with one or two seats, the file's
-    Q4_1 blocks where the int4 kernel is fast), else the file's Q4_1 blocks where the int4 kernel
-    is fast and invariant, else float32; on bfloat16 the token embedding is the file's own Q8_0
-    blocks."""
+    the file's Q4_1 blocks on our kernel at every seat count where bfloat16 products do not run
+    (AVX2), bfloat16 past two seats where they do (AVX-512); on bfloat16 the token embedding is
+    the file's own Q8_0 blocks, on our kernel the head and the embedding are."""
     from batchserve import LLM
-    from batchserve.model import Q4_1_MAX_SEATS, Bf16Linear, bf16_products_here, choose_cpu_weights, int4_fast_here
-    from batchserve.model.int4 import Q8Embedding
+    from batchserve.model import Q4_1_MAX_SEATS, choose_cpu_weights, int4_fast_here
 
     llm = LLM(draft="none", max_num_seqs=seats)
     model = llm.engine.runner.model
     expected = choose_cpu_weights(True, None, seats)
+    q4_here = our_q4_here() or int4_fast_here()
     if bf16_products_here():
-        assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and int4_fast_here() else "bfloat16")
+        assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and q4_here else "bfloat16")
+    elif q4_here:
+        assert expected == "q4_1"
     assert model.cpu_weights == expected
     assert llm.engine.forward_name.startswith(f"native {expected} weights")
-    assert any(isinstance(m, Int4Linear) for m in model.modules()) == (expected == "q4_1")
+    layer_class = Q4Linear if our_q4_here() else Int4Linear
+    assert any(isinstance(m, layer_class) for m in model.modules()) == (expected == "q4_1")
     assert isinstance(model.layers[0].mlp.down_proj, Bf16Linear) == (expected == "bfloat16")
-    # The LM head is bfloat16 wherever it runs invariantly, beside Q4_1 layers too.
-    bf16_head = expected == "bfloat16" or (expected == "q4_1" and bf16_products_here())
+    # The LM head: the file's Q8_0 blocks on our kernel; else bfloat16 wherever it runs invariantly.
+    ours = expected == "q4_1" and our_q4_here()
+    assert isinstance(model.lm_head, Q8Linear) == ours
+    bf16_head = expected == "bfloat16" or (expected == "q4_1" and not ours and bf16_products_here())
     assert isinstance(model.lm_head, Bf16Linear) == bf16_head
     assert isinstance(model.embed_tokens, Q8Embedding) == (expected != "float32")
 
@@ -192,34 +210,43 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
 
     assert int4.gguf_has_q4_1(_gguf_of(tmp_path / "q4.gguf", {}))
     assert not int4.gguf_has_q4_1(_gguf_of(tmp_path / "mixed.gguf", {"ffn_down": "F32"}))
-    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: True)
-    monkeypatch.setattr("batchserve.model.bf16_prepack_available", lambda: False)  # an AVX2 CPU
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "q4_1"
-    assert choose_cpu_weights(True, str(tmp_path / "mixed.gguf")) == "float32"
-    assert choose_cpu_weights(False, str(tmp_path / "q4.gguf")) == "float32"  # not on CPU
-    assert choose_cpu_weights(True, str(tmp_path / "missing.gguf")) == "float32"
+    q4, mixed, hf = str(tmp_path / "q4.gguf"), str(tmp_path / "mixed.gguf"), str(tmp_path / "hf")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
-    assert choose_cpu_weights(True, str(tmp_path / "hf")) == "float32"  # a model directory
-    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: False)
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "float32"  # no fast int4 kernel here
-    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: True)
-    # Where bfloat16 products run (AVX-512), they win over Q4_1 for any model.
-    monkeypatch.setattr("batchserve.model.bf16_prepack_available", lambda: True)
-    monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: True)
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "bfloat16"
-    assert choose_cpu_weights(True, str(tmp_path / "hf")) == "bfloat16"
-    # ... except for one or two requests at a time on a Q4_1 file: too few rows for bfloat16's flat cost.
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=1) == "q4_1"
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=2) == "q4_1"
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=3) == "bfloat16"
-    assert choose_cpu_weights(True, str(tmp_path / "hf"), max_num_seqs=1) == "bfloat16"  # no Q4_1 file
-    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: False)
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf"), max_num_seqs=1) == "bfloat16"
-    monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: True)
+
+    def cpu(ours: bool, int4_fast: bool, bf16: bool) -> None:
+        """Fake the CPU: our kernels built, torch's int4 fast, oneDNN's bfloat16 (AVX-512)."""
+        monkeypatch.setattr("batchserve.model.our_q4_here", lambda: ours)
+        monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: int4_fast)
+        monkeypatch.setattr("batchserve.model.bf16_prepack_available", lambda: bf16)
+        monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: True)
+
+    # An AVX2 CPU with our kernels: Q4_1 for every seat count, for a Q4_1 file only.
+    cpu(ours=True, int4_fast=False, bf16=False)
+    assert [choose_cpu_weights(True, q4, seats) for seats in (None, 1, 2, 3, 16, 64)] == ["q4_1"] * 6
+    assert choose_cpu_weights(True, mixed) == "float32"
+    assert choose_cpu_weights(False, q4) == "float32"  # not on CPU
+    assert choose_cpu_weights(True, str(tmp_path / "missing.gguf")) == "float32"
+    assert choose_cpu_weights(True, hf) == "float32"  # a model directory
+    # Without our kernels (no compiler): torch's int4 kernel where it is fast, else float32.
+    cpu(ours=False, int4_fast=True, bf16=False)
+    assert choose_cpu_weights(True, q4, 16) == "q4_1"
+    cpu(ours=False, int4_fast=False, bf16=False)
+    assert choose_cpu_weights(True, q4) == "float32"
+    # An AVX-512 CPU (bfloat16 products): bfloat16 past two seats, for any model ...
+    for ours, int4_fast in ((True, False), (False, True)):
+        cpu(ours=ours, int4_fast=int4_fast, bf16=True)
+        assert choose_cpu_weights(True, q4) == "bfloat16"
+        assert choose_cpu_weights(True, hf) == "bfloat16"
+        # ... and Q4_1 for one or two requests at a time on a Q4_1 file.
+        assert [choose_cpu_weights(True, q4, seats) for seats in (1, 2, 3)] == ["q4_1", "q4_1", "bfloat16"]
+        assert choose_cpu_weights(True, hf, max_num_seqs=1) == "bfloat16"  # no Q4_1 file
+    cpu(ours=False, int4_fast=False, bf16=True)
+    assert choose_cpu_weights(True, q4, max_num_seqs=1) == "bfloat16"
+    cpu(ours=True, int4_fast=False, bf16=True)
     monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: False)
-    assert choose_cpu_weights(True, str(tmp_path / "q4.gguf")) == "q4_1"  # not invariant here: not taken
-    assert choose_cpu_weights(False, str(tmp_path / "q4.gguf")) == "float32"
+    assert choose_cpu_weights(True, q4) == "q4_1"  # bfloat16 not invariant here: not taken
+    assert choose_cpu_weights(False, q4) == "float32"
     # A model handed in (not loaded from the path here) keeps its own weights under auto.
-    native = choose_impl(make_tiny_model(), "auto", cpu_weights="auto", path=str(tmp_path / "q4.gguf"))
-    assert native.cpu_weights == "float32" and not any(isinstance(m, Int4Linear) for m in native.modules())
+    native = choose_impl(make_tiny_model(), "auto", cpu_weights="auto", path=q4)
+    assert native.cpu_weights == "float32" and not any(isinstance(m, (Int4Linear, Q4Linear)) for m in native.modules())

@@ -1,0 +1,229 @@
+// Products over a GGUF file's own quantized blocks for 1 to a few hundred rows, reading each
+// weight block once per call: Q4_1 (d, m and 32 4-bit values per block) for the layers and
+// Q8_0 (d and 32 int8 values) for the LM head. Activations are quantized per row and per block
+// of 32 to int8 (scale = max |x| / 127), as llama.cpp does for these formats.
+//
+// Batch invariance: an output element is computed by one thread, in one fixed order of
+// operations, from its row's activations and its column's weights only. The row count, the
+// row's place in the call and the thread count decide which thread and which tile computes
+// it, never how. Float contraction is off: every FMA below is written out.
+//
+// Weight layout (a permutation of the file's bytes; the values, scales and mins are the file's):
+// 8 output columns form a group; within a group and block, step s (k = 4s .. 4s+3 of the
+// block) is 32 bytes, byte 4j + r holding column j's value at k = 4s + r. That is the operand
+// layout of vpmaddubsw against 4 bytes of one activation row broadcast to every lane, so a
+// column's partial sums stay in their own lane and no horizontal sum is ever needed.
+//   Q4_1: nibbles [N/8, K/32, 4, 32]: byte i of chunk p is step 2p's value | step 2p+1's << 4;
+//         d, m [N/8, K/32, 8] float16.
+//   Q8_0: values [N/8, K/32, 8, 32] int8; d [N/8, K/32, 8] float16.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;   // values per block
+constexpr int kRowTile = 4;  // rows a tile computes at once
+constexpr int kGroups = 2;   // column groups (of 8) a tile computes at once
+
+inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One row's block of 32 floats -> 32 int8 in [-127, 127], the scale d and the float sum.
+inline void quantize_block(const float* p, int8_t* q, float* d, float* s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+    const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    const float mx = hmax(a);
+    *d = mx / 127.0f;
+    *s = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, mul)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, mul));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, mul)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, mul));
+    __m256i r = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    r = _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // undo packs' lane interleave
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), r);
+}
+
+struct Rows {         // a call's activations, quantized
+    const int8_t* q;  // [T, K]
+    const float* d;   // [T, K/32] scales
+    const float* s;   // [T, K/32] float sums (Q4_1's min term)
+    int64_t K;
+};
+
+struct Weights {
+    const uint8_t* q;   // Q4_1 nibbles or Q8_0 values, grouped as above
+    const uint16_t* d;  // [N/8, K/32, 8] float16
+    const uint16_t* m;  // [N/8, K/32, 8] float16 (Q4_1 only)
+};
+
+// y[t0 + t, 8 (g0 + g) + j] for t < MT, g < NG: Q4_1 weights.
+template <int MT, int NG>
+void tile_q4_1(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+    const int64_t nb = x.K / QK;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    __m256 acc[MT][NG];
+    for (int t = 0; t < MT; ++t)
+        for (int g = 0; g < NG; ++g) acc[t][g] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        // Per column: sums of 16 products of at most 15 * 127 fit int16 (30,480 < 32,767).
+        __m256i isum[MT][NG];
+        for (int t = 0; t < MT; ++t)
+            for (int g = 0; g < NG; ++g) isum[t][g] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+            __m256i w0[NG], w1[NG];
+            for (int g = 0; g < NG; ++g) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (((g0 + g) * nb + b) * 4 + p) * 32));
+                w0[g] = _mm256_and_si256(raw, low);
+                w1[g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            }
+            for (int t = 0; t < MT; ++t) {
+                const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * QK + p * 8);
+                const __m256i x0 = _mm256_set1_epi32(xr[0]), x1 = _mm256_set1_epi32(xr[1]);
+                for (int g = 0; g < NG; ++g) {
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(w0[g], x0), _mm256_maddubs_epi16(w1[g], x1));
+                    isum[t][g] = _mm256_add_epi16(isum[t][g], pair);
+                }
+            }
+        }
+        __m256 dw[NG], mw[NG];
+        for (int g = 0; g < NG; ++g) {
+            const int64_t o = ((g0 + g) * nb + b) * 8;
+            dw[g] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + o)));
+            mw[g] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + o)));
+        }
+        for (int t = 0; t < MT; ++t) {
+            const __m256 dx = _mm256_broadcast_ss(x.d + (t0 + t) * nb + b);
+            const __m256 sx = _mm256_broadcast_ss(x.s + (t0 + t) * nb + b);
+            for (int g = 0; g < NG; ++g) {  // d_w d_x sum(q_w q_x) + m_w sum(x)
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[t][g], ones));
+                acc[t][g] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw[g], dx), acc[t][g]);
+                acc[t][g] = _mm256_fmadd_ps(mw[g], sx, acc[t][g]);
+            }
+        }
+    }
+    for (int t = 0; t < MT; ++t)
+        for (int g = 0; g < NG; ++g) _mm256_storeu_ps(y + (t0 + t) * N + (g0 + g) * 8, acc[t][g]);
+}
+
+// The same for Q8_0 weights: signed values, so vpmaddubsw takes |w| and x carrying w's sign;
+// a pair's sum can reach 32,512, so each step widens to int32 at once.
+template <int MT, int NG>
+void tile_q8_0(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+    const int64_t nb = x.K / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT][NG];
+    for (int t = 0; t < MT; ++t)
+        for (int g = 0; g < NG; ++g) acc[t][g] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i isum[MT][NG];
+        for (int t = 0; t < MT; ++t)
+            for (int g = 0; g < NG; ++g) isum[t][g] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
+            __m256i wv[NG], wa[NG];
+            for (int g = 0; g < NG; ++g) {
+                wv[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (((g0 + g) * nb + b) * 8 + s) * 32));
+                wa[g] = _mm256_sign_epi8(wv[g], wv[g]);
+            }
+            for (int t = 0; t < MT; ++t) {
+                const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * QK + s * 4);
+                const __m256i xv = _mm256_set1_epi32(xr[0]);
+                for (int g = 0; g < NG; ++g) {
+                    const __m256i prod = _mm256_maddubs_epi16(wa[g], _mm256_sign_epi8(xv, wv[g]));
+                    isum[t][g] = _mm256_add_epi32(isum[t][g], _mm256_madd_epi16(prod, ones));
+                }
+            }
+        }
+        __m256 dw[NG];
+        for (int g = 0; g < NG; ++g)
+            dw[g] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + ((g0 + g) * nb + b) * 8)));
+        for (int t = 0; t < MT; ++t) {
+            const __m256 dx = _mm256_broadcast_ss(x.d + (t0 + t) * nb + b);
+            for (int g = 0; g < NG; ++g)
+                acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][g]), _mm256_mul_ps(dw[g], dx), acc[t][g]);
+        }
+    }
+    for (int t = 0; t < MT; ++t)
+        for (int g = 0; g < NG; ++g) _mm256_storeu_ps(y + (t0 + t) * N + (g0 + g) * 8, acc[t][g]);
+}
+
+using Tile = void (*)(const Rows&, const Weights&, int64_t, float*, int64_t, int64_t);
+
+template <template <int, int> class K, int NG>
+struct Tiles {  // the tile functions for 1 .. kRowTile rows at NG groups
+    static constexpr Tile by_rows[kRowTile + 1] = {nullptr, K<1, NG>::f, K<2, NG>::f, K<3, NG>::f, K<4, NG>::f};
+};
+
+template <int MT, int NG>
+struct Q41 { static constexpr Tile f = tile_q4_1<MT, NG>; };
+template <int MT, int NG>
+struct Q80 { static constexpr Tile f = tile_q8_0<MT, NG>; };
+
+// Every row for the column groups [g0, g0 + NG): full row tiles, then one smaller tile.
+template <template <int, int> class K, int NG>
+void column_tile(const Rows& x, int64_t T, const Weights& w, int64_t N, float* y, int64_t g0) {
+    int64_t t0 = 0;
+    for (; t0 + kRowTile <= T; t0 += kRowTile) K<kRowTile, NG>::f(x, w, N, y, t0, g0);
+    if (T > t0) Tiles<K, NG>::by_rows[T - t0](x, w, N, y, t0, g0);
+}
+
+template <template <int, int> class K>
+void linear(const float* x, int64_t T, int64_t K_, const Weights& w, int64_t N, float* y, int threads) {
+    const int64_t nb = K_ / QK;
+    static thread_local std::vector<int8_t> xq;
+    static thread_local std::vector<float> xds;
+    xq.resize(static_cast<size_t>(T * K_));
+    xds.resize(static_cast<size_t>(2 * T * nb));
+    // The buffers are this (calling) thread's: the team reads them through these pointers.
+    int8_t* q = xq.data();
+    float* d = xds.data();
+    float* s = d + T * nb;
+    const Rows rows{q, d, s, K_};
+    const int64_t groups = N / 8, tiles = groups / kGroups;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t b = 0; b < nb; ++b)
+                quantize_block(x + t * K_ + b * QK, q + t * K_ + b * QK, d + t * nb + b, s + t * nb + b);
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < tiles + (groups - tiles * kGroups); ++j) {
+            if (j < tiles) column_tile<K, kGroups>(rows, T, w, N, y, j * kGroups);
+            else column_tile<K, 1>(rows, T, w, N, y, tiles * kGroups + (j - tiles));
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [T, N] float32 = x [T, K] float32 times the Q4_1 weight's transpose. K % 32 == 0, N % 8 == 0.
+void bs_q4_1_linear(const float* x, int64_t T, int64_t K, const uint8_t* wq, const uint16_t* wd,
+                    const uint16_t* wm, int64_t N, float* y, int threads) {
+    linear<Q41>(x, T, K, Weights{wq, wd, wm}, N, y, threads);
+}
+
+// The same over Q8_0 weights.
+void bs_q8_0_linear(const float* x, int64_t T, int64_t K, const int8_t* wq, const uint16_t* wd, int64_t N,
+                    float* y, int threads) {
+    linear<Q80>(x, T, K, Weights{reinterpret_cast<const uint8_t*>(wq), wd, nullptr}, N, y, threads);
+}
+
+int bs_abi_version() { return 1; }
+
+}  // extern "C"

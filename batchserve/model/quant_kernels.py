@@ -1,0 +1,160 @@
+"""Our CPU kernels for the GGUF file's quantized blocks (csrc/quant_gemm.cpp), compiled for this
+CPU on first use and loaded with ctypes.
+
+The library is built once per source, compiler and CPU with `g++ -O3 -march=native -fopenmp`
+($CXX overrides the compiler) into $BATCHSERVE_CACHE_DIR/kernels (else ~/.cache/batchserve/
+kernels), which takes about 3 seconds; `make setup` builds it ahead. Its OpenMP calls resolve to
+the runtime torch already loaded (the same soname), so its threads are torch's threads. Where it
+cannot be built (no compiler, a CPU without AVX2, FMA and F16C), `available()` is False and
+`unavailable_reason()` says why: the Q4_1 weights then run on torch's int4 kernel."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
+ABI_VERSION = 1  # bs_abi_version() of the source this module's signatures describe
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernels cannot run here; the message says why."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATCHSERVE_CACHE_DIR") or Path.home() / ".cache" / "batchserve") / "kernels"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def _library_path(cxx: str) -> Path:
+    """Where the build for this source, compiler and CPU lives: a new CPU or compiler builds anew
+    (-march=native code must not run on another CPU)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), platform.machine().encode()):
+        key.update(part)
+    key.update(" ".join(sorted(cpu_flags())).encode())
+    return cache_root() / f"quant_gemm-{key.hexdigest()[:16]}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """The library for this CPU, compiled now unless already built; raises KernelUnavailable."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise KernelUnavailable(f"the kernels are x86-64 (AVX2) code; this machine is {platform.machine()}")
+    missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler (g++) to build them: install g++ or set $CXX")
+    path = _library_path(cxx)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Compiled beside its final name, then renamed: processes building at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, str(SOURCE), "-o", tmp]
+    if verbose:
+        log.info("building the quantized-product kernels: %s", " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise KernelUnavailable(f"{cxx} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, path)
+    return path
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | str:
+    try:
+        path = build(verbose=True)
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    lib = ctypes.CDLL(str(path))
+    if lib.bs_abi_version() != ABI_VERSION:
+        return f"{path} is not this version's build"
+    lib.bs_q4_1_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _INT]
+    lib.bs_q4_1_linear.restype = None
+    lib.bs_q8_0_linear.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT]
+    lib.bs_q8_0_linear.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels; raises KernelUnavailable (with the reason) where there are none."""
+    lib = _load()
+    if isinstance(lib, str):
+        raise KernelUnavailable(lib)
+    return lib
+
+
+def available() -> bool:
+    return not isinstance(_load(), str)
+
+
+def unavailable_reason() -> str | None:
+    lib = _load()
+    return lib if isinstance(lib, str) else None
+
+
+def q4_1_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) times Q4_1 weights (`group_q4_1`'s layout) -> [T, N] float32."""
+    rows, k = x.shape
+    n = q.shape[0] * 8
+    y = torch.empty(rows, n)
+    library().bs_q4_1_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), n, y.data_ptr(),
+                             torch.get_num_threads())  # fmt: skip
+    return y
+
+
+def q8_0_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) times Q8_0 weights (`group_q8_0`'s layout) -> [T, N] float32."""
+    rows, k = x.shape
+    n = q.shape[0] * 8
+    y = torch.empty(rows, n)
+    library().bs_q8_0_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def main() -> None:
+    """`python -m batchserve.model.quant_kernels`: build now (make setup), or say why not."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(f"quantized-product kernels: {build(verbose=True)}")
+    except KernelUnavailable as e:
+        print(f"quantized-product kernels unavailable (Q4_1 runs on torch's int4 kernel): {e}")
+
+
+if __name__ == "__main__":
+    main()
