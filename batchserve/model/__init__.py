@@ -24,7 +24,6 @@ from batchserve.model.layers import (
     packed_products_invariant,
     prepack_available,
 )
-from batchserve.model.quant import Q4Linear, Q8Linear, quant_products_invariant
 from batchserve.model.llama import (
     SUPPORTED_ARCHITECTURES,
     NativeLlamaForCausalLM,
@@ -32,6 +31,7 @@ from batchserve.model.llama import (
     product_out_dtype,
     supports,
 )
+from batchserve.model.quant import Q4Linear, Q8Linear, quant_products_invariant
 
 __all__ = [
     "Q4_1_MAX_SEATS",
@@ -46,6 +46,7 @@ __all__ = [
     "our_q4_here",
     "pack_linears",
     "supports",
+    "uses_our_kernels",
 ]
 
 
@@ -65,7 +66,8 @@ def choose_impl(
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
     transformers elsewhere. On CPU the native model's linear layers are `PackedLinear`
-    (batch-invariant) unless `cpu_linear` is `torch`; with `cpu_weights=bfloat16` every product is
+    (batch-invariant) unless `cpu_linear` is `torch` (torch's own kernels: its int4 one for
+    `q4_1`); with `cpu_weights=bfloat16` every product is
     a `Bf16Linear`; with `q4_1` the layers' products are the GGUF file at `path`'s own Q4_1
     blocks on our kernel (`Q4Linear`, the head a `Q8Linear` over the file's Q8_0 blocks), or
     where it cannot run on torch's int4 kernel (`Int4Linear`, the head a `Bf16Linear` where
@@ -96,7 +98,7 @@ def choose_impl(
             # A model handed in keeps the weights it came with: only the engine knows its file.
             weights = choose_cpu_weights(on_cpu, path, max_num_seqs) if loaded_from_path else "float32"
         if weights == "q4_1":
-            _load_q4_1(native, path)
+            _load_q4_1(native, path, ours=cpu_linear != "torch" and our_q4_here())
         native.cpu_weights = weights if on_cpu else "-"
         if weights == "bfloat16":
             pack_linears(native, Bf16Linear)
@@ -176,20 +178,20 @@ def _load_q8_embedding(native: nn.Module, path: str | None) -> None:
 def _check_q4_1(on_cpu: bool, impl: str, unsupported: str | None) -> None:
     if not on_cpu or impl == "transformers" or unsupported is not None:
         raise ValueError("cpu_weights=q4_1 needs the native model on CPU")
-    if not our_q4_here() and not int4_available():
+    if not int4_available() and not our_q4_here():
         reason = quant_kernels.unavailable_reason() or "they are not batch-invariant here"
         raise ValueError(f"cpu_weights=q4_1 needs our kernels ({reason}) or torch's int4 kernel")
 
 
-def _load_q4_1(native: nn.Module, path: str | None) -> None:
+def _load_q4_1(native: nn.Module, path: str | None, ours: bool) -> None:
     """The file's Q4_1 layers on our kernel (and its Q8_0 head, where it stores one, tied or
-    not), else on torch's int4 kernel; the Q8_0 token embedding either way."""
+    not), else (`cpu_linear=torch`, or ours cannot run) on torch's int4 kernel; the Q8_0 token
+    embedding either way."""
     from batchserve.runner.model_loader import resolve_model_path
 
     directory, gguf_file = resolve_model_path(path)
     if gguf_file is None:
         raise ValueError("cpu_weights=q4_1 reads a GGUF model file; this model is a directory")
-    ours = our_q4_here()
     if load_gguf_int4(native, directory / gguf_file, Q4Linear if ours else Int4Linear) == 0:
         raise ValueError(f"{gguf_file} has no Q4_1 layers")
     embedding = load_gguf_embedding(native, directory / gguf_file)  # its Q8_0 blocks, where the file has them
@@ -226,6 +228,12 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
         and (not ours or quant_products_invariant())
     )
     return True
+
+
+def uses_our_kernels(model: Any) -> bool:
+    """Whether the model's products run on our kernels (`Q4Linear`, `Q8Linear`): its costs, and
+    so its cost profile, differ from the same weights on torch's int4 kernel."""
+    return any(isinstance(m, (Q4Linear, Q8Linear)) for m in model.modules())
 
 
 def has_invariant_linears(model: Any) -> bool:

@@ -190,7 +190,8 @@ def gguf_has_q4_1(gguf_path: str | Path) -> bool:
 @torch.no_grad()
 def load_gguf_int4(model: nn.Module, gguf_path: str | Path, layer_class: type[nn.Module] = Int4Linear) -> int:
     """Swap the native model's layer products (still `nn.Linear`s: before `pack_linears`) for
-    `layer_class`es (`Int4Linear`: torch's kernel; `Q4Linear`: ours) of the GGUF's own Q4_1 blocks, in place; the number swapped (from the first
+    `layer_class`es (`Int4Linear`: torch's kernel; `Q4Linear`: ours) of the GGUF's own Q4_1
+    blocks, in place; the number swapped (from the first
     layer whose tensors are not all Q4_1 on, layers stay as they are). Each block's `d*q + m`
     must equal the weight transformers loaded from the same file (a wrong name or row order
     fails loudly, not quietly); every layer is checked before any is swapped, so a failure

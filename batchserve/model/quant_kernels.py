@@ -133,8 +133,8 @@ def q4_1_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tens
     rows, k = x.shape
     n = q.shape[0] * 8
     y = torch.empty(rows, n)
-    library().bs_q4_1_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), n, y.data_ptr(),
-                             torch.get_num_threads())  # fmt: skip
+    threads = torch.get_num_threads()
+    library().bs_q4_1_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), n, y.data_ptr(), threads)
     return y
 
 
@@ -143,7 +143,8 @@ def q8_0_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tens
     rows, k = x.shape
     n = q.shape[0] * 8
     y = torch.empty(rows, n)
-    library().bs_q8_0_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    threads = torch.get_num_threads()
+    library().bs_q8_0_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), threads)
     return y
 
 

@@ -11,6 +11,7 @@ import torch
 
 from batchserve.attention import make_backend, resolve_backend
 from batchserve.config import EngineConfig
+from batchserve.model import uses_our_kernels
 from batchserve.runner.graphs import CaptureReport, StepGraphs
 from batchserve.runner.runner import ModelRunner
 from batchserve.runner.self_check import CheckResult, check_invariance
@@ -193,4 +194,5 @@ def forward_name(model: Any, attention_backend: str) -> str:
     """What runs a step, for logs and reports: `native q4_1 weights, invariant attention`."""
     if not getattr(model, "native", False):
         return f"transformers {next(model.parameters()).dtype}, {attention_backend} attention"
-    return f"native {getattr(model, 'cpu_weights', '-')} weights, {attention_backend} attention"
+    kernels = " on our kernels" if uses_our_kernels(model) else ""
+    return f"native {getattr(model, 'cpu_weights', '-')} weights{kernels}, {attention_backend} attention"

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from batchserve.draft.tree import DraftTree
+from batchserve.model import uses_our_kernels
 from batchserve.request import SamplingParams
 from batchserve.runner.runner import ModelRunner
 from batchserve.scheduler.cost_profile import CostProfile
@@ -84,7 +85,7 @@ def profile_key(runner: ModelRunner) -> str:
     impl = "native" if getattr(model, "native", False) else "hf"  # draft rows cost differently on each
     weights = getattr(model, "cpu_weights", "float32")
     if weights in ("q4_1", "bfloat16"):
-        impl += f"-{weights}"  # and on the int4 kernel, or bfloat16 products
+        impl += f"-{weights}" + ("-ours" if uses_our_kernels(model) else "")  # whose kernels, too
     return f"{name}-{num_params}-{impl}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
 
 

@@ -111,18 +111,31 @@ def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: An
     return len(alone.rows), sum(len(r.token_ids) for r in alone_out), problems
 
 
-@pytest.mark.parametrize("weights", ["float32", "q4_1", "bfloat16"])
-def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights):
+@pytest.mark.parametrize("weights", ["float32", "q4_1", "q4_1-int4", "bfloat16"])
+def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights, monkeypatch):
     """The native model on each of its CPU weights: float32 (PackedLinear products), the GGUF's
-    Q4_1 blocks (Int4Linear) and bfloat16 copies (Bf16Linear), with the invariant attention."""
-    from batchserve.model.int4 import int4_available
+    Q4_1 blocks on our kernels (Q4Linear, the head a Q8Linear) or on torch's int4 kernel
+    (Int4Linear), and bfloat16 copies (Bf16Linear), with the invariant attention."""
+    from batchserve.model import our_q4_here
+    from batchserve.model.int4 import Int4Linear, int4_available
     from batchserve.model.layers import bf16_prepack_available
+    from batchserve.model.quant import Q4Linear, Q8Linear
 
-    if weights == "q4_1" and not int4_available():
-        pytest.skip("this torch has no CPU int4 kernel")
+    if weights == "q4_1" and not our_q4_here():
+        pytest.skip("our kernels cannot run here")
+    if weights == "q4_1-int4":
+        if not int4_available():
+            pytest.skip("this torch has no CPU int4 kernel")
+        monkeypatch.setattr("batchserve.model.our_q4_here", lambda: False)  # as without a compiler
     if weights == "bfloat16" and not bf16_prepack_available():
         pytest.skip("oneDNN reorders no bfloat16 weights on this CPU")
+    kernel, weights = weights, weights.removesuffix("-int4")
     llm = _llm(*engine_model, "none", cpu_weights=weights)
+    layers = {type(m) for m in llm.engine.runner.model.modules()}
+    if kernel == "q4_1":
+        assert Q4Linear in layers and Q8Linear in layers and Int4Linear not in layers
+    if kernel == "q4_1-int4":
+        assert Int4Linear in layers and Q4Linear not in layers
     if llm.engine.attention_backend != "invariant":
         pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
     rows, tokens, problems = _compare(*engine_model, prompts, cpu_weights=weights)

@@ -22,6 +22,16 @@
 
 #include <vector>
 
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the quantized-product kernels need AVX2, FMA and F16C"
+#endif
+// With AVX512-VNNI, vpdpbusd sums 4 byte products into int32 lanes in one instruction where AVX2
+// takes vpmaddubsw and vpmaddwd. The integer sums are exact either way, so both paths give every
+// output the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BS_VNNI 1
+#endif
+
 namespace {
 
 constexpr int64_t QK = 32;   // values per block
@@ -75,7 +85,8 @@ struct Weights {
 template <int MT, int NG>
 void tile_q4_1(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
     const int64_t nb = x.K / QK;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[MT][NG];
     for (int t = 0; t < MT; ++t)
         for (int g = 0; g < NG; ++g) acc[t][g] = _mm256_setzero_ps();
@@ -95,8 +106,12 @@ void tile_q4_1(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0,
                 const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * QK + p * 8);
                 const __m256i x0 = _mm256_set1_epi32(xr[0]), x1 = _mm256_set1_epi32(xr[1]);
                 for (int g = 0; g < NG; ++g) {
+#ifdef BS_VNNI
+                    isum[t][g] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[t][g], w0[g], x0), w1[g], x1);
+#else
                     const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(w0[g], x0), _mm256_maddubs_epi16(w1[g], x1));
                     isum[t][g] = _mm256_add_epi16(isum[t][g], pair);
+#endif
                 }
             }
         }
@@ -110,7 +125,11 @@ void tile_q4_1(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0,
             const __m256 dx = _mm256_broadcast_ss(x.d + (t0 + t) * nb + b);
             const __m256 sx = _mm256_broadcast_ss(x.s + (t0 + t) * nb + b);
             for (int g = 0; g < NG; ++g) {  // d_w d_x sum(q_w q_x) + m_w sum(x)
+#ifdef BS_VNNI
+                const __m256 dot = _mm256_cvtepi32_ps(isum[t][g]);
+#else
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[t][g], ones));
+#endif
                 acc[t][g] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw[g], dx), acc[t][g]);
                 acc[t][g] = _mm256_fmadd_ps(mw[g], sx, acc[t][g]);
             }
@@ -125,7 +144,7 @@ void tile_q4_1(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0,
 template <int MT, int NG>
 void tile_q8_0(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
     const int64_t nb = x.K / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MT][NG];
     for (int t = 0; t < MT; ++t)
         for (int g = 0; g < NG; ++g) acc[t][g] = _mm256_setzero_ps();
@@ -143,8 +162,12 @@ void tile_q8_0(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0,
                 const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * QK + s * 4);
                 const __m256i xv = _mm256_set1_epi32(xr[0]);
                 for (int g = 0; g < NG; ++g) {
+#ifdef BS_VNNI
+                    isum[t][g] = _mm256_dpbusd_epi32(isum[t][g], wa[g], _mm256_sign_epi8(xv, wv[g]));
+#else
                     const __m256i prod = _mm256_maddubs_epi16(wa[g], _mm256_sign_epi8(xv, wv[g]));
                     isum[t][g] = _mm256_add_epi32(isum[t][g], _mm256_madd_epi16(prod, ones));
+#endif
                 }
             }
         }
