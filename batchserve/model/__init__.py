@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchserve.model import quant_kernels
+from batchserve import kernels
 from batchserve.model.int4 import (
     Int4Linear,
     gguf_has_q4_1,
@@ -119,7 +119,7 @@ Q4_1_MAX_SEATS = 2
 
 def our_q4_here() -> bool:
     """Whether our kernels (`Q4Linear`, `Q8Linear`) build and run batch-invariantly here."""
-    return quant_kernels.available() and quant_products_invariant()
+    return kernels.available() and quant_products_invariant()
 
 
 def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:
@@ -179,7 +179,7 @@ def _check_q4_1(on_cpu: bool, impl: str, unsupported: str | None) -> None:
     if not on_cpu or impl == "transformers" or unsupported is not None:
         raise ValueError("cpu_weights=q4_1 needs the native model on CPU")
     if not int4_available() and not our_q4_here():
-        reason = quant_kernels.unavailable_reason() or "they are not batch-invariant here"
+        reason = kernels.unavailable_reason() or "they are not batch-invariant here"
         raise ValueError(f"cpu_weights=q4_1 needs our kernels ({reason}) or torch's int4 kernel")
 
 

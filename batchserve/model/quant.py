@@ -1,11 +1,11 @@
-"""Layers over the GGUF file's own quantized blocks on our kernels (`quant_kernels`): `Q4Linear`
+"""Layers over the GGUF file's own quantized blocks on our kernels (`batchserve.kernels`): `Q4Linear`
 for the Q4_1 layers, `Q8Linear` for a Q8_0 LM head, and `Q8Embedding` looking rows up in the same
 Q8_0 blocks (a tied head and embedding share one copy). Each reads every weight block once per
 call whatever its row count, and gives a row the same bits in every call (`quant_products_invariant`).
 
 The blocks keep the file's values, scales and mins (float16, as stored); only their byte order
 changes: 8 output columns are interleaved 4 values at a time, the operand layout of the kernels'
-integer products (csrc/quant_gemm.cpp)."""
+integer products (batchserve/kernels/csrc/quant_gemm.cpp)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from batchserve.model import quant_kernels
+from batchserve import kernels
 from batchserve.model.layers import in_checked_rows
 
 GROUP = 32  # values per block
@@ -84,7 +84,7 @@ class Q4Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.q4_1_linear(x, self.weight, self.scales, self.mins)
+        return kernels.q4_1_linear(x, self.weight, self.scales, self.mins)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1, our kernel"
@@ -130,7 +130,7 @@ class Q8Linear(nn.Module):
         return in_checked_rows(x.float().contiguous(), self._mm)  # [T, N]
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        out = quant_kernels.q8_0_linear(x, self.blocks.values, self.blocks.scales)  # [T, N rounded up to 8]
+        out = kernels.q8_0_linear(x, self.blocks.values, self.blocks.scales)  # [T, N rounded up to 8]
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
 
     def extra_repr(self) -> str:
@@ -166,7 +166,7 @@ def random_q4_1(n: int, k: int, gen: torch.Generator) -> tuple[np.ndarray, np.nd
 def quant_products_invariant() -> bool:
     """Whether our kernels give a row the same bits in calls of every row count and at every
     place in the call on this CPU (true by construction; measured, once per process)."""
-    if not quant_kernels.available():
+    if not kernels.available():
         return False
     gen = torch.Generator().manual_seed(0)
     q4 = Q4Linear(*random_q4_1(48, 256, gen), None, (48,))

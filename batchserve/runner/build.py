@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchserve.attention import make_backend, resolve_backend
+from batchserve.attention import INVARIANT_BACKENDS, make_backend, resolve_backend
 from batchserve.config import EngineConfig
 from batchserve.model import uses_our_kernels
 from batchserve.runner.graphs import CaptureReport, StepGraphs
@@ -27,7 +27,7 @@ class ModelFacts:
     max_model_len: int
     num_blocks: int  # KV blocks in the pool the scheduler allocates from
     probe_block: int  # one more block, outside that pool: scratch K/V for the device probe
-    attention_backend: str  # the resolved backend: "invariant" or "torch" on CPU, "flashinfer" on CUDA
+    attention_backend: str  # the resolved backend: "kernel", "invariant" or "torch" on CPU, "flashinfer" on CUDA
     eos_token_ids: frozenset[int]
     graphs: str = "off"  # the resolved cuda_graphs mode: on (captured), eager or off
     capture: CaptureReport | None = None  # what capturing the graphs took (mode `on`)
@@ -46,7 +46,7 @@ def build_checked_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tu
     claims it. A failed comparison says so and falls back to the torch reference attention, as
     `auto` does where the kernel checks fail; a pool too small to check keeps the backend."""
     runner, facts = build_runner(model, tokenizer, config)
-    if facts.attention_backend != "invariant":
+    if facts.attention_backend not in INVARIANT_BACKENDS:
         return runner, facts
     check = check_invariance(runner, facts.num_blocks)
     failed = check.rows > 0 and not check.invariant

@@ -137,9 +137,12 @@ def test_engine_refuses_a_forced_flashinfer_backend_without_cuda():
         )
     with pytest.raises(ValueError, match="attention_backend"):
         ModelConfig(attention_backend="triton")
+    from batchserve import kernels
     from batchserve.attention import kernels_invariant
 
     core = EngineCore(EngineConfig(), make_tiny_model(), make_tiny_tokenizer())
-    assert core.attention_backend == ("invariant" if kernels_invariant() else "torch")  # the CPU choices
+    # The CPU choices: our kernel where it builds, the torch-op invariant one where it passes its check.
+    expected = "kernel" if kernels.available() else ("invariant" if kernels_invariant() else "torch")
+    assert core.attention_backend == expected
     core = EngineCore(EngineConfig().with_settings(model_impl="transformers"), make_tiny_model(), make_tiny_tokenizer())
     assert core.attention_backend == "torch"  # transformers' products are not batch-invariant: no need

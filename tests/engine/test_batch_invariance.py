@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from batchserve import LLM, SamplingParams
+from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.scheduler.output import SchedulerOutput
 from tests.prompts import all_prompt_ids
@@ -111,11 +112,19 @@ def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: An
     return len(alone.rows), sum(len(r.token_ids) for r in alone_out), problems
 
 
-@pytest.mark.parametrize("weights", ["float32", "q4_1", "q4_1-int4", "bfloat16"])
-def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights, monkeypatch):
+@pytest.mark.parametrize(
+    ("weights", "attention"),
+    [("float32", "kernel"), ("q4_1", "kernel"), ("q4_1-int4", "kernel"), ("bfloat16", "kernel"), ("q4_1", "invariant")],
+)
+def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights, attention, monkeypatch):
     """The native model on each of its CPU weights: float32 (PackedLinear products), the GGUF's
     Q4_1 blocks on our kernels (Q4Linear, the head a Q8Linear) or on torch's int4 kernel
-    (Int4Linear), and bfloat16 copies (Bf16Linear), with the invariant attention."""
+    (Int4Linear), and bfloat16 copies (Bf16Linear); with our attention kernel, and with the
+    torch-op invariant attention."""
+    from batchserve import kernels
+
+    if attention == "kernel" and not kernels.available():
+        pytest.skip(f"our kernels cannot run here: {kernels.unavailable_reason()}")
     from batchserve.model import our_q4_here
     from batchserve.model.int4 import Int4Linear, int4_available
     from batchserve.model.layers import bf16_prepack_available
@@ -130,15 +139,17 @@ def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompt
     if weights == "bfloat16" and not bf16_prepack_available():
         pytest.skip("oneDNN reorders no bfloat16 weights on this CPU")
     kernel, weights = weights, weights.removesuffix("-int4")
-    llm = _llm(*engine_model, "none", cpu_weights=weights)
+    llm = _llm(*engine_model, "none", cpu_weights=weights, attention_backend=attention)
     layers = {type(m) for m in llm.engine.runner.model.modules()}
     if kernel == "q4_1":
         assert Q4Linear in layers and Q8Linear in layers and Int4Linear not in layers
     if kernel == "q4_1-int4":
         assert Int4Linear in layers and Q4Linear not in layers
-    if llm.engine.attention_backend != "invariant":
+    if attention == "kernel":  # invariant by construction: its start-up check must pass, no fallback
+        assert llm.engine.attention_backend == "kernel"
+    if llm.engine.attention_backend not in INVARIANT_BACKENDS:
         pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
-    rows, tokens, problems = _compare(*engine_model, prompts, cpu_weights=weights)
+    rows, tokens, problems = _compare(*engine_model, prompts, cpu_weights=weights, attention_backend=attention)
     assert rows == tokens and not problems, problems  # every token's row, alone and in the batch
 
 

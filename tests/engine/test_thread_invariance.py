@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from batchserve import LLM, SamplingParams
+from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.engine.drafters import OracleDrafter
 from tests.engine.test_batch_invariance import LogitsRecorder
@@ -76,7 +77,7 @@ def test_logits_are_the_same_alone_and_batched_at_any_thread_count(model_and_tok
     torch.set_num_threads(threads)
     try:
         alone_llm = _llm(model, tokenizer, batched=False)
-        if alone_llm.engine.attention_backend != "invariant":
+        if alone_llm.engine.attention_backend not in INVARIANT_BACKENDS:
             pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
         prompts = _prompts()
 

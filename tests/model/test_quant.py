@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchserve.model import quant_kernels
+from batchserve import kernels
 from batchserve.model.quant import (
     Q4Linear,
     Q8Blocks,
@@ -19,7 +19,7 @@ from batchserve.model.quant import (
     random_q4_1,
 )
 
-pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason=f"{quant_kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
 
 
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,17 +132,17 @@ def test_the_layout_keeps_the_files_values_scales_and_mins():
 
 def test_a_build_that_cannot_run_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(quant_kernels, "cpu_flags", lambda: {"avx", "sse4_2"})
-    with pytest.raises(quant_kernels.KernelUnavailable, match="lacks avx2, fma, f16c"):
-        quant_kernels.build()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx", "sse4_2"})
+    with pytest.raises(kernels.KernelUnavailable, match="lacks avx2, fma, f16c"):
+        kernels.build()
     monkeypatch.undo()
     monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with pytest.raises(quant_kernels.KernelUnavailable, match="failed to build"):
-        quant_kernels.build()
+    with pytest.raises(kernels.KernelUnavailable, match="failed to build"):
+        kernels.build()
     assert not list((tmp_path / "kernels").iterdir())  # no half-built file left behind
     monkeypatch.delenv("CXX")
-    built = quant_kernels.build()
+    built = kernels.build()
     assert built.parent == tmp_path / "kernels" and built.stat().st_size > 0
     stamp = built.stat().st_mtime_ns
-    assert quant_kernels.build() == built and built.stat().st_mtime_ns == stamp  # built once, then reused
+    assert kernels.build() == built and built.stat().st_mtime_ns == stamp  # built once, then reused

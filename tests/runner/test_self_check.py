@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from batchserve import SamplingParams
+from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
@@ -42,7 +43,7 @@ def _row_count_leaks(model: Any) -> Any:
 
 def test_the_check_passes_where_the_model_is_invariant_and_says_so():
     core = _core(_native())
-    if core.attention_backend != "invariant":
+    if core.attention_backend not in INVARIANT_BACKENDS:
         pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
     check = core.invariance_check
     assert check.invariant and check.rows == 7 and check.detail == "" and check.seconds > 0
@@ -67,7 +68,7 @@ def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_falls_back(c
 
 def test_a_pool_too_small_to_check_keeps_the_backend_and_claims_nothing():
     core = _core(_native(), num_blocks=8)
-    if core.attention_backend != "invariant":
+    if core.attention_backend not in INVARIANT_BACKENDS:
         pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
     assert core.invariance_check.rows == 0 and "not checked" in core.invariance_check.detail
     assert not core.batch_invariant

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchserve import SamplingParams
+from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.cli import main as cli_main
 from batchserve.llm import LLM
 from batchserve.server.app import SERVICE_NAME
@@ -339,7 +340,7 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
     assert info.vocab_size == 256 and info.max_model_len == 1024 and info.draft_method == "lookahead"
     # The start-up check's verdict on this model (the invariant attention where this CPU passes).
     core = running.server.engine.core
-    assert info.batch_invariant == core.batch_invariant == (core.attention_backend == "invariant")
+    assert info.batch_invariant == core.batch_invariant == (core.attention_backend in INVARIANT_BACKENDS)
 
 
 async def test_shutdown_not_serving_then_in_flight_completes():

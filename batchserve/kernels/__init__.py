@@ -1,12 +1,13 @@
-"""Our CPU kernels for the GGUF file's quantized blocks (csrc/quant_gemm.cpp), compiled for this
-CPU on first use and loaded with ctypes.
+"""Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp) and
+paged attention (attention.cpp), compiled for this CPU on first use and loaded with ctypes.
 
 The library is built once per source, compiler and CPU with `g++ -O3 -march=native -fopenmp`
 ($CXX overrides the compiler) into $BATCHSERVE_CACHE_DIR/kernels (else ~/.cache/batchserve/
-kernels), which takes about 3 seconds; `make setup` builds it ahead. Its OpenMP calls resolve to
+kernels), which takes a few seconds; `make setup` builds it ahead. Its OpenMP calls resolve to
 the runtime torch already loaded (the same soname), so its threads are torch's threads. Where it
 cannot be built (no compiler, a CPU without AVX2, FMA and F16C), `available()` is False and
-`unavailable_reason()` says why: the Q4_1 weights then run on torch's int4 kernel."""
+`unavailable_reason()` says why: the Q4_1 weights then run on torch's int4 kernel, and attention
+on the torch-op backends."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.cpp"
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
 ABI_VERSION = 1  # bs_abi_version() of the source this module's signatures describe
@@ -61,10 +63,11 @@ def _library_path(cxx: str) -> Path:
     (-march=native code must not run on another CPU)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), version.encode(), " ".join(FLAGS).encode()):
         key.update(part)
+    key.update(platform.machine().encode())
     key.update(" ".join(sorted(cpu_flags())).encode())
-    return cache_root() / f"quant_gemm-{key.hexdigest()[:16]}.so"
+    return cache_root() / f"batchserve_cpu-{key.hexdigest()[:16]}.so"
 
 
 def build(verbose: bool = False) -> Path:
@@ -84,13 +87,13 @@ def build(verbose: bool = False) -> Path:
     # Compiled beside its final name, then renamed: processes building at once never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, str(SOURCE), "-o", tmp]
+    cmd = [cxx, *FLAGS, *(str(src) for src in SOURCES), "-o", tmp]
     if verbose:
-        log.info("building the quantized-product kernels: %s", " ".join(cmd))
+        log.info("building our CPU kernels: %s", " ".join(cmd))
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         os.unlink(tmp)
-        raise KernelUnavailable(f"{cxx} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        raise KernelUnavailable(f"{cxx} failed to build our kernels: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, path)
     return path
 
@@ -108,6 +111,10 @@ def _load() -> ctypes.CDLL | str:
     lib.bs_q4_1_linear.restype = None
     lib.bs_q8_0_linear.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT]
     lib.bs_q8_0_linear.restype = None
+    shapes, strided = [_I64] * 4, [_P, _I64, _I64]  # T, Hq, Hkv, D; a tensor and its head and row strides
+    pool = [_P, _P, _I64]  # keys, values, slots
+    lib.bs_attention.argtypes = [*strided, *shapes, *strided, *strided, _P, *pool, *[_P] * 6, ctypes.c_float, _P, _INT]
+    lib.bs_attention.restype = None
     return lib
 
 
@@ -149,13 +156,38 @@ def q8_0_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tens
 
 
 def main() -> None:
-    """`python -m batchserve.model.quant_kernels`: build now (make setup), or say why not."""
+    """`python -m batchserve.kernels`: build now (make setup), or say why not."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        print(f"quantized-product kernels: {build(verbose=True)}")
+        print(f"our CPU kernels: {build(verbose=True)}")
     except KernelUnavailable as e:
-        print(f"quantized-product kernels unavailable (Q4_1 runs on torch's int4 kernel): {e}")
+        print(f"our CPU kernels unavailable (Q4_1 runs on torch's int4 kernel, attention on torch ops): {e}")
 
 
-if __name__ == "__main__":
-    main()
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Any,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write k, v [Hkv, T, D] (float32, unit stride in a row) to the layer's pool keys and values
+    [Hkv, S, D] at `plan.slot_mapping`, then attend q [Hq, T, D] (likewise) over each row's keys
+    as `plan` lists them (`attention.kernel.KernelMetadata`) -> [T, Hq, D] float32."""
+    hq, t, d = q.shape
+    hkv, s = keys.shape[0], keys.shape[1]
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not keys.is_contiguous():
+        raise ValueError("attention needs unit-stride rows and a contiguous pool")
+    out = torch.empty(t, hq, d)
+    library().bs_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), t, hq, hkv, d,
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+        plan.slot_mapping.data_ptr(), keys.data_ptr(), values.data_ptr(), s,
+        plan.slots.data_ptr(), plan.prefix_at.data_ptr(), plan.prefix_len.data_ptr(),
+        plan.tails.data_ptr(), plan.tail_at.data_ptr(), plan.tail_len.data_ptr(),
+        scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+

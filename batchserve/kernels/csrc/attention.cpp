@@ -1,0 +1,142 @@
+// Paged attention over the KV pool for a packed ragged step, float32, on CPU: a step's new keys
+// and values are written to their pool slots, then every row attends over the keys it may see.
+//
+// A row's visible keys are given as a list of pool slots in logical (position) order: a prefix
+// of its request's slots (the committed keys, the chunk rows before it, or for a draft node the
+// whole chunk), then a tail (a draft node's ancestors and itself). Its output is a function of
+// its query and that list alone, computed by one thread in one fixed order: scores key after key
+// (each a dot product over the head dim in one fixed order), their max, exp elementwise (our own
+// polynomial, not libm's, so the bits do not depend on how the loop is vectorized), the
+// denominator summed key after key, and the weighted values summed key after key. A draft node
+// therefore gets the bits it gets when its token is decoded alone, whatever rows share the step,
+// wherever its keys sit in the pool and however many threads run.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
+// polynomial (Cephes' expf coefficients), times 2^n built in the exponent bits. Below -87 it
+// returns 0, as the true value is below float32's normal range.
+inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 low = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, low);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+    r = _mm256_fnmadd_ps(n, ln2_lo, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// One key's score: the dot product of q and k over D (a multiple of 8), chunk after chunk.
+inline float dot(const float* q, const float* k, int64_t D) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    for (int64_t c = 8; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), acc);
+    return hsum(acc);
+}
+
+struct Step {
+    const float* q;  // [Hq, T, D], unit stride in a row
+    int64_t q_head, q_row;
+    int64_t T, Hq, Hkv, D;
+    const float* keys;  // the layer's pool [Hkv, S, D]
+    const float* values;
+    int64_t S;
+    const int32_t* slots;        // every request's slots, in logical order, back to back
+    const int32_t* prefix_at;    // [T] where row t's prefix starts in `slots`
+    const int32_t* prefix_len;   // [T]
+    const int32_t* tails;        // draft nodes' ancestors-and-self slots, by depth, back to back
+    const int32_t* tail_at;      // [T]
+    const int32_t* tail_len;     // [T]
+    float scale;
+    float* out;  // [T, Hq, D]
+};
+
+inline int32_t slot_of(const Step& s, int64_t t, int64_t j) {
+    const int64_t p = s.prefix_len[t];
+    return j < p ? s.slots[s.prefix_at[t] + j] : s.tails[s.tail_at[t] + (j - p)];
+}
+
+// Row t, query head qh: scores into `w` (length n, padded to a multiple of 8), then its output.
+void attend_row(const Step& s, int64_t t, int64_t qh, std::vector<float>& w) {
+    const int64_t D = s.D, n = s.prefix_len[t] + s.tail_len[t];
+    const int64_t h = qh / (s.Hq / s.Hkv);
+    const float* q = s.q + qh * s.q_head + t * s.q_row;
+    const float* kh = s.keys + h * s.S * D;
+    const float* vh = s.values + h * s.S * D;
+    w.resize(static_cast<size_t>((n + 7) / 8 * 8));
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+        w[j] = dot(q, kh + static_cast<int64_t>(slot_of(s, t, j)) * D, D) * s.scale;
+        mx = w[j] > mx ? w[j] : mx;
+    }
+    for (int64_t j = n; j < static_cast<int64_t>(w.size()); ++j) w[j] = mx;  // padding: exp(0), unused
+    const __m256 m = _mm256_set1_ps(mx);
+    for (int64_t j = 0; j < n; j += 8) _mm256_storeu_ps(&w[j], exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&w[j]), m)));
+    float den = 0.0f;
+    for (int64_t j = 0; j < n; ++j) den += w[j];
+    float* o = s.out + (t * s.Hq + qh) * D;
+    for (int64_t c = 0; c < D; c += 32) {  // 4 accumulators at a time, keys in order for each
+        const int64_t width = D - c < 32 ? D - c : 32;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t j = 0; j < n; ++j) {
+            const float* v = vh + static_cast<int64_t>(slot_of(s, t, j)) * D + c;
+            const __m256 p = _mm256_set1_ps(w[j]);
+            for (int64_t a = 0; a < width / 8; ++a) acc[a] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * a), acc[a]);
+        }
+        const __m256 d = _mm256_set1_ps(den);
+        for (int64_t a = 0; a < width / 8; ++a) _mm256_storeu_ps(o + c + 8 * a, _mm256_div_ps(acc[a], d));
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Write the step's k and v ([Hkv, T, D]) to their pool slots, then attend every row of q
+// ([Hq, T, D]) (see Step). q, k and v: any head and row strides, unit stride inside a row; D % 8 == 0.
+void bs_attention(const float* q, int64_t q_head, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                  const float* k, int64_t k_head,
+                  int64_t k_row, const float* v, int64_t v_head, int64_t v_row, const int64_t* slot_mapping,
+                  float* keys, float* values, int64_t S, const int32_t* slots, const int32_t* prefix_at,
+                  const int32_t* prefix_len, const int32_t* tails, const int32_t* tail_at, const int32_t* tail_len,
+                  float scale, float* out, int threads) {
+    const Step s{q, q_head, q_row, T, Hq, Hkv, D, keys, values, S, slots, prefix_at, prefix_len, tails, tail_at, tail_len, scale, out};
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < Hkv * T; ++i) {
+            const int64_t h = i / T, t = i % T, slot = slot_mapping[t];
+            for (int64_t c = 0; c < D; c += 8) {
+                _mm256_storeu_ps(keys + (h * S + slot) * D + c, _mm256_loadu_ps(k + h * k_head + t * k_row + c));
+                _mm256_storeu_ps(values + (h * S + slot) * D + c, _mm256_loadu_ps(v + h * v_head + t * v_row + c));
+            }
+        }
+        std::vector<float> w;
+        // Rows of one request and head next to each other: their keys stay in cache.
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t i = 0; i < Hq * T; ++i) attend_row(s, i % T, i / T, w);
+    }
+}
+
+}  // extern "C"
