@@ -1,5 +1,5 @@
 """Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp) and
-paged attention (attention.cpp), compiled for this CPU on first use and loaded with ctypes.
+paged attention (attention.cpp), compiled for this CPU on first use and loaded as an extension module (bindings.cpp).
 
 The library is built once per source, compiler and CPU with `g++ -O3 -march=native -fopenmp`
 ($CXX overrides the compiler) into $BATCHSERVE_CACHE_DIR/kernels (else ~/.cache/batchserve/
@@ -11,15 +11,18 @@ on the torch-op backends."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
+from importlib.machinery import ExtensionFileLoader
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
 ABI_VERSION = 1  # bs_abi_version() of the source this module's signatures describe
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
 class KernelUnavailable(RuntimeError):
@@ -63,9 +67,9 @@ def _library_path(cxx: str) -> Path:
     (-march=native code must not run on another CPU)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), version.encode(), " ".join(FLAGS).encode()):
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), version.encode(), " ".join(FLAGS).encode()):
         key.update(part)
-    key.update(platform.machine().encode())
+    key.update(platform.machine().encode() + sys.version.encode())  # an extension module per Python
     key.update(" ".join(sorted(cpu_flags())).encode())
     return cache_root() / f"batchserve_cpu-{key.hexdigest()[:16]}.so"
 
@@ -87,7 +91,8 @@ def build(verbose: bool = False) -> Path:
     # Compiled beside its final name, then renamed: processes building at once never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, *(str(src) for src in SOURCES), "-o", tmp]
+    python_headers = "-I" + sysconfig.get_paths()["include"]
+    cmd = [cxx, *FLAGS, python_headers, *(str(src) for src in SOURCES), "-o", tmp]
     if verbose:
         log.info("building our CPU kernels: %s", " ".join(cmd))
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -99,26 +104,21 @@ def build(verbose: bool = False) -> Path:
 
 
 @functools.cache
-def _load() -> ctypes.CDLL | str:
+def _load() -> Any:
     try:
         path = build(verbose=True)
     except (KernelUnavailable, OSError) as e:
         return str(e)
-    lib = ctypes.CDLL(str(path))
-    if lib.bs_abi_version() != ABI_VERSION:
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=ExtensionFileLoader(MODULE, str(path)))
+    assert spec is not None and spec.loader is not None
+    lib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lib)
+    if lib.abi_version() != ABI_VERSION:
         return f"{path} is not this version's build"
-    lib.bs_q4_1_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _INT]
-    lib.bs_q4_1_linear.restype = None
-    lib.bs_q8_0_linear.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT]
-    lib.bs_q8_0_linear.restype = None
-    shapes, strided = [_I64] * 4, [_P, _I64, _I64]  # T, Hq, Hkv, D; a tensor and its head and row strides
-    pool = [_P, _P, _I64]  # keys, values, slots
-    lib.bs_attention.argtypes = [*strided, *shapes, *strided, *strided, _P, *pool, *[_P] * 6, ctypes.c_float, _P, _INT]
-    lib.bs_attention.restype = None
     return lib
 
 
-def library() -> ctypes.CDLL:
+def library() -> Any:
     """The loaded kernels; raises KernelUnavailable (with the reason) where there are none."""
     lib = _load()
     if isinstance(lib, str):
@@ -141,7 +141,7 @@ def q4_1_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tens
     n = q.shape[0] * 8
     y = torch.empty(rows, n)
     threads = torch.get_num_threads()
-    library().bs_q4_1_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), n, y.data_ptr(), threads)
+    library().q4_1_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), n, y.data_ptr(), threads)
     return y
 
 
@@ -151,7 +151,7 @@ def q8_0_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tens
     n = q.shape[0] * 8
     y = torch.empty(rows, n)
     threads = torch.get_num_threads()
-    library().bs_q8_0_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), threads)
+    library().q8_0_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), threads)
     return y
 
 
@@ -181,13 +181,47 @@ def attention(
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not keys.is_contiguous():
         raise ValueError("attention needs unit-stride rows and a contiguous pool")
     out = torch.empty(t, hq, d)
-    library().bs_attention(
+    library().attention(
         q.data_ptr(), q.stride(0), q.stride(1), t, hq, hkv, d,
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
         plan.slot_mapping.data_ptr(), keys.data_ptr(), values.data_ptr(), s,
         plan.slots.data_ptr(), plan.prefix_at.data_ptr(), plan.prefix_len.data_ptr(),
         plan.tails.data_ptr(), plan.tail_at.data_ptr(), plan.tail_len.data_ptr(),
         scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, x + residual or None) for x, residual [T, H] float32 contiguous, H % 8 == 0."""
+    t, h = x.shape
+    normed = torch.empty(t, h)
+    summed = None if residual is None else torch.empty(t, h)
+    library().rms_norm(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), t, h, eps,
+        normed.data_ptr(), 0 if summed is None else summed.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return normed, summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [T, I] for gate|up [T, 2I] float32 contiguous, I % 8 == 0."""
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, i)
+    library().silu_mul(gate_up.data_ptr(), t, i, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, D] (unit stride in a row, D % 16 == 0) rotated by cos and signed sin [T, D]
+    (contiguous) -> contiguous [heads, T, D], the bits of `Rotary.apply`'s torch ops."""
+    heads, t, d = x.shape
+    out = torch.empty(heads, t, d)
+    library().rotary(
+        x.data_ptr(), heads, t, d, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -23,6 +23,7 @@ from batchserve.model.layers import (
     bf16_prepack_available,
     packed_products_invariant,
     prepack_available,
+    use_kernel_layers,
 )
 from batchserve.model.llama import (
     SUPPORTED_ARCHITECTURES,
@@ -197,6 +198,7 @@ def _load_q4_1(native: nn.Module, path: str | None, ours: bool) -> None:
     embedding = load_gguf_embedding(native, directory / gguf_file)  # its Q8_0 blocks, where the file has them
     if ours:
         load_gguf_head(native, directory / gguf_file, embedding)
+        use_kernel_layers(native)  # norms and silu*up in one call each: beside our products only
 
 
 def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinear) -> bool:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchserve import kernels
 from batchserve.threads import rows_whole
 
 
@@ -43,6 +44,18 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         summed = x + residual  # [T, H]
         return self._norm(summed), summed
+
+
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm with the residual add in one call of our kernel (`kernels.rms_norm`): the same
+    sum, the norm in the kernel's own order (so not transformers' bits: used beside our quantized
+    products, whose model is its own reference). Row-wise, batch-invariant by construction."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = kernels.rms_norm(x.contiguous(), residual, self.weight, self.eps)
+        return normed if summed is None else (normed, summed)
 
 
 class MergedLinear(nn.Linear):
@@ -189,6 +202,31 @@ class SiluAndMul(nn.Module):
             return F.silu(gate) * up
 
 
+class KernelSiluAndMul(SiluAndMul):
+    """silu(gate) * up in one call of our kernel (its own exp: not torch's bits; beside our
+    quantized products only). Row-wise, batch-invariant by construction."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return kernels.silu_mul(gate_up.contiguous())
+
+
+def use_kernel_layers(model: nn.Module) -> int:
+    """Swap the model's RMSNorms and SiluAndMuls for our kernels' (whole groups of 8 values only),
+    in place; the number swapped."""
+    swaps: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if type(m) is RMSNorm and m.weight.shape[0] % 8 == 0:
+            norm = KernelRMSNorm(m.weight.shape[0], m.eps)
+            norm.weight = m.weight
+            swaps.append((name, norm))
+        elif type(m) is SiluAndMul:
+            swaps.append((name, KernelSiluAndMul()))
+    for name, layer in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return len(swaps)
+
+
 class Rotary(nn.Module):
     """Rotary embedding (the rotate-half layout transformers' Llama uses) at each row's own
     position, which for a draft node is its prefix length plus its depth in the tree.
@@ -228,6 +266,10 @@ class Rotary(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [heads, T, D] (any strides, e.g. a head-major view of the q|k|v product) rotated,
-        contiguous head-major [heads, T, D]: the layout the attention backends read."""
+        contiguous head-major [heads, T, D]: the layout the attention backends read. On CPU in
+        float32 one call of our kernel where it runs (`kernels.rotary`: the same arithmetic, so
+        the same bits as the torch ops below, which it saves four dispatches of)."""
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] % 16 == 0 and kernels.available():
+            return kernels.rotary(x, cos, sin)
         swapped = x.roll(x.shape[-1] // 2, -1)  # the halves swapped, contiguous [heads, T, D]: one op, not three
         return swapped.mul_(sin).add_(x * cos)  # in place: each new tensor costs as much as the arithmetic
