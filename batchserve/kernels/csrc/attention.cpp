@@ -21,11 +21,35 @@
 
 namespace {
 
-// One key's score: the dot product of q and k over D (a multiple of 8), chunk after chunk.
+// One key's score: the dot product of q and k over D (a multiple of 8), chunk after chunk into
+// one accumulator, then its 8 lanes summed as hsum does: ((0+4) + (2+6)) + ((1+5) + (3+7)).
 inline float dot(const float* q, const float* k, int64_t D) {
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
     for (int64_t c = 8; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), acc);
     return hsum(acc);
+}
+
+// Four keys' scores at once, each with exactly `dot`'s operations: four independent FMA chains
+// (where one chain waits on each FMA's latency), their lanes summed in hsum's order through a
+// 4x4 transpose.
+inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t D) {
+    const __m256 q0 = _mm256_loadu_ps(q);
+    __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(k1));
+    __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(k3));
+    for (int64_t c = 8; c < D; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + c), a0);
+        a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + c), a1);
+        a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + c), a2);
+        a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + c), a3);
+    }
+    // Per key [v0+v4, v1+v5, v2+v6, v3+v7], as hsum's first add.
+    __m128 h0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+    __m128 h1 = _mm_add_ps(_mm256_castps256_ps128(a1), _mm256_extractf128_ps(a1, 1));
+    __m128 h2 = _mm_add_ps(_mm256_castps256_ps128(a2), _mm256_extractf128_ps(a2, 1));
+    __m128 h3 = _mm_add_ps(_mm256_castps256_ps128(a3), _mm256_extractf128_ps(a3, 1));
+    _MM_TRANSPOSE4_PS(h0, h1, h2, h3);  // h_l: lane l of each key
+    return _mm_add_ps(_mm_add_ps(h0, h2), _mm_add_ps(h1, h3));  // (a+c) + (b+d), as hsum
 }
 
 struct Step {
@@ -58,20 +82,27 @@ void attend_row(const Step& s, int64_t t, int64_t qh, std::vector<float>& w) {
     const float* kh = s.keys + h * s.S * D;
     const float* vh = s.values + h * s.S * D;
     w.resize(static_cast<size_t>((n + 7) / 8 * 8));
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-        w[j] = dot(q, kh + static_cast<int64_t>(slot_of(s, t, j)) * D, D) * s.scale;
-        mx = w[j] > mx ? w[j] : mx;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const __m128 d4 = dot4(q, kh + static_cast<int64_t>(slot_of(s, t, j)) * D,
+                               kh + static_cast<int64_t>(slot_of(s, t, j + 1)) * D,
+                               kh + static_cast<int64_t>(slot_of(s, t, j + 2)) * D,
+                               kh + static_cast<int64_t>(slot_of(s, t, j + 3)) * D, D);
+        _mm_storeu_ps(&w[j], _mm_mul_ps(d4, _mm_set1_ps(s.scale)));
     }
+    for (; j < n; ++j) w[j] = dot(q, kh + static_cast<int64_t>(slot_of(s, t, j)) * D, D) * s.scale;
+    float mx = -INFINITY;
+    for (j = 0; j < n; ++j) mx = w[j] > mx ? w[j] : mx;
     for (int64_t j = n; j < static_cast<int64_t>(w.size()); ++j) w[j] = mx;  // padding: exp(0), unused
     const __m256 m = _mm256_set1_ps(mx);
     for (int64_t j = 0; j < n; j += 8) _mm256_storeu_ps(&w[j], exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&w[j]), m)));
     float den = 0.0f;
     for (int64_t j = 0; j < n; ++j) den += w[j];
     float* o = s.out + (t * s.Hq + qh) * D;
-    for (int64_t c = 0; c < D; c += 32) {  // 4 accumulators at a time, keys in order for each
-        const int64_t width = D - c < 32 ? D - c : 32;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < D; c += 64) {  // 8 independent accumulators at a time, keys in order for each
+        const int64_t width = D - c < 64 ? D - c : 64;
+        __m256 acc[8];
+        for (int a = 0; a < 8; ++a) acc[a] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; ++j) {
             const float* v = vh + static_cast<int64_t>(slot_of(s, t, j)) * D + c;
             const __m256 p = _mm256_set1_ps(w[j]);
