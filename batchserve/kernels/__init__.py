@@ -118,6 +118,13 @@ def _load() -> Any:
     return lib
 
 
+def build_id() -> str:
+    """A name for this build of our kernels (source, compiler, CPU): what a cost profile measured
+    on them depends on. Empty where they are unavailable."""
+    lib = _load()
+    return "" if isinstance(lib, str) else Path(lib.__file__).stem.rpartition("-")[2]
+
+
 def library() -> Any:
     """The loaded kernels; raises KernelUnavailable (with the reason) where there are none."""
     lib = _load()

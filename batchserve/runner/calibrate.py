@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from batchserve import kernels
 from batchserve.draft.tree import DraftTree
 from batchserve.model import uses_our_kernels
 from batchserve.request import SamplingParams
@@ -74,8 +75,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def profile_key(runner: ModelRunner) -> str:
-    """Names what the timings depend on: the model and its forward (native or transformers, its
-    weights' kernel), its dtype, the device and the attention backend."""
+    """Names what the timings depend on: the model, its forward and kernels, dtype, device, attention."""
     model = runner.model
     param = next(model.parameters())
     name = Path(str(getattr(model.config, "_name_or_path", "") or type(model).__name__)).name or "model"
@@ -86,6 +86,8 @@ def profile_key(runner: ModelRunner) -> str:
     weights = getattr(model, "cpu_weights", "float32")
     if weights in ("q4_1", "bfloat16"):
         impl += f"-{weights}" + ("-ours" if uses_our_kernels(model) else "")  # whose kernels, too
+    if uses_our_kernels(model) or backend.startswith("Kernel"):  # their timings change with their source
+        backend += f"-{kernels.build_id()}"
     return f"{name}-{num_params}-{impl}-{dtype}-{_device_name(param.device)}-{backend}-v{PROFILE_VERSION}"
 
 
