@@ -85,10 +85,8 @@ def make_backend(
     claims no invariant products."""
     if name == "auto":
         name = resolve_backend(name, device, dtype)
-    if name == "kernel":
-        return KernelBackend(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads
-        )
+    if name == "kernel":  # query heads per KV head come from q's shape each step
+        return KernelBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     if name == "invariant":
         return InvariantBackend(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads

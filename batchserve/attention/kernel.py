@@ -81,7 +81,6 @@ class KernelBackend(AttentionBackend):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        num_qo_heads: int | None = None,
     ) -> None:
         if not kernel_backend_runs(torch.device(device), dtype, head_dim):
             reason = kernels.unavailable_reason() or f"float32 on CPU, a head dim divisible by 8: {dtype} {head_dim}"
@@ -89,7 +88,6 @@ class KernelBackend(AttentionBackend):
         self.block_size, self.num_blocks = block_size, num_blocks
         self.device = torch.device(device)
         self.timed = True  # it computes on the host's clock
-        self.num_qo_heads = num_qo_heads or num_kv_heads
         slots = num_blocks * block_size
         self.k_cache = torch.zeros(num_layers, num_kv_heads, slots, head_dim)
         self.v_cache = torch.zeros(num_layers, num_kv_heads, slots, head_dim)

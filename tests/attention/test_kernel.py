@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,7 +19,7 @@ HEADS, KV_HEADS, D = 6, 2, 64
 
 
 def _backends(num_blocks: int, gen: torch.Generator, bs: int = 16) -> tuple[KernelBackend, TorchReferenceBackend]:
-    ours = KernelBackend(1, num_blocks, bs, KV_HEADS, D, num_qo_heads=HEADS)
+    ours = KernelBackend(1, num_blocks, bs, KV_HEADS, D)
     ref = TorchReferenceBackend(1, num_blocks, bs, KV_HEADS, D)
     torch.randn(ref.k_cache.shape, generator=gen, out=ref.k_cache)
     torch.randn(ref.v_cache.shape, generator=gen, out=ref.v_cache)
@@ -99,7 +98,6 @@ def test_each_row_lists_its_keys_in_logical_order():
 
 def test_it_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="kernel attention backend"):
-        KernelBackend(1, 4, 16, 2, 12, num_qo_heads=4)  # a head dim not divisible by 8
+        KernelBackend(1, 4, 16, 2, 12)  # a head dim not divisible by 8
     with pytest.raises(ValueError, match="kernel attention backend"):
         KernelBackend(1, 4, 16, 2, 64, dtype=torch.bfloat16)
-    assert np.int32  # the plan's arrays are int32 (the kernel's index type)
