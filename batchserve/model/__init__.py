@@ -32,6 +32,7 @@ from batchserve.model.llama import (
     product_out_dtype,
     supports,
 )
+from batchserve.model.fused import KernelDecoderLayers, why_not_fused
 from batchserve.model.quant import Q4Linear, Q8Linear, quant_products_invariant
 
 __all__ = [
@@ -109,6 +110,8 @@ def choose_impl(
             # Beside Q4_1 layers, the LM head (and any product the file does not store as Q4_1)
             # in bfloat16 where it runs invariantly: half float32's bytes, 2x its speed.
             pack_linears(native, Bf16Linear if weights == "q4_1" and bf16_products_here() else PackedLinear)
+        if weights == "q4_1" and why_not_fused(native.layers) is None:  # last: it holds the weights' addresses
+            native.fused_layers = KernelDecoderLayers(native.layers)
         return native
     return model
 

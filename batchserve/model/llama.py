@@ -138,6 +138,8 @@ class NativeLlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
+        # Every layer in one kernel call where all of them are ours (`model.fused`); set by the loader.
+        self.fused_layers: nn.Module | None = None
 
     def forward(
         self,
@@ -149,9 +151,13 @@ class NativeLlamaForCausalLM(nn.Module):
     ) -> Output:
         x = self.embed_tokens.forward(input_ids[0])  # [T, H]
         cos, sin = self.rotary.cos_sin(position_ids[0], x.dtype)  # [T, D] each
+        fused = self.fused_layers
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer.forward(x, residual, cos, sin, attn_metadata)
+        if fused is not None and fused.runs(attn_metadata):
+            x, residual = fused.forward(x, cos, sin, attn_metadata)
+        else:
+            for layer in self.layers:
+                x, residual = layer.forward(x, residual, cos, sin, attn_metadata)
         x, residual = x[logits_to_keep], residual[logits_to_keep]  # [K, H]: only the rows that sample
         h, _ = self.norm.forward(x, residual)
         return Output(self.lm_head.forward(h)[None])  # [1, K, V]

@@ -16,6 +16,12 @@ void bs_attention(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int
 void bs_rms_norm(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*, int);
 void bs_silu_mul(const float*, int64_t, int64_t, float*, int);
 void bs_rotary(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*, float*, int);
+double bs_decoder_layers(const int64_t*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         float, const float*, const float*, const int64_t*, float*, float*, int64_t, const int32_t*,
+                         const int32_t*, const int32_t*, const int32_t*, const int32_t*, const int32_t*, float, float*,
+                         float*, float*, int);
+int64_t bs_layers_workspace(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+int64_t bs_layer_fields();
 int bs_abi_version();
 }
 
@@ -67,11 +73,35 @@ KERNEL(rotary, "iiiiiiiiii",
        bs_rotary(p<const float>(a[0]), a[1], a[2], a[3], a[4], a[5], p<const float>(a[6]), p<const float>(a[7]),
                  p<float>(a[8]), static_cast<int>(a[9])))
 
+// Returns the seconds its attention took (a float).
+PyObject* py_decoder_layers(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[32] = {0};
+    double f[32] = {0};
+    if (!parse(args, n, "iiiiiiiiifiiiiiiiiiiiifiiii", a, f)) return nullptr;
+    double seconds = 0.0;
+    Py_BEGIN_ALLOW_THREADS seconds = bs_decoder_layers(
+        p<const int64_t>(a[0]), a[1], p<const float>(a[2]), a[3], a[4], a[5], a[6], a[7], a[8],
+        static_cast<float>(f[9]), p<const float>(a[10]), p<const float>(a[11]), p<const int64_t>(a[12]), p<float>(a[13]),
+        p<float>(a[14]), a[15], p<const int32_t>(a[16]), p<const int32_t>(a[17]), p<const int32_t>(a[18]),
+        p<const int32_t>(a[19]), p<const int32_t>(a[20]), p<const int32_t>(a[21]), static_cast<float>(f[22]),
+        p<float>(a[23]), p<float>(a[24]), p<float>(a[25]), static_cast<int>(a[26]));
+    Py_END_ALLOW_THREADS return PyFloat_FromDouble(seconds);
+}
+
+PyObject* py_layers_workspace(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[32] = {0};
+    double f[32] = {0};
+    if (!parse(args, n, "iiiiii", a, f)) return nullptr;
+    return PyLong_FromLongLong(bs_layers_workspace(a[0], a[1], a[2], a[3], a[4], a[5]));
+}
+
+PyObject* py_layer_fields(PyObject*, PyObject*) { return PyLong_FromLongLong(bs_layer_fields()); }
 PyObject* py_abi_version(PyObject*, PyObject*) { return PyLong_FromLong(bs_abi_version()); }
 
 #define METHOD(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_##name)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
     METHOD(q4_1_linear), METHOD(q8_0_linear), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(rotary),
+    METHOD(decoder_layers), METHOD(layers_workspace), {"layer_fields", py_layer_fields, METH_NOARGS, nullptr},
     {"abi_version", py_abi_version, METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };

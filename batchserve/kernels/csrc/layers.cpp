@@ -1,0 +1,106 @@
+// A Llama-family model's decoder layers in one call: for each layer, residual add + RMSNorm,
+// q|k|v, rotary, attention over the paged pool, o, residual add + RMSNorm, gate|up, silu * up and
+// down, each by the same kernel (and so with the same bits) as the per-layer Python forward calls.
+// A one-row step otherwise makes about 20 Python-level calls a layer, each costing microseconds
+// of dispatch and a fresh output tensor; here they cost nothing, and the intermediates live in one
+// workspace the caller hands in.
+#include <stdint.h>
+#include <string.h>
+
+#include <chrono>
+
+extern "C" {
+void bs_q4_1_linear(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, int64_t, float*,
+                    int);
+void bs_attention(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
+                  const float*, int64_t, int64_t, const int64_t*, float*, float*, int64_t, const int32_t*,
+                  const int32_t*, const int32_t*, const int32_t*, const int32_t*, const int32_t*, float, float*, int);
+void bs_rms_norm(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*, int);
+void bs_silu_mul(const float*, int64_t, int64_t, float*, int);
+void bs_rotary(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*, float*, int);
+}
+
+namespace {
+
+// One layer's row of the table (int64 each; pointers as integers, 0 for a missing bias).
+enum Field : int64_t {
+    kInputNorm, kPostNorm,
+    kQkvQ, kQkvD, kQkvM, kQkvBias,
+    kOQ, kOD, kOM, kOBias,
+    kGateUpQ, kGateUpD, kGateUpM, kGateUpBias,
+    kDownQ, kDownD, kDownM, kDownBias,
+    kFields,
+};
+
+template <class T>
+const T* at(const int64_t* row, Field f) { return reinterpret_cast<const T*>(static_cast<intptr_t>(row[f])); }
+
+// y [T, N] = x [T, K] times the layer's Q4_1 weight (fields q, d, m), plus its bias if any: the
+// bias added after the product, as `Q4Linear.forward` does (one float add: the same bits).
+void product(const int64_t* row, Field q, const float* x, int64_t T, int64_t K, int64_t N, float* y, int threads) {
+    bs_q4_1_linear(x, T, K, at<uint8_t>(row, q), at<uint16_t>(row, Field(q + 1)), at<uint16_t>(row, Field(q + 2)), N,
+                   y, threads);
+    const float* bias = at<float>(row, Field(q + 3));
+    if (bias != nullptr)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t n = 0; n < N; ++n) y[t * N + n] += bias[n];
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t bs_layer_fields() { return kFields; }
+
+// Floats of workspace a step of T rows needs.
+int64_t bs_layers_workspace(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
+    return T * (H + (Hq + 2 * Hkv) * D + (Hq + Hkv) * D + Hq * D + H + 2 * I + I);
+}
+
+// Run L layers (their `table` [L, kFields]) over x [T, H] (the embeddings): `out` [T, H] gets the
+// last layer's output and `residual` [T, H] the residual stream beside it (the model adds the two
+// in its final norm). cos, sin [T, D]: each row's rotation. The pool's keys and values are
+// [L, Hkv, S, D]; the plan (slot_mapping .. tail_len) is `bs_attention`'s, the same for every
+// layer. Returns the seconds spent in attention (the engine reports them apart).
+double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_t T, int64_t H, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t I, float eps, const float* cos, const float* sin,
+                         const int64_t* slot_mapping, float* keys, float* values, int64_t S, const int32_t* slots,
+                         const int32_t* prefix_at, const int32_t* prefix_len, const int32_t* tails,
+                         const int32_t* tail_at, const int32_t* tail_len, float scale, float* work, float* out,
+                         float* residual, int threads) {
+    const int64_t qkv_width = (Hq + 2 * Hkv) * D;
+    float* h = work;                            // [T, H] normed
+    float* qkv = h + T * H;                     // [T, (Hq + 2 Hkv) D]
+    float* qk = qkv + T * qkv_width;            // [Hq + Hkv, T, D] rotated
+    float* attn = qk + (Hq + Hkv) * T * D;      // [T, Hq, D]
+    float* o = attn + T * Hq * D;               // [T, H]
+    float* gate_up = o + T * H;                 // [T, 2I]
+    float* act = gate_up + T * 2 * I;           // [T, I]
+    double attention_s = 0.0;
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t* row = table + l * kFields;
+        if (l == 0) {  // no residual yet: the embeddings are it
+            memcpy(residual, x, static_cast<size_t>(T * H) * sizeof(float));
+            bs_rms_norm(x, nullptr, at<float>(row, kInputNorm), T, H, eps, h, nullptr, threads);
+        } else {
+            bs_rms_norm(out, residual, at<float>(row, kInputNorm), T, H, eps, h, residual, threads);
+        }
+        product(row, kQkvQ, h, T, H, qkv_width, qkv, threads);
+        // q and k heads of each row ([T, heads, D] inside qkv) rotated into head-major [Hq + Hkv, T, D]
+        bs_rotary(qkv, Hq + Hkv, T, D, D, qkv_width, cos, sin, qk, threads);
+        const int64_t pool = l * Hkv * S * D;
+        const auto t0 = std::chrono::steady_clock::now();
+        bs_attention(qk, T * D, D, T, Hq, Hkv, D, qk + Hq * T * D, T * D, D, qkv + (Hq + Hkv) * D, D, qkv_width,
+                     slot_mapping, keys + pool, values + pool, S, slots, prefix_at, prefix_len, tails, tail_at,
+                     tail_len, scale, attn, threads);
+        attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        product(row, kOQ, attn, T, Hq * D, H, o, threads);
+        bs_rms_norm(o, residual, at<float>(row, kPostNorm), T, H, eps, h, residual, threads);
+        product(row, kGateUpQ, h, T, H, 2 * I, gate_up, threads);
+        bs_silu_mul(gate_up, T, I, act, threads);
+        product(row, kDownQ, act, T, I, H, out, threads);
+    }
+    return attention_s;
+}
+
+}  // extern "C"

@@ -1,0 +1,96 @@
+"""Every decoder layer of a model on our kernels in one call (`kernels.decoder_layers`): the
+same kernels, in the same order, as the layers' own forwards, so the same bits, without the ~20
+Python-level calls and fresh tensors a layer otherwise costs a step (most of a one-row step's
+time outside the products, benchmarks/README.md).
+
+It runs where every layer is ours end to end: Q4_1 products (`Q4Linear`), our RMSNorm and
+silu*up, rotary on our kernel, and the step's attention on the kernel backend; anywhere else
+(another backend's step, a layer the file stores in another format) the model runs its layers
+one by one. The layer table holds the weights' addresses, so the layers' tensors are kept here
+too: they must not be replaced after it is built (the loader builds it last)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchserve import kernels
+from batchserve.attention.kernel import KernelMetadata
+from batchserve.model.layers import KernelRMSNorm, KernelSiluAndMul
+from batchserve.model.quant import Q4Linear
+
+# The products of a layer in the table's order (csrc/layers.cpp's Field).
+PRODUCTS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def why_not_fused(layers: nn.ModuleList) -> str | None:
+    """None if every layer runs in `KernelDecoderLayers`, else why not."""
+    if not kernels.available():
+        return kernels.unavailable_reason()
+    for i, layer in enumerate(layers):
+        for name in PRODUCTS:
+            if type(layer.get_submodule(name)) is not Q4Linear:
+                return f"layer {i}'s {name} is not a Q4_1 product on our kernel"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not KernelRMSNorm for n in norms) or type(layer.mlp.act) is not KernelSiluAndMul:
+            return f"layer {i}'s norms or activation are not our kernels'"
+        if layer.self_attn.head_dim % 16 or norms[0].eps != layers[0].input_layernorm.eps:
+            return f"layer {i}: head dim {layer.self_attn.head_dim} (rotary takes multiples of 16) or its own eps"
+    return None
+
+
+class KernelDecoderLayers(nn.Module):
+    """The model's decoder layers as one kernel call per step (see the module's docstring)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        super().__init__()
+        why = why_not_fused(layers)
+        if why is not None:
+            raise ValueError(f"the layers do not run fused: {why}")
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        hidden = attn.qkv_proj.in_features
+        # (H, Hq, Hkv, D, I)
+        self.shape = (hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features)
+        self.eps, self.scale = float(layers[0].input_layernorm.eps), float(attn.scaling)
+        self.kept: list[torch.Tensor] = []  # every tensor the table points into, alive as long as it
+        rows = [self._row(layer) for layer in layers]
+        self.table = torch.tensor(rows, dtype=torch.int64)  # [L, fields]
+        if self.table.shape[1] != kernels.layer_fields():
+            raise ValueError("the layer table does not match the kernels' build")
+
+    def _row(self, layer: nn.Module) -> list[int]:
+        row = [self._address(layer.input_layernorm.weight), self._address(layer.post_attention_layernorm.weight)]
+        for name in PRODUCTS:
+            product = layer.get_submodule(name)
+            row += [self._address(t) for t in (product.weight, product.scales, product.mins)]
+            row.append(0 if product.bias is None else self._address(product.bias))
+        return row
+
+    def _address(self, t: torch.Tensor) -> int:
+        t = t.detach()
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("the fused layers read contiguous CPU tensors")
+        self.kept.append(t)
+        return t.data_ptr()
+
+    @staticmethod
+    def runs(metadata: Any) -> bool:
+        """Whether this step's attention is the kernel backend's (the pool and plan it reads)."""
+        return isinstance(metadata, KernelMetadata)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: KernelMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (the embeddings) -> (the last layer's output, the residual beside it), [T, H] each."""
+        backend = metadata.backend
+        out, residual, seconds = kernels.decoder_layers(
+            self.table, x.float().contiguous(), self.shape, self.eps, cos.contiguous(), sin.contiguous(),
+            metadata, backend.k_cache, backend.v_cache, self.scale,
+        )  # fmt: skip
+        backend.seconds += seconds
+        return out, residual
+
+    def extra_repr(self) -> str:
+        return f"{self.table.shape[0]} layers in one call of our kernels"

@@ -1,0 +1,120 @@
+"""Every decoder layer in one call of our kernels (`KernelDecoderLayers`): the bits of the layers'
+own forwards on every row of a mixed step (prompt chunks, draft trees, windows), the same pool
+writes, at any thread count; where it does not run, the layers run one by one."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from batchserve import kernels
+from batchserve.attention import StepLayout, TorchReferenceBackend
+from batchserve.attention.kernel import KernelBackend
+from batchserve.model import native_from_hf
+from batchserve.model.fused import KernelDecoderLayers, why_not_fused
+from batchserve.model.layers import use_kernel_layers
+from batchserve.model.quant import Q4Linear, random_q4_1
+from tests.attention.layouts import blocks_needed, random_step, slot_mapping
+from tests.conftest import TINY_VOCAB
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
+LAYERS, BS = 3, 16
+
+
+def _q4_model(bias: bool, seed: int = 0) -> Any:
+    """A tiny Llama whose products are random Q4_1 blocks on our kernel, norms and silu*up ours."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        attention_bias=bias, mlp_bias=bias, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    native = native_from_hf(tf.AutoModelForCausalLM.from_config(config).float().eval())
+    gen = torch.Generator().manual_seed(seed)
+    for layer in native.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+            old = getattr(parent, name)
+            b = None if old.bias is None else torch.randn(old.out_features, generator=gen)
+            sizes = getattr(old, "sizes", (old.out_features,))
+            setattr(parent, name, Q4Linear(*random_q4_1(old.out_features, old.in_features, gen), b, sizes))
+    use_kernel_layers(native)
+    return native
+
+
+def _forward(model: Any, backend: Any, seqs: list, ids: torch.Tensor) -> torch.Tensor:
+    """Every row's logits [T, V] for one packed step."""
+    step = StepLayout.from_seqs(seqs)
+    positions = torch.from_numpy(np.concatenate([step.row_positions(i) for i in range(len(seqs))]))
+    meta = backend.build_metadata(step, slot_mapping(seqs, BS))
+    with torch.no_grad():
+        return model(ids[None], positions[None], torch.arange(ids.shape[0]), meta).logits[0]
+
+
+def _pools(num_blocks: int, gen: torch.Generator) -> tuple[KernelBackend, KernelBackend]:
+    a, b = (KernelBackend(LAYERS, num_blocks, BS, 2, 16) for _ in range(2))
+    torch.randn(a.k_cache.shape, generator=gen, out=a.k_cache)
+    torch.randn(a.v_cache.shape, generator=gen, out=a.v_cache)
+    b.k_cache.copy_(a.k_cache)
+    b.v_cache.copy_(a.v_cache)
+    return a, b
+
+
+@pytest.mark.parametrize(("bias", "seed"), [(False, 0), (True, 1), (False, 2)])
+def test_the_fused_layers_give_every_row_the_bits_of_the_layers_one_by_one(bias, seed):
+    model = _q4_model(bias, seed)
+    fused = KernelDecoderLayers(model.layers)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    num_blocks = blocks_needed((0, 1, 7, 33, 200), BS)
+    seqs = random_step(rng, BS, num_blocks, cached=(0, 1, 7, 33, 200))
+    ids = torch.randint(0, TINY_VOCAB, (seqs[-1].q_start + seqs[-1].q_len,), generator=gen)
+    one_by_one, together = _pools(num_blocks, gen)
+    model.fused_layers = None
+    want = _forward(model, one_by_one, seqs, ids)
+    model.fused_layers = fused
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(_forward(model, together, seqs, ids), want), threads
+            assert torch.equal(together.k_cache, one_by_one.k_cache) and torch.equal(together.v_cache, one_by_one.v_cache)
+    finally:
+        torch.set_num_threads(before)
+    assert together.seconds > 0  # attention's time is still reported apart
+
+
+def test_a_layer_that_is_not_ours_end_to_end_runs_the_layers_one_by_one():
+    model = _q4_model(bias=False)
+    assert why_not_fused(model.layers) is None
+    down = model.layers[1].mlp.down_proj
+    model.layers[1].mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+    assert "layer 1's mlp.down_proj" in why_not_fused(model.layers)
+    with pytest.raises(ValueError, match="do not run fused"):
+        KernelDecoderLayers(model.layers)
+    model.layers[1].mlp.down_proj = down
+    model.layers[0].self_attn.head_dim = 8  # rotary's kernel rotates whole halves of 8 values
+    assert "head dim 8" in why_not_fused(model.layers)
+
+
+def test_a_step_on_another_attention_backend_runs_the_layers_one_by_one():
+    """The torch reference's metadata carries no kernel plan: the layers run in Python on it (the
+    bits of the model without fused layers), close to what the kernel backend's step gives (its
+    attention sums in another order, and the products quantize their inputs)."""
+    model = _q4_model(bias=False)
+    fused = KernelDecoderLayers(model.layers)
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    seqs = random_step(rng, BS, 200, cached=(0, 9))
+    ids = torch.randint(0, TINY_VOCAB, (seqs[-1].q_start + seqs[-1].q_len,), generator=gen)
+    refs = [TorchReferenceBackend(LAYERS, 200, BS, 2, 16) for _ in range(2)]
+    assert not fused.runs(refs[0].build_metadata(StepLayout.from_seqs(seqs), slot_mapping(seqs, BS)))
+    want = _forward(model, refs[0], seqs, ids)
+    model.fused_layers = fused
+    assert torch.equal(_forward(model, refs[1], seqs, ids), want)
+    ours = _forward(model, KernelBackend(LAYERS, 200, BS, 2, 16), seqs, ids)
+    torch.testing.assert_close(ours, want, rtol=0, atol=5e-3)
