@@ -233,7 +233,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-
 def layer_fields() -> int:
     """Columns of `decoder_layers`' layer table (csrc/layers.cpp's Field)."""
     return int(library().layer_fields())

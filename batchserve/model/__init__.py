@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from batchserve import kernels
+from batchserve.model.fused import KernelDecoderLayers, why_not_fused
 from batchserve.model.int4 import (
     Int4Linear,
     gguf_has_q4_1,
@@ -32,7 +33,6 @@ from batchserve.model.llama import (
     product_out_dtype,
     supports,
 )
-from batchserve.model.fused import KernelDecoderLayers, why_not_fused
 from batchserve.model.quant import Q4Linear, Q8Linear, quant_products_invariant
 
 __all__ = [
