@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from batchserve import kernels
 from batchserve.model.int4 import Int4Linear
 from batchserve.model.layers import Bf16Linear, PackedLinear, bf16_prepack_available
 from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Linear, random_q4_1
@@ -53,17 +54,17 @@ def _q8(n: int, k: int, gen: torch.Generator) -> Q8Linear:
 
 
 def builders() -> dict[str, Callable[[int, int, torch.Generator], nn.Module]]:
-    kernels: dict[str, Callable[[int, int, torch.Generator], nn.Module]] = {
+    made: dict[str, Callable[[int, int, torch.Generator], nn.Module]] = {
         "int4": lambda n, k, g: Int4Linear(*random_q4_1(n, k, g), None, (n,)),
         "int8pack": Int8Pack,
         "float32": lambda n, k, g: PackedLinear(_linear(n, k, g)),
     }
     if kernels.available():
-        kernels["q4_1"] = lambda n, k, g: Q4Linear(*random_q4_1(n, k, g), None, (n,))
-        kernels["q8_0"] = _q8
+        made["q4_1"] = lambda n, k, g: Q4Linear(*random_q4_1(n, k, g), None, (n,))
+        made["q8_0"] = _q8
     if bf16_prepack_available():
-        kernels["bfloat16"] = lambda n, k, g: Bf16Linear(_linear(n, k, g))
-    return kernels
+        made["bfloat16"] = lambda n, k, g: Bf16Linear(_linear(n, k, g))
+    return made
 
 
 def time_layers(layers: list[nn.Module], rows: int, repeats: int) -> float:

@@ -36,7 +36,7 @@ namespace {
 
 constexpr int64_t QK = 32;   // values per block
 constexpr int kRowTile = 4;  // rows a tile computes at once
-constexpr int kGroups = 2;   // column groups (of 8) a tile computes at once
+constexpr int kGroups = 1;   // column groups (of 8) a tile computes at once
 
 inline float hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -184,24 +184,26 @@ void tile_q8_0(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0,
         for (int g = 0; g < NG; ++g) _mm256_storeu_ps(y + (t0 + t) * N + (g0 + g) * 8, acc[t][g]);
 }
 
-using Tile = void (*)(const Rows&, const Weights&, int64_t, float*, int64_t, int64_t);
-
-template <template <int, int> class K, int NG>
-struct Tiles {  // the tile functions for 1 .. kRowTile rows at NG groups
-    static constexpr Tile by_rows[kRowTile + 1] = {nullptr, K<1, NG>::f, K<2, NG>::f, K<3, NG>::f, K<4, NG>::f};
+template <int MT, int NG>
+struct Q41 {
+    static void f(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+        tile_q4_1<MT, NG>(x, w, N, y, t0, g0);
+    }
+};
+template <int MT, int NG>
+struct Q80 {
+    static void f(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+        tile_q8_0<MT, NG>(x, w, N, y, t0, g0);
+    }
 };
 
-template <int MT, int NG>
-struct Q41 { static constexpr Tile f = tile_q4_1<MT, NG>; };
-template <int MT, int NG>
-struct Q80 { static constexpr Tile f = tile_q8_0<MT, NG>; };
-
-// Every row for the column groups [g0, g0 + NG): full row tiles, then one smaller tile.
-template <template <int, int> class K, int NG>
-void column_tile(const Rows& x, int64_t T, const Weights& w, int64_t N, float* y, int64_t g0) {
-    int64_t t0 = 0;
-    for (; t0 + kRowTile <= T; t0 += kRowTile) K<kRowTile, NG>::f(x, w, N, y, t0, g0);
-    if (T > t0) Tiles<K, NG>::by_rows[T - t0](x, w, N, y, t0, g0);
+// Rows [t0, T) for the column groups [g0, g0 + NG): tiles of MT rows, the rest in one smaller tile.
+template <template <int, int> class K, int MT, int NG>
+void row_tiles(const Rows& x, int64_t t0, int64_t T, const Weights& w, int64_t N, float* y, int64_t g0) {
+    for (; t0 + MT <= T; t0 += MT) K<MT, NG>::f(x, w, N, y, t0, g0);
+    if constexpr (MT > 1) {
+        if (T > t0) row_tiles<K, MT - 1, NG>(x, t0, T, w, N, y, g0);
+    }
 }
 
 template <template <int, int> class K>
@@ -225,8 +227,8 @@ void linear(const float* x, int64_t T, int64_t K_, const Weights& w, int64_t N, 
                 quantize_block(x + t * K_ + b * QK, q + t * K_ + b * QK, d + t * nb + b, s + t * nb + b);
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < tiles + (groups - tiles * kGroups); ++j) {
-            if (j < tiles) column_tile<K, kGroups>(rows, T, w, N, y, j * kGroups);
-            else column_tile<K, 1>(rows, T, w, N, y, tiles * kGroups + (j - tiles));
+            if (j < tiles) row_tiles<K, kRowTile, kGroups>(rows, 0, T, w, N, y, j * kGroups);
+            else row_tiles<K, kRowTile, 1>(rows, 0, T, w, N, y, tiles * kGroups + (j - tiles));
         }
     }
 }
