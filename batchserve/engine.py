@@ -13,7 +13,7 @@ from typing import Any
 from batchserve.config import EngineConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.grammar import GrammarCompiler
-from batchserve.request import Request, RequestOutput, SamplingParams
+from batchserve.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from batchserve.scheduler import BlockAllocator, RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput, StepPhases
 from batchserve.scheduler.budget import DraftBudgetPolicy
 from batchserve.scheduler.cost_profile import CostProfile
@@ -147,9 +147,9 @@ class EngineCore:
         if not token_ids:
             raise ValueError("prompt is empty")
         reference_ids = self.text.tokenize_references(references)
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids: {t} is not a token id in [0, {self.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"{name}: {max(ids)} is not a token id in [0, {self.vocab_size})")
         # A constraint is compiled (or found in the cache) first: ConstraintError, a ValueError, names the problem.
         grammar = self.grammars.matcher(self.grammars.compile(params.constraint)) if params.constraint else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -234,7 +234,7 @@ class EngineCore:
             step.result = self.runner.execute(out)
         except Exception as e:
             results = self._retry_in_halves(list(out.requests), e, step.failed)
-            step.result = _merge(results) if results else None
+            step.result = RunnerOutput.merge(results) if results else None
             if step.result is None:  # every request failed: theirs, or the device's fault?
                 step.device_ok = self.device_works()
 
@@ -272,7 +272,11 @@ class EngineCore:
                     outputs += self.fail([rid], error)
                 if step.result is not None:
                     done = out if not step.failed else replace(out, requests=_without(out.requests, step.failed))
-                    outputs += [self._output(req, toks) for req, toks in self.scheduler.update(done, step.result)]
+                    logprobs = step.result.logprobs
+                    outputs += [
+                        self._output(req, toks, logprobs.get(req.request_id))
+                        for req, toks in self.scheduler.update(done, step.result)
+                    ]
         except Exception as e:  # never leave a stream waiting forever
             crashed = True
             outputs += self.fail_all(e)
@@ -318,7 +322,9 @@ class EngineCore:
         message = f"{type(error).__name__}: {error}"
         return [self._output(req, []) for req in self.scheduler.fail(list(self.scheduler.requests), message)]
 
-    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        if req.params.logprobs is not None:  # the emitted tokens' entries, as far as the request took them
+            logprobs = (logprobs or [])[: len(new_tokens)]
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
@@ -329,21 +335,8 @@ class EngineCore:
             num_output_tokens=len(req.output_token_ids),
             stats=req.stats,
             error=req.error,
+            new_logprobs=logprobs,
         )
-
-
-def _merge(results: list[RunnerOutput]) -> RunnerOutput:
-    """One RunnerOutput from the forwards of disjoint groups of a step."""
-    merged = RunnerOutput({}, {})
-    for r in results:
-        merged.emitted.update(r.emitted)
-        merged.accepted.update(r.accepted)
-        merged.window_outputs.update(r.window_outputs)
-        for name, seconds in r.phases.items():
-            setattr(merged.phases, name, getattr(merged.phases, name) + seconds)
-        if r.phases.attention is not None:
-            merged.phases.attention = (merged.phases.attention or 0.0) + r.phases.attention
-    return merged
 
 
 def _without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -> tuple[ScheduledRequest, ...]:

@@ -10,7 +10,15 @@ from typing import Any
 from batchserve.config import EngineConfig
 from batchserve.draft import Drafter
 from batchserve.engine import EngineCore
-from batchserve.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams, tokens_per_step
+from batchserve.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStats,
+    SamplingParams,
+    TokenLogprob,
+    tokens_per_step,
+)
 from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.text import Prompt
 
@@ -33,6 +41,7 @@ class GenerationResult:
     finish_time: float
     error: str | None = None
     token_times: list[float] = field(default_factory=list)  # when each step's tokens arrived
+    logprobs: list[TokenLogprob] | None = None  # with `SamplingParams.logprobs`: one per token
 
     @property
     def tokens_per_step(self) -> float:
@@ -142,9 +151,11 @@ class _Collected:
     request: Request
     texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # when each step with new tokens arrived
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, out: RequestOutput, now: float) -> None:
         self.texts.append(out.new_text)
+        self.logprobs.extend(out.new_logprobs or ())
         if out.new_token_ids:
             self.times.append(now)
 
@@ -163,6 +174,7 @@ class _Collected:
             finish_time=now,
             error=out.error,
             token_times=self.times,
+            logprobs=self.logprobs if req.params.logprobs is not None else None,
         )
 
 

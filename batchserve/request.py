@@ -29,6 +29,10 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 MAX_INT32 = 2**31 - 1  # counts and lengths (max_new_tokens, top_k, decoding_length, jacobi)
 MAX_TEMPERATURE = 100.0  # far past uniform for any model's logits; inf would make NaN probabilities
 SEED_RANGE = (-(2**63), 2**64)  # [low, high): torch's generator range; a negative s means s + 2**64
+MAX_LOGPROBS = 20  # top alternatives a token's logprobs may list (OpenAI's bound)
+PENALTY_RANGE = (-2.0, 2.0)  # frequency and presence penalties (OpenAI's bounds)
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty in (0, this]; 1 is none
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's bound), each a value in [-100, 100]
 
 
 def _is_int(value: object) -> bool:
@@ -77,6 +81,16 @@ class SamplingParams:
     # jacobi/hybrid (w, n, g), each at most the engine's; None (or a None in it) = the engine's.
     jacobi: tuple[int | None, int | None, int | None] | None = None
     constraint: Constraint | None = None  # structured output: the text must match it
+    # Each output token's log-probability under the model's raw distribution and this many top
+    # alternatives (0..MAX_LOGPROBS); None: none reported.
+    logprobs: int | None = None
+    # Penalties on the logits before any choice (`runner.penalties` states the formulas): OpenAI's
+    # frequency and presence penalties over the output so far, vLLM's repetition penalty over the
+    # prompt and the output, and a bias per token id ((id, bias) pairs).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
@@ -117,8 +131,37 @@ class SamplingParams:
             )
             if not ok:
                 raise ValueError(f"jacobi must be (w >= 1, n >= 2, g >= 0), each an int or None, got {self.jacobi!r}")
+        self._check_penalties()
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+
+    def _check_penalties(self) -> None:
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if isinstance(rep, bool) or not isinstance(rep, int | float) or not 0 < rep <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rep!r}")
+        bias = tuple(
+            (k, v) for k, v in (self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        )
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: {len(bias)} entries, at most {MAX_LOGIT_BIAS}")
+        for token, value in bias:
+            _check_int("logit_bias token id", token, 0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {token}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias)))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes this request's logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -200,6 +243,16 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log-probability under the model's raw distribution (before penalties,
+    bias, grammar masks and temperature), and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one engine step produced for one request (a stream chunk, or the final result)."""
@@ -213,6 +266,8 @@ class RequestOutput:
     num_output_tokens: int  # cumulative
     stats: RequestStats
     error: str | None = None  # set when finish_reason is ERROR
+    # With `params.logprobs`: one entry per new token, in order.
+    new_logprobs: list[TokenLogprob] | None = None
 
     @property
     def tokens_per_step(self) -> float:

@@ -16,6 +16,7 @@ from batchserve.request import SamplingParams
 from batchserve.runner.batch import BlockTables, PackedStep, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.graphs import StepGraphs
+from batchserve.runner.penalties import penalize, token_logprobs
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, apply_token_masks, choose_on_device
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 
@@ -118,6 +119,10 @@ class ModelRunner:
         )
         sampled = self._sampled_rows(out, step.logit_start, logits.shape[-1])
         host = time.perf_counter() - t_host
+        raw = self._raw_rows(logits, sampling, step.logit_start)  # before anything changes them
+        penalized = [(int(step.logit_start[i]), r) for i, r in sampling if r.params.penalized]
+        if penalized:
+            penalize(logits, penalized)
         t_grammar = time.perf_counter()
         masks = [
             (int(step.logit_start[i]), r.token_mask) for i, r in enumerate(out.requests) if r.token_mask is not None
@@ -128,7 +133,7 @@ class ModelRunner:
         # Token choice and acceptance on the logits' device; the step's one device-to-host copy.
         result = accept(choose_on_device(logits, sampled), trees).tolist() if sampling else []
         t2 = time.perf_counter()
-        output = self._emit(sampling, step, result)
+        output = self._emit(sampling, step, result, raw)
         phases = output.phases
         phases.prepare, phases.forward = t1 - t0 + host, t2 - t1 - host - grammar
         phases.verify = time.perf_counter() - t2 + grammar
@@ -161,10 +166,34 @@ class ModelRunner:
 
         return forward, time.perf_counter()
 
-    def _emit(self, sampling: list[tuple[int, ScheduledRequest]], step: PackedStep, result: list[int]) -> RunnerOutput:
+    @staticmethod
+    def _raw_rows(
+        logits: torch.Tensor, sampling: list[tuple[int, ScheduledRequest]], logit_start: np.ndarray
+    ) -> tuple[torch.Tensor, dict[str, int]] | None:
+        """A copy of the rows (root and draft nodes) of the requests that ask for logprobs, and
+        where each request's rows start in it; None if none asks."""
+        rows: list[np.ndarray] = []
+        at: dict[str, int] = {}
+        for i, r in sampling:
+            if r.params.logprobs is not None:
+                at[r.request_id] = sum(map(len, rows))
+                start = int(logit_start[i])
+                rows.append(np.arange(start, start + 1 + (len(r.draft) if r.draft is not None else 0)))
+        if not rows:
+            return None
+        return logits[torch.from_numpy(np.concatenate(rows)).to(logits.device)], at
+
+    def _emit(
+        self,
+        sampling: list[tuple[int, ScheduledRequest]],
+        step: PackedStep,
+        result: list[int],
+        raw: tuple[torch.Tensor, dict[str, int]] | None = None,
+    ) -> RunnerOutput:
         """The host's share of verification: each request's accepted path and tokens from the
         step's copied result ([deepest row] * S, [bonus token] * S, window tokens), the KV
-        compaction of accepted nodes, and the uniforms the sampled tokens used."""
+        compaction of accepted nodes, the uniforms the sampled tokens used, and the logprobs of
+        the emitted tokens where asked (from `raw`, at the rows that chose them)."""
         s, bs = len(sampling), self.backend.block_size
         deepest, bonus, windows = result[:s], result[s : 2 * s], result[2 * s :]
         out = RunnerOutput(emitted={}, accepted={}, phases=StepPhases())
@@ -180,6 +209,10 @@ class ModelRunner:
                 w += r.window.num_outputs
             out.emitted[r.request_id] = tokens
             out.accepted[r.request_id] = accepted
+            if raw is not None and r.request_id in raw[1]:
+                first = raw[1][r.request_id]
+                rows = [first] + [first + 1 + node for node in accepted]  # the rows that chose them
+                out.logprobs[r.request_id] = token_logprobs(raw[0], rows, tokens, r.params.logprobs or 0)
             if not r.params.greedy:
                 consumed.append((r.request_id, len(tokens)))
             # Compaction: accepted node i sits at KV index base + i; it belongs at base + k.

@@ -9,7 +9,7 @@ import numpy as np
 
 from batchserve.draft.jacobi import WindowRows, spec_mask
 from batchserve.draft.tree import DraftTree
-from batchserve.request import SamplingParams
+from batchserve.request import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,10 @@ class ScheduledRequest:
     # Structured output: the grammar's bitmask of allowed next tokens at the root's row and at each
     # draft node's row, [1 + len(draft), W] int32 (bit t % 32 of word t // 32). None: unconstrained.
     token_mask: np.ndarray | None = None
+    # Penalties (`params.penalized`, when `sample` is set): the output so far, and the prompt where
+    # a repetition penalty counts it too; empty otherwise.
+    output_ids: tuple[int, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +80,22 @@ class RunnerOutput:
     accepted: dict[str, list[int]]  # draft node indices on the accepted path, root first (one per emitted draft token)
     # Per request with a window: the model's next token after each of its output rows.
     window_outputs: dict[str, list[int]] = field(default_factory=dict)
+    # Per request asking for logprobs: one entry per emitted token (`request.TokenLogprob`).
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     phases: StepPhases = field(default_factory=lambda: StepPhases())  # the runner's share: prepare, forward, verify
+
+    @classmethod
+    def merge(cls, results: list[RunnerOutput]) -> RunnerOutput:
+        """One output from the forwards of disjoint groups of a step."""
+        merged = cls({}, {})
+        for r in results:
+            for name in ("emitted", "accepted", "window_outputs", "logprobs"):
+                getattr(merged, name).update(getattr(r, name))
+            for name, seconds in r.phases.items():
+                setattr(merged.phases, name, getattr(merged.phases, name) + seconds)
+            if r.phases.attention is not None:
+                merged.phases.attention = (merged.phases.attention or 0.0) + r.phases.attention
+        return merged
 
 
 @dataclass(slots=True)

@@ -279,14 +279,18 @@ class Scheduler:
         if not self._ensure_blocks(req, req.num_computed_tokens + chunk):
             return None
         start = req.num_computed_tokens
+        sample = chunk == num_pending
+        penalized = sample and req.params.penalized
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=tuple(req.all_token_ids[start : start + chunk]),
             num_computed_tokens=start,
             block_ids=tuple(req.block_ids),
             draft=None,
-            sample=chunk == num_pending,
+            sample=sample,
             params=req.params,
+            output_ids=tuple(req.output_token_ids) if penalized else (),
+            prompt_ids=tuple(req.prompt_token_ids) if penalized and req.params.repetition_penalty != 1 else (),
         )
 
     def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
