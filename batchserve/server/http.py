@@ -11,6 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from batchserve.server.openai_models import ApiError, error_response
+
 FLUSH_SECONDS = 2.0  # at shutdown: open connections get this long to finish their responses
 
 
@@ -74,3 +76,34 @@ class HttpServer:
             await self._task
         finally:
             self._socket.close()
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes, by its Content-Length or, for
+    a chunked body, as soon as the bytes read pass it. Pure ASGI (no BaseHTTPMiddleware), so the
+    endpoints still see the client's disconnect."""
+
+    def __init__(self, app: Any, limit: int, on_refuse: Any) -> None:
+        self.app, self.limit, self.on_refuse = app, limit, on_refuse
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            self.on_refuse()
+            await error_response(413, f"request body over {self.limit} bytes")(scope, receive, send)
+            return
+        read = 0
+
+        async def bounded() -> Any:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:
+                self.on_refuse()
+                raise ApiError(413, f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, bounded, send)

@@ -20,22 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchserve.request import FinishReason, RequestOutput
+from batchserve.request import FinishReason, RequestOutput, TokenLogprob
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
-from batchserve.server.openai_models import ApiError, ChatRequest, CommonFields, CompletionRequest
+from batchserve.server.http import BodyLimit
+from batchserve.server.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
+from batchserve.server.openai_models import ApiError, ChatRequest, CommonFields, CompletionRequest, error_response
 
 T = TypeVar("T")
 TENANT_HEADER = "x-batchserve-tenant"
 STATUS = {Refusal.INVALID: 400, Refusal.QUEUE_FULL: 429, Refusal.DRAINING: 503, Refusal.ENGINE_DEAD: 503}
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
 FINISH = {
     FinishReason.LENGTH: "length",
     FinishReason.EOS: "stop",
@@ -43,12 +36,6 @@ FINISH = {
     FinishReason.CANCELLED: "abort",
     FinishReason.ERROR: "error",
 }
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI error object."""
-    kind = ERROR_TYPES.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -108,37 +95,6 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for a request body over `limit` bytes, by its Content-Length or, for
-    a chunked body, as soon as the bytes read pass it. Pure ASGI (no BaseHTTPMiddleware), so the
-    endpoints still see the client's disconnect."""
-
-    def __init__(self, app: Any, limit: int, on_refuse: Any) -> None:
-        self.app, self.limit, self.on_refuse = app, limit, on_refuse
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            self.on_refuse()
-            await error_response(413, f"request body over {self.limit} bytes")(scope, receive, send)
-            return
-        read = 0
-
-        async def bounded() -> Any:
-            nonlocal read
-            message = await receive()
-            read += len(message.get("body", b""))
-            if read > self.limit:
-                self.on_refuse()
-                raise ApiError(413, f"request body over {self.limit} bytes")
-            return message
-
-        await self.app(scope, bounded, send)
-
-
 class OpenAIServer:
     """Builds the FastAPI app over a `Frontend`; `max_body_bytes` bounds a request body."""
 
@@ -149,6 +105,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.tenant_source = tenant_source
         self.created = int(time.time())
+        self.token_text = TokenText(frontend.engine.core.tokenizer)
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -268,19 +225,30 @@ class OpenAIServer:
         return self._whole(rid, *whole, chat)
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput]:
-        """The whole text and the last output of a request."""
+    async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
+        """The whole text, the last output and (where asked) the logprobs of a request."""
         text: list[str] = []
         last: RequestOutput | None = None
+        logprobs: list[TokenLogprob] | None = None
         async for out in outputs:
             text.append(out.new_text)
+            if out.new_logprobs is not None:
+                logprobs = (logprobs or []) + out.new_logprobs
             last = out
         assert last is not None
-        return "".join(text), last
+        return "".join(text), last, logprobs
 
-    def _whole(self, rid: str, text: str, last: RequestOutput, chat: bool) -> dict[str, Any]:
+    def _logprobs(self, entries: list[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        text = self.token_text
+        return chat_logprobs(entries, text) if chat else completion_logprobs(entries, text, offset)
+
+    def _whole(
+        self, rid: str, text: str, last: RequestOutput, logprobs: list[TokenLogprob] | None, chat: bool
+    ) -> dict[str, Any]:
         finish = FINISH[last.finish_reason] if last.finish_reason else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(logprobs, chat)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -302,8 +270,8 @@ class OpenAIServer:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        def chunk(delta: str | None, finish: str | None, role: bool = False, logprobs: Any = None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
             if chat:
                 choice["delta"] = {"role": "assistant", "content": delta or ""} if role else {"content": delta or ""}
                 if finish is not None and not delta:
@@ -320,11 +288,14 @@ class OpenAIServer:
             if chat:
                 yield _sse(chunk("", None, role=True))
             out: RequestOutput | None = first
+            offset = 0  # the completion's characters sent so far (completions' text_offset)
             while out is not None:
                 last = out
                 finish = FINISH[out.finish_reason] if out.finished and out.finish_reason else None
-                if out.new_text or finish is not None:
-                    yield _sse(chunk(out.new_text, finish))
+                logprobs = self._logprobs(out.new_logprobs, chat, offset) if out.new_logprobs else None
+                if out.new_text or finish is not None or logprobs is not None:
+                    yield _sse(chunk(out.new_text, finish, logprobs=logprobs))
+                offset += len(out.new_text)
                 out = await anext(outputs, None)
             if include_usage:
                 yield _sse(

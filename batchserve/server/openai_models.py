@@ -7,10 +7,21 @@ import json
 from typing import Any, Literal
 
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchserve.config import LimitsConfig
-from batchserve.request import MAX_INT32, MAX_TEMPERATURE, SEED_RANGE, Constraint, SamplingParams
+from batchserve.request import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    SEED_RANGE,
+    Constraint,
+    SamplingParams,
+)
 
 
 def _count() -> Any:
@@ -25,6 +36,23 @@ class ApiError(HTTPException):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(status, message)
         self.status, self.message, self.param = status, message, param
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI error object."""
+    kind = ERROR_TYPES.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
 # ---- request bodies ----------------------------------------------------------------------
@@ -128,25 +156,35 @@ class CommonFields(BaseModel):
     lookahead: LookaheadOptions | None = None
     prediction: Prediction | None = None  # OpenAI's on chat; completions take it too
     response_format: ResponseFormat | None = None  # OpenAI's on chat; completions take it too
+    # Penalties (formulas: batchserve/runner/penalties.py): OpenAI's two, vLLM's repetition_penalty.
+    frequency_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    presence_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # OpenAI fields without an implementation here: only their neutral values pass.
     n: int | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     def unsupported(self) -> None:
         """400 for an OpenAI parameter set to something batchserve cannot honour."""
         if self.n not in (None, 1):
             raise ApiError(400, "n > 1 is not supported: send one request per completion", "n")
-        for name in ("logprobs", "top_logprobs", "logit_bias"):
-            if getattr(self, name) not in (None, False, 0, {}):
-                raise ApiError(400, f"{name} is not supported", name)
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name} is not supported (only 0)", name)
+        self.num_logprobs(), self.bias()  # their 400s before anything is queued
         self.predicted()
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives each output token's logprobs list; None: no logprobs (per endpoint)."""
+        return None
+
+    def bias(self) -> dict[int, float]:
+        """`logit_bias` by token id; 400 naming it for a key that is not one or a value out of range."""
+        out: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) <= MAX_INT32:
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id", "logit_bias")
+            if not -100 <= value <= 100:
+                raise ApiError(400, f"logit_bias: {value} for {key} is outside [-100, 100]", "logit_bias")
+            out[int(key)] = value
+        return out
 
     def predicted(self) -> list[str]:
         """The request's references: its prediction's text, if it sent one."""
@@ -160,7 +198,8 @@ class CommonFields(BaseModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "max_new_tokens": max_model_len if max_tokens is None else max_tokens,
         }
-        for name in ("top_p", "seed", "top_k", "ignore_eos"):
+        penalties = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+        for name in ("top_p", "seed", "top_k", "ignore_eos", *penalties):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         if kwargs.get("top_k") == -1:
@@ -171,6 +210,7 @@ class CommonFields(BaseModel):
             kwargs["stop_token_ids"] = self.stop_token_ids
         if self.response_format is not None:
             kwargs["constraint"] = self.response_format.constraint()
+        kwargs["logprobs"], kwargs["logit_bias"] = self.num_logprobs(), self.bias()
         la = self.lookahead
         if la is not None:
             if la.enable is False:
@@ -190,6 +230,10 @@ class CompletionRequest(CommonFields):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the top alternatives per token
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -232,6 +276,13 @@ class ChatRequest(CommonFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> None:
         super().unsupported()

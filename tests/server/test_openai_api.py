@@ -166,7 +166,7 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
     ("path", "body", "status", "param"),
     [
         ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),

@@ -1,0 +1,54 @@
+"""Output tokens' logprobs in the OpenAI API's two shapes: chat's `logprobs.content` (a token,
+its logprob, its UTF-8 bytes and its top alternatives) and completions' parallel lists (tokens,
+token_logprobs, top_logprobs as token -> logprob, text_offset). The values are the model's raw
+distribution at the row that chose each token (`batchserve.runner.penalties`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from batchserve.request import TokenLogprob
+
+
+class TokenText:
+    """Each token id's own text (decoded alone, as vLLM reports it), cached per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> dict[str, Any]:
+    """`choices[i].logprobs` of a chat completion (or one chunk's share)."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        s = text(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {
+        "content": [one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> dict[str, Any]:
+    """`choices[i].logprobs` of a completion (or one chunk's share), text offsets from `offset`
+    (the characters of the completion before these tokens)."""
+    tokens = [text(e.token_id) for e in entries]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }

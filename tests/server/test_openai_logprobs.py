@@ -1,0 +1,112 @@
+"""logprobs, penalties and logit_bias through the official `openai` client, plain and streamed,
+against the offline engine's own values; bad values are 400s naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve import SamplingParams
+from tests.server.conftest import start_server
+from tests.server.test_openai_api import _client, _offline, _raw
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9]
+PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"11": 3.0, "12": -100}}
+
+
+@pytest.fixture
+async def api():
+    r = await start_server(http=True, metrics_port=0)
+    yield r
+    await r.channel.close()
+    await r.server.shutdown()
+
+
+async def test_completion_logprobs_plain_and_streamed_equal_the_engines(api):
+    client = _client(api)
+    expected = _offline(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3))
+    done = await client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs == [e.logprob for e in expected.logprobs]
+    assert len(lp.tokens) == 8 and all(len(top) <= 3 for top in lp.top_logprobs)
+    # Offsets: each token's text after the ones before it (the tiny model's byte tokens decode alone to U+FFFD).
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    # The engine's top alternatives (as token text -> logprob: texts that decode alike share a key).
+    assert all(set(top.values()) <= {v for _, v in e.top} for top, e in zip(lp.top_logprobs, expected.logprobs))
+    stream = await _client(api, strict=False).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    streamed = [
+        v async for c in stream if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == lp.token_logprobs
+
+
+async def test_chat_logprobs_and_top_logprobs_plain_and_streamed(api):
+    client = _client(api)
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = await client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob == t.logprob and bytes(t.bytes).decode() == t.token for t in content)
+    stream = await client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True,
+    )  # fmt: skip
+    streamed = [
+        t.logprob async for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    assert streamed == [t.logprob for t in content]
+    plain = await client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=6)
+    assert plain.choices[0].logprobs is None
+
+
+async def test_penalties_and_bias_reach_the_engine(api):
+    client = _client(api)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=0.5, presence_penalty=0.3,
+                            logit_bias={11: 3.0, 12: -100})  # fmt: skip
+    expected = _offline(PROMPT, params)
+    done = await client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}, **PENALTIES
+    )
+    assert done.choices[0].text == expected.text
+    assert expected.token_ids != _offline(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True)).token_ids
+    rep = await client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.5},
+    )
+    assert (
+        rep.choices[0].text
+        == _offline(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5)).text
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/v1/completions", {"presence_penalty": -3}, "presence_penalty"),
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"99999999": 1}}, None),  # outside the vocabulary: the engine's 400
+        ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+async def test_bad_values_are_400s_naming_the_field_and_nothing_is_queued(api, path, extra, param):
+    body = {"model": "tiny", "max_tokens": 2} | extra
+    body |= {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    code, reply = await _raw(api, "POST", path, body)
+    assert code == 400, reply
+    assert reply["error"]["param"] == param and reply["error"]["message"]
+    assert not api.server.engine.core.scheduler.has_work()
