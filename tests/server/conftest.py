@@ -111,3 +111,12 @@ async def ascii_api():
     yield r
     await r.channel.close()
     await r.server.shutdown()
+
+
+@pytest.fixture
+async def api():
+    """A server with the HTTP API on the tiny model (the OpenAI tests')."""
+    r = await start_server(http=True, metrics_port=0)
+    yield r
+    await r.channel.close()
+    await r.server.shutdown()

@@ -18,14 +18,6 @@ from batchserve.server.client import build_request
 from tests.server.conftest import start_server, tiny_core
 
 
-@pytest.fixture
-async def api():
-    r = await start_server(http=True, metrics_port=0)
-    yield r
-    await r.channel.close()
-    await r.server.shutdown()
-
-
 def _client(r, strict: bool = True) -> openai.AsyncOpenAI:
     """The official client; `strict`: every response must validate against its types, not just
     parse. Streamed legacy completions need strict off: the client types `finish_reason` as

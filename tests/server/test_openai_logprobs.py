@@ -6,19 +6,10 @@ from __future__ import annotations
 import pytest
 
 from batchserve import SamplingParams
-from tests.server.conftest import start_server
 from tests.server.test_openai_api import _client, _offline, _raw
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9]
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"11": 3.0, "12": -100}}
-
-
-@pytest.fixture
-async def api():
-    r = await start_server(http=True, metrics_port=0)
-    yield r
-    await r.channel.close()
-    await r.server.shutdown()
 
 
 async def test_completion_logprobs_plain_and_streamed_equal_the_engines(api):
