@@ -32,15 +32,20 @@ def tree_paths(r: ScheduledRequest) -> list[tuple[int, ...]]:
     return paths
 
 
-def _row_pairs(r: ScheduledRequest, path: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """(token ids, bias, counts, seen) for one row: every token a penalty or the bias touches."""
+def _row_pairs(
+    r: ScheduledRequest, base: tuple[np.ndarray, np.ndarray], path: tuple[int, ...]
+) -> tuple[np.ndarray, ...]:
+    """(token ids, bias, counts, seen) for one row: every token a penalty or the bias touches.
+    `base`: the output's distinct tokens and their counts (once per request, not per row)."""
     p = r.params
-    counted, counts = np.unique(np.array(r.output_ids + path, np.int64), return_counts=True)
+    tokens = np.concatenate((base[0], np.array(path, np.int64)))
+    counted, inverse = np.unique(tokens, return_inverse=True)
+    counts = np.bincount(inverse, weights=np.concatenate((base[1], np.ones(len(path)))), minlength=len(counted))
     prompt = np.unique(np.array(r.prompt_ids, np.int64))
     bias_ids = np.array([t for t, _ in p.logit_bias], np.int64)
     ids = np.unique(np.concatenate((counted, prompt, bias_ids)))
     count = np.zeros(len(ids), np.int64)
-    count[np.searchsorted(ids, counted)] = counts
+    count[np.searchsorted(ids, counted)] = counts.astype(np.int64)
     bias = np.zeros(len(ids), np.float64)
     bias[np.searchsorted(ids, bias_ids)] = [b for _, b in p.logit_bias]
     seen = (count > 0) | np.isin(ids, prompt)
@@ -53,8 +58,9 @@ def penalize(logits: torch.Tensor, requests: list[tuple[int, ScheduledRequest]])
     rows, ids, bias, count, seen, scalars = [], [], [], [], [], []
     for start, r in requests:
         p = r.params
+        base = np.unique(np.array(r.output_ids, np.int64), return_counts=True)
         for k, path in enumerate(tree_paths(r)):
-            t, b, c, s = _row_pairs(r, path)
+            t, b, c, s = _row_pairs(r, base, path)
             rows.append(np.full(len(t), start + k, np.int64))
             ids.append(t)
             bias.append(b)

@@ -288,14 +288,14 @@ class OpenAIServer:
             if chat:
                 yield _sse(chunk("", None, role=True))
             out: RequestOutput | None = first
-            offset = 0  # the completion's characters sent so far (completions' text_offset)
+            offset = 0  # the tokens' text so far (completions' text_offset, as a whole completion counts it)
             while out is not None:
                 last = out
                 finish = FINISH[out.finish_reason] if out.finished and out.finish_reason else None
                 logprobs = self._logprobs(out.new_logprobs, chat, offset) if out.new_logprobs else None
                 if out.new_text or finish is not None or logprobs is not None:
                     yield _sse(chunk(out.new_text, finish, logprobs=logprobs))
-                offset += len(out.new_text)
+                offset += sum(len(self.token_text(e.token_id)) for e in out.new_logprobs or ())
                 out = await anext(outputs, None)
             if include_usage:
                 yield _sse(

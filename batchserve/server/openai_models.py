@@ -168,7 +168,9 @@ class CommonFields(BaseModel):
         """400 for an OpenAI parameter set to something batchserve cannot honour."""
         if self.n not in (None, 1):
             raise ApiError(400, "n > 1 is not supported: send one request per completion", "n")
-        self.num_logprobs(), self.bias()  # their 400s before anything is queued
+        # Their 400s before anything is queued.
+        self.num_logprobs()
+        self.bias()
         self.predicted()
 
     def num_logprobs(self) -> int | None:

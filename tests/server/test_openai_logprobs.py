@@ -29,10 +29,9 @@ async def test_completion_logprobs_plain_and_streamed_equal_the_engines(api):
         model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    streamed = [
-        v async for c in stream if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
-    ]
-    assert streamed == lp.token_logprobs
+    chunks = [c.choices[0].logprobs async for c in stream if c.choices and c.choices[0].logprobs]
+    assert [v for c in chunks for v in c.token_logprobs] == lp.token_logprobs
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset  # counted as the whole completion does
 
 
 async def test_chat_logprobs_and_top_logprobs_plain_and_streamed(api):
