@@ -137,10 +137,11 @@ class AsyncEngine:
         request_id: str | None = None,
         tenant: str = "",
         references: Sequence[Prompt] = (),
+        group: str = "",
     ) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (the last one has
         `finished` set). `references`: texts or token ids the output is expected to repeat (see
-        `EngineCore.add_request`). Raises ValueError at once for invalid input, EngineDeadError
+        `EngineCore.add_request`, and `group`). Raises ValueError at once for invalid input, EngineDeadError
         once the engine has stopped for good."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
@@ -148,7 +149,7 @@ class AsyncEngine:
             # Still streaming (or finished but not yet read): never let a second caller touch it.
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.start()
-        req = self.core.add_request(prompt, params, request_id, tenant, references)
+        req = self.core.add_request(prompt, params, request_id, tenant, references, group)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.request_id] = queue
         self._wakeup.set()

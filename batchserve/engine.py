@@ -135,10 +135,12 @@ class EngineCore:
         request_id: str | None = None,
         tenant: str = "",
         references: Sequence[Prompt] = (),
+        group: str = "",
     ) -> Request:
         """Validate and enqueue; raises ValueError (naming the field) before touching the scheduler.
         `tenant`: the isolation key whose drafts this request shares (see DraftConfig.trie_scope);
-        `references`: texts or token ids its output is expected to repeat, drafted from privately."""
+        `references`: texts or token ids its output is expected to repeat, drafted from privately;
+        `group`: a key the samples of one call share (they compute the prompt's blocks once)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -163,6 +165,7 @@ class EngineCore:
             tenant=tenant,
             reference_token_ids=reference_ids,
             grammar=grammar,
+            group=group,
         )
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
         self.text.start(rid, params.stop)
@@ -323,20 +326,7 @@ class EngineCore:
         return [self._output(req, []) for req in self.scheduler.fail(list(self.scheduler.requests), message)]
 
     def _output(self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        if req.params.logprobs is not None:  # the emitted tokens' entries, as far as the request took them
-            logprobs = (logprobs or [])[: len(new_tokens)]
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_tokens,
-            new_text=self.text.take(req.request_id, req.is_finished),
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=len(req.output_token_ids),
-            stats=req.stats,
-            error=req.error,
-            new_logprobs=logprobs,
-        )
+        return RequestOutput.of(req, new_tokens, self.text.take(req.request_id, req.is_finished), logprobs)
 
 
 def _without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -> tuple[ScheduledRequest, ...]:

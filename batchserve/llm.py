@@ -42,6 +42,8 @@ class GenerationResult:
     error: str | None = None
     token_times: list[float] = field(default_factory=list)  # when each step's tokens arrived
     logprobs: list[TokenLogprob] | None = None  # with `SamplingParams.logprobs`: one per token
+    # With `SamplingParams.prompt_logprobs`: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -175,6 +177,7 @@ class _Collected:
             error=out.error,
             token_times=self.times,
             logprobs=self.logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )
 
 

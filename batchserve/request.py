@@ -84,6 +84,9 @@ class SamplingParams:
     # Each output token's log-probability under the model's raw distribution and this many top
     # alternatives (0..MAX_LOGPROBS); None: none reported.
     logprobs: int | None = None
+    # The prompt's tokens' log-probabilities (each but the first, which nothing predicts) with this
+    # many top alternatives; None: none. With it, max_new_tokens may be 0: score the prompt only.
+    prompt_logprobs: int | None = None
     # Penalties on the logits before any choice (`runner.penalties` states the formulas): OpenAI's
     # frequency and presence penalties over the output so far, vLLM's repetition penalty over the
     # prompt and the output, and a bias per token id ((id, bias) pairs).
@@ -97,7 +100,10 @@ class SamplingParams:
         # Lists are accepted for convenience and stored as tuples so the params stay hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        # 0 only scores a prompt: without prompt_logprobs such a request would compute nothing of use.
+        _check_int("max_new_tokens", self.max_new_tokens, 0 if self.prompt_logprobs is not None else 1)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also rejects NaN
@@ -210,6 +216,9 @@ class Request:
     # Token ids of texts the output is expected to repeat (OpenAI's `prediction`): drafted from
     # by this request alone, never shared with another.
     reference_token_ids: list[list[int]] = field(default_factory=list)
+    # Siblings of one call (OpenAI's `n`): they share the prompt's cached KV blocks whatever the
+    # prefix cache's scope. "" for a request on its own.
+    group: str = ""
     # The matcher of `params.constraint` (a `grammar.RequestGrammar`), advanced by every token it
     # emits; None without a constraint. Typed loosely: this module imports nothing of llguidance.
     grammar: Any = None
@@ -224,6 +233,10 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it ended with ERROR
     stats: RequestStats = field(default_factory=RequestStats)
+    # With `params.prompt_logprobs`: the entries of prompt tokens 1.. gathered so far, chunk by
+    # chunk; handed out once, with the request's first output.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -241,6 +254,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def scoring(self) -> bool:
+        """Whether prompt logprobs are asked for and not all gathered yet: its prompt must be
+        computed here, not taken from the prefix cache."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,10 +287,39 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason is ERROR
     # With `params.logprobs`: one entry per new token, in order.
     new_logprobs: list[TokenLogprob] | None = None
+    # With `params.prompt_logprobs`, on the first output only: prompt tokens 1.. in order.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def tokens_per_step(self) -> float:
         return tokens_per_step(self.num_output_tokens, self.stats.steps)
+
+    @classmethod
+    def of(
+        cls, req: Request, new_tokens: list[int], new_text: str, logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
+        """`req`'s output for a step that appended `new_tokens` (`new_text`), with their logprobs
+        where it asks for them, and its prompt's logprobs once, in the first output after they are
+        all gathered."""
+        if req.params.logprobs is not None:  # the emitted tokens' entries, as far as the request took them
+            logprobs = (logprobs or [])[: len(new_tokens)]
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            if not req.scoring or req.is_finished:
+                prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return cls(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            stats=req.stats,
+            error=req.error,
+            new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
 
 def tokens_per_step(num_output_tokens: int, steps: int) -> float:

@@ -75,6 +75,9 @@ class PackedStep:
     slot_mapping: np.ndarray  # [T] int64: pool slot each row's K/V is written to
     keep: np.ndarray  # [K] int64: rows whose logits verification needs, request by request
     logit_start: np.ndarray  # [B] int64: first of request i's kept rows (its root, draft nodes, window outputs)
+    # keep[:num_verify] are the rows above; the rest score prompt tokens (`ScheduledRequest.score_targets`),
+    # request by request, after every row verification reads so that none of its indices move.
+    num_verify: int
 
 
 def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: int) -> PackedStep:
@@ -119,6 +122,9 @@ def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: 
     keep = np.flatnonzero(sample[owner] & (offset >= chunk[owner] - 1) & ~unread_row)
     kept = np.where(sample, spec - unread + 1, 0)
     logit_start = np.cumsum(kept) - kept
+    num_verify = len(keep)
+    scored = [qo_indptr[i] + r.score_from + np.arange(len(r.score_targets)) for i, r in enumerate(requests)]
+    keep = np.concatenate([keep, *scored]) if any(len(r.score_targets) for r in requests) else keep
     layout = StepLayout(
         qo_indptr=qo_indptr,
         num_cached=cached,
@@ -128,4 +134,4 @@ def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: 
         spec_masks=tuple(r.spec_mask() for r in requests),
         positions=positions,
     )
-    return PackedStep(layout, input_ids, positions, slot_mapping, keep, logit_start)
+    return PackedStep(layout, input_ids, positions, slot_mapping, keep, logit_start, num_verify)

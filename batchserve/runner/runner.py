@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from batchserve.attention.base import AttentionBackend
-from batchserve.request import SamplingParams
+from batchserve.request import SamplingParams, TokenLogprob
 from batchserve.runner.batch import BlockTables, PackedStep, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.graphs import StepGraphs
@@ -111,6 +111,7 @@ class ModelRunner:
         self.backend.seconds = 0.0
         launch, t1 = self._launch(step)
         logits = launch()  # [K, V]; on CUDA the kernels are queued and still running
+        scored, logits = logits[step.num_verify :], logits[: step.num_verify]  # prompt scoring's rows apart
         # Host work the kernels do not wait for: counted as prepare.
         t_host = time.perf_counter()
         sampling = [(i, r) for i, r in enumerate(out.requests) if r.sample]
@@ -134,6 +135,8 @@ class ModelRunner:
         result = accept(choose_on_device(logits, sampled), trees).tolist() if sampling else []
         t2 = time.perf_counter()
         output = self._emit(sampling, step, result, raw)
+        if len(scored):
+            output.prompt_logprobs.update(_prompt_logprobs(out.requests, scored))
         phases = output.phases
         phases.prepare, phases.forward = t1 - t0 + host, t2 - t1 - host - grammar
         phases.verify = time.perf_counter() - t2 + grammar
@@ -151,7 +154,8 @@ class ModelRunner:
         """Stage the step's inputs and plan its attention; returns (a call that runs the forward
         and gives the kept rows' logits [K, V], the time staging ended). A step without a prompt
         chunk goes through its bucket's static buffers (a graph replay where captured)."""
-        bucket = self.graphs.bucket_for(step.layout) if self.graphs is not None else None
+        replayable = self.graphs is not None and step.num_verify == len(step.keep)  # graphs keep no scoring rows
+        bucket = self.graphs.bucket_for(step.layout) if replayable and self.graphs is not None else None
         if bucket is not None:
             graphs = self.graphs
             assert graphs is not None
@@ -285,3 +289,17 @@ class ModelRunner:
         while len(stream) < n:
             stream.extend(torch.rand(UNIFORM_CHUNK, generator=gen, dtype=torch.float64).tolist())
         return stream
+
+
+def _prompt_logprobs(requests: Sequence[ScheduledRequest], scored: torch.Tensor) -> dict[str, list[TokenLogprob]]:
+    """Each scoring request's prompt logprobs from `scored` ([N, V]: their rows, request by request)."""
+    out: dict[str, list[TokenLogprob]] = {}
+    at = 0
+    for r in requests:
+        if r.score_targets:
+            n = len(r.score_targets)
+            out[r.request_id] = token_logprobs(
+                scored, list(range(at, at + n)), list(r.score_targets), r.params.prompt_logprobs or 0
+            )
+            at += n
+    return out

@@ -31,6 +31,10 @@ class ScheduledRequest:
     # a repetition penalty counts it too; empty otherwise.
     output_ids: tuple[int, ...] = ()
     prompt_ids: tuple[int, ...] = ()
+    # Prompt logprobs (`params.prompt_logprobs`): rows score_from.. of the chunk predict these prompt
+    # tokens, whose logprobs the runner reports; empty when none are asked for or left.
+    score_from: int = 0
+    score_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,8 @@ class RunnerOutput:
     window_outputs: dict[str, list[int]] = field(default_factory=dict)
     # Per request asking for logprobs: one entry per emitted token (`request.TokenLogprob`).
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Per request with `score_targets`: one entry per target, in order.
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     phases: StepPhases = field(default_factory=lambda: StepPhases())  # the runner's share: prepare, forward, verify
 
     @classmethod
@@ -89,7 +95,7 @@ class RunnerOutput:
         """One output from the forwards of disjoint groups of a step."""
         merged = cls({}, {})
         for r in results:
-            for name in ("emitted", "accepted", "window_outputs", "logprobs"):
+            for name in ("emitted", "accepted", "window_outputs", "logprobs", "prompt_logprobs"):
                 getattr(merged, name).update(getattr(r, name))
             for name, seconds in r.phases.items():
                 setattr(merged.phases, name, getattr(merged.phases, name) + seconds)

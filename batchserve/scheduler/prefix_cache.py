@@ -19,8 +19,16 @@ class PrefixCache:
 
     def scope(self, req: Request) -> str:
         """Whose cached blocks `req` may reuse: the same isolation as its drafts. `request`
-        scope uses the arrival number, never the client-chosen request id."""
+        scope uses the arrival number, never the client-chosen request id. Siblings of one call
+        (`req.group`) share theirs where the scope, or prefix caching being off, would not."""
+        if req.group and (not self.enabled or self.trie_scope == "request"):
+            return f"n:{req.tenant}:{req.group}"
         return {"global": "g", "tenant": f"t:{req.tenant}"}.get(self.trie_scope, f"r:{req.arrival_seq}")
+
+    def active(self, req: Request) -> bool:
+        """Whether `req`'s blocks are looked up and registered: with prefix caching on, and for
+        siblings of one call whatever the setting (they compute their prompt once between them)."""
+        return self.enabled or bool(req.group)
 
     def keys(self, req: Request, num_blocks: int) -> list[bytes]:
         """`req.block_keys`, extended to cover at least its first `num_blocks` full blocks (each
@@ -34,8 +42,9 @@ class PrefixCache:
 
     def reuse(self, req: Request) -> int:
         """Start a block-less request on the longest cached run of its full blocks; returns the
-        tokens reused. At least one token is left to compute, so the step has its logits."""
-        if not self.enabled or req.block_ids:
+        tokens reused. At least one token is left to compute, so the step has its logits. A
+        request scoring its prompt (prompt logprobs) computes it all: it needs every row's logits."""
+        if not self.active(req) or req.block_ids or req.scoring:
             return 0
         n = (req.num_tokens - 1) // self.allocator.block_size
         hits = self.allocator.lookup(self.keys(req, n)[:n])
@@ -47,7 +56,7 @@ class PrefixCache:
     def uncached_keys(self, req: Request) -> list[bytes]:
         """Keys of `req`'s full blocks that are not cached yet: a running request is computing
         them (its prompt chunks) or will be, so they are cached within a step or a few."""
-        if not self.enabled:
+        if not self.active(req):
             return []
         full = req.num_tokens // self.allocator.block_size
         return self.keys(req, full)[req.num_cached_blocks : full]
@@ -57,7 +66,7 @@ class PrefixCache:
         request is computing now (same tokens, same scope). Admitted later, `req` finds it
         cached instead of computing it a second time (cache-aware admission, as SGLang orders
         its queue by cached prefix)."""
-        if not in_flight:
+        if not in_flight or req.scoring:
             return False
         nxt = req.num_computed_tokens // self.allocator.block_size
         if nxt >= (req.num_tokens - 1) // self.allocator.block_size:
@@ -66,7 +75,7 @@ class PrefixCache:
 
     def count(self, req: Request, cached: int) -> None:
         """Record an admission's lookup (`cached` tokens found); a first admission's are its prompt's."""
-        if not self.enabled:
+        if not self.active(req):
             return
         self.queried_tokens += req.num_tokens
         self.hit_tokens += cached
@@ -75,7 +84,7 @@ class PrefixCache:
 
     def register(self, req: Request) -> None:
         """Cache `req`'s blocks whose every slot now holds committed K/V of its own tokens."""
-        if not self.enabled:
+        if not self.active(req):
             return
         full = min(req.num_computed_tokens, req.num_tokens) // self.allocator.block_size
         keys = self.keys(req, full)

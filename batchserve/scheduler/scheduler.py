@@ -23,6 +23,7 @@ from batchserve.draft.base import Drafter
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.budget import DraftBudgetPolicy
+from batchserve.scheduler.chunks import committed_chunk, gather
 from batchserve.scheduler.drafting import DraftPlanner
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from batchserve.scheduler.prefix_cache import PrefixCache
@@ -201,10 +202,14 @@ class Scheduler:
     def _commit(self, req: Request, item: ScheduledRequest, result: RunnerOutput) -> tuple[Request, list[int]] | None:
         """Apply one request's share of a step; None if it emitted nothing (a prompt chunk)."""
         req.num_computed_tokens += len(item.token_ids)
+        gather(req, item.request_id, result)
         emitted = result.emitted.get(item.request_id)
         if emitted is None:
             self.prefix.register(req)
             return None  # a prompt chunk that does not reach the end yet
+        if not req.params.max_new_tokens:  # the prompt scored, nothing to generate
+            self.finish(req, FinishReason.LENGTH)
+            return req, []
         accepted = result.accepted[item.request_id]
         req.num_computed_tokens += len(accepted)
         appended: list[int] = []
@@ -278,20 +283,7 @@ class Scheduler:
         chunk = min(num_pending, budget)
         if not self._ensure_blocks(req, req.num_computed_tokens + chunk):
             return None
-        start = req.num_computed_tokens
-        sample = chunk == num_pending
-        penalized = sample and req.params.penalized
-        return ScheduledRequest(
-            request_id=req.request_id,
-            token_ids=tuple(req.all_token_ids[start : start + chunk]),
-            num_computed_tokens=start,
-            block_ids=tuple(req.block_ids),
-            draft=None,
-            sample=sample,
-            params=req.params,
-            output_ids=tuple(req.output_token_ids) if penalized else (),
-            prompt_ids=tuple(req.prompt_token_ids) if penalized and req.params.repetition_penalty != 1 else (),
-        )
+        return committed_chunk(req, chunk, sample=chunk == num_pending)
 
     def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
         """Hang the planner's draft trees and windows off the sampling requests with blocks for them."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -34,17 +34,18 @@ def build_request(
     jacobi: Sequence[int | None] | None = None,
     references: Sequence[str] = (),
     constraint: Constraint | None = None,
+    logprobs: int | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids, or chat messages ({"role", "content"} dicts);
     `references`: texts the output is expected to repeat (a predicted output); `constraint`:
-    what the text must match (structured output)."""
+    what the text must match (structured output); `logprobs`: report each token's logprob and
+    this many alternatives. A None option is left unset (the server's default)."""
     req = pb.GenerateRequest(request_id=request_id, tenant=tenant, reference=references)
-    if isinstance(prompt, str):
-        req.text = prompt
-    elif prompt and isinstance(prompt[0], dict):
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
-    else:
-        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    _set_input(req, prompt)
     s = req.sampling
     for name, value in (
         ("max_new_tokens", max_new_tokens),
@@ -53,23 +54,33 @@ def build_request(
         ("top_p", top_p),
         ("seed", seed),
         ("ignore_eos", ignore_eos),
+        ("logprobs", logprobs),
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+        ("repetition_penalty", repetition_penalty),
     ):
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(x.encode("utf-8") for x in stop)
     s.stop_token_ids.extend(stop_token_ids)
-    if lookahead is not None:
-        req.lookahead.enable = lookahead
-    if decoding_length is not None:
-        req.lookahead.decoding_length = decoding_length
-    if layout is not None:
-        req.lookahead.layout = layout
-    for name, value in zip(("jacobi_window", "jacobi_ngram", "jacobi_guesses"), jacobi or ()):
+    s.logit_bias.update(logit_bias or {})
+    window = dict(zip(("jacobi_window", "jacobi_ngram", "jacobi_guesses"), jacobi or ()))
+    for name, value in {"enable": lookahead, "decoding_length": decoding_length, "layout": layout, **window}.items():
         if value is not None:
             setattr(req.lookahead, name, value)
     if constraint is not None:
         setattr(req, constraint.kind, True if constraint.kind == "json_object" else constraint.spec)
     return req
+
+
+def _set_input(req: pb.GenerateRequest, prompt: str | Sequence[int] | Sequence[dict[str, str]]) -> None:
+    """The request's `input` oneof: text, chat messages or token ids."""
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
+    else:
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
 
 
 SERVICE = "batchserve.v1.TextGeneration"

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from batchserve.config import LimitsConfig
-from batchserve.request import Constraint, FinishReason, RequestOutput, RequestStats, SamplingParams, tokens_per_step
+from batchserve.request import (
+    MAX_LOGIT_BIAS,
+    Constraint,
+    FinishReason,
+    RequestOutput,
+    RequestStats,
+    SamplingParams,
+    TokenLogprob,
+    tokens_per_step,
+)
 from batchserve.text import TextCodec
 from batchserve.v1 import generation_pb2 as pb
 
@@ -16,6 +26,19 @@ FINISH_REASONS = {
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
+# SamplingOptions' `optional` scalars, passed to SamplingParams under the same names when set.
+SCALAR_OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 
 
 def prompt_of(request: Any, text: TextCodec) -> list[int]:
@@ -60,10 +83,14 @@ def sampling_params(request: pb.GenerateRequest, limits: LimitsConfig | None = N
         raise ValueError(f"sampling.stop_token_ids: {len(s.stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
     if len(s.stop) > limits.max_stop_sequences:
         raise ValueError(f"sampling.stop: {len(s.stop)} stop strings, at most {limits.max_stop_sequences}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"sampling.logit_bias: {len(s.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
     kwargs: dict[str, Any] = {}
-    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos"):
+    for name in SCALAR_OPTIONS:
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
+    if s.logit_bias:  # SamplingParams checks the values; the engine checks the ids against the vocabulary
+        kwargs["logit_bias"] = dict(s.logit_bias)
     stops = []
     for i, raw in enumerate(s.stop):
         try:
@@ -118,6 +145,18 @@ def stats_pb(stats: RequestStats, num_output_tokens: int) -> pb.SpeculationStats
     )
 
 
+def logprobs_pb(entries: Sequence[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    """The engine's per-token logprobs as protos (none where the request asked for none)."""
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top],
+        )
+        for e in entries or ()
+    ]
+
+
 def stream_chunk(out: RequestOutput) -> pb.GenerateStreamResponse:
     return pb.GenerateStreamResponse(
         request_id=out.request_id,
@@ -126,4 +165,5 @@ def stream_chunk(out: RequestOutput) -> pb.GenerateStreamResponse:
         finish_reason=FINISH_REASONS[out.finish_reason] if out.finish_reason else pb.FINISH_REASON_UNSPECIFIED,
         usage=usage_pb(out),
         stats=stats_pb(out.stats, out.num_output_tokens),
+        logprobs=logprobs_pb(out.new_logprobs),
     )

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -88,34 +88,34 @@ class Frontend:
         self.metrics.rejected.labels(kind.value).inc()
         return Refused(kind, message)
 
-    def admit(self) -> None:
-        """Raise Refused if no new request may come in now (draining, or the queue is full)."""
+    def admit(self, count: int = 1) -> None:
+        """Raise Refused if `count` new requests may not come in now (draining, or the queue is full)."""
         if self.draining:
             raise self.refuse(Refusal.DRAINING, "server is shutting down")
         if self.engine.dead is not None:
             raise self.refuse(Refusal.ENGINE_DEAD, f"engine stopped: {self.engine.dead}")
-        if self._queue_full():
+        if self._queue_full(count):
             raise self.refuse(
                 Refusal.QUEUE_FULL, f"waiting queue is full ({self.info.max_waiting_requests} requests); retry later"
             )
 
-    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
-        """Admission, then `fn(*args)` in the preparation thread (tokenizing, templating). The
-        job holds a place in the waiting queue from admission until it ends, even when its
-        caller leaves first, so the work queued before the engine is bounded like the queue."""
-        self.admit()
+    async def prepare(self, fn: Callable[..., T], *args: Any, count: int = 1) -> T:
+        """Admission (of `count` requests), then `fn(*args)` in the preparation thread (tokenizing,
+        templating). The job holds their places in the waiting queue from admission until it ends,
+        even when its caller leaves first, so the work queued before the engine is bounded like the queue."""
+        self.admit(count)
         loop = asyncio.get_running_loop()
-        self._preparing += 1
+        self._preparing += count
         try:
             job = self._prepare.submit(fn, *args)
         except BaseException:
-            self._preparing -= 1
+            self._preparing -= count
             raise
-        job.add_done_callback(lambda _: _call_soon(loop, self._prepared))
+        job.add_done_callback(lambda _: _call_soon(loop, lambda: self._prepared(count)))
         return await asyncio.wrap_future(job)
 
-    def _prepared(self) -> None:
-        self._preparing -= 1
+    def _prepared(self, count: int) -> None:
+        self._preparing -= count
 
     async def generate(
         self,
@@ -132,9 +132,31 @@ class Frontend:
         max_new_tokens do not fit the context (instead of ending it at the context). Leaving early (a
         client's cancel, deadline or disconnect) aborts it in the engine, which frees its KV blocks
         before the next step. Raises Refused before the first output, EngineFailed after the last."""
+        samples = self.generate_n(prepare, params, request_id, tenant, fit_context, references)
+        try:
+            async for _, out in samples:
+                yield out
+        finally:
+            await samples.aclose()
+
+    async def generate_n(
+        self,
+        prepare: Callable[[TextCodec], list[int]],
+        params: Callable[[], SamplingParams],
+        request_id: str = "",
+        tenant: str = "",
+        fit_context: bool = False,
+        references: Callable[[TextCodec], list[list[int]]] | None = None,
+        n: int = 1,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`generate` for `n` samples of one prompt (OpenAI's `n`): prepared once, submitted as `n`
+        requests (`<request_id>-<i>`; sample i seeded with seed + i where a seed is given) that
+        compute the prompt's KV blocks once between them; yields (i, output) as they come. Leaving
+        early aborts every sample; EngineFailed comes after the last output of all of them."""
         request_id, core = request_id or uuid.uuid4().hex, self.engine.core
         try:
-            sampling, prompt, refs = await self.prepare(_prepare, prepare, params, references, core.text, core.grammars)
+            job = (_prepare, prepare, params, references, core.text, core.grammars)
+            sampling, prompt, refs = await self.prepare(*job, count=n)
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
@@ -146,44 +168,51 @@ class Frontend:
                 f"the prompt's {len(prompt)} tokens plus max_tokens {sampling.max_new_tokens} exceed the "
                 f"model's context of {context} tokens",
             )
+        streams: list[RequestStream] = []
         try:
-            stream: RequestStream = self.engine.generate(prompt, sampling, request_id, tenant=tenant, references=refs)
-        except ValueError as e:
-            raise self.refuse(Refusal.INVALID, str(e)) from None
-        except EngineDeadError as e:
-            raise self.refuse(Refusal.ENGINE_DEAD, f"engine stopped: {e}") from None
-        tracker = self.metrics.track()
-        start = time.monotonic()
-        last: RequestOutput | None = None
+            group = request_id if n > 1 else ""
+            for rid, sample in _samples(request_id, sampling, n):
+                streams.append(self.engine.generate(prompt, sample, rid, tenant=tenant, references=refs, group=group))
+        except (ValueError, EngineDeadError) as e:
+            for stream in streams:
+                stream.close()
+            kind = Refusal.INVALID if isinstance(e, ValueError) else Refusal.ENGINE_DEAD
+            raise self.refuse(kind, str(e) if kind is Refusal.INVALID else f"engine stopped: {e}") from None
+        watched = self._watch(streams)
         try:
-            async with stream:
-                async for out in stream:
-                    tracker.observe(out)
-                    last = out
-                    yield out
+            async for item in watched:
+                yield item
         finally:
-            if last is None or not last.finished:
-                self.metrics.finished.labels("cancelled").inc()
-                logger.info("request %s cancelled by the client after %.2fs", request_id, time.monotonic() - start)
-            else:
-                logger.info(
-                    "request %s finished: %d prompt + %d output tokens, %s, %.2fs, %.2f tokens/step",
-                    request_id,
-                    last.num_prompt_tokens,
-                    last.num_output_tokens,
-                    last.finish_reason.value,
-                    time.monotonic() - start,
-                    last.tokens_per_step,
-                )
-        if last is not None and last.error is not None:
-            raise EngineFailed(f"engine error: {last.error}")
+            await watched.aclose()  # aborts what is still running, now
 
-    def _queue_full(self) -> bool:
-        """Whether a new request would wait beyond the limit: the seats free at the next step
-        take waiting requests first, so only those beyond them count. Requests still being
+    async def _watch(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The streams' outputs as (index, output), with per-request metrics and logs; closing it
+        closes (aborts) every stream still open."""
+        trackers = [self.metrics.track() for _ in streams]
+        last: list[RequestOutput | None] = [None] * len(streams)
+        start = time.monotonic()
+        merged = _merged(streams)
+        try:
+            async for i, out in merged:
+                trackers[i].observe(out)
+                last[i] = out
+                yield i, out
+        finally:
+            await merged.aclose()  # its tasks end now, not when the collector finds it
+            for stream, out in zip(streams, last):
+                stream.close()
+                _log_end(self.metrics, stream.request_id, out, time.monotonic() - start)
+        errors = [out.error for out in last if out is not None and out.error is not None]
+        if errors:
+            raise EngineFailed(f"engine error: {errors[0]}")
+
+    def _queue_full(self, count: int = 1) -> bool:
+        """Whether `count` new requests would wait beyond the limit: the seats free at the next
+        step take waiting requests first, so only those beyond them count. Requests still being
         prepared count as waiting."""
         load = self.engine.load()
-        return load.num_waiting + self._preparing - load.free_seats >= self.info.max_waiting_requests
+        waiting = load.num_waiting + self._preparing + count - 1 - load.free_seats
+        return waiting >= self.info.max_waiting_requests
 
 
 def choose_tenant(source: str, header: str | None, field: str | None) -> str:
@@ -219,3 +248,58 @@ def _prepare(
         grammars.compile(sampling.constraint)  # ConstraintError, a ValueError, refuses it
     prompt = prepare(text)
     return sampling, prompt, references(text) if references is not None else []
+
+
+def _samples(request_id: str, sampling: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
+    """The request id and parameters of each of `n` samples (one: the request itself)."""
+    if n == 1:
+        return [(request_id, sampling)]
+    seed = sampling.seed
+    return [
+        (f"{request_id}-{i}", replace(sampling, seed=None if seed is None else (seed + i) % 2**64)) for i in range(n)
+    ]
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) of every stream as each arrives, until all have finished."""
+    if len(streams) == 1:  # no task in between for the common case
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _log_end(metrics: Metrics, request_id: str, last: RequestOutput | None, seconds: float) -> None:
+    if last is None or not last.finished:
+        metrics.finished.labels("cancelled").inc()
+        logger.info("request %s cancelled by the client after %.2fs", request_id, seconds)
+    else:
+        logger.info(
+            "request %s finished: %d prompt + %d output tokens, %s, %.2fs, %.2f tokens/step",
+            request_id,
+            last.num_prompt_tokens,
+            last.num_output_tokens,
+            last.finish_reason.value if last.finish_reason else "?",
+            seconds,
+            last.tokens_per_step,
+        )

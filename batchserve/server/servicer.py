@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from batchserve.request import RequestOutput
+from batchserve.request import RequestOutput, TokenLogprob
 from batchserve.server import convert
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
 from batchserve.v1 import generation_pb2 as pb
@@ -43,10 +43,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         text: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         last: RequestOutput | None = None
         async for out in self._run(request, context):
             text.append(out.new_text)
             token_ids.extend(out.new_token_ids)
+            logprobs.extend(out.new_logprobs or ())
             last = out
         assert last is not None and last.finish_reason is not None
         return pb.GenerateResponse(
@@ -56,6 +58,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             finish_reason=convert.FINISH_REASONS[last.finish_reason],
             usage=convert.usage_pb(last),
             stats=convert.stats_pb(last.stats, last.num_output_tokens),
+            logprobs=convert.logprobs_pb(logprobs),
         )
 
     async def StreamGenerate(

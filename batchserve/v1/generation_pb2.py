@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61tchserve/v1/generation.proto\x12\rbatchserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.batchserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x91\x02\n\x0fSamplingOptions\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\x0c\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"\x8e\x02\n\x10LookaheadOptions\x12\x13\n\x06\x65nable\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x63oding_length\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x06layout\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x1a\n\rjacobi_window\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x19\n\x0cjacobi_ngram\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1b\n\x0ejacobi_guesses\x18\x06 \x01(\x05H\x05\x88\x01\x01\x42\t\n\x07_enableB\x12\n\x10_decoding_lengthB\t\n\x07_layoutB\x10\n\x0e_jacobi_windowB\x0f\n\r_jacobi_ngramB\x11\n\x0f_jacobi_guesses\"\x82\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.batchserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.batchserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.batchserve.v1.SamplingOptions\x12\x32\n\tlookahead\x18\x06 \x01(\x0b\x32\x1f.batchserve.v1.LookaheadOptions\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x11\n\treference\x18\x08 \x03(\t\x12\x15\n\x0bjson_schema\x18\t \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\n \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x0b \x01(\tH\x01\x12\x11\n\x07grammar\x18\x0c \x01(\tH\x01\x42\x07\n\x05inputB\x0c\n\nconstraint\"\x9f\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x04 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x05 \x01(\r\"x\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x02 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x03 \x01(\r\x12\x17\n\x0ftokens_per_step\x18\x04 \x01(\x02\"\xd0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.batchserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.batchserve.v1.Usage\x12.\n\x05stats\x18\x06 \x01(\x0b\x32\x1f.batchserve.v1.SpeculationStats\"\xd6\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.batchserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.batchserve.v1.Usage\x12.\n\x05stats\x18\x06 \x01(\x0b\x32\x1f.batchserve.v1.SpeculationStats\"W\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.batchserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x15\n\x13GetModelInfoRequest\"\x81\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63oding_length\x18\x07 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0b \x01(\x08\"]\n\x10\x41\x64\x64\x43orpusRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12*\n\ttoken_ids\x18\x02 \x03(\x0b\x32\x17.batchserve.v1.TokenIds\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"&\n\x11\x41\x64\x64\x43orpusResponse\x12\x11\n\tsequences\x18\x01 \x01(\r*\xb5\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xa3\x03\n\x0eTextGeneration\x12K\n\x08Generate\x12\x1e.batchserve.v1.GenerateRequest\x1a\x1f.batchserve.v1.GenerateResponse\x12Y\n\x0eStreamGenerate\x12\x1e.batchserve.v1.GenerateRequest\x1a%.batchserve.v1.GenerateStreamResponse0\x01\x12K\n\x08Tokenize\x12\x1e.batchserve.v1.TokenizeRequest\x1a\x1f.batchserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".batchserve.v1.GetModelInfoRequest\x1a\x18.batchserve.v1.ModelInfo\x12N\n\tAddCorpus\x12\x1f.batchserve.v1.AddCorpusRequest\x1a .batchserve.v1.AddCorpusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61tchserve/v1/generation.proto\x12\rbatchserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.batchserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xcc\x04\n\x0fSamplingOptions\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\x0c\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x41\n\nlogit_bias\x18\r \x03(\x0b\x32-.batchserve.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penalty\"\x8e\x02\n\x10LookaheadOptions\x12\x13\n\x06\x65nable\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x63oding_length\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x06layout\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x1a\n\rjacobi_window\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x19\n\x0cjacobi_ngram\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1b\n\x0ejacobi_guesses\x18\x06 \x01(\x05H\x05\x88\x01\x01\x42\t\n\x07_enableB\x12\n\x10_decoding_lengthB\t\n\x07_layoutB\x10\n\x0e_jacobi_windowB\x0f\n\r_jacobi_ngramB\x11\n\x0f_jacobi_guesses\"\x82\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.batchserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.batchserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.batchserve.v1.SamplingOptions\x12\x32\n\tlookahead\x18\x06 \x01(\x0b\x32\x1f.batchserve.v1.LookaheadOptions\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x11\n\treference\x18\x08 \x03(\t\x12\x15\n\x0bjson_schema\x18\t \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\n \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x0b \x01(\tH\x01\x12\x11\n\x07grammar\x18\x0c \x01(\tH\x01\x42\x07\n\x05inputB\x0c\n\nconstraint\"\x9f\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x04 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x05 \x01(\r\"x\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x02 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x03 \x01(\r\x12\x17\n\x0ftokens_per_step\x18\x04 \x01(\x02\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.batchserve.v1.TopLogprob\"\xff\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.batchserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.batchserve.v1.Usage\x12.\n\x05stats\x18\x06 \x01(\x0b\x32\x1f.batchserve.v1.SpeculationStats\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.batchserve.v1.TokenLogprob\"\x85\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.batchserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.batchserve.v1.Usage\x12.\n\x05stats\x18\x06 \x01(\x0b\x32\x1f.batchserve.v1.SpeculationStats\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.batchserve.v1.TokenLogprob\"W\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.batchserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x15\n\x13GetModelInfoRequest\"\x81\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63oding_length\x18\x07 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0b \x01(\x08\"]\n\x10\x41\x64\x64\x43orpusRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12*\n\ttoken_ids\x18\x02 \x03(\x0b\x32\x17.batchserve.v1.TokenIds\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"&\n\x11\x41\x64\x64\x43orpusResponse\x12\x11\n\tsequences\x18\x01 \x01(\r*\xb5\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xa3\x03\n\x0eTextGeneration\x12K\n\x08Generate\x12\x1e.batchserve.v1.GenerateRequest\x1a\x1f.batchserve.v1.GenerateResponse\x12Y\n\x0eStreamGenerate\x12\x1e.batchserve.v1.GenerateRequest\x1a%.batchserve.v1.GenerateStreamResponse0\x01\x12K\n\x08Tokenize\x12\x1e.batchserve.v1.TokenizeRequest\x1a\x1f.batchserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".batchserve.v1.GetModelInfoRequest\x1a\x18.batchserve.v1.ModelInfo\x12N\n\tAddCorpus\x12\x1f.batchserve.v1.AddCorpusRequest\x1a .batchserve.v1.AddCorpusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2379
-  _globals['_FINISHREASON']._serialized_end=2560
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2928
+  _globals['_FINISHREASON']._serialized_end=3109
   _globals['_CHATMESSAGE']._serialized_start=49
   _globals['_CHATMESSAGE']._serialized_end=93
   _globals['_CHATMESSAGES']._serialized_start=95
@@ -40,31 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=157
   _globals['_TOKENIDS']._serialized_end=180
   _globals['_SAMPLINGOPTIONS']._serialized_start=183
-  _globals['_SAMPLINGOPTIONS']._serialized_end=456
-  _globals['_LOOKAHEADOPTIONS']._serialized_start=459
-  _globals['_LOOKAHEADOPTIONS']._serialized_end=729
-  _globals['_GENERATEREQUEST']._serialized_start=732
-  _globals['_GENERATEREQUEST']._serialized_end=1118
-  _globals['_USAGE']._serialized_start=1121
-  _globals['_USAGE']._serialized_end=1280
-  _globals['_SPECULATIONSTATS']._serialized_start=1282
-  _globals['_SPECULATIONSTATS']._serialized_end=1402
-  _globals['_GENERATERESPONSE']._serialized_start=1405
-  _globals['_GENERATERESPONSE']._serialized_end=1613
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1616
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1830
-  _globals['_TOKENIZEREQUEST']._serialized_start=1832
-  _globals['_TOKENIZEREQUEST']._serialized_end=1919
-  _globals['_TOKENIZERESPONSE']._serialized_start=1921
-  _globals['_TOKENIZERESPONSE']._serialized_end=1958
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1960
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1981
-  _globals['_MODELINFO']._serialized_start=1984
-  _globals['_MODELINFO']._serialized_end=2241
-  _globals['_ADDCORPUSREQUEST']._serialized_start=2243
-  _globals['_ADDCORPUSREQUEST']._serialized_end=2336
-  _globals['_ADDCORPUSRESPONSE']._serialized_start=2338
-  _globals['_ADDCORPUSRESPONSE']._serialized_end=2376
-  _globals['_TEXTGENERATION']._serialized_start=2563
-  _globals['_TEXTGENERATION']._serialized_end=2982
+  _globals['_SAMPLINGOPTIONS']._serialized_end=771
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=565
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=613
+  _globals['_LOOKAHEADOPTIONS']._serialized_start=774
+  _globals['_LOOKAHEADOPTIONS']._serialized_end=1044
+  _globals['_GENERATEREQUEST']._serialized_start=1047
+  _globals['_GENERATEREQUEST']._serialized_end=1433
+  _globals['_USAGE']._serialized_start=1436
+  _globals['_USAGE']._serialized_end=1595
+  _globals['_SPECULATIONSTATS']._serialized_start=1597
+  _globals['_SPECULATIONSTATS']._serialized_end=1717
+  _globals['_TOPLOGPROB']._serialized_start=1719
+  _globals['_TOPLOGPROB']._serialized_end=1766
+  _globals['_TOKENLOGPROB']._serialized_start=1768
+  _globals['_TOKENLOGPROB']._serialized_end=1857
+  _globals['_GENERATERESPONSE']._serialized_start=1860
+  _globals['_GENERATERESPONSE']._serialized_end=2115
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2118
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2379
+  _globals['_TOKENIZEREQUEST']._serialized_start=2381
+  _globals['_TOKENIZEREQUEST']._serialized_end=2468
+  _globals['_TOKENIZERESPONSE']._serialized_start=2470
+  _globals['_TOKENIZERESPONSE']._serialized_end=2507
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2509
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2530
+  _globals['_MODELINFO']._serialized_start=2533
+  _globals['_MODELINFO']._serialized_end=2790
+  _globals['_ADDCORPUSREQUEST']._serialized_start=2792
+  _globals['_ADDCORPUSREQUEST']._serialized_end=2885
+  _globals['_ADDCORPUSRESPONSE']._serialized_start=2887
+  _globals['_ADDCORPUSRESPONSE']._serialized_end=2925
+  _globals['_TEXTGENERATION']._serialized_start=3112
+  _globals['_TEXTGENERATION']._serialized_end=3531
 # @@protoc_insertion_point(module_scope)

@@ -221,7 +221,7 @@ async def test_too_large_body_is_413_and_malformed_json_is_400(api):
 async def test_full_queue_is_429_and_draining_is_503(monkeypatch):
     r = await start_server(tiny_core(max_num_seqs=1), http=True, max_waiting_requests=1)
     try:
-        monkeypatch.setattr(r.server.frontend, "_queue_full", lambda: True)
+        monkeypatch.setattr(r.server.frontend, "_queue_full", lambda count=1: True)
         code, reply = await _raw(r, "POST", "/v1/completions", {"model": "tiny", "prompt": "x"})
         assert code == 429 and reply["error"]["type"] == "rate_limit_error"
         monkeypatch.undo()
@@ -258,9 +258,9 @@ async def test_tenant_header_and_user_scope_drafts_and_the_schema_is_served(api)
     seen = []
     real = api.core.add_request
 
-    def spy(prompt, params, request_id, tenant, references=()):
+    def spy(prompt, params, request_id, tenant, references=(), group=""):
         seen.append(tenant)
-        return real(prompt, params, request_id, tenant, references)
+        return real(prompt, params, request_id, tenant, references, group)
 
     api.core.add_request = spy
     await _raw(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u1"})

@@ -1,0 +1,52 @@
+"""A request's committed chunk as the runner gets it: its tokens, and the history its rows need
+(penalties: the output so far, and the prompt for a repetition penalty; prompt logprobs: which
+rows score which prompt tokens), and gathering the prompt logprobs the runner reported.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`): row j of a chunk starting at KV index s
+holds the model's distribution for the token at s + j + 1; tokens 1 .. P-1 of a P-token prompt
+are scored, each exactly once (a preempted request recomputes its prompt without rescoring it)."""
+
+from __future__ import annotations
+
+from batchserve.request import Request
+from batchserve.scheduler.output import RunnerOutput, ScheduledRequest
+
+
+def committed_chunk(req: Request, chunk: int, sample: bool) -> ScheduledRequest:
+    """`req`'s next `chunk` committed tokens (from its computed K/V on); `sample`: they reach the
+    end of its known tokens, so the step chooses its next token(s) (drafts are attached later)."""
+    start = req.num_computed_tokens
+    penalized = sample and req.params.penalized
+    score_from, score_targets = score_span(req, start, chunk)
+    return ScheduledRequest(
+        request_id=req.request_id,
+        token_ids=tuple(req.all_token_ids[start : start + chunk]),
+        num_computed_tokens=start,
+        block_ids=tuple(req.block_ids),
+        draft=None,
+        sample=sample,
+        params=req.params,
+        output_ids=tuple(req.output_token_ids) if penalized else (),
+        prompt_ids=tuple(req.prompt_token_ids) if penalized and req.params.repetition_penalty != 1 else (),
+        score_from=score_from,
+        score_targets=score_targets,
+    )
+
+
+def score_span(req: Request, start: int, chunk: int) -> tuple[int, tuple[int, ...]]:
+    """(first row, the prompt tokens rows first.. predict) of `req`'s chunk of `chunk` tokens from
+    KV index `start`; (0, ()) when it scores nothing."""
+    if not req.scoring:
+        return 0, ()
+    first = max(0, len(req.prompt_logprobs) - start)  # the tokens before were scored already
+    end = min(chunk, req.num_prompt_tokens - 1 - start)  # the last prompt row predicts the output
+    if end <= first:
+        return 0, ()
+    return first, tuple(req.prompt_token_ids[start + first + 1 : start + end + 1])
+
+
+def gather(req: Request, request_id: str, result: RunnerOutput) -> None:
+    """Append the step's prompt logprobs of `req` (in prompt order: chunks run in order)."""
+    entries = result.prompt_logprobs.get(request_id)
+    if entries:
+        req.prompt_logprobs.extend(entries)
