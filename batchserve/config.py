@@ -19,8 +19,7 @@ DRAFT_LAYOUTS: tuple[str, ...] = ("hierarchical", "parallel", "single")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
 CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
-# attention.resolve_backend's
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "kernel", "invariant", "torch")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "kernel", "invariant", "torch")  # resolve_backend's
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.build.graphs_mode
 CUDA_GRAPHS_HELP = (
@@ -303,6 +302,7 @@ class LimitsConfig:
     # Compiled off the event loop and cached by text; llguidance bounds the grammar's size and the
     # work per token on top of this (its LLParserLimits defaults).
     max_constraint_chars: int = setting(65536, "characters of a JSON schema, regex or grammar")
+    max_samples: int = setting(8, "completions of one request (OpenAI's n and best_of), sharing its prompt's KV")
 
     def __post_init__(self) -> None:
         for s in settings_of(LimitsConfig):

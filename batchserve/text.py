@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from batchserve.config import LimitsConfig
 
 Prompt = str | Sequence[int]
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+# How a model without a tools-aware template is told to call a function, and shown its result
+# (Hermes-style tags, which tools-trained ChatML models already know).
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+TOOLS_PROMPT = (
+    "You can call the functions below, described one JSON object per line:\n"
+    "{functions}\n\n"
+    "To call one, reply with this block, one block per call:\n"
+    f"{TOOL_CALL_OPEN}\n"
+    '{{"name": "<function name>", "arguments": <the arguments as a JSON object>}}\n'
+    f"{TOOL_CALL_CLOSE}\n"
+    f"Each call's result then comes back to you between {TOOL_RESPONSE_OPEN} and {TOOL_RESPONSE_CLOSE}."
+)
 
 
 @dataclass(slots=True)
@@ -93,29 +107,32 @@ class TextCodec:
         if num_chars > limit:
             raise ValueError(f"{field}: {num_chars} characters cannot fit a context of {self.max_model_len} tokens")
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat messages rendered with the model's chat template. Every bound is
-        checked before the work it bounds: the message count and size before templating, the
-        rendered text's size before tokenizing."""
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of chat messages (and the functions a model may call, OpenAI's `tools`)
+        rendered with the model's chat template. Every bound is checked before the work it
+        bounds: the message count and size (tool calls and schemas included) before templating,
+        the rendered text's size before tokenizing. A template that mentions `tools` gets them
+        and the tool messages as they are; any other gets them as text (`_as_text_chat`)."""
         if not messages:
             raise ValueError("input.chat: no messages")
         limit = min(self.limits.max_chat_messages, self.max_model_len)
         if len(messages) > limit:
             raise ValueError(f"input.chat: {len(messages)} messages, at most {limit}")
-        # A message costs its content plus the template's markup (counted as one character).
-        self.check_text_size(sum(len(m.get("content") or "") + 1 for m in messages), "input.chat")
-        rendered = []
-        for i, m in enumerate(messages):
-            role = ROLE_ALIASES.get(m.get("role", ""), m.get("role"))
-            if role not in CHAT_ROLES:
-                raise ValueError(
-                    f"input.chat.messages[{i}].role must be system, developer, user or assistant, got {m.get('role')!r}"
-                )
-            rendered.append({**m, "role": role})
-        if not getattr(self.tokenizer, "chat_template", None):
+        self.check_text_size(_chat_chars(messages, tools), "input.chat")
+        chat = [_checked_message(i, m) for i, m in enumerate(messages)]
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise ValueError("input.chat: the model has no chat template; send text or token_ids")
+        source = template if isinstance(template, str) else " ".join(map(str, template.values()))
+        native = "tools" in source  # the template renders tools, tool calls and results itself
+        if not native:
+            chat = _as_text_chat(chat, tools)
         try:
-            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                chat, tools=list(tools) if native and tools else None, tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # the template's own checks (jinja raise_exception, bad fields)
             raise ValueError(f"input.chat: the model's chat template refused the messages: {e}") from None
         self.check_text_size(len(text), "input.chat (rendered)")
@@ -168,3 +185,106 @@ class TextCodec:
     def num_active(self) -> int:
         """Requests being detokenized (for leak checks)."""
         return len(self._states)
+
+
+# ---- chat messages with tools --------------------------------------------------------------
+
+
+def format_tool_call(name: str, arguments: Any) -> str:
+    """One call as the model writes it: a `<tool_call>` block around {"name", "arguments"}."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The system text that tells a model without a tools-aware template what it may call."""
+    functions = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    return TOOLS_PROMPT.format(functions=functions)
+
+
+def _json_chars(value: Any, field: str) -> int:
+    try:
+        return len(json.dumps(value))
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError(f"{field}: not JSON") from None
+
+
+def _chat_chars(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> int:
+    """What messages and tools cost before templating: their text (tool calls' names and
+    arguments, the tools' JSON) plus one character of markup per message and per call."""
+    total = _json_chars(list(tools), "input.chat.tools") if tools else 0
+    for m in messages:
+        content = m.get("content")
+        total += 1 + (len(content) if isinstance(content, str) else 0)
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            total += 1 + _json_chars(call, "input.chat.tool_calls")
+    return total
+
+
+def _checked_message(i: int, m: Mapping[str, Any]) -> dict[str, Any]:
+    """A message with its role resolved, its content text, and its tool calls checked, their
+    arguments as a JSON object where they parse as one (what chat templates expect)."""
+    field = f"input.chat.messages[{i}]"
+    role = ROLE_ALIASES.get(m.get("role", ""), m.get("role"))
+    if role not in CHAT_ROLES:
+        raise ValueError(f"{field}.role must be system, developer, user, assistant or tool, got {m.get('role')!r}")
+    content = m.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"{field}.content must be text")
+    out = {**m, "role": role, "content": content or ""}  # an assistant's calls may come without text
+    calls = m.get("tool_calls")
+    if calls is None:
+        return out
+    if role != "assistant" or not isinstance(calls, list):
+        raise ValueError(f"{field}.tool_calls: only an assistant message has them, as a list")
+    out["tool_calls"] = [_checked_call(f"{field}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+    return out
+
+
+def _checked_call(field: str, call: Any) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"{field}.function.name must be a non-empty string")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:  # kept as the text the client sent
+            parsed = None
+        args = parsed if isinstance(parsed, dict) else args
+    elif not isinstance(args, Mapping):
+        raise ValueError(f"{field}.function.arguments must be a JSON string or object")
+    return {**call, "type": "function", "function": {**fn, "arguments": args}}
+
+
+def _as_text_chat(chat: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """Tools for a template that knows none: their list in the system message (merged into the
+    first one, or a new one prepended), an assistant's calls as `<tool_call>` blocks after its
+    text, and each run of tool results as one user message of `<tool_response>` blocks."""
+    out: list[dict[str, Any]] = []
+    after_result = False
+    for m in chat:
+        if m["role"] == "tool":
+            block = f"{TOOL_RESPONSE_OPEN}\n{m['content']}\n{TOOL_RESPONSE_CLOSE}"
+            if after_result:  # the results of parallel calls: one turn, as the calls were
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            after_result = True
+            continue
+        after_result = False
+        if m.get("tool_calls"):
+            calls = "\n".join(
+                format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]
+            )
+            m = {"role": "assistant", "content": f"{m['content']}\n{calls}" if m["content"] else calls}
+        out.append(m)
+    if tools:
+        prompt = tools_prompt(tools)
+        if out[0]["role"] == "system":
+            first = out[0]["content"]
+            out[0] = {**out[0], "content": f"{first}\n\n{prompt}" if first else prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -20,45 +19,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchserve.request import FinishReason, RequestOutput, TokenLogprob
+from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
 from batchserve.server.http import BodyLimit
-from batchserve.server.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
+from batchserve.server.openai_logprobs import TokenText
 from batchserve.server.openai_models import ApiError, ChatRequest, CommonFields, CompletionRequest, error_response
+from batchserve.server.openai_responses import Answer, AnswerView, EchoPrompt, Sample, best
+from batchserve.server.openai_tools import parse_tool_request
 
 T = TypeVar("T")
 TENANT_HEADER = "x-batchserve-tenant"
 STATUS = {Refusal.INVALID: 400, Refusal.QUEUE_FULL: 429, Refusal.DRAINING: 503, Refusal.ENGINE_DEAD: 503}
-FINISH = {
-    FinishReason.LENGTH: "length",
-    FinishReason.EOS: "stop",
-    FinishReason.STOP_SEQUENCE: "stop",
-    FinishReason.CANCELLED: "abort",
-    FinishReason.ERROR: "error",
-}
-
-
-# ---- responses -----------------------------------------------------------------------------
-
-
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    s = out.stats
-    return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
-        "completion_tokens_details": {
-            "accepted_prediction_tokens": s.accepted_prediction_tokens,
-            "rejected_prediction_tokens": s.rejected_prediction_tokens,
-        },
-        "speculation": {  # batchserve's extension
-            "steps": s.steps,
-            "draft_tokens_proposed": s.draft_tokens_proposed,
-            "draft_tokens_accepted": s.draft_tokens_accepted,
-            "tokens_per_step": out.tokens_per_step,
-        },
-    }
 
 
 def user_tenant(user: str | None) -> str | None:
@@ -89,10 +60,6 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | 
     with contextlib.suppress(BaseException):
         await task
     return False, None
-
-
-def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 class OpenAIServer:
@@ -154,15 +121,26 @@ class OpenAIServer:
             body.unsupported()
             self._check_model(body.model)
             prompt = body.the_prompt()
-            return await self._respond(body, request, lambda text: text.tokenize(prompt), body.max_tokens, chat=False)
+            echo = EchoPrompt(prompt) if body.echo else None
+            view = AnswerView(chat=False, logprobs=body.logprobs is not None, echo=echo)
+            prepare = echo.tokenize if echo is not None else (lambda text: text.tokenize(prompt))
+            return await self._respond(body, request, prepare, body.max_tokens, view)
 
         @app.post("/v1/chat/completions", response_model=None)
         async def chat(body: ChatRequest, request: Request) -> Any:
             body.unsupported()
             self._check_model(body.model)
-            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+            limit = self.frontend.engine.core.config.limits.max_constraint_chars
+            tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, limit)
+            body.use_tools(tools)
+            body.constraint()  # its 400 (a forced call beside a response_format) before anything is queued
+            messages = [m.rendered(i) for i, m in enumerate(body.messages)]
+            offered = tools.prompt_tools if tools is not None else None
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            return await self._respond(body, request, lambda text: text.render_chat(messages), max_tokens, chat=True)
+            view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools)
+            return await self._respond(
+                body, request, lambda text: text.render_chat(messages, offered), max_tokens, view
+            )
 
         return app
 
@@ -180,29 +158,31 @@ class OpenAIServer:
             raise ApiError(404, f"model {model!r} is not served here; GET /v1/models lists {served!r}", "model")
 
     async def _respond(
-        self, body: CommonFields, request: Request, prepare: Any, max_tokens: int | None, chat: bool
+        self, body: CommonFields, request: Request, prepare: Any, max_tokens: int | None, view: AnswerView
     ) -> Any:
-        """Run one request: a JSON body, or (`stream`) server-sent events. A client that leaves
-        before the answer (waiting, during its prefill, or decoding) aborts its request at once."""
+        """Run one call: a JSON body, or (`stream`) server-sent events. A client that leaves before
+        the answer (waiting, during its prefill, or decoding) aborts its requests at once."""
         header = request.headers.get(TENANT_HEADER)
         tenant = choose_tenant(self.tenant_source, header, user_tenant(body.user))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex
         core = self.frontend.engine.core
-        outputs = self.frontend.generate(
+        n, total = body.samples(core.config.limits)
+        outputs = self.frontend.generate_n(
             prepare,
             lambda: body.sampling_params(max_tokens, core.max_model_len, core.config.limits),
             rid,
             tenant,
             fit_context=max_tokens is not None,
             references=lambda text: text.tokenize_references(body.predicted(), "prediction"),
+            n=total,
         )
-        here, first, whole = False, None, None
+        here, first, samples = False, None, None
         try:
             if body.stream:
                 # Refusals surface with the first output, before any byte is sent.
                 here, first = await _unless_gone(request, anext(outputs))
             else:
-                here, whole = await _unless_gone(request, self._collect(outputs))
+                here, samples = await _unless_gone(request, _collect(outputs, total))
         except Refused as e:
             raise ApiError(STATUS[e.kind], e.message) from None
         except EngineFailed as e:
@@ -213,103 +193,22 @@ class OpenAIServer:
             if not body.stream or not here:
                 await outputs.aclose()
         if not here:
-            return None  # nobody to answer; the request was aborted and its KV freed
+            return None  # nobody to answer; the requests were aborted and their KV freed
+        answer = Answer(rid, self.model_name, view, self.token_text)
         if body.stream and first is not None:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                self._stream(rid, first, outputs, chat, include_usage),
+                answer.stream(first, outputs, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        assert whole is not None
-        return self._whole(rid, *whole, chat)
+        assert samples is not None
+        return answer.whole(best(samples, n), samples)
 
-    @staticmethod
-    async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
-        """The whole text, the last output and (where asked) the logprobs of a request."""
-        text: list[str] = []
-        last: RequestOutput | None = None
-        logprobs: list[TokenLogprob] | None = None
-        async for out in outputs:
-            text.append(out.new_text)
-            if out.new_logprobs is not None:
-                logprobs = (logprobs or []) + out.new_logprobs
-            last = out
-        assert last is not None
-        return "".join(text), last, logprobs
 
-    def _logprobs(self, entries: list[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict[str, Any] | None:
-        if entries is None:
-            return None
-        text = self.token_text
-        return chat_logprobs(entries, text) if chat else completion_logprobs(entries, text, offset)
-
-    def _whole(
-        self, rid: str, text: str, last: RequestOutput, logprobs: list[TokenLogprob] | None, chat: bool
-    ) -> dict[str, Any]:
-        finish = FINISH[last.finish_reason] if last.finish_reason else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(logprobs, chat)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [choice],
-            "usage": _usage(last),
-        }
-
-    async def _stream(
-        self, rid: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool, include_usage: bool
-    ) -> AsyncIterator[str]:
-        """Server-sent events in OpenAI's chunk format, then `data: [DONE]`. A client that
-        disconnects cancels this generator, and closing `outputs` aborts the request."""
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str | None, finish: str | None, role: bool = False, logprobs: Any = None) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
-            if chat:
-                choice["delta"] = {"role": "assistant", "content": delta or ""} if role else {"content": delta or ""}
-                if finish is not None and not delta:
-                    choice["delta"] = {}
-            else:
-                choice["text"] = delta or ""
-            data = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
-            if include_usage:
-                data["usage"] = None
-            return data
-
-        last = first
-        try:
-            if chat:
-                yield _sse(chunk("", None, role=True))
-            out: RequestOutput | None = first
-            offset = 0  # the tokens' text so far (completions' text_offset, as a whole completion counts it)
-            while out is not None:
-                last = out
-                finish = FINISH[out.finish_reason] if out.finished and out.finish_reason else None
-                logprobs = self._logprobs(out.new_logprobs, chat, offset) if out.new_logprobs else None
-                if out.new_text or finish is not None or logprobs is not None:
-                    yield _sse(chunk(out.new_text, finish, logprobs=logprobs))
-                offset += sum(len(self.token_text(e.token_id)) for e in out.new_logprobs or ())
-                out = await anext(outputs, None)
-            if include_usage:
-                yield _sse(
-                    {
-                        "id": rid,
-                        "object": kind,
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": _usage(last),
-                    }
-                )
-        except EngineFailed as e:
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
-        finally:
-            await outputs.aclose()
-        yield "data: [DONE]\n\n"
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], total: int) -> list[Sample]:
+    """Every sample's outputs, in index order."""
+    samples = [Sample(i) for i in range(total)]
+    async for i, out in outputs:
+        samples[i].add(out)
+    return samples

@@ -1,7 +1,8 @@
 """Output tokens' logprobs in the OpenAI API's two shapes: chat's `logprobs.content` (a token,
 its logprob, its UTF-8 bytes and its top alternatives) and completions' parallel lists (tokens,
-token_logprobs, top_logprobs as token -> logprob, text_offset). The values are the model's raw
-distribution at the row that chose each token (`batchserve.runner.penalties`)."""
+token_logprobs, top_logprobs as token -> logprob, text_offset; with `echo`, the prompt's tokens
+first). The values are the model's raw distribution at the row that chose each token
+(`batchserve.runner.penalties`)."""
 
 from __future__ import annotations
 
@@ -38,17 +39,21 @@ def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> dict[str,
     }
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0, first: int | None = None
+) -> dict[str, Any]:
     """`choices[i].logprobs` of a completion (or one chunk's share), text offsets from `offset`
-    (the characters of the completion before these tokens)."""
-    tokens = [text(e.token_id) for e in entries]
+    (the characters of the completion before these tokens). `first`: an echoed prompt's first
+    token, before the entries: nothing predicts it, so its logprob and alternatives are null."""
+    lead = [] if first is None else [None]
+    tokens = [text(t) for t in ([] if first is None else [first]) + [e.token_id for e in entries]]
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "token_logprobs": lead + [e.logprob for e in entries],
+        "top_logprobs": lead + [{text(t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }

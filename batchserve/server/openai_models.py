@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from batchserve.config import LimitsConfig
 from batchserve.request import (
@@ -161,13 +161,10 @@ class CommonFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
-    # OpenAI fields without an implementation here: only their neutral values pass.
-    n: int | None = None
+    n: int | None = _count()  # completions of the prompt, at most the server's --max-samples
 
     def unsupported(self) -> None:
         """400 for an OpenAI parameter set to something batchserve cannot honour."""
-        if self.n not in (None, 1):
-            raise ApiError(400, "n > 1 is not supported: send one request per completion", "n")
         # Their 400s before anything is queued.
         self.num_logprobs()
         self.bias()
@@ -176,6 +173,22 @@ class CommonFields(BaseModel):
     def num_logprobs(self) -> int | None:
         """Top alternatives each output token's logprobs list; None: no logprobs (per endpoint)."""
         return None
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match (`response_format`); None: anything."""
+        return self.response_format.constraint() if self.response_format is not None else None
+
+    def logprob_params(self) -> dict[str, int | None]:
+        """SamplingParams' logprobs fields this body asks for."""
+        return {"logprobs": self.num_logprobs()}
+
+    def samples(self, limits: LimitsConfig) -> tuple[int, int]:
+        """(n, how many to generate): `n` answers, picked from as many samples (completions'
+        `best_of` generates more); each at most --max-samples, else a 400 naming the field."""
+        n = self.n or 1
+        if n > limits.max_samples:
+            raise ApiError(400, f"n: {n} completions, at most {limits.max_samples} (--max-samples)", "n")
+        return n, n
 
     def bias(self) -> dict[int, float]:
         """`logit_bias` by token id; 400 naming it for a key that is not one or a value out of range."""
@@ -210,9 +223,9 @@ class CommonFields(BaseModel):
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.stop_token_ids is not None:
             kwargs["stop_token_ids"] = self.stop_token_ids
-        if self.response_format is not None:
-            kwargs["constraint"] = self.response_format.constraint()
-        kwargs["logprobs"], kwargs["logit_bias"] = self.num_logprobs(), self.bias()
+        kwargs["constraint"] = self.constraint()
+        kwargs |= self.logprob_params()
+        kwargs["logit_bias"] = self.bias()
         la = self.lookahead
         if la is not None:
             if la.enable is False:
@@ -229,25 +242,40 @@ class CommonFields(BaseModel):
 
 class CompletionRequest(CommonFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = None
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)  # 0 with echo: score the prompt only
+    echo: bool | None = None  # the prompt before the completion (and, with logprobs, its tokens' logprobs)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = _count()  # samples to pick the n most likely (cumulative logprob) from
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the top alternatives per token
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def samples(self, limits: LimitsConfig) -> tuple[int, int]:
+        n, _ = super().samples(limits)
+        best_of = self.best_of or n
+        if not n <= best_of <= limits.max_samples:
+            raise ApiError(400, f"best_of: {best_of}, must be in [n, {limits.max_samples}] (n is {n})", "best_of")
+        if best_of > n and self.stream:
+            raise ApiError(400, "best_of > n cannot be streamed: only the end tells which are best", "best_of")
+        return n, best_of
 
     def unsupported(self) -> None:
         super().unsupported()
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
             if len(self.prompt) != 1:
                 raise ApiError(400, "a list of prompts is not supported: send one request per prompt", "prompt")
-        if self.echo:
-            raise ApiError(400, "echo is not supported", "echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise ApiError(400, "best_of > 1 is not supported", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens: 0 only with echo (scoring the prompt)", "max_tokens")
+
+    def logprob_params(self) -> dict[str, int | None]:
+        # The prompt's logprobs where echo shows them (and where max_tokens 0 has nothing else to do);
+        # samples ranked by best_of need their tokens' logprobs whether the answer shows them or not.
+        scoring = self.logprobs if self.logprobs is not None else (0 if self.max_tokens == 0 else None)
+        ranked = self.logprobs if self.logprobs is not None else (0 if (self.best_of or 1) > (self.n or 1) else None)
+        return {"prompt_logprobs": scoring if self.echo else None, "logprobs": ranked}
 
     def the_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -260,6 +288,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id...: ignored, content is what counts
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    def rendered(self, i: int) -> dict[str, Any]:
+        """The message as the chat template gets it: its text, and an assistant's tool calls or a
+        tool result's call id (checked by `TextCodec.render_chat`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text(i)}
+        extra = self.model_extra or {}
+        return out | {k: extra[k] for k in ("tool_calls", "tool_call_id", "name") if extra.get(k) is not None}
 
     def text(self, i: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -286,8 +321,13 @@ class ChatRequest(CommonFields):
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def unsupported(self) -> None:
-        super().unsupported()
-        for name in ("tools", "tool_choice", "parallel_tool_calls"):
-            if getattr(self, name) not in (None, [], "none"):
-                raise ApiError(400, f"{name} is not supported", name)
+    # The checked tool settings (`openai_tools.ChatTools`, which imports this module), once set.
+    _tools: Any = PrivateAttr(default=None)
+
+    def use_tools(self, tools: Any) -> None:
+        self._tools = tools
+
+    def constraint(self) -> Constraint | None:
+        """`response_format`'s, or the calls a `tool_choice` of required or a function forces."""
+        fmt = super().constraint()
+        return self._tools.constraint(fmt) if self._tools is not None else fmt

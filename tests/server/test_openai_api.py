@@ -157,7 +157,11 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 9}, 400, "n"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 9}, 400, "best_of"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -170,7 +174,7 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
             "/v1/chat/completions",
             {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
             400,
-            "tools",
+            "tools[0].type",
         ),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, None),
         (
