@@ -31,6 +31,7 @@ class Method:
     model_impl: str = "auto"  # the server's default forward; "transformers": the HF model's own
     cpu_weights: str = "float32"  # "q4_1": the GGUF's Q4_1 layers (lossless against its own `none-q4`)
     predicted: bool = False  # the `+prediction` suffix: each request sends its sample's prediction
+    logprobs: int | None = None  # the `+logprobs` suffix: each request asks for this many top logprobs
 
     @property
     def kernels(self) -> tuple[str, str, str]:
@@ -85,6 +86,11 @@ NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix 
 # ... with this one, each request sends its sample's expected output as a predicted output (code-edit:
 # the code being edited; a JSONL line's "prediction"), as an OpenAI client does
 PREDICTION = "+prediction"
+# ... with this one, each request asks for its tokens' logprobs and LOGPROBS top alternatives (what
+# reporting them costs: they never change a token, so the run is checked as the method's own)
+LOGPROBS_SUFFIX = "+logprobs"
+LOGPROBS = 5
+SUFFIXES = (NOCACHE, PREDICTION, LOGPROBS_SUFFIX)
 
 
 def _jacobi_shape(name: str) -> Method | None:
@@ -101,19 +107,26 @@ def _jacobi_shape(name: str) -> Method | None:
 
 def batchserve_method(name: str) -> Method | None:
     """The engine settings of a batchserve method name (None for a peer or an unknown name)."""
-    base, nocache, predicted = _suffixes(name)
+    base, nocache, predicted, logprobs = _suffixes(name)
     m = BATCHSERVE.get(base) or _jacobi_shape(base)
     if m is None:
         return None
-    return replace(m, prefix_caching=m.prefix_caching and not nocache, predicted=predicted)
+    return replace(
+        m,
+        prefix_caching=m.prefix_caching and not nocache,
+        predicted=predicted,
+        logprobs=LOGPROBS if logprobs else None,
+    )
 
 
-def _suffixes(name: str) -> tuple[str, bool, bool]:
-    """(base method, +nocache, +prediction): either suffix, in either order."""
+def _suffixes(name: str) -> tuple[str, bool, bool, bool]:
+    """(base method, +nocache, +prediction, +logprobs): any of the suffixes, in any order."""
     base = name
-    for _ in range(2):
-        base = base.removesuffix(NOCACHE).removesuffix(PREDICTION)
-    return base, NOCACHE in name[len(base) :], PREDICTION in name[len(base) :]
+    for _ in SUFFIXES:
+        for suffix in SUFFIXES:
+            base = base.removesuffix(suffix)
+    tail = name[len(base) :]
+    return base, NOCACHE in tail, PREDICTION in tail, LOGPROBS_SUFFIX in tail
 
 
 def method_rank(name: str) -> tuple[int, bool, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from batchserve import heap
@@ -109,7 +109,6 @@ def run_batchserve(
     `+prediction` method sends each prompt's `predictions` entry as its predicted output; a
     prompt's `constraints` entry, if any, is the JSON Schema its output must match."""
     from batchserve import SamplingParams
-    from batchserve.request import Constraint
 
     llm = _engine(engine_model, tokenizer, m, b, decoding_length, cost_profile, max_num_batched_tokens)
     if m.warm:
@@ -118,12 +117,7 @@ def run_batchserve(
         llm.generate(earlier, SamplingParams(max_new_tokens=1))
     phases = PhaseTotals(b)
     llm.engine.step_listeners.append(phases.add)
-    params: SamplingParams | list[SamplingParams] = SamplingParams(max_new_tokens=max_new)
-    if any(constraints):
-        params = [
-            SamplingParams(max_new_tokens=max_new, constraint=Constraint("json_schema", c) if c else None)
-            for c in constraints
-        ]
+    params = _params(m, max_new, constraints)
     refs = [p or None for p in predictions] if m.predicted and predictions else None
     second = None  # a +repeat workload's second round
     if arrivals is not None:
@@ -144,6 +138,18 @@ def run_batchserve(
     outputs = [r.token_ids for r in results]
     tps, second_tps = _tokens_per_step(results), None if second is None else _tokens_per_step(second)
     return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, second_tps)
+
+
+def _params(m: Method, max_new: int, constraints: list[str]) -> Any:
+    """The sampling parameters of a run's requests: one for all, or one per prompt where a prompt
+    has a constraint. A `+logprobs` method's requests each ask for their tokens' logprobs."""
+    from batchserve import SamplingParams
+    from batchserve.request import Constraint
+
+    params = SamplingParams(max_new_tokens=max_new, logprobs=m.logprobs)
+    if not any(constraints):
+        return params
+    return [replace(params, constraint=Constraint("json_schema", c) if c else None) for c in constraints]
 
 
 def _tokens_per_step(results: list) -> float:

@@ -23,8 +23,9 @@ prompt (the model must not call) and the output is plain content. "auto" constra
 block whose JSON names a known function with object arguments becomes a call (as does a whole
 output that is one such JSON object); any other text stays content. "required" and a named function
 constrain the output (an llguidance Lark grammar, `%json` per function's `parameters`) to calls of
-known functions with schema-valid arguments: one or more ("\\n"-separated, a "\\n" may end
-them) with `parallel_tool_calls`, else exactly one; a named function: exactly one call of it.
+known functions with schema-valid arguments: one to MAX_FORCED_CALLS ("\\n"-separated, a "\\n"
+may end them) with `parallel_tool_calls`, else exactly one; a named function: exactly one call of
+it. The bound stops a small model that repeats its call from filling max_tokens with copies.
 Forced calls have no content. With `parallel_tool_calls` false, parsing keeps only the first call.
 """
 
@@ -43,6 +44,7 @@ from batchserve.server.openai_models import ApiError
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_TOOLS = 128  # each one is in the prompt and in a forced call's grammar
+MAX_FORCED_CALLS = 8  # calls in one forced output ("required" with parallel_tool_calls)
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 CHOICES = ("none", "auto", "required")
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # `parameters` omitted
@@ -241,9 +243,9 @@ def _check_choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
 
 def calls_grammar(tools: Sequence[Tool], parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) of `<tool_call>` blocks, each calling one of `tools`
-    with arguments valid for its schema: one or more ("\\n"-separated) if `parallel`, else one.
-    The name is a literal and the arguments' schema stays its own root (its `$ref`s resolve)."""
-    repeat = ' ("\\n" call)*' if parallel else ""
+    with arguments valid for its schema: 1 to MAX_FORCED_CALLS ("\\n"-separated) if `parallel`,
+    else one. The name is a literal and the arguments' schema stays its own root (its `$ref`s resolve)."""
+    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if parallel else ""
     head = json.dumps(TOOL_CALL_OPEN + '\n{"name": ')
     tail = json.dumps("}\n" + TOOL_CALL_CLOSE)
     alternatives = " | ".join(f"f{i}" for i in range(len(tools)))

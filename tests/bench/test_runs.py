@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from batchserve.bench.methods import batchserve_method
 from batchserve.bench.runs import forward_for, run_batchserve
 from tests.conftest import make_ascii_model
@@ -47,3 +49,38 @@ def test_seated_throughput_leaves_out_the_steps_with_a_seat_empty() -> None:
     row = Row("lookahead", "humaneval", 4, 4, 11, 1.0, 11 / 0.25, 1.0, 0.1, 0.1, 0.01, 0.01, True)
     totals.apply(row)
     assert totals.steps == 3 and row.seated_tokens_per_s == 50.0  # 10 tokens in 0.2 s; the tail left out
+
+
+def test_logprobs_methods_ask_for_top_logprobs_and_emit_the_same_tokens(
+    tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import batchserve.bench.runs as runs
+    from batchserve.bench.methods import LOGPROBS, known_method, method_rank, none_of
+
+    m = batchserve_method("lookahead-adaptive-q4+logprobs")
+    assert m is not None and m.logprobs == LOGPROBS and m.cpu_weights == "q4_1" and m.adaptive
+    assert batchserve_method("lookahead-adaptive-q4").logprobs is None  # type: ignore[union-attr]
+    for name in ("none+logprobs+nocache+prediction", "none+prediction+logprobs+nocache", "none+nocache+logprobs"):
+        both = batchserve_method(name)
+        assert both is not None and both.logprobs == LOGPROBS and not both.prefix_caching
+        assert both.predicted == ("prediction" in name)
+    assert known_method("jacobi-4-3+logprobs") and not known_method("hf+logprobs")
+    assert method_rank("lookahead") < method_rank("lookahead+logprobs") < method_rank("lookahead-4")
+    assert none_of("lookahead-adaptive-q4+logprobs") == "none-q4"
+    # Each request asks for them; the tokens are those without (the lossless check still holds).
+    model = make_ascii_model()
+    prompts = [[5 + (i * 7 + j) % 60 for j in range(10)] for i in range(3)]
+    asked: list[int | None] = []
+    lookahead, with_logprobs = batchserve_method("lookahead"), batchserve_method("lookahead+logprobs")
+    assert lookahead is not None and with_logprobs is not None
+    plain = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, lookahead, [], 8)
+    real = runs._engine
+
+    def listening(*args: Any) -> Any:
+        llm = real(*args)
+        llm.engine.step_listeners.append(lambda out, _: asked.extend(r.params.logprobs for r in out.requests))
+        return llm
+
+    monkeypatch.setattr(runs, "_engine", listening)
+    told = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, with_logprobs, [], 8)
+    assert told.outputs == plain.outputs and asked and set(asked) == {LOGPROBS}

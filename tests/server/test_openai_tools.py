@@ -11,7 +11,7 @@ from batchserve.config import LimitsConfig
 from batchserve.grammar import GrammarCompiler, GrammarError, allows
 from batchserve.request import Constraint
 from batchserve.server.openai_models import ApiError
-from batchserve.server.openai_tools import MAX_TOOLS, ChatTools, parse_tool_request
+from batchserve.server.openai_tools import MAX_FORCED_CALLS, MAX_TOOLS, ChatTools, parse_tool_request
 from batchserve.text import TextCodec, tools_prompt
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
 from tests.server.conftest import CHAT_TEMPLATE
@@ -250,6 +250,22 @@ TWO_CALLS = f"{CALL}\n{NOOP_CALL}"
 )
 def test_forced_calls_compile_and_take_only_valid_calls(compiler, choice, parallel, text, ok):
     assert accepts(compiler, tools_of(choice, parallel).constraint(None), text) is ok
+
+
+def test_forced_parallel_calls_are_bounded(compiler):
+    # A small model that repeats its call stops at the bound instead of filling max_tokens.
+    required = tools_of("required").constraint(None)
+    calls = [CALL, NOOP_CALL] * MAX_FORCED_CALLS
+    assert accepts(compiler, required, "\n".join(calls[:MAX_FORCED_CALLS]))
+    assert accepts(compiler, required, "\n".join(calls[:MAX_FORCED_CALLS]) + "\n")
+    assert not accepts(compiler, required, "\n".join(calls[: MAX_FORCED_CALLS + 1]))
+    # A newline after the last call but one may begin another call; after the last, only the end.
+    assert required is not None
+    for count, more in [(MAX_FORCED_CALLS - 1, True), (MAX_FORCED_CALLS, False)]:
+        g = compiler.matcher(compiler.compile(required))
+        g.commit(list(("\n".join(calls[:count]) + "\n").encode()))
+        mask = g.prune(None)[1][0]
+        assert allows(mask, ord("<")) is more and allows(mask, g.eos_token_id)
 
 
 def test_the_constraint_is_for_forced_calls_only():
