@@ -118,31 +118,35 @@ class OpenAIServer:
 
         @app.post("/v1/completions", response_model=None)
         async def completions(body: CompletionRequest, request: Request) -> Any:
-            body.unsupported()
-            self._check_model(body.model)
-            prompt = body.the_prompt()
-            echo = EchoPrompt(prompt) if body.echo else None
-            view = AnswerView(chat=False, logprobs=body.logprobs is not None, echo=echo)
-            prepare = echo.tokenize if echo is not None else (lambda text: text.tokenize(prompt))
-            return await self._respond(body, request, prepare, body.max_tokens, view)
+            return await self._completions(body, request)
 
         @app.post("/v1/chat/completions", response_model=None)
         async def chat(body: ChatRequest, request: Request) -> Any:
-            body.unsupported()
-            self._check_model(body.model)
-            limit = self.frontend.engine.core.config.limits.max_constraint_chars
-            tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, limit)
-            body.use_tools(tools)
-            body.constraint()  # its 400 (a forced call beside a response_format) before anything is queued
-            messages = [m.rendered(i) for i, m in enumerate(body.messages)]
-            offered = tools.prompt_tools if tools is not None else None
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools)
-            return await self._respond(
-                body, request, lambda text: text.render_chat(messages, offered), max_tokens, view
-            )
+            return await self._chat(body, request)
 
         return app
+
+    async def _completions(self, body: CompletionRequest, request: Request) -> Any:
+        body.unsupported()
+        self._check_model(body.model)
+        prompt = body.the_prompt()
+        echo = EchoPrompt(prompt) if body.echo else None
+        view = AnswerView(chat=False, logprobs=body.logprobs is not None, echo=echo)
+        prepare = echo.tokenize if echo is not None else (lambda text: text.tokenize(prompt))
+        return await self._respond(body, request, prepare, body.max_tokens, view)
+
+    async def _chat(self, body: ChatRequest, request: Request) -> Any:
+        body.unsupported()
+        self._check_model(body.model)
+        limit = self.frontend.engine.core.config.limits.max_constraint_chars
+        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, limit)
+        body.use_tools(tools)
+        body.constraint()  # its 400 (a forced call beside a response_format) before anything is queued
+        messages = [m.rendered(i) for i, m in enumerate(body.messages)]
+        offered = tools.prompt_tools if tools is not None else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools)
+        return await self._respond(body, request, lambda text: text.render_chat(messages, offered), max_tokens, view)
 
     def _count_too_large(self) -> None:
         self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()  # gRPC says RESOURCE_EXHAUSTED
