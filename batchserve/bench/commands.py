@@ -57,7 +57,8 @@ def add_bench_parser(sub: Any) -> None:
         "transformers forward / ours even where auto would not take it), "
         "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W; "
         "jacobi-4|16|64 / hybrid-4|16|64: the window every step); "
-        "a batchserve method with the suffix +nocache runs with prefix caching off",
+        "a batchserve method with the suffix +nocache runs with prefix caching off, with +logprobs each "
+        "request asks for its tokens' logprobs (top 5), with +prediction each sends its sample's prediction",
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--decoding-length", type=int, default=16, help="draft tokens per step of the fixed methods")

@@ -15,6 +15,9 @@ logits before any of the above, grammar masks or temperature: vLLM's `raw_logpro
 
 from __future__ import annotations
 
+from itertools import pairwise
+from typing import TypeAlias
+
 import numpy as np
 import torch
 
@@ -83,16 +86,65 @@ def penalize(logits: torch.Tensor, requests: list[tuple[int, ScheduledRequest]])
     logits[row, tok] = x
 
 
+# A request's logprobs asked of one step: (request id, its rows in the raw logits, the tokens
+# those rows chose, how many top alternatives)
+LogprobsAsk: TypeAlias = tuple[str, list[int], list[int], int]
+
+
+def requests_logprobs(raw: torch.Tensor, asks: list[LogprobsAsk]) -> dict[str, list[TokenLogprob]]:
+    """`token_logprobs` of several requests' rows of `raw`, in one call per `top` (not one per
+    request): a row's values never depend on the rows beside it, so each request gets the bits
+    a call of its own would give it."""
+    out: dict[str, list[TokenLogprob]] = {}
+    for top in sorted({a[3] for a in asks}):
+        group = [a for a in asks if a[3] == top]
+        values = token_logprobs(raw, [k for a in group for k in a[1]], [t for a in group for t in a[2]], top)
+        at = 0
+        for rid, rows, _, _ in group:
+            out[rid], at = values[at : at + len(rows)], at + len(rows)
+    return out
+
+
 def token_logprobs(raw: torch.Tensor, rows: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
     """Each token's logprob at its row of `raw` (logits [R, V]) and the row's `top` most likely
     tokens. One thread: torch splits a vocabulary-wide reduction between threads when few rows
-    share a call, which would make a row's sums depend on its company."""
+    share a call, which would make a row's sums depend on its company. Rows that are one run
+    (a step without drafts, a prompt's rows) are read in place, the others copied out first."""
     with torch_threads(1):
-        lp = torch.log_softmax(raw[torch.tensor(rows, device=raw.device)].float(), dim=-1)  # [N, V]
-        chosen = lp.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
-        if top:
-            values, indices = lp.topk(top, dim=-1)
-            best = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            picked = raw[rows[0] : rows[0] + len(rows)]
         else:
-            best = [()] * len(rows)
+            picked = raw[torch.tensor(rows, device=raw.device, dtype=torch.long)]
+        lp = torch.log_softmax(picked.float(), dim=-1)  # [N, V]
+        chosen = lp.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
+        best = top_logprobs(lp, top) if top else [()] * len(rows)
     return [TokenLogprob(t, lp_t, b) for t, lp_t, b in zip(tokens, chosen, best)]
+
+
+TOP_GROUPS = 64  # entries per column of a row seen as [TOP_GROUPS, V / TOP_GROUPS] (CPU top-k)
+
+
+def top_logprobs(lp: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """Each row's `lp.topk(k)` as (token id, logprob) pairs, with the same bits and order, on
+    CPU without a full top-k of each row (which costs more than the log-softmax): the row seen
+    as a grid of TOP_GROUPS rows, the k + 1 columns with the largest maxima hold entries that
+    are at least every entry outside them, so the k + 1 largest of those columns are the row's.
+    Where they strictly decrease, the row's top k is those k, in that order, whatever a
+    top-k does with ties; a row with a tie (or a NaN) among them takes the full top-k."""
+    n, v = lp.shape
+    width = v // TOP_GROUPS
+    if lp.device.type != "cpu" or v % TOP_GROUPS or width < k + 1 or not lp.is_contiguous():
+        values, indices = lp.topk(k, dim=-1)
+        return [tuple(zip(i, x)) for i, x in zip(indices.tolist(), values.tolist())]
+    grid = lp.view(n, TOP_GROUPS, width)  # column c: entries c, c + width, c + 2 * width, ...
+    columns = grid.amax(1).topk(k + 1, dim=-1).indices  # [n, k + 1]
+    cells = grid.gather(2, columns[:, None, :].expand(-1, TOP_GROUPS, -1)).view(n, -1)  # [n, G * (k + 1)]
+    values, at = cells.topk(k + 1, dim=-1)
+    best = []
+    for row, (xs, cell, cols) in enumerate(zip(values.tolist(), at.tolist(), columns.tolist())):
+        if all(a > b for a, b in pairwise(xs)):  # cell g * (k + 1) + j: grid row g of column cols[j]
+            best.append(tuple((c // (k + 1) * width + cols[c % (k + 1)], x) for c, x in zip(cell[:k], xs[:k])))
+        else:
+            values_r, indices_r = lp[row].topk(k)
+            best.append(tuple(zip(indices_r.tolist(), values_r.tolist())))
+    return best

@@ -16,7 +16,7 @@ from batchserve.request import SamplingParams, TokenLogprob
 from batchserve.runner.batch import BlockTables, PackedStep, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.graphs import StepGraphs
-from batchserve.runner.penalties import penalize, token_logprobs
+from batchserve.runner.penalties import LogprobsAsk, penalize, requests_logprobs, token_logprobs
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, apply_token_masks, choose_on_device
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 
@@ -174,17 +174,21 @@ class ModelRunner:
     def _raw_rows(
         logits: torch.Tensor, sampling: list[tuple[int, ScheduledRequest]], logit_start: np.ndarray
     ) -> tuple[torch.Tensor, dict[str, int]] | None:
-        """A copy of the rows (root and draft nodes) of the requests that ask for logprobs, and
-        where each request's rows start in it; None if none asks."""
+        """The raw logits of the requests that ask for logprobs, and where each request's rows
+        (root and draft nodes) start in them; None if none asks. `logits` itself where none of
+        these requests has its rows changed before the choice (penalties, a grammar mask: in
+        place), else a copy of their rows taken now."""
+        asking = [(i, r) for i, r in sampling if r.params.logprobs is not None]
+        if not asking:
+            return None
+        if not any(r.params.penalized or r.token_mask is not None for _, r in asking):
+            return logits, {r.request_id: int(logit_start[i]) for i, r in asking}
         rows: list[np.ndarray] = []
         at: dict[str, int] = {}
-        for i, r in sampling:
-            if r.params.logprobs is not None:
-                at[r.request_id] = sum(map(len, rows))
-                start = int(logit_start[i])
-                rows.append(np.arange(start, start + 1 + (len(r.draft) if r.draft is not None else 0)))
-        if not rows:
-            return None
+        for i, r in asking:
+            at[r.request_id] = sum(map(len, rows))
+            start = int(logit_start[i])
+            rows.append(np.arange(start, start + 1 + (len(r.draft) if r.draft is not None else 0)))
         return logits[torch.from_numpy(np.concatenate(rows)).to(logits.device)], at
 
     def _emit(
@@ -203,6 +207,7 @@ class ModelRunner:
         out = RunnerOutput(emitted={}, accepted={}, phases=StepPhases())
         moves: list[tuple[int, int, int]] = []  # (request, from KV index, to KV index)
         consumed: list[tuple[str, int]] = []  # (sampling request, uniforms its emitted tokens used)
+        asks: list[LogprobsAsk] = []  # (request, its rows in raw, its tokens, top): one call for all
         w = 0
         for j, (i, r) in enumerate(sampling):
             accepted = accepted_path(r.draft, int(step.logit_start[i]), deepest[j])
@@ -216,12 +221,14 @@ class ModelRunner:
             if raw is not None and r.request_id in raw[1]:
                 first = raw[1][r.request_id]
                 rows = [first] + [first + 1 + node for node in accepted]  # the rows that chose them
-                out.logprobs[r.request_id] = token_logprobs(raw[0], rows, tokens, r.params.logprobs or 0)
+                asks.append((r.request_id, rows, tokens, r.params.logprobs or 0))
             if not r.params.greedy:
                 consumed.append((r.request_id, len(tokens)))
             # Compaction: accepted node i sits at KV index base + i; it belongs at base + k.
             base = r.num_computed_tokens + len(r.token_ids)
             moves.extend((i, base + node, base + k) for k, node in enumerate(accepted) if node != k)
+        if asks and raw is not None:  # every asking request's rows in one call per top count
+            out.logprobs.update(requests_logprobs(raw[0], asks))
         if moves:
             req, src, dst = (np.array(m, np.int64) for m in zip(*moves))
             table = step.layout.block_table[req]  # [M, W]
