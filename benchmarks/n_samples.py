@@ -1,24 +1,26 @@
 """n samples of one prompt (OpenAI's `n`) against the same samples sent as separate requests.
 
-    .venv/bin/python benchmarks/n_samples.py --num-prompts 8 --max-new-tokens 64 \
+    .venv/bin/python benchmarks/n_samples.py --num-prompts 16 --max-new-tokens 64 \
         --out benchmarks/results/openai-features/n_samples
 
-For each HumanEval test prompt (the bench's loader and chat template), three modes on the default
+For each HumanEval test prompt (the bench's loader and chat template), four modes on the default
 model (SmolLM2, its GGUF's Q4_1 layers: the bench's `-q4` methods; drafts: `lookahead-adaptive`,
 the server's default, with a cold trie), each on a fresh engine with `--n` seats, so that no mode
 finds the prompt in a cache an earlier run filled:
 
-  n       the `--n` samples as one call: requests of one `group` (what the OpenAI front end
-          sends for `n`), which compute the prompt's full blocks once between them;
-  split   the same samples (same seeds) as `--n` independent requests sent at once, prefix
-          caching on (the default: cache-aware admission lets them share full blocks too);
-  nocache the same with prefix caching off: every request computes its whole prompt.
+  n          the `--n` samples as one call: requests of one `group` (what the OpenAI front end
+             sends for `n`), which compute the prompt's full blocks once between them;
+  split      the same samples (same seeds) as `--n` independent requests sent at once, prefix
+             caching on (the default: cache-aware admission lets them share full blocks too);
+  nocache    the same with prefix caching off: every request computes its whole prompt;
+  n-nocache  `n` with prefix caching off: what the group alone shares.
 
 Sample i has seed `--seed` + i and temperature `--temperature`, so every mode must give the same
-tokens (compared: `identical`). Per mode: prompt rows computed (counted from the steps' prompt
-chunks through `EngineCore.step_listeners`) against prompt tokens sent, output tokens per second
-(all outputs over the summed wall time), and time to first token (from the moment the samples
-are added to the step that gives a sample its first token; mean and p50 over all samples).
+tokens (compared with `n`'s: `identical_to_n`). Per mode: prompt rows computed (counted from the
+steps' prompt chunks through `EngineCore.step_listeners`) against prompt tokens sent, output
+tokens per second (all outputs over the summed wall time), and time to first token (from the
+moment the samples are added to the step that gives a sample its first token; mean and p50 over
+all samples).
 The modes run in a rotated order per prompt, so drift on a shared machine falls on all alike;
 compare the modes' ratios, not absolute numbers across machines.
 """
@@ -35,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES = ("n", "split", "nocache")
+MODES = ("n", "split", "nocache", "n-nocache")
+GROUPED = ("n", "n-nocache")  # the samples are one call's (a `group`)
+CACHE_OFF = ("nocache", "n-nocache")  # the engine runs with prefix caching off
 METHOD = "lookahead-adaptive-q4"  # the bench method whose engine settings every mode runs
 
 
@@ -173,13 +177,13 @@ def _run_all(args: argparse.Namespace) -> dict[str, Any]:
     ]
     run_mode(build(True), prompts[0][:32], params[:2], "")  # warm-up: kernels, allocator; not measured
     totals = {mode: ModeTotals() for mode in MODES}
-    identical = {"split": True, "nocache": True}
+    identical = dict.fromkeys(MODES[1:], True)
     per_prompt = []
     for k, prompt in enumerate(prompts):
         runs: dict[str, ModeRun] = {}
-        for mode in MODES[k % 3 :] + MODES[: k % 3]:
-            engine = build(mode != "nocache")
-            runs[mode] = run_mode(engine, prompt, params, f"call-{k}" if mode == "n" else "")
+        for mode in MODES[k % len(MODES) :] + MODES[: k % len(MODES)]:
+            engine = build(mode not in CACHE_OFF)
+            runs[mode] = run_mode(engine, prompt, params, f"call-{k}" if mode in GROUPED else "")
             del engine
             gc.collect()
             totals[mode].add(runs[mode], len(prompt))
