@@ -33,7 +33,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,8 @@ def _args() -> argparse.Namespace:
 def _engine_factory(n: int) -> tuple[Any, Any]:
     """(a function that builds a fresh engine with n seats, prefix caching on or off; the
     tokenizer). The model's forward and its cost profile are built once and shared."""
-    from batchserve import LLM
     from batchserve.bench.methods import batchserve_method
-    from batchserve.bench.runs import cost_profiles, forward_for
+    from batchserve.bench.runs import cost_profiles, method_engine
     from batchserve.runner import load_model
 
     model, tokenizer = load_model(None, "float32")
@@ -112,18 +111,8 @@ def _engine_factory(n: int) -> tuple[Any, Any]:
     profile = cost_profiles([METHOD], model, tokenizer)[m.kernels]
 
     def build(prefix_caching: bool) -> Any:
-        return LLM(
-            draft=m.draft,
-            draft_layout=m.layout,
-            decoding_length=m.decoding_length,
-            adaptive=m.adaptive,
-            max_num_seqs=n,
-            hf_model=forward_for(model, m),
-            tokenizer=tokenizer,
-            cost_profile=profile,
-            cpu_weights=m.cpu_weights,
-            prefix_caching=prefix_caching,
-        ).engine
+        cached = replace(m, prefix_caching=prefix_caching)
+        return method_engine(model, tokenizer, cached, n, m.decoding_length or 16, profile, None).engine
 
     return build, tokenizer
 

@@ -110,7 +110,7 @@ def run_batchserve(
     prompt's `constraints` entry, if any, is the JSON Schema its output must match."""
     from batchserve import SamplingParams
 
-    llm = _engine(engine_model, tokenizer, m, b, decoding_length, cost_profile, max_num_batched_tokens)
+    llm = method_engine(engine_model, tokenizer, m, b, decoding_length, cost_profile, max_num_batched_tokens)
     if m.warm:
         llm.engine.drafter.warm_up(warm)
     if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
@@ -200,7 +200,7 @@ def forward_for(model: Any, m: Method) -> Any:
     return built[m.kernels] or model
 
 
-def _engine(
+def method_engine(
     model: Any, tokenizer: Any, m: Method, b: int, decoding_length: int, profile: Any, token_budget: int | None
 ) -> Any:
     """An offline engine with method `m`'s settings and at most b running."""

@@ -74,13 +74,13 @@ def test_logprobs_methods_ask_for_top_logprobs_and_emit_the_same_tokens(
     lookahead, with_logprobs = batchserve_method("lookahead"), batchserve_method("lookahead+logprobs")
     assert lookahead is not None and with_logprobs is not None
     plain = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, lookahead, [], 8)
-    real = runs._engine
+    real = runs.method_engine
 
     def listening(*args: Any) -> Any:
         llm = real(*args)
         llm.engine.step_listeners.append(lambda out, _: asked.extend(r.params.logprobs for r in out.requests))
         return llm
 
-    monkeypatch.setattr(runs, "_engine", listening)
+    monkeypatch.setattr(runs, "method_engine", listening)
     told = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, with_logprobs, [], 8)
     assert told.outputs == plain.outputs and asked and set(asked) == {LOGPROBS}
