@@ -123,8 +123,11 @@ def pack(requests: Sequence[ScheduledRequest], tables: BlockTables, block_size: 
     kept = np.where(sample, spec - unread + 1, 0)
     logit_start = np.cumsum(kept) - kept
     num_verify = len(keep)
-    scored = [qo_indptr[i] + r.score_from + np.arange(len(r.score_targets)) for i, r in enumerate(requests)]
-    keep = np.concatenate([keep, *scored]) if any(len(r.score_targets) for r in requests) else keep
+    scored = [
+        qo_indptr[i] + r.score_from + np.arange(len(r.score_targets)) for i, r in enumerate(requests) if r.score_targets
+    ]
+    if scored:  # prompt logprobs: rare, so a step without them builds nothing here
+        keep = np.concatenate([keep, *scored])
     layout = StepLayout(
         qo_indptr=qo_indptr,
         num_cached=cached,
