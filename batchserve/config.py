@@ -24,7 +24,8 @@ CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.c
 CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.build.graphs_mode
 CUDA_GRAPHS_HELP = (
     "on: steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket; auto: on"
-    " for the native model on CUDA; eager: the same bucketed steps without capture (any device); off: none of it"
+    " for the native model on CUDA over an attention backend safe to replay (flashinfer); eager: the same bucketed"
+    " steps without capture (any device); off: none of it"
 )
 THREADS_HELP = "torch threads (serve: $BATCHSERVE_NUM_THREADS, else the CPUs it may use: affinity, cgroup quota)"
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths

@@ -7,7 +7,7 @@ import importlib.util
 import torch
 
 from batchserve import kernels
-from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, slots_of
+from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, fa2_head_dim, slots_of
 from batchserve.attention.invariant import InvariantBackend
 from batchserve.attention.invariant_check import kernels_invariant
 from batchserve.attention.kernel import KernelBackend, kernel_backend_runs
@@ -36,7 +36,8 @@ __all__ = [
 def resolve_backend(
     name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False, head_dim: int = 64
 ) -> str:
-    """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed; on CPU, for
+    """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed and its kernels
+    take the head dim (64 or more); on CPU, for
     a model whose products are batch-invariant too (the native model's packed and quantized
     layers), our kernel (`kernel`: invariant by construction) where it builds and runs the
     model (float32, a head dim divisible by 8), else the torch-op batch-invariant backend where
@@ -44,7 +45,7 @@ def resolve_backend(
     otherwise. Forcing a backend where it cannot run is an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and fa2_head_dim(head_dim)
     installed = importlib.util.find_spec("flashinfer") is not None
     if name == "auto":
         if usable and installed:
@@ -60,7 +61,10 @@ def resolve_backend(
     if name == "invariant" and (device.type != "cpu" or not torch.backends.mkldnn.is_available()):
         raise ValueError(f"the invariant attention backend runs on CPU with oneDNN, got {device}")
     if name == "flashinfer" and not usable:
-        raise ValueError(f"the flashinfer attention backend needs CUDA and float16/bfloat16, got {device} {dtype}")
+        raise ValueError(
+            "the flashinfer attention backend needs CUDA, float16/bfloat16 and a head dim of 64 or more (a multiple"
+            f" of 16), got {device} {dtype} head dim {head_dim}"
+        )
     if name == "flashinfer" and not installed:
         raise ValueError("the flashinfer attention backend needs `flashinfer-python` (pip install 'batchserve[gpu]')")
     return name
@@ -84,7 +88,7 @@ def make_backend(
     with what it knows of the model); `auto` alone is resolved here, as for a model that
     claims no invariant products."""
     if name == "auto":
-        name = resolve_backend(name, device, dtype)
+        name = resolve_backend(name, device, dtype, head_dim=head_dim)
     if name == "kernel":  # query heads per KV head come from q's shape each step
         return KernelBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     if name == "invariant":

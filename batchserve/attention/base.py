@@ -142,6 +142,12 @@ def _spec_mask(s: SeqLayout) -> np.ndarray | None:
     return spec_mask(tree, window_layout(levels, width)[1] if levels * width else None)
 
 
+def fa2_head_dim(head_dim: int) -> bool:
+    """Whether FlashInfer's FA2 prefill kernels have a valid tile configuration for `head_dim`
+    (none below 64: they fail with "Invalid configuration" after building a module for it)."""
+    return head_dim >= 64 and head_dim % 16 == 0
+
+
 def slots_of(block_ids: tuple[int, ...] | list[int], block_size: int, positions: torch.Tensor) -> torch.Tensor:
     """Physical pool slots of logical KV indices `positions` (int64) in a block table."""
     table = torch.tensor(block_ids, dtype=torch.long)
@@ -157,6 +163,10 @@ class AttentionBackend(ABC):
     # it each step); asynchronous ones leave `timed` False.
     timed: bool = False
     seconds: float = 0.0
+    # Whether a captured CUDA graph may replay this backend's kernels: `plan` with a bucket writes
+    # the step into that bucket's fixed buffers, which the kernels read. A backend that builds its
+    # metadata afresh each step would replay the capture's layout instead: never graphed.
+    graph_safe: bool = False
 
     @abstractmethod
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.attention.base import AttentionBackend, StepBucket, StepLayout
+from batchserve.attention.base import AttentionBackend, StepBucket, StepLayout, fa2_head_dim
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
 
@@ -88,6 +88,8 @@ class FlashInferMetadata:
 
 
 class FlashInferBackend(AttentionBackend):
+    graph_safe = True  # a bucket's wrapper reads its plan from fixed buffers (use_cuda_graph)
+
     def __init__(
         self,
         num_layers: int,
@@ -100,21 +102,27 @@ class FlashInferBackend(AttentionBackend):
         device: torch.device | str,
         sm_scale: float | None = None,
         max_model_len: int = 0,
+        library: Any = None,
     ) -> None:
-        """`max_model_len`: the longest context, which sizes a graph bucket's mask buffer."""
+        """`max_model_len`: the longest context, which sizes a graph bucket's page and mask buffers.
+        `library`: the `flashinfer` module (imported here by default), or a stand-in with its
+        interface, which may run on the CPU (the contract tests' double)."""
         device = torch.device(device)
-        if device.type != "cuda":
+        if library is None and device.type != "cuda":
             raise ValueError(f"the FlashInfer backend needs a CUDA device, got {device}")
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the FlashInfer backend runs float16 or bfloat16, got {dtype}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"query heads ({num_qo_heads}) must be a multiple of KV heads ({num_kv_heads})")
-        try:
-            import flashinfer
-        except ImportError as e:
-            raise ValueError(
-                "the FlashInfer backend needs the `flashinfer-python` package (pip install 'batchserve[gpu]')"
-            ) from e
+        if not fa2_head_dim(head_dim):
+            raise ValueError(f"FlashInfer's FA2 kernels need a head dim of 64 or more (multiple of 16), not {head_dim}")
+        if library is None:
+            try:
+                import flashinfer as library
+            except ImportError as e:
+                raise ValueError(
+                    "the FlashInfer backend needs the `flashinfer-python` package (pip install 'batchserve[gpu]')"
+                ) from e
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_qo_heads = num_qo_heads
@@ -128,13 +136,14 @@ class FlashInferBackend(AttentionBackend):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self._flashinfer = flashinfer
+        self._flashinfer = library
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+        self._wrapper = library.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
         # Graph-replayed steps: one wrapper per bucket over its own fixed buffers (they share the
         # workspace: one step runs at a time).
         self._buckets: dict[StepBucket, FlashInferMetadata] = {}
         self.max_model_len = max_model_len
+        self._mask = MaskUpload(device)
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> FlashInferMetadata:
         self._plan(self._wrapper, build_plan(step, self.block_size), masked=True)
@@ -155,19 +164,26 @@ class FlashInferBackend(AttentionBackend):
         return metadata
 
     def _bucket_metadata(self, bucket: StepBucket, slot_mapping: torch.Tensor) -> FlashInferMetadata:
+        if self.max_model_len <= 0:
+            raise ValueError("graph buckets need max_model_len: it sizes their page and mask buffers")
         dev, n = self.device, bucket.requests + 1
         int32 = {"dtype": torch.int32, "device": dev}
+        # The longest KV a request's rows can see: its context, then this step's rows.
+        pages_per_request = -(-(self.max_model_len + bucket.rows) // self.block_size)
         buffers: dict[str, torch.Tensor] = {
             "qo_indptr_buf": torch.zeros(n + 1, **int32),
             "paged_kv_indptr_buf": torch.zeros(n + 1, **int32),
-            # Every pool page once, and each padding request's page.
-            "paged_kv_indices_buf": torch.zeros(self.num_blocks + n + bucket.rows, **int32),
+            # Each request's pages, and the padding request's: a block shared through the prefix
+            # cache stands in several tables, so the pool's size bounds nothing here.
+            "paged_kv_indices_buf": torch.zeros(
+                bucket.requests * pages_per_request + -(-bucket.rows // self.block_size) + 1, **int32
+            ),
             "paged_kv_last_page_len_buf": torch.zeros(n, **int32),
         }
         if bucket.tree:
-            # The mask bits of the largest plan: every row over the longest context, packed to
+            # The mask bits of the largest plan: every row over the longest KV, packed to whole
             # bytes per request.
-            bits = bucket.rows * (max(self.max_model_len, 1) + bucket.rows)
+            bits = bucket.rows * (self.max_model_len + bucket.rows)
             buffers["custom_mask_buf"] = torch.zeros(bits // 8 + n + 8, dtype=torch.uint8, device=dev)
             buffers["mask_indptr_buf"] = torch.zeros(n + 1, **int32)
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -176,8 +192,9 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferMetadata(self, wrapper, slot_mapping, bucket.rows)
 
     def _plan(self, wrapper: Any, plan: PagedPlan, masked: bool) -> None:
-        """Plan from host (CPU) tensors: FlashInfer reads the index arrays on the host anyway, so
-        no device round trip; it copies what its kernels need to the device itself."""
+        """Plan from host (CPU) index arrays: FlashInfer reads them on the host anyway and copies
+        what its kernels need to the device itself. The mask is the exception: plan() bit-packs it
+        with a CUDA kernel, so it goes to the device first."""
         wrapper.plan(
             plan.qo_indptr,
             plan.kv_indptr,
@@ -187,7 +204,7 @@ class FlashInferBackend(AttentionBackend):
             self.num_kv_heads,
             self.head_dim,
             self.block_size,
-            custom_mask=plan.custom_mask if masked else None,
+            custom_mask=self._mask.upload(plan.custom_mask) if masked else None,
             causal=False,
             pos_encoding_mode="NONE",
             sm_scale=self.sm_scale,
@@ -213,3 +230,29 @@ class FlashInferBackend(AttentionBackend):
         for cache in (self.k_cache, self.v_cache):
             flat = cache.view(cache.shape[0], -1, self.num_kv_heads, self.head_dim)  # [L, slots, Hkv, D]
             flat[:, dst] = flat[:, src]
+
+
+class MaskUpload:
+    """The step's boolean mask copied to the device through one reused host staging buffer (pinned
+    on CUDA) and one reused device buffer, each grown as needed.
+
+    NOTE: plan() packs the mask on the device and reads the packed length back to the host, so the
+    copy has completed when plan() returns; the next step may overwrite both buffers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host = torch.zeros(0, dtype=torch.bool)
+        self._device = torch.zeros(0, dtype=torch.bool, device=device)
+
+    def upload(self, mask: torch.Tensor) -> torch.Tensor:
+        """[N] bool on the host -> the same [N] bool on the device (never the host tensor itself)."""
+        n = mask.numel()
+        if len(self._device) < n:
+            size = max(n, 2 * len(self._device))
+            host = torch.zeros(size, dtype=torch.bool)
+            self._host = host.pin_memory() if self.device.type == "cuda" else host
+            self._device = torch.zeros(size, dtype=torch.bool, device=self.device)
+        self._host[:n].copy_(mask)
+        out = self._device[:n]
+        out.copy_(self._host[:n], non_blocking=True)
+        return out

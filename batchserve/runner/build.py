@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchserve.attention import INVARIANT_BACKENDS, make_backend, resolve_backend
+from batchserve.attention import INVARIANT_BACKENDS, AttentionBackend, make_backend, resolve_backend
 from batchserve.config import EngineConfig
 from batchserve.model import uses_our_kernels
 from batchserve.runner.graphs import CaptureReport, StepGraphs
@@ -122,7 +122,7 @@ def build_runner(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Mode
 def step_graphs(model: Any, backend: Any, config: EngineConfig, scratch_block: int) -> tuple[str, StepGraphs | None]:
     """The resolved cuda_graphs mode and, unless off, the bucketed steps' buffers."""
     param = next(model.parameters())
-    mode = graphs_mode(config.model.cuda_graphs, param.device, getattr(model, "native", False))
+    mode = graphs_mode(config.model.cuda_graphs, param.device, getattr(model, "native", False), backend)
     if mode == "off":
         return mode, None
     sc = config.scheduler
@@ -138,17 +138,31 @@ def capture_graphs(graphs: StepGraphs) -> CaptureReport:
     return report
 
 
-def graphs_mode(setting: str, device: torch.device, native: bool) -> str:
+def graphs_mode(setting: str, device: torch.device, native: bool, backend: AttentionBackend) -> str:
     """`on`, `eager` or `off` for the cuda_graphs setting: auto is on for the native model on CUDA
-    (the forward whose Python makes no data-dependent decision), off elsewhere. `on` where no
-    graph can be captured is an error."""
+    (the forward whose Python makes no data-dependent decision) over a backend that declares its
+    kernels safe to replay (`graph_safe`), off elsewhere. `on` where no graph can be captured, or
+    replayed correctly, is an error; `eager` runs the bucketed steps on any backend."""
+    why_not = graphs_refused(device, native, backend)
     if setting == "auto":
-        return "on" if device.type == "cuda" and native else "off"
-    if setting == "on" and device.type != "cuda":
-        raise ValueError(f"cuda_graphs=on needs a CUDA device, the model is on {device} (eager runs the same steps)")
-    if setting == "on" and not native:
-        raise ValueError("cuda_graphs=on needs the native model (model_impl native or auto)")
+        return "off" if why_not else "on"
+    if setting == "on" and why_not:
+        raise ValueError(f"cuda_graphs=on: {why_not} (eager runs the same bucketed steps without capture)")
     return setting
+
+
+def graphs_refused(device: torch.device, native: bool, backend: AttentionBackend) -> str | None:
+    """Why no CUDA graph may be captured here; None where one may."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, the model is on {device}"
+    if not native:
+        return "CUDA graphs need the native model (model_impl native or auto)"
+    if not backend.graph_safe:
+        return (
+            f"the {type(backend).__name__} attention builds its metadata afresh each step, so a captured graph"
+            " would replay the capture's layout"
+        )
+    return None
 
 
 def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, config: EngineConfig) -> int:

@@ -160,28 +160,34 @@ class StepGraphs:
         return cls(model, backend, device, scratch_block, rows, requests, max_rows, max_requests)
 
     def bucket_for(self, layout: StepLayout) -> StepBucket | None:
-        """The bucket a step pads to; None where it has a prompt chunk or exceeds every bucket."""
+        """The bucket a step pads to; None where it has a prompt chunk or exceeds every bucket.
+
+        NOTE: a bucket never holds more requests than rows. FlashInfer's graph-mode planner sizes
+        its query tile for `rows - requests` rows per request (the ragged worst case) in unsigned
+        arithmetic: more requests than rows wraps around to the largest tile, 128 query rows, for
+        steps of one row per request."""
         if not eligible(layout):
             return None
         rows, requests = layout.num_tokens, len(layout.num_cached)
         i, j = bisect.bisect_left(self.rows, rows), bisect.bisect_left(self.requests, requests)
         if i == len(self.rows) or j == len(self.requests):
             return None
-        return StepBucket(self.rows[i], self.requests[j], tree=rows > requests)
+        return StepBucket(self.rows[i], min(self.requests[j], self.rows[i]), tree=rows > requests)
 
     def all_buckets(self) -> list[StepBucket]:
         """Every bucket `bucket_for` can return, largest first (captures share memory best that way)."""
-        out = []
+        out = set()
         top_rows, top_requests = self.max_rows or self.rows[-1], self.max_requests or self.requests[-1]
         for i, rows in enumerate(self.rows):
             rows_after = self.rows[i - 1] if i else 0  # a step in this bucket has more rows than this
             for j, requests in enumerate(self.requests):
                 requests_after = self.requests[j - 1] if j else 0
                 most_rows, most_requests = min(rows, top_rows), min(requests, top_requests)
+                held = min(requests, rows)
                 if requests_after < most_requests and requests_after + 1 < most_rows and rows_after < most_rows:
-                    out.append(StepBucket(rows, requests, tree=True))  # n requests, more rows than n
+                    out.add(StepBucket(rows, held, tree=True))  # n requests, more rows than n
                 if max(rows_after, requests_after) < min(most_rows, most_requests):  # n rows, one per request
-                    out.append(StepBucket(rows, requests, tree=False))
+                    out.add(StepBucket(rows, held, tree=False))
         return sorted(out, key=lambda b: (b.rows, b.requests, b.tree), reverse=True)
 
     def stage(self, step: PackedStep, bucket: StepBucket) -> tuple[StepLayout, int]:

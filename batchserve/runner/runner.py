@@ -18,6 +18,7 @@ from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.graphs import StepGraphs
 from batchserve.runner.penalties import LogprobsAsk, penalize, requests_logprobs, token_logprobs
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, apply_token_masks, choose_on_device
+from batchserve.runner.staging import Upload
 from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 
 logger = logging.getLogger("batchserve")
@@ -79,7 +80,11 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._uniforms: dict[str, list[float]] = {}  # drawn but not yet used, per sampling request
         self._tables = BlockTables()
-        self._pinned: torch.Tensor | None = None  # CUDA: host staging buffer for the step's inputs
+        # What each step copies to the device, one copy each: the inputs, the trees' acceptance
+        # arrays and the sampling parameters (staging buffers of their own: see Upload).
+        self._inputs = Upload(self.device)
+        self._tree_arrays = Upload(self.device)
+        self._sampling = Upload(self.device, torch.float64)
         # Steps without a prompt chunk through bucketed static buffers (replayed CUDA graphs once
         # captured); None: every step runs eagerly at its own size.
         self.graphs = graphs
@@ -132,7 +137,7 @@ class ModelRunner:
             apply_token_masks(logits, masks)
         grammar = time.perf_counter() - t_grammar if masks else 0.0
         # Token choice and acceptance on the logits' device; the step's one device-to-host copy.
-        result = accept(choose_on_device(logits, sampled), trees).tolist() if sampling else []
+        result = accept(choose_on_device(logits, sampled), trees, self._tree_arrays).tolist() if sampling else []
         t2 = time.perf_counter()
         output = self._emit(sampling, step, result, raw)
         if len(scored):
@@ -240,20 +245,7 @@ class ModelRunner:
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Host int64 arrays as device tensors: zero-copy on CPU, one pinned copy on CUDA."""
-        if self.device.type == "cpu":
-            return [torch.from_numpy(a) for a in arrays]
-        sizes = [len(a) for a in arrays]
-        total = sum(sizes)
-        # One pinned staging buffer, reused: pinning per step would cost more than the copy. Wait
-        # for any copy still reading it (normally none: the last step synchronized; a step that
-        # raised mid-forward may not have).
-        torch.cuda.current_stream(self.device).synchronize()
-        capacity = 0 if self._pinned is None else len(self._pinned)
-        if capacity < total:
-            self._pinned = torch.empty(max(total, 2 * capacity), dtype=torch.int64).pin_memory()
-        staged = self._pinned[:total]
-        np.concatenate(arrays, out=staged.numpy())
-        return list(staged.to(self.device, non_blocking=True).split(sizes))
+        return self._inputs(*arrays)
 
     def _sampled_rows(self, out: SchedulerOutput, logit_start: np.ndarray, vocab: int) -> SampledRows | None:
         """Parameters and uniforms of the kept rows of sampling (non-greedy) requests."""
@@ -272,14 +264,18 @@ class ModelRunner:
         if not rows:
             return None
         temperature, top_k, top_p = zip(*params)
-        dev = self.device
         cuts = [k for k in top_k if 0 < k < vocab]  # a cut at or past the vocabulary keeps every token
+        # One float64 copy: ids and top-k are exact in it, and float32 rounds the same on either side.
+        rows_d, temperature_d, top_k_d, top_p_d, uniform_d = self._sampling(
+            np.array(rows, np.float64), np.array(temperature), np.array(top_k, np.float64), np.array(top_p),
+            np.array(uniforms),
+        )  # fmt: skip
         return SampledRows(
-            rows=torch.tensor(rows, device=dev),
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_k, device=dev),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
-            uniform=torch.tensor(uniforms, dtype=torch.float64, device=dev),
+            rows=rows_d.long(),
+            temperature=temperature_d.float(),
+            top_k=top_k_d.long(),
+            top_p=top_p_d.float(),
+            uniform=uniform_d,
             max_top_k=max(cuts, default=0),
             any_top_p=any(p < 1.0 for p in top_p),
         )

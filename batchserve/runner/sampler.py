@@ -14,6 +14,7 @@ in here reads a device value on the host before that copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,31 +170,35 @@ class TreeRows:
         )  # fmt: skip
 
 
-def accept(choices: torch.Tensor, tree: TreeRows) -> torch.Tensor:
+def accept(
+    choices: torch.Tensor, tree: TreeRows, upload: Callable[..., list[torch.Tensor]] | None = None
+) -> torch.Tensor:
     """Greedy or sampled acceptance of every tree of the step, on the choices' device.
 
     choices: [K] the model's token at each kept row. Returns [2 S + W] int64: each request's deepest
     accepted row (its root where no node is accepted), the model's token after it (the bonus
     token), then the window rows' tokens. Node i is accepted iff every node on its path carries
     the token chosen at its parent; siblings carry distinct tokens, so the accepted nodes of a
-    tree form one path from its root and the deepest one ends it.
+    tree form one path from its root and the deepest one ends it. `upload` brings the tree's
+    host arrays to the device in one copy (the runner's `Upload`); by default, one copy each.
     """
     dev = choices.device
-    roots = torch.from_numpy(tree.roots).to(dev)
+    arrays = (
+        tree.roots, tree.node_rows, tree.node_parent, tree.node_token, tree.node_depth, tree.node_request,
+        tree.pair_node, tree.pair_ancestor, tree.window,
+    )  # fmt: skip
+    on_device = upload(*arrays) if upload is not None else [torch.from_numpy(a).to(dev) for a in arrays]
+    roots, node_rows, parent, token, depth, request, pair_node, pair_ancestor, window = on_device
     deepest = roots.clone()
     if len(tree.node_rows):
         k = len(choices)
-        node_rows, parent = torch.from_numpy(tree.node_rows).to(dev), torch.from_numpy(tree.node_parent).to(dev)
-        match = torch.from_numpy(tree.node_token).to(dev) == choices[parent]  # [N]
-        pair_node, pair_ancestor = (torch.from_numpy(a).to(dev) for a in (tree.pair_node, tree.pair_ancestor))
+        match = token == choices[parent]  # [N]
         misses = torch.zeros(len(node_rows), dtype=torch.int64, device=dev)
         misses.index_add_(0, pair_node, (~match[pair_ancestor]).long())  # [N] mismatches on each node's path
-        depth = torch.from_numpy(tree.node_depth).to(dev)
         key = torch.where(misses == 0, depth * k + node_rows, -1)  # deeper wins; a root's key is its row
-        deepest = deepest.scatter_reduce(0, torch.from_numpy(tree.node_request).to(dev), key, "amax")
+        deepest = deepest.scatter_reduce(0, request, key, "amax")
         deepest = deepest % k
-    window = choices[torch.from_numpy(tree.window).to(dev)]
-    return torch.cat((deepest, choices[deepest], window))
+    return torch.cat((deepest, choices[deepest], choices[window]))
 
 
 def accepted_path(tree: DraftTree | None, root: int, deepest: int) -> list[int]:

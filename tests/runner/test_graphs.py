@@ -60,6 +60,12 @@ def test_the_bucket_rounds_rows_and_requests_up_and_skips_prompt_chunks():
     assert not eligible(_layout([4, 1], chunk=[4, 1]))
     assert g.bucket_for(_layout([21] * 8)) is None  # beyond the largest bucket: eager
     assert g.bucket_for(_layout([1] * 17)) is None  # more requests than any bucket
+    # Never more requests than rows: 10 roots take rows bucket 12, so requests 12 (not 16), and the
+    # plan's batch (requests + the padding request) stays within rows + 1 (FlashInfer's graph
+    # planner wraps around below that and tiles every decode step by 128 query rows).
+    assert g.bucket_for(_layout([1] * 10)) == StepBucket(12, 12, tree=False)
+    assert g.bucket_for(_layout([2] + [1] * 9)) == StepBucket(12, 12, tree=True)
+    assert all(b.requests <= b.rows for b in g.all_buckets())
 
 
 def test_every_bucket_a_step_can_take_is_among_those_captured():
@@ -205,17 +211,26 @@ def test_a_padded_step_writes_nothing_outside_its_slots_and_the_scratch_block():
 
 
 def test_cuda_graphs_setting_is_checked_where_no_graph_can_be_captured():
+    from batchserve.attention import TorchReferenceBackend
     from batchserve.runner.build import graphs_mode
 
+    class GraphSafe(TorchReferenceBackend):
+        graph_safe = True
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert graphs_mode("auto", cpu, True) == "off"
-    assert graphs_mode("auto", cuda, True) == "on"
-    assert graphs_mode("auto", cuda, False) == "off"
-    assert graphs_mode("eager", cpu, False) == "eager"
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        graphs_mode("on", cpu, True)
+    safe, fresh = GraphSafe(1, 4, 4, 2, 16), TorchReferenceBackend(1, 4, 4, 2, 16)
+    assert graphs_mode("auto", cpu, True, safe) == "off"
+    assert graphs_mode("auto", cuda, True, safe) == "on"
+    assert graphs_mode("auto", cuda, False, safe) == "off"
+    # The torch reference builds its metadata afresh each step: a replay would reuse the capture's.
+    assert graphs_mode("auto", cuda, True, fresh) == "off"
+    assert graphs_mode("eager", cpu, False, fresh) == "eager"
+    with pytest.raises(ValueError, match=r"needs? a CUDA device"):
+        graphs_mode("on", cpu, True, safe)
     with pytest.raises(ValueError, match="native"):
-        graphs_mode("on", cuda, False)
+        graphs_mode("on", cuda, False, safe)
+    with pytest.raises(ValueError, match="TorchReferenceBackend attention builds its metadata afresh"):
+        graphs_mode("on", cuda, True, fresh)
     with pytest.raises(ValueError, match="cuda_graphs"):
         from batchserve.config import ModelConfig
 
