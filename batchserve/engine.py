@@ -68,7 +68,9 @@ class EngineCore:
         model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here, seats)
         self.runner, facts = build_checked_runner(model, tokenizer, config)
         self.forward_name, self.tokenizer = forward_name(model, facts.attention_backend), tokenizer
-        logger.info("forward: %s", self.forward_name)
+        # Why the weights are what they are (cpu_weights=auto decides by the CPU and the seats).
+        self.cpu_weights_reason: str = getattr(model, "cpu_weights_reason", "")
+        logger.info("forward: %s (%s)", self.forward_name, self.cpu_weights_reason or "the model as loaded")
         self.vocab_size, self.max_model_len = facts.vocab_size, facts.max_model_len
         self.attention_backend = facts.attention_backend
         self.graphs, self.graphs_report = facts.graphs, facts.capture  # cuda_graphs as resolved; what capture took

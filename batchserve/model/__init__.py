@@ -1,7 +1,7 @@
 """The native forward for the Llama family: our packed rows, our attention backends, fused
 projections. transformers stays for configs, tokenizers, chat templates and weight loading."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,9 +40,11 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "Bf16Linear",
     "NativeLlamaForCausalLM",
+    "WeightsChoice",
     "bf16_products_here",
     "choose_cpu_weights",
     "choose_impl",
+    "cpu_weights_choice",
     "has_invariant_linears",
     "native_from_hf",
     "our_q4_here",
@@ -96,9 +98,15 @@ def choose_impl(
     if impl == "native" or (impl == "auto" and device in NATIVE_DEVICES and unsupported is None):
         native = native_from_hf(model)
         weights = cpu_weights
+        why = f"cpu_weights={weights} was asked for"
         if weights == "auto":
             # A model handed in keeps the weights it came with: only the engine knows its file.
-            weights = choose_cpu_weights(on_cpu, path, max_num_seqs) if loaded_from_path else "float32"
+            weights, why = (
+                cpu_weights_choice(on_cpu, path, max_num_seqs)
+                if loaded_from_path
+                else WeightsChoice("float32", "a model handed in keeps its float32 weights (only a file has others)")
+            )
+        native.cpu_weights_reason = why
         if weights == "q4_1":
             _load_q4_1(native, path, ours=cpu_linear != "torch" and our_q4_here())
         native.cpu_weights = weights if on_cpu else "-"
@@ -126,25 +134,49 @@ def our_q4_here() -> bool:
     return kernels.available() and quant_products_invariant()
 
 
+class WeightsChoice(NamedTuple):
+    weights: str  # float32, bfloat16 or q4_1
+    why: str  # for the start-up log and GetModelInfo
+
+
 def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:
+    """What `cpu_weights=auto` takes (`cpu_weights_choice`, without the reason)."""
+    return cpu_weights_choice(on_cpu, gguf_path, max_num_seqs).weights
+
+
+def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> WeightsChoice:
     """What `cpu_weights=auto` takes for a native model the engine loaded itself from `gguf_path`
-    (None: the default model) to serve `max_num_seqs` requests at once (None: unknown).
+    (None: the default model) to serve `max_num_seqs` requests at once (None: unknown), and why.
     For a GGUF whose layers are Q4_1:
-    - `q4_1` at every seat count where our kernels run and bfloat16 products do not (AVX2 CPUs):
-      they read each weight block once per step, so they beat every other format here at 1 to
-      64 rows (benchmarks/README.md);
-    - where oneDNN runs bfloat16 products invariantly (AVX-512 CPUs), `q4_1` up to
-      Q4_1_MAX_SEATS seats and `bfloat16` past them, as measured there;
-    - `q4_1` on torch's int4 kernel where ours cannot run but that one is vectorized and
-      invariant.
-    Otherwise `bfloat16` where it runs, else `float32`."""
+    - `q4_1` on our kernels wherever they build, at every seat count: they read each weight block
+      once per step, and beat bfloat16 and float32 at 1 to 64 rows on AVX2-only and AVX-512 CPUs
+      alike (measured on both: benchmarks/README.md);
+    - where only torch's int4 kernel runs (vectorized and invariant), `q4_1` up to
+      Q4_1_MAX_SEATS seats, or at any count where bfloat16 products do not run: its cost grows by
+      4-row blocks, so past 2 seats bfloat16 wins where it runs.
+    Otherwise `bfloat16` where it runs invariantly, else `float32`."""
     if not on_cpu:
-        return "float32"
-    few_seats = max_num_seqs is not None and max_num_seqs <= Q4_1_MAX_SEATS
+        return WeightsChoice("float32", "not on the CPU: the model keeps its dtype")
+    q4_file = _is_q4_1_gguf(gguf_path)
     bf16 = bf16_products_here()
-    if _is_q4_1_gguf(gguf_path) and (our_q4_here() or int4_fast_here()) and (few_seats or not bf16):
-        return "q4_1"
-    return "bfloat16" if bf16 else "float32"
+    if q4_file and our_q4_here():
+        return WeightsChoice(
+            "q4_1", "the file's Q4_1 blocks on our kernels: the fastest format at every seat count on AVX2 and AVX-512"
+        )
+    few_seats = max_num_seqs is not None and max_num_seqs <= Q4_1_MAX_SEATS
+    if q4_file and int4_fast_here() and (few_seats or not bf16):
+        why = f"{max_num_seqs} seats" if few_seats else "no bfloat16 products here"
+        not_ours = kernels.unavailable_reason() or "not batch-invariant"
+        return WeightsChoice("q4_1", f"our kernels do not run here ({not_ours}): torch's int4, {why}")
+    if bf16:
+        if not q4_file:
+            why = "the file has no Q4_1 layers"
+        elif not int4_fast_here():
+            why = "no fast Q4_1 kernel here"
+        else:
+            why = f"torch's int4 kernel loses to them past {Q4_1_MAX_SEATS} seats"
+        return WeightsChoice("bfloat16", f"bfloat16 products run invariantly here; {why}")
+    return WeightsChoice("float32", "no Q4_1 kernel and no invariant bfloat16 products here")
 
 
 def _is_q4_1_gguf(gguf_path: str | None) -> bool:

@@ -154,7 +154,12 @@ class OpenAIServer:
     def _model_card(self) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchserve"}
         # An extension: whether the start-up check found a request's logits the same in any batch.
-        return card | {"batch_invariant": self.frontend.engine.core.batch_invariant}
+        core = self.frontend.engine.core
+        return card | {
+            "batch_invariant": core.batch_invariant,
+            "forward": core.forward_name,
+            "weights_reason": core.cpu_weights_reason,
+        }
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -94,6 +94,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_waiting_requests=self.frontend.info.max_waiting_requests,
             prefix_caching=cfg.cache.prefix_caching,
             batch_invariant=core.batch_invariant,
+            forward=core.forward_name,
+            weights_reason=core.cpu_weights_reason,
         )
 
     async def AddCorpus(self, request: pb.AddCorpusRequest, context: grpc.aio.ServicerContext) -> pb.AddCorpusResponse:

@@ -159,19 +159,22 @@ def test_smollm2_runs_on_its_own_q4_1_blocks(kernel, monkeypatch):
 @pytest.mark.parametrize("seats", [16, 1])
 def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_this_cpu(seats):
     """cpu_weights=auto, the shipped default: an engine that loads the default GGUF itself runs
-    the file's Q4_1 blocks on our kernel at every seat count where bfloat16 products do not run
-    (AVX2), bfloat16 past two seats where they do (AVX-512); on bfloat16 the token embedding is
-    the file's own Q8_0 blocks, on our kernel the head and the embedding are."""
+    the file's Q4_1 blocks on our kernels at every seat count wherever they build, AVX2 and
+    AVX-512 alike (on torch's int4 kernel: up to two seats where bfloat16 products run); on
+    bfloat16 the token embedding is the file's own Q8_0 blocks, on our kernel the head and the
+    embedding are. The engine says which and why."""
     from batchserve import LLM
     from batchserve.model import Q4_1_MAX_SEATS, choose_cpu_weights, int4_fast_here
 
     llm = LLM(draft="none", max_num_seqs=seats)
     model = llm.engine.runner.model
     expected = choose_cpu_weights(True, None, seats)
-    q4_here = our_q4_here() or int4_fast_here()
-    if bf16_products_here():
-        assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and q4_here else "bfloat16")
-    elif q4_here:
+    if our_q4_here():
+        assert expected == "q4_1"
+        assert "our kernels" in llm.engine.cpu_weights_reason
+    elif bf16_products_here():
+        assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and int4_fast_here() else "bfloat16")
+    elif int4_fast_here():
         assert expected == "q4_1"
     assert model.cpu_weights == expected
     assert llm.engine.forward_name.startswith(f"native {expected} weights")

@@ -96,7 +96,9 @@ async def test_completions_and_chat_greedy_equal_grpc_and_llm(api):
     assert chat.choices[0].message.role == "assistant"
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert models.data[0].batch_invariant == api.server.engine.core.batch_invariant  # our extension field
+    assert models.data[0].batch_invariant == api.server.engine.core.batch_invariant  # our extension fields
+    assert models.data[0].forward == api.server.engine.core.forward_name
+    assert models.data[0].weights_reason == api.server.engine.core.cpu_weights_reason
 
 
 async def test_streaming_both_endpoints_with_usage_and_done(api):
