@@ -1,0 +1,73 @@
+"""Served rows: the bench's HTTP and gRPC clients against a running server (the tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from batchserve import SamplingParams
+from batchserve.bench import served
+from tests.conftest import make_ascii_model
+from tests.server.conftest import start_server, tiny_core
+
+
+async def test_the_served_clients_stream_what_the_engine_makes():
+    # The model that writes ASCII: its streamed text is whole characters, as a real model's is.
+    r = await start_server(tiny_core(model=make_ascii_model()), http=True, metrics_port=0)
+    try:
+        prompts = [[1 + i, 2, 3, 4] * (1 + i % 3) for i in range(5)]
+        base, address = f"127.0.0.1:{r.server.http_port}", f"127.0.0.1:{r.server.port}"
+        http_one = await asyncio.to_thread(served.run_http, base, prompts, 8, 1)
+        http_many = await asyncio.to_thread(served.run_http, base, prompts, 8, 3)
+        grpc_many = await asyncio.to_thread(served.run_grpc, address, prompts, 8, 3)
+        expected = _direct(prompts)
+        for run in (http_one, http_many, grpc_many):
+            assert run.texts == expected  # in prompt order, whatever order the clients finished in
+            assert run.tokens == 8 * len(prompts)  # the tiny model has no EOS: every request runs out
+            assert len(run.ttfts) == len(prompts) and all(0 < t <= run.seconds for t in run.ttfts)
+            assert len(run.tpots) == len(prompts) and all(t >= 0 for t in run.tpots)
+        assert await asyncio.to_thread(served.served_model, base) == "tiny"
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+def _direct(prompts: list[list[int]]) -> list[str]:
+    """The same engine's text for each prompt, in-process (a second engine like the server's)."""
+    core = tiny_core(model=make_ascii_model())
+    ids = [core.add_request(p, SamplingParams(max_new_tokens=8)).request_id for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    while core.has_work():
+        for o in core.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [core.tokenizer.decode(tokens[i]) for i in ids]
+
+
+async def test_a_failed_request_fails_the_run_with_the_servers_answer():
+    r = await start_server(http=True, metrics_port=0)
+    try:
+        base = f"127.0.0.1:{r.server.http_port}"
+        with pytest.raises(RuntimeError, match="400"):
+            await asyncio.to_thread(served.run_http, base, [[1, 2], [10**9]], 4, 2)  # an id past the vocabulary
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+def test_a_server_that_dies_at_start_says_why(tmp_path):
+    cmd = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="exited with 3 before it was ready:\nno model here"):
+        with served._process(cmd, "http://127.0.0.1:9/health", tmp_path / "log.txt"):
+            pass
+
+
+def test_llama_server_is_found_or_named_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "nowhere"))
+    assert served.llama_server_binary() is None
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    monkeypatch.setenv("LLAMA_SERVER", str(binary))
+    assert served.llama_server_binary() == str(binary)
+    assert "make bench-llama-server" in served.LLAMA_SERVER_MISSING
