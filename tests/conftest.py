@@ -67,6 +67,47 @@ def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     return model
 
 
+def make_tiny_fa2_model(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """The tiny model for the GPU tests: head dim 64 (FlashInfer's FA2 prefill kernels have no
+    valid tile below 64 and fail with "Invalid configuration"), 2 query heads over 1 KV head (GQA),
+    hidden 128, bfloat16 by default; on the CPU (the tests move it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # GQA
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.3,  # spread logits: random weights must not produce near-ties
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def mismatch(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """Two runs' outputs, prompt by prompt: (the fraction of prompts whose outputs differ, the mean
+    position of their first difference; the longest output's length where none differ). In
+    bf16/fp16 two correct kernels can round differently and flip a near-tie, mostly late; a wrong
+    mask or page table breaks almost every prompt within a few tokens."""
+    diverged = [
+        next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t))) for s, t in zip(a, b) if s != t
+    ]
+    if not diverged:
+        return 0.0, float(max((len(s) for s in a), default=0))
+    return len(diverged) / len(a), sum(diverged) / len(diverged)
+
+
 def make_ascii_model() -> Any:
     """The tiny model writing only ASCII bytes: its output is text that tokenizes back to the
     same ids, as a real model's does (random bytes would not survive as UTF-8)."""

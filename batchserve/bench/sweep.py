@@ -1,11 +1,13 @@
 """`batchserve bench`: batchserve's drafters against real peers, one run, one machine.
 
 Batch size b: b requests in flight (a closed loop). Every batchserve output is compared with HF
-`generate` greedy (`lossless`). Writes DIR/results.json, DIR/report.md and DIR/throughput.png.
+`generate` greedy (`lossless`). Writes DIR/results.json and DIR/report.md as each row finishes (a
+sweep stopped by a time limit keeps every finished row), and DIR/throughput.png at the end.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,41 +46,48 @@ class _Sweep:
     llamacpp: tuple[Any, frozenset[int]] | None = None
     llamacpp_rounds: bool = False
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
+    rows: list[Row] = field(default_factory=list)  # the finished rows, in the order they finished
+    write: Callable[[list[Row]], None] | None = None  # results.json and report.md of the rows so far
+
+    def add(self, row: Row) -> None:
+        """A finished row: kept, and everything finished so far written out."""
+        self.rows.append(row)
+        if self.write is not None:
+            self.write(self.rows)
 
 
 def _peer_rows(
     s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int, constrained: bool = False
-) -> tuple[list[Row], list[list[int]]]:
-    """The greedy reference for every prompt, and the rows of the peers that run at batch 1.
-    Structured output (`constrained`): the peers do not constrain, so none runs (each method
-    checks against its own weights' plain decoding, constrained alike)."""
+) -> list[list[int]]:
+    """The greedy reference for every prompt; the rows of the peers that run at batch 1 are added
+    as each finishes. Structured output (`constrained`): the peers do not constrain, so none runs
+    (each method checks against its own weights' plain decoding, constrained alike)."""
     eos = s.tokenizer.eos_token_id
     first = prompts[:num_prompts]
     s.llamacpp = None  # the last dataset's
-    rows: list[Row] = []
     if constrained or not _needs_hf(s.methods):  # every batchserve method checks against its own `none`
-        return rows, [[] for _ in prompts]
+        return [[] for _ in prompts]
     # The greedy reference; its first `num_prompts` are also the `hf` row.
     reference, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
     if "hf" in s.methods:
-        rows.append(make_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
+        s.add(make_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
         s.bar.update(1)
     if len(prompts) > num_prompts:
         rest = run_hf(s.ref_model, prompts[num_prompts:], s.max_new, eos, None, f"{dataset} reference")[0]
         reference = reference + rest
     if "hf-static" in s.methods:
         outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf-static", static=True)
-        rows.append(make_row("hf-static", dataset, 1, outs, secs, ttfts, tpots, 1.0, outs == reference[:num_prompts]))
+        s.add(make_row("hf-static", dataset, 1, outs, secs, ttfts, tpots, 1.0, outs == reference[:num_prompts]))
         s.bar.update(1)
     if "hf-prompt-lookup" in s.methods:
         outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
-        rows.append(make_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
+        s.add(make_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
         s.bar.update(1)
     if "llamacpp" in s.methods and s.gguf is not None:  # a context for this dataset's longest prompt
         s.llamacpp = load_llamacpp(s.gguf, prompts, s.max_new), eos_token_ids(s.ref_model, s.tokenizer)
         if not s.llamacpp_rounds:
-            rows.append(_llamacpp_row(s, dataset, first, reference))
-    return rows, reference
+            s.add(_llamacpp_row(s, dataset, first, reference))
+    return reference
 
 
 def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: list[list[int]]) -> Row:
@@ -153,14 +162,14 @@ def _batch_rows(
     reference: list[list[int]],
     work: Workload,
     rate: float | None = None,
-) -> list[Row]:
+) -> None:
     """At batch size b: the hf-batch row, and per batchserve method the run kept of `repeats`
-    (taken in rounds over the methods). With `rate`, the batchserve methods in an open loop
+    (taken in rounds over the methods), each added as it is final (a single run at once, a
+    repeated one after its last round). With `rate`, the batchserve methods in an open loop
     (hf-batch takes its whole batch at once: it has no open loop)."""
-    rows: list[Row] = []
     if "hf-batch" in s.methods and rate is None:
         outs, secs, ttfts, tpots = run_hf_batch(s.ref_model, prompts, s.max_new, b)
-        rows.append(make_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
+        s.add(make_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
         s.bar.update(1)
     runs: dict[str, list[Row]] = {}
     with_llamacpp = s.llamacpp_rounds and s.llamacpp is not None and b == 1 and rate is None
@@ -169,28 +178,27 @@ def _batch_rows(
             runs.setdefault("llamacpp", []).append(_llamacpp_row(s, dataset, prompts, reference))
         for m in s.methods:
             if batchserve_method(m) is not None:
-                runs.setdefault(m, []).append(_batchserve_row(s, dataset, b, m, prompts, reference, work, rate))
-    rows.extend(pick_run(rs, s.keep) for rs in runs.values())
-    return rows
+                row = _batchserve_row(s, dataset, b, m, prompts, reference, work, rate)
+                runs.setdefault(m, []).append(row)
+                if s.repeats == 1:
+                    s.add(row)
+    if s.repeats > 1:
+        for rs in runs.values():
+            s.add(pick_run(rs, s.keep))
 
 
-def _dataset_rows(
-    s: _Sweep, dataset: str, num_prompts: int, count: dict[int, int], rates: list[float], rows: list[Row], out: Path
-) -> None:
-    """One dataset's rows, appended to `rows` and saved after every load point (an interrupted
-    sweep keeps what it measured): the peers, each batch size, then each request rate."""
+def _dataset_rows(s: _Sweep, dataset: str, num_prompts: int, count: dict[int, int], rates: list[float]) -> None:
+    """One dataset's rows, each added (and written) as it finishes: the peers, each batch size,
+    then each request rate."""
     n = max(count.values())
     work = load_dataset(dataset, n, s.tokenizer)
     if len(work.prompts) < n:
         tqdm.write(f"{dataset}: {len(work.prompts)} test prompts, fewer than the {n} asked for")
-    peer_rows, reference = _peer_rows(s, dataset, work.prompts, num_prompts, work.constrained)
-    rows.extend(peer_rows)
+    reference = _peer_rows(s, dataset, work.prompts, num_prompts, work.constrained)
     for b in count:
-        rows.extend(_batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work))
-        save_results(rows, out)
+        _batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work)
     for rate in rates:
-        rows.extend(_batch_rows(s, dataset, max(count), work.prompts[:n], reference[:n], work, rate))
-        save_results(rows, out)
+        _batch_rows(s, dataset, max(count), work.prompts[:n], reference[:n], work, rate)
 
 
 def run(
@@ -245,11 +253,16 @@ def run(
     bar = tqdm(total=total, desc="bench", unit="run")
     s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar)
     s.gguf, s.llamacpp_rounds = gguf, llamacpp_rounds
-    rows: list[Row] = []
-    for dataset in datasets:
-        _dataset_rows(s, dataset, num_prompts, count, rates, rows, out_dir)
-    bar.close()
     by_kernels = {"-".join(str(k) for k in kernels if k): p for kernels, p in profiles.items()}
-    write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped, by_kernels)
-    plot(rows, out_dir / "throughput.png")
-    return rows
+
+    def write(rows: list[Row]) -> None:
+        save_results(rows, out_dir)
+        write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped, by_kernels)
+
+    s.write = write
+    write(s.rows)  # the header and the cost profiles before the first row
+    for dataset in datasets:
+        _dataset_rows(s, dataset, num_prompts, count, rates)
+    bar.close()
+    plot(s.rows, out_dir / "throughput.png")
+    return s.rows

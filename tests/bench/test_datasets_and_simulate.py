@@ -153,7 +153,8 @@ ROW_KEYS = {
     "tpot_p99_s",
     "lossless",
 }
-ENGINE_METHODS = ("none", "lookahead", "lookahead-4", "lookahead-adaptive", "lookahead+nocache")
+# float32 named (-f32): checked against HF greedy (a plain name runs make serve's weights).
+ENGINE_METHODS = ("none-f32", "lookahead-f32", "lookahead-4-f32", "lookahead-adaptive-f32", "lookahead-f32+nocache")
 SWEEP_ROWS = {("hf", 1), ("hf-prompt-lookup", 1), ("hf-batch", 1), ("hf-batch", 2)} | {
     (m, b) for m in ENGINE_METHODS for b in (1, 2)
 }
@@ -166,7 +167,7 @@ SWEEP_ARGV = [
     "--batch-sizes",
     "1,2",
     "--methods",
-    "hf,hf-prompt-lookup,hf-batch,none,lookahead,lookahead-4,lookahead-adaptive,lookahead+nocache",
+    ",".join(("hf", "hf-prompt-lookup", "hf-batch", *ENGINE_METHODS)),
     "--max-new-tokens",
     "6",
     "--repeats",
@@ -193,13 +194,13 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
     assert all(ROW_KEYS <= set(r) for r in rows)
     by = {(r["method"], r["batch_size"]): r for r in rows}
     assert set(by) == SWEEP_ROWS
-    assert by[("lookahead-4", 1)]["mean_decoding_length"] <= 4 and by[("none", 1)]["mean_decoding_length"] == 0
+    assert by[("lookahead-4-f32", 1)]["mean_decoding_length"] <= 4 and by[("none-f32", 1)]["mean_decoding_length"] == 0
     assert by[("hf", 1)]["num_prompts"] == by[("hf-prompt-lookup", 1)]["num_prompts"] == 2
     assert by[("hf-batch", 2)]["num_prompts"] == 4
     for m in ENGINE_METHODS:
         assert by[(m, 1)]["num_prompts"] == 2 and by[(m, 2)]["num_prompts"] == 4
         assert by[(m, 1)]["output_tokens"] == by[("hf", 1)]["output_tokens"]
-        assert by[(m, 2)]["output_tokens"] == by[("none", 2)]["output_tokens"]
+        assert by[(m, 2)]["output_tokens"] == by[("none-f32", 2)]["output_tokens"]
         for b in (1, 2):
             r = by[(m, b)]
             assert r["lossless"] is True
@@ -221,7 +222,7 @@ def test_bench_against_peers_writes_results_report_and_plot(tmp_path: Path, monk
     report = (out / "report.md").read_text()
     assert "fastest of 2 runs" in report and "adaptive / best fixed" in report
     assert "max(2, 2 x batch) prompts" in report
-    assert "| lookahead | 2 |" in report and "vs hf-batch" in report and "attention share" in report
+    assert "| lookahead-f32 | 2 |" in report and "vs hf-batch" in report and "attention share" in report
     assert "| prompt cached |" in report
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
 

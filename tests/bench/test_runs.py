@@ -84,3 +84,19 @@ def test_logprobs_methods_ask_for_top_logprobs_and_emit_the_same_tokens(
     monkeypatch.setattr(runs, "method_engine", listening)
     told = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, with_logprobs, [], 8)
     assert told.outputs == plain.outputs and asked and set(asked) == {LOGPROBS}
+
+
+def test_a_plain_method_name_runs_the_weights_make_serve_runs():
+    from batchserve.bench.methods import as_served, none_of
+
+    methods = ["hf", "none", "lookahead-adaptive+nocache", "none-f32", "none-bf16", "none-blas", "none-hf", "llma"]
+    assert as_served(methods, "q4_1") == [
+        "hf", "none-q4", "lookahead-adaptive-q4+nocache", "none-f32", "none-bf16", "none-blas", "none-hf", "llma-q4",
+    ]  # fmt: skip
+    assert as_served(methods, "float32") == methods
+    # Any method on our forward takes a weights suffix, and says which plain decoding it is checked with.
+    q4 = batchserve_method("llma-q4")
+    assert q4 is not None and q4.cpu_weights == "q4_1" and q4.draft == "llma"
+    assert batchserve_method("none-f32").cpu_weights == "float32"  # type: ignore[union-attr]
+    assert batchserve_method("none-hf-q4") is None  # the transformers forward runs its own float32
+    assert none_of("llma-q4") == "none-q4" and none_of("lookahead-adaptive-f32+nocache") == "none-f32"

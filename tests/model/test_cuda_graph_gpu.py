@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.model import native_from_hf
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_fa2_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,7 +28,7 @@ class StaticAttention:
 
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_a_step_replayed_from_a_cuda_graph_equals_the_eager_one(rows):
-    model = native_from_hf(make_tiny_model().to("cuda", torch.bfloat16))
+    model = native_from_hf(make_tiny_fa2_model().to("cuda"))  # bfloat16, head dim 64 (as the GPU tests' model)
     meta = SimpleNamespace(backend=StaticAttention())
     vocab = model.config.vocab_size
     ids = torch.zeros(1, rows, dtype=torch.long, device="cuda")

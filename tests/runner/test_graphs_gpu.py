@@ -1,5 +1,12 @@
 """CUDA graphs on a GPU: a replayed bucket equals the same bucket run eagerly, bit for bit; the
-engine's output with graphs equals its output without; capture is reported (skipped without CUDA)."""
+engine's output with graphs equals the same bucketed steps run eagerly, token for token, and its
+distance from the engine without buckets (`off`) is reported; capture is reported (skipped
+without CUDA and flashinfer-python).
+
+The models here have head dim 64: FlashInfer's FA2 prefill kernels have no valid tile below it.
+`on` and `eager` plan every bucketed step through the same graph-mode wrappers, so their outputs
+are equal; `off` plans through the plain wrapper, whose planner splits the KV differently (graph
+mode always splits and merges), so in bf16 a near-tie may flip between them, late in an output."""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ import pytest
 import torch
 
 from batchserve import LLM, SamplingParams
-from tests.conftest import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from tests.conftest import TINY_VOCAB, make_tiny_fa2_model, make_tiny_tokenizer, mismatch
 from tests.engine.drafters import RandomTreeDrafter
 from tests.prompts import CODE_PROMPTS
 
@@ -26,7 +33,7 @@ pytestmark = [
 
 def _tiny(graphs: str, seed: int = 5) -> LLM:
     drafter = RandomTreeDrafter(seed=seed, vocab=TINY_VOCAB, max_nodes=10)
-    model = make_tiny_model().to("cuda", torch.bfloat16)
+    model = make_tiny_fa2_model().to("cuda")  # bfloat16, head dim 64
     return LLM(
         hf_model=model, tokenizer=make_tiny_tokenizer(), drafter=drafter, cuda_graphs=graphs, adaptive=False,
         max_num_seqs=8, max_num_batched_tokens=256, decoding_length=10, block_size=16,
@@ -36,6 +43,7 @@ def _tiny(graphs: str, seed: int = 5) -> LLM:
 def test_every_replayed_bucket_equals_the_same_bucket_run_eagerly():
     llm = _tiny("on")
     engine = llm.engine
+    assert engine.attention_backend == "flashinfer" and engine.graphs == "on"
     graphs = engine.runner.graphs
     assert engine.graphs_report is not None and engine.graphs_report.graphs == len(graphs.captured) > 0
     replayed, eager = [], []
@@ -64,15 +72,30 @@ def test_every_replayed_bucket_equals_the_same_bucket_run_eagerly():
         assert torch.equal(a, b)
 
 
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    """(model, tokenizer): SmolLM2 in bfloat16 on the GPU (head dim 64), loaded once; each engine
+    builds its own forward from it."""
+    from batchserve.runner import load_model
+
+    return load_model(None, "bfloat16", "cuda")
+
+
 @pytest.mark.parametrize("batch", [1, 8])
-def test_engine_output_with_graphs_equals_without(batch, smollm2):
-    _, tokenizer = smollm2
+def test_engine_output_with_graphs_equals_the_same_steps_eager(batch, smollm2_bf16):
+    """Fixed decoding length (adaptive lengths follow step timings, which differ between modes):
+    `on` replays the buckets that `eager` runs, planned alike, so the outputs are equal token for
+    token. Against `off` (no buckets) the mismatch is printed and loosely bounded."""
+    model, tokenizer = smollm2_bf16
     prompts = [tokenizer(p).input_ids for p in CODE_PROMPTS[:8]]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     outs = {}
-    for graphs in ("on", "off"):
-        llm = LLM(dtype="bfloat16", cuda_graphs=graphs, max_num_seqs=batch)
-        assert llm.engine.graphs == graphs
+    for graphs in ("on", "eager", "off"):
+        llm = LLM(
+            hf_model=model, tokenizer=tokenizer, cuda_graphs=graphs, max_num_seqs=batch, adaptive=False,
+            decoding_length=16,
+        )  # fmt: skip
+        assert llm.engine.graphs == graphs and llm.engine.attention_backend == "flashinfer"
         outs[graphs] = [r.token_ids for r in llm.generate(prompts, params)]
         if graphs == "on":
             report = llm.engine.graphs_report
@@ -80,7 +103,12 @@ def test_engine_output_with_graphs_equals_without(batch, smollm2):
             print(f"\nbatch {batch}: {report.graphs} graphs captured in {report.seconds:.1f} s, {mib:.0f} MiB")
         del llm
         torch.cuda.empty_cache()
-    assert outs["on"] == outs["off"]
+    rate, first = mismatch(outs["on"], outs["off"])
+    print(f"batch {batch}: graphs on vs off: {rate:.0%} of prompts differ (mean first divergence {first:.0f})")
+    same = sum(a == b for a, b in zip(outs["on"], outs["eager"]))
+    assert outs["on"] == outs["eager"], f"on and eager differ on {len(prompts) - same} of {len(prompts)} prompts"
+    # A wrong plan or page table breaks almost every prompt within a few tokens.
+    assert first >= 8 and rate <= 0.5
 
 
 def test_prompt_chunks_run_eagerly_between_replayed_steps():

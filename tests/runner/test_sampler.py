@@ -13,6 +13,7 @@ from batchserve.request import MAX_INT32
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, choose_on_device, warp_rows
 from tests.conftest import TINY_VOCAB, tiny_llm
 from tests.engine.test_sampling import reference_probs
+from tests.rounding import U
 
 
 def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int]:
@@ -36,13 +37,26 @@ def _rows(rows, temperature, top_k, top_p, uniform) -> SampledRows:
     )
 
 
+def assert_warped_like(got: torch.Tensor, logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> None:
+    """One row of a float32 warp against `reference_probs` (the same float32 logits, in float64):
+    each removed token exactly 0, each kept one within what float32 rounding can move it. Relative
+    to p, to first order: x = logits / t and its max round by u each, the exponent x - max by
+    u |x - max| (4u max|x| in all), exp is within 2u: each e^x within r = (4 max|x| + 2) u; a
+    normalization of n terms carries its term's r, the sum's r + (n - 1)u and 2u for the reciprocal
+    and product, and the top-p renormalization does so again: (16 max|x| + 3n + 11) u."""
+    want = reference_probs(logits, temperature, top_k, top_p)
+    x_max, n = logits.abs().max().item() / temperature, logits.shape[-1]
+    assert torch.equal(got == 0, want == 0)
+    assert ((got.double() - want).abs() <= want * (16 * x_max + 3 * n + 11) * U).all()
+
+
 def test_warp_rows_matches_the_plain_one_row_warp():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     params = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 12, 0.8)]
     t, k, p = (list(x) for x in zip(*params))
     got = warp_rows(logits, torch.tensor(t), torch.tensor(k), torch.tensor(p))
     for row, (temperature, top_k, top_p) in enumerate(params):
-        torch.testing.assert_close(got[row].double(), reference_probs(logits[row], temperature, top_k, top_p))
+        assert_warped_like(got[row], logits[row], temperature, top_k, top_p)
 
 
 def test_greedy_rows_take_the_argmax_and_sampled_rows_invert_the_cdf():
@@ -68,9 +82,8 @@ def test_a_top_k_at_or_above_the_vocabulary_is_no_cut_even_beside_a_row_that_cut
     t = torch.ones(4)
     p = torch.ones(4)
     got = warp_rows(logits, t, torch.tensor([0, 50, 500, 3]), p)  # row 3 cuts: the top-k path runs
-    torch.testing.assert_close(got[1], got[0])
-    torch.testing.assert_close(got[2], got[0])
-    torch.testing.assert_close(got[3].double(), reference_probs(logits[3], 1.0, 3, 1.0))
+    assert torch.equal(got[1], got[0]) and torch.equal(got[2], got[0])  # the same row, the same arithmetic
+    assert_warped_like(got[3], logits[3], 1.0, 3, 1.0)
 
 
 def test_seeded_sampling_with_top_k_at_or_above_the_vocabulary_equals_top_k_unset():

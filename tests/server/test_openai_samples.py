@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from batchserve import SamplingParams
-from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from tests.conftest import make_tiny_tokenizer
 from tests.server.test_openai_api import _client, _offline
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 4 full blocks of 4 and 2
@@ -63,12 +61,6 @@ async def test_best_of_returns_the_samples_of_highest_cumulative_logprob(api):
     assert done.usage.completion_tokens == 4 * 8  # every sample ran
 
 
-def _model_scores(ids: list[int]) -> list[float]:
-    with torch.no_grad():
-        lp = torch.log_softmax(make_tiny_model()(torch.tensor([ids])).logits[0].double(), -1)
-    return [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
-
-
 async def test_lm_eval_loglikelihood_request_scores_the_prompt_as_the_model_does(api):
     text = "The quick brown fox jumps"
     ids = make_tiny_tokenizer()(text, add_special_tokens=False)["input_ids"]
@@ -82,7 +74,10 @@ async def test_lm_eval_loglikelihood_request_scores_the_prompt_as_the_model_does
         assert choice.text == text and choice.finish_reason == "length"
         lp = choice.logprobs
         assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1:], _model_scores(ids)))
+        # The engine's own scores of the prompt, bit for bit (which are the model's up to float32
+        # rounding: tests/engine/test_prompt_logprobs.py holds them to the model in float64).
+        scored = _offline(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=1)).prompt_logprobs
+        assert lp.token_logprobs[1:] == [e.logprob for e in scored]
         assert all(len(top) == 1 for top in lp.top_logprobs[1:])  # lm-eval's is_greedy reads these
         assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
         assert done.usage.completion_tokens == 0 and done.usage.prompt_tokens == len(ids)

@@ -1,0 +1,46 @@
+"""The bench sweep writes results.json and report.md as each row finishes: a sweep stopped by a
+time limit (the GPU check runs it under `timeout`) keeps every row it finished."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+class Stopped(Exception):
+    """Stands for the time limit's interrupt."""
+
+
+def test_a_stopped_sweep_leaves_every_finished_row_in_results_and_report(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    from batchserve import runner
+    from batchserve.bench import sweep
+    from batchserve.bench.methods import make_row
+
+    reference = [[10, 11, 12, 13], [5, 6, 7, 8]]
+    monkeypatch.setattr(runner, "load_model", lambda path, dtype: (tiny_model, tiny_tokenizer))
+    monkeypatch.setattr(sweep, "load_dataset", lambda name, n, tok: sweep.Workload([[1, 2], [3, 4, 5]], []))
+    monkeypatch.setattr(sweep, "run_hf", lambda m, prompts, *a, **k: (reference[: len(prompts)], 1.0, [0.1], [0.1]))
+    out = tmp_path / "out"
+    seen: list[tuple[str, int, list[str]]] = []  # each run: (method, batch, the rows on disk when it started)
+
+    def fake_row(s: Any, dataset: str, b: int, method: str, prompts: list[list[int]], *args: Any, **kw: Any) -> Any:
+        seen.append((method, b, [r["method"] for r in json.loads((out / "results.json").read_text())]))
+        if (method, b) == ("none", 2):
+            raise Stopped
+        return make_row(method, dataset, b, reference[: len(prompts)], 1.0, [0.1], [0.1], 1.0, True)
+
+    monkeypatch.setattr(sweep, "_batchserve_row", fake_row)
+    with pytest.raises(Stopped):
+        sweep.run(["humaneval"], ["hf", "none", "lookahead"], [1, 2], 2, 4, out, None)
+    # Every run found the rows before it written, the peer's first.
+    assert seen == [("none", 1, ["hf"]), ("lookahead", 1, ["hf", "none"]), ("none", 2, ["hf", "none", "lookahead"])]
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["method"], r["batch_size"]) for r in rows] == [("hf", 1), ("none", 1), ("lookahead", 1)]
+    report = (out / "report.md").read_text()
+    assert "| hf | 1 |" in report and "| none | 1 |" in report and "| lookahead | 1 |" in report
+    assert not (out / "throughput.png").exists()  # drawn at the end only
