@@ -57,6 +57,7 @@ def add_bench_parser(sub: Any) -> None:
         "transformers forward / ours even where auto would not take it), "
         "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W; "
         "jacobi-4|16|64 / hybrid-4|16|64: the window every step); "
+        "a batchserve method without -q4 / -bf16 / -f32 runs the weights `make serve` runs here (printed); "
         "a batchserve method with the suffix +nocache runs with prefix caching off, with +logprobs each "
         "request asks for its tokens' logprobs (top 5), with +prediction each sends its sample's prediction",
     )
@@ -158,12 +159,31 @@ def _ceiling(args: argparse.Namespace, datasets: list[str]) -> int:
     return 0
 
 
+def _as_served(methods: list[str], model: str | None) -> list[str]:
+    """Plain method names on the weights `make serve` runs here (cpu_weights=auto at its seats),
+    the weights named in each (`none` -> `none-q4`), and the choice printed with its reason."""
+    import torch
+
+    from batchserve.bench.methods import as_served
+    from batchserve.config import SchedulerConfig
+    from batchserve.model import cpu_weights_choice
+
+    choice = cpu_weights_choice(not torch.cuda.is_available(), model, SchedulerConfig().max_num_seqs)
+    served = as_served(methods, choice.weights)
+    if served != methods:
+        print(f"batchserve bench: plain methods run make serve's {choice.weights} weights here ({choice.why}): "
+              f"{', '.join(served)} (name -f32 for float32)")  # fmt: skip
+    return served
+
+
 def bench_command(args: argparse.Namespace) -> int:
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     problem = dataset_problem(datasets)
     if problem is None and args.simulate and set(datasets) - {"humaneval", "sharegpt"}:
         problem = "--simulate replays humaneval and sharegpt only"
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not args.simulate and not args.ceiling:
+        methods = _as_served(methods, args.model)
     if problem is None and args.ceiling:
         problem = _ceiling_problem(args)
     elif problem is None and not args.simulate:

@@ -58,16 +58,6 @@ BATCHSERVE = {
     "lookahead-adaptive-blas": Method(
         "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_linear="torch"
     ),
-    # The GGUF's Q4_1 layers on torch's int4 kernel (--cpu-weights q4_1): checked against `none-q4`.
-    "none-q4": Method("none", "hierarchical", False, cpu_weights="q4_1"),
-    "lookahead-adaptive-q4": Method(
-        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_weights="q4_1"
-    ),
-    # bfloat16 copies of the weights on oneDNN's prepacked kernel (--cpu-weights bfloat16), AVX-512 CPUs.
-    "none-bf16": Method("none", "hierarchical", False, cpu_weights="bfloat16"),
-    "lookahead-adaptive-bf16": Method(
-        "lookahead", "hierarchical", True, adaptive=True, decoding_length=ADAPTIVE_CAP, cpu_weights="bfloat16"
-    ),
     # The same on the transformers model's forward (--model-impl transformers): what ours brings.
     "none-hf": Method("none", "hierarchical", False, model_impl="transformers"),
     "lookahead-adaptive-hf": Method(
@@ -80,8 +70,14 @@ BATCHSERVE = {
     ),
 }
 METHODS = PEERS + tuple(BATCHSERVE)
-# --cpu-weights -> the suffix of the methods that run on those weights
+# --cpu-weights -> the suffix of the methods that run on those weights: any method on our forward
+# takes one (`none-q4`: the GGUF's Q4_1 layers, checked against its own `none-q4`; `-bf16`: bfloat16
+# copies on oneDNN's prepacked kernel, AVX-512 CPUs). A name without one runs float32 in `run`; the
+# bench command first gives it the suffix of the weights `make serve` runs here (`as_served`),
+# so `-f32` asks for float32 there.
 WEIGHTS_SUFFIX = {"float32": "", "bfloat16": "-bf16", "q4_1": "-q4"}
+F32 = "-f32"
+SUFFIX_WEIGHTS = {"-bf16": "bfloat16", "-q4": "q4_1", F32: "float32"}
 NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
 # ... with this one, each request sends its sample's expected output as a predicted output (code-edit:
 # the code being edited; a JSONL line's "prediction"), as an OpenAI client does
@@ -108,15 +104,42 @@ def _jacobi_shape(name: str) -> Method | None:
 def batchserve_method(name: str) -> Method | None:
     """The engine settings of a batchserve method name (None for a peer or an unknown name)."""
     base, nocache, predicted, logprobs = _suffixes(name)
+    base, weights = _weights(base)
     m = BATCHSERVE.get(base) or _jacobi_shape(base)
-    if m is None:
+    if m is None or (weights is not None and m.model_impl == "transformers"):  # HF's forward runs float32
         return None
     return replace(
         m,
         prefix_caching=m.prefix_caching and not nocache,
         predicted=predicted,
         logprobs=LOGPROBS if logprobs else None,
+        cpu_weights=weights or m.cpu_weights,
     )
+
+
+def _weights(base: str) -> tuple[str, str | None]:
+    """(the method without its weights suffix, the weights it names or None)."""
+    for suffix, weights in SUFFIX_WEIGHTS.items():
+        if base.endswith(suffix):
+            return base.removesuffix(suffix), weights
+    return base, None
+
+
+def as_served(methods: list[str], weights: str) -> list[str]:
+    """The bench command's method names: a batchserve method that names no weights runs the
+    weights `make serve` runs here (`weights`, cpu_weights=auto's choice), and says so in its
+    name (`none` -> `none-q4`); peers, and methods that name their weights or kernels (`-f32`,
+    `-blas`, `-hf`, `-native`), stay as they are."""
+    out = []
+    for name in methods:
+        m = batchserve_method(name)
+        base, _, _, _ = _suffixes(name)
+        explicit = _weights(base)[1] is not None or (m is not None and (m.model_impl, m.cpu_linear) != ("auto", "auto"))
+        if m is None or explicit or weights == "float32":
+            out.append(name)
+        else:
+            out.append(base + WEIGHTS_SUFFIX[weights] + name[len(base) :])
+    return out
 
 
 def _suffixes(name: str) -> tuple[str, bool, bool, bool]:
@@ -138,7 +161,7 @@ def method_rank(name: str) -> tuple[int, bool, str]:
 
 
 # a method on other weights or kernels than float32 oneDNN
-KERNEL_SUFFIXES = (*(s for s in WEIGHTS_SUFFIX.values() if s), "-blas", "-hf", "-native")
+KERNEL_SUFFIXES = (*SUFFIX_WEIGHTS, "-blas", "-hf", "-native")
 
 
 def none_of(method: str) -> str:

@@ -162,7 +162,8 @@ def write_report(
         lines.extend(_every_run(everything))
         lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
-        lines.extend(adaptive_summary(rs))
+        for suffix in ("", *KERNEL_SUFFIXES):
+            lines.extend(adaptive_summary(rs, suffix))
         lines.extend(phase_table(rs))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
 
@@ -221,19 +222,20 @@ def _llamacpp_note(rows: list[Row]) -> list[str]:
     ]
 
 
-def adaptive_summary(rows: list[Row]) -> list[str]:
-    """Adaptive decoding length against the best fixed length and against no speculation."""
-    fixed = [f"lookahead-{n}" for n in FIXED_LENGTHS]
+def adaptive_summary(rows: list[Row], suffix: str = "") -> list[str]:
+    """Adaptive decoding length against the best fixed length and against no speculation, on the
+    weights and kernels `suffix` names."""
+    fixed = [f"lookahead-{n}{suffix}" for n in FIXED_LENGTHS]
     out: list[str] = []
     for b in sorted({r.batch_size for r in rows}):
         at = {r.method: r for r in rows if r.batch_size == b}
-        ada, none = at.get("lookahead-adaptive"), at.get("none")
+        ada, none = at.get("lookahead-adaptive" + suffix), at.get("none" + suffix)
         best = max((at[m] for m in fixed if m in at), key=lambda r: r.tokens_per_s, default=None)
         if ada is None or none is None or best is None:
             continue
         if not out:
             out = [
-                "\nAdaptive decoding length against the best fixed length and against `none`:\n",
+                f"\nAdaptive decoding length against the best fixed length and against `none{suffix}`:\n",
                 "| batch | adaptive tok/s | best fixed | adaptive / best fixed | adaptive / none | mean draft tokens |",
                 "|---|---|---|---|---|---|",
             ]

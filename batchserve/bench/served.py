@@ -25,8 +25,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-SERVED = ("served-grpc", "served-http")
+# Our server with make serve's settings, and with --draft none (the serving path's cost alone,
+# against the in-process `none` on the same weights).
+SERVED = ("served-grpc", "served-http", "served-grpc-none", "served-http-none")
 LLAMA_SERVER = ("llama-server", "llama-server-ngram")
 LLAMA_SERVER_SPEC = "ngram-mod"  # its best n-gram type on our prompts (benchmarks/README.md)
 LLAMA_SERVER_MISSING = (
@@ -103,16 +106,23 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     raise RuntimeError(f"{proc.args[0]} was not ready within {START_TIMEOUT_S:.0f} s (log: {log})")
 
 
+ADMIN_TOKEN = "bench"  # the bench's own server takes its warm-up corpus through AddCorpus
+
+
 @contextmanager
-def batchserve_server(seats: int, log: Path, model: str | None = None) -> Iterator[tuple[str, str]]:
-    """`batchserve serve` with make serve's settings and at least `seats` seats: (gRPC address,
-    HTTP base)."""
+def batchserve_server(
+    seats: int, log: Path, model: str | None = None, draft: str | None = None
+) -> Iterator[tuple[str, str]]:
+    """`batchserve serve` with make serve's settings and at least `seats` seats (and `draft`, if
+    given): (gRPC address, HTTP base)."""
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(grpc_port)]
     cmd += ["--http-port", str(http_port), "--metrics-port", "0", "--max-num-seqs", str(max(16, seats))]
-    cmd += ["--max-waiting-requests", str(max(256, 4 * seats))]
+    cmd += ["--max-waiting-requests", str(max(256, 4 * seats)), "--admin-token", ADMIN_TOKEN]
     if model is not None:
         cmd += ["--model", model]
+    if draft is not None:
+        cmd += ["--draft", draft]
     with _process(cmd, f"http://127.0.0.1:{http_port}/health", log):
         yield f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
 
@@ -246,3 +256,28 @@ def run_grpc(address: str, prompts: list[list[int]], max_new: int, concurrency: 
     finally:
         for c in clients:
             c.close()
+
+
+def warm(address: str, corpus: list[list[int]]) -> None:
+    """Load `corpus` into a bench server's draft trie, as the in-process rows warm theirs."""
+    from batchserve.server.client import Client
+
+    with Client(address) as client:
+        for start in range(0, len(corpus), 1000):
+            client.add_corpus(token_ids=corpus[start : start + 1000], admin_token=ADMIN_TOKEN)
+
+
+def served_row(method: str, dataset: str, b: int, run: ServedRun, reference: list[str] | None, ours: bool) -> Any:
+    """A bench row of a served run. Ours is lossless when its texts equal `reference` (the
+    in-process plain decoding on the same weights); a peer's matches are counted."""
+    from batchserve.bench.methods import Row, percentile
+
+    row = Row(
+        method, dataset, b, len(run.texts), run.tokens, round(run.seconds, 3), round(run.tokens / run.seconds, 2),
+        None, round(percentile(run.ttfts, 0.5), 4), round(percentile(run.ttfts, 0.99), 4),
+        round(percentile(run.tpots, 0.5), 4), round(percentile(run.tpots, 0.99), 4),
+        None if reference is None or not ours else run.texts == reference,
+    )  # fmt: skip
+    if reference is not None and not ours:
+        row.reference_matches = sum(a == r for a, r in zip(run.texts, reference))
+    return row
