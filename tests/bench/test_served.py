@@ -71,3 +71,14 @@ def test_llama_server_is_found_or_named_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_SERVER", str(binary))
     assert served.llama_server_binary() == str(binary)
     assert "make bench-llama-server" in served.LLAMA_SERVER_MISSING
+
+
+def test_served_methods_are_peers_checked_against_the_plain_decoding_as_served():
+    from batchserve.bench.methods import as_served, known_method
+    from batchserve.bench.sweep import _needs_hf
+
+    names = ["served-http", "served-grpc-none", "llama-server-ngram"]
+    assert all(known_method(n) for n in names) and as_served(names, "q4_1") == names
+    # Their reference is the in-process `none` on make serve's weights, not HF greedy.
+    assert not _needs_hf(["none-q4", "lookahead-adaptive-q4", *names])
+    assert _needs_hf(["none-q4", "hf"]) and _needs_hf(["none"])
