@@ -214,6 +214,8 @@ class Row:
     repeat_tokens_per_step: float | None = None
     # a repeated (method, batch): every run's tokens/s in round order, the kept one among them
     run_tokens_per_s: list[float] | None = None
+    # a served row: the in-process method it stands against (the same weights and drafts)
+    versus: str | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -55,7 +55,7 @@ def _method_table(rows: list[Row]) -> list[str]:
     for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
         vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
         vs_hfb = f"{r.tokens_per_s / hfb[r.batch_size]:.2f}x" if r.batch_size in hfb else "-"
-        base = none.get((none_of(r.method), r.batch_size))
+        base = none.get((none_of(r.versus or r.method), r.batch_size))
         vs_none = f"{r.tokens_per_s / base:.2f}x" if base and not r.method.startswith("none") else "-"
         tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
         dl = "-" if r.mean_decoding_length is None else f"{r.mean_decoding_length:.1f}"
@@ -155,6 +155,7 @@ def write_report(
         lines.append(f"\n## {dataset}\n")
         lines.extend(_short_of_prompts(everything, num_prompts, waves))
         lines.extend(_method_table(rs))
+        lines.extend(served_table(rs))
         for suffix in ("", *KERNEL_SUFFIXES):
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix))
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix, seated=True))
@@ -220,6 +221,33 @@ def _llamacpp_note(rows: list[Row]) -> list[str]:
         "It runs the GGUF's quantized weights on its own kernels, so its output is not checked for "
         f"losslessness: it equals HF greedy on {r.reference_matches} of {r.num_prompts} prompts.\n"
     ]
+
+
+def served_table(rows: list[Row]) -> list[str]:
+    """Served rows against the same settings in-process (what the serving path costs), and
+    llama-server against our server as users get it (`served-http`), at each load."""
+    at = {(r.method, r.batch_size): r for r in rows}
+    lines: list[str] = []
+    for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
+        base = at.get((r.versus, r.batch_size)) if r.versus else None
+        if r.method.startswith("llama-server"):
+            base = at.get(("served-http", r.batch_size))
+        if base is None:
+            continue
+        if not lines:
+            lines = [
+                "\nServed: each row against the same settings in-process (`none` / `lookahead-adaptive` on the weights"
+                " `make serve` runs), llama-server against our `served-http`:\n",
+                "| method | in flight | tokens/s | against | its tokens/s | ratio | TTFT p50 (s) | its TTFT p50 (s) "
+                "| TPOT p50 (ms) | its TPOT p50 (ms) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
+        lines.append(
+            f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {base.method} | {base.tokens_per_s:.1f} | "
+            f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {r.ttft_p50_s:.3f} | {base.ttft_p50_s:.3f} | "
+            f"{1e3 * r.tpot_p50_s:.1f} | {1e3 * base.tpot_p50_s:.1f} |"
+        )
+    return lines
 
 
 def adaptive_summary(rows: list[Row], suffix: str = "") -> list[str]:

@@ -23,6 +23,7 @@ from batchserve.bench.methods import (
     LLAMA_SERVER,
     SERVED,
     SINGLE,
+    WEIGHTS_SUFFIX,
     Row,
     batchserve_method,
     expected_outputs,
@@ -247,6 +248,8 @@ def _served_row(s: _Sweep, dataset: str, b: int, method: str, prompts: list[list
             run = served.run_http(base, prompts, s.max_new, b, tenant)
         ours = True
     row = served.served_row(method, dataset, b, run, reference, ours)
+    plain = method.endswith("-none") or method in LLAMA_SERVER
+    row.versus = ("none" if plain else "lookahead-adaptive") + WEIGHTS_SUFFIX[s.served_weights]
     s.bar.update(1)
     s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
     return row
