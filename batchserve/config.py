@@ -23,9 +23,8 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "kernel", "invarian
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.build.graphs_mode
 CUDA_GRAPHS_HELP = (
-    "on: steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket; auto: on"
-    " for the native model on CUDA over an attention backend safe to replay (flashinfer); eager: the same bucketed"
-    " steps without capture (any device); off: none of it"
+    "on: steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket; auto: on for"
+    " the native model on CUDA over a backend safe to replay (flashinfer); eager: the same steps uncaptured; off: none"
 )
 THREADS_HELP = "torch threads (serve: $BATCHSERVE_NUM_THREADS, else the CPUs it may use: affinity, cgroup quota)"
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths

@@ -18,7 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from batchserve.bench import served
+from batchserve.bench import served, servers
 from batchserve.bench.datasets import humaneval
 from batchserve.runner.model_loader import load_tokenizer
 
@@ -44,7 +44,7 @@ def main() -> None:
         for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
             source = getattr(args, name).resolve()
             log = logs / f"{name}{r}.log"
-            with served.batchserve_server(max(loads), log, draft=args.draft, source=source) as (_, base):
+            with servers.batchserve_server(max(loads), log, draft=args.draft, source=source) as (_, base):
                 for c in loads:
                     prompts = [tokenizer.encode(s.prompt) for s in samples[: max(args.num_prompts, 2 * c)]]
                     served.run_http(base, prompts[: min(4, len(prompts))], 8, c)  # warm the server's paths

@@ -11,6 +11,7 @@ import torch
 
 from batchserve.bench.host import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, method_rank, none_of
+from batchserve.bench.served import served_table
 from batchserve.scheduler import StepPhases
 from batchserve.scheduler.cost_profile import CostProfile
 
@@ -221,33 +222,6 @@ def _llamacpp_note(rows: list[Row]) -> list[str]:
         "It runs the GGUF's quantized weights on its own kernels, so its output is not checked for "
         f"losslessness: it equals HF greedy on {r.reference_matches} of {r.num_prompts} prompts.\n"
     ]
-
-
-def served_table(rows: list[Row]) -> list[str]:
-    """Served rows against the same settings in-process (what the serving path costs), and
-    llama-server against our server as users get it (`served-http`), at each load."""
-    at = {(r.method, r.batch_size): r for r in rows}
-    lines: list[str] = []
-    for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
-        base = at.get((r.versus, r.batch_size)) if r.versus else None
-        if r.method.startswith("llama-server"):
-            base = at.get(("served-http", r.batch_size))
-        if base is None:
-            continue
-        if not lines:
-            lines = [
-                "\nServed: each row against the same settings in-process (`none` / `lookahead-adaptive` on the weights"
-                " `make serve` runs), llama-server against our `served-http`:\n",
-                "| method | in flight | tokens/s | against | its tokens/s | ratio | TTFT p50 (s) | its TTFT p50 (s) "
-                "| TPOT p50 (ms) | its TPOT p50 (ms) |",
-                "|---|---|---|---|---|---|---|---|---|---|",
-            ]
-        lines.append(
-            f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {base.method} | {base.tokens_per_s:.1f} | "
-            f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {r.ttft_p50_s:.3f} | {base.ttft_p50_s:.3f} | "
-            f"{1e3 * r.tpot_p50_s:.1f} | {1e3 * base.tpot_p50_s:.1f} |"
-        )
-    return lines
 
 
 def adaptive_summary(rows: list[Row], suffix: str = "") -> list[str]:

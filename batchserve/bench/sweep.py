@@ -7,23 +7,21 @@ sweep stopped by a time limit keeps every finished row), and DIR/throughput.png 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from batchserve.bench import served
+from batchserve.bench import servers
 from batchserve.bench.load import poisson_arrivals
 from batchserve.bench.methods import (
     KEEP,
     LLAMA_SERVER,
     SERVED,
     SINGLE,
-    WEIGHTS_SUFFIX,
     Row,
     batchserve_method,
     expected_outputs,
@@ -34,6 +32,7 @@ from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_
 from batchserve.bench.plots import plot
 from batchserve.bench.report import save_results, write_report
 from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
+from batchserve.bench.served import ServedPeers
 from batchserve.runner.build import eos_token_ids
 
 if TYPE_CHECKING:
@@ -62,16 +61,7 @@ class _Sweep:
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
     rows: list[Row] = field(default_factory=list)  # the finished rows, in the order they finished
     write: Callable[[list[Row]], None] | None = None  # results.json and report.md of the rows so far
-    # Served rows: the model path, the weights `make serve` runs (their plain decoding is the
-    # reference), the servers started so far (ours by --draft: one per sweep, a tenant per run),
-    # the most requests in flight, where the servers' logs go, llama-server's binary.
-    model_path: str | None = None
-    served_weights: str = "float32"
-    servers: ExitStack = field(default_factory=ExitStack)
-    ours: dict[str, tuple[str, str]] = field(default_factory=dict)
-    seats: int = 16
-    logs: Path = Path(".")
-    llama_server: tuple[str, Path] | None = None  # its binary and the GGUF it serves
+    served: ServedPeers | None = None  # the served rows' servers (bench/served.py)
 
     def add(self, row: Row) -> None:
         """A finished row: kept, and everything finished so far written out."""
@@ -219,46 +209,14 @@ def _batch_rows(
 
 
 def _served_row(s: _Sweep, dataset: str, b: int, method: str, prompts: list[list[int]], work: Workload) -> Row:
-    """One closed-loop run of a served method at b in flight: our server (started once per
-    --draft setting, a fresh tenant scope per run, warmed as the in-process rows are) or
-    llama-server (started per run with b slots)."""
-    own = s.own_references.get((s.served_weights, (dataset, b, None)))
+    """A served method's run at b in flight, against the in-process plain decoding of make serve's weights."""
+    assert s.served is not None
+    own = s.own_references.get((s.served.weights, (dataset, b, None)))
     reference = [s.tokenizer.decode(o) for o in own] if own is not None else None
-    if method in LLAMA_SERVER:
-        assert s.llama_server is not None
-        binary, gguf = s.llama_server
-        context = max(map(len, prompts)) + s.max_new + 16
-        log = s.logs / f"{method}-b{b}.log"
-        with served.llama_server(binary, gguf, b, context, _threads(), method.endswith("ngram"), log) as base:
-            run = served.run_http(base, prompts, s.max_new, b)
-        ours = False
-    else:
-        draft = "none" if method.endswith("-none") else None
-        if draft not in s.ours:
-            log = s.logs / f"server-{draft or 'default'}.log"
-            s.ours[draft] = s.servers.enter_context(served.batchserve_server(s.seats, log, s.model_path, draft))
-        address, base = s.ours[draft]
-        tenant = f"bench-{uuid.uuid4().hex[:12]}"
-        if draft is None and work.warm:
-            served.warm(address, work.warm, tenant)
-        grpc = method.startswith("served-grpc")
-        if grpc:
-            run = served.run_grpc(address, prompts, s.max_new, b, tenant)
-        else:
-            run = served.run_http(base, prompts, s.max_new, b, tenant)
-        ours = True
-    row = served.served_row(method, dataset, b, run, reference, ours)
-    plain = method.endswith("-none") or method in LLAMA_SERVER
-    row.versus = ("none" if plain else "lookahead-adaptive") + WEIGHTS_SUFFIX[s.served_weights]
+    row = s.served.row(method, dataset, b, prompts, s.max_new, work.warm, reference)
     s.bar.update(1)
     s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
     return row
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _dataset_rows(s: _Sweep, dataset: str, num_prompts: int, count: dict[int, int], rates: list[float]) -> None:
@@ -273,6 +231,55 @@ def _dataset_rows(s: _Sweep, dataset: str, num_prompts: int, count: dict[int, in
         _batch_rows(s, dataset, b, work.prompts[: count[b]], reference[: count[b]], work)
     for rate in rates:
         _batch_rows(s, dataset, max(count), work.prompts[:n], reference[:n], work, rate)
+
+
+def _optional_peers(
+    methods: list[str], model_path: str | None
+) -> tuple[list[str], Path | None, tuple[str, Path] | None, str]:
+    """(the methods that can run, llama.cpp's GGUF, llama-server's binary and GGUF, why any
+    optional peer is skipped): the sweep goes on without them, and the report says why."""
+    gguf, skipped = llamacpp_gguf(model_path) if "llamacpp" in methods else (None, "")
+    if skipped:
+        methods = [m for m in methods if m != "llamacpp"]
+    peer, why = servers.llama_server_peer(model_path) if set(LLAMA_SERVER) & set(methods) else (None, "")
+    if why:
+        methods = [m for m in methods if m not in LLAMA_SERVER]
+    skipped = "; ".join(filter(None, (skipped, why)))
+    if skipped:
+        tqdm.write(skipped)
+    return methods, gguf, peer, skipped
+
+
+def _served_peers(
+    methods: list[str],
+    model_path: str | None,
+    engine_model: Any,
+    batch_sizes: list[int],
+    logs: Path,
+    llama_server: tuple[str, Path] | None,
+) -> ServedPeers | None:
+    """The served rows' servers (None: no served method): ours with at least make serve's 16
+    seats, on the weights it runs here."""
+    from batchserve.model import cpu_weights_choice
+
+    if not set(SERVED + LLAMA_SERVER) & set(methods):
+        return None
+    seats = max(16, *batch_sizes)
+    on_cpu = engine_model is None or engine_model.device.type == "cpu"
+    weights = cpu_weights_choice(on_cpu, model_path, seats).weights
+    return ServedPeers(model_path, weights, seats, logs, llama_server)
+
+
+def _runs_per_dataset(
+    methods: list[str], batch_sizes: list[int], rates: list[float], repeats: int, llamacpp_rounds: bool
+) -> int:
+    """Runs of one dataset, for the progress bar."""
+    return (
+        sum(m in SINGLE for m in methods)
+        + (repeats - 1) * llamacpp_rounds
+        + len(batch_sizes) * sum(m not in SINGLE for m in methods) * repeats
+        + len(rates) * sum(batchserve_method(m) is not None for m in methods) * repeats
+    )
 
 
 def run(
@@ -306,17 +313,7 @@ def run(
         raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
     from batchserve.runner import load_model
 
-    gguf, skipped = llamacpp_gguf(model_path) if "llamacpp" in methods else (None, "")
-    if skipped:  # an optional peer: the sweep goes on without it, and the report says why
-        tqdm.write(skipped)
-        methods = [m for m in methods if m != "llamacpp"]
-    llama_server, server_gguf, why = (
-        served.llama_server_peer(model_path) if set(LLAMA_SERVER) & set(methods) else (None, None, "")
-    )
-    if why:  # the same for llama.cpp's server
-        tqdm.write(why)
-        skipped = "; ".join(filter(None, (skipped, why)))
-        methods = [m for m in methods if m not in LLAMA_SERVER]
+    methods, gguf, llama_server, skipped = _optional_peers(methods, model_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_model, tokenizer = load_model(model_path, dtype)
     engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
@@ -324,23 +321,11 @@ def run(
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     rates = list(request_rates or [])
     llamacpp_rounds = "llamacpp" in methods and repeats > 1 and 1 in batch_sizes
-    runs_per_point = sum(m not in SINGLE for m in methods) * repeats
-    total = len(datasets) * (
-        sum(m in SINGLE for m in methods)
-        + (repeats - 1) * llamacpp_rounds
-        + len(batch_sizes) * runs_per_point
-        + len(rates) * sum(batchserve_method(m) is not None for m in methods) * repeats
-    )
+    total = len(datasets) * _runs_per_dataset(methods, batch_sizes, rates, repeats, llamacpp_rounds)
     bar = tqdm(total=total, desc="bench", unit="run")
     s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar)
     s.gguf, s.llamacpp_rounds = gguf, llamacpp_rounds
-    s.model_path, s.seats, s.logs = model_path, max(16, *batch_sizes), out_dir / "logs"
-    s.llama_server = None if llama_server is None or server_gguf is None else (llama_server, server_gguf)
-    if set(SERVED) & set(methods):
-        from batchserve.model import cpu_weights_choice
-
-        on_cpu = engine_model is None or engine_model.device.type == "cpu"
-        s.served_weights = cpu_weights_choice(on_cpu, model_path, s.seats).weights
+    s.served = _served_peers(methods, model_path, engine_model, batch_sizes, out_dir / "logs", llama_server)
     by_kernels = {"-".join(str(k) for k in kernels if k): p for kernels, p in profiles.items()}
 
     def write(rows: list[Row]) -> None:
@@ -349,7 +334,7 @@ def run(
 
     s.write = write
     write(s.rows)  # the header and the cost profiles before the first row
-    with s.servers:  # every server started is stopped, however the sweep ends
+    with s.served or nullcontext():  # every server started is stopped, however the sweep ends
         for dataset in datasets:
             _dataset_rows(s, dataset, num_prompts, count, rates)
     bar.close()

@@ -98,15 +98,7 @@ def choose_impl(
     if impl == "native" or (impl == "auto" and device in NATIVE_DEVICES and unsupported is None):
         native = native_from_hf(model)
         weights = cpu_weights
-        why = f"cpu_weights={weights} was asked for"
-        if weights == "auto":
-            # A model handed in keeps the weights it came with: only the engine knows its file.
-            weights, why = (
-                cpu_weights_choice(on_cpu, path, max_num_seqs)
-                if loaded_from_path
-                else WeightsChoice("float32", "a model handed in keeps its float32 weights (only a file has others)")
-            )
-        native.cpu_weights_reason = why
+        weights, native.cpu_weights_reason = _weights_for(weights, on_cpu, path, max_num_seqs, loaded_from_path)
         if weights == "q4_1":
             _load_q4_1(native, path, ours=cpu_linear != "torch" and our_q4_here())
         native.cpu_weights = weights if on_cpu else "-"
@@ -137,6 +129,17 @@ def our_q4_here() -> bool:
 class WeightsChoice(NamedTuple):
     weights: str  # float32, bfloat16 or q4_1
     why: str  # for the start-up log and GetModelInfo
+
+
+def _weights_for(
+    asked: str, on_cpu: bool, path: str | None, max_num_seqs: int | None, loaded_from_path: bool
+) -> WeightsChoice:
+    """The weights `cpu_weights=asked` means here, and why."""
+    if asked != "auto":
+        return WeightsChoice(asked, f"cpu_weights={asked} was asked for")
+    if not loaded_from_path:  # a model handed in keeps the weights it came with: only the engine knows its file
+        return WeightsChoice("float32", "a model handed in keeps its float32 weights (only a file has others)")
+    return cpu_weights_choice(on_cpu, path, max_num_seqs)
 
 
 def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:

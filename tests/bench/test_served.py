@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from batchserve import SamplingParams
-from batchserve.bench import served
+from batchserve.bench import served, servers
 from tests.conftest import make_ascii_model
 from tests.server.conftest import start_server, tiny_core
 
@@ -59,18 +59,18 @@ async def test_a_failed_request_fails_the_run_with_the_servers_answer():
 def test_a_server_that_dies_at_start_says_why(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match="exited with 3 before it was ready:\nno model here"):
-        with served._process(cmd, "http://127.0.0.1:9/health", tmp_path / "log.txt"):
+        with servers._process(cmd, "http://127.0.0.1:9/health", tmp_path / "log.txt"):
             pass
 
 
 def test_llama_server_is_found_or_named_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "nowhere"))
-    assert served.llama_server_binary() is None
+    assert servers.llama_server_binary() is None
     binary = tmp_path / "llama-server"
     binary.write_text("")
     monkeypatch.setenv("LLAMA_SERVER", str(binary))
-    assert served.llama_server_binary() == str(binary)
-    assert "make bench-llama-server" in served.LLAMA_SERVER_MISSING
+    assert servers.llama_server_binary() == str(binary)
+    assert "make bench-llama-server" in servers.LLAMA_SERVER_MISSING
 
 
 def test_served_methods_are_peers_checked_against_the_plain_decoding_as_served():
@@ -86,7 +86,7 @@ def test_served_methods_are_peers_checked_against_the_plain_decoding_as_served()
 
 def test_the_report_sets_served_rows_against_the_same_settings_in_process():
     from batchserve.bench.methods import Row
-    from batchserve.bench.report import served_table
+    from batchserve.bench.served import served_table
 
     def row(method: str, b: int, tps: float, versus: str | None = None) -> Row:
         return Row(method, "humaneval", b, 8, 100, 1.0, tps, None, 0.1, 0.2, 0.01, 0.02, None, versus=versus)
