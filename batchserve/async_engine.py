@@ -41,9 +41,12 @@ class AsyncEngine:
     thread, so RPCs keep flowing during a step; requests join and leave between steps.
     """
 
-    def __init__(self, core: EngineCore, max_failed_steps: int = 3) -> None:
+    def __init__(
+        self, core: EngineCore, max_failed_steps: int = 3, step_thread: ThreadPoolExecutor | None = None
+    ) -> None:
         """`max_failed_steps`: after this many steps in a row that served nobody (every request
-        failed), the engine stops for good: a device that keeps failing needs a restart."""
+        failed), the engine stops for good: a device that keeps failing needs a restart.
+        `step_thread`: the one-thread executor the core was built in (`build`); a new one otherwise."""
         if max_failed_steps < 1:
             raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
         self.core = core
@@ -51,7 +54,7 @@ class AsyncEngine:
         self.dead: str | None = None  # why the engine stopped for good; new requests are refused
         self.died = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-step")
+        self._executor = step_thread or step_executor()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -66,7 +69,23 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, **settings: Any) -> AsyncEngine:
         """An engine loading its model from `config` with `settings` applied over it, as `LLM` does."""
-        return cls(EngineCore((config or EngineConfig()).with_settings(**settings)))
+        return cls.build((config or EngineConfig()).with_settings(**settings))
+
+    @classmethod
+    def build(cls, config: EngineConfig, *core_args: Any, max_failed_steps: int = 3) -> AsyncEngine:
+        """The core built in the thread that will run its steps, so that one thread does all of the
+        process's OpenMP work. NOTE: libgomp keeps a worker pool per thread that ever ran a parallel
+        region; with more pool threads than CPUs it stops spinning between regions and wakes its
+        workers through the kernel instead, which made every step on 2 cores 1.5-2x slower when
+        the model was built (loaded, checked, calibrated) on the main thread and stepped on this one.
+        `core_args`: EngineCore's after the config (a model and tokenizer handed in)."""
+        step_thread = step_executor()
+        try:
+            core = step_thread.submit(EngineCore, config, *core_args).result()
+        except BaseException:
+            step_thread.shutdown(wait=False)
+            raise
+        return cls(core, max_failed_steps, step_thread)
 
     @property
     def config(self) -> EngineConfig:
@@ -221,6 +240,11 @@ class AsyncEngine:
         for rid, queue in list(self._queues.items()):
             queue.put_nowait(RequestOutput(rid, [], "", True, FinishReason.ERROR, 0, 0, RequestStats(), error=reason))
         self.died.set()
+
+
+def step_executor() -> ThreadPoolExecutor:
+    """The engine's step thread: one worker, for every forward."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-step")
 
 
 class EngineDeadError(RuntimeError):

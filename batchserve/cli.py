@@ -132,18 +132,18 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"batchserve serve: {e}", file=sys.stderr)
         return 1
     from batchserve.async_engine import AsyncEngine
-    from batchserve.engine import EngineCore
     from batchserve.runner.model_loader import resolve_model_path
     from batchserve.server.app import BatchServer, serve_forever
 
     try:
-        core = EngineCore(config)
+        engine = AsyncEngine.build(config)  # in the thread that runs its steps (AsyncEngine.build)
     except (FileNotFoundError, ValueError) as e:
         print(f"batchserve serve: {e}", file=sys.stderr)
         return 2
+    core = engine.core
     directory, gguf = resolve_model_path(config.model.path)
     server = BatchServer(
-        AsyncEngine(core),
+        engine,
         server_config,
         model_name=str(directory / gguf if gguf else directory),
         dtype=str(next(core.runner.model.parameters()).dtype).removeprefix("torch."),

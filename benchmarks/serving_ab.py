@@ -6,15 +6,19 @@ two source trees on one machine, the same HumanEval prompts over HTTP (streamed
     .venv/bin/python benchmarks/serving_ab.py --a /tmp/before --b . --loads 1,16 --rounds 3 \\
         --out benchmarks/results/served/ab.json
 
-Prints tokens/s per round and the median ratio b / a per load. `--draft none` runs both
-without drafts (the serving path's cost alone).
+Prints tokens/s per round and the median ratio b / a per load, and the version each server
+reported running (its source tree). `--draft none` runs both without drafts (the serving path's
+cost alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +39,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     loads = [int(x) for x in args.loads.split(",")]
+    for name in ("a", "b"):  # where each server's package comes from, as servers.batchserve_server runs it
+        source = getattr(args, name).resolve()
+        where = subprocess.run(
+            [sys.executable, "-c", "import batchserve; print(batchserve.__file__)"],
+            cwd=source, env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        print(f"{name}: {where}")
     tokenizer = load_tokenizer()
     samples = humaneval()
     logs = Path(tempfile.mkdtemp(prefix="serving_ab_"))

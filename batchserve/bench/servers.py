@@ -61,11 +61,13 @@ def llama_server_peer(model_path: str | None) -> tuple[tuple[str, Path] | None, 
 
 
 @contextmanager
-def _process(cmd: list[str], ready: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+def _process(
+    cmd: list[str], ready: str, log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[None]:
     """Run `cmd` until the block ends; ready when GET `ready` (an http://host:port/path) answers 200."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         try:
             _wait_ready(proc, ready, log)
             yield
@@ -115,8 +117,9 @@ def batchserve_server(
         cmd += ["--model", model]
     if draft is not None:
         cmd += ["--draft", draft]
+    # `python -m` puts its working directory first on the path: run from the source tree, and on it.
     env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
-    with _process(cmd, f"http://127.0.0.1:{http_port}/health", log, env):
+    with _process(cmd, f"http://127.0.0.1:{http_port}/health", log, env, source):
         yield f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
 
 

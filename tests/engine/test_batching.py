@@ -408,3 +408,31 @@ async def test_abort_landing_while_the_forward_runs_in_the_worker_thread(tiny_mo
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     _assert_pool_full(core)
     await engine.stop()
+
+
+async def test_a_built_engine_does_all_its_torch_work_in_its_step_thread(monkeypatch):
+    """AsyncEngine.build makes the core in the step thread: one thread then runs every OpenMP
+    region of the process (a second one's worker pool makes libgomp stop spinning between
+    regions on a small machine: every step slower), and its steps run there too."""
+    import batchserve.async_engine as async_engine
+    from batchserve.config import EngineConfig
+
+    threads: list[str] = []
+
+    class Recording(EngineCore):
+        def __init__(self, *args, **kwargs) -> None:
+            threads.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+        def execute(self, step) -> None:
+            threads.append(threading.current_thread().name)
+            super().execute(step)
+
+    monkeypatch.setattr(async_engine, "EngineCore", Recording)
+    engine = AsyncEngine.build(EngineConfig(), make_tiny_model(), make_tiny_tokenizer())
+    out = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))]
+    assert out[-1].finished and len(threads) >= 2
+    assert len(set(threads)) == 1 and threads[0].startswith("batchserve-step")
+    await engine.stop()
+    with pytest.raises(ValueError, match="max_num_seqs"):  # a bad config fails the build, the thread is released
+        AsyncEngine.build(EngineConfig().with_settings(max_num_seqs=0), make_tiny_model(), make_tiny_tokenizer())
