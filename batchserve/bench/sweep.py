@@ -212,7 +212,8 @@ def _served_row(s: _Sweep, dataset: str, b: int, method: str, prompts: list[list
     """A served method's run at b in flight, against the in-process plain decoding of make serve's weights."""
     assert s.served is not None
     own = s.own_references.get((s.served.weights, (dataset, b, None)))
-    reference = [s.tokenizer.decode(o) for o in own] if own is not None else None
+    # The server streams text without special tokens (the end-of-sequence one included).
+    reference = [s.tokenizer.decode(o, skip_special_tokens=True) for o in own] if own is not None else None
     row = s.served.row(method, dataset, b, prompts, s.max_new, work.warm, reference)
     s.bar.update(1)
     s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
