@@ -42,23 +42,28 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **shape: Any) -> Any:
+    """The tiny random Llama (`shape` overrides its config's sizes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    sizes = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # GQA
+        "head_dim": 16,
+        **shape,
+    }
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA
-        head_dim=16,
         max_position_embeddings=1024,
         initializer_range=0.3,  # spread logits: random weights must not produce near-ties
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+        **sizes,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype).eval()
@@ -68,31 +73,11 @@ def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
 
 
 def make_tiny_fa2_model(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Any:
-    """The tiny model for the GPU tests: head dim 64 (FlashInfer's FA2 prefill kernels have no
-    valid tile below 64 and fail with "Invalid configuration"), 2 query heads over 1 KV head (GQA),
-    hidden 128, bfloat16 by default; on the CPU (the tests move it)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,  # GQA
-        head_dim=64,
-        max_position_embeddings=1024,
-        initializer_range=0.3,  # spread logits: random weights must not produce near-ties
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    """The tiny model at FlashInfer's smallest head dim: 64 (its FA2 prefill kernels have no valid
+    tile below 64 and fail with "Invalid configuration"), 2 query heads over 1 KV head (GQA),
+    hidden 128, bfloat16 by default; on the CPU (the GPU tests move it)."""
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+    return make_tiny_model(seed, dtype, head_dim=64, **shape)
 
 
 def mismatch(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:

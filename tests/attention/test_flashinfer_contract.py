@@ -23,7 +23,7 @@ from batchserve.attention.base import StepBucket
 from batchserve.attention.flashinfer_backend import FlashInferBackend, MaskUpload, build_plan
 from tests.attention import flashinfer_double as fi
 from tests.attention.layouts import blocks_needed, random_step, slot_mapping
-from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
+from tests.conftest import TINY_VOCAB, make_tiny_fa2_model, make_tiny_tokenizer
 from tests.engine.drafters import RandomTreeDrafter
 
 HEAD_DIM = 64  # FA2's smallest
@@ -182,21 +182,6 @@ def test_the_double_refuses_what_flashinfer_refuses():
 # The engine: the tiny Llama at FlashInfer's smallest head dim, in bf16, over the double.
 
 
-def _model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=1024,
-        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def _core(monkeypatch: pytest.MonkeyPatch, graphs: str) -> Any:
     """An engine whose attention is the FlashInfer backend over the double (made where the engine
     makes its backend), greedy with fixed-length random trees."""
@@ -218,7 +203,7 @@ def _core(monkeypatch: pytest.MonkeyPatch, graphs: str) -> Any:
         draft=DraftConfig(decoding_length=8, adaptive=False),
     )
     drafter = RandomTreeDrafter(seed=3, vocab=TINY_VOCAB, max_nodes=8)
-    return EngineCore(config, _model(), make_tiny_tokenizer(), drafter)
+    return EngineCore(config, make_tiny_fa2_model(), make_tiny_tokenizer(), drafter)
 
 
 def _generate(core: Any) -> tuple[dict[str, list[int]], list[Any]]:
