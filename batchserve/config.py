@@ -26,6 +26,7 @@ CUDA_GRAPHS_HELP = (
     "on: steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket; auto: on for"
     " the native model on CUDA over a backend safe to replay (flashinfer); eager: the same steps uncaptured; off: none"
 )
+LAYOUT_HELP = "lookahead: prefix-merged tree, disjoint chains, or one chain"
 THREADS_HELP = "torch threads (serve: $BATCHSERVE_NUM_THREADS, else the CPUs it may use: affinity, cgroup quota)"
 ADAPTIVE_DECODING_LENGTH = 64  # the default per-request cap when the policy chooses lengths
 FIXED_DECODING_LENGTH = 16  # the default length when every request drafts the same
@@ -62,9 +63,8 @@ class ModelConfig:
         "auto",
         "native model on CPU: float32; bfloat16: bfloat16 copies of the products' weights on oneDNN (AVX-512 CPUs);"
         " q4_1: a GGUF file's Q4_1 layers (and Q8_0 head) as stored, on our kernels (AVX2; built with g++ on first"
-        " use), else torch's int4 one. Both give the reduced-precision model's output, not float32 HF's. auto, for a"
-        " Q4_1 GGUF the engine loads: q4_1 at any max_num_seqs where bfloat16 products do not run (AVX2 CPUs), and"
-        " where they do up to 2 seats, past that bfloat16; for other models bfloat16 where it runs, else float32",
+        " use), else torch's int4 one. Both give the reduced-precision model's output, not float32 HF's. auto: for a"
+        " Q4_1 GGUF q4_1 where our kernels build; else bfloat16 where it runs, else float32 (the log says which, why)",
         choices=CPU_WEIGHTS,
     )
     num_threads: int | None = setting(None, THREADS_HELP)
@@ -163,6 +163,9 @@ class DraftConfig:
     # drafting's Python, paid in steps without drafts too (benchmarks/README.md). Past this many,
     # requests take turns.
     shadow_requests: int = setting(4, "adaptive: most requests given a shadow draft in one step")
+    # Shadow drafts and plans cost host time in steps that verify no draft (scheduler/host_budget.py).
+    shadow_share: float = setting(0.02, "adaptive: where drafts are dormant, most of a step's time shadow drafts take")
+    plan_backoff: int = setting(16, "adaptive: steps without drafts that make drafts dormant; the longest plan pause")
     # Optimistic enough that the first steps draft, so evidence arrives and the average takes over.
     initial_acceptance: float = setting(0.6, "adaptive: acceptance guessed for rank 0 before any evidence")
     # Rank j starts at 0.6 * 0.8**j: a deeper node needs every node above it accepted too.
@@ -191,17 +194,11 @@ class DraftConfig:
     # ln(hedge) moves by rate x (ratio - 1) per step: at 20% slower, about 10% more hedge a step.
     guard_rate: float = setting(0.5, "adaptive: how fast the guard's hedge follows the measured ratio")
     guard_max_hedge: float = setting(16.0, "adaptive: the most the guard divides a draft's expected gain by")
-    layout: DraftLayout = setting(
-        "hierarchical",
-        "lookahead: prefix-merged tree, disjoint chains, or one chain",
-        name="draft_layout",
-        choices=DRAFT_LAYOUTS,
-    )
+    layout: DraftLayout = setting("hierarchical", LAYOUT_HELP, name="draft_layout", choices=DRAFT_LAYOUTS)
     branch_length: int = setting(12, "lookahead: n-gram length inserted into the trie")
     # A request's own prompt and output are an array searched when drafting (`TokenIndex`): depth
-    # costs nothing to index, and deeper paths let a request that copies its prompt draft further.
-    # Not by default: at 32 the policy drafts rows past what they buy (HumanEval at batch 1 0.90x,
-    # code edits 0.98x, though a prompt with long verbatim copies gained 1.28x; benchmarks/README.md).
+    # costs nothing to index, and lets a request that copies its prompt draft further. Not 32: the
+    # policy drafted rows past what they buy (HumanEval at batch 1 0.90x; benchmarks/README.md).
     own_branch_length: int = setting(12, "lookahead: longest path drafted from a request's own prompt and output")
     copy_chain: bool = setting(
         True, "lookahead: draft first what followed the longest earlier match (own text, recent outputs)"
@@ -255,6 +252,8 @@ class DraftConfig:
             ("prompt_weight", self.prompt_weight > 0, "> 0"),
             ("shadow_draft", self.shadow_draft >= 0, ">= 0"),
             ("shadow_requests", self.shadow_requests >= 1, ">= 1"),
+            ("shadow_share", 0 <= self.shadow_share <= 1, "in [0, 1]"),
+            ("plan_backoff", self.plan_backoff >= 0, ">= 0"),
             ("trie_capacity", self.trie_capacity >= 1, ">= 1"),
             ("trie_max_scopes", self.trie_max_scopes >= 1, ">= 1"),
             ("recent_output_tokens", self.recent_output_tokens >= 0, ">= 0"),

@@ -23,7 +23,9 @@ Nodes expected to be accepted less often than `min_gain` are never drafted, so a
 drafts keep failing gets none; while it gets none its estimates drift back toward the pooled
 prior (`explore`), so it is retried once the batch has room again.
 
-The time of a step is the profile's, refined online from measured steps (`observe_step`).
+The time of a step is the profile's, refined online from measured steps (`observe_step`), plus,
+when choosing whom to search a tree for (`hopeful`), the measured host time of each search
+(`StepShape.search_ms`, from `host_budget.py`).
 A `SpeedGuard` (`speed_guard.py`) checks the outcome: where steps with drafts measure slower per
 token than steps without at this batch size (steps with a prompt chunk judged apart), every
 expected gain is divided by its hedge.
@@ -69,6 +71,7 @@ class StepShape:
     num_seqs: int | None = None  # requests in the step (None: num_roots)
     token_budget: int | None = None  # most draft tokens (None: all offered)
     chunked: bool = False  # the step carries a prompt chunk (the speed guard judges those apart)
+    search_ms: float = 0.0  # host time of a request's tree search, where it is still to be paid
 
     @property
     def seqs(self) -> int:
@@ -224,11 +227,16 @@ class DraftBudgetPolicy:
         gain = np.concatenate(([0.0], np.cumsum(values[order]) / hedge))
         ks = np.arange(len(gain))
         curve = self.profile.curve(context)
+        searches = np.zeros(len(ks))  # [k] host ms of the tree searches the first k nodes need
+        if step.search_ms > 0 and len(order):
+            first = np.zeros(len(order), dtype=bool)  # each request's best node starts its search
+            first[np.unique(owners[order], return_index=True)[1]] = True
+            searches[1:] = step.search_ms * np.cumsum(first)
 
         def cost(others: int) -> np.ndarray:  # [k] predicted ms of the step with k nodes
             # Draft rows: the k nodes (fixed-length drafts among `others` would add the same
             # constant to every k, which moves no decision).
-            return self._steps_ms(num_roots + others + ks, ks, context, num_seqs, curve)
+            return self._steps_ms(num_roots + others + ks, ks, context, num_seqs, curve) + searches
 
         # 1. Decode-only optimum and the value of a token there (argmax: the fewest nodes of a tie).
         decode = cost(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -11,14 +12,14 @@ from batchserve.draft.base import Drafter, WindowDrafter
 from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
 from batchserve.request import Request
-from batchserve.scheduler.budget import DraftBudgetPolicy, DraftCandidate, StepShape
+from batchserve.scheduler.budget import DraftBudgetPolicy, StepShape
 from batchserve.scheduler.grammar_steps import GrammarSteps
+from batchserve.scheduler.host_budget import HostBudget
 from batchserve.scheduler.judging import OpenJudgements
 from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from batchserve.scheduler.policy_drafts import PolicyDrafts
 
 logger = logging.getLogger("batchserve")
-# A hopeful request's tree holds up to this many times the nodes it would get at best (and a shadow draft's more).
-PROPOSAL_HEADROOM = 2
 
 
 class DraftPlanner:
@@ -41,7 +42,8 @@ class DraftPlanner:
         self._proposals: dict[str, DraftTree] = {}
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
-        self._step = 0  # steps planned: whose turn a shadow draft is
+        self.host = HostBudget(config.shadow_share, config.plan_backoff)  # speculation's host time
+        self.sizing = PolicyDrafts(policy, config, self.host) if policy is not None else None
         self._chunked = False  # this step carries a prompt chunk (the guard judges those apart)
         self.grammar = GrammarSteps()  # structured output's share of each step
         self.judgements = OpenJudgements()  # trees whose deeper nodes later tokens will decide
@@ -97,7 +99,10 @@ class DraftPlanner:
         guard = self.policy.guard if self.policy is not None else None
         self._chunked = not _decode_only(items)
         self._plain = guard is not None and guard.wants_plain(len(items), self._chunked)
+        self.host.new_step()
+        start = time.perf_counter()
         trees, windows = self.plan(items, requests, budget)
+        self.host.clock(start)
         out = []
         for item in items:
             tree, window = trees.get(item.request_id), windows.get(item.request_id)
@@ -146,35 +151,12 @@ class DraftPlanner:
             if tree is not None:
                 trees[req.request_id] = tree
                 budget -= len(tree)
-        if not by_policy or self.policy is None:
+        if not by_policy or self.sizing is None:
             return trees
-        uppers = self.policy.upper_gains_many([(req.request_id, limit) for req, limit in by_policy])
-        pending = [(req, limit, upper) for (req, limit), upper in zip(by_policy, uppers)]  # with upper gains
         shape = self._step_shape(items, requests, sum(map(len, trees.values())), budget)
-        # A baseline step judges proposals but verifies none: shadow drafts are all it needs.
-        hopeful = {} if self._plain else self._hopeful(pending, shape)
-        shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
-        self._step += 1
-        turns = max(1, -(-(len(pending) - len(hopeful)) // self.config.shadow_requests))  # 1: every step
-        for i, (req, limit, upper) in enumerate(pending):
-            # Never propose more than could be given, and a tree search only where a draft could
-            # pay this step; else a shadow draft, which the request's output judges for free (its
-            # estimates rise when matches turn good), at most `shadow_requests` of them a step.
-            wanted = self._proposal(len(upper), hopeful.get(req.request_id, 0))
-            shadow = min(limit, self.config.shadow_draft) if wanted or (self._step + i) % turns == 0 else 0
-            tree = self._propose(req, max(wanted, shadow))
-            if tree is None:
-                continue
-            self._proposals[req.request_id] = tree
-            if wanted:
-                shared.append((req, tree))
-        if shared:
-            lengths = self._allocate(shared, shape)
-            for req, tree in shared:
-                k = lengths.get(req.request_id, 0)
-                if k > 0:
-                    trees[req.request_id] = tree.prefix(k)
-        return trees
+        sized = self.sizing.trees(by_policy, shape, self._plain, self._propose)
+        self._proposals = sized.proposals
+        return trees | sized.verified
 
     def _windows(
         self, items: list[ScheduledRequest], requests: dict[str, Request], trees: dict[str, DraftTree], budget: int
@@ -262,38 +244,8 @@ class DraftPlanner:
             num_seqs=len(items),
             token_budget=max(0, budget),
             chunked=self._chunked,
+            search_ms=self.host.search_ms,
         )
-
-    def _hopeful(self, pending: list[tuple[Request, int, list[float]]], shape: StepShape) -> dict[str, int]:
-        """The policy requests worth a tree search this step, with the nodes each would get at
-        best. A constrained request always is, to its limit: its grammar's forced tokens are
-        drafts that the acceptance estimates know nothing of."""
-        assert self.policy is not None
-        always = {req.request_id: limit for req, limit, _ in pending if req.grammar is not None}
-        try:
-            return self.policy.hopeful([(req.request_id, upper) for req, _, upper in pending], shape) | always
-        except Exception:
-            logger.exception("the draft budget failed; this step decodes without policy drafts")
-            return {}
-
-    def _proposal(self, most: int, best: int) -> int:
-        """How many nodes to propose for a request that could be given `most` at all and `best` if
-        every node were worth the most it could be (0: none this step). The real allocation can
-        give one request more than its best case (when the others' real trees turn out worse),
-        so the proposal has room past it; but a busy step gives a request one or two nodes of
-        the dozens it could take, and searching for the rest costs (benchmarks/README.md)."""
-        if best <= 0:
-            return 0
-        return min(most, PROPOSAL_HEADROOM * best + self.config.shadow_draft)
-
-    def _allocate(self, shared: list[tuple[Request, DraftTree]], shape: StepShape) -> dict[str, int]:
-        assert self.policy is not None
-        try:
-            candidates = [DraftCandidate(req.request_id, len(tree), tree.scores, tree.match) for req, tree in shared]
-            return self.policy.allocate_step(candidates, shape)
-        except Exception:
-            logger.exception("the draft budget failed; this step decodes without policy drafts")
-            return {}
 
     def observe_acceptance(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
         """Feed the policy's trackers which draft ranks (node indices) were on the accepted path,
@@ -304,6 +256,12 @@ class DraftPlanner:
         self._emitted += len(emitted)
         if self.policy is None:
             return
+        start = time.perf_counter()
+        self._judge(item, accepted, emitted)
+        self.host.clock(start)
+
+    def _judge(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
+        assert self.policy is not None
         if self.windowed:
             windows = self.policy.windows
             if item.window is None:
@@ -339,9 +297,18 @@ class DraftPlanner:
         if self.config.learn_step_costs and decode_only:
             context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
             self.policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
+        self.host.observe_step(seconds * 1e3)
         if self.policy.guard is not None:
             drafted = any(r.draft is not None or r.window is not None for r in out.requests)
-            self.policy.guard.observe(len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only)
+            self.policy.guard.observe(
+                len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only, self.host.spent_ms
+            )
+
+    def accepted(self, request_id: str, tokens: list[int]) -> None:
+        """The drafter learns the request's new tokens (its trie, its text), on the step's clock."""
+        start = time.perf_counter()
+        self.drafter.on_tokens_accepted(request_id, tokens)
+        self.host.clock(start)
 
 
 def _decode_only(items: Iterable[ScheduledRequest]) -> bool:

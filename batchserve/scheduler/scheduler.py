@@ -242,7 +242,7 @@ class Scheduler:
         req.stats.draft_tokens_accepted += len(reached)
         if item.draft is not None and item.draft.referenced:
             req.stats.reference_drafts_accepted += sum(1 for node in reached if node in item.draft.referenced)
-        self.drafter.on_tokens_accepted(req.request_id, appended)
+        self.planner.accepted(req.request_id, appended)
         self.planner.observe_window(item, result.window_outputs.get(item.request_id))
         self.prefix.register(req)
         if reason is not None:

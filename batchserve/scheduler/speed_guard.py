@@ -7,6 +7,11 @@ step slower than not drafting at all. The guard checks the outcome instead of th
 
 - per batch size (requests in a step, in power-of-two buckets), milliseconds per emitted token
   over the recent steps *with* draft rows and over those *without* (exponential averages);
+- the baseline is a step without speculation at all: a step without drafts is counted without
+  the host time speculation's bookkeeping spent in it (`host_budget.py`), and that time is
+  charged to the next step with drafts (at most doubling it): drafting pays for all it costs,
+  and must beat what a server without drafts would run, not steps that paid for drafts they
+  did not verify;
 - steps that carry a prompt chunk are judged apart from decode-only ones: the chunk's rows
   dominate their time, so the two kinds are not comparable, but within each kind the chunks fall
   on steps with and without drafts alike. Under an overloaded server nearly every step carries
@@ -72,6 +77,7 @@ class LoadState:
     hedge: float = 1.0
     since_plain: int = 0  # steps with drafts since the last one without
     failed_probes: int = 0  # drafted steps after a plain one, slower per token than plain, in a row
+    unpaid_ms: float = 0.0  # speculation's host time in plain steps since the last drafted one
 
     def ratio(self) -> float | None:
         """ms per token with drafts over without (< 1: drafts pay), once both are measured."""
@@ -133,19 +139,33 @@ class SpeedGuard:
         periods = _CLEAR_WIN_PERIODS if ratio is not None and ratio <= _CLEAR_WIN else 1
         return state.since_plain >= self.period * periods
 
-    def observe(self, num_seqs: int, tokens: int, elapsed_ms: float, drafted: bool, chunked: bool = False) -> None:
+    def observe(
+        self,
+        num_seqs: int,
+        tokens: int,
+        elapsed_ms: float,
+        drafted: bool,
+        chunked: bool = False,
+        speculation_ms: float = 0.0,
+    ) -> None:
         """A step of `num_seqs` requests emitted `tokens` in `elapsed_ms`; `drafted`: it verified
-        draft rows (a step without any is the baseline); `chunked`: it carried a prompt chunk."""
+        draft rows (a step without any is the baseline); `chunked`: it carried a prompt chunk;
+        `speculation_ms`: of its time, what speculation's own bookkeeping took. The baseline is
+        a step as a server without speculation would run it: without that time, which the next
+        drafted step pays."""
         if num_seqs < 1 or tokens < 1 or elapsed_ms <= 0:
             return
         state = self._state(num_seqs, chunked)
         if not drafted:
-            state.plain.add(elapsed_ms, tokens, self.keep)
+            state.plain.add(max(elapsed_ms - speculation_ms, 1e-3), tokens, self.keep)
+            state.unpaid_ms += speculation_ms
             state.since_plain = 0
             # Back off: after each failed probe past the first, drafting is retried half as soon.
             relax = self.relax / 2 ** min(_MAX_BACKOFF, max(0, state.failed_probes - 1))
             state.hedge = 1.0 + (state.hedge - 1.0) * (1.0 - relax)
             return
+        elapsed_ms += min(state.unpaid_ms, elapsed_ms)
+        state.unpaid_ms = 0.0
         plain = state.plain.ms_per_token
         if state.since_plain == 0 and plain is not None:  # the first drafted step after a plain one
             state.failed_probes = state.failed_probes + 1 if elapsed_ms / tokens > plain else 0
