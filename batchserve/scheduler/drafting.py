@@ -42,7 +42,8 @@ class DraftPlanner:
         self._proposals: dict[str, DraftTree] = {}
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
-        self.host = HostBudget(config.shadow_share, config.plan_backoff)  # speculation's host time
+        guard = policy.guard if policy is not None else None
+        self.host = HostBudget(config.shadow_share, config.plan_backoff, guard)  # speculation's host time
         self.sizing = PolicyDrafts(policy, config, self.host) if policy is not None else None
         self._chunked = False  # this step carries a prompt chunk (the guard judges those apart)
         self.grammar = GrammarSteps()  # structured output's share of each step

@@ -9,7 +9,8 @@ device. This module keeps that time in proportion, from measurements of it:
 
 - a tree search's measured time is a price: a request is worth one only where what its drafts
   could buy pays for its rows and its search (`search_ms`, handed to the policy);
-- a batch size where no plan has drafted for `max_skip` steps is dormant: there, shadow drafts
+- a batch size where no plan has drafted for `max_skip` steps, or where the speed guard's tries
+  of drafting keep losing (`SpeedGuard.failing`), is dormant: there, shadow drafts
   (proposed, never verified) run on an allowance of `share` of the step's time, at the measured
   cost of one, and a plan (the policy's estimates of every request, and whom a tree is worth
   searching for) that finds nothing is paid back from the same allowance: planning pauses for
@@ -48,11 +49,17 @@ class _Average:
 class HostBudget:
     """Measures speculation's host time and keeps it in proportion (module docstring)."""
 
-    def __init__(self, share: float = _DEFAULTS.shadow_share, max_skip: int = _DEFAULTS.plan_backoff) -> None:
+    def __init__(
+        self,
+        share: float = _DEFAULTS.shadow_share,
+        max_skip: int = _DEFAULTS.plan_backoff,
+        guard: SpeedGuard | None = None,
+    ) -> None:
         if not 0.0 <= share <= 1.0 or max_skip < 0:
             raise ValueError("host budget: need share in [0, 1] and max_skip >= 0")
         self.share = share
         self.max_skip = max_skip
+        self.guard = guard  # None: dormancy from idle plans alone
         self._search = _Average()  # ms of one tree search for a request the policy may draft for
         self._shadow = _Average()  # ms of one shadow search
         self._step = _Average()  # ms of a whole step
@@ -87,14 +94,14 @@ class HostBudget:
         if wall_ms > 0:
             self._step.add(wall_ms)
 
-    def shadows(self, wanted: int, num_seqs: int) -> int:
+    def shadows(self, wanted: int, num_seqs: int, chunked: bool = False) -> int:
         """How many of `wanted` shadow drafts to run this step at this batch size: all of them
         where drafts ran lately (or before a step and a shadow search are measured), else as
         many as the allowance pays for."""
         step, shadow = self._step.value, self._shadow.value
         if step is None or shadow is None or shadow <= 0:
             return wanted
-        if not self.dormant(num_seqs):
+        if not self.dormant(num_seqs, chunked):
             return wanted
         # Unspent credit is kept up to one step's worth: a quiet spell buys no later burst.
         self._credit = min(self._credit + self.share * step / shadow, float(max(1, wanted)))
@@ -102,8 +109,11 @@ class HostBudget:
         self._credit -= given
         return given
 
-    def dormant(self, num_seqs: int) -> bool:
-        """No plan has drafted at this batch size for `max_skip` steps."""
+    def dormant(self, num_seqs: int, chunked: bool = False) -> bool:
+        """No plan has drafted at this batch size for `max_skip` steps, or the guard's tries of
+        drafting there keep losing (`chunked`: for steps that carry a prompt chunk)."""
+        if self.guard is not None and self.guard.failing(num_seqs, chunked):
+            return True
         return self._idle.get(SpeedGuard.bucket(num_seqs), 0) >= self.max_skip
 
     def may_plan(self, num_seqs: int) -> bool:
@@ -116,11 +126,11 @@ class HostBudget:
         self._pauses[key] = left - 1
         return False
 
-    def planned(self, num_seqs: int, drafted: bool, seconds: float) -> None:
+    def planned(self, num_seqs: int, drafted: bool, seconds: float, chunked: bool = False) -> None:
         """A plan at this batch size took `seconds` and drafted something, or nothing: then,
         where drafts are dormant, planning pauses until the allowance has paid for it."""
         key, step = SpeedGuard.bucket(num_seqs), self._step.value
         if drafted:
             self._idle[key] = 0
-        elif step and self.share > 0 and self.dormant(num_seqs):
+        elif step and self.share > 0 and self.dormant(num_seqs, chunked):
             self._pauses[key] = min(self.max_skip, int(seconds * 1e3 / (self.share * step)))

@@ -52,7 +52,7 @@ class PolicyDrafts:
         wanted = self._wanted(wanted_limits, shape) if planning else {}
         plan_seconds = time.perf_counter() - start
         idle = [req.request_id for req, _ in wanted_limits if req.request_id not in wanted]
-        shadowed = self._shadowed(idle, num_seqs)
+        shadowed = self._shadowed(idle, num_seqs, shape.chunked)
         out = PolicyTrees()
         shared: list[tuple[Request, DraftTree]] = []  # the requests whose lengths the policy picks
         for req, limit in wanted_limits:
@@ -76,7 +76,7 @@ class PolicyDrafts:
             if k > 0:
                 out.verified[req.request_id] = tree.prefix(k)
         if planning:
-            host.planned(num_seqs, bool(out.verified), plan_seconds)
+            host.planned(num_seqs, bool(out.verified), plan_seconds, shape.chunked)
         return out
 
     def _wanted(self, limits: list[tuple[Request, int]], shape: StepShape) -> dict[str, int]:
@@ -87,12 +87,12 @@ class PolicyDrafts:
         wanted = {req.request_id: self._proposal(len(up), hopeful.get(req.request_id, 0)) for req, _, up in pending}
         return {rid: n for rid, n in wanted.items() if n > 0}
 
-    def _shadowed(self, idle: list[str], num_seqs: int) -> set[str]:
+    def _shadowed(self, idle: list[str], num_seqs: int, chunked: bool) -> set[str]:
         """The requests given a shadow draft this step: up to `shadow_requests` in turn, where
         drafts are dormant as many as the host allowance pays for."""
         if not idle:
             return set()
-        n = self.host.shadows(min(len(idle), self.config.shadow_requests), num_seqs)
+        n = self.host.shadows(min(len(idle), self.config.shadow_requests), num_seqs, chunked)
         start = self._shadows_given % len(idle)
         self._shadows_given += n
         return set((idle + idle)[start : start + n])

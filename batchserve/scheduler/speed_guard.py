@@ -127,6 +127,11 @@ class SpeedGuard:
         state = self._known(num_seqs, chunked)
         return state.hedge if state is not None else 1.0
 
+    def failing(self, num_seqs: int, chunked: bool = False) -> bool:
+        """Tries of drafting at this batch size keep losing: two or more in a row."""
+        state = self._known(num_seqs, chunked)
+        return state is not None and state.failed_probes >= 2
+
     def wants_plain(self, num_seqs: int, chunked: bool = False) -> bool:
         """Should this step (`chunked`: it carries a prompt chunk) run without drafts, to measure
         the baseline at this batch size?"""

@@ -140,3 +140,19 @@ def test_a_busy_scheduler_where_no_draft_pays_stops_asking_the_policy_every_step
     assert search_ms >= 1.0
     assert 0 < sum(shadows[20:]) <= 40 * 0.02 * 10.0 / search_ms + 1
     assert s.planner.host.spent_ms > 0
+
+
+def test_a_batch_size_where_the_guards_tries_keep_losing_is_dormant():
+    guard = SpeedGuard(period=1)
+    b = HostBudget(share=0.02, max_skip=16, guard=guard)
+    b.observe_step(10.0)
+    b.searched(0.0005, shadow=True)
+    assert not b.dormant(16) and b.shadows(4, num_seqs=16) == 4
+    for _ in range(3):  # three tries in a row, each a drafted step slower per token than plain
+        guard.observe(16, 16, 30.0, drafted=False)
+        guard.observe(16, 17, 40.0, drafted=True)
+    assert guard.failing(16) and b.dormant(16) and not b.dormant(16, chunked=True)
+    assert b.shadows(4, num_seqs=16) <= 1
+    guard.observe(16, 16, 30.0, drafted=False)
+    guard.observe(16, 32, 40.0, drafted=True)  # a try that wins
+    assert not guard.failing(16) and not b.dormant(16)
