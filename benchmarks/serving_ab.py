@@ -7,7 +7,8 @@ two source trees on one machine, the same HumanEval prompts over HTTP (streamed
         --out benchmarks/results/served/ab.json
 
 Prints tokens/s per round and the median ratio b / a per load, and the version each server
-reported running (its source tree). `--draft none` runs both without drafts (the serving path's
+reported running (its source tree). Each load runs under a tenant of its own, so its drafts
+never copy an earlier load's answers to the same prompts. `--draft none` runs both without drafts (the serving path's
 cost alone).
 """
 
@@ -59,7 +60,8 @@ def main() -> None:
                 for c in loads:
                     prompts = [tokenizer.encode(s.prompt) for s in samples[: max(args.num_prompts, 2 * c)]]
                     served.run_http(base, prompts[: min(4, len(prompts))], 8, c)  # warm the server's paths
-                    run = served.run_http(base, prompts, args.max_new_tokens, c)
+                    # Its own tenant: a fresh trie and prefix cache, not the earlier loads' outputs.
+                    run = served.run_http(base, prompts, args.max_new_tokens, c, tenant=f"ab-{name}-{r}-{c}")
                     tps = run.tokens / run.seconds
                     results[name][c].append(tps)
                     texts[name].setdefault(c, run.texts)
