@@ -45,6 +45,10 @@ _CLEAR_WIN_PERIODS = 4
 # good: each failed probe in a row (past the first) halves how fast the hedge relaxes, down to
 # 1/2**_MAX_BACKOFF. One probe that wins resets it.
 _MAX_BACKOFF = 3
+# This many failed probes in a row make the batch size dormant (`host_budget.py`): drafting there
+# keeps losing, so its bookkeeping is kept to an allowance until a probe wins.
+_FAILING_PROBES = 2
+_MIN_MS = 1e-3  # floor on a baseline step's time: a numerical guard against a clock that stalls
 
 
 @dataclass(slots=True)
@@ -130,7 +134,7 @@ class SpeedGuard:
     def failing(self, num_seqs: int, chunked: bool = False) -> bool:
         """Tries of drafting at this batch size keep losing: two or more in a row."""
         state = self._known(num_seqs, chunked)
-        return state is not None and state.failed_probes >= 2
+        return state is not None and state.failed_probes >= _FAILING_PROBES
 
     def wants_plain(self, num_seqs: int, chunked: bool = False) -> bool:
         """Should this step (`chunked`: it carries a prompt chunk) run without drafts, to measure
@@ -162,7 +166,7 @@ class SpeedGuard:
             return
         state = self._state(num_seqs, chunked)
         if not drafted:
-            state.plain.add(max(elapsed_ms - speculation_ms, 1e-3), tokens, self.keep)
+            state.plain.add(max(elapsed_ms - speculation_ms, _MIN_MS), tokens, self.keep)
             state.unpaid_ms += speculation_ms
             state.since_plain = 0
             # Back off: after each failed probe past the first, drafting is retried half as soon.
