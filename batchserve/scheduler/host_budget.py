@@ -80,11 +80,9 @@ class HostBudget:
     def new_step(self) -> None:
         self.spent_s = 0.0
 
-    def clock(self, since: float) -> float:
-        """Add the time since `since` (a `time.perf_counter()`) to this step's; the time now."""
-        now = time.perf_counter()
-        self.spent_s += now - since
-        return now
+    def clock(self, since: float) -> None:
+        """Add the time since `since` (a `time.perf_counter()`) to this step's."""
+        self.spent_s += time.perf_counter() - since
 
     def searched(self, seconds: float, shadow: bool) -> None:
         """One tree search took `seconds`; `shadow`: a shadow draft's."""
