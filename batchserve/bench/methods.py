@@ -233,11 +233,13 @@ def expected_outputs(
     key: Any,
     outputs: list[list[int]],
     constrained: bool = False,
+    on_device: bool = False,
 ) -> list[list[int]] | None:
-    """What a run's outputs must equal: HF greedy; for other weights (q4_1, bfloat16), or under a
-    constraint HF does not apply, the same weights' plain decoding (`none` / `none-q4` / `none-bf16`,
-    run first at that batch size; `own`, keyed by `key`); None: nothing to compare."""
-    if weights == "float32" and not constrained:
+    """What a run's outputs must equal: HF greedy; for other weights (q4_1, bfloat16), under a
+    constraint HF does not apply, or on a GPU (`on_device`: HF's kernels round otherwise), the same
+    weights' plain decoding (`none` / `none-q4` / `none-bf16`, run first at that batch size; `own`,
+    keyed by `key`); None: nothing to compare."""
+    if weights == "float32" and not constrained and not on_device:
         return hf
     plain = "none" + WEIGHTS_SUFFIX[weights]
     if method == plain:

@@ -20,6 +20,7 @@ from batchserve.bench.load import poisson_arrivals
 from batchserve.bench.methods import (
     KEEP,
     LLAMA_SERVER,
+    PEERS,
     SERVED,
     SINGLE,
     Row,
@@ -58,6 +59,7 @@ class _Sweep:
     # batchserve methods' rounds, `repeats` times (its speed moves with the machine's as theirs do)
     llamacpp: tuple[Any, frozenset[int]] | None = None
     llamacpp_rounds: bool = False
+    on_device: bool = False  # the engine runs on a GPU: each method is judged against its own `none`
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
     rows: list[Row] = field(default_factory=list)  # the finished rows, in the order they finished
     write: Callable[[list[Row]], None] | None = None  # results.json and report.md of the rows so far
@@ -73,25 +75,27 @@ class _Sweep:
 def _peer_rows(
     s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int, constrained: bool = False
 ) -> list[list[int]]:
-    """The greedy reference for every prompt; the rows of the peers that run at batch 1 are added
-    as each finishes. Structured output (`constrained`): the peers do not constrain, so none runs
-    (each method checks against its own weights' plain decoding, constrained alike)."""
-    eos = s.tokenizer.eos_token_id
-    first = prompts[:num_prompts]
+    """HF greedy for every prompt where a row is judged against it (else empty lists); the peers
+    that run at batch 1 add their rows as each finishes. Structured output: no peer runs (they do
+    not constrain; each method checks against its own weights' plain decoding, constrained alike)."""
+    eos, first, none = s.tokenizer.eos_token_id, prompts[:num_prompts], [[] for _ in prompts]
     s.llamacpp = None  # the last dataset's
-    if constrained or not _needs_hf(s.methods):  # every batchserve method checks against its own `none`
-        return [[] for _ in prompts]
-    # The greedy reference; its first `num_prompts` are also the `hf` row.
-    reference, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
-    if "hf" in s.methods:
-        s.add(make_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
-        s.bar.update(1)
-    if len(prompts) > num_prompts:
-        rest = run_hf(s.ref_model, prompts[num_prompts:], s.max_new, eos, None, f"{dataset} reference")[0]
-        reference = reference + rest
+    judged = _needs_hf(s.methods, s.on_device)
+    if constrained or not (judged or set(s.methods) & set(SINGLE)):
+        return none
+    reference: list[list[int]] = []
+    if judged or "hf" in s.methods:  # its first `num_prompts` are also the `hf` row
+        reference, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
+        if "hf" in s.methods:
+            s.add(make_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
+            s.bar.update(1)
+        if judged and len(prompts) > num_prompts:
+            rest = run_hf(s.ref_model, prompts[num_prompts:], s.max_new, eos, None, f"{dataset} reference")[0]
+            reference = reference + rest
     if "hf-static" in s.methods:
         outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf-static", static=True)
-        s.add(make_row("hf-static", dataset, 1, outs, secs, ttfts, tpots, 1.0, outs == reference[:num_prompts]))
+        same = outs == reference[:num_prompts] if reference else None
+        s.add(make_row("hf-static", dataset, 1, outs, secs, ttfts, tpots, 1.0, same))
         s.bar.update(1)
     if "hf-prompt-lookup" in s.methods:
         outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
@@ -101,7 +105,7 @@ def _peer_rows(
         s.llamacpp = load_llamacpp(s.gguf, prompts, s.max_new), eos_token_ids(s.ref_model, s.tokenizer)
         if not s.llamacpp_rounds:
             s.add(_llamacpp_row(s, dataset, first, reference))
-    return reference
+    return reference or none
 
 
 def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: list[list[int]]) -> Row:
@@ -115,11 +119,12 @@ def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: 
     return row
 
 
-def _needs_hf(methods: list[str]) -> bool:
-    """Whether a sweep needs HF greedy: an HF or llama.cpp row, or a float32 method checked against
-    it (served rows check against the in-process plain decoding on make serve's weights)."""
-    ours = [batchserve_method(m) for m in methods if m not in SERVED + LLAMA_SERVER]
-    return any(m is None or m.cpu_weights == "float32" for m in ours)
+def _needs_hf(methods: list[str], on_device: bool = False) -> bool:
+    """Whether rows are judged against HF greedy: llama.cpp's, and a float32 method's on a CPU
+    (served rows check against the in-process plain decoding on make serve's weights; on a GPU
+    every method checks against the same engine's `none`: HF's kernels round otherwise)."""
+    ours = [batchserve_method(m) for m in methods if m not in PEERS]
+    return "llamacpp" in methods or (not on_device and any(m is not None and m.cpu_weights == "float32" for m in ours))
 
 
 def _batchserve_row(
@@ -153,7 +158,7 @@ def _batchserve_row(
     )
     key = (dataset, b, rate)
     expected = expected_outputs(
-        method, m.cpu_weights, reference, s.own_references, key, run.outputs, constrained=work.constrained
+        method, m.cpu_weights, reference, s.own_references, key, run.outputs, work.constrained, s.on_device
     )
     lossless = None if expected is None else run.outputs == expected
     row = make_row(method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, lossless)
@@ -326,6 +331,7 @@ def run(
     bar = tqdm(total=total, desc="bench", unit="run")
     s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar)
     s.gguf, s.llamacpp_rounds = gguf, llamacpp_rounds
+    s.on_device = engine_model is not None and engine_model.device.type != "cpu"
     s.served = _served_peers(methods, model_path, engine_model, batch_sizes, out_dir / "logs", llama_server)
     by_kernels = {"-".join(str(k) for k in kernels if k): p for kernels, p in profiles.items()}
 

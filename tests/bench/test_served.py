@@ -81,7 +81,7 @@ def test_served_methods_are_peers_checked_against_the_plain_decoding_as_served()
     assert all(known_method(n) for n in names) and as_served(names, "q4_1") == names
     # Their reference is the in-process `none` on make serve's weights, not HF greedy.
     assert not _needs_hf(["none-q4", "lookahead-adaptive-q4", *names])
-    assert _needs_hf(["none-q4", "hf"]) and _needs_hf(["none"])
+    assert _needs_hf(["none-q4", "llamacpp"]) and _needs_hf(["none"])
 
 
 def test_the_report_sets_served_rows_against_the_same_settings_in_process():

@@ -31,12 +31,12 @@ pytestmark = [
 ]
 
 
-def _tiny(graphs: str, seed: int = 5) -> LLM:
+def _tiny(graphs: str, seed: int = 5, max_num_seqs: int = 8) -> LLM:
     drafter = RandomTreeDrafter(seed=seed, vocab=TINY_VOCAB, max_nodes=10)
     model = make_tiny_fa2_model().to("cuda")  # bfloat16, head dim 64
     return LLM(
         hf_model=model, tokenizer=make_tiny_tokenizer(), drafter=drafter, cuda_graphs=graphs, adaptive=False,
-        max_num_seqs=8, max_num_batched_tokens=256, decoding_length=10, block_size=16,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=256, decoding_length=10, block_size=16,
     )  # fmt: skip
 
 
@@ -112,11 +112,12 @@ def test_engine_output_with_graphs_equals_the_same_steps_eager(batch, smollm2_bf
 
 
 def test_prompt_chunks_run_eagerly_between_replayed_steps():
-    """Requests arrive while others decode: steps with a prompt chunk (eager) sit between replayed
-    ones, and the outputs equal the eager engine's."""
+    """Requests arrive while others decode (two seats for six requests, so each later one is admitted
+    as a seat frees): steps with a prompt chunk (eager) sit between replayed ones, and the outputs
+    equal the eager engine's."""
     outs = []
     for graphs in ("on", "eager"):
-        llm = _tiny(graphs)
+        llm = _tiny(graphs, max_num_seqs=2)
         kinds = []
         runner = llm.engine.runner
         launch = runner._launch
