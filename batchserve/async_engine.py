@@ -203,7 +203,9 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             step = core.schedule()
-            await loop.run_in_executor(self._executor, core.execute, step)
+            forward = loop.run_in_executor(self._executor, core.execute, step)
+            core.learn()  # beside the forward: the drafter's insertion waits for no step
+            await forward
             try:
                 self._dispatch(core.commit(step))
             except Exception as e:  # a bug outside the step: count it and keep the loop alive

@@ -196,7 +196,7 @@ class DraftConfig:
     guard_max_hedge: float = setting(16.0, "adaptive: the most the guard divides a draft's expected gain by")
     layout: DraftLayout = setting("hierarchical", LAYOUT_HELP, name="draft_layout", choices=DRAFT_LAYOUTS)
     branch_length: int = setting(12, "lookahead: n-gram length inserted into the trie")
-    # A request's own prompt and output are an array searched when drafting (`TokenIndex`): depth
+    # A request's own prompt and output are an indexed array searched when drafting: depth
     # costs nothing to index, and lets a request that copies its prompt draft further. Not 32: the
     # policy drafted rows past what they buy (HumanEval at batch 1 0.90x; benchmarks/README.md).
     own_branch_length: int = setting(12, "lookahead: longest path drafted from a request's own prompt and output")

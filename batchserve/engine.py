@@ -12,6 +12,7 @@ from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
+from batchserve.draft.base import LearnsLater
 from batchserve.grammar import GrammarCompiler
 from batchserve.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from batchserve.scheduler import BlockAllocator, RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput, StepPhases
@@ -80,6 +81,8 @@ class EngineCore:
         # Structured output: constraints compiled once per text (front ends compile off the loop first).
         self.grammars = GrammarCompiler(tokenizer, facts.vocab_size, config.limits.max_constraint_chars)
         self.drafter = drafter if drafter is not None else self._make_drafter()
+        if isinstance(self.drafter, LearnsLater):  # its insertion runs beside the forward (`learn`)
+            self.drafter.defer_learning()
         self.cost_profile: CostProfile | None = None
         budget_policy = None
         if config.draft.adaptive and config.draft.method != "none":
@@ -211,8 +214,19 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         step = self.schedule()
+        self.learn()
         self.execute(step)
         return self.commit(step)
+
+    def learn(self) -> None:
+        """What the drafter learns from the last commit (the output tries' insertion): off the
+        critical path, after this step's proposals; AsyncEngine runs it while the forward runs.
+        A failure costs drafts, never outputs."""
+        if isinstance(self.drafter, LearnsLater):
+            try:
+                self.drafter.learn()
+            except Exception:
+                logger.exception("the drafter failed to learn from accepted tokens")
 
     def schedule(self) -> PendingStep:
         step = PendingStep(start=time.perf_counter())

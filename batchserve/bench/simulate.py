@@ -8,10 +8,8 @@ retrieval + update time per step on a warmed trie of 100k+ nodes, and its memory
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
-import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,30 +88,27 @@ def trie_speed(tokenizer: Any, length: int = 64, min_nodes: int = 100_000) -> st
     warm_texts = [s.reference for s in dev]
     for text in tqdm(warm_texts, desc="warm trie"):
         drafter.warm_up([tokenizer(text, add_special_tokens=False).input_ids])
-        if drafter.output.num_nodes >= min_nodes * 1.5:
+        if drafter.num_nodes >= min_nodes * 1.5:
             break
-    nodes = drafter.output.num_nodes
+    nodes = drafter.num_nodes
     times: list[float] = []
     for i, s in enumerate(tqdm(encode(test[:40], tokenizer), desc="timed replay")):
         times.extend(simulate(drafter, f"t-{i}", s.prompt, s.output[:256], length).step_seconds)
     median_ms = statistics.median(times) * 1e3
     p90_ms = statistics.quantiles(times, n=10)[-1] * 1e3
 
-    # Memory of a trie filled to its default capacity.
-    gc.collect()
-    tracemalloc.start()
+    # Memory of a trie filled to its default capacity (native: counted by the drafter itself).
     full = TrieDrafter(DraftConfig())
     for s in dev:
         full.warm_up([tokenizer(s.reference, add_special_tokens=False).input_ids])
-        if full.output.num_nodes >= full.config.trie_capacity * 0.95:
+        if full.num_nodes >= full.config.trie_capacity * 0.95:
             break
-    size, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    size = full.memory_bytes()
     return (
         f"\nretrieval + update per request-step (decoding length {length}, warmed trie of {nodes:,} nodes): "
         f"median {median_ms:.3f} ms, p90 {p90_ms:.3f} ms over {len(times)} steps\n"
-        f"trie memory: {size / 2**20:.1f} MB at {full.output.num_nodes:,} nodes "
-        f"(capacity {full.config.trie_capacity:,}; {size / max(1, full.output.num_nodes):.0f} bytes/node)"
+        f"trie memory: {size / 2**20:.1f} MB at {full.num_nodes:,} nodes "
+        f"(capacity {full.config.trie_capacity:,}; {size / max(1, full.num_nodes):.0f} bytes/node)"
     )
 
 

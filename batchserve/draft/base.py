@@ -53,6 +53,18 @@ class WindowDrafter(Protocol):
         """The model's next token after each of the window's last `rows.num_outputs` rows."""
 
 
+@runtime_checkable
+class LearnsLater(Protocol):
+    """A drafter whose learning from accepted tokens can wait off the step's critical path: the
+    engine asks it to defer, then calls `learn()` while the next forward runs."""
+
+    def defer_learning(self) -> None:
+        """From now on, what accepted tokens teach shared structures waits for `learn()`."""
+
+    def learn(self) -> None:
+        """Apply what was deferred."""
+
+
 class NoDrafter:
     """Plain decoding: never proposes anything (references included: `draft=none` drafts nothing)."""
 

@@ -12,21 +12,14 @@ on the torch-op backends."""
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
-from importlib.machinery import ExtensionFileLoader
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from batchserve import native_build
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +36,11 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("BATCHSERVE_CACHE_DIR") or Path.home() / ".cache" / "batchserve") / "kernels"
+    return native_build.cache_root("kernels")
 
 
 def compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    return native_build.compiler()
 
 
 def cpu_flags() -> set[str]:
@@ -62,45 +55,21 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _library_path(cxx: str) -> Path:
-    """Where the build for this source, compiler and CPU lives: a new CPU or compiler builds anew
-    (-march=native code must not run on another CPU)."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), version.encode(), " ".join(FLAGS).encode()):
-        key.update(part)
-    key.update(platform.machine().encode() + sys.version.encode())  # an extension module per Python
-    key.update(" ".join(sorted(cpu_flags())).encode())
-    return cache_root() / f"batchserve_cpu-{key.hexdigest()[:16]}.so"
-
-
 def build(verbose: bool = False) -> Path:
-    """The library for this CPU, compiled now unless already built; raises KernelUnavailable."""
+    """The library for this CPU, compiled now unless already built; raises KernelUnavailable.
+    A new CPU builds anew: -march=native code must not run on another CPU."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise KernelUnavailable(f"the kernels are x86-64 (AVX2) code; this machine is {platform.machine()}")
     missing = [flag for flag in NEEDED_CPU_FLAGS if flag not in cpu_flags()]
     if missing:
         raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
-    cxx = compiler()
-    if cxx is None:
-        raise KernelUnavailable("no C++ compiler (g++) to build them: install g++ or set $CXX")
-    path = _library_path(cxx)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Compiled beside its final name, then renamed: processes building at once never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    python_headers = "-I" + sysconfig.get_paths()["include"]
-    cmd = [cxx, *FLAGS, python_headers, *(str(src) for src in SOURCES), "-o", tmp]
     if verbose:
-        log.info("building our CPU kernels: %s", " ".join(cmd))
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise KernelUnavailable(f"{cxx} failed to build our kernels: {done.stderr.strip()[-2000:]}")
-    os.replace(tmp, path)
-    return path
+        log.info("building our CPU kernels (once per source, compiler and CPU)")
+    cpu = " ".join(sorted(cpu_flags())).encode()
+    try:
+        return native_build.build("our kernels", "kernels", "batchserve_cpu", SOURCES, HEADERS, FLAGS, cpu)
+    except native_build.BuildFailed as e:
+        raise KernelUnavailable(str(e)) from None
 
 
 @functools.cache
@@ -109,10 +78,7 @@ def _load() -> Any:
         path = build(verbose=True)
     except (KernelUnavailable, OSError) as e:
         return str(e)
-    spec = importlib.util.spec_from_file_location(MODULE, path, loader=ExtensionFileLoader(MODULE, str(path)))
-    assert spec is not None and spec.loader is not None
-    lib = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lib)
+    lib = native_build.load(MODULE, path)
     if lib.abi_version() != ABI_VERSION:
         return f"{path} is not this version's build"
     return lib

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 
 from batchserve.config import DraftConfig
 from batchserve.draft import DraftTree, TrieDrafter
 from batchserve.draft.simulate import simulate
 from batchserve.draft.tree import MATCH_CAP
-from batchserve.draft.trie import Trie
 from batchserve.request import SamplingParams
 from tests.engine.drafters import token_path
 
@@ -27,19 +25,32 @@ def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
     return {token_path(tree, i) for i in range(len(tree))}
 
 
-def test_trie_counts_every_run_up_to_branch_length():
-    t = Trie()
-    t.insert_sequence([1, 2, 1, 2, 3], branch_length=3)
-    assert t.find([1]).count == 2 and t.find([1, 2]).count == 2 and t.find([2, 3]).count == 1
-    assert t.find([1, 2, 1]).count == 1 and t.find([1, 2, 1, 2]) is None  # longer than 3
-    # On-the-fly insertion of the same tokens one by one gives the same counts.
-    u = Trie()
-    runs: list = []
-    for tok in [1, 2, 1, 2, 3]:
-        runs = u.extend_runs(runs, tok)[-2:]  # runs of 3 extend no further
-    for key in ([1], [2], [1, 2], [2, 1], [1, 2, 1], [2, 1, 2], [1, 2, 3], [2, 3], [3]):
-        assert u.find(key).count == t.find(key).count, key
-    assert u.num_nodes == t.num_nodes
+def _runs(tokens: list[int], b: int) -> dict[tuple[int, ...], float]:
+    """The oracle: every run of up to `b` consecutive tokens of `tokens`, counted."""
+    counts: dict[tuple[int, ...], float] = {}
+    for start in range(len(tokens)):
+        for end in range(start + 1, min(len(tokens), start + b) + 1):
+            counts[tuple(tokens[start:end])] = counts.get(tuple(tokens[start:end]), 0.0) + 1
+    return counts
+
+
+def test_the_output_trie_counts_every_run_up_to_branch_length():
+    d = _drafter(branch_length=3)
+    d.warm_up([[1, 2, 1, 2, 3]])
+    counts = d.trie_counts("")
+    assert counts == _runs([1, 2, 1, 2, 3], 3)
+    assert counts[(1,)] == 2 and counts[(1, 2)] == 2 and (1, 2, 1, 2) not in counts  # longer than 3
+    # Output inserted as it is accepted, a few tokens a step, counts the same runs: its own only
+    # (its prompt never), in a scope of its own.
+    rng = random.Random(4)
+    output = [rng.randrange(5) for _ in range(60)]
+    d.on_request_start("a", [9, 9, 9], scope="s")
+    at = 0
+    while at < len(output):
+        k = rng.randint(1, 4)
+        d.on_tokens_accepted("a", output[at : at + k])
+        at += k
+    assert d.trie_counts("s") == _runs(output, 3) and d.num_nodes == len(counts) + len(_runs(output, 3))
 
 
 def test_prompt_branches_are_inserted_at_start():
@@ -59,7 +70,8 @@ def test_a_request_copying_its_prompt_drafts_past_the_output_tries_depth():
     # The whole rest of the prompt after the 1-token match: 21 tokens in one path.
     assert tree is not None and (*run[1:], 7, run[0]) in _paths(tree)
     d.on_tokens_accepted("a", run[1:])  # the same run as output: the trie keeps 6-token runs
-    assert d.output.find(run[1:7]) is not None and d.output.find(run[1:8]) is None
+    counts = d.trie_counts("")
+    assert tuple(run[1:7]) in counts and tuple(run[1:8]) not in counts
     shallow = _drafter(own_branch_length=6)
     shallow.on_request_start("a", [*run, 7, run[0]])
     tree = shallow.propose("a", [*run, 7, run[0]], 32)
@@ -91,13 +103,13 @@ def test_branch_elimination_leaves_no_trace_of_a_finished_prompt():
     d.on_request_start("warm", [1, 2])
     d.on_tokens_accepted("warm", [3, 4, 5])
     d.on_request_finish("warm")
-    before = (d.num_nodes, d.output.num_nodes)
+    before = d.trie_counts("")
     prompt = [90, 91, 92, 93, 94, 95, 96]
     d.on_request_start("a", prompt)
-    assert d.num_indexed_tokens == len(prompt) and d.num_nodes == before[0]  # a prompt goes to its own index
+    assert d.num_indexed_tokens == len(prompt) and d.trie_counts("") == before  # a prompt goes to its own index
     d.on_request_finish("a")
-    assert (d.num_nodes, d.output.num_nodes) == before and d.num_indexed_tokens == 0
-    assert "a" not in d._requests
+    assert d.trie_counts("") == before and d.num_nodes == len(before) and d.num_indexed_tokens == 0
+    assert d.stats()["requests"] == 0
     d.on_request_start("b", [1])
     assert d.propose("b", [1, 90], 8) is None  # nothing of a's prompt is retrievable
 
@@ -109,17 +121,15 @@ def test_pruning_keeps_the_output_trie_under_capacity_and_keeps_frequent_nodes()
     d.on_request_start("a", [1])
     for _ in range(300):
         d.on_tokens_accepted("a", [rng.randrange(1000) for _ in range(5)] + frequent)
-        assert d.output.num_nodes <= 500 + 6 * 9  # pruned as soon as one update overflows
-    assert d.output.find(frequent) is not None and d.output.find(frequent).count >= 1
+        assert d.num_nodes <= 500 + 6 * 9  # pruned as soon as one update overflows
+    counts = d.trie_counts("")
+    assert counts is not None and counts.get(tuple(frequent), 0) >= 1
     # Counts were halved at least once: the frequent run was seen 300 times.
-    assert d.output.find(frequent).count < 300
-    # The node counter is exact after pruning.
-    stack, n = [d.output.root], -1
-    while stack:
-        node = stack.pop()
-        n += 1
-        stack.extend(node.children.values())
-    assert n == d.output.num_nodes
+    assert counts[tuple(frequent)] < 300
+    # The node counter is exact after pruning, and no node below 1 survived the last prune
+    # unless made since (each later step adds at most 6 * 9 nodes).
+    assert len(counts) == d.num_nodes
+    assert sum(1 for c in counts.values() if c < 1) <= 6 * 9
 
 
 def test_multi_stage_retrieval_prefers_the_longest_match_then_fills_from_shorter():
@@ -227,7 +237,7 @@ def test_warm_up_file(tmp_path):
     path.write_text(json.dumps({"token_ids": [1, 2, 3]}) + "\n\n" + json.dumps({"text": "ab"}) + "\n")
     d = _drafter()
     assert d.warm_up_file(path, tokenize=lambda s: [ord(c) for c in s]) == 2
-    assert d.output.find([1, 2, 3]) is not None and d.output.find([97, 98]) is not None
+    assert {(1, 2, 3), (97, 98)} <= set(d.trie_counts("") or {})
     with pytest.raises(ValueError, match="tokenizer"):
         _drafter().warm_up_file(path)
     bad = tmp_path / "bad.jsonl"
@@ -243,7 +253,7 @@ def test_simulation_counts_steps():
     assert res.tokens == len(out)
     # The repeat is drafted from the request's own output once it has been seen.
     assert res.steps < len(out) and res.tokens_per_step > 1.5
-    assert "s" not in d._requests  # finished and eliminated
+    assert d.stats()["requests"] == 0 and d.num_indexed_tokens == 0  # finished and eliminated
 
 
 def test_warm_up_goes_into_its_scope_and_drafts_only_there():
@@ -257,53 +267,87 @@ def test_warm_up_goes_into_its_scope_and_drafts_only_there():
     assert d.propose("alone", [9, 1, 2], 8) is None
     # A scoped request's output feeds its own scope only.
     d.on_tokens_accepted("theirs", [40, 41, 42])
-    assert d.outputs["acme"].find([40, 41]) is None and d.outputs[""].find([40, 41]) is not None
+    assert (40, 41) not in (d.trie_counts("acme") or {}) and (40, 41) in (d.trie_counts("") or {})
+    d.on_tokens_accepted("alone", [50, 51, 52])  # no scope: no trie learns it
+    assert all((50, 51) not in (d.trie_counts(s) or {}) for s in d.stats()["scopes"])
 
 
-def test_suffix_match_is_the_longest_run_said_before_with_what_came_next():
-    from batchserve.draft.token_index import suffix_match
+def test_match_length_is_the_longest_run_said_before_with_what_came_next():
+    d = _drafter(branch_length=4)
+    text = [7, 1, 2, 3, 4, 9, 2, 3, 4]
+    d.on_request_start("own", text, scope=None)  # its own text only
+    assert d.match_length("own", text) == 3  # [2 3 4] at 2-4, followed by 9
+    d.on_request_start("copy", [7, 1, 2, 3, 4, 9, 1, 2, 3, 4], scope=None)
+    assert d.match_length("copy", [7, 1, 2, 3, 4, 9, 1, 2, 3, 4]) == 4
+    d.on_request_start("end", [1, 2, 3, 4], scope=None)
+    assert d.match_length("end", [1, 2, 3, 4]) == 0  # only at the very end: nothing came next
+    assert d.match_length("nobody", [1, 2]) == 0 and d.match_length("own", []) == 0
+    # The scope's output trie: the longest suffix that is a path with children, up to its depth.
+    d.warm_up([[1, 2, 3, 4, 9]])
+    d.on_request_start("r", [0], scope="")
+    assert d.match_length("r", [0, 2, 3, 4]) == 3  # [2 3 4] -> 9
+    assert d.match_length("r", [0, 1, 2, 3]) == 3  # [1 2 3] -> 4, but [0 1 2 3] is not a path
+    assert d.match_length("r", [0, 3, 9]) == 0  # 9 ends every run: nothing follows it
 
-    toks = np.array([7, 1, 2, 3, 4, 9, 2, 3, 4], np.int32)
-    assert suffix_match(toks, [1, 2, 3, 4], 32) == 4  # [1 2 3 4] at 1-4, followed by 9
-    assert suffix_match(toks, [8, 2, 3, 4], 32) == 3
-    assert suffix_match(toks, [1, 2, 3, 4], 2) == 2  # capped
-    assert suffix_match(toks, [4], 32) == 1
-    assert suffix_match(toks[:5], [1, 2, 3, 4], 32) == 0  # only at the very end: nothing came next
-    assert suffix_match(toks, [5], 32) == 0 and suffix_match(toks, [], 32) == 0
-    t = Trie()
-    t.insert_sequence([1, 2, 3, 4, 9], branch_length=4)
-    assert t.suffix_match([0, 2, 3, 4], 8) == 3  # [2 3 4] -> 9
-    assert t.suffix_match([0, 1, 2, 3], 8) == 3  # [1 2 3] -> 4, but [0 1 2 3] is not a path
-    assert t.suffix_match([3, 9], 8) == 0  # 9 ends every run: nothing follows it
+
+def _agreement(text: list[int], key: list[int], limit: int) -> list[int]:
+    """The oracle: per position e (with a token after it) how many tokens back from e agree with
+    key back from its end, at most `limit`."""
+    agree = []
+    for e in range(len(text) - 1):
+        k = 0
+        while k < min(limit, len(key)) and e - k >= 0 and text[e - k] == key[-1 - k]:
+            k += 1
+        agree.append(k)
+    return agree
+
+
+def _copy_oracle(text: list[int], depth: int) -> tuple[int, list[tuple[int, float]]]:
+    """(m, chain) the copy chain must give for a request whose text is `text`: the longest suffix
+    (<= MATCH_CAP) said before with a token after it; from m >= 3, what followed its most recent
+    occurrence (2 tokens per token of match, up to `depth`), each token scored by the product of
+    its shares among the occurrences (the 256 most recent) still agreeing."""
+    agree = _agreement(text, text, MATCH_CAP)
+    m = max(agree, default=0)
+    if m < 3:
+        return m, []
+    after = [e + 1 for e, a in enumerate(agree) if a == m][-256:]
+    chain, score = [], 1.0
+    for i in range(after[-1], min(len(text), after[-1] + min(2 * m, depth))):
+        tok = text[i]
+        if len(after) > 1:
+            after = [a for a in after if a < len(text)]
+            agreeing = [a for a in after if text[a] == tok]
+            score *= len(agreeing) / len(after)
+            after = [a + 1 for a in agreeing]
+        chain.append((tok, score))
+    return m, chain
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_suffix_occurrences_are_every_occurrence_of_the_longest_suffix(seed):
-    """Against a brute force, over texts with many occurrences of a key (a tiny vocabulary) and
-    with few (a long copy): the longest suffix said before with a token after it, and where
-    each of its occurrences ends."""
-    from batchserve.draft.token_index import _suffix_occurrences
-
-    rng = np.random.default_rng(seed)
+def test_the_copy_chain_is_the_brute_force_one_over_the_requests_own_text(seed):
+    """Texts with many occurrences of a key (a tiny vocabulary) and with few (a long copy): the
+    tree's first branch is the copy chain the oracle computes, scores included, and its match."""
+    rng = random.Random(seed)
     for vocab in (2, 3, 50):
-        toks = rng.integers(0, vocab, int(rng.integers(1, 120))).astype(np.int32)
-        for _ in range(20):
-            key = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
-            if rng.random() < 0.5 and len(toks) > 10:  # copying: the key ends with a run of the text
-                at = int(rng.integers(1, len(toks) - 1))
-                key = [*key, *toks[max(0, at - 30) : at].tolist()]
-            limit = int(rng.integers(1, 40))
-            agree = [
-                next(
-                    (k for k in range(min(limit, len(key), e + 1)) if toks[e - k] != key[-1 - k]),
-                    min(limit, len(key), e + 1),
-                )
-                for e in range(len(toks) - 1)
-            ]
-            m = max(agree, default=0)
-            expected = [e for e, a in enumerate(agree) if a == m] if m else []
-            got_m, got = _suffix_occurrences(toks, key, limit)
-            assert (got_m, got.tolist()) == (m, expected)
+        for _ in range(15):
+            text = [rng.randrange(vocab) for _ in range(rng.randint(2, 120))]
+            if rng.random() < 0.5 and len(text) > 10:  # copying: the text ends with an earlier run
+                at = rng.randrange(1, len(text) - 1)
+                text += text[max(0, at - rng.randint(3, 40)) : at]
+            d = _drafter(branch_length=2, own_branch_length=12, max_match=1)
+            d.on_request_start("a", text, scope=None)
+            m, chain = _copy_oracle(text, 12)
+            assert d.match_length("a", text) == m
+            if not chain:
+                continue
+            n = len(chain)
+            tree = d.propose("a", text, n)  # a budget the chain fills: nothing merges into it
+            assert tree is not None and tree.match == m
+            assert tree.tokens == tuple(t for t, _ in chain) and tree.parents == (None, *range(n - 1))
+            assert tree.scores == tuple(s for _, s in chain)
+            wider = d.propose("a", text, 64)  # with room, the counts' branches come after it
+            assert wider is not None and wider.tokens[:n] == tree.tokens
 
 
 def test_a_tree_reports_how_long_its_match_is():

@@ -1,0 +1,177 @@
+// Each scope's latest finished outputs (never a prompt), one Text per scope with a separator
+// between two outputs, bounded in tokens over all scopes together: the least recently used
+// scope loses its oldest half first. A request whose prompt hashes the same as an earlier one
+// of its scope copies that output from its first token on, while its own output agrees with it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "lru.h"
+#include "text.h"
+
+namespace bsd {
+
+constexpr int kMatchCap = 32;       // the longest match a tree reports (DraftTree.match)
+constexpr size_t kCopyPerMatch = 2;  // a copy chain drafts this many tokens per token of match
+constexpr size_t kCopyMinMatch = 3;  // below this a match is a guess the counts make better
+
+inline uint64_t hash_tokens(const int32_t* t, size_t n) {
+    uint64_t h = 0x9e3779b97f4a7c15ULL ^ n;
+    for (size_t i = 0; i < n; ++i) {
+        h ^= static_cast<uint32_t>(t[i]);
+        h *= 0x100000001b3ULL;
+        h ^= h >> 29;
+    }
+    return h;
+}
+
+// (m, chain): the longest suffix of key[0, n) (at most `limit`) found in `text` with a token
+// after it and, where m >= kCopyMinMatch, what followed its most recent occurrence
+// (kCopyPerMatch tokens per token of match, up to the text's depth, never past a separator).
+inline size_t copy_chain(const Text& text, const int32_t* key, size_t n, size_t limit, Chain& chain,
+                         std::vector<int32_t>& scratch) {
+    chain.clear();
+    const size_t m = text.copy_source(key, n, limit, scratch);
+    if (m < kCopyMinMatch) return m;
+    text.continuation(scratch, kCopyPerMatch * m, chain);
+    for (size_t i = 0; i < chain.size(); ++i) {
+        if (chain[i].first == kSeparator) {
+            chain.resize(i);
+            break;
+        }
+    }
+    return m;
+}
+
+class Recent {
+public:
+    Recent(int64_t capacity, int depth) : capacity_(capacity), depth_(depth) {}
+
+    void begin(const std::string& id, const std::string* scope, const int32_t* prompt, size_t n) {
+        if (scope == nullptr || capacity_ < 2) return;
+        const uint64_t h = hash_tokens(prompt, n);
+        const Kept* kept = scopes_.find(*scope);
+        int64_t repeat = -1;
+        if (kept != nullptr) {
+            auto it = kept->starts.find(h);
+            if (it != kept->starts.end()) repeat = it->second;
+        }
+        running_[id] = Running{*scope, h, static_cast<int64_t>(n), repeat};
+    }
+
+    void end(const std::string& id, const int32_t* output, size_t n) {
+        auto it = running_.find(id);
+        if (it == running_.end()) return;
+        const Running run = it->second;
+        running_.erase(it);
+        if (n == 0) return;
+        Kept* kept = scopes_.find(run.scope);
+        if (kept == nullptr) kept = &scopes_.add(run.scope, depth_);
+        scopes_.touch(run.scope);
+        const size_t keep = std::min(n, static_cast<size_t>(capacity_ - 1));  // one output never outgrows the bound
+        output += n - keep;
+        kept->starts[run.prompt_hash] = kept->trimmed + static_cast<int64_t>(kept->text.size());
+        kept->text.extend(output, keep);
+        kept->text.extend(&kSeparator, 1);
+        num_tokens += static_cast<int64_t>(keep) + 1;
+        while (num_tokens > capacity_) trim(scopes_.items().front().first);
+    }
+
+    void drop(const std::string& scope) {
+        const Kept* kept = scopes_.find(scope);
+        if (kept == nullptr) return;
+        num_tokens -= static_cast<int64_t>(kept->text.size());
+        scopes_.erase(scope);
+    }
+
+    // (match, chain) for a running request whose text is `own` (its prompt the first
+    // `num_prompt` tokens) and whose key is key[0, n): the earlier output of its very prompt
+    // while its output agrees (match kMatchCap), else copy_chain over its scope's outputs.
+    size_t copy(const std::string& id, const Text& own, const int32_t* key, size_t n, Chain& chain,
+                std::vector<int32_t>& scratch) {
+        chain.clear();
+        auto it = running_.find(id);
+        if (it == running_.end()) return 0;
+        Running& run = it->second;
+        const Kept* kept = scopes_.find(run.scope);
+        if (kept == nullptr) return 0;
+        if (run.repeat >= 0) {
+            const int64_t start = run.repeat - kept->trimmed;
+            const size_t done = own.size() - static_cast<size_t>(run.num_prompt);
+            const size_t size = kept->text.size();
+            if (start >= 0 && static_cast<size_t>(start) + done <= size &&
+                std::memcmp(kept->text.data() + start, own.data() + run.num_prompt, done * sizeof(int32_t)) == 0) {
+                const size_t from = static_cast<size_t>(start) + done;
+                for (size_t i = from; i < size && i < from + static_cast<size_t>(depth_); ++i) {
+                    if (kept->text.at(i) == kSeparator) break;
+                    chain.emplace_back(kept->text.at(i), 1.0);
+                }
+                if (!chain.empty()) return kMatchCap;
+            }
+            // Diverged, trimmed away or ended: an output only grows, so it never copies it again.
+            run.repeat = -1;
+        }
+        return copy_chain(kept->text, key, n, static_cast<size_t>(kMatchCap), chain, scratch);
+    }
+
+    int64_t num_tokens = 0;  // in every scope's text, separators included
+    std::vector<std::string> scopes() const {
+        std::vector<std::string> out;
+        for (const auto& item : scopes_.items()) out.push_back(item.first);
+        return out;
+    }
+    size_t bytes() const {
+        size_t n = 0;
+        for (const auto& item : scopes_.items()) n += item.second.text.bytes();
+        return n;
+    }
+    const Text* text(const std::string& scope) const {
+        const Kept* kept = scopes_.find(scope);
+        return kept == nullptr ? nullptr : &kept->text;
+    }
+
+private:
+    struct Kept {
+        explicit Kept(int depth) : text(depth) {}
+        Text text;
+        int64_t trimmed = 0;  // tokens dropped off the front: positions count from the first ever kept
+        std::unordered_map<uint64_t, int64_t> starts;  // prompt hash -> where its latest output starts
+    };
+    struct Running {
+        std::string scope;
+        uint64_t prompt_hash;
+        int64_t num_prompt;
+        int64_t repeat;  // where an earlier identical prompt's output starts; -1: none
+    };
+
+    // Drop the oldest half of `scope`'s outputs, or all of them.
+    void trim(std::string scope) {
+        Kept* kept = scopes_.find(scope);
+        std::vector<size_t> ends;  // where each output's separator is
+        for (size_t i = 0; i < kept->text.size(); ++i)
+            if (kept->text.at(i) == kSeparator) ends.push_back(i);
+        const size_t cut = ends.size() > 1 ? ends[ends.size() / 2 - 1] + 1 : kept->text.size();
+        num_tokens -= static_cast<int64_t>(cut);
+        if (cut >= kept->text.size()) {
+            scopes_.erase(scope);
+            return;
+        }
+        kept->text.drop_front(cut);
+        kept->trimmed += static_cast<int64_t>(cut);
+        for (auto it = kept->starts.begin(); it != kept->starts.end();) {
+            if (it->second < kept->trimmed) it = kept->starts.erase(it);
+            else ++it;
+        }
+    }
+
+    int64_t capacity_;  // below 2 (an output and its separator): keep none
+    int depth_;         // the longest continuation a copy drafts (own_branch_length)
+    LruMap<Kept> scopes_;  // least recently used first
+    std::unordered_map<std::string, Running> running_;
+};
+
+}  // namespace bsd
