@@ -16,15 +16,17 @@ from batchserve.draft import TrieDrafter, native
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 
-def test_a_build_that_cannot_run_says_why_and_a_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_build_that_cannot_run_says_why_and_a_build_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with pytest.raises(native.DrafterUnavailable, match="failed to build the native drafter.*--draft-method none"):
+    with pytest.raises(native.DrafterUnavailable, match=r"failed to build the native drafter.*--draft-method none"):
         native.build()
     assert not list((tmp_path / "draft").iterdir())  # no half-built file left behind
     monkeypatch.delenv("CXX")
     monkeypatch.setattr(native.native_build, "compiler", lambda: None)
-    with pytest.raises(native.DrafterUnavailable, match="no C\\+\\+ compiler"):
+    with pytest.raises(native.DrafterUnavailable, match=r"no C\+\+ compiler"):
         native.build()
     monkeypatch.undo()
     monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
@@ -41,7 +43,7 @@ def test_an_engine_without_the_native_drafter_fails_at_start_up_saying_why(monke
         raise native.DrafterUnavailable("no C++ compiler (g++) to build the native drafter: install g++")
 
     monkeypatch.setattr(trie, "library", unavailable)
-    with pytest.raises(native.DrafterUnavailable, match="install g\\+\\+"):
+    with pytest.raises(native.DrafterUnavailable, match=r"install g\+\+"):
         LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), draft="lookahead")
     llm = LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), draft="none")  # needs none
     assert llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].token_ids

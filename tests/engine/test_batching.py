@@ -108,8 +108,12 @@ async def test_cancelled_consumer_task_frees_blocks():
     await engine.stop()
 
 
-async def test_many_concurrent_streams_match_offline(tiny_model):
+@pytest.mark.parametrize("beside", [False, True])
+async def test_many_concurrent_streams_match_offline(tiny_model, beside):
+    """`beside`: the next step goes to the worker before the front ends stream (a GPU's order)."""
     engine = AsyncEngine(_core(max_num_seqs=4))
+    assert engine.stream_beside_forward is False  # on a CPU the front ends go first
+    engine.stream_beside_forward = beside
     rng = random.Random(0)
     prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(10)]
 

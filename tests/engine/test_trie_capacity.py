@@ -4,11 +4,11 @@ HF's greedy one."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from batchserve import SamplingParams
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
-from batchserve.draft.trie import Trie, TrieNode
 from batchserve.engine import EngineCore
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, make_tiny_tokenizer
 
@@ -36,46 +36,32 @@ def _run(core: EngineCore, prompts: list[list[int]]) -> list:
     return reqs
 
 
-def _real_size(node: TrieNode) -> int:
-    """Nodes below `node`, counted by walking the trie (not from its bookkeeping)."""
-    return sum(1 + _real_size(child) for child in node.children.values())
+def _real_size(core: EngineCore) -> int:
+    """Nodes in every output trie, counted from their paths (not from the bookkeeping)."""
+    return sum(len(core.drafter.trie_counts(s) or {}) for s in core.drafter.stats()["scopes"])
 
 
-def test_output_trie_is_pruned_to_capacity_during_a_run(tiny_model, monkeypatch):
+def test_output_trie_is_pruned_to_capacity_during_a_run(tiny_model):
     rng = random.Random(11)
     popular = [rng.randrange(TINY_VOCAB) for _ in range(12)]
     rare = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(5, 30))] for _ in range(2)]
     fresh = _run(_core(), [popular])[0]  # what the popular prompt drafts with an empty output trie
 
-    prunes = []
-    real_prune = Trie.prune
-
-    def counting_prune(self):
-        before = self.num_nodes
-        real_prune(self)
-        prunes.append((before, self.num_nodes))
-
-    monkeypatch.setattr(Trie, "prune", counting_prune)
     core = _core()
     sizes = []  # after every step: (the output tries' node count, the nodes really in them)
-    core.step_listeners.append(
-        lambda out, phases: sizes.append(
-            (
-                sum(t.num_nodes for t in core.drafter.outputs.values()),
-                sum(_real_size(t.root) for t in core.drafter.outputs.values()),
-            )
-        )
-    )
+    core.step_listeners.append(lambda out, phases: sizes.append((core.drafter.num_nodes, _real_size(core))))
     # The popular prompt four times at once (its n-grams counted 4 times), then two rare ones
     # that overflow the capacity, then the popular prompt again.
     reqs = _run(core, [popular] * 4)
-    assert not prunes and sizes[-1][0] <= CAPACITY  # it fits alone
+    assert sizes[-1][0] <= CAPACITY and all(a <= b for (a, _), (b, _) in itertools.pairwise(sizes))  # it fits alone
+    assert all(c == int(c) for c in (core.drafter.trie_counts("") or {}).values())  # never halved
+    grown = len(sizes)
     reqs += _run(core, [rare[0]]) + _run(core, [rare[1]])
     again = _run(core, [popular])[0]
 
-    # Pruning ran, each time on a trie grown past the capacity, and shrank it.
-    assert prunes, sizes
-    assert all(before > CAPACITY and after < before for before, after in prunes), prunes
+    # Pruning ran (a step's node count fell, and counts were halved) and kept the tries in bounds.
+    assert any(b < a for (a, _), (b, _) in zip(sizes[grown - 1 :], sizes[grown:])), sizes
+    assert any(c != int(c) for c in (core.drafter.trie_counts("") or {}).values())
     # After every step the output tries fit, and their bookkeeping is the nodes really there.
     assert all(total <= CAPACITY for total, _ in sizes), sizes
     assert all(total == real for total, real in sizes), sizes

@@ -120,11 +120,11 @@ async def test_the_tenant_comes_from_the_metadata_by_default_and_is_validated(ru
     # the other sources).
     drafter = running.core.drafter
     await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=6), metadata=(("x-batchserve-tenant", "acme"),))
-    assert set(drafter.outputs) == {"acme"}
+    assert set(drafter.stats()["scopes"]) == {"acme"}
     await running.stub.Generate(
         build_request([1, 2, 3], max_new_tokens=6, tenant="zeta"), metadata=(("x-batchserve-tenant", "acme"),)
     )
-    assert set(drafter.outputs) == {"acme"}  # the field is not a key under tenant_source=header
+    assert set(drafter.stats()["scopes"]) == {"acme"}  # the field is not a key under tenant_source=header
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await running.stub.Generate(
             build_request([1, 2, 3], max_new_tokens=6), metadata=(("x-batchserve-tenant", "no spaces"),)
