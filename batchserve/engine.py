@@ -81,7 +81,11 @@ class EngineCore:
         # Structured output: constraints compiled once per text (front ends compile off the loop first).
         self.grammars = GrammarCompiler(tokenizer, facts.vocab_size, config.limits.max_constraint_chars)
         self.drafter = drafter if drafter is not None else self._make_drafter()
-        if isinstance(self.drafter, LearnsLater):  # its insertion runs beside the forward (`learn`)
+        # The trie's insertion waits for `learn()`, beside the next forward, where the forward runs
+        # on a device (the host is free meanwhile). On a CPU the forward takes the cores, and the
+        # scope's n-grams one step late cost more (0.5-1.2% fewer tokens a step at 16 in flight)
+        # than inserting at once (0.1 ms of a 30 ms step): benchmarks/README.md.
+        if isinstance(self.drafter, LearnsLater) and self.runner.device.type != "cpu":
             self.drafter.defer_learning()
         self.cost_profile: CostProfile | None = None
         budget_policy = None

@@ -22,6 +22,7 @@ from torch import nn
 
 from batchserve.attention.base import AttentionBackend, StepLayout
 from batchserve.attention.flashinfer_backend import PagedPlan, build_plan
+from batchserve.draft.base import LearnsLater
 from batchserve.request import SamplingParams
 from batchserve.scheduler import SchedulerOutput, StepPhases
 
@@ -181,6 +182,8 @@ def stand_in_engine(
     core.runner.backend = PlanOnlyBackend(config.cache.num_blocks + 2, config.cache.block_size)
     if core.runner.graphs is not None:
         core.runner.graphs.backend = core.runner.backend
+    if isinstance(core.drafter, LearnsLater):  # as on a GPU: the trie's insertion beside the next forward
+        core.drafter.defer_learning()
     return core
 
 
