@@ -81,10 +81,7 @@ class EngineCore:
         # Structured output: constraints compiled once per text (front ends compile off the loop first).
         self.grammars = GrammarCompiler(tokenizer, facts.vocab_size, config.limits.max_constraint_chars)
         self.drafter = drafter if drafter is not None else self._make_drafter()
-        # The trie's insertion waits for `learn()`, beside the next forward, where the forward runs
-        # on a device (the host is free meanwhile). On a CPU the forward takes the cores, and the
-        # scope's n-grams one step late cost more (0.5-1.2% fewer tokens a step at 16 in flight)
-        # than inserting at once (0.1 ms of a 30 ms step): benchmarks/README.md.
+        # Insertion beside the next forward (`learn`) on a device; on a CPU at once (benchmarks/README.md).
         if isinstance(self.drafter, LearnsLater) and self.runner.device.type != "cpu":
             self.drafter.defer_learning()
         self.cost_profile: CostProfile | None = None
@@ -223,9 +220,8 @@ class EngineCore:
         return self.commit(step)
 
     def learn(self) -> None:
-        """What the drafter learns from the last commit (the output tries' insertion): off the
-        critical path, after this step's proposals; AsyncEngine runs it while the forward runs.
-        A failure costs drafts, never outputs."""
+        """What the drafter learns from the last commit, after this step's proposals (AsyncEngine:
+        while the forward runs). A failure costs drafts, never outputs."""
         if isinstance(self.drafter, LearnsLater):
             try:
                 self.drafter.learn()
