@@ -11,8 +11,8 @@ from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.engine import EngineCore
+from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams
-from batchserve.scheduler import SchedulerOutput, StepPhases
 from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.text import Prompt
 

@@ -132,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"batchserve serve: {e}", file=sys.stderr)
         return 1
     from batchserve.async_engine import AsyncEngine
-    from batchserve.runner.model_loader import resolve_model_path
+    from batchserve.model.loader import resolve_model_path
     from batchserve.server.app import BatchServer, serve_forever
 
     try:

@@ -14,8 +14,9 @@ from batchserve.config import EngineConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.draft.base import LearnsLater
 from batchserve.grammar import GrammarCompiler
+from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.request import Request, RequestOutput, SamplingParams, TokenLogprob
-from batchserve.scheduler import BlockAllocator, RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput, StepPhases
+from batchserve.scheduler import BlockAllocator, Scheduler
 from batchserve.scheduler.budget import DraftBudgetPolicy
 from batchserve.scheduler.cost_profile import CostProfile
 from batchserve.text import Prompt, TextCodec

@@ -14,7 +14,7 @@ import argparse
 
 from batchserve.bench.datasets import humaneval
 from batchserve.bench.host import HOST_PHASES, time_host
-from batchserve.runner.model_loader import load_tokenizer
+from batchserve.model.loader import load_tokenizer
 
 
 def main() -> None:

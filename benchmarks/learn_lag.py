@@ -19,7 +19,7 @@ from batchserve.bench.simulate import Encoded, encode
 from batchserve.config import DraftConfig
 from batchserve.draft import TrieDrafter
 from batchserve.draft.tree import walk
-from batchserve.runner.model_loader import load_tokenizer
+from batchserve.model.loader import load_tokenizer
 
 
 def tokens_per_step(warm: list[list[int]], test: list[Encoded], concurrent: int, length: int, late: bool) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from batchserve.bench import served, servers
 from batchserve.bench.datasets import humaneval
-from batchserve.runner.model_loader import load_tokenizer
+from batchserve.model.loader import load_tokenizer
 
 
 def main() -> None:

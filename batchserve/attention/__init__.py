@@ -9,7 +9,7 @@ import torch
 from batchserve import kernels
 from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, fa2_head_dim, slots_of
 from batchserve.attention.invariant import InvariantBackend
-from batchserve.attention.invariant_check import kernels_invariant
+from batchserve.attention.invariant_check import checked_backend, kernels_invariant
 from batchserve.attention.kernel import KernelBackend, kernel_backend_runs
 from batchserve.attention.torch_ref import TorchReferenceBackend
 from batchserve.config import ATTENTION_BACKENDS
@@ -92,7 +92,7 @@ def make_backend(
     if name == "kernel":  # query heads per KV head come from q's shape each step
         return KernelBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     if name == "invariant":
-        return InvariantBackend(
+        return checked_backend(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads
         )
     if name == "flashinfer":

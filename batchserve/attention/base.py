@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.draft.jacobi import spec_mask, window_layout
-from batchserve.draft.tree import ancestor_mask
+from batchserve.draft.jacobi import window_layout
+from batchserve.draft.tree import ancestor_mask, spec_mask
 
 
 @dataclass(frozen=True, slots=True)

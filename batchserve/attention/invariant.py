@@ -45,7 +45,7 @@ from batchserve.attention.invariant_attend import (
     make_scratch,
     scratch_storage,
 )
-from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, ROW_BLOCKS, group_requests, product_rows, tiles_of
+from batchserve.attention.invariant_plan import KEY_TILE, MIN_KEYS, group_requests, product_rows, tiles_of
 from batchserve.attention.torch_ref import copy_pool_slots
 
 
@@ -75,16 +75,15 @@ class InvariantBackend(AttentionBackend):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         num_qo_heads: int | None = None,
-        row_block: int | None = None,
+        *,
+        row_block: int,
     ) -> None:
+        """`row_block`: rows a product takes at a time, the smallest this CPU's kernels keep
+        invariant (`invariant_check.checked_backend` measures it once and builds the backend)."""
         self.block_size = block_size
         self.device = torch.device(device)
         self.timed = self.device.type == "cpu"  # it computes on the host's clock
         self.group = (num_qo_heads or num_kv_heads) // num_kv_heads  # query heads per KV head
-        if row_block is None:
-            from batchserve.attention.invariant_check import invariant_row_block  # it builds backends
-
-            row_block = invariant_row_block(head_dim) or ROW_BLOCKS[-1]
         self.row_block = row_block
         self.scratch_bytes = SCRATCH_BYTES  # the most a step keeps in scratch for its forward (`Scratch`)
         self.num_blocks = num_blocks

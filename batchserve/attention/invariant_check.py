@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +18,16 @@ def kernels_invariant(head_dim: int = 64) -> bool:
     `head_dim`; checked once per process on random data (the model's products are checked by
     `batchserve.model.layers`)."""
     return invariant_row_block(head_dim) is not None
+
+
+def checked_backend(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *args: Any, **kwargs: Any
+) -> InvariantBackend:
+    """An InvariantBackend (its arguments) on the row block this CPU keeps invariant
+    (`invariant_row_block`), or the largest where none passes."""
+    row_block = invariant_row_block(head_dim) or ROW_BLOCKS[-1]
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    return InvariantBackend(*shape, *args, row_block=row_block, **kwargs)
 
 
 @functools.cache

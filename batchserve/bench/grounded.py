@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from batchserve.bench.datasets import Sample
+from batchserve.bench.samples import Sample
 
 MIN_LINES, MAX_LINES = 6, 40  # a code-edit snippet: long enough to copy, short enough to answer
 MIN_CHARS, MAX_CHARS = 500, 2400  # a documentation passage (about 120-600 tokens)

@@ -23,8 +23,8 @@ from torch import nn
 from batchserve.attention.base import AttentionBackend, StepLayout
 from batchserve.attention.flashinfer_backend import PagedPlan, build_plan
 from batchserve.draft.base import LearnsLater
+from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import SamplingParams
-from batchserve.scheduler import SchedulerOutput, StepPhases
 
 HOST_PHASES = ("schedule", "prepare", "verify", "commit")
 

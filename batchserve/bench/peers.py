@@ -142,7 +142,7 @@ def run_hf_batch(model: Any, prompts: list[list[int]], max_new: int, b: int) -> 
 def llamacpp_gguf(model_path: str | None) -> tuple[Path | None, str]:
     """The GGUF file the engine loads, for llama.cpp to load too, or (None, why the
     `llamacpp` peer is skipped): llama-cpp-python is optional, and a model directory has no GGUF."""
-    from batchserve.runner.model_loader import resolve_model_path
+    from batchserve.model.loader import resolve_model_path
 
     try:
         import llama_cpp  # noqa: F401

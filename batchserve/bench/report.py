@@ -12,7 +12,7 @@ import torch
 from batchserve.bench.host import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, method_rank, none_of
 from batchserve.bench.served import served_table
-from batchserve.scheduler import StepPhases
+from batchserve.records import StepPhases
 from batchserve.scheduler.cost_profile import CostProfile
 
 

@@ -13,8 +13,8 @@ from batchserve.bench.datasets import REPEAT, Sample, load_samples, split, split
 from batchserve.bench.load import open_loop, open_loop_latencies
 from batchserve.bench.methods import Method, Row, batchserve_method
 from batchserve.bench.simulate import encode
+from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import tokens_per_step
-from batchserve.scheduler import SchedulerOutput, StepPhases
 
 if TYPE_CHECKING:
     from batchserve.scheduler.cost_profile import CostProfile

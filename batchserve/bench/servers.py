@@ -49,7 +49,7 @@ def llama_server_binary() -> str | None:
 
 def llama_server_peer(model_path: str | None) -> tuple[tuple[str, Path] | None, str]:
     """((llama-server's binary, the GGUF it serves), "") or (None, why the peer is skipped)."""
-    from batchserve.runner.model_loader import resolve_model_path
+    from batchserve.model.loader import resolve_model_path
 
     binary = llama_server_binary()
     if binary is None:

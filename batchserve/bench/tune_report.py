@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from batchserve.bench.tune import TuneResult
+from batchserve.bench.tune_points import DRAFTS, TuneResult, closest
 
 
 def write_tune_report(result: TuneResult, out_dir: Path, dataset: str, max_new: int) -> None:
@@ -54,8 +52,6 @@ def write_tune_report(result: TuneResult, out_dir: Path, dataset: str, max_new: 
 
 def answer_lines(result: TuneResult) -> list[str]:
     """The recommendation and the flags to serve with, or why there is none."""
-    from batchserve.bench.tune import closest  # tune imports this module
-
     best = result.best
     if best is None:
         near = closest(result.points, result.goals)
@@ -85,8 +81,6 @@ def plot_tune(result: TuneResult, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from batchserve.bench.tune import DRAFTS
 
     g = result.goals
     fig, (top, bottom) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -91,17 +91,6 @@ def window_rows(levels: Sequence[Sequence[int]]) -> WindowRows:
     return WindowRows(tuple(t for level in levels for t in level), offsets, mask, width)
 
 
-def spec_mask(tree: np.ndarray | None, window: np.ndarray | None) -> np.ndarray | None:
-    """[d + w, d + w] bool over a request's draft nodes, then its window rows: each block keeps
-    its own mask and neither sees the other (a window row is no node's ancestor, nor the reverse)."""
-    if window is None or tree is None:
-        return tree if window is None else window
-    d, w = len(tree), len(window)
-    mask = np.zeros((d + w, d + w), dtype=bool)
-    mask[:d, :d], mask[d:, d:] = tree, window
-    return mask
-
-
 class NgramPool:
     """N-grams by (scope, first token), most recent first, at most `capacity` in all.
 

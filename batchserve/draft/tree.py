@@ -40,6 +40,17 @@ def ancestor_mask(parents: Sequence[int | None]) -> np.ndarray:
     return mask
 
 
+def spec_mask(tree: np.ndarray | None, window: np.ndarray | None) -> np.ndarray | None:
+    """[d + w, d + w] bool over a request's draft nodes, then its window rows: each block keeps
+    its own mask and neither sees the other (a window row is no node's ancestor, nor the reverse)."""
+    if window is None or tree is None:
+        return tree if window is None else window
+    d, w = len(tree), len(window)
+    mask = np.zeros((d + w, d + w), dtype=bool)
+    mask[:d, :d], mask[d:, d:] = tree, window
+    return mask
+
+
 @dataclass(frozen=True, slots=True)
 class DraftTree:
     """A tree of draft tokens hanging off the request's last accepted token (the root).

@@ -183,7 +183,7 @@ def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
 
 
 def _is_q4_1_gguf(gguf_path: str | None) -> bool:
-    from batchserve.runner.model_loader import resolve_model_path
+    from batchserve.model.loader import resolve_model_path
 
     try:
         directory, gguf_file = resolve_model_path(gguf_path)
@@ -207,7 +207,7 @@ def _check_bf16(on_cpu: bool, impl: str, unsupported: str | None, cpu_linear: st
 def _load_q8_embedding(native: nn.Module, path: str | None) -> None:
     """The token embedding on the GGUF file's own Q8_0 blocks where the model came from such a file
     (exact: the values transformers loaded), a quarter of float32's bytes."""
-    from batchserve.runner.model_loader import resolve_model_path
+    from batchserve.model.loader import resolve_model_path
 
     directory, gguf_file = resolve_model_path(path)
     if gguf_file is not None:
@@ -226,7 +226,7 @@ def _load_q4_1(native: nn.Module, path: str | None, ours: bool) -> None:
     """The file's Q4_1 layers on our kernel (and its Q8_0 head, where it stores one, tied or
     not), else (`cpu_linear=torch`, or ours cannot run) on torch's int4 kernel; the Q8_0 token
     embedding either way."""
-    from batchserve.runner.model_loader import resolve_model_path
+    from batchserve.model.loader import resolve_model_path
 
     directory, gguf_file = resolve_model_path(path)
     if gguf_file is None:

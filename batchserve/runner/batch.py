@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchserve.attention.base import StepLayout
-from batchserve.scheduler.output import ScheduledRequest
+from batchserve.records import ScheduledRequest
 
 
 class BlockTables:

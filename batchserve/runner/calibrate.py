@@ -23,10 +23,10 @@ import torch
 from batchserve import kernels
 from batchserve.draft.tree import DraftTree
 from batchserve.model import uses_our_kernels
+from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import SamplingParams
 from batchserve.runner.runner import ModelRunner
 from batchserve.scheduler.cost_profile import CostProfile
-from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("batchserve")
 

@@ -21,8 +21,8 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
+from batchserve.records import ScheduledRequest
 from batchserve.request import TokenLogprob
-from batchserve.scheduler.output import ScheduledRequest
 from batchserve.threads import torch_threads
 
 

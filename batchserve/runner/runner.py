@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from batchserve.attention.base import AttentionBackend
+from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.request import SamplingParams, TokenLogprob
 from batchserve.runner.batch import BlockTables, PackedStep, pack
 from batchserve.runner.cpu_linear import use_onednn_linear
@@ -19,7 +20,6 @@ from batchserve.runner.graphs import StepGraphs
 from batchserve.runner.penalties import LogprobsAsk, penalize, requests_logprobs, token_logprobs
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, apply_token_masks, choose_on_device
 from batchserve.runner.staging import Upload
-from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 
 logger = logging.getLogger("batchserve")
 ATTN_IMPL = "batchserve"

@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 
 from batchserve.draft.tree import DraftTree
+from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import SamplingParams
 from batchserve.runner.runner import ModelRunner
-from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 CHECK_ID = "#self-check"  # outside request ids' alphabet: no request can share its runner state
 PROMPT = 16  # tokens of the checked request's prompt (the others' differ in length)

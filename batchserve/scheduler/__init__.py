@@ -1,15 +1,7 @@
-"""Continuous batching and KV block bookkeeping (pure Python: no torch, no grpc)."""
+"""Continuous batching and KV block bookkeeping (pure Python: no torch, no grpc). The step's
+records it hands the runner live below it, in `batchserve.records`."""
 
 from batchserve.scheduler.block_allocator import BlockAllocator, NoFreeBlocksError
-from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.scheduler.scheduler import Scheduler
 
-__all__ = [
-    "BlockAllocator",
-    "NoFreeBlocksError",
-    "RunnerOutput",
-    "ScheduledRequest",
-    "Scheduler",
-    "SchedulerOutput",
-    "StepPhases",
-]
+__all__ = ["BlockAllocator", "NoFreeBlocksError", "Scheduler"]

@@ -8,8 +8,8 @@ are scored, each exactly once (a preempted request recomputes its prompt without
 
 from __future__ import annotations
 
+from batchserve.records import RunnerOutput, ScheduledRequest
 from batchserve.request import Request
-from batchserve.scheduler.output import RunnerOutput, ScheduledRequest
 
 
 def committed_chunk(req: Request, chunk: int, sample: bool) -> ScheduledRequest:

@@ -11,12 +11,12 @@ from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, WindowDrafter
 from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
+from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import Request
 from batchserve.scheduler.budget import DraftBudgetPolicy, StepShape
 from batchserve.scheduler.grammar_steps import GrammarSteps
 from batchserve.scheduler.host_budget import HostBudget
 from batchserve.scheduler.judging import OpenJudgements
-from batchserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from batchserve.scheduler.policy_drafts import PolicyDrafts
 
 logger = logging.getLogger("batchserve")

@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable
 
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft.base import Drafter
+from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.budget import DraftBudgetPolicy
 from batchserve.scheduler.chunks import committed_chunk, gather
 from batchserve.scheduler.drafting import DraftPlanner
-from batchserve.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from batchserve.scheduler.prefix_cache import PrefixCache
 
 logger = logging.getLogger("batchserve")

@@ -9,8 +9,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from batchserve.async_engine import AsyncEngine
+from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import RequestOutput
-from batchserve.scheduler import SchedulerOutput, StepPhases
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16, 32, 64)

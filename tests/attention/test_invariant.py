@@ -11,7 +11,7 @@ import torch
 import batchserve.attention.invariant_check as check
 import batchserve.attention.invariant_plan as invariant_plan
 from batchserve.attention import InvariantBackend, SeqLayout, StepLayout, TorchReferenceBackend, slots_of
-from batchserve.attention.invariant_check import kernels_invariant
+from batchserve.attention.invariant_check import checked_backend, kernels_invariant
 from batchserve.attention.invariant_plan import GROUP_COST_ROWS, KEY_TILE, group_requests, split_by_rows, tiles_of
 from tests.attention.layouts import BlockPicker
 from tests.engine.drafters import random_tree
@@ -23,7 +23,7 @@ needs_invariance = pytest.mark.skipif(not kernels_invariant(), reason="this CPU'
 
 def _backends(num_blocks: int, gen: torch.Generator, bs: int = BS) -> tuple[InvariantBackend, TorchReferenceBackend]:
     """Both backends over the same random pool (ours: a zero block after it, values with a column of ones)."""
-    ours = InvariantBackend(1, num_blocks, bs, KV_HEADS, D, num_qo_heads=HEADS)
+    ours = checked_backend(1, num_blocks, bs, KV_HEADS, D, num_qo_heads=HEADS)
     ref = TorchReferenceBackend(1, num_blocks, bs, KV_HEADS, D)
     torch.randn(ref.k_cache.shape, generator=gen, out=ref.k_cache)
     torch.randn(ref.v_cache.shape, generator=gen, out=ref.v_cache)
@@ -129,7 +129,7 @@ def _layered_step(seed: int, layers: int = 3):
     contexts, a tree, a prompt chunk): (backend, seqs, q, k, v), q/k/v [3 or 2 heads per layer]."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     blocks = 600
-    ours = InvariantBackend(layers, blocks, BS, KV_HEADS, D, num_qo_heads=HEADS)
+    ours = checked_backend(layers, blocks, BS, KV_HEADS, D, num_qo_heads=HEADS)
     slots = blocks * BS
     torch.randn(ours.k_cache[:, :, :slots].shape, generator=gen, out=ours.k_cache[:, :, :slots])
     ours.v_cache[:, :, :slots, :D] = torch.randn(ours.v_cache[:, :, :slots, :D].shape, generator=gen)

@@ -34,8 +34,7 @@ def test_seated_throughput_leaves_out_the_steps_with_a_seat_empty() -> None:
     from batchserve import SamplingParams
     from batchserve.bench.methods import Row
     from batchserve.bench.runs import PhaseTotals
-    from batchserve.scheduler import SchedulerOutput, StepPhases
-    from batchserve.scheduler.output import ScheduledRequest
+    from batchserve.records import ScheduledRequest, SchedulerOutput, StepPhases
 
     def step(requests: int, tokens: int, wall: float) -> tuple[SchedulerOutput, StepPhases]:
         reqs = tuple(

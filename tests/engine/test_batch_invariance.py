@@ -10,7 +10,7 @@ import pytest
 from batchserve import LLM, SamplingParams
 from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
-from batchserve.scheduler.output import SchedulerOutput
+from batchserve.records import SchedulerOutput
 from tests.prompts import all_prompt_ids
 
 pytestmark = pytest.mark.slow

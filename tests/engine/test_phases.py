@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchserve import SamplingParams
-from batchserve.scheduler import SchedulerOutput, StepPhases
+from batchserve.records import SchedulerOutput, StepPhases
 from tests.conftest import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from tests.engine.drafters import RandomTreeDrafter
 

@@ -137,7 +137,7 @@ def test_smollm2_runs_on_its_own_q4_1_blocks(kernel, monkeypatch):
     # A block that does not match what transformers loaded fails the load, and no layer is swapped.
     from batchserve.model import native_from_hf
     from batchserve.model.int4 import load_gguf_int4
-    from batchserve.runner.model_loader import default_model_path
+    from batchserve.model.loader import default_model_path
 
     native = native_from_hf(model)
     with torch.no_grad():

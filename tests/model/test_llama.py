@@ -13,8 +13,8 @@ import torch
 from batchserve import LLM, SamplingParams
 from batchserve.engine import EngineCore
 from batchserve.model import NativeLlamaForCausalLM, choose_impl, native_from_hf, supports
+from batchserve.records import ScheduledRequest
 from batchserve.runner.batch import pack
-from batchserve.scheduler import ScheduledRequest
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_tokenizer
 from tests.engine.drafters import OracleDrafter
 from tests.rounding import assert_rounds_like, float64_logits, rounding_units

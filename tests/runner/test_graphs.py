@@ -11,9 +11,9 @@ import torch
 
 from batchserve import SamplingParams
 from batchserve.attention.base import StepBucket, StepLayout
+from batchserve.records import SchedulerOutput
 from batchserve.runner.batch import BlockTables, pack
 from batchserve.runner.graphs import StepGraphs, eligible, filler_layout, pad_step, request_buckets, row_buckets
-from batchserve.scheduler import SchedulerOutput
 from tests.conftest import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from tests.engine.drafters import RandomTreeDrafter
 
@@ -113,7 +113,7 @@ def test_a_filler_step_has_the_buckets_shape():
 
 def _scheduled(rid: str, cached: int, blocks: tuple[int, ...], tree: Any) -> Any:
     from batchserve.draft.tree import DraftTree
-    from batchserve.scheduler.output import ScheduledRequest
+    from batchserve.records import ScheduledRequest
 
     draft = DraftTree(*tree) if tree is not None else None
     return ScheduledRequest(rid, (7,), cached, blocks, draft, True, SamplingParams())
@@ -185,7 +185,7 @@ def test_bucketed_steps_give_the_unpadded_steps_logits_bit_for_bit():
 
 def test_a_padded_step_writes_nothing_outside_its_slots_and_the_scratch_block():
     from batchserve.draft.tree import DraftTree
-    from batchserve.scheduler.output import ScheduledRequest
+    from batchserve.records import ScheduledRequest
 
     core = _core("eager")
     runner = core.runner

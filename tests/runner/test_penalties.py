@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
+from batchserve.records import ScheduledRequest
 from batchserve.runner.penalties import penalize, token_logprobs, tree_paths
-from batchserve.scheduler.output import ScheduledRequest
 from tests.conftest import TINY_VOCAB, tiny_llm
 from tests.engine.drafters import OracleDrafter, RandomTreeDrafter, random_prompts, random_tree
 

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from batchserve.config import DraftConfig, SchedulerConfig
-from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler
+from batchserve.records import RunnerOutput
+from batchserve.scheduler import BlockAllocator, Scheduler
 from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, StepShape
 from batchserve.scheduler.host_budget import HostBudget
 from batchserve.scheduler.speed_guard import SpeedGuard

@@ -6,8 +6,9 @@ import pytest
 
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft import DraftTree, NoDrafter
+from batchserve.records import RunnerOutput, SchedulerOutput
 from batchserve.request import FinishReason, Request, RequestStatus, SamplingParams
-from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, RunnerOutput, Scheduler, SchedulerOutput
+from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, Scheduler
 from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy
 from tests.scheduler.workloads import cpu_like, gpu_like
 

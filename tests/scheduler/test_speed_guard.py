@@ -9,8 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from batchserve.config import DraftConfig, SchedulerConfig
+from batchserve.records import RunnerOutput
 from batchserve.request import Request, SamplingParams
-from batchserve.scheduler import BlockAllocator, RunnerOutput, Scheduler
+from batchserve.scheduler import BlockAllocator, Scheduler
 from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate
 from batchserve.scheduler.speed_guard import SpeedGuard
 from tests.scheduler.test_scheduler import TruthDrafter

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from batchserve import LLM, SamplingParams
-from batchserve.runner import load_model, model_loader, resolve_model_path
+from batchserve.model import loader as model_loader
+from batchserve.model.loader import load_model, resolve_model_path
 from tests.conftest import hf_greedy, make_tiny_model, make_tiny_tokenizer
 
 

@@ -1,4 +1,6 @@
-"""The two records that cross the scheduler/runner boundary each step."""
+"""The step's records: what the scheduler hands the runner (ScheduledRequest, SchedulerOutput),
+what the runner hands back (RunnerOutput) and the step's phase times (StepPhases). They live below
+the scheduler, runner, engine and server, which all read them."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from batchserve.draft.jacobi import WindowRows, spec_mask
-from batchserve.draft.tree import DraftTree
+from batchserve.draft.jacobi import WindowRows
+from batchserve.draft.tree import DraftTree, spec_mask
 from batchserve.request import SamplingParams, TokenLogprob
 
 
@@ -59,7 +61,7 @@ class ScheduledRequest:
         )
 
     def spec_mask(self) -> np.ndarray | None:
-        """[n, n] bool: which rows after the committed ones each of them sees (`jacobi.spec_mask`)."""
+        """[n, n] bool: which rows after the committed ones each of them sees (`tree.spec_mask`)."""
         tree = self.draft.mask if self.draft is not None else None
         return spec_mask(tree, self.window.mask if self.window is not None else None)
 

@@ -1,0 +1,94 @@
+"""The package's imports, read from its source: every import (a function's lazy one and a type
+checker's too) points down the layers below, and no module reaches itself through others."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "batchserve"
+
+# Lowest first; a module may import from its own layer (without a circle) or any below it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("settings", "config", "jsonl", "heap", "threads", "native_build", "request", "text", "v1"),
+    ("draft", "grammar", "kernels"),
+    ("records",),  # the step's records: read by scheduler, runner, engine and server alike
+    ("scheduler", "attention"),
+    ("model",),
+    ("runner",),
+    ("engine", "async_engine", "llm"),
+    ("server",),
+    ("bench", "cli", "__init__"),
+)
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the batchserve modules it imports (a name imported from a package, where that
+    name is a module, counts as that module)."""
+    paths = {_module(p): p for p in PACKAGE.rglob("*.py") if "v1" not in p.relative_to(PACKAGE).parts}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                if base.startswith("batchserve"):
+                    edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names}
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith("batchserve")}
+        graph[module] = {e for e in edges if e != module}
+    return graph
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    assert top in LAYER, f"{module}: put its package in a layer of tests/test_imports.py"
+    return LAYER[top]
+
+
+def test_every_import_points_down_the_layers() -> None:
+    upward = [
+        f"{m} -> {t}" for m, targets in _graph().items() for t in targets if _layer(t) > _layer(m)
+    ]  # fmt: skip
+    assert not upward, "imports that run back up:\n" + "\n".join(sorted(upward))
+
+
+def test_no_module_reaches_itself_through_others() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                circles.append([*path[path.index(t) :], t])
+            elif t in graph and t not in state:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_analysis_sees_what_it_must() -> None:
+    """The checks above would catch a circle and an upward import: the graph holds both kinds of
+    edge where they are known to be (a lazy import, a relative one, a name that is a module)."""
+    graph = _graph()
+    assert "batchserve.records" in graph["batchserve.scheduler.scheduler"]
+    assert "batchserve.bench.grounded" in graph["batchserve.bench.datasets"]  # imported inside a function
+    assert "batchserve.model.loader" in graph["batchserve.runner"]
+    assert _layer("batchserve.server.app") > _layer("batchserve.engine") > _layer("batchserve.records")
