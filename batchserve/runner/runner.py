@@ -15,10 +15,19 @@ from batchserve.attention.base import AttentionBackend
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.request import SamplingParams, TokenLogprob
 from batchserve.runner.batch import BlockTables, PackedStep, pack
+from batchserve.runner.clock import PhaseClock
 from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.graphs import StepGraphs
 from batchserve.runner.penalties import LogprobsAsk, penalize, requests_logprobs, token_logprobs
-from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, apply_token_masks, choose_on_device
+from batchserve.runner.sampler import (
+    SampledRows,
+    TreeRows,
+    Verdict,
+    accept,
+    accepted_path,
+    apply_token_masks,
+    choose_on_device,
+)
 from batchserve.runner.staging import Upload
 
 logger = logging.getLogger("batchserve")
@@ -64,7 +73,9 @@ class ModelRunner:
     """Owns the model, the attention backend (and with it the KV pool) and per-request RNGs.
 
     Runs in the engine's worker thread; everything it reads per step comes in the
-    SchedulerOutput, and the only state it keeps is tensors and generators.
+    SchedulerOutput. What it keeps between steps: the backend's KV pool, the block tables' array,
+    the staging buffers, the captured graphs, and each sampling request's generator and the
+    uniforms drawn from it but not yet used.
     """
 
     def __init__(
@@ -110,43 +121,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        t0 = time.perf_counter()
+        clock = PhaseClock()
         self.release(out.finished_request_ids)
         step = pack(out.requests, self._tables, self.backend.block_size)
         self.backend.seconds = 0.0
-        launch, t1 = self._launch(step)
+        launch, staged = self._launch(step)
+        clock.charge("prepare", until=staged)
         logits = launch()  # [K, V]; on CUDA the kernels are queued and still running
         scored, logits = logits[step.num_verify :], logits[: step.num_verify]  # prompt scoring's rows apart
+        clock.charge("forward")
         # Host work the kernels do not wait for: counted as prepare.
-        t_host = time.perf_counter()
         sampling = [(i, r) for i, r in enumerate(out.requests) if r.sample]
         trees = TreeRows.of(
             [(int(step.logit_start[i]), r.draft, r.window.num_outputs if r.window else 0) for i, r in sampling]
         )
         sampled = self._sampled_rows(out, step.logit_start, logits.shape[-1])
-        host = time.perf_counter() - t_host
+        clock.charge("prepare")
         raw = self._raw_rows(logits, sampling, step.logit_start)  # before anything changes them
         penalized = [(int(step.logit_start[i]), r) for i, r in sampling if r.params.penalized]
         if penalized:
             penalize(logits, penalized)
-        t_grammar = time.perf_counter()
+        clock.charge("forward")
         masks = [
             (int(step.logit_start[i]), r.token_mask) for i, r in enumerate(out.requests) if r.token_mask is not None
         ]
         if masks:
             apply_token_masks(logits, masks)
-        grammar = time.perf_counter() - t_grammar if masks else 0.0
+            clock.charge("grammar")
         # Token choice and acceptance on the logits' device; the step's one device-to-host copy.
-        result = accept(choose_on_device(logits, sampled), trees, self._tree_arrays).tolist() if sampling else []
-        t2 = time.perf_counter()
-        output = self._emit(sampling, step, result, raw)
+        chosen = accept(choose_on_device(logits, sampled), trees, self._tree_arrays) if sampling else None
+        verdict = Verdict.of(chosen, len(sampling))
+        clock.charge("forward")
+        output = self._emit(sampling, step, verdict, raw)
         if len(scored):
             output.prompt_logprobs.update(_prompt_logprobs(out.requests, scored))
-        phases = output.phases
-        phases.prepare, phases.forward = t1 - t0 + host, t2 - t1 - host - grammar
-        phases.verify = time.perf_counter() - t2 + grammar
+        clock.charge("verify")
+        phases, spent = output.phases, clock.spent
+        phases.prepare, phases.forward = spent["prepare"], spent["forward"]
+        phases.verify, phases.grammar = spent["verify"] + spent["grammar"], spent["grammar"]
         phases.attention = self.backend.seconds if self.backend.timed else None
-        phases.grammar = grammar
         return output
 
     @torch.inference_mode()
@@ -200,15 +213,15 @@ class ModelRunner:
         self,
         sampling: list[tuple[int, ScheduledRequest]],
         step: PackedStep,
-        result: list[int],
+        verdict: Verdict,
         raw: tuple[torch.Tensor, dict[str, int]] | None = None,
     ) -> RunnerOutput:
         """The host's share of verification: each request's accepted path and tokens from the
-        step's copied result ([deepest row] * S, [bonus token] * S, window tokens), the KV
+        step's verdict (its deepest accepted row, the bonus token, the window tokens), the KV
         compaction of accepted nodes, the uniforms the sampled tokens used, and the logprobs of
         the emitted tokens where asked (from `raw`, at the rows that chose them)."""
-        s, bs = len(sampling), self.backend.block_size
-        deepest, bonus, windows = result[:s], result[s : 2 * s], result[2 * s :]
+        bs = self.backend.block_size
+        deepest, bonus, windows = verdict.deepest, verdict.bonus, verdict.windows
         out = RunnerOutput(emitted={}, accepted={}, phases=StepPhases())
         moves: list[tuple[int, int, int]] = []  # (request, from KV index, to KV index)
         consumed: list[tuple[str, int]] = []  # (sampling request, uniforms its emitted tokens used)

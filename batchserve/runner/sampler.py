@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -199,6 +200,23 @@ def accept(
         deepest = deepest.scatter_reduce(0, request, key, "amax")
         deepest = deepest % k
     return torch.cat((deepest, choices[deepest], choices[window]))
+
+
+class Verdict(NamedTuple):
+    """`accept`'s result brought to the host, read by name: per sampling request its deepest
+    accepted row and the model's token after it (the bonus token), then the window rows' tokens."""
+
+    deepest: list[int]  # [S]
+    bonus: list[int]  # [S]
+    windows: list[int]  # [W]
+
+    @classmethod
+    def of(cls, result: torch.Tensor | None, num_requests: int) -> Verdict:
+        """From `accept`'s [2 S + W] tensor (None: no request sampled): the step's one
+        device-to-host copy."""
+        flat: list[int] = result.tolist() if result is not None else []
+        s = num_requests
+        return cls(flat[:s], flat[s : 2 * s], flat[2 * s :])
 
 
 def accepted_path(tree: DraftTree | None, root: int, deepest: int) -> list[int]:

@@ -1,6 +1,12 @@
 """A step's drafts where the budget policy picks the lengths: whom a tree search is worth, the
 shadow drafts, and each request's share of the step (`budget.py`), with speculation's host
-time kept in proportion (`host_budget.py`)."""
+time kept in proportion (`host_budget.py`).
+
+Words used here: a *hopeful* request is one whose best possible tree could still pay for its rows
+this step (its upper estimate beats the cost), so a search for it is worth its time; a *shadow
+draft* is a tree proposed for a request the policy gives no rows, never verified, judged for free
+against the tokens the request emits next (its estimates can rise again when its matches turn
+good); shadows go to idle requests *in turn* (round robin), within the host's allowance."""
 
 from __future__ import annotations
 
