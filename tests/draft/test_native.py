@@ -21,7 +21,7 @@ def test_a_build_that_cannot_run_says_why_and_a_build_is_reused(
 ) -> None:
     monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with pytest.raises(native.DrafterUnavailable, match=r"failed to build the native drafter.*--draft-method none"):
+    with pytest.raises(native.DrafterUnavailable, match=r"failed to build the native drafter.*--draft none"):
         native.build()
     assert not list((tmp_path / "draft").iterdir())  # no half-built file left behind
     monkeypatch.delenv("CXX")

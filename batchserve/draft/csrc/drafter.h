@@ -102,13 +102,15 @@ public:
         Request& r = it->second;
         if (r.pending > 0) {  // its scope learns all of its output
             insert(r, r.pending);
-            pending_.erase(std::find(pending_.begin(), pending_.end(), id));
+            auto queued = std::find(pending_.begin(), pending_.end(), id);
+            if (queued != pending_.end()) pending_.erase(queued);
         }
         if (r.scoped) {
             recent_.end(id, r.local.data() + r.num_prompt, r.local.size() - r.num_prompt);
             if (--live_[r.scope] == 0) {
                 live_.erase(r.scope);
-                live_order_.erase(std::find(live_order_.begin(), live_order_.end(), r.scope));
+                auto at = std::find(live_order_.begin(), live_order_.end(), r.scope);
+                if (at != live_order_.end()) live_order_.erase(at);
             }
         }
         indexed_ -= r.local.size();
