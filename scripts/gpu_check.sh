@@ -29,11 +29,15 @@
 #                   (mismatch rates printed; the torch backend runs eagerly, HF twice).
 #   versions        python, torch (CUDA), flashinfer, transformers, nvcc, the device.
 # Timeouts: each step may take its cap, or what the total leaves after the later steps' reserves,
-# whichever is less (caps: graphs 150 s, parity-kernels 45, bench 90, sharegpt 60, peer 120,
+# whichever is less (caps: graphs 170 s, parity-kernels 45, bench 130, sharegpt 90, peer 100,
 # parity-engine 100, versions 30; nvidia-smi 10 first). A step is interrupted with SIGINT (pytest
 # then writes its junit xml and durations) and killed 8 s later; its time, grace included, stays
 # within its share, so the run ends within the total. Steps left less than their minimum are
-# skipped: in 360 s, measured on an H100, graphs to sharegpt finish and the peer starts.
+# skipped. Measured on an H100 (benchmarks/results/gpu-graphs/): graphs 142 s (55 of them nvcc),
+# parity-kernels 14, bench about 120 (four rows), sharegpt about 70, peer 80 (52 compiling), so
+# 360 s bring back graphs, parity-kernels and the bench; GPU_CHECK_SECONDS=540 brings back the
+# peer too. A pytest step is judged by its junit xml: all its tests passed is a pass even where
+# the interpreter's exit (CUDA teardown) ran into the timeout.
 #
 # Everything goes to $OUT (default gpu_out/): device.txt (nvidia-smi, then the versions), one log
 # per step (graphs.txt, parity-kernels.txt, bench.txt, sharegpt.txt, peer.txt, parity-engine.txt),
@@ -58,12 +62,12 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # nothing is downloaded: the model a
 deadline=$((SECONDS + TOTAL))
 
 ORDER=(graphs parity-kernels bench sharegpt peer parity-engine versions)
-declare -A CAP=([graphs]=150 [parity-kernels]=45 [bench]=90 [sharegpt]=60 [peer]=120 [parity-engine]=100 [versions]=30)
+declare -A CAP=([graphs]=170 [parity-kernels]=45 [bench]=130 [sharegpt]=90 [peer]=100 [parity-engine]=100 [versions]=30)
 # What a step holds back for itself while an earlier one runs (the steps after the bench take
 # what is left: nothing).
 declare -A RESERVE=([graphs]=60 [parity-kernels]=20 [bench]=60 [sharegpt]=0 [peer]=0 [parity-engine]=0 [versions]=10)
 # Below this a step is not started.
-declare -A MIN=([graphs]=60 [parity-kernels]=15 [bench]=45 [sharegpt]=40 [peer]=60 [parity-engine]=40 [versions]=10)
+declare -A MIN=([graphs]=60 [parity-kernels]=15 [bench]=45 [sharegpt]=40 [peer]=70 [parity-engine]=40 [versions]=10)
 
 selected() {
   local step=${1%%-*}  # parity-kernels and parity-engine are both `parity`
@@ -109,14 +113,30 @@ run_step() {
   local rc=${PIPESTATUS[0]}
   case $rc in
     0) status=ok ;;
-    124 | 137) status=TIMEOUT failed=1 ;;
-    *) status="FAILED (exit $rc)" failed=1 ;;
+    124 | 137) status=TIMEOUT ;;
+    *) status="FAILED (exit $rc)" ;;
   esac
+  if [[ $status == TIMEOUT && -n ${JUNIT:-} ]] && junit_all_passed "$JUNIT"; then
+    status="ok (timed out on exit)"  # the session's results were written: every test passed
+  fi
+  [[ $status == ok* ]] || failed=1
   # A pytest step that skipped tests ran without CUDA or flashinfer: not a pass.
   if [[ $status == ok && -n ${JUNIT:-} ]] && grep -Eq '^=+ .*[0-9]+ skipped.* in [0-9.]+s' "$OUT/$log"; then
     status="ok, but tests skipped" failed=1
   fi
   record "$name" "$status" $((SECONDS - t0)) "$limit"
+}
+
+junit_all_passed() {  # XML: true when pytest's junit file counts tests and no failure, error or skip
+  "$PY" - "$1" <<'PY' 2>/dev/null
+import sys
+import xml.etree.ElementTree as ET
+
+suite = ET.parse(sys.argv[1]).getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+sys.exit(0 if counts["tests"] > 0 and counts["failures"] + counts["errors"] + counts["skipped"] == 0 else 1)
+PY
 }
 
 pytest_step() {  # NAME FILES...: the gpu tests of FILES, no -x, per-test durations, junit xml
