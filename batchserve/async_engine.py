@@ -13,7 +13,7 @@ from batchserve.config import EngineConfig
 from batchserve.engine import EngineCore
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams
-from batchserve.scheduler.cost_profile import CostProfile
+from batchserve.speculation.cost_profile import CostProfile
 from batchserve.text import Prompt
 
 logger = logging.getLogger("batchserve")

@@ -160,7 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from batchserve.engine import EngineCore
-    from batchserve.runner.calibrate import calibrate, format_profile, profile_path
+    from batchserve.runner.calibrate import calibrate
+    from batchserve.runner.profile_key import format_profile, profile_path
 
     try:
         if args.max_tokens < 1 or args.repeats < 1 or not args.contexts or min(args.contexts) < 0:

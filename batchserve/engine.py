@@ -17,8 +17,8 @@ from batchserve.grammar import GrammarCompiler
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from batchserve.scheduler import BlockAllocator, Scheduler
-from batchserve.scheduler.budget import DraftBudgetPolicy
-from batchserve.scheduler.cost_profile import CostProfile
+from batchserve.speculation.budget import DraftBudgetPolicy
+from batchserve.speculation.cost_profile import CostProfile
 from batchserve.text import Prompt, TextCodec
 from batchserve.threads import set_threads
 
@@ -312,14 +312,14 @@ class EngineCore:
             runner = step.result.phases
             phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
             phases.attention, phases.grammar = runner.attention, runner.grammar
-        phases.grammar += self.scheduler.planner.grammar.seconds
+        phases.grammar += self.scheduler.grammar.seconds
         end = time.perf_counter()
         phases.commit = end - t0
         phases.wall = end - step.start
         phases.tokens = sum(len(o.new_token_ids) for o in outputs)
         if step.result is not None and not step.failed:
             try:  # the policy's cost model: a bug there costs its estimate, never the step's outputs
-                self.scheduler.observe_step(out, phases.wall)
+                self.scheduler.speculation.observe_step(out, phases.wall)
             except Exception:
                 logger.exception("the draft policy failed to learn from a step")
         self.num_steps += 1

@@ -19,7 +19,7 @@ from batchserve.request import (
     TokenLogprob,
     tokens_per_step,
 )
-from batchserve.scheduler.cost_profile import CostProfile
+from batchserve.speculation.cost_profile import CostProfile
 from batchserve.text import Prompt
 
 # A prompt's references (predicted outputs): one text, one token-id list, a list of either, or None.

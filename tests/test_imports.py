@@ -10,9 +10,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchserve"
 
 # Lowest first; a module may import from its own layer (without a circle) or any below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("settings", "config", "jsonl", "heap", "threads", "native_build", "request", "text", "v1"),
+    ("settings", "draft_config", "config", "jsonl", "heap", "threads", "native_build", "request", "text", "v1"),
     ("draft", "grammar", "kernels"),
     ("records",),  # the step's records: read by scheduler, runner, engine and server alike
+    ("speculation",),  # which drafts a step verifies: the scheduler calls it through one seam
     ("scheduler", "attention"),
     ("model",),
     ("runner",),
@@ -92,3 +93,22 @@ def test_the_analysis_sees_what_it_must() -> None:
     assert "batchserve.bench.grounded" in graph["batchserve.bench.datasets"]  # imported inside a function
     assert "batchserve.model.loader" in graph["batchserve.runner"]
     assert _layer("batchserve.server.app") > _layer("batchserve.engine") > _layer("batchserve.records")
+    assert _layer("batchserve.scheduler.scheduler") > _layer("batchserve.speculation.planner")
+
+
+# What `scheduler/` may hold: batching (admission, chunks, preemption, blocks, the prefix cache).
+SCHEDULER_MODULES = {"__init__", "scheduler", "chunks", "block_allocator", "prefix_cache"}
+
+
+def test_the_scheduler_only_batches_and_reaches_speculation_through_its_seam() -> None:
+    """`scheduler/` holds the batching modules alone, and of speculation it imports only the
+    package's seam (`batchserve.speculation`: the planner and the policy's type), never a module
+    behind it (budgets, fits, trackers, the guard)."""
+    here = {p.stem for p in (PACKAGE / "scheduler").glob("*.py")}
+    assert here == SCHEDULER_MODULES, f"scheduler/ holds more than batching: {sorted(here - SCHEDULER_MODULES)}"
+    graph = _graph()
+    reached = {
+        t for m, targets in graph.items() if m.startswith("batchserve.scheduler") for t in targets
+        if t.startswith("batchserve.speculation")
+    }  # fmt: skip
+    assert reached == {"batchserve.speculation"}, sorted(reached)

@@ -14,7 +14,7 @@ MAX_FUNCTION_LINES = 60
 # Layers that stay pure Python, so the scheduler and drafters can be reasoned about (and
 # tested) without a model: no torch, no gRPC, nothing from the layers above them.
 ABOVE_PURE = ("torch", "grpc", "batchserve.runner", "batchserve.attention", "batchserve.engine", "batchserve.server")
-PURE = {"scheduler": ABOVE_PURE, "draft": ABOVE_PURE, "grammar": ABOVE_PURE}
+PURE = {"scheduler": ABOVE_PURE, "speculation": ABOVE_PURE, "draft": ABOVE_PURE, "grammar": ABOVE_PURE}
 ONLY_SERVER_KNOWS_GRPC = ("grpc", "grpc_health", "grpc_reflection", "batchserve.v1")
 
 

@@ -13,7 +13,7 @@ from batchserve.bench.host import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, method_rank, none_of
 from batchserve.bench.served import served_table
 from batchserve.records import StepPhases
-from batchserve.scheduler.cost_profile import CostProfile
+from batchserve.speculation.cost_profile import CostProfile
 
 
 def save_results(rows: list[Row], out_dir: Path) -> None:

@@ -17,7 +17,7 @@ from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import tokens_per_step
 
 if TYPE_CHECKING:
-    from batchserve.scheduler.cost_profile import CostProfile
+    from batchserve.speculation.cost_profile import CostProfile
 
 
 @dataclass(slots=True)

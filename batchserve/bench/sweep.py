@@ -37,7 +37,7 @@ from batchserve.bench.served import ServedPeers
 from batchserve.runner.build import eos_token_ids
 
 if TYPE_CHECKING:
-    from batchserve.scheduler.cost_profile import CostProfile
+    from batchserve.speculation.cost_profile import CostProfile
 
 
 @dataclass(slots=True)

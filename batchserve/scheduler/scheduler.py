@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterable
 
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft.base import Drafter
+from batchserve.grammar.steps import GrammarSteps
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
-from batchserve.scheduler.budget import DraftBudgetPolicy
 from batchserve.scheduler.chunks import committed_chunk, gather
-from batchserve.scheduler.drafting import DraftPlanner
 from batchserve.scheduler.prefix_cache import PrefixCache
+from batchserve.speculation import DraftBudgetPolicy, DraftPlanner
 
 logger = logging.getLogger("batchserve")
 
@@ -57,8 +57,10 @@ class Scheduler:
         self.allocator = allocator
         self.drafter = drafter
         self.on_token = on_token
-        self.budget_policy = budget_policy  # None: every request drafts `decoding_length` tokens
-        self.planner = DraftPlanner(drafter, draft_config, budget_policy)
+        self.grammar = GrammarSteps()  # structured output's share of each step
+        # Speculation, behind its seam (start, attach, commit, finish). `budget_policy` None:
+        # every request drafts `decoding_length` tokens.
+        self.speculation = DraftPlanner(drafter, draft_config, budget_policy, self.grammar)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -83,7 +85,7 @@ class Scheduler:
         req.arrival_seq = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        # NOTE: the drafter hears of the request only when it first runs (planner.start): a
+        # NOTE: the drafter hears of the request only when it first runs (speculation.start): a
         # waiting request costs nothing there, whatever its prompt.
 
     def abort(self, request_id: str) -> bool:
@@ -107,10 +109,7 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        self.planner.finish(req.request_id)
-        if self.budget_policy is not None:
-            self.budget_policy.tracker.forget(req.request_id)
-            self.budget_policy.windows.forget(req.request_id)
+        self.speculation.finish(req.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -164,7 +163,7 @@ class Scheduler:
                 break  # FCFS: wait for blocks rather than let younger requests overtake
             self.prefix.count(req, cached)
             self.waiting.popleft()
-            self.planner.start(req)
+            self.speculation.start(req)
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING
@@ -176,7 +175,7 @@ class Scheduler:
 
         # Drafts last: committed tokens and admissions come before speculation.
         scheduled = self._add_drafts(scheduled, budget)
-        for rid, error in self.planner.grammar.failed.items():  # left out of the step: it ends here
+        for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
             self.fail([rid], error)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
@@ -219,7 +218,7 @@ class Scheduler:
                 if tok == req.grammar.eos_token_id:  # the grammar's end: ends the text, not part of it
                     reason = FinishReason.EOS
                     break
-                error = self.planner.grammar.advance(req, tok)
+                error = self.grammar.advance(req, tok)
                 if error is not None:  # the grammar refused what its own mask allowed
                     self.fail([req.request_id], error)
                     return req, appended
@@ -236,14 +235,12 @@ class Scheduler:
         # emitted = the accepted drafts' tokens, then the model's own; a stop may cut it short.
         # Only drafts that reach the output count (stats, metrics, and what the policy learns).
         reached = accepted[: len(appended)]
-        self.planner.observe_acceptance(item, reached, appended)
         req.stats.steps += 1
         req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
         req.stats.draft_tokens_accepted += len(reached)
         if item.draft is not None and item.draft.referenced:
             req.stats.reference_drafts_accepted += sum(1 for node in reached if node in item.draft.referenced)
-        self.planner.accepted(req.request_id, appended)
-        self.planner.observe_window(item, result.window_outputs.get(item.request_id))
+        self.speculation.commit(item, reached, appended, result.window_outputs.get(item.request_id))
         self.prefix.register(req)
         if reason is not None:
             self.finish(req, reason)
@@ -286,12 +283,8 @@ class Scheduler:
         return committed_chunk(req, chunk, sample=chunk == num_pending)
 
     def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Hang the planner's draft trees and windows off the sampling requests with blocks for them."""
-        return self.planner.attach(items, self.requests, budget, self._ensure_blocks)
-
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Teach the draft budget policy what a whole step costs, beyond the forward alone."""
-        self.planner.observe_step(out, seconds)
+        """Hang speculation's draft trees and windows off the sampling requests with blocks for them."""
+        return self.speculation.attach(items, self.requests, budget, self._ensure_blocks)
 
     def _ensure_blocks(self, req: Request, num_slots: int) -> bool:
         need = self.allocator.blocks_for(num_slots) - len(req.block_ids)

@@ -60,7 +60,7 @@ def test_the_bench_phase_table_shows_the_host_side():
 
 def test_the_report_prices_a_draft_row_per_bucket_from_the_cost_profile():
     from batchserve.bench.report import row_price_table
-    from batchserve.scheduler.cost_profile import CostProfile
+    from batchserve.speculation.cost_profile import CostProfile
 
     # A flat step up to 8 rows, then 0.5 ms a row: a GPU whose spare FLOPs run out at 8 rows.
     counts = (1, 8, 16, 32)

@@ -19,7 +19,7 @@ PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)
 
 def _core(drafter=None, adaptive: bool = False) -> EngineCore:
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
-    from tests.scheduler.workloads import gpu_like
+    from tests.speculation.workloads import gpu_like
 
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=256),
@@ -87,7 +87,7 @@ def test_a_drafter_that_raises_costs_the_draft_not_the_request(tiny_model):
 
 def test_a_draft_budget_that_raises_costs_the_drafts_not_the_requests(tiny_model, monkeypatch):
     core = _core(adaptive=True)
-    policy = core.scheduler.budget_policy
+    policy = core.scheduler.speculation.policy
     assert policy is not None
 
     def broken(*args, **kwargs):
@@ -195,7 +195,7 @@ def test_a_policy_that_fails_to_learn_from_a_step_drops_no_outputs(monkeypatch):
     def broken(out, seconds):
         raise RuntimeError("fit bug")
 
-    monkeypatch.setattr(core.scheduler, "observe_step", broken)
+    monkeypatch.setattr(core.scheduler.speculation, "observe_step", broken)
     _tokens, finals = _run(core)
     assert {o.finish_reason for o in finals.values()} == {FinishReason.LENGTH}
 

@@ -11,7 +11,7 @@ import torch
 
 from batchserve import SamplingParams
 from batchserve.engine import EngineCore
-from batchserve.scheduler.cost_profile import CostProfile
+from batchserve.speculation.cost_profile import CostProfile
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, tiny_llm
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)

@@ -216,7 +216,7 @@ def test_fused_projections_hold_the_same_weights():
 
 
 def test_each_forward_has_its_own_cost_profile():
-    from batchserve.runner.calibrate import profile_key
+    from batchserve.runner.profile_key import profile_key
 
     native, hf = _core(_model("llama"), "native"), _core(_model("llama"), "transformers")
     assert profile_key(native.runner) != profile_key(hf.runner)

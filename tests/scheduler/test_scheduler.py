@@ -9,8 +9,8 @@ from batchserve.draft import DraftTree, NoDrafter
 from batchserve.records import RunnerOutput, SchedulerOutput
 from batchserve.request import FinishReason, Request, RequestStatus, SamplingParams
 from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, Scheduler
-from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy
-from tests.scheduler.workloads import cpu_like, gpu_like
+from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy
+from tests.speculation.workloads import cpu_like, gpu_like
 
 
 def _req(rid: str, n_prompt: int, max_new: int = 8, **kw) -> Request:
@@ -266,7 +266,7 @@ def test_past_shadow_requests_the_requests_given_nothing_take_turns_at_a_shadow_
     for _ in range(4):
         out = s.schedule()
         assert all(r.draft is None for r in out.requests)
-        shadowed.append(set(s.planner._proposals))
+        shadowed.append(set(s.speculation._proposals))
         s.update(out, RunnerOutput({r.request_id: [7] for r in out.requests}, {r.request_id: [] for r in out.requests}))
     assert [len(x) for x in shadowed] == [4] * 4  # 16 requests given nothing, 4 shadows a step
     assert set().union(*shadowed) == {f"r{i}" for i in range(16)}  # each in its turn
@@ -294,7 +294,7 @@ def test_a_shadow_draft_that_the_output_matches_revives_a_silenced_request():
     s.add_request(_req("r", 3, 200))
     for _ in range(50):
         tracker.observe("r", 8, [])  # every draft rejected so far: silenced
-    assert s.planner.policy.upper_gains("r", 8) == []
+    assert s.speculation.policy.upper_gains("r", 8) == []
     drafted = []
     for _ in range(8):
         out = s.schedule()
@@ -424,7 +424,7 @@ def test_a_busy_step_searches_a_tree_a_little_past_what_the_request_could_be_giv
             tracker.observe(f"r{i}", 16, [0, 1] + [j for j in range(2, 16) if j % 4 == 0])
     drafter = CountingDrafter()
     s = _busy(16, cpu_like(base=40.0, slope=1.0), tracker, drafter)
-    policy = s.planner.policy
+    policy = s.speculation.policy
     assert policy is not None
     most = {f"r{i}": len(policy.upper_gains(f"r{i}", 16)) for i in range(16)}  # ranks that could pay at all
     best: dict[str, int] = {}  # what each request would be given at best, as the planner saw it

@@ -451,7 +451,7 @@ async def test_request_id_in_use_is_invalid_argument(running):
 async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_lengths():
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
     from batchserve.engine import EngineCore
-    from batchserve.scheduler.cost_profile import CostProfile
+    from batchserve.speculation.cost_profile import CostProfile
     from tests.conftest import make_tiny_model, make_tiny_tokenizer
     from tests.server.conftest import start_server
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from batchserve.config import DraftConfig
-from batchserve.scheduler.speed_guard import SpeedGuard
+from batchserve.speculation.speed_guard import SpeedGuard
 
 _DEFAULTS = DraftConfig()
 _KEEP = 0.9  # weight an average keeps per measurement: about the last ten

@@ -10,11 +10,11 @@ import pytest
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.records import RunnerOutput
 from batchserve.scheduler import BlockAllocator, Scheduler
-from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, StepShape
-from batchserve.scheduler.host_budget import HostBudget
-from batchserve.scheduler.speed_guard import SpeedGuard
+from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, StepShape
+from batchserve.speculation.host_budget import HostBudget
+from batchserve.speculation.speed_guard import SpeedGuard
 from tests.scheduler.test_scheduler import CountingDrafter, _req
-from tests.scheduler.workloads import cpu_like, gpu_like
+from tests.speculation.workloads import cpu_like, gpu_like
 
 
 def _dormant(budget: HostBudget, num_seqs: int) -> None:
@@ -132,15 +132,15 @@ def test_a_busy_scheduler_where_no_draft_pays_stops_asking_the_policy_every_step
         assert all(r.draft is None for r in out.requests)
         shadows.append(len(drafter.asked) - before)
         s.update(out, RunnerOutput({r.request_id: [7] for r in out.requests}, {r.request_id: [] for r in out.requests}))
-        s.observe_step(out, 0.010)  # 10 ms a step
+        s.speculation.observe_step(out, 0.010)  # 10 ms a step
     assert calls < 40  # paused between plans once dormant (before: every step)
     assert shadows[:7] == [4] * 7  # not yet dormant (8 steps without drafts): shadow_requests a step
     # Dormant: at most the allowance's (2% of 10 ms at the measured cost of a search) plus one.
-    search_ms = s.planner.host._shadow.value
+    search_ms = s.speculation.host._shadow.value
     assert search_ms is not None
     assert search_ms >= 1.0
     assert 0 < sum(shadows[20:]) <= 40 * 0.02 * 10.0 / search_ms + 1
-    assert s.planner.host.spent_ms > 0
+    assert s.speculation.host.spent_ms > 0
 
 
 def test_a_batch_size_where_the_guards_tries_keep_losing_is_dormant():

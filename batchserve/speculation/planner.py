@@ -1,4 +1,11 @@
-"""Each step's draft trees: what the drafter proposes, sized by the request or the budget policy."""
+"""Speculation's seam to the scheduler: each step's draft trees and windows, and what they teach.
+
+The scheduler calls four methods and nothing else: `start` (a request runs for the first time),
+`attach` (hang this step's drafts off the scheduled requests), `commit` (one request's emitted
+tokens: the policy's trackers, the drafter's trie and text, the window's pool) and `finish` (the
+request ended). The engine adds `observe_step` (what a whole step cost). Behind the seam: the
+drafter (`draft/`), the budget policy (`budget.py`) with its trackers, fits, speed guard and
+host budget, Jacobi windows (`windows.py`), and the judging of trees by later tokens (`judging.py`)."""
 
 from __future__ import annotations
 
@@ -11,13 +18,14 @@ from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, WindowDrafter
 from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
+from batchserve.grammar.steps import GrammarSteps
 from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import Request
-from batchserve.scheduler.budget import DraftBudgetPolicy, StepShape
-from batchserve.scheduler.grammar_steps import GrammarSteps
-from batchserve.scheduler.host_budget import HostBudget
-from batchserve.scheduler.judging import OpenJudgements
-from batchserve.scheduler.policy_drafts import PolicyDrafts
+from batchserve.speculation.budget import DraftBudgetPolicy, StepShape
+from batchserve.speculation.host_budget import HostBudget
+from batchserve.speculation.judging import OpenJudgements
+from batchserve.speculation.policy_drafts import PolicyDrafts
+from batchserve.speculation.windows import WindowStep, observe_window, plan_windows
 
 logger = logging.getLogger("batchserve")
 
@@ -31,7 +39,15 @@ class DraftPlanner:
     costs drafts, never requests.
     """
 
-    def __init__(self, drafter: Drafter, config: DraftConfig, policy: DraftBudgetPolicy | None) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        config: DraftConfig,
+        policy: DraftBudgetPolicy | None,
+        grammar: GrammarSteps | None = None,
+    ) -> None:
+        """`grammar`: structured output's share of the step, which the scheduler owns (it advances
+        each request's grammar as it commits); the planner prunes drafts and masks rows with it."""
         self.drafter = drafter
         self.windowed = isinstance(drafter, WindowDrafter)  # once: a Protocol isinstance is slow
         self.config = config
@@ -46,7 +62,7 @@ class DraftPlanner:
         self.host = HostBudget(config.shadow_share, config.plan_backoff, guard)  # speculation's host time
         self.sizing = PolicyDrafts(policy, config, self.host) if policy is not None else None
         self._chunked = False  # this step carries a prompt chunk (the guard judges those apart)
-        self.grammar = GrammarSteps()  # structured output's share of each step
+        self.grammar = grammar if grammar is not None else GrammarSteps()
         self.judgements = OpenJudgements()  # trees whose deeper nodes later tokens will decide
 
     def start(self, req: Request) -> None:
@@ -67,7 +83,10 @@ class DraftPlanner:
             logger.exception("the drafter failed to start request %s", req.request_id)
 
     def finish(self, request_id: str) -> None:
-        """The request ended: the drafter forgets it (if it ever heard of it)."""
+        """The request ended: the policy's estimates and the drafter forget it."""
+        if self.policy is not None:
+            self.policy.tracker.forget(request_id)
+            self.policy.windows.forget(request_id)
         if request_id not in self._started:
             return
         self._started.discard(request_id)
@@ -132,7 +151,8 @@ class DraftPlanner:
         trees = self._trees(items, requests, budget)
         windows: dict[str, WindowRows] = {}
         if self.windowed:
-            windows = self._windows(items, requests, trees, budget - sum(map(len, trees.values())))
+            step = WindowStep(items, requests, trees, self.limit, self._plain, self._chunked)
+            windows = plan_windows(self.drafter, self.policy, step, budget - sum(map(len, trees.values())))
         return trees, windows
 
     def _trees(self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int) -> dict[str, DraftTree]:
@@ -158,56 +178,6 @@ class DraftPlanner:
         sized = self.sizing.trees(by_policy, shape, self._plain, self._propose)
         self._proposals = sized.proposals
         return trees | sized.verified
-
-    def _windows(
-        self, items: list[ScheduledRequest], requests: dict[str, Request], trees: dict[str, DraftTree], budget: int
-    ) -> dict[str, WindowRows]:
-        """Window rows for the sampling requests that speculate, within `budget` rows: all that
-        fit for requests with a fixed length; where the policy decides, those worth their rows."""
-        drafter = self.drafter
-        assert isinstance(drafter, WindowDrafter)
-        fixed: list[tuple[Request, WindowRows]] = []
-        by_policy: list[tuple[Request, WindowRows]] = []
-        for item in items:
-            req = requests[item.request_id]
-            if not item.sample or self.limit(req) <= 0:
-                continue
-            try:
-                rows = drafter.window(req.request_id, budget)
-            except Exception:  # a drafter bug costs the window, not the request
-                logger.exception("the window of request %s failed; it runs without", req.request_id)
-                continue
-            if rows is not None and len(rows):
-                (by_policy if self.policy is not None and req.params.decoding_length is None else fixed).append(
-                    (req, rows)
-                )
-        out: dict[str, WindowRows] = {}
-        for req, rows in fixed:
-            if len(rows) <= budget:
-                out[req.request_id] = rows
-                budget -= len(rows)
-        if by_policy and budget > 0 and not self._plain:
-            assert self.policy is not None
-            sampling = [i for i in items if i.sample]
-            spec = sum(map(len, trees.values())) + sum(map(len, out.values()))
-            try:
-                chosen = self.policy.admit_windows(
-                    [(req.request_id, len(rows)) for req, rows in by_policy],
-                    num_tokens=sum(i.num_tokens for i in items) + spec,
-                    num_decode_tokens=len(sampling) + spec,
-                    num_roots=len(sampling),
-                    expected_tokens=len(sampling) + (self.policy.planned_gain if trees else 0.0),
-                    context=sum(requests[i.request_id].num_tokens for i in sampling) / len(sampling),
-                    num_seqs=len(items),
-                    token_budget=budget,
-                    chunked=self._chunked,
-                )
-            except Exception:
-                logger.exception("the window budget failed; this step runs no policy windows")
-                chosen = []
-            rows_of = {req.request_id: rows for req, rows in by_policy}
-            out.update((rid, rows_of[rid]) for rid in chosen)
-        return out
 
     def limit(self, req: Request) -> int:
         """The most draft tokens `req` may verify this step (its length, output and context left)."""
@@ -248,7 +218,18 @@ class DraftPlanner:
             search_ms=self.host.search_ms,
         )
 
-    def observe_acceptance(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
+    def commit(
+        self, item: ScheduledRequest, accepted: list[int], emitted: list[int], window_outputs: list[int] | None
+    ) -> None:
+        """One request's share of a verified step: `accepted`, the draft nodes on the path that
+        reached the output; `emitted`, the tokens the request took; `window_outputs`, its
+        window's rows' tokens (None without a window)."""
+        self._observe_acceptance(item, accepted, emitted)
+        self._accepted(item.request_id, emitted)
+        if self.windowed:  # a WindowDrafter, checked once in __init__
+            observe_window(self.drafter, item, window_outputs)  # type: ignore[arg-type]
+
+    def _observe_acceptance(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
         """Feed the policy's trackers which draft ranks (node indices) were on the accepted path,
         and, for drafters with a window, how many of them only the window's pool proposed.
         `emitted`: the tokens the request took this step. The whole proposal is judged by them,
@@ -279,15 +260,6 @@ class DraftPlanner:
         for d in late:  # earlier steps' trees, judged further by these tokens
             tracker.observe_late(rid, d.start, d.stop, d.hits, d.scores, d.match)
 
-    def observe_window(self, item: ScheduledRequest, outputs: list[int] | None) -> None:
-        """Hand a window's output tokens back to the drafter (its pool and next level)."""
-        if item.window is None or outputs is None or not self.windowed:
-            return
-        try:
-            self.drafter.on_window_outputs(item.request_id, item.window, outputs)
-        except Exception:  # a drafter bug costs the window's n-grams, not the request
-            logger.exception("the window of request %s failed to update", item.request_id)
-
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Teach the policy what a whole step costs, beyond the forward alone (decode steps only:
         prompt-chunk rows need no logits and would skew the fit), and the speed guard how fast
@@ -305,7 +277,7 @@ class DraftPlanner:
                 len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only, self.host.spent_ms
             )
 
-    def accepted(self, request_id: str, tokens: list[int]) -> None:
+    def _accepted(self, request_id: str, tokens: list[int]) -> None:
         """The drafter learns the request's new tokens (its trie, its text), on the step's clock."""
         start = time.perf_counter()
         self.drafter.on_tokens_accepted(request_id, tokens)

@@ -11,7 +11,7 @@ import numpy as np
 
 from batchserve.config import DraftConfig
 from batchserve.draft.tree import MATCH_CAP
-from batchserve.scheduler.fits import ScoreCalibration, non_increasing
+from batchserve.speculation.fits import ScoreCalibration, non_increasing
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
 

@@ -1,9 +1,9 @@
-"""Draft trees judged over as many steps as their depth needs (`scheduler/judging.py`)."""
+"""Draft trees judged over as many steps as their depth needs (`speculation/judging.py`)."""
 
 from __future__ import annotations
 
 from batchserve.draft import DraftTree
-from batchserve.scheduler.judging import MAX_OPEN, Decided, OpenJudgements
+from batchserve.speculation.judging import MAX_OPEN, Decided, OpenJudgements
 
 
 def test_a_chain_whose_first_token_matches_is_decided_by_the_next_steps_tokens():

@@ -12,10 +12,10 @@ from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.records import RunnerOutput
 from batchserve.request import Request, SamplingParams
 from batchserve.scheduler import BlockAllocator, Scheduler
-from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate
-from batchserve.scheduler.speed_guard import SpeedGuard
+from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate
+from batchserve.speculation.speed_guard import SpeedGuard
 from tests.scheduler.test_scheduler import TruthDrafter
-from tests.scheduler.workloads import cpu_like, trained
+from tests.speculation.workloads import cpu_like, trained
 
 
 def test_batch_sizes_share_a_state_by_power_of_two():
@@ -176,7 +176,7 @@ def _truth_step(s: Scheduler, ms_of: Callable[[int], float]) -> int:
             emitted[item.request_id] = [10 + (start + i) % 50 for i in range(n + 1)]
             accepted[item.request_id] = list(range(n))
     s.update(out, RunnerOutput(emitted, accepted))
-    s.observe_step(out, ms_of(out.num_tokens) / 1e3)
+    s.speculation.observe_step(out, ms_of(out.num_tokens) / 1e3)
     return rows
 
 
@@ -191,7 +191,7 @@ def test_the_scheduler_runs_baseline_steps_that_still_judge_the_proposals():
     # Perfect drafts at a flat step cost: drafted steps measure far faster; the guard stays out of the way.
     assert guard.loads[2].ratio() < 0.5 and guard.hedge(2) == 1.0
     # The baseline steps judged their proposals: the estimates kept up with the truth.
-    assert s.budget_policy.tracker.gains("a", 1)[0] > 0.9
+    assert s.speculation.policy.tracker.gains("a", 1)[0] > 0.9
 
 
 def test_where_draft_rows_cost_more_than_they_buy_the_guard_turns_drafting_off():

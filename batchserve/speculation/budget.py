@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchserve.config import DraftConfig
-from batchserve.scheduler.acceptance import AcceptanceTracker, WindowTracker
-from batchserve.scheduler.cost_profile import CostProfile
-from batchserve.scheduler.fits import DecayedRidge, ScoreCalibration
-from batchserve.scheduler.speed_guard import SpeedGuard
+from batchserve.speculation.acceptance import AcceptanceTracker, WindowTracker
+from batchserve.speculation.cost_profile import CostProfile
+from batchserve.speculation.fits import DecayedRidge, ScoreCalibration
+from batchserve.speculation.speed_guard import SpeedGuard
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
 # Floor on the tokens a step emits when dividing by them: a numerical guard, not a tuning value.

@@ -9,9 +9,9 @@ import pytest
 
 from batchserve.config import SETTINGS, DraftConfig
 from batchserve.draft.tree import MATCH_CAP
-from batchserve.scheduler.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, StepShape, WindowTracker
-from batchserve.scheduler.cost_profile import CostProfile
-from tests.scheduler.workloads import COUNTS, cpu_like, feed, gpu_like, trained
+from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, StepShape, WindowTracker
+from batchserve.speculation.cost_profile import CostProfile
+from tests.speculation.workloads import COUNTS, cpu_like, feed, gpu_like, trained
 
 
 def test_tracker_learns_failures_successes_and_the_pool():

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from batchserve.scheduler.cost_profile import CostProfile
-from tests.scheduler.workloads import COUNTS, cpu_like, gpu_like
+from batchserve.speculation.cost_profile import CostProfile
+from tests.speculation.workloads import COUNTS, cpu_like, gpu_like
 
 
 def test_profile_interpolates_extrapolates_and_round_trips(tmp_path):

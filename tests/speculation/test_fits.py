@@ -7,14 +7,14 @@ import itertools
 import numpy as np
 import pytest
 
-from batchserve.scheduler.fits import (
+from batchserve.speculation.fits import (
     DecayedRidge,
     ScoreCalibration,
     _nonnegative_ridge,
     match_features,
     non_increasing,
 )
-from tests.scheduler.workloads import feed
+from tests.speculation.workloads import feed
 
 
 def test_non_increasing_keeps_prefix_totals_honest():
