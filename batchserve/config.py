@@ -39,7 +39,7 @@ MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.
 CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "kernel", "invariant", "torch")  # resolve_backend's
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
-CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.build.graphs_mode
+CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.forward.graphs_choice
 CUDA_GRAPHS_HELP = (
     "on: steps without a prompt chunk replay CUDA graphs captured at start-up per row and request bucket; auto: on for"
     " the native model on CUDA over a backend safe to replay (flashinfer); eager: the same steps uncaptured; off: none"

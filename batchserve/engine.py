@@ -55,7 +55,8 @@ class EngineCore:
         """`cost_profile` (adaptive decoding length) defaults to the cached one for this
         model and device, measured on first use."""
         from batchserve.runner import load_model
-        from batchserve.runner.build import build_checked_runner, forward_name
+        from batchserve.runner.build import build_checked_runner
+        from batchserve.runner.forward import choose_forward
 
         self.config = config = config or EngineConfig()
         loaded_here = model is None  # cpu_weights=auto reads the file only where the model came from it
@@ -64,15 +65,10 @@ class EngineCore:
             model, tokenizer = load_model(config.model.path, config.model.dtype, config.model.device)
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
-        from batchserve.model import choose_impl
-
-        mc, seats = config.model, config.scheduler.max_num_seqs
-        model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_here, seats)
-        self.runner, facts = build_checked_runner(model, tokenizer, config)
-        self.forward_name, self.tokenizer = forward_name(model, facts.attention_backend), tokenizer
-        # Why the weights are what they are (cpu_weights=auto decides by the CPU and the seats).
-        self.cpu_weights_reason: str = getattr(model, "cpu_weights_reason", "")
-        logger.info("forward: %s (%s)", self.forward_name, self.cpu_weights_reason or "the model as loaded")
+        model, forward = choose_forward(model, config, loaded_here)
+        self.runner, facts = build_checked_runner(model, tokenizer, config, forward)
+        self.forward, self.tokenizer = facts.forward, tokenizer  # what runs every step, and why (after fallbacks)
+        logger.info("forward: %s", self.forward.line())
         self.vocab_size, self.max_model_len = facts.vocab_size, facts.max_model_len
         self.attention_backend = facts.attention_backend
         self.graphs, self.graphs_report = facts.graphs, facts.capture  # cuda_graphs as resolved; what capture took

@@ -26,6 +26,8 @@ __all__ = [
     "SeqLayout",
     "StepLayout",
     "TorchReferenceBackend",
+    "backend_choice",
+    "backend_class",
     "kernels_invariant",
     "make_backend",
     "resolve_backend",
@@ -36,23 +38,38 @@ __all__ = [
 def resolve_backend(
     name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False, head_dim: int = 64
 ) -> str:
-    """`auto`: FlashInfer on CUDA in float16/bfloat16 when the package is installed and its kernels
-    take the head dim (64 or more); on CPU, for
-    a model whose products are batch-invariant too (the native model's packed and quantized
+    """The backend the `attention_backend` setting `name` takes here (`backend_choice`, without why)."""
+    return backend_choice(name, device, dtype, invariant_model, head_dim)[0]
+
+
+def backend_choice(
+    name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False, head_dim: int = 64
+) -> tuple[str, str]:
+    """The backend for the setting `name`, and why. `auto`: FlashInfer on CUDA in float16/bfloat16
+    when the package is installed and its kernels take the head dim (64 or more); on CPU, for a
+    model whose products are batch-invariant too (the native model's packed and quantized
     layers), our kernel (`kernel`: invariant by construction) where it builds and runs the
-    model (float32, a head dim divisible by 8), else the torch-op batch-invariant backend where
-    this CPU's kernels pass `kernels_invariant` (at the model's `head_dim`); the torch reference
-    otherwise. Forcing a backend where it cannot run is an error."""
+    model (float32, a head dim divisible by 8), else the torch-op batch-invariant backend (the
+    fallback where ours cannot be built) where this CPU's kernels pass `kernels_invariant` (at the
+    model's `head_dim`); the torch reference otherwise. Forcing a backend where it cannot run is
+    an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and fa2_head_dim(head_dim)
     installed = importlib.util.find_spec("flashinfer") is not None
     if name == "auto":
         if usable and installed:
-            return "flashinfer"
-        if device.type == "cpu" and invariant_model and kernel_backend_runs(device, dtype, head_dim):
-            return "kernel"
-        return "invariant" if device.type == "cpu" and invariant_model and kernels_invariant(head_dim) else "torch"
+            return "flashinfer", "auto: CUDA in 16-bit floats with flashinfer installed"
+        if device.type != "cpu":
+            return "torch", "auto: " + ("flashinfer is not installed" if usable else f"flashinfer cannot run {dtype}")
+        if not invariant_model:
+            return "torch", "auto: the model's products are not batch-invariant, so no attention need be"
+        if kernel_backend_runs(device, dtype, head_dim):
+            return "kernel", "auto: our kernels build and run here, batch-invariant by construction"
+        why = kernels.unavailable_reason() or f"our kernels do not take {dtype} or head dim {head_dim}"
+        if kernels_invariant(head_dim):
+            return "invariant", f"auto: our kernels do not run ({why}); torch's ops pass the invariance check here"
+        return "torch", f"auto: our kernels do not run ({why}) and torch's ops fail the invariance check here"
     if name == "kernel" and not kernel_backend_runs(device, dtype, head_dim):
         raise ValueError(
             f"the kernel attention backend needs our CPU kernels ({kernels.unavailable_reason() or 'built here'}),"
@@ -67,7 +84,21 @@ def resolve_backend(
         )
     if name == "flashinfer" and not installed:
         raise ValueError("the flashinfer attention backend needs `flashinfer-python` (pip install 'batchserve[gpu]')")
-    return name
+    return name, f"attention_backend={name} was asked for"
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class of a resolved backend (FlashInfer's is imported only when named: it imports flashinfer)."""
+    if name == "flashinfer":
+        from batchserve.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend
+    classes: dict[str, type[AttentionBackend]] = {
+        "kernel": KernelBackend,
+        "invariant": InvariantBackend,
+        "torch": TorchReferenceBackend,
+    }
+    return classes[name]
 
 
 def make_backend(

@@ -92,6 +92,11 @@ class StepLayout:
             spec_masks=tuple(_spec_mask(s) for s in seqs),
         )
 
+    def pool_slots(self, i: int, logical: np.ndarray, block_size: int) -> np.ndarray:
+        """Pool slots of request i's logical KV positions `logical` (the CPU backends read the pool
+        in place by these)."""
+        return self.block_table[i, logical // block_size] * block_size + logical % block_size
+
     def step_mask(self, i: int) -> np.ndarray:
         """[q_len, q_len] bool: which of this step's own tokens request i's rows may see."""
         c, q = int(self.num_chunk[i]), int(self.qo_indptr[i + 1] - self.qo_indptr[i])

@@ -107,10 +107,6 @@ class InvariantBackend(AttentionBackend):
         in_order = len(groups) == 1 and torch.equal(groups[0].out_rows.cpu(), torch.arange(t))
         return InvariantMetadata(self, slot_mapping.to(self.device), groups, t, in_order)
 
-    def _slots(self, step: StepLayout, i: int, logical: np.ndarray) -> np.ndarray:
-        bs = self.block_size
-        return step.block_table[i, logical // bs] * bs + logical % bs
-
     def _group(self, step: StepLayout, members: list[int]) -> Group:
         b, g = len(members), self.granule
         q_len, kv_len = step.q_len[members], step.kv_len[members]
@@ -128,7 +124,7 @@ class InvariantBackend(AttentionBackend):
             rows[j] = start
             rows[j, :q] = start + np.arange(q)
             used = -(-kv // g)  # past kv the granule's slots are masked (zero weight): any finite keys and values do
-            granules[j, :used] = self._slots(step, i, np.arange(used) * g) // g
+            granules[j, :used] = step.pool_slots(i, np.arange(used) * g, self.block_size) // g
             mask[j, :q, :cached] = True
             mask[j, :q, cached:kv] = step.step_mask(i) if q > 1 else True
             mask[j, q:, 0] = True  # padding rows
@@ -163,7 +159,7 @@ class InvariantBackend(AttentionBackend):
         shared = False  # whether some span holds keys of two tiles
         for j, i in enumerate(members):
             kv = int(step.kv_len[i])
-            keys[j, :kv] = self._slots(step, i, np.arange(kv))
+            keys[j, :kv] = step.pool_slots(i, np.arange(kv), self.block_size)
             index, own = tiles[j]
             tile_keys[j, : index.shape[0], : index.shape[1]] = np.where(index < kv, index, none)
             keep[j, : own.shape[0], : own.shape[1]] = own

@@ -46,7 +46,7 @@ def plan_rows(step: StepLayout, block_size: int) -> tuple[np.ndarray, ...]:
         start, q = int(step.qo_indptr[i]), int(step.q_len[i])
         cached, chunk, kv = int(step.num_cached[i]), int(step.num_chunk[i]), int(step.kv_len[i])
         logical = np.arange(kv)
-        own = step.block_table[i, logical // block_size] * block_size + logical % block_size  # [kv]
+        own = step.pool_slots(i, logical, block_size)  # [kv]
         slots.append(own)
         rows = slice(start, start + q)
         prefix_at[rows] = base

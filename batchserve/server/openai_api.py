@@ -157,8 +157,9 @@ class OpenAIServer:
         core = self.frontend.engine.core
         return card | {
             "batch_invariant": core.batch_invariant,
-            "forward": core.forward_name,
-            "weights_reason": core.cpu_weights_reason,
+            "forward": core.forward.name,
+            "weights_reason": core.forward.weights.why,
+            "forward_parts": {name: {"choice": p.choice, "why": p.why} for name, p in core.forward.parts().items()},
         }
 
     def _check_model(self, model: str) -> None:

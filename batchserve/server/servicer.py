@@ -94,8 +94,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_waiting_requests=self.frontend.info.max_waiting_requests,
             prefix_caching=cfg.cache.prefix_caching,
             batch_invariant=core.batch_invariant,
-            forward=core.forward_name,
-            weights_reason=core.cpu_weights_reason,
+            forward=core.forward.name,
+            weights_reason=core.forward.weights.why,
+            forward_parts=[
+                pb.ForwardPart(part=name, choice=p.choice, why=p.why) for name, p in core.forward.parts().items()
+            ],
         )
 
     async def AddCorpus(self, request: pb.AddCorpusRequest, context: grpc.aio.ServicerContext) -> pb.AddCorpusResponse:

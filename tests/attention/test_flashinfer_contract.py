@@ -186,6 +186,7 @@ def _core(monkeypatch: pytest.MonkeyPatch, graphs: str) -> Any:
     """An engine whose attention is the FlashInfer backend over the double (made where the engine
     makes its backend), greedy with fixed-length random trees."""
     import batchserve.runner.build as build
+    import batchserve.runner.forward as forward
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
     from batchserve.engine import EngineCore
 
@@ -194,7 +195,7 @@ def _core(monkeypatch: pytest.MonkeyPatch, graphs: str) -> Any:
         kw["device"] = torch.device(kw["device"])
         return FlashInferBackend(**kw, library=fi)
 
-    monkeypatch.setattr(build, "resolve_backend", lambda *a, **k: "flashinfer")
+    monkeypatch.setattr(forward, "backend_choice", lambda *a, **k: ("flashinfer", "the test double"))
     monkeypatch.setattr(build, "make_backend", make_backend)
     config = EngineConfig(
         model=ModelConfig(cuda_graphs=graphs, model_impl="native"),

@@ -85,7 +85,7 @@ def test_native_forward_on_cuda_against_the_transformers_one(smollm2):
             dtype="float16", attention_backend="flashinfer", model_impl=impl, decoding_length=16, adaptive=False,
             max_num_seqs=SEATS, cuda_graphs="off",
         )  # fmt: skip
-        assert llm.engine.forward_name.startswith(impl)
+        assert llm.engine.forward.name.startswith(impl)
         outs[impl] = [r.token_ids for r in llm.generate(prompts, params)]
         del llm
     rate, first = mismatch(outs["native"], outs["transformers"])

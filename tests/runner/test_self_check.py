@@ -61,6 +61,9 @@ def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_falls_back(c
     assert not core.invariance_check.invariant and "differ" in core.invariance_check.detail
     assert not core.batch_invariant and core.attention_backend == "torch"  # the reference attention, as auto's fallback
     assert "batch invariance: FAILED" in caplog.text
+    # The fallback is in the record, with its reason; the other parts stand as chosen.
+    assert core.forward.attention.choice == "torch" and "failed its check on the model" in core.forward.attention.why
+    assert core.forward.impl.choice == "native" and core.forward.name.endswith("torch attention")
     core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     while core.has_work():  # and the engine serves
         core.step()

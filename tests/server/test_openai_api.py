@@ -97,8 +97,11 @@ async def test_completions_and_chat_greedy_equal_grpc_and_llm(api):
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert models.data[0].batch_invariant == api.server.engine.core.batch_invariant  # our extension fields
-    assert models.data[0].forward == api.server.engine.core.forward_name
-    assert models.data[0].weights_reason == api.server.engine.core.cpu_weights_reason
+    assert models.data[0].forward == api.server.engine.core.forward.name
+    assert models.data[0].weights_reason == api.server.engine.core.forward.weights.why
+    parts = models.data[0].forward_parts
+    assert parts["weights"] == {"choice": "float32", "why": api.server.engine.core.forward.weights.why}
+    assert set(parts) == {"impl", "weights", "linear", "attention", "graphs", "fused"}
 
 
 async def test_streaming_both_endpoints_with_usage_and_done(api):

@@ -342,8 +342,13 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
     core = running.server.engine.core
     assert info.batch_invariant == core.batch_invariant == (core.attention_backend in INVARIANT_BACKENDS)
     # What runs a step, and why its weights are in that format (a model handed in keeps float32).
-    assert info.forward == core.forward_name and info.forward.startswith("native float32 weights")
-    assert info.weights_reason == core.cpu_weights_reason and "handed in" in info.weights_reason
+    assert info.forward == core.forward.name and info.forward.startswith("native float32 weights")
+    assert info.weights_reason == core.forward.weights.why and "handed in" in info.weights_reason
+    # The whole record, part by part, with its reasons.
+    parts = {p.part: (p.choice, p.why) for p in info.forward_parts}
+    assert list(parts) == ["impl", "weights", "linear", "attention", "graphs", "fused"]
+    assert parts["attention"] == (core.attention_backend, core.forward.attention.why) and parts["graphs"][0] == "off"
+    assert all(why for _, why in parts.values())
 
 
 async def test_shutdown_not_serving_then_in_flight_completes():
