@@ -111,7 +111,7 @@ def batchserve_server(
     (an A/B of two versions on one machine, `benchmarks/serving_ab.py`)."""
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(grpc_port)]
-    cmd += ["--http-port", str(http_port), "--metrics-port", "0", "--max-num-seqs", str(max(16, seats))]
+    cmd += ["--http-port", str(http_port), "--metrics-port", str(free_port()), "--max-num-seqs", str(max(16, seats))]
     cmd += ["--max-waiting-requests", str(max(256, 4 * seats)), "--admin-token", ADMIN_TOKEN]
     if model is not None:
         cmd += ["--model", model]

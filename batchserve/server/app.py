@@ -51,7 +51,7 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port (0: any free port)")
-    metrics_port: int | None = setting(None, "Prometheus endpoint port (off if unset; 0 picks a free one)")
+    metrics_port: int | None = setting(None, "Prometheus endpoint port (0 or unset: off, as for --http-port)")
     http_port: int = setting(8000, "OpenAI-compatible HTTP API port, same host (0: off)")
     admin_token: str | None = setting(
         None, "enables operator calls (AddCorpus) for clients that send it as x-batchserve-admin-token"
@@ -161,7 +161,7 @@ class BatchServer:
         self.http_port: int | None = None  # where the OpenAI API listens, once started
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
-        self.metrics_port: int | None = None  # where metrics are served (bound: 0 picks a free one)
+        self.metrics_port: int | None = None  # where metrics are served; None: off
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
 
@@ -170,7 +170,7 @@ class BatchServer:
         self.max_message_bytes = c.max_message_bytes or message_limit(self.engine.core)
         # NOTE: the metrics port is bound first, so that a port in use fails start() before any
         # listener or engine thread exists; every later failure stops what was started.
-        if c.metrics_port is not None:
+        if c.metrics_port:  # 0 turns metrics off, as it does the HTTP API
             try:
                 self.metrics_port = self.metrics.serve(c.metrics_port, c.host)
             except OSError as e:

@@ -86,6 +86,8 @@ async def start_server(core: EngineCore | None = None, http: bool = False, **ser
     """A server on free loopback ports; `http`: with the OpenAI API on a socket bound here."""
     server_kwargs.setdefault("port", 0)
     server_kwargs.setdefault("http_port", 0)
+    if server_kwargs.get("metrics_port") == 0:  # 0 is off for the server: tests that read metrics take a free port
+        server_kwargs["metrics_port"] = free_port()
     sock = listen("127.0.0.1", 0) if http else None
     config = ServerConfig(**server_kwargs)
     server = BatchServer(AsyncEngine(core or tiny_core()), config, model_name="tiny", http_socket=sock)

@@ -560,3 +560,15 @@ async def test_add_corpus_needs_the_admin_token_and_feeds_the_tenants_trie():
     finally:
         await r.channel.close()
         await r.server.shutdown()
+
+
+async def test_metrics_port_zero_turns_metrics_off_as_the_http_port_does():
+    from batchserve.async_engine import AsyncEngine
+    from batchserve.server.app import BatchServer, ServerConfig
+
+    server = BatchServer(AsyncEngine(tiny_core()), ServerConfig(port=0, http_port=0, metrics_port=0), model_name="tiny")
+    await server.start()
+    try:
+        assert server.metrics_port is None and server.metrics._http is None  # nothing listens for metrics
+    finally:
+        await server.shutdown()
