@@ -1,7 +1,7 @@
 """Output tokens' logprobs in the OpenAI API's two shapes: chat's `logprobs.content` (a token,
 its logprob, its UTF-8 bytes and its top alternatives) and completions' parallel lists (tokens,
-token_logprobs, top_logprobs as token -> logprob, text_offset; with `echo`, the prompt's tokens
-first). The values are the model's raw distribution at the row that chose each token
+token_logprobs, top_logprobs as token -> logprob, the chosen token always among them,
+text_offset; with `echo`, the prompt's tokens first). The values are the model's raw distribution at the row that chose each token
 (`batchserve.runner.penalties`)."""
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": lead + [e.logprob for e in entries],
-        "top_logprobs": lead + [{text(t): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": lead + [_with_chosen(e, text) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _with_chosen(entry: TokenLogprob, text: TokenText) -> dict[str, float]:
+    """A completion token's alternatives: the top `logprobs`, and the chosen token where it is not
+    among them (up to `logprobs + 1` entries, as OpenAI and vLLM return them)."""
+    top = {text(t): lp for t, lp in entry.top}
+    if all(t != entry.token_id for t, _ in entry.top):
+        top[text(entry.token_id)] = entry.logprob
+    return top

@@ -34,6 +34,42 @@ async def test_completion_logprobs_plain_and_streamed_equal_the_engines(api):
     assert [o for c in chunks for o in c.text_offset] == lp.text_offset  # counted as the whole completion does
 
 
+async def test_a_sampled_token_outside_the_top_is_among_its_alternatives(ascii_api):
+    """As OpenAI and vLLM: `logprobs: k` gives up to k + 1 alternatives, the chosen token always one."""
+    from batchserve.llm import LLM
+    from tests.conftest import make_ascii_model, make_tiny_tokenizer
+    from tests.server.conftest import tiny_core
+
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=1, temperature=1.5, seed=7)
+    expected = LLM.from_core(tiny_core(model=make_ascii_model())).generate([PROMPT], params)[0]
+    text = make_tiny_tokenizer().decode
+    # Where the draw left the top-1 for a token of other text (texts are the keys: alike ones merge).
+    outside = [i for i, e in enumerate(expected.logprobs) if text([e.top[0][0]]) != text([e.token_id])]
+    assert outside, "the seeded draw must leave the top-1 somewhere for this test to see it"
+    done = await _client(ascii_api).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.5, seed=7, logprobs=1,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs == [e.logprob for e in expected.logprobs]
+    assert all(len(top) <= 2 and chosen in top.values() for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    for i in outside:  # both the top-1 and the chosen token, with their own logprobs
+        assert set(lp.top_logprobs[i].values()) == {expected.logprobs[i].top[0][1], expected.logprobs[i].logprob}
+
+
+def test_completion_alternatives_add_the_chosen_token_only_where_it_is_missing():
+    from batchserve.request import TokenLogprob
+    from batchserve.server.openai_logprobs import completion_logprobs
+
+    class Text:
+        def __call__(self, token_id: int) -> str:
+            return f"t{token_id}"
+
+    entries = [TokenLogprob(5, -0.1, ((5, -0.1), (6, -2.0))), TokenLogprob(9, -3.0, ((5, -0.2), (6, -1.9)))]
+    top = completion_logprobs(entries, Text())["top_logprobs"]  # type: ignore[arg-type]
+    assert top == [{"t5": -0.1, "t6": -2.0}, {"t5": -0.2, "t6": -1.9, "t9": -3.0}]
+
+
 async def test_chat_logprobs_and_top_logprobs_plain_and_streamed(api):
     client = _client(api)
     messages = [{"role": "user", "content": "hello there"}]

@@ -78,7 +78,11 @@ async def test_lm_eval_loglikelihood_request_scores_the_prompt_as_the_model_does
         # rounding: tests/engine/test_prompt_logprobs.py holds them to the model in float64).
         scored = _offline(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=1)).prompt_logprobs
         assert lp.token_logprobs[1:] == [e.logprob for e in scored]
-        assert all(len(top) == 1 for top in lp.top_logprobs[1:])  # lm-eval's is_greedy reads these
+        # lm-eval's is_greedy reads these: the model's top-1 and, where it is not that, the prompt's
+        # own token (up to logprobs + 1 entries, as OpenAI and vLLM send them).
+        for top, e, token in zip(lp.top_logprobs[1:], scored, lp.tokens[1:]):
+            assert len(top) == (1 if e.top[0][0] == e.token_id else 2) and top[token] == e.logprob
+            assert (max(top, key=top.__getitem__) == token) == (e.top[0][0] == e.token_id)
         assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
         assert done.usage.completion_tokens == 0 and done.usage.prompt_tokens == len(ids)
     plain = await _client(api).completions.create(model="tiny", prompt=text, max_tokens=0, echo=True)
