@@ -132,7 +132,7 @@ class Frontend:
         max_new_tokens do not fit the context (instead of ending it at the context). Leaving early (a
         client's cancel, deadline or disconnect) aborts it in the engine, which frees its KV blocks
         before the next step. Raises Refused before the first output, EngineFailed after the last."""
-        samples = self.generate_n(prepare, params, request_id, tenant, fit_context, references)
+        samples = self.generate_n(lambda text: [prepare(text)], params, request_id, tenant, fit_context, references)
         try:
             async for _, out in samples:
                 yield out
@@ -141,38 +141,46 @@ class Frontend:
 
     async def generate_n(
         self,
-        prepare: Callable[[TextCodec], list[int]],
+        prepare: Callable[[TextCodec], list[list[int]]],
         params: Callable[[], SamplingParams],
         request_id: str = "",
         tenant: str = "",
         fit_context: bool = False,
         references: Callable[[TextCodec], list[list[int]]] | None = None,
         n: int = 1,
+        num_prompts: int = 1,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """`generate` for `n` samples of one prompt (OpenAI's `n`): prepared once, submitted as `n`
-        requests (`<request_id>-<i>`; sample i seeded with seed + i where a seed is given) that
-        compute the prompt's KV blocks once between them; yields (i, output) as they come. Leaving
-        early aborts every sample; EngineFailed comes after the last output of all of them."""
+        """`generate` for `n` samples of each of the prompts `prepare` returns (OpenAI's `n`, and
+        completions' list of prompts): prepared at once, then every prompt's samples submitted
+        together, or none where one prompt is refused. A prompt's samples (`<request_id>-<i>`, or
+        `<request_id>-<p>-<i>` for prompt p of several; sample i seeded with seed + i where a seed
+        is given) compute its KV blocks once between them. Yields (p * n + i, output) as they come.
+        Leaving early aborts every sample; EngineFailed comes after the last output of all.
+        `num_prompts`: how many prompts `prepare` returns (admission counts every request)."""
         request_id, core = request_id or uuid.uuid4().hex, self.engine.core
         try:
             job = (_prepare, prepare, params, references, core.text, core.grammars)
-            sampling, prompt, refs = await self.prepare(*job, count=n)
+            sampling, prompts, refs = await self.prepare(*job, count=n * num_prompts)
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
             raise self.refuse(Refusal.DRAINING, "server is shutting down")
         context = core.max_model_len
-        if fit_context and len(prompt) + sampling.max_new_tokens > context:
-            raise self.refuse(
-                Refusal.INVALID,
-                f"the prompt's {len(prompt)} tokens plus max_tokens {sampling.max_new_tokens} exceed the "
-                f"model's context of {context} tokens",
-            )
+        for prompt in prompts if fit_context else ():
+            if len(prompt) + sampling.max_new_tokens > context:
+                raise self.refuse(
+                    Refusal.INVALID,
+                    f"the prompt's {len(prompt)} tokens plus max_tokens {sampling.max_new_tokens} exceed the "
+                    f"model's context of {context} tokens",
+                )
         streams: list[RequestStream] = []
         try:
-            group = request_id if n > 1 else ""
-            for rid, sample in _samples(request_id, sampling, n):
-                streams.append(self.engine.generate(prompt, sample, rid, tenant=tenant, references=refs, group=group))
+            for p, prompt in enumerate(prompts):
+                rid_p = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+                group = rid_p if n > 1 else ""
+                for rid, sample in _samples(rid_p, sampling, n):
+                    stream = self.engine.generate(prompt, sample, rid, tenant=tenant, references=refs, group=group)
+                    streams.append(stream)
         except (ValueError, EngineDeadError) as e:
             for stream in streams:
                 stream.close()
@@ -234,15 +242,15 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
 
 
 def _prepare(
-    prepare: Callable[[TextCodec], list[int]],
+    prepare: Callable[[TextCodec], list[list[int]]],
     params: Callable[[], SamplingParams],
     references: Callable[[TextCodec], list[list[int]]] | None,
     text: TextCodec,
     grammars: GrammarCompiler,
-) -> tuple[SamplingParams, list[int], list[list[int]]]:
-    """A request's preparation, in the preparation thread: the parameters first (their bounds
-    are cheap to check and refuse before any tokenizing), then its constraint compiled (into the
-    cache the engine takes it from), then the prompt, then its references."""
+) -> tuple[SamplingParams, list[list[int]], list[list[int]]]:
+    """A call's preparation, in the preparation thread: the parameters first (their bounds are
+    cheap to check and refuse before any tokenizing), then its constraint compiled (into the
+    cache the engine takes it from), then the prompts, then its references."""
     sampling = params()
     if sampling.constraint is not None:
         grammars.compile(sampling.constraint)  # ConstraintError, a ValueError, refuses it

@@ -26,6 +26,7 @@ from batchserve.server.openai_logprobs import TokenText
 from batchserve.server.openai_models import ApiError, ChatRequest, CommonFields, CompletionRequest, error_response
 from batchserve.server.openai_responses import Answer, AnswerView, EchoPrompt, Sample, best
 from batchserve.server.openai_tools import parse_tool_request
+from batchserve.text import TextCodec
 
 T = TypeVar("T")
 TENANT_HEADER = "x-batchserve-tenant"
@@ -129,11 +130,17 @@ class OpenAIServer:
     async def _completions(self, body: CompletionRequest, request: Request) -> Any:
         body.unsupported()
         self._check_model(body.model)
-        prompt = body.the_prompt()
-        echo = EchoPrompt(prompt) if body.echo else None
-        view = AnswerView(chat=False, logprobs=body.logprobs is not None, echo=echo)
-        prepare = echo.tokenize if echo is not None else (lambda text: text.tokenize(prompt))
-        return await self._respond(body, request, prepare, body.max_tokens, view)
+        prompts = body.prompts(self.frontend.engine.core.config.limits)
+        echoes = tuple(EchoPrompt(p) for p in prompts) if body.echo else None
+        _, per_prompt = body.samples(self.frontend.engine.core.config.limits)
+        view = AnswerView(chat=False, logprobs=body.logprobs is not None, echoes=echoes, per_prompt=per_prompt)
+
+        def prepare(text: TextCodec) -> list[list[int]]:
+            if echoes is not None:
+                return [e.tokenize(text) for e in echoes]
+            return [text.tokenize(p) for p in prompts]
+
+        return await self._respond(body, request, prepare, body.max_tokens, view, len(prompts))
 
     async def _chat(self, body: ChatRequest, request: Request) -> Any:
         body.unsupported()
@@ -146,7 +153,7 @@ class OpenAIServer:
         offered = tools.prompt_tools if tools is not None else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools)
-        return await self._respond(body, request, lambda text: text.render_chat(messages, offered), max_tokens, view)
+        return await self._respond(body, request, lambda text: [text.render_chat(messages, offered)], max_tokens, view)
 
     def _count_too_large(self) -> None:
         self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()  # gRPC says RESOURCE_EXHAUSTED
@@ -168,10 +175,18 @@ class OpenAIServer:
             raise ApiError(404, f"model {model!r} is not served here; GET /v1/models lists {served!r}", "model")
 
     async def _respond(
-        self, body: CommonFields, request: Request, prepare: Any, max_tokens: int | None, view: AnswerView
+        self,
+        body: CommonFields,
+        request: Request,
+        prepare: Any,
+        max_tokens: int | None,
+        view: AnswerView,
+        num_prompts: int = 1,
     ) -> Any:
-        """Run one call: a JSON body, or (`stream`) server-sent events. A client that leaves before
-        the answer (waiting, during its prefill, or decoding) aborts its requests at once."""
+        """Run one call: a JSON body, or (`stream`) server-sent events. `prepare(text)` gives the ids
+        of each of its `num_prompts` prompts, whose choices come in order (`n` of each). A client
+        that leaves before the answer (waiting, during its prefill, or decoding) aborts its requests
+        at once."""
         header = request.headers.get(TENANT_HEADER)
         tenant = choose_tenant(self.tenant_source, header, user_tenant(body.user))
         rid = ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex
@@ -185,6 +200,7 @@ class OpenAIServer:
             fit_context=max_tokens is not None,
             references=lambda text: text.tokenize_references(body.predicted(), "prediction"),
             n=total,
+            num_prompts=num_prompts,
         )
         here, first, samples = False, None, None
         try:
@@ -192,7 +208,7 @@ class OpenAIServer:
                 # Refusals surface with the first output, before any byte is sent.
                 here, first = await _unless_gone(request, anext(outputs))
             else:
-                here, samples = await _unless_gone(request, _collect(outputs, total))
+                here, samples = await _unless_gone(request, _collect(outputs, total * num_prompts))
         except Refused as e:
             raise ApiError(STATUS[e.kind], e.message) from None
         except EngineFailed as e:
@@ -213,7 +229,8 @@ class OpenAIServer:
                 headers={"Cache-Control": "no-cache"},
             )
         assert samples is not None
-        return answer.whole(best(samples, n), samples)
+        chosen = [s for p in range(num_prompts) for s in best(samples[p * total : (p + 1) * total], n)]
+        return answer.whole(chosen, samples)
 
 
 async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], total: int) -> list[Sample]:

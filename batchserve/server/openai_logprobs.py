@@ -1,8 +1,8 @@
 """Output tokens' logprobs in the OpenAI API's two shapes: chat's `logprobs.content` (a token,
 its logprob, its UTF-8 bytes and its top alternatives) and completions' parallel lists (tokens,
 token_logprobs, top_logprobs as token -> logprob, the chosen token always among them,
-text_offset; with `echo`, the prompt's tokens first). The values are the model's raw distribution at the row that chose each token
-(`batchserve.runner.penalties`)."""
+text_offset; with `echo`, the prompt's tokens first). The values are the model's raw
+distribution at the row that chose each token (`batchserve.runner.penalties`)."""
 
 from __future__ import annotations
 

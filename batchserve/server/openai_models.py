@@ -262,9 +262,6 @@ class CompletionRequest(CommonFields):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise ApiError(400, "a list of prompts is not supported: send one request per prompt", "prompt")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if self.max_tokens == 0 and not self.echo:
@@ -277,11 +274,21 @@ class CompletionRequest(CommonFields):
         ranked = self.logprobs if self.logprobs is not None else (0 if (self.best_of or 1) > (self.n or 1) else None)
         return {"prompt_logprobs": scoring if self.echo else None, "logprobs": ranked}
 
-    def the_prompt(self) -> str | list[int]:
+    def prompts(self, limits: LimitsConfig) -> list[str | list[int]]:
+        """Every prompt of the call (a text, token ids, or a list of either), each answered with
+        its own choices; the call's requests (prompts times best_of) at most --max-samples."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            return p[0]  # type: ignore[return-value]  # one prompt in a list
-        return p  # type: ignore[return-value]
+        if not isinstance(p, list) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]  # one prompt
+        _, total = self.samples(limits)
+        if len(p) * total > limits.max_samples:
+            raise ApiError(
+                400,
+                f"prompt: {len(p)} prompts x {total} samples each, at most {limits.max_samples} requests a call"
+                " (--max-samples)",
+                "prompt",
+            )
+        return list(p)
 
 
 class ChatMessage(BaseModel):

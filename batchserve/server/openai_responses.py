@@ -65,18 +65,24 @@ def best(samples: Sequence[Sample], n: int) -> list[Sample]:
     return sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """The usage of a call whose samples ended with `outputs`: the prompt counted once (it was
-    computed once), every sample's completion tokens (best_of's unshown ones too: they ran)."""
-    first = outputs[0]
+def usage(indexed: Sequence[tuple[int, RequestOutput]], per_prompt: int = 1) -> dict[str, Any]:
+    """The usage of a call whose samples (by index in the call) ended with these outputs: each
+    prompt counted once (it was computed once for its `per_prompt` samples), every sample's
+    completion tokens (best_of's unshown ones too: they ran)."""
+    outputs = [o for _, o in indexed]
+    by_prompt: dict[int, list[RequestOutput]] = {}
+    for i, o in indexed:
+        by_prompt.setdefault(i // per_prompt, []).append(o)
+    prompt = sum(group[0].num_prompt_tokens for group in by_prompt.values())
+    # Found cached before the call: a sibling's reuse of its prompt's first sample's blocks is not.
+    cached = sum(min(o.stats.cached_prompt_tokens for o in group) for group in by_prompt.values())
     completion = sum(o.num_output_tokens for o in outputs)
     steps = sum(o.stats.steps for o in outputs)
     return {
-        "prompt_tokens": first.num_prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.num_prompt_tokens + completion,
-        # Found cached before the call: a sibling's reuse of the first sample's blocks is not.
-        "prompt_tokens_details": {"cached_tokens": min(o.stats.cached_prompt_tokens for o in outputs)},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens_details": {
             "accepted_prediction_tokens": sum(o.stats.accepted_prediction_tokens for o in outputs),
             "rejected_prediction_tokens": sum(o.stats.rejected_prediction_tokens for o in outputs),
@@ -112,8 +118,13 @@ class AnswerView:
 
     chat: bool
     logprobs: bool = False
-    echo: EchoPrompt | None = None
+    echoes: tuple[EchoPrompt, ...] | None = None  # each prompt's, for a list of prompts
     tools: ChatTools | None = None
+    per_prompt: int = 1  # samples of each prompt: sample i answers prompt i // per_prompt
+
+    def echo(self, sample: int) -> EchoPrompt | None:
+        """The echoed prompt that sample `sample` (its index in the call) answers."""
+        return self.echoes[sample // self.per_prompt] if self.echoes is not None else None
 
 
 @dataclass(slots=True)
@@ -135,13 +146,15 @@ class Answer:
         # The object of a whole answer and of a chunk.
         self.kind = ("chat.completion", "chat.completion.chunk") if view.chat else ("text_completion",) * 2
 
-    def _logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0, echoed: bool = False) -> Any:
-        """A choice's (or chunk's) logprobs where shown; `echoed`: the entries start with the prompt's."""
-        if not self.view.logprobs or (entries is None and not echoed):
+    def _logprobs(
+        self, entries: list[TokenLogprob] | None, offset: int = 0, echoed: EchoPrompt | None = None
+    ) -> Any:
+        """A choice's (or chunk's) logprobs where shown; `echoed`: the entries start with this prompt's."""
+        if not self.view.logprobs or (entries is None and echoed is None):
             return None
         if self.view.chat:
             return chat_logprobs(entries or [], self.token_text)
-        first = self.view.echo.ids[0] if echoed and self.view.echo is not None else None
+        first = echoed.ids[0] if echoed is not None else None
         return completion_logprobs(entries or [], self.token_text, offset, first)
 
     def whole(self, chosen: Sequence[Sample], samples: Sequence[Sample]) -> dict[str, Any]:
@@ -150,7 +163,7 @@ class Answer:
         for i, s in enumerate(chosen):
             assert s.last is not None
             choice: dict[str, Any] = {"index": i, "finish_reason": finish_reason(s.last)}
-            echo = self.view.echo
+            echo = self.view.echo(s.index)
             if self.view.chat:
                 choice["logprobs"] = self._logprobs(s.logprobs)
                 choice["message"] = {"role": "assistant", "content": s.text}
@@ -160,13 +173,13 @@ class Answer:
                     choice["finish_reason"] = parsed.finish_reason(choice["finish_reason"])
             elif echo is not None:
                 choice["text"] = echo.text + s.text
-                choice["logprobs"] = self._logprobs((s.prompt_logprobs or []) + (s.logprobs or []), echoed=True)
+                choice["logprobs"] = self._logprobs((s.prompt_logprobs or []) + (s.logprobs or []), echoed=echo)
             else:
                 choice["text"] = s.text
                 choice["logprobs"] = self._logprobs(s.logprobs)
             choices.append(choice)
-        outputs = [s.last for s in samples if s.last is not None]
-        return self._envelope(self.kind[0], choices) | {"usage": usage(outputs)}
+        outputs = [(s.index, s.last) for s in samples if s.last is not None]
+        return self._envelope(self.kind[0], choices) | {"usage": usage(outputs, self.view.per_prompt)}
 
     async def stream(
         self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool
@@ -188,8 +201,8 @@ class Answer:
                     yield event
                 item = await anext(outputs, None)
             if include_usage:
-                lasts = [s.last for _, s in sorted(states.items()) if s.last is not None]
-                yield _sse(self._envelope(self.kind[1], []) | {"usage": usage(lasts)})
+                lasts = [(i, s.last) for i, s in sorted(states.items()) if s.last is not None]
+                yield _sse(self._envelope(self.kind[1], []) | {"usage": usage(lasts, self.view.per_prompt)})
         except EngineFailed as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         finally:
@@ -200,11 +213,11 @@ class Answer:
         """A choice's first chunks: chat's role; completions' echoed prompt (and its logprobs)."""
         if self.view.chat:
             return [self._chunk(i, "", None, role=True)]
-        echo = self.view.echo
+        echo = self.view.echo(i)
         if echo is None:
             return []
         state.offset = sum(len(self.token_text(t)) for t in echo.ids)
-        return [self._chunk(i, echo.text, None, self._logprobs(out.prompt_logprobs or [], echoed=True))]
+        return [self._chunk(i, echo.text, None, self._logprobs(out.prompt_logprobs or [], echoed=echo))]
 
     def _events(self, i: int, out: RequestOutput, state: _Streamed) -> list[str]:
         """The chunks of one output of choice `i`: its text (less what may be a tool call) and

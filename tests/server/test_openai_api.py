@@ -168,7 +168,7 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
         ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
-        ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": ["a"] * 5, "n": 2}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
