@@ -22,8 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
 from batchserve.server.http import BodyLimit
+from batchserve.server.openai_errors import ApiError, error_response
 from batchserve.server.openai_logprobs import TokenText
-from batchserve.server.openai_models import ApiError, ChatRequest, CommonFields, CompletionRequest, error_response
+from batchserve.server.openai_models import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai_responses import Answer, AnswerView, EchoPrompt, Sample, best
 from batchserve.server.openai_tools import parse_tool_request
 from batchserve.text import TextCodec

@@ -3,11 +3,8 @@ how a body becomes `SamplingParams`."""
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Any
 
-from fastapi import HTTPException
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from batchserve.config import LimitsConfig
@@ -22,116 +19,9 @@ from batchserve.request import (
     Constraint,
     SamplingParams,
 )
-
-
-def _count() -> Any:
-    """An optional count with SamplingParams' bounds, so that a bad value is a 400 naming its field."""
-    return Field(default=None, ge=1, le=MAX_INT32)
-
-
-class ApiError(HTTPException):
-    """An error answered as an OpenAI error object (an HTTPException, so that FastAPI passes it
-    through body parsing unchanged)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(status, message)
-        self.status, self.message, self.param = status, message, param
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI error object."""
-    kind = ERROR_TYPES.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
-
-
-# ---- request bodies ----------------------------------------------------------------------
-
-
-class LookaheadOptions(BaseModel):
-    """batchserve's speculation options (an extra field, as vLLM takes its own extras)."""
-
-    model_config = ConfigDict(extra="forbid")
-    enable: bool | None = None
-    decoding_length: int | None = Field(default=None, ge=0, le=MAX_INT32)
-    layout: str | None = None
-    jacobi_window: int | None = _count()
-    jacobi_ngram: int | None = Field(default=None, ge=2, le=MAX_INT32)
-    jacobi_guesses: int | None = Field(default=None, ge=0, le=MAX_INT32)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-
-
-class Prediction(BaseModel):
-    """OpenAI's predicted output: text the completion is expected to repeat (a code edit's file).
-    It drafts, privately to the request; it never changes the output."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: str
-    content: str | list[dict[str, Any]]
-
-    def text(self) -> str:
-        """The predicted text; 400 for another type or a part that is not text."""
-        if self.type != "content":
-            raise ApiError(400, f"prediction.type: only 'content' is supported, got {self.type!r}", "prediction.type")
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for i, part in enumerate(self.content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                param = f"prediction.content[{i}]"
-                raise ApiError(400, f"{param}: only text parts are supported", param)
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's `response_format.json_schema`: the schema under `schema`, with its name."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
-    json_schema: dict[str, Any] | bool = Field(alias="schema")
-    strict: bool | None = None  # the output always matches the schema: strict or not
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format` (text, json_object, json_schema), plus two batchserve extras:
-    `{"type": "regex", "regex": ...}` and `{"type": "grammar", "grammar": <Lark>}`."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
-    json_schema: JsonSchemaFormat | None = None
-    regex: str | None = None
-    grammar: str | None = None
-
-    def constraint(self) -> Constraint | None:
-        """The constraint it asks for (None for text); 400 naming the field that is missing."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return Constraint("json_object")
-        if self.type == "json_schema":
-            if self.json_schema is None:
-                raise ApiError(400, "response_format.json_schema is required for type json_schema", "response_format")
-            return Constraint("json_schema", json.dumps(self.json_schema.json_schema))
-        text = getattr(self, self.type)
-        if not text:
-            raise ApiError(400, f"response_format.{self.type} is required for type {self.type}", "response_format")
-        return Constraint(self.type, text)
+from batchserve.server.openai_errors import ApiError
+from batchserve.server.openai_fields import ChatOnlyFields
+from batchserve.server.openai_options import LookaheadOptions, Prediction, ResponseFormat, StreamOptions, count_field
 
 
 class CommonFields(BaseModel):
@@ -140,7 +30,7 @@ class CommonFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    max_tokens: int | None = _count()  # omitted: the rest of the context
+    max_tokens: int | None = count_field()  # omitted: the rest of the context
     temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)  # OpenAI's default is 1; 0 is greedy
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])  # negative s: s + 2**64
@@ -161,7 +51,7 @@ class CommonFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
-    n: int | None = _count()  # completions of the prompt, at most the server's --max-samples
+    n: int | None = count_field()  # completions of the prompt, at most the server's --max-samples
 
     def unsupported(self) -> None:
         """400 for an OpenAI parameter set to something batchserve cannot honour."""
@@ -245,7 +135,7 @@ class CompletionRequest(CommonFields):
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)  # 0 with echo: score the prompt only
     echo: bool | None = None  # the prompt before the completion (and, with logprobs, its tokens' logprobs)
     suffix: str | None = None
-    best_of: int | None = _count()  # samples to pick the n most likely (cumulative logprob) from
+    best_of: int | None = count_field()  # samples to pick the n most likely (cumulative logprob) from
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the top alternatives per token
 
     def num_logprobs(self) -> int | None:
@@ -314,14 +204,20 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatRequest(CommonFields):
+class ChatRequest(CommonFields, ChatOnlyFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = _count()
+    max_completion_tokens: int | None = count_field()
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        refused = self.refusal()
+        if refused is not None:
+            raise ApiError(400, refused[1], refused[0])
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

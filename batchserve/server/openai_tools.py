@@ -40,7 +40,7 @@ from typing import Any
 
 from batchserve.grammar.compiler import JSON_OPTIONS
 from batchserve.request import Constraint
-from batchserve.server.openai_models import ApiError
+from batchserve.server.openai_errors import ApiError
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_TOOLS = 128  # each one is in the prompt and in a forced call's grammar

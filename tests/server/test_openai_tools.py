@@ -10,7 +10,7 @@ import pytest
 from batchserve.config import LimitsConfig
 from batchserve.grammar import GrammarCompiler, GrammarError, allows
 from batchserve.request import Constraint
-from batchserve.server.openai_models import ApiError
+from batchserve.server.openai_errors import ApiError
 from batchserve.server.openai_tools import MAX_FORCED_CALLS, MAX_TOOLS, ChatTools, parse_tool_request
 from batchserve.text import TextCodec, tools_prompt
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer

@@ -1,0 +1,95 @@
+"""The OpenAI API's option objects inside a request body: batchserve's `lookahead`, `stream_options`,
+`prediction` (predicted outputs) and `response_format` (structured output)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from batchserve.request import MAX_INT32, Constraint
+from batchserve.server.openai_errors import ApiError
+
+
+def count_field() -> Any:
+    """An optional count with SamplingParams' bounds, so that a bad value is a 400 naming its field."""
+    return Field(default=None, ge=1, le=MAX_INT32)
+
+
+class LookaheadOptions(BaseModel):
+    """batchserve's speculation options (an extra field, as vLLM takes its own extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enable: bool | None = None
+    decoding_length: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    layout: str | None = None
+    jacobi_window: int | None = count_field()
+    jacobi_ngram: int | None = Field(default=None, ge=2, le=MAX_INT32)
+    jacobi_guesses: int | None = Field(default=None, ge=0, le=MAX_INT32)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    # OpenAI pads its chunks against length side channels; none is added here (ignored either way).
+    include_obfuscation: bool | None = None
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the completion is expected to repeat (a code edit's file).
+    It drafts, privately to the request; it never changes the output."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The predicted text; 400 for another type or a part that is not text."""
+        if self.type != "content":
+            raise ApiError(400, f"prediction.type: only 'content' is supported, got {self.type!r}", "prediction.type")
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for i, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                param = f"prediction.content[{i}]"
+                raise ApiError(400, f"{param}: only text parts are supported", param)
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema under `schema`, with its name."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None  # the output always matches the schema: strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format` (text, json_object, json_schema), plus two batchserve extras:
+    `{"type": "regex", "regex": ...}` and `{"type": "grammar", "grammar": <Lark>}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The constraint it asks for (None for text); 400 naming the field that is missing."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ApiError(400, "response_format.json_schema is required for type json_schema", "response_format")
+            return Constraint("json_schema", json.dumps(self.json_schema.json_schema))
+        text = getattr(self, self.type)
+        if not text:
+            raise ApiError(400, f"response_format.{self.type} is required for type {self.type}", "response_format")
+        return Constraint(self.type, text)
