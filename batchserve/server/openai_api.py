@@ -149,7 +149,7 @@ class OpenAIServer:
         limit = self.frontend.engine.core.config.limits.max_constraint_chars
         tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, limit)
         body.use_tools(tools)
-        body.constraint()  # its 400 (a forced call beside a response_format) before anything is queued
+        body.constraint()  # its 400 (a grammar response_format beside tools under auto) before anything is queued
         messages = [m.rendered(i) for i, m in enumerate(body.messages)]
         offered = tools.prompt_tools if tools is not None else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

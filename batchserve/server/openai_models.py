@@ -231,6 +231,6 @@ class ChatRequest(CommonFields, ChatOnlyFields):
         self._tools = tools
 
     def constraint(self) -> Constraint | None:
-        """`response_format`'s, or the calls a `tool_choice` of required or a function forces."""
+        """`response_format`'s, the calls a `tool_choice` of required or a function forces, or (auto) either."""
         fmt = super().constraint()
         return self._tools.constraint(fmt) if self._tools is not None else fmt

@@ -88,8 +88,38 @@ class ResponseFormat(BaseModel):
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ApiError(400, "response_format.json_schema is required for type json_schema", "response_format")
-            return Constraint("json_schema", json.dumps(self.json_schema.json_schema))
+            schema = self.json_schema.json_schema
+            return Constraint("json_schema", json.dumps(strict_schema(schema) if self.json_schema.strict else schema))
         text = getattr(self, self.type)
         if not text:
             raise ApiError(400, f"response_format.{self.type} is required for type {self.type}", "response_format")
         return Constraint(self.type, text)
+
+
+# Where a schema holds subschemas (JSON Schema 2020-12 and draft 7's keywords).
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "unevaluatedProperties")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with every object subschema that leaves `additionalProperties` out closed (false):
+    OpenAI's strict mode, where an object holds the keys it declares and no others. Without it the
+    grammar may write keys the schema never named (JSON Schema allows them by default)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

@@ -41,6 +41,7 @@ from typing import Any
 from batchserve.grammar.compiler import JSON_OPTIONS
 from batchserve.request import Constraint
 from batchserve.server.openai_errors import ApiError
+from batchserve.server.openai_options import strict_schema
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_TOOLS = 128  # each one is in the prompt and in a forced call's grammar
@@ -112,17 +113,16 @@ class ChatTools:
         return None if self.choice == "none" else [t.spec for t in self.tools]
 
     def constraint(self, response_format: Constraint | None = None) -> Constraint | None:
-        """The grammar forcing calls ("required", a named function), else `response_format`'s
-        constraint; 400 naming response_format when both would constrain the output."""
-        if not self.forced:
-            return response_format
-        if response_format is not None:
-            raise ApiError(
-                400, f"response_format cannot be combined with tool_choice {self.choice!r}", "response_format"
-            )
+        """What the output must match: under "required" or a named function, the calls (a
+        `response_format` is the next turn's answer, after the tool results); under "auto" with a
+        `response_format`, either calls or an answer in that format; else the format alone."""
         if self.choice == "function":
             return Constraint("grammar", calls_grammar([t for t in self.tools if t.name == self.function], False))
-        return Constraint("grammar", calls_grammar(self.tools, self.parallel))
+        if self.forced:
+            return Constraint("grammar", calls_grammar(self.tools, self.parallel))
+        if self.choice == "auto" and response_format is not None:
+            return Constraint("grammar", calls_grammar(self.tools, self.parallel, _answer_rule(response_format)))
+        return response_format
 
     def parse(self, text: str) -> ToolParse:
         """The finished output as content and calls (module docstring). Whitespace next to a call
@@ -241,24 +241,42 @@ def _check_choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
     return "function", name
 
 
-def calls_grammar(tools: Sequence[Tool], parallel: bool) -> str:
+def calls_grammar(tools: Sequence[Tool], parallel: bool, answer: str | None = None) -> str:
     """A Lark grammar (llguidance's dialect) of `<tool_call>` blocks, each calling one of `tools`
-    with arguments valid for its schema: 1 to MAX_FORCED_CALLS ("\\n"-separated) if `parallel`,
-    else one. The name is a literal and the arguments' schema stays its own root (its `$ref`s resolve)."""
+    with arguments valid for its (strict) schema: 1 to MAX_FORCED_CALLS ("\\n"-separated) if
+    `parallel`, else one. With `answer` (a rule's body: the response format), the output is either
+    the calls or that answer. The name is a literal and the arguments' schema stays its own root
+    (its `$ref`s resolve)."""
     repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if parallel else ""
     head = json.dumps(TOOL_CALL_OPEN + '\n{"name": ')
     tail = json.dumps("}\n" + TOOL_CALL_CLOSE)
     alternatives = " | ".join(f"f{i}" for i in range(len(tools)))
     # A newline may end the output: a model that writes one before its end-of-turn must not be
     # forced into another call by it (measured: SmolLM2 then repeats the call to max_tokens).
-    lines = [f'start: call{repeat} "\\n"?', f"call: {head} ({alternatives}) {tail}"]
+    calls = f'call{repeat} "\\n"?'
+    top = ["start: calls | answer", f"calls: {calls}", f"answer: {answer}"] if answer else [f"start: {calls}"]
+    lines = [*top, f"call: {head} ({alternatives}) {tail}"]
     for i, t in enumerate(tools):
         # Our JSON options override the schema's own: the layout json.dumps writes, as elsewhere.
-        schema = {**t.parameters, "x-guidance": JSON_OPTIONS}
+        schema = {**strict_schema(t.parameters), "x-guidance": JSON_OPTIONS}
         name = json.dumps(json.dumps(t.name) + ', "arguments": ')
         lines.append(f"f{i}: {name} a{i}")
         lines.append(f"a{i}: %json {json.dumps(schema)}")
     return "\n".join(lines) + "\n"
+
+
+def _answer_rule(fmt: Constraint) -> str:
+    """The body of a Lark rule for an answer in the response format `fmt` (beside calls, "auto")."""
+    if fmt.kind == "json_object":
+        return f"%json {json.dumps({'type': 'object', 'x-guidance': JSON_OPTIONS})}"
+    if fmt.kind == "json_schema":
+        schema = json.loads(fmt.spec)
+        return f"%json {json.dumps(schema if isinstance(schema, bool) else {**schema, 'x-guidance': JSON_OPTIONS})}"
+    if fmt.kind == "regex":
+        return f"/{fmt.spec.replace('/', chr(92) + '/')}/"
+    raise ApiError(
+        400, f"a {fmt.kind} response_format cannot stand beside tools under tool_choice 'auto'", "response_format"
+    )
 
 
 def _call(body: str, known: set[str]) -> dict[str, Any] | None:

@@ -214,9 +214,8 @@ BIG = {"type": "function", "function": {"name": "big", "parameters": {
         (_body(tool_choice="required"), "tool_choice", "needs tools"),
         (_body(tools=[MODE], tool_choice="sometimes"), "tool_choice", "must be none, auto"),
         (_body(tools=[MODE], parallel_tool_calls="yes"), "parallel_tool_calls", "boolean"),
-        (_body(tools=[MODE], tool_choice="required",
-               response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": MODE_SCHEMA}}),
-         "response_format", "cannot be combined"),
+        (_body(tools=[MODE], response_format={"type": "grammar", "grammar": 'start: "x"'}),
+         "response_format", "cannot stand beside tools"),
         (_body(tools=[MODE, BIG]), "tools", "their schemas take"),  # over max_constraint_chars (65536)
     ],
 )  # fmt: skip
