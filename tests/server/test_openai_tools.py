@@ -268,11 +268,16 @@ def test_forced_parallel_calls_are_bounded(compiler):
         assert allows(mask, ord("<")) is more and allows(mask, g.eos_token_id)
 
 
-def test_the_constraint_is_for_forced_calls_only():
+def test_the_constraint_forces_calls_joins_a_format_under_auto_and_leaves_the_rest_free():
     fmt = Constraint("json_object")
-    assert tools_of("auto").constraint(fmt) is fmt and tools_of("none").constraint(None) is None
+    assert tools_of("auto").constraint(None) is None and tools_of("none").constraint(None) is None
+    assert tools_of("none").constraint(fmt) is fmt  # no tools offered: the format alone
+    union = tools_of("auto").constraint(fmt)
+    assert union.kind == "grammar" and union.spec.startswith("start: calls | answer")
+    forced = tools_of("required").constraint(fmt)  # the format is the next turn's
+    assert forced == tools_of("required").constraint(None)
     with pytest.raises(ApiError) as e:
-        tools_of("required").constraint(fmt)
+        tools_of("auto").constraint(Constraint("grammar", 'start: "x"'))
     assert e.value.param == "response_format"
 
 
