@@ -27,6 +27,8 @@ from batchserve.server.openai_logprobs import TokenText
 from batchserve.server.openai_models import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai_responses import Answer, AnswerView, EchoPrompt, Sample, best
 from batchserve.server.openai_tools import parse_tool_request
+from batchserve.server.responses_api import ResponseAnswer
+from batchserve.server.responses_models import ResponsesRequest
 from batchserve.text import TextCodec
 
 T = TypeVar("T")
@@ -126,6 +128,10 @@ class OpenAIServer:
         async def chat(body: ChatRequest, request: Request) -> Any:
             return await self._chat(body, request)
 
+        @app.post("/v1/responses", response_model=None)
+        async def responses(body: ResponsesRequest, request: Request) -> Any:
+            return await self._responses(body, request)
+
         return app
 
     async def _completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -156,6 +162,33 @@ class OpenAIServer:
         view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools)
         return await self._respond(body, request, lambda text: [text.render_chat(messages, offered)], max_tokens, view)
 
+    async def _responses(self, body: ResponsesRequest, request: Request) -> Any:
+        """The Responses API: the call as the chat request it asks for, answered as a response."""
+        body.unsupported()
+        self._check_model(body.model)
+        chat = body.chat()
+        chat.unsupported()
+        limit = self.frontend.engine.core.config.limits.max_constraint_chars
+        tools = parse_tool_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls, limit)
+        chat.use_tools(tools)
+        chat.constraint()
+        messages = [m.rendered(i) for i, m in enumerate(chat.messages)]
+        offered = tools.prompt_tools if tools is not None else None
+        ids = body.token_ids
+        prepare = (lambda text: [text.tokenize(ids)]) if ids is not None else (
+            lambda text: [text.render_chat(messages, offered)]
+        )  # fmt: skip
+        chat.stream = body.stream
+        answer = ResponseAnswer(body, self.model_name, tools)
+        run = await self._run(chat, request, prepare, chat.max_completion_tokens, answer.id, 1)
+        if run is None:
+            return None
+        first, outputs, samples = run
+        if outputs is not None and first is not None:
+            return _sse_response(answer.stream(first[1], outputs))
+        assert samples is not None and samples[0].last is not None
+        return answer.whole(samples[0].text, samples[0].last)
+
     def _count_too_large(self) -> None:
         self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()  # gRPC says RESOURCE_EXHAUSTED
 
@@ -185,14 +218,38 @@ class OpenAIServer:
         num_prompts: int = 1,
     ) -> Any:
         """Run one call: a JSON body, or (`stream`) server-sent events. `prepare(text)` gives the ids
-        of each of its `num_prompts` prompts, whose choices come in order (`n` of each). A client
-        that leaves before the answer (waiting, during its prefill, or decoding) aborts its requests
-        at once."""
+        of each of its `num_prompts` prompts, whose choices come in order (`n` of each)."""
+        rid = ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex
+        n, total = body.samples(self.frontend.engine.core.config.limits)
+        run = await self._run(body, request, prepare, max_tokens, rid, total, num_prompts)
+        if run is None:
+            return None  # nobody to answer; the requests were aborted and their KV freed
+        first, outputs, samples = run
+        answer = Answer(rid, self.model_name, view, self.token_text)
+        if outputs is not None and first is not None:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _sse_response(answer.stream(first, outputs, include_usage))
+        assert samples is not None
+        chosen = [s for p in range(num_prompts) for s in best(samples[p * total : (p + 1) * total], n)]
+        return answer.whole(chosen, samples)
+
+    async def _run(
+        self,
+        body: Any,
+        request: Request,
+        prepare: Any,
+        max_tokens: int | None,
+        rid: str,
+        total: int,
+        num_prompts: int = 1,
+    ) -> Run | None:
+        """Submit a call's requests (`total` samples of each prompt): its first output and the rest
+        to stream (`body.stream`), or every sample collected; None where the client left, which
+        aborts its requests at once (waiting, during its prefill, or decoding). Refusals and engine
+        failures before the first output are ApiErrors."""
         header = request.headers.get(TENANT_HEADER)
         tenant = choose_tenant(self.tenant_source, header, user_tenant(body.user))
-        rid = ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex
         core = self.frontend.engine.core
-        n, total = body.samples(core.config.limits)
         outputs = self.frontend.generate_n(
             prepare,
             lambda: body.sampling_params(max_tokens, core.max_model_len, core.config.limits),
@@ -220,18 +277,16 @@ class OpenAIServer:
             if not body.stream or not here:
                 await outputs.aclose()
         if not here:
-            return None  # nobody to answer; the requests were aborted and their KV freed
-        answer = Answer(rid, self.model_name, view, self.token_text)
-        if body.stream and first is not None:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(
-                answer.stream(first, outputs, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        assert samples is not None
-        chosen = [s for p in range(num_prompts) for s in best(samples[p * total : (p + 1) * total], n)]
-        return answer.whole(chosen, samples)
+            return None
+        return first, (outputs if body.stream else None), samples
+
+
+# A call under way: its first output and the rest to stream, or (not streamed) every sample.
+Run = tuple[tuple[int, RequestOutput] | None, AsyncIterator[tuple[int, RequestOutput]] | None, list[Sample] | None]
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], total: int) -> list[Sample]:

@@ -34,18 +34,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchserve.grammar.compiler import JSON_OPTIONS
 from batchserve.request import Constraint
 from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_options import strict_schema
+from batchserve.server.openai_tool_grammar import answer_rule, calls_grammar
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_TOOLS = 128  # each one is in the prompt and in a forced call's grammar
-MAX_FORCED_CALLS = 8  # calls in one forced output ("required" with parallel_tool_calls)
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 CHOICES = ("none", "auto", "required")
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # `parameters` omitted
@@ -121,7 +118,7 @@ class ChatTools:
         if self.forced:
             return Constraint("grammar", calls_grammar(self.tools, self.parallel))
         if self.choice == "auto" and response_format is not None:
-            return Constraint("grammar", calls_grammar(self.tools, self.parallel, _answer_rule(response_format)))
+            return Constraint("grammar", calls_grammar(self.tools, self.parallel, answer_rule(response_format)))
         return response_format
 
     def parse(self, text: str) -> ToolParse:
@@ -239,44 +236,6 @@ def _check_choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
     if name not in names:
         raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice.function.name")
     return "function", name
-
-
-def calls_grammar(tools: Sequence[Tool], parallel: bool, answer: str | None = None) -> str:
-    """A Lark grammar (llguidance's dialect) of `<tool_call>` blocks, each calling one of `tools`
-    with arguments valid for its (strict) schema: 1 to MAX_FORCED_CALLS ("\\n"-separated) if
-    `parallel`, else one. With `answer` (a rule's body: the response format), the output is either
-    the calls or that answer. The name is a literal and the arguments' schema stays its own root
-    (its `$ref`s resolve)."""
-    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if parallel else ""
-    head = json.dumps(TOOL_CALL_OPEN + '\n{"name": ')
-    tail = json.dumps("}\n" + TOOL_CALL_CLOSE)
-    alternatives = " | ".join(f"f{i}" for i in range(len(tools)))
-    # A newline may end the output: a model that writes one before its end-of-turn must not be
-    # forced into another call by it (measured: SmolLM2 then repeats the call to max_tokens).
-    calls = f'call{repeat} "\\n"?'
-    top = ["start: calls | answer", f"calls: {calls}", f"answer: {answer}"] if answer else [f"start: {calls}"]
-    lines = [*top, f"call: {head} ({alternatives}) {tail}"]
-    for i, t in enumerate(tools):
-        # Our JSON options override the schema's own: the layout json.dumps writes, as elsewhere.
-        schema = {**strict_schema(t.parameters), "x-guidance": JSON_OPTIONS}
-        name = json.dumps(json.dumps(t.name) + ', "arguments": ')
-        lines.append(f"f{i}: {name} a{i}")
-        lines.append(f"a{i}: %json {json.dumps(schema)}")
-    return "\n".join(lines) + "\n"
-
-
-def _answer_rule(fmt: Constraint) -> str:
-    """The body of a Lark rule for an answer in the response format `fmt` (beside calls, "auto")."""
-    if fmt.kind == "json_object":
-        return f"%json {json.dumps({'type': 'object', 'x-guidance': JSON_OPTIONS})}"
-    if fmt.kind == "json_schema":
-        schema = json.loads(fmt.spec)
-        return f"%json {json.dumps(schema if isinstance(schema, bool) else {**schema, 'x-guidance': JSON_OPTIONS})}"
-    if fmt.kind == "regex":
-        return f"/{fmt.spec.replace('/', chr(92) + '/')}/"
-    raise ApiError(
-        400, f"a {fmt.kind} response_format cannot stand beside tools under tool_choice 'auto'", "response_format"
-    )
 
 
 def _call(body: str, known: set[str]) -> dict[str, Any] | None:

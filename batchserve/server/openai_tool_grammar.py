@@ -1,0 +1,66 @@
+"""The grammars of tool calls (llguidance's Lark dialect): `<tool_call>` blocks calling the offered
+functions with arguments valid for their strict schemas, alone (`required`, a named function) or
+beside an answer in the response format (`auto` with a `response_format`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from batchserve.grammar.compiler import JSON_OPTIONS
+from batchserve.request import Constraint
+from batchserve.server.openai_errors import ApiError
+from batchserve.server.openai_options import strict_schema
+from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+
+class Tool(Protocol):
+    """A function the grammar offers (`openai_tools.Tool`): its name and its arguments' schema."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parameters(self) -> dict[str, Any]: ...
+
+
+MAX_FORCED_CALLS = 8  # calls in one forced output ("required" with parallel_tool_calls)
+
+
+def calls_grammar(tools: Sequence[Tool], parallel: bool, answer: str | None = None) -> str:
+    """A Lark grammar (llguidance's dialect) of `<tool_call>` blocks, each calling one of `tools`
+    with arguments valid for its (strict) schema: 1 to MAX_FORCED_CALLS ("\\n"-separated) if
+    `parallel`, else one. With `answer` (a rule's body: the response format), the output is either
+    the calls or that answer. The name is a literal and the arguments' schema stays its own root
+    (its `$ref`s resolve)."""
+    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if parallel else ""
+    head = json.dumps(TOOL_CALL_OPEN + '\n{"name": ')
+    tail = json.dumps("}\n" + TOOL_CALL_CLOSE)
+    alternatives = " | ".join(f"f{i}" for i in range(len(tools)))
+    # A newline may end the output: a model that writes one before its end-of-turn must not be
+    # forced into another call by it (measured: SmolLM2 then repeats the call to max_tokens).
+    calls = f'call{repeat} "\\n"?'
+    top = ["start: calls | answer", f"calls: {calls}", f"answer: {answer}"] if answer else [f"start: {calls}"]
+    lines = [*top, f"call: {head} ({alternatives}) {tail}"]
+    for i, t in enumerate(tools):
+        # Our JSON options override the schema's own: the layout json.dumps writes, as elsewhere.
+        schema = {**strict_schema(t.parameters), "x-guidance": JSON_OPTIONS}
+        name = json.dumps(json.dumps(t.name) + ', "arguments": ')
+        lines.append(f"f{i}: {name} a{i}")
+        lines.append(f"a{i}: %json {json.dumps(schema)}")
+    return "\n".join(lines) + "\n"
+
+
+def answer_rule(fmt: Constraint) -> str:
+    """The body of a Lark rule for an answer in the response format `fmt` (beside calls, "auto")."""
+    if fmt.kind == "json_object":
+        return f"%json {json.dumps({'type': 'object', 'x-guidance': JSON_OPTIONS})}"
+    if fmt.kind == "json_schema":
+        schema = json.loads(fmt.spec)
+        return f"%json {json.dumps(schema if isinstance(schema, bool) else {**schema, 'x-guidance': JSON_OPTIONS})}"
+    if fmt.kind == "regex":
+        return f"/{fmt.spec.replace('/', chr(92) + '/')}/"
+    raise ApiError(
+        400, f"a {fmt.kind} response_format cannot stand beside tools under tool_choice 'auto'", "response_format"
+    )

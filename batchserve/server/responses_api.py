@@ -1,0 +1,174 @@
+"""The Responses API's answers: the `response` object (output items: an assistant `message` with
+its `output_text`, and `function_call`s), and its stream of OpenAI's typed events
+(`response.created`, `response.output_item.added`, `response.output_text.delta`, ...,
+`response.completed`), built from the engine's outputs of one request."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve.request import FinishReason, RequestOutput
+from batchserve.server.frontend import EngineFailed
+from batchserve.server.openai_responses import usage
+from batchserve.server.openai_tools import ChatTools, ToolParse
+from batchserve.server.responses_models import ResponsesRequest
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part] if text else []}
+
+
+def _function_call(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
+    """A chat tool call (`openai_tools`) as a Responses output item."""
+    return {
+        "type": "function_call",
+        "id": "fc_" + call["id"].removeprefix("call_"),
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"] if arguments is None else arguments,
+        "status": "completed" if arguments is None else "in_progress",
+    }
+
+
+@dataclass(slots=True)
+class ResponseAnswer:
+    """One call's response object, whole or as events."""
+
+    body: ResponsesRequest
+    model: str
+    tools: ChatTools | None
+    id: str = field(default_factory=lambda: _id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    sequence: int = 0
+
+    def _object(self, status: str, output: list[dict[str, Any]], last: RequestOutput | None) -> dict[str, Any]:
+        b = self.body
+        fmt = (b.text or {}).get("format") or {"type": "text"}
+        obj: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": output, "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens, "temperature": b.temperature, "top_p": b.top_p,
+            "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [], "text": {"format": fmt}, "previous_response_id": None, "store": False,
+            "truncation": "disabled", "user": b.user, "metadata": b.metadata or {}, "error": None,
+            "incomplete_details": None, "usage": None,
+        }  # fmt: skip
+        if last is not None and last.finished:
+            if last.finish_reason is FinishReason.LENGTH:
+                obj["status"], obj["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+            u = usage([(0, last)])
+            obj["usage"] = {
+                "input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {
+                    "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                    "cache_write_tokens": 0,  # the prefix cache writes as it computes: nothing extra
+                },
+                "output_tokens": u["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["total_tokens"],
+            }
+        return obj
+
+    def _parse(self, text: str) -> ToolParse:
+        return self.tools.parse(text) if self.tools is not None else ToolParse(text, ())
+
+    def whole(self, text: str, last: RequestOutput) -> dict[str, Any]:
+        """The response object of a finished call whose output is `text`."""
+        parsed = self._parse(text)
+        output = [_message(_id("msg"), parsed.content)] if parsed.content else []
+        output += [_function_call(c) for c in parsed.tool_calls]
+        return self._object("completed", output, last)
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+    async def stream(
+        self, first: RequestOutput, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
+        """The call's events; closing `outputs` (a client that left) aborts the request."""
+        yield self._event("response.created", response=self._object("in_progress", [], None))
+        yield self._event("response.in_progress", response=self._object("in_progress", [], None))
+        state = _TextState(_id("msg"))
+        parser = self.tools.stream() if self.tools is not None else None
+        out: RequestOutput | None = first
+        try:
+            while out is not None:
+                last = out
+                delta = parser.feed(out.new_text) if parser is not None else out.new_text
+                for event in state.text(self, delta):
+                    yield event
+                item = await anext(outputs, None)
+                out = item[1] if item is not None else None
+        except EngineFailed as e:
+            yield self._event("error", code="server_error", message=str(e), param=None)
+            return
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        tail = parser.flush() if parser is not None else None
+        for event in state.text(self, tail.content if tail is not None else ""):
+            yield event
+        output = [item for item in [state.close_item(self)] if item is not None]
+        for event in state.close_events:
+            yield event
+        calls = list(tail.parse.tool_calls) if tail is not None else []
+        for call in calls:
+            index = len(output)
+            yield self._event("response.output_item.added", output_index=index, item=_function_call(call, ""))
+            item = _function_call(call)
+            args = {"item_id": item["id"], "output_index": index}
+            yield self._event("response.function_call_arguments.delta", **args, delta=item["arguments"])
+            yield self._event("response.function_call_arguments.done", **args, arguments=item["arguments"])
+            yield self._event("response.output_item.done", output_index=index, item=item)
+            output.append(item)
+        final = self._object("completed", output, last)
+        yield self._event(f"response.{final['status']}", response=final)
+
+
+@dataclass(slots=True)
+class _TextState:
+    """The streamed assistant message: opened at its first text, closed at the end."""
+
+    item_id: str
+    text_so_far: str = ""
+    opened: bool = False
+    close_events: list[str] = field(default_factory=list)
+
+    def text(self, answer: ResponseAnswer, delta: str) -> list[str]:
+        if not delta:
+            return []
+        events = []
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        if not self.opened:
+            self.opened = True
+            item = _message(self.item_id, "", "in_progress")
+            events.append(answer._event("response.output_item.added", output_index=0, item=item))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(answer._event("response.content_part.added", **where, part=part))
+        self.text_so_far += delta
+        events.append(answer._event("response.output_text.delta", **where, delta=delta, logprobs=[]))
+        return events
+
+    def close_item(self, answer: ResponseAnswer) -> dict[str, Any] | None:
+        """The finished message item (None where no text came), its closing events kept in order."""
+        if not self.opened:
+            return None
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        item = _message(self.item_id, self.text_so_far)
+        self.close_events = [
+            answer._event("response.output_text.done", **where, text=self.text_so_far, logprobs=[]),
+            answer._event("response.content_part.done", **where, part=item["content"][0]),
+            answer._event("response.output_item.done", output_index=0, item=item),
+        ]
+        return item
