@@ -16,6 +16,7 @@ from batchserve.draft.base import LearnsLater
 from batchserve.grammar import GrammarCompiler
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from batchserve.resume import check_resume, start_text
 from batchserve.scheduler import BlockAllocator, Scheduler
 from batchserve.speculation.budget import DraftBudgetPolicy
 from batchserve.speculation.cost_profile import CostProfile
@@ -170,8 +171,9 @@ class EngineCore:
             grammar=grammar,
             group=group,
         )
+        check_resume(req, self.vocab_size)  # a resumed generation's tokens become its output so far
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
-        self.text.start(rid, params.stop)
+        start_text(self.text, self.scheduler, req)
         return req
 
     def check_tenant(self, tenant: str) -> None:

@@ -37,6 +37,9 @@ class ScheduledRequest:
     # tokens, whose logprobs the runner reports; empty when none are asked for or left.
     score_from: int = 0
     score_targets: tuple[int, ...] = ()
+    # Output tokens the request holds before this step (a resumed request's first step starts its
+    # seeded stream after them: its k-th token draws the k-th uniform, wherever it runs).
+    num_output_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -94,6 +94,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # A resumed generation: the tokens already generated for this request (elsewhere, before a
+    # failure). The engine continues as if it had produced them (`batchserve/resume.py`).
+    resume_token_ids: tuple[int, ...] = ()
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
@@ -124,6 +127,14 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be ints in [0, {MAX_INT32}], got {t!r}")
         # Looked up for every emitted token: a set, whatever the count (the engine caps the count).
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
+        object.__setattr__(self, "resume_token_ids", tuple(self.resume_token_ids))
+        if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in self.resume_token_ids):
+            raise ValueError("resume_token_ids must be token ids (ints in [0, 2**31))")
+        if len(self.resume_token_ids) >= max(1, self.max_new_tokens):
+            raise ValueError(
+                f"resume_token_ids: {len(self.resume_token_ids)} tokens leave nothing of max_new_tokens "
+                f"{self.max_new_tokens} to generate"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.decoding_length is not None:

@@ -269,7 +269,7 @@ class ModelRunner:
             if not r.sample or r.params.greedy:
                 continue
             depths = (0, *r.draft.depths) if r.draft is not None else (0,)
-            stream = self._uniform_stream(r.request_id, r.params.seed, max(depths) + 1)
+            stream = self._uniform_stream(r.request_id, r.params.seed, max(depths) + 1, r.num_output_tokens)
             start = int(logit_start[i])
             rows.extend(range(start, start + len(depths)))
             params.extend([(r.params.temperature, r.params.top_k, r.params.top_p)] * len(depths))
@@ -293,18 +293,25 @@ class ModelRunner:
             any_top_p=any(p < 1.0 for p in top_p),
         )
 
-    def _uniform_stream(self, request_id: str, seed: int | None, n: int) -> list[float]:
+    def _uniform_stream(self, request_id: str, seed: int | None, n: int, done: int = 0) -> list[float]:
         """The request's next `n` (or more) unused uniforms. Drawn from its seeded generator in
-        fixed chunks, so the stream is the same however many tokens each step consumes."""
+        fixed chunks, so the stream is the same however many tokens each step consumes. `done`:
+        tokens its output held before its first sampling step here (a resumed request), whose
+        uniforms are passed over."""
         gen = self._generators.get(request_id)
         if gen is None:
             gen = self._generators[request_id] = torch.Generator(device="cpu")
             gen.manual_seed(seed if seed is not None else random.getrandbits(63))
             self._uniforms[request_id] = []
+            self._draw(request_id, gen, done)
+            del self._uniforms[request_id][:done]
+        self._draw(request_id, gen, n)
+        return self._uniforms[request_id]
+
+    def _draw(self, request_id: str, gen: torch.Generator, n: int) -> None:
         stream = self._uniforms[request_id]
         while len(stream) < n:
             stream.extend(torch.rand(UNIFORM_CHUNK, generator=gen, dtype=torch.float64).tolist())
-        return stream
 
 
 def _prompt_logprobs(requests: Sequence[ScheduledRequest], scored: torch.Tensor) -> dict[str, list[TokenLogprob]]:

@@ -30,6 +30,7 @@ def committed_chunk(req: Request, chunk: int, sample: bool) -> ScheduledRequest:
         prompt_ids=tuple(req.prompt_token_ids) if penalized and req.params.repetition_penalty != 1 else (),
         score_from=score_from,
         score_targets=score_targets,
+        num_output_tokens=len(req.output_token_ids),
     )
 
 

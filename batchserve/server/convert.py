@@ -108,6 +108,8 @@ def sampling_params(request: pb.GenerateRequest, limits: LimitsConfig | None = N
     jacobi = [getattr(la, f) if la.HasField(f) else None for f in ("jacobi_window", "jacobi_ngram", "jacobi_guesses")]
     if any(v is not None for v in jacobi):
         kwargs["jacobi"] = tuple(jacobi)
+    if request.resume_token_ids:  # fewer than max_new_tokens (SamplingParams), so bounded by the context
+        kwargs["resume_token_ids"] = list(request.resume_token_ids)
     kind = request.WhichOneof("constraint")
     if kind == "json_object":
         kwargs["constraint"] = Constraint("json_object") if request.json_object else None

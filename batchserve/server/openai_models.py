@@ -52,6 +52,8 @@ class CommonFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     n: int | None = count_field()  # completions of the prompt, at most the server's --max-samples
+    # An extra: resume a generation from the tokens already delivered (`batchserve/resume.py`).
+    resume_token_ids: list[int] | None = None
 
     def unsupported(self) -> None:
         """400 for an OpenAI parameter set to something batchserve cannot honour."""
@@ -78,6 +80,8 @@ class CommonFields(BaseModel):
         n = self.n or 1
         if n > limits.max_samples:
             raise ApiError(400, f"n: {n} completions, at most {limits.max_samples} (--max-samples)", "n")
+        if self.resume_token_ids and n > 1:
+            raise ApiError(400, "resume_token_ids: one sample's generation resumes, not n", "resume_token_ids")
         return n, n
 
     def bias(self) -> dict[int, float]:
@@ -113,6 +117,8 @@ class CommonFields(BaseModel):
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.stop_token_ids is not None:
             kwargs["stop_token_ids"] = self.stop_token_ids
+        if self.resume_token_ids:
+            kwargs["resume_token_ids"] = self.resume_token_ids
         kwargs["constraint"] = self.constraint()
         kwargs |= self.logprob_params()
         kwargs["logit_bias"] = self.bias()
@@ -146,6 +152,8 @@ class CompletionRequest(CommonFields):
         best_of = self.best_of or n
         if not n <= best_of <= limits.max_samples:
             raise ApiError(400, f"best_of: {best_of}, must be in [n, {limits.max_samples}] (n is {n})", "best_of")
+        if best_of > 1 and self.resume_token_ids:
+            raise ApiError(400, "resume_token_ids: one sample's generation resumes, not best_of", "resume_token_ids")
         if best_of > n and self.stream:
             raise ApiError(400, "best_of > n cannot be streamed: only the end tells which are best", "best_of")
         return n, best_of
@@ -171,6 +179,8 @@ class CompletionRequest(CommonFields):
         if not isinstance(p, list) or not p or isinstance(p[0], int):
             return [p]  # type: ignore[list-item]  # one prompt
         _, total = self.samples(limits)
+        if self.resume_token_ids:
+            raise ApiError(400, "resume_token_ids: one prompt's generation resumes, not a list's", "resume_token_ids")
         if len(p) * total > limits.max_samples:
             raise ApiError(
                 400,

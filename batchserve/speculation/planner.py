@@ -79,6 +79,8 @@ class DraftPlanner:
                 req.params.jacobi,
                 references=req.reference_token_ids,
             )
+            if req.output_token_ids:  # a resumed request: its output so far is its own text too
+                self.drafter.on_tokens_accepted(req.request_id, list(req.output_token_ids))
         except Exception:  # speculation is optional: the request runs without drafts of its own
             logger.exception("the drafter failed to start request %s", req.request_id)
 

@@ -1,0 +1,71 @@
+"""Resumed generations: a request that carries the tokens already generated for it (on a replica
+that failed) continues as if this engine had produced them.
+
+Output is a function of the request alone (greedy, or the k-th uniform of its own seeded stream
+for its k-th token; on CPU the forward is batch-invariant bit for bit), so the continuation is
+what the uninterrupted generation would have been. Here: the tokens are the request's output
+before its first step (the prompt and they are prefilled as one chunk, as a preempted request's
+are recomputed; the prefix cache makes a warm resume cheap), its grammar is advanced through
+them, its text decoded past them (and what the interrupted stream had handed out marked sent),
+the drafter learns them, and the runner starts its seeded stream after them. max_new_tokens,
+stop strings and penalties count the whole output; logprobs come for the new tokens only.
+
+A resume that the interrupted generation could not have reached is refused (ValueError, naming
+`resume_token_ids`): a token outside the vocabulary, one the grammar forbids, or an end (EOS, a
+stop token or string, the grammar's end, the context) inside the resumed tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchserve.request import Request
+
+
+def check_resume(req: Request, vocab_size: int) -> None:
+    """Make `req` a resumed request (its output is `params.resume_token_ids`), before the
+    scheduler sees it; raise ValueError where the tokens could not be its output so far."""
+    tokens = list(req.params.resume_token_ids)
+    if not tokens:
+        return
+    p = req.params
+    if req.num_prompt_tokens + len(tokens) >= req.max_total_len:
+        raise ValueError(
+            f"resume_token_ids: the prompt's {req.num_prompt_tokens} tokens and {len(tokens)} resumed fill the "
+            f"model's context of {req.max_total_len}"
+        )
+    for i, t in enumerate(tokens):
+        if t >= vocab_size:
+            raise ValueError(f"resume_token_ids[{i}]: {t} is not a token id in [0, {vocab_size})")
+        if (not p.ignore_eos and t in req.eos_token_ids) or t in p.stop_token_set:
+            raise ValueError(f"resume_token_ids[{i}]: {t} ends the generation (end of sequence or a stop token)")
+    if req.grammar is not None:
+        _advance_grammar(req.grammar, tokens)
+    req.output_token_ids = list(tokens)
+    req.all_token_ids = req.prompt_token_ids + tokens
+
+
+def _advance_grammar(grammar: Any, tokens: list[int]) -> None:
+    from batchserve.grammar.matcher import GrammarError
+
+    for i, t in enumerate(tokens):
+        if grammar.done:
+            raise ValueError(f"resume_token_ids[{i}]: the structured output was already complete before it")
+        try:
+            grammar.commit([t])
+        except GrammarError as e:
+            raise ValueError(f"resume_token_ids[{i}]: the structured output forbids token {t} ({e})") from None
+
+
+def start_text(text: Any, scheduler: Any, req: Request) -> None:
+    """Begin detokenizing `req` (just added to `scheduler`); for a resumed one, decode its tokens,
+    marking what the interrupted stream had handed out by then as sent (the held-back tail a stop
+    string could still claim was not). A stop string among them withdraws the request: ValueError."""
+    text.start(req.request_id, req.params.stop)
+    for i, t in enumerate(req.params.resume_token_ids):
+        if text.on_token(req.request_id, t):
+            text.take(req.request_id, True)  # drops its text state
+            scheduler.abort(req.request_id)  # and its place in the scheduler, before any step
+            raise ValueError(f"resume_token_ids[{i}]: a stop string ends the generation there")
+    if req.params.resume_token_ids:
+        text.take(req.request_id, False)
