@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -121,27 +122,85 @@ def _tenant(kwargs: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return (("x-batchserve-tenant", tenant),) if tenant else ()
 
 
+# A replica that died, was killed, or shut down under the call: another replica can take it on.
+# A refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its retry hint) or a deadline is the
+# caller's to see, never retried here.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
 class Client:
     """`Client("127.0.0.1:50051").generate("def fib(n):", max_new_tokens=64).text`
 
     `target` may name several replicas (`dns:///batchserve-headless:50051`,
     `ipv4:10.0.0.1:50051,10.0.0.2:50051`); `load_balancing` spreads calls over them
-    (`round_robin`, or `pick_first`; None: grpc's defaults) and retries UNAVAILABLE."""
+    (`round_robin`, or `pick_first`; None: grpc's defaults) and retries UNAVAILABLE.
+
+    Failover (`failover` tries beyond the first): a call that a replica could not finish
+    (UNAVAILABLE, or CANCELLED that this client did not ask for: the replica died or shut down)
+    is sent again, within the same deadline (`timeout`, for the whole call); a broken stream is
+    resumed on another replica from the tokens it had delivered (`resume_token_ids`), so the
+    caller sees one stream, no token twice or missing: for greedy and seeded requests the very
+    stream the first replica would have sent (bit for bit on CPU)."""
 
     def __init__(
-        self, target: str = "127.0.0.1:50051", timeout: float | None = None, load_balancing: str | None = "round_robin"
+        self,
+        target: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        load_balancing: str | None = "round_robin",
+        failover: int = 3,
     ) -> None:
         self.channel = grpc.insecure_channel(target, options=channel_options(load_balancing))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.timeout = timeout
+        self.failover = failover
+        self.failovers = 0  # calls sent again or streams resumed, since this client was made
 
     def generate(self, prompt: Any, **kwargs: Any) -> pb.GenerateResponse:
         """`kwargs`: build_request's; a `tenant` goes in the field and the metadata, so the
         server finds it under every --tenant-source."""
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=_tenant(kwargs))
+        req, deadline = build_request(prompt, **kwargs), self._deadline()
+        for attempt in range(self.failover + 1):
+            try:
+                reply = self.stub.Generate(req, timeout=_left(deadline), metadata=_tenant(kwargs))
+                if reply.finish_reason != pb.FINISH_REASON_CANCELLED:
+                    return reply
+                self._may_fail_over(_Broken(), attempt, deadline)  # the replica shut down under it
+            except grpc.RpcError as e:
+                self._may_fail_over(e, attempt, deadline)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def stream(self, prompt: Any, **kwargs: Any) -> Iterator[pb.GenerateStreamResponse]:
-        return self.stub.StreamGenerate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=_tenant(kwargs))
+        """The request's messages as they come, resumed on another replica where one breaks."""
+        req, deadline = build_request(prompt, **kwargs), self._deadline()
+        resumed = list(req.resume_token_ids)  # what the caller resumes from itself
+        for attempt in range(self.failover + 1):
+            try:
+                for msg in self.stub.StreamGenerate(req, timeout=_left(deadline), metadata=_tenant(kwargs)):
+                    broken = msg.finish_reason == pb.FINISH_REASON_CANCELLED
+                    if broken:  # the replica shut down under it: what it sent goes on, its end does not
+                        msg.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+                    resumed.extend(msg.token_ids)
+                    if msg.token_ids or msg.text or not broken:
+                        yield msg
+                    if broken:
+                        raise _Broken()
+                return
+            except (grpc.RpcError, _Broken) as e:
+                self._may_fail_over(e, attempt, deadline)
+                del req.resume_token_ids[:]
+                req.resume_token_ids.extend(resumed)
+
+    def _deadline(self) -> float | None:
+        return time.monotonic() + self.timeout if self.timeout is not None else None
+
+    def _may_fail_over(self, e: Exception, attempt: int, deadline: float | None) -> None:
+        """Return where the call may go to another replica (after a short pause); raise `e` where not."""
+        code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
+        left = _left(deadline)
+        if code not in FAILOVER_CODES or attempt >= self.failover or (left is not None and left <= 0):
+            raise e
+        self.failovers += 1
+        time.sleep(min(0.05 * 2**attempt, left if left is not None else 1.0))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).token_ids)
@@ -169,6 +228,14 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Broken(Exception):
+    """A stream that a replica ended CANCELLED without the caller asking (its shutdown)."""
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def generate_command(args: Any) -> int:
