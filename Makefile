@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast lint serve proto load soak simulate gpu-check clean
+.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast lint serve proto load soak soak-faults simulate gpu-check clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,12 @@ load: bench-setup
 # memory growth at most 5% from minute 2 on, and the KV pool back to full at idle.
 soak: bench-setup
 	load_tests/run.sh --users 32 --spawn-rate 4 --duration 10m --out soak_out $(LOAD_ARGS)
+
+# Three replicas, the soak's load through the failover Client, one replica SIGKILLed every 2
+# minutes and restarted: no call the client could save fails, sampled outputs equal an undisturbed
+# replica's, every pool back to full at idle (load_tests/soak_faults.py; report in soak_faults_out/).
+soak-faults: bench-setup
+	$(BIN)/python load_tests/soak_faults.py --duration 600 --users 32 --every 120 --out soak_faults_out $(LOAD_ARGS)
 
 simulate: bench-setup
 	$(BIN)/batchserve bench --simulate

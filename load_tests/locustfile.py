@@ -28,9 +28,10 @@ from typing import Any
 
 import grpc
 import grpc.experimental.gevent as grpc_gevent
-from locust import HttpUser, User, between, task
+from locust import HttpUser, User, between, events, task
 
-from batchserve.server.client import build_request, channel_options
+from batchserve.request import Constraint
+from batchserve.server.client import Client, build_request, channel_options
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,6 +46,12 @@ SHORT_DEADLINE = float(os.environ.get("BATCHSERVE_SHORT_DEADLINE", "0.3"))
 PROTOCOL = os.environ.get("BATCHSERVE_PROTOCOL", "grpc")
 MODEL = os.environ.get("BATCHSERVE_MODEL_NAME", "")  # the served model's id (GET /v1/models when empty)
 FALLBACK_PROMPTS = ["def fibonacci(n):", "Write a haiku about the sea.", "List three uses of a hash map."]
+# The fault soak (load_tests/soak_faults.py): Generate and StreamGenerate through the failover
+# Client, with greedy, seeded, penalized and structured requests mixed in; every call's end, time
+# and outcome appended to BATCHSERVE_REQUEST_LOG, the failovers counted into BATCHSERVE_FAILOVER_LOG.
+FAILOVER = bool(os.environ.get("BATCHSERVE_FAILOVER"))
+REQUEST_LOG = os.environ.get("BATCHSERVE_REQUEST_LOG", "")
+FAILOVER_LOG = os.environ.get("BATCHSERVE_FAILOVER_LOG", "")
 
 
 def _load_prompts() -> list[tuple[str, bool]]:
@@ -61,6 +68,13 @@ def _load_prompts() -> list[tuple[str, bool]]:
 
 
 PROMPTS = _load_prompts()
+FAILOVERS: list[int] = []  # each fault-soak user's Client.failovers, at its stop
+
+
+@events.quitting.add_listener
+def _write_failovers(environment: Any, **kwargs: Any) -> None:
+    if FAILOVER_LOG:
+        Path(FAILOVER_LOG).write_text(f"{sum(FAILOVERS)}\n", encoding="utf-8")
 
 
 def _fire(user: User, kind: str, name: str, start: float, length: int, exc: Exception | None) -> None:
@@ -84,28 +98,58 @@ class GenerationUser(User):
         # retrying UNAVAILABLE (a replica draining) on another: what Client does.
         self.channel = grpc.insecure_channel(self.host, options=channel_options("round_robin"))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
+        self.client = Client(self.host, timeout=TIMEOUT) if FAILOVER else None
         self.rng = random.Random()
 
     def on_stop(self) -> None:
         self.channel.close()
+        if self.client is not None:
+            FAILOVERS.append(self.client.failovers)
+            self.client.close()
+
+    def _kwargs(self) -> dict[str, Any]:
+        """A request's options: under the fault soak, greedy, seeded, penalized or structured."""
+        kwargs: dict[str, Any] = {"max_new_tokens": self.rng.choice(MAX_NEW_TOKENS)}
+        if FAILOVER:
+            kind = self.rng.choice(("greedy", "seeded", "penalized", "structured"))
+            if kind != "greedy":
+                kwargs |= {"temperature": 0.8, "seed": self.rng.randrange(1 << 31)}
+            if kind == "penalized":
+                kwargs |= {"frequency_penalty": 0.5, "presence_penalty": 0.3}
+            if kind == "structured":
+                kwargs["constraint"] = Constraint("json_object")
+        return kwargs
+
+    def _prompt(self) -> Any:
+        prompt, chat = self.rng.choice(PROMPTS)
+        return [{"role": "user", "content": prompt}] if chat else prompt
 
     def _request(self):
-        prompt, chat = self.rng.choice(PROMPTS)
-        payload = [{"role": "user", "content": prompt}] if chat else prompt
-        return build_request(payload, max_new_tokens=self.rng.choice(MAX_NEW_TOKENS))
+        return build_request(self._prompt(), **self._kwargs())
 
     def _fire(self, name: str, start: float, length: int, exc: Exception | None) -> None:
         _fire(self, "grpc", name, start, length, exc)
+        if REQUEST_LOG:  # end time, milliseconds, call, outcome
+            with open(REQUEST_LOG, "a", encoding="utf-8") as f:
+                f.write(f"{time.time():.3f},{(time.perf_counter() - start) * 1000:.1f},{name},{exc is None}\n")
 
     @task(5)
     def generate(self) -> None:
         start = time.perf_counter()
         try:
-            resp = self.stub.Generate(self._request(), timeout=TIMEOUT)
+            if self.client is not None:
+                resp = self.client.generate(self._prompt(), **self._kwargs())
+            else:
+                resp = self.stub.Generate(self._request(), timeout=TIMEOUT)
         except grpc.RpcError as e:
             self._fire("Generate", start, 0, RpcFailure(e))
             return
         self._fire("Generate", start, resp.usage.completion_tokens, None)
+
+    def _chunks(self) -> Any:
+        if self.client is not None:
+            return self.client.stream(self._prompt(), **self._kwargs())
+        return self.stub.StreamGenerate(self._request(), timeout=TIMEOUT)
 
     @task(10)
     def stream(self) -> None:
@@ -113,7 +157,7 @@ class GenerationUser(User):
         tokens = 0
         first = True
         try:
-            for chunk in self.stub.StreamGenerate(self._request(), timeout=TIMEOUT):
+            for chunk in self._chunks():
                 if first:
                     self._fire("StreamGenerate TTFT", start, 0, None)
                     first = False

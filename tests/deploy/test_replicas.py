@@ -40,7 +40,7 @@ class Replica:
                 "--http-port",
                 "0",
                 "--metrics-port",
-                "0",
+                str(free_port_block(1)),  # 0 would turn metrics off
                 "--kv-cache-gb",
                 "0.02",
                 *flags,
