@@ -173,10 +173,12 @@ class Client:
         """The request's messages as they come, resumed on another replica where one breaks."""
         req, deadline = build_request(prompt, **kwargs), self._deadline()
         resumed = list(req.resume_token_ids)  # what the caller resumes from itself
+        ended = False  # the last message came (a replica that died before its status cost nothing)
         for attempt in range(self.failover + 1):
             try:
                 for msg in self.stub.StreamGenerate(req, timeout=_left(deadline), metadata=_tenant(kwargs)):
                     broken = msg.finish_reason == pb.FINISH_REASON_CANCELLED
+                    ended = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED and not broken
                     if broken:  # the replica shut down under it: what it sent goes on, its end does not
                         msg.finish_reason = pb.FINISH_REASON_UNSPECIFIED
                     resumed.extend(msg.token_ids)
@@ -186,6 +188,8 @@ class Client:
                         raise _Broken()
                 return
             except (grpc.RpcError, _Broken) as e:
+                if ended and not isinstance(e, _Broken):
+                    return
                 self._may_fail_over(e, attempt, deadline)
                 del req.resume_token_ids[:]
                 req.resume_token_ids.extend(resumed)

@@ -80,3 +80,38 @@ async def test_unary_calls_go_to_the_live_replica_and_refusals_are_not_retried()
         client.close()
     finally:
         await _close(b)
+
+
+class _Cut(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class _FlakyStub:
+    """A stub whose first stream breaks after `messages`; the next ones see what they were asked."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self.messages, self.asked = messages, []
+
+    def StreamGenerate(self, req: Any, **kwargs: Any) -> Any:  # grpc's method name
+        from batchserve.v1 import generation_pb2 as pb
+
+        self.asked.append(list(req.resume_token_ids))
+        if len(self.asked) == 1:
+            yield from self.messages
+            raise _Cut()
+        yield pb.GenerateStreamResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+def test_a_replica_that_dies_after_the_last_message_costs_nothing_and_one_before_it_is_resumed():
+    from batchserve.v1 import generation_pb2 as pb
+
+    client = Client("127.0.0.1:1", failover=2)
+    done = [pb.GenerateStreamResponse(token_ids=[1, 2]), pb.GenerateStreamResponse(token_ids=[3], finish_reason=1)]
+    client.stub = _FlakyStub(done)
+    assert [list(m.token_ids) for m in client.stream(PROMPT, max_new_tokens=3)] == [[1, 2], [3]]
+    assert client.stub.asked == [[]] and client.failovers == 0  # complete: no resume of a finished stream
+    client.stub = _FlakyStub(done[:1])
+    assert [list(m.token_ids) for m in client.stream(PROMPT, max_new_tokens=3)] == [[1, 2], [9]]
+    assert client.stub.asked == [[], [1, 2]] and client.failovers == 1
+    client.close()
