@@ -78,8 +78,9 @@ NEUTRAL: dict[str, Neutral] = {
 }  # fmt: skip
 
 
-class ChatOnlyFields(BaseModel):
-    """The NEUTRAL fields, as the chat endpoint takes them (any JSON: `refusal` checks the value)."""
+class NeutralFields(BaseModel):
+    """The NEUTRAL fields both the chat and the Responses API take (any JSON: `refusal` checks the
+    value)."""
 
     store: Any = None
     metadata: Any = None
@@ -88,19 +89,25 @@ class ChatOnlyFields(BaseModel):
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
     safety_identifier: Any = None
+    moderation: Any = None
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(field, message) of the first field set to a value that asks for something; None if none."""
+        for name, rule in NEUTRAL.items():
+            if name not in type(self).model_fields:
+                continue
+            if not rule.accepts(getattr(self, name)):
+                return name, f"{name}: {rule.refused}"
+        return None
+
+
+class ChatOnlyFields(NeutralFields):
+    """Every NEUTRAL field, as the chat endpoint takes them."""
+
     modalities: Any = None
     audio: Any = None
     verbosity: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    moderation: Any = None
     functions: Any = None
     function_call: Any = None
-
-    def refusal(self) -> tuple[str, str] | None:
-        """(field, message) of the first field set to a value that asks for something; None if none."""
-        for name, rule in NEUTRAL.items():
-            value = getattr(self, name)
-            if not rule.accepts(value):
-                return name, f"{name}: {rule.refused}"
-        return None

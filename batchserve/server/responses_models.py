@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from batchserve.request import MAX_INT32, MAX_TEMPERATURE, SEED_RANGE
 from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_fields import NEUTRAL
+from batchserve.server.openai_fields import NeutralFields
 from batchserve.server.openai_models import ChatRequest
 
 # Fields of OpenAI's request that ask for nothing at these values (else a 400 saying why).
@@ -27,11 +27,8 @@ _NONE_ONLY = {
     "background_options": "no background responses here",
     "max_tool_calls": "no built-in tools run here: the function calls are the client's to run",
 }
-_SHARED = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
-           "safety_identifier", "moderation")  # fmt: skip
 
-
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NeutralFields):
     """`POST /v1/responses`'s body. Unknown fields are a 400 naming them."""
 
     model_config = ConfigDict(extra="forbid")
@@ -54,14 +51,6 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    store: Any = None
-    metadata: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
-    safety_identifier: Any = None
-    moderation: Any = None
     background: Any = None
     conversation: Any = None
     prompt: Any = None
@@ -78,10 +67,9 @@ class ResponsesRequest(BaseModel):
                 400, "previous_response_id: responses are not stored here: send the conversation as input",
                 "previous_response_id",
             )  # fmt: skip
-        for name in _SHARED:
-            rule = NEUTRAL[name]
-            if not rule.accepts(getattr(self, name)):
-                raise ApiError(400, f"{name}: {rule.refused}", name)
+        refused = self.refusal()
+        if refused is not None:
+            raise ApiError(400, refused[1], refused[0])
         for name, why in _NONE_ONLY.items():
             if getattr(self, name) not in (None, False):
                 raise ApiError(400, f"{name}: {why}", name)
