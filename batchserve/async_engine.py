@@ -11,6 +11,7 @@ from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.engine import EngineCore
+from batchserve.pipeline import AdvancedStep
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams
 from batchserve.speculation.cost_profile import CostProfile
@@ -60,6 +61,7 @@ class AsyncEngine:
         # Streaming and new requests wait for the next launch (the loop's `await` on the forward)
         # where the forward runs on another device than the host's cores.
         self.stream_beside_forward = core.runner.device.type != "cpu"
+        self._advanced: AdvancedStep | None = None  # a step whose outputs are still to build
 
     @property
     def num_steps(self) -> int:
@@ -200,31 +202,52 @@ class AsyncEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         core = self.core
-        while True:
-            if not core.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            step = core.schedule()
-            forward = loop.run_in_executor(self._executor, core.execute, step)
-            core.learn()  # beside the forward: the drafter's insertion waits for no step
-            await forward
-            try:
-                self._dispatch(core.commit(step))
-            except Exception as e:  # a bug outside the step: count it and keep the loop alive
-                logger.exception("engine loop error")
-                core.consecutive_failed_steps += 1
-                self._dispatch(core.fail_all(e))
-            if core.consecutive_failed_steps >= self.max_failed_steps:
-                self._die(f"{core.consecutive_failed_steps} engine steps in a row failed; the engine needs a restart")
-                return
-            # On a CPU the front ends stream this step's outputs before the next step: handing it
-            # to the worker first (streaming beside the forward) measured 0.97x at 1 and 0.93x at
-            # 16 in flight on 2 cores (benchmarks/results/served), the front ends' work taking the
-            # forward's cores. On a GPU the device computes while the host is free: the next
-            # step goes first, and the front ends (and new requests) run while it does.
-            if not self.stream_beside_forward:
-                await asyncio.sleep(0)  # let new requests and aborts in before the next step
+        try:
+            while True:
+                if not core.has_work():
+                    self._flush()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                step = core.schedule()
+                forward = loop.run_in_executor(self._executor, core.execute, step)
+                self._flush()  # the last step's outputs, beside this step's forward
+                core.learn()  # beside the forward: the drafter's insertion waits for no step
+                await forward
+                try:
+                    self._advanced = core.advance(step)
+                except Exception as e:  # a bug outside the step: count it and keep the loop alive
+                    logger.exception("engine loop error")
+                    core.consecutive_failed_steps += 1
+                    self._dispatch(core.fail_all(e))
+                if core.consecutive_failed_steps >= self.max_failed_steps:
+                    self._flush()
+                    failed = core.consecutive_failed_steps
+                    self._die(f"{failed} engine steps in a row failed; the engine needs a restart")
+                    return
+                # On a CPU the front ends stream this step's outputs before the next step: handing it
+                # to the worker first (streaming beside the forward) measured 0.97x at 1 and 0.93x at
+                # 16 in flight on 2 cores (benchmarks/results/served), the front ends' work taking the
+                # forward's cores. On a GPU the device computes while the host is free: the next step
+                # goes first, and this step's outputs are built and streamed, and new requests let in,
+                # while it runs (the outputs are the same either way: pipeline.py).
+                if not self.stream_beside_forward:
+                    self._flush()
+                    await asyncio.sleep(0)  # let new requests and aborts in before the next step
+        finally:
+            self._flush()  # stopped between a step's advance and its outputs: they are owed
+
+    def _flush(self) -> None:
+        """Build and hand out the outputs of the step advanced last, if they are still owed."""
+        advanced, self._advanced = self._advanced, None
+        if advanced is None:
+            return
+        try:
+            self._dispatch(self.core.finish(advanced))
+        except Exception as e:  # a bug building outputs: end every stream rather than leave one waiting
+            logger.exception("building a step's outputs failed")
+            self.core.consecutive_failed_steps += 1
+            self._dispatch(self.core.fail_all(e))
 
     def _die(self, reason: str) -> None:
         logger.critical(reason)

@@ -7,15 +7,16 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.draft.base import LearnsLater
 from batchserve.grammar import GrammarCompiler
-from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
-from batchserve.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from batchserve.pipeline import AdvancedStep, PendingStep, build_outputs, retry_in_halves, without
+from batchserve.records import RunnerOutput, SchedulerOutput, StepPhases
+from batchserve.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprob
 from batchserve.resume import check_resume, start_text
 from batchserve.scheduler import BlockAllocator, Scheduler
 from batchserve.speculation.budget import DraftBudgetPolicy
@@ -27,19 +28,6 @@ logger = logging.getLogger("batchserve")
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
 CORPUS_SLICE_TOKENS = 128  # run starts inserted between two yields of the loop (a few ms of trie work)
-
-
-@dataclass(slots=True)
-class PendingStep:
-    """One engine step on its way from schedule through execute to commit."""
-
-    start: float  # perf_counter() when scheduling began
-    out: SchedulerOutput = field(default_factory=lambda: SchedulerOutput((), ()))
-    result: RunnerOutput | None = None
-    schedule_error: Exception | None = None  # fails every request
-    failed: dict[str, Exception] = field(default_factory=dict)  # requests whose forward failed on their own
-    device_ok: bool | None = None  # after a step whose every forward failed: did the probe run?
-    phases: StepPhases = field(default_factory=StepPhases)
 
 
 class EngineCore:
@@ -208,9 +196,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- one step: schedule -> execute -> commit -------------------------------------------
-    # `step()` runs the three in a row; AsyncEngine runs `execute` in its worker thread. The
-    # PendingStep is handed from one to the next, never shared while both run.
+    # ---- one step: schedule -> launch -> collect -> advance -> finish ----------------------
+    # `step()` runs them in a row. AsyncEngine runs launch and collect in its worker thread, and
+    # StepPipeline (pipeline.py) builds one step's outputs (`finish`) while the next one's
+    # forward runs. The PendingStep is handed from one phase to the next, never shared while two run.
 
     def step(self) -> list[RequestOutput]:
         step = self.schedule()
@@ -237,93 +226,95 @@ class EngineCore:
         return step
 
     def execute(self, step: PendingStep) -> None:
-        """The forward; safe to run off the event loop (touches only runner state). Never raises.
+        """The forward, start to end (`launch`, then `collect`). Never raises."""
+        self.launch(step)
+        self.collect(step)
 
-        A forward that raises is retried in halves, down to single requests, so that only the
-        requests that fail on their own are failed; the others' results stand (lossless: a
-        retried forward recomputes the same K/V into the same slots)."""
+    def launch(self, step: PendingStep) -> None:
+        """Start the step's forward; safe off the event loop (touches only runner state). Never
+        raises: an error is kept for `collect`."""
+        out = step.out
         if step.schedule_error is not None:
             return
-        out = step.out
         if not out.requests:
             self.runner.release(out.finished_request_ids)
             return
         try:
-            step.result = self.runner.execute(out)
+            step.launched = self.runner.launch(out)
         except Exception as e:
-            results = self._retry_in_halves(list(out.requests), e, step.failed)
+            step.launch_error = e
+
+    def collect(self, step: PendingStep) -> None:
+        """Wait for the launched forward's results. Never raises: a forward that raised is retried
+        in halves, down to single requests, so that only the requests that fail on their own are
+        failed; the others' results stand."""
+        if step.launched is None and step.launch_error is None:
+            return
+        try:
+            if step.launch_error is not None:
+                raise step.launch_error
+            step.result = self.runner.collect(step.launched)
+        except Exception as e:
+            results = retry_in_halves(self.runner, list(step.out.requests), e, step.failed)
             step.result = RunnerOutput.merge(results) if results else None
             if step.result is None:  # every request failed: theirs, or the device's fault?
                 step.device_ok = self.device_works()
+        step.launched = None
 
     def device_works(self) -> bool:
         """After a step whose every request failed: does a plain forward still run (the
         request's fault), or not (the device's: the step counts towards stopping the engine)?"""
         return self.runner.device_works(self._probe_block)
 
-    def _retry_in_halves(
-        self, requests: list[ScheduledRequest], error: Exception, failed: dict[str, Exception]
-    ) -> list[RunnerOutput]:
-        if len(requests) == 1:
-            failed[requests[0].request_id] = error
-            return []
-        results = []
-        mid = len(requests) // 2
-        for half in (requests[:mid], requests[mid:]):
-            try:
-                results.append(self.runner.execute(SchedulerOutput(tuple(half), ())))
-            except Exception as e:
-                results += self._retry_in_halves(half, e, failed)
-        return results
-
     def commit(self, step: PendingStep) -> list[RequestOutput]:
-        """Apply a step's result on the loop thread: tokens, stops, outputs, metrics."""
+        """Apply a step's result and build its outputs (`advance`, then `finish`)."""
+        return self.finish(self.advance(step))
+
+    def advance(self, step: PendingStep) -> AdvancedStep:
+        """Apply a step's result on the loop thread: what the next schedule needs (tokens, stops,
+        finishes, block trims, the policy's trackers). Its outputs wait for `finish`."""
         t0 = time.perf_counter()
         out = step.out
-        outputs: list[RequestOutput] = []
+        advanced = AdvancedStep(step, [], [])
         crashed = False
         try:
             if step.schedule_error is not None:
-                outputs = self.fail_all(step.schedule_error)
+                advanced.ready = self.fail_all(step.schedule_error)
             else:
                 for rid, error in step.failed.items():
-                    outputs += self.fail([rid], error)
+                    advanced.ready += self.fail([rid], error)
                 if step.result is not None:
-                    done = out if not step.failed else replace(out, requests=_without(out.requests, step.failed))
+                    done = out if not step.failed else replace(out, requests=without(out.requests, step.failed))
                     logprobs = step.result.logprobs
-                    outputs += [
-                        self._output(req, toks, logprobs.get(req.request_id))
+                    advanced.events = [
+                        (req, toks, logprobs.get(req.request_id), not req.params.stop)
                         for req, toks in self.scheduler.update(done, step.result)
                     ]
+            advanced.ready += [self._output(r, []) for r in self.scheduler.take_failed()]
         except Exception as e:  # never leave a stream waiting forever
             crashed = True
-            outputs += self.fail_all(e)
-        # A failed step counts towards stopping the engine only if it is not pinned to its
-        # requests: scheduling or committing raised, or every forward failed and so did the
-        # probe. Requests that fail on their own while the device works never stop the server.
-        if crashed or step.schedule_error is not None or (out.requests and step.result is None and not step.device_ok):
+            advanced.ready += self.fail_all(e)
+        if step.engine_failed(crashed):
             self.consecutive_failed_steps += 1
         elif out.requests:
             self.consecutive_failed_steps = 0
-        phases = step.phases
-        if step.result is not None:
-            runner = step.result.phases
-            phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
-            phases.attention, phases.grammar = runner.attention, runner.grammar
-        phases.grammar += self.scheduler.grammar.seconds
+        phases = step.take_runner_phases(self.scheduler.grammar.seconds)
         end = time.perf_counter()
-        phases.commit = end - t0
-        phases.wall = end - step.start
-        phases.tokens = sum(len(o.new_token_ids) for o in outputs)
+        phases.commit, phases.wall = end - t0, end - step.start
         if step.result is not None and not step.failed:
             try:  # the policy's cost model: a bug there costs its estimate, never the step's outputs
                 self.scheduler.speculation.observe_step(out, phases.wall)
             except Exception:
                 logger.exception("the draft policy failed to learn from a step")
         self.num_steps += 1
+        return advanced
+
+    def finish(self, advanced: AdvancedStep) -> list[RequestOutput]:
+        """An advanced step's outputs (`pipeline.build_outputs`), then the step listeners."""
+        outputs = build_outputs(self.text, advanced, self._output, self._failed_output)
         for listener in self.step_listeners:
             try:
-                listener(out, phases)
+                listener(advanced.step.out, advanced.step.phases)
             except Exception:  # metrics must never stop serving
                 logger.exception("step listener %r failed", listener)
         return outputs
@@ -334,6 +325,14 @@ class EngineCore:
         message = f"{type(error).__name__}: {error}"
         return [self._output(req, []) for req in self.scheduler.fail(request_ids, message)]
 
+    def _failed_output(self, req: Request, error: Exception) -> RequestOutput:
+        """The final output of a request whose output could not be built (it may have finished)."""
+        logger.exception("building the output of request %s failed", req.request_id)
+        message = f"{type(error).__name__}: {error}"
+        if not self.scheduler.fail([req.request_id], message):  # finished already: its end is ERROR now
+            req.error, req.finish_reason = message, FinishReason.ERROR
+        return RequestOutput.of(req, [], self.text.take(req.request_id, True))
+
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """Last resort after an unexpected engine error: end every request with ERROR."""
         logger.error("engine loop failed; failing all %d requests", len(self.scheduler.requests), exc_info=error)
@@ -342,7 +341,3 @@ class EngineCore:
 
     def _output(self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         return RequestOutput.of(req, new_tokens, self.text.take(req.request_id, req.is_finished), logprobs)
-
-
-def _without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -> tuple[ScheduledRequest, ...]:
-    return tuple(r for r in requests if r.request_id not in ids)

@@ -134,6 +134,9 @@ class StepPhases:
     # Part of schedule, verify and commit: seconds in grammar matchers and token masks (structured
     # output); 0 in a step without a constrained request.
     grammar: float = 0.0
+    # After `wall`, off the critical path: building the step's outputs (detokenizing, logprobs),
+    # which the pipelined loop does while the next step's forward runs.
+    outputs: float = 0.0
     # Not a time: the tokens the step's requests emitted (what the phases bought).
     tokens: int = 0
 

@@ -181,6 +181,10 @@ class TextCodec:
         state.num_emitted_chars = end
         return new_text
 
+    def is_active(self, request_id: str) -> bool:
+        """Whether the request's output is being detokenized (started, not yet finished)."""
+        return request_id in self._states
+
     @property
     def num_active(self) -> int:
         """Requests being detokenized (for leak checks)."""

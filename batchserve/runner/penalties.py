@@ -15,6 +15,7 @@ logits before any of the above, grammar masks or temperature: vLLM's `raw_logpro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import TypeAlias
 
@@ -148,3 +149,17 @@ def top_logprobs(lp: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]
             values_r, indices_r = lp[row].topk(k)
             best.append(tuple(zip(indices_r.tolist(), values_r.tolist())))
     return best
+
+
+def prompt_logprobs(requests: Sequence[ScheduledRequest], scored: torch.Tensor) -> dict[str, list[TokenLogprob]]:
+    """Each scoring request's prompt logprobs from `scored` ([N, V]: their rows, request by request)."""
+    out: dict[str, list[TokenLogprob]] = {}
+    at = 0
+    for r in requests:
+        if r.score_targets:
+            n = len(r.score_targets)
+            out[r.request_id] = token_logprobs(
+                scored, list(range(at, at + n)), list(r.score_targets), r.params.prompt_logprobs or 0
+            )
+            at += n
+    return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,12 +14,12 @@ import torch
 
 from batchserve.attention.base import AttentionBackend
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
-from batchserve.request import SamplingParams, TokenLogprob
+from batchserve.request import SamplingParams
 from batchserve.runner.batch import BlockTables, PackedStep, pack
 from batchserve.runner.clock import PhaseClock
 from batchserve.runner.cpu_linear import use_onednn_linear
 from batchserve.runner.graphs import StepGraphs
-from batchserve.runner.penalties import LogprobsAsk, penalize, requests_logprobs, token_logprobs
+from batchserve.runner.penalties import LogprobsAsk, penalize, prompt_logprobs, requests_logprobs
 from batchserve.runner.sampler import (
     SampledRows,
     TreeRows,
@@ -28,7 +29,7 @@ from batchserve.runner.sampler import (
     apply_token_masks,
     choose_on_device,
 )
-from batchserve.runner.staging import Upload
+from batchserve.runner.staging import Readback, Upload
 
 logger = logging.getLogger("batchserve")
 ATTN_IMPL = "batchserve"
@@ -69,6 +70,19 @@ def _slots(block_tables: np.ndarray, kv_index: np.ndarray, block_size: int) -> n
     return blocks * block_size + kv_index % block_size
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step between `launch` and `collect`: what verification on the host still needs."""
+
+    out: SchedulerOutput
+    step: PackedStep
+    sampling: list[tuple[int, ScheduledRequest]]  # (index in the step, request) of the sampling requests
+    raw: tuple[torch.Tensor, dict[str, int]] | None  # raw logits of the requests asking for logprobs
+    scored: torch.Tensor  # [N, V] prompt scoring's rows
+    verdict: tuple[torch.Tensor, Any] | None  # `accept`'s result on its way to the host (None: none sampled)
+    clock: PhaseClock
+
+
 class ModelRunner:
     """Owns the model, the attention backend (and with it the KV pool) and per-request RNGs.
 
@@ -96,6 +110,7 @@ class ModelRunner:
         self._inputs = Upload(self.device)
         self._tree_arrays = Upload(self.device)
         self._sampling = Upload(self.device, torch.float64)
+        self._readback = Readback(self.device)  # the verdict's copy back, waited on in `collect`
         # Steps without a prompt chunk through bucketed static buffers (replayed CUDA graphs once
         # captured); None: every step runs eagerly at its own size.
         self.graphs = graphs
@@ -119,8 +134,15 @@ class ModelRunner:
         finally:
             self.release([PROBE_ID])
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step start to end: `collect(launch(out))`."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Pack, stage and plan the step, queue its forward, token choice and acceptance, and
+        start the copy of the verdict back to the host. On a CUDA device this returns while the
+        kernels run (the host may do other work until `collect`); on the CPU the forward has run."""
         clock = PhaseClock()
         self.release(out.finished_request_ids)
         step = pack(out.requests, self._tables, self.backend.block_size)
@@ -148,13 +170,23 @@ class ModelRunner:
         if masks:
             apply_token_masks(logits, masks)
             clock.charge("grammar")
-        # Token choice and acceptance on the logits' device; the step's one device-to-host copy.
+        # Token choice and acceptance on the logits' device; the step's one copy back starts now.
         chosen = accept(choose_on_device(logits, sampled), trees, self._tree_arrays) if sampling else None
-        verdict = Verdict.of(chosen, len(sampling))
+        verdict = self._readback.start(chosen) if chosen is not None else None
         clock.charge("forward")
-        output = self._emit(sampling, step, verdict, raw)
-        if len(scored):
-            output.prompt_logprobs.update(_prompt_logprobs(out.requests, scored))
+        return LaunchedStep(out, step, sampling, raw, scored, verdict, clock)
+
+    @torch.inference_mode()
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's verdict and finish verification on the host: accepted paths,
+        KV compaction (queued before any later forward), logprobs. Time between `launch` and this
+        call is the forward's: the host did other work while the device ran."""
+        clock, sampling, step = launched.clock, launched.sampling, launched.step
+        verdict = Verdict.of(Readback.wait(launched.verdict) if launched.verdict is not None else None, len(sampling))
+        clock.charge("forward")
+        output = self._emit(sampling, step, verdict, launched.raw)
+        if len(launched.scored):
+            output.prompt_logprobs.update(prompt_logprobs(launched.out.requests, launched.scored))
         clock.charge("verify")
         phases, spent = output.phases, clock.spent
         phases.prepare, phases.forward = spent["prepare"], spent["forward"]
@@ -312,17 +344,3 @@ class ModelRunner:
         stream = self._uniforms[request_id]
         while len(stream) < n:
             stream.extend(torch.rand(UNIFORM_CHUNK, generator=gen, dtype=torch.float64).tolist())
-
-
-def _prompt_logprobs(requests: Sequence[ScheduledRequest], scored: torch.Tensor) -> dict[str, list[TokenLogprob]]:
-    """Each scoring request's prompt logprobs from `scored` ([N, V]: their rows, request by request)."""
-    out: dict[str, list[TokenLogprob]] = {}
-    at = 0
-    for r in requests:
-        if r.score_targets:
-            n = len(r.score_targets)
-            out[r.request_id] = token_logprobs(
-                scored, list(range(at, at + n)), list(r.score_targets), r.params.prompt_logprobs or 0
-            )
-            at += n
-    return out

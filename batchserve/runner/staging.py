@@ -40,3 +40,46 @@ class Upload:
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(self.device))
         return list(on_device.split(sizes))
+
+
+class Readback:
+    """A step's small int64 result brought to the host without waiting for the whole device: on
+    CUDA a non-blocking copy on a stream of its own (after the compute stream's work so far) into
+    pinned memory, and an event the host waits on in `wait`; on the CPU the tensor itself.
+
+    NOTE: a pinned buffer is reused only after `wait` on the copy out of it has returned; `start`
+    takes the other of two, so one step's result may be in flight while the next one starts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def start(self, result: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Begin copying `result` ([N] int64) to the host; (the host tensor, an event or None)."""
+        if self._stream is None:
+            return result, None
+        self._turn ^= 1
+        while len(self._buffers) < 2:
+            self._buffers.append(torch.empty(0, dtype=torch.int64))
+        host = self._buffers[self._turn]
+        if len(host) < len(result):
+            host = torch.empty(max(len(result), 2 * len(host)), dtype=torch.int64).pin_memory()
+            self._buffers[self._turn] = host
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            out = host[: len(result)]
+            out.copy_(result, non_blocking=True)
+            result.record_stream(self._stream)  # the compute stream may not reuse it before the copy
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return out, done
+
+    @staticmethod
+    def wait(pending: tuple[torch.Tensor, Any]) -> list[int]:
+        """The result on the host, once its copy has completed."""
+        host, done = pending
+        if done is not None:
+            done.synchronize()
+        return host.tolist()

@@ -35,7 +35,7 @@ def _by_arrival(req: Request) -> int:
     return req.arrival_seq
 
 
-# Called for each token appended to a request's output; True stops the request (stop string).
+# Called for each token appended to the output of a request with stop strings; True stops it.
 TokenHook = Callable[[Request, int], bool]
 
 
@@ -68,6 +68,7 @@ class Scheduler:
         self.prefix = PrefixCache(allocator, draft_config.trie_scope, enabled=prefix_caching)
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
+        self._failed: list[Request] = []  # ended by schedule() itself: their final outputs are owed
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -176,7 +177,7 @@ class Scheduler:
         # Drafts last: committed tokens and admissions come before speculation.
         scheduled = self._add_drafts(scheduled, budget)
         for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
-            self.fail([rid], error)
+            self._failed += self.fail([rid], error)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
 
@@ -248,6 +249,12 @@ class Scheduler:
             self._trim_blocks(req)
         return req, appended
 
+    def take_failed(self) -> list[Request]:
+        """The requests schedule() ended since the last call (their grammar failed): each needs
+        its final output."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def fail(self, request_ids: Iterable[str], error: str) -> list[Request]:
         """Finish these requests with ERROR and `error` as their message (the others go on)."""
         failed = []
@@ -318,7 +325,7 @@ class Scheduler:
             return FinishReason.EOS
         if tok in p.stop_token_set:
             return FinishReason.STOP_SEQUENCE
-        if self.on_token is not None and self.on_token(req, tok):
+        if p.stop and self.on_token is not None and self.on_token(req, tok):
             return FinishReason.STOP_SEQUENCE
         if len(req.output_token_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_len:
             return FinishReason.LENGTH

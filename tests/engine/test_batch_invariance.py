@@ -28,7 +28,7 @@ class LogitsRecorder:
         self.conflicts: list[Path] = []
         engine = llm.engine
         runner, model = engine.runner, engine.runner.model
-        execute, forward = runner.execute, model.forward
+        execute, forward = runner.launch, model.forward
         pending: list[Path | None] = []
 
         def record_forward(*args: Any, **kwargs: Any) -> Any:
@@ -42,7 +42,7 @@ class LogitsRecorder:
             pending[:] = [p for r in out.requests if r.sample for p in self._paths(engine, r)]
             return execute(out)
 
-        runner.execute = record_execute
+        runner.launch = record_execute
         model.forward = record_forward
 
     @staticmethod

@@ -188,7 +188,7 @@ def test_preemption_keeps_seeded_sampling():
 def test_a_transient_forward_failure_is_retried_and_nobody_fails(tiny_model, monkeypatch):
     core = _core()
     runner = core.runner
-    real_execute = runner.execute
+    real_execute = runner.launch
     calls = {"n": 0}
 
     def flaky(out):
@@ -197,7 +197,7 @@ def test_a_transient_forward_failure_is_retried_and_nobody_fails(tiny_model, mon
             raise RuntimeError("injected kernel failure")
         return real_execute(out)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     prompts = [[1, 2, 3 + i] for i in range(3)]
     for i, p in enumerate(prompts):
         core.add_request(p, SamplingParams(max_new_tokens=20), request_id=f"a{i}")
@@ -218,7 +218,7 @@ def test_a_transient_forward_failure_is_retried_and_nobody_fails(tiny_model, mon
 
 async def test_async_engine_survives_failed_step(monkeypatch):
     engine = AsyncEngine(_core())
-    real_execute = engine.core.runner.execute
+    real_execute = engine.core.runner.launch
     state = {"fail": True}
 
     def flaky(out):
@@ -226,7 +226,7 @@ async def test_async_engine_survives_failed_step(monkeypatch):
             raise RuntimeError("boom")
         return real_execute(out)
 
-    monkeypatch.setattr(engine.core.runner, "execute", flaky)
+    monkeypatch.setattr(engine.core.runner, "launch", flaky)
     outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
     assert outs[-1].finish_reason is FinishReason.ERROR and "boom" in outs[-1].error
     outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
@@ -353,7 +353,7 @@ async def test_abort_landing_while_the_forward_runs_in_the_worker_thread(tiny_mo
     caplog.set_level(logging.WARNING, logger="batchserve")
     engine = AsyncEngine(_core(num_blocks=64))
     core = engine.core
-    real_execute = core.runner.execute
+    real_execute = core.runner.launch
     inside, release = threading.Event(), threading.Event()
     held = []
 
@@ -364,7 +364,7 @@ async def test_abort_landing_while_the_forward_runs_in_the_worker_thread(tiny_mo
             assert release.wait(timeout=60)
         return real_execute(out)
 
-    monkeypatch.setattr(core.runner, "execute", gated)
+    monkeypatch.setattr(core.runner, "launch", gated)
     prompts = {"victim": [5, 6, 7, 8], "keeper": [9, 10, 11]}
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     outs: dict[str, list] = {"victim": [], "keeper": []}

@@ -4,6 +4,8 @@ stream gets its final message, and the engine goes on (or stops for good, loudly
 from __future__ import annotations
 
 import asyncio
+import sys
+from dataclasses import replace
 
 import pytest
 
@@ -58,14 +60,14 @@ def _assert_only(finals: dict, bad: str, message: str, tokens: dict, tiny_model)
 
 def test_a_request_whose_forward_always_fails_fails_alone(tiny_model, monkeypatch):
     core = _core()
-    real = core.runner.execute
+    real = core.runner.launch
 
     def poisoned(out):
         if any(r.request_id == "r2" for r in out.requests):
             raise RuntimeError("poisoned input")
         return real(out)
 
-    monkeypatch.setattr(core.runner, "execute", poisoned)
+    monkeypatch.setattr(core.runner, "launch", poisoned)
     tokens, finals = _run(core)
     _assert_only(finals, "r2", "poisoned input", tokens, tiny_model)
     assert core.consecutive_failed_steps == 0
@@ -100,16 +102,23 @@ def test_a_draft_budget_that_raises_costs_the_drafts_not_the_requests(tiny_model
         assert tokens[rid] == hf_greedy(tiny_model, p, 16, ignore_eos=True)
 
 
-def test_a_commit_error_of_one_request_fails_only_it(tiny_model, monkeypatch):
+@pytest.mark.parametrize("stop", [(), ("\x00never",)], ids=["detokenized-after-advance", "stop-strings"])
+def test_a_detokenizer_error_of_one_request_fails_only_it(tiny_model, monkeypatch, stop):
+    # Without stop strings a request's text is decoded when its outputs are built (`finish`);
+    # with them, as its tokens are committed (`advance`): an error in either fails only it.
     core = _core()
-    real = core.scheduler.on_token
+    real = core.text.on_token
+    seen = {"n": 0}
 
-    def detokenizer_bug(req, token_id):
-        if req.request_id == "r3" and len(req.output_token_ids) == 5:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return real(req, token_id)
+    def detokenizer_bug(request_id, token_id):
+        if request_id == "r3":
+            seen["n"] += 1
+            if seen["n"] == 5:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(request_id, token_id)
 
-    monkeypatch.setattr(core.scheduler, "on_token", detokenizer_bug)
+    monkeypatch.setattr(core.text, "on_token", detokenizer_bug)
+    monkeypatch.setattr(sys.modules[__name__], "PARAMS", replace(PARAMS, stop=stop))
     tokens, finals = _run(core)
     _assert_only(finals, "r3", "injected", tokens, tiny_model)
 
@@ -129,7 +138,7 @@ async def test_an_engine_whose_every_step_fails_stops_for_good(monkeypatch):
     def broken(out):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.core.runner, "execute", broken)
+    monkeypatch.setattr(engine.core.runner, "launch", broken)
 
     async def collect(rid):
         return [o async for o in engine.generate(PROMPTS[rid], PARAMS, rid)]
@@ -153,14 +162,14 @@ async def test_requests_that_fail_alone_in_their_steps_never_stop_the_engine(mon
     # Each poisoned request runs alone in its step, several in a row: every one of those steps
     # serves nobody, yet the device works (the probe runs), so the engine keeps serving.
     engine = AsyncEngine(_core(), max_failed_steps=2)
-    real = engine.core.runner.execute
+    real = engine.core.runner.launch
 
     def poisoned(out):
         if any(r.token_ids[:1] == (99,) for r in out.requests if r.num_computed_tokens == 0):
             raise RuntimeError("poisoned input")
         return real(out)
 
-    monkeypatch.setattr(engine.core.runner, "execute", poisoned)
+    monkeypatch.setattr(engine.core.runner, "launch", poisoned)
 
     async def collect(prompt, rid):
         return [o async for o in engine.generate(prompt, PARAMS, rid)]
@@ -182,7 +191,7 @@ async def test_requests_that_fail_alone_in_their_steps_never_stop_the_engine(mon
 def test_the_device_probe_tells_a_broken_device_from_a_bad_request(monkeypatch):
     core = _core()
     assert core.device_works()
-    monkeypatch.setattr(core.runner, "execute", lambda out: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(core.runner, "launch", lambda out: (_ for _ in ()).throw(RuntimeError("device lost")))
     assert not core.device_works()
     core.add_request([1, 2, 3], PARAMS, request_id="x")
     core.step()
@@ -202,7 +211,7 @@ def test_a_policy_that_fails_to_learn_from_a_step_drops_no_outputs(monkeypatch):
 
 async def test_a_loop_that_dies_stops_the_engine_loudly_and_ends_every_stream(monkeypatch):
     engine = AsyncEngine(_core())
-    real = engine.core.commit
+    real = engine.core.advance
 
     def commit_bug(step):
         real(step)
@@ -211,7 +220,7 @@ async def test_a_loop_that_dies_stops_the_engine_loudly_and_ends_every_stream(mo
     def fail_all_bug(error):
         raise RuntimeError("fail_all bug")
 
-    monkeypatch.setattr(engine.core, "commit", commit_bug)
+    monkeypatch.setattr(engine.core, "advance", commit_bug)
     monkeypatch.setattr(engine.core, "fail_all", fail_all_bug)
     outs = await asyncio.wait_for(_collect_all(engine, [1, 2, 3]), timeout=10)
     assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ERROR

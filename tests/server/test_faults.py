@@ -21,7 +21,7 @@ async def test_a_dead_engine_ends_streams_goes_not_serving_and_exits_nonzero(mon
     def device_lost(out):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(server.engine.core.runner, "execute", device_lost)
+    monkeypatch.setattr(server.engine.core.runner, "launch", device_lost)
     # serve_forever drives the server from here on (it was started above; start() again is a no-op
     # for the engine, and the health and listener are already up).
     monkeypatch.setattr(server, "start", _already_started(server))

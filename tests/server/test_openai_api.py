@@ -248,14 +248,14 @@ async def test_full_queue_is_429_and_draining_is_503(monkeypatch):
 
 async def test_engine_error_is_500(api, monkeypatch):
     runner = api.core.runner
-    real, state = runner.execute, {"fail": True}
+    real, state = runner.launch, {"fail": True}
 
     def flaky(out):
         if state.pop("fail", False):
             raise RuntimeError("injected")
         return real(out)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     code, reply = await _raw(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3})
     assert code == 500 and "injected" in reply["error"]["message"]
     assert (await _raw(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3}))[0] == 200

@@ -124,13 +124,13 @@ async def test_preemptions_are_counted_once_each(monkeypatch):
             fresh_starts[item.request_id] += item.num_computed_tokens == 0
 
     r.core.step_listeners.append(count)
-    real = r.core.runner.execute
+    real = r.core.runner.launch
 
     def slow(out):  # the first request is still running when the second arrives
         time.sleep(0.02)
         return real(out)
 
-    monkeypatch.setattr(r.core.runner, "execute", slow)
+    monkeypatch.setattr(r.core.runner, "launch", slow)
     try:
         first = r.stub.StreamGenerate(
             build_request([1, 2, 3], request_id="a", max_new_tokens=28, ignore_eos=True, lookahead=False)
@@ -425,7 +425,7 @@ def test_generated_code_is_fresh(tmp_path):
 
 async def test_engine_failure_is_internal_and_server_keeps_serving(running, monkeypatch):
     runner = running.core.runner
-    real = runner.execute
+    real = runner.launch
     state = {"fail": True}
 
     def flaky(out):
@@ -433,7 +433,7 @@ async def test_engine_failure_is_internal_and_server_keeps_serving(running, monk
             raise RuntimeError("injected")
         return real(out)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await running.stub.Generate(build_request([1, 2], max_new_tokens=4))
     assert e.value.code() == grpc.StatusCode.INTERNAL and "injected" in e.value.details()

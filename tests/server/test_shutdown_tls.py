@@ -22,13 +22,13 @@ from tests.server.conftest import start_server, tiny_core
 async def test_a_request_still_running_after_the_grace_period_ends_cancelled_with_a_final_message(monkeypatch):
     grace = 0.5
     running = await start_server(tiny_core(max_num_seqs=1), grace_seconds=grace)
-    real = running.core.runner.execute
+    real = running.core.runner.launch
 
     def slow(out):  # 900 one-token steps of at least 5 ms: the stream outlasts the grace period
         time.sleep(0.005)
         return real(out)
 
-    monkeypatch.setattr(running.core.runner, "execute", slow)
+    monkeypatch.setattr(running.core.runner, "launch", slow)
     req = build_request([1, 2, 3], max_new_tokens=900, ignore_eos=True, lookahead=False)
     long = running.stub.StreamGenerate(req)
     chunks = [await long.read()]

@@ -103,14 +103,14 @@ async def test_grpc_numbers_out_of_range_are_invalid_argument_naming_the_field_a
 async def test_requests_built_to_fail_in_the_runner_never_stop_the_server(monkeypatch):
     r = await start_server(http=True)
     core = r.core
-    real = core.runner.execute
+    real = core.runner.launch
 
     def poisoned(out):  # a request whose forward always fails, whatever else shares the step
         if any(x.token_ids[:1] == (99,) for x in out.requests if x.num_computed_tokens == 0):
             raise RuntimeError("poisoned")
         return real(out)
 
-    monkeypatch.setattr(core.runner, "execute", poisoned)
+    monkeypatch.setattr(core.runner, "launch", poisoned)
     try:
         for _ in range(5):  # alone, one after another
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -317,7 +317,7 @@ async def test_an_http_client_that_leaves_while_queued_frees_its_place_at_once()
 async def test_an_http_client_that_leaves_during_its_prefill_frees_seat_and_kv_within_a_step(monkeypatch):
     r = await start_server(tiny_core(max_num_seqs=1, max_num_batched_tokens=16), http=True)
     core = r.core
-    real = core.runner.execute
+    real = core.runner.launch
     steps = {"n": 0}
 
     def slow(out):  # a long prefill: each prompt chunk takes a while
@@ -325,7 +325,7 @@ async def test_an_http_client_that_leaves_during_its_prefill_frees_seat_and_kv_w
         threading.Event().wait(0.2)
         return real(out)
 
-    monkeypatch.setattr(core.runner, "execute", slow)
+    monkeypatch.setattr(core.runner, "launch", slow)
     try:
         for stream in (False, True):
             prompt = list(range(1, 200))  # 13 chunks of 16 tokens: no output before ~2.6 s

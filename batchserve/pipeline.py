@@ -1,0 +1,150 @@
+"""A step's records between its phases, and the pipelined loop: step N's outputs beside N+1's forward.
+
+A step is schedule -> launch -> collect -> advance -> finish (`EngineCore`). `advance` applies
+what the next schedule needs (accepted tokens, stops, finishes, block trims, the policy's
+trackers); `finish` builds the outputs (detokenizing, logprobs, step listeners), which nothing
+in the next schedule reads. So `finish` of step N may run while step N+1's forward does, and
+the outputs are the same as the sequential loop's (`EngineCore.step`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
+from batchserve.request import Request, RequestOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from batchserve.engine import EngineCore
+    from batchserve.text import TextCodec
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """One engine step on its way from schedule through launch and collect to advance."""
+
+    start: float  # perf_counter() when scheduling began
+    out: SchedulerOutput = field(default_factory=lambda: SchedulerOutput((), ()))
+    launched: Any = None  # the runner's LaunchedStep between launch and collect
+    launch_error: Exception | None = None  # launch raised: collect retries the step in halves
+    result: RunnerOutput | None = None
+    schedule_error: Exception | None = None  # fails every request
+    failed: dict[str, Exception] = field(default_factory=dict)  # requests whose forward failed on their own
+    device_ok: bool | None = None  # after a step whose every forward failed: did the probe run?
+    phases: StepPhases = field(default_factory=StepPhases)
+
+    def engine_failed(self, crashed: bool) -> bool:
+        """Whether the step counts towards stopping the engine: only a failure not pinned to its
+        requests does (scheduling or committing raised, or every forward failed and so did the
+        probe). Requests that fail on their own while the device works never stop the server."""
+        lost = bool(self.out.requests) and self.result is None and not self.device_ok
+        return crashed or self.schedule_error is not None or lost
+
+    def take_runner_phases(self, grammar_seconds: float) -> StepPhases:
+        """The step's phases with the runner's share filled in, and `grammar_seconds` (the
+        scheduler's time in grammar matchers) added to the grammar's."""
+        phases = self.phases
+        if self.result is not None:
+            runner = self.result.phases
+            phases.prepare, phases.forward, phases.verify = runner.prepare, runner.forward, runner.verify
+            phases.attention, phases.grammar = runner.attention, runner.grammar
+        phases.grammar += grammar_seconds
+        return phases
+
+
+@dataclass(slots=True)
+class AdvancedStep:
+    """A step applied to the scheduler, its outputs not built yet (`EngineCore.finish`)."""
+
+    step: PendingStep
+    ready: list[RequestOutput]  # outputs built at once: requests that failed
+    # (request, tokens it appended, their logprobs, whether its text is still to detokenize)
+    events: list[tuple[Request, list[int], list[TokenLogprob] | None, bool]]
+
+
+def retry_in_halves(
+    runner: Any, requests: list[ScheduledRequest], error: Exception, failed: dict[str, Exception]
+) -> list[RunnerOutput]:
+    """The results of a step whose forward raised, rerun in halves down to single requests, so
+    that only the requests that fail on their own fail (lossless: a retried forward recomputes
+    the same K/V into the same slots). `failed` gains those requests and their errors."""
+    if len(requests) == 1:
+        failed[requests[0].request_id] = error
+        return []
+    results = []
+    mid = len(requests) // 2
+    for half in (requests[:mid], requests[mid:]):
+        try:
+            results.append(runner.execute(SchedulerOutput(tuple(half), ())))
+        except Exception as e:
+            results += retry_in_halves(runner, half, e, failed)
+    return results
+
+
+def without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -> tuple[ScheduledRequest, ...]:
+    return tuple(r for r in requests if r.request_id not in ids)
+
+
+def build_outputs(
+    text: TextCodec,
+    advanced: AdvancedStep,
+    output: Callable[[Request, list[int], list[TokenLogprob] | None], RequestOutput],
+    failed: Callable[[Request, Exception], RequestOutput],
+) -> list[RequestOutput]:
+    """An advanced step's outputs: the text of its tokens (decoded here for requests without
+    stop strings, whose text no stop decision needs), logprobs. `output` builds one request's;
+    `failed` ends a request whose output raised (a bug met by one request's text ends only it)."""
+    t0 = time.perf_counter()
+    outputs = advanced.ready
+    for req, toks, logprobs, detokenize in advanced.events:
+        if not text.is_active(req.request_id):
+            continue  # aborted since `advance`: its final output is out
+        try:
+            for t in toks if detokenize else ():
+                text.on_token(req.request_id, t)
+            outputs.append(output(req, toks, logprobs))
+        except Exception as e:
+            outputs.append(failed(req, e))
+    phases = advanced.step.phases
+    phases.tokens = sum(len(o.new_token_ids) for o in outputs)
+    phases.outputs = time.perf_counter() - t0
+    return outputs
+
+
+class StepPipeline:
+    """The pipelined loop over one EngineCore: each `step()` schedules and launches step N, builds
+    step N-1's outputs while N's forward runs, then collects and advances N. It returns N-1's
+    outputs (the last step's come from `flush`, or the next call once there is no work)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._advanced: AdvancedStep | None = None  # the step whose outputs are still to build
+
+    def has_work(self) -> bool:
+        return self.core.has_work() or self._advanced is not None
+
+    def step(self) -> list[RequestOutput]:
+        core = self.core
+        if not core.has_work():
+            return self.flush()
+        step = core.schedule()
+        core.launch(step)
+        outputs = self.flush()  # beside the forward
+        core.learn()
+        core.collect(step)
+        self._advanced = core.advance(step)
+        return outputs
+
+    def flush(self) -> list[RequestOutput]:
+        """The outputs of the step advanced last, built now (none if they were)."""
+        advanced, self._advanced = self._advanced, None
+        return self.core.finish(advanced) if advanced is not None else []
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a request: the outputs still owed (the last step's), then its final one."""
+        outputs = self.flush()
+        final = self.core.abort(request_id)
+        return outputs + ([final] if final is not None else [])
