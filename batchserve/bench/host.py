@@ -1,5 +1,7 @@
 """The host side of a step, measured alone: the engine driven by a stand-in forward that costs
-nothing, so what is left of a step is schedule + prepare + verify + commit.
+nothing, so what is left of a step is schedule + prepare + verify + commit; and the same engine
+on an emulated asynchronous device (`EmulatedDevice`), where the forward takes a GPU's time and
+the pipelined loop builds one step's outputs while the next one's forward runs.
 
 On a GPU the forward of a replayed step costs a few milliseconds; the host work around it then
 decides the step's speed. A stand-in model that answers every kept row at once (no layers, no
@@ -12,6 +14,7 @@ copy-heavy workloads: the tree walks, compactions and trie updates all run.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -23,8 +26,10 @@ from torch import nn
 from batchserve.attention.base import AttentionBackend, StepLayout
 from batchserve.attention.flashinfer_backend import PagedPlan, build_plan
 from batchserve.draft.base import LearnsLater
+from batchserve.pipeline import StepPipeline
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import SamplingParams
+from batchserve.speculation.cost_profile import CostProfile
 
 HOST_PHASES = ("schedule", "prepare", "verify", "commit")
 
@@ -163,10 +168,16 @@ def measure_host(
 
 
 def stand_in_engine(
-    prompts: Sequence[Sequence[int]], tokenizer: Any, vocab: int, seats: int, decoding_length: int
+    prompts: Sequence[Sequence[int]],
+    tokenizer: Any,
+    vocab: int,
+    seats: int,
+    decoding_length: int,
+    adaptive_profile: CostProfile | None = None,
 ) -> Any:
     """An EngineCore over a StandInModel (trie drafts, fixed decoding length, a pool for `seats`),
-    its steps bucketed as for CUDA graphs and planned as for FlashInfer (`PlanOnlyBackend`)."""
+    its steps bucketed as for CUDA graphs and planned as for FlashInfer (`PlanOnlyBackend`).
+    `adaptive_profile`: the adaptive draft length instead, planned with this profile."""
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
     from batchserve.engine import EngineCore
 
@@ -175,10 +186,11 @@ def stand_in_engine(
         model=ModelConfig(attention_backend="torch", cuda_graphs="eager"),
         cache=CacheConfig(block_size=16, num_blocks=max(256, seats * 96)),
         scheduler=SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=max(512, seats * (decoding_length + 1))),
-        draft=DraftConfig(decoding_length=decoding_length, adaptive=False),
+        draft=DraftConfig(decoding_length=decoding_length, adaptive=adaptive_profile is not None),
     )
     jumps = torch.tensor([t for ids in prompts for t in ids])
-    core = EngineCore(config, StandInModel(bigram_successor(prompts, vocab), jumps), tokenizer)
+    model = StandInModel(bigram_successor(prompts, vocab), jumps)
+    core = EngineCore(config, model, tokenizer, cost_profile=adaptive_profile)
     core.runner.backend = PlanOnlyBackend(config.cache.num_blocks + 2, config.cache.block_size)
     if core.runner.graphs is not None:
         core.runner.graphs.backend = core.runner.backend
@@ -196,3 +208,114 @@ def time_host(
         core = stand_in_engine(prompts, tokenizer, vocab, requests, length)
         out.append(measure_host(core, prompts, requests, max_new_tokens))
     return out
+
+
+# SmolLM2-135M bf16 replayed from CUDA graphs on one H100: the engine's start-up profile (one
+# request, 512 keys; benchmarks/results/gpu-graphs/bench-run2.md), the forward an emulated device takes.
+H100_SMOLLM2 = CostProfile(
+    "h100-smollm2-bf16-graphs",
+    (1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
+    (512,),
+    ((3.64, 4.28, 4.20, 4.66, 4.55, 4.55, 4.76, 4.71, 4.79, 4.88),),
+)
+
+
+class EmulatedDevice:
+    """A runner whose forward runs asynchronously and takes a device's time: `launch` does the
+    host's work and returns (the stand-in's logits are ready at once, as queued kernels would be
+    later), `collect` returns no earlier than the launch's end plus `profile`'s forward time for
+    the step's rows, requests and context. Everything else is the wrapped runner's."""
+
+    def __init__(self, runner: Any, profile: CostProfile) -> None:
+        self.runner = runner
+        self.profile = profile
+        self._due = 0.0  # perf_counter() reading when the launched step's results are back
+        self.device_seconds = 0.0  # the emulated forward time of every launched step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def launch(self, out: SchedulerOutput) -> Any:
+        launched = self.runner.launch(out)
+        context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / max(1, len(out.requests))
+        seconds = self.profile.time_ms(out.num_tokens, context, len(out.requests)) / 1e3
+        self.device_seconds += seconds
+        self._due = time.perf_counter() + seconds
+        return launched
+
+    def collect(self, launched: Any) -> Any:
+        wait = self._due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.runner.collect(launched)
+
+    def execute(self, out: SchedulerOutput) -> Any:
+        return self.collect(self.launch(out))
+
+
+class EmulatedStats(NamedTuple):
+    """A run on the emulated device: what the host adds to its steps, and what comes out."""
+
+    requests: int  # requests in flight at most
+    pipelined: bool
+    steps: int  # full steps measured (every seat taken, no prompt chunk)
+    critical_ms: float  # median host ms a full step spends in series with the device
+    outputs_ms: float  # median ms a full step spends building outputs (beside the forward when pipelined)
+    device_ms: float  # mean emulated forward ms a step
+    wall_ms: float  # mean wall ms a step, every step of the run
+    tokens_per_s: float  # tokens emitted over the run's wall time
+    tokens_per_step: float  # mean tokens a request emitted per full step
+    draft_rows: float  # mean draft rows a full step
+
+
+def measure_emulated(
+    core: Any, prompts: Sequence[Sequence[int]], requests: int, max_new_tokens: int, pipelined: bool
+) -> EmulatedStats:
+    """Run `prompts` through `core` (its runner an EmulatedDevice) `requests` at a time, with the
+    pipelined loop or the sequential one. A full step's critical path is schedule + prepare +
+    verify + commit, and building its outputs too where the loop is sequential."""
+    device = core.runner
+    seen = _Steps(requests, [], [])
+    core.step_listeners.append(seen.add)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    queue, pipe = list(prompts), StepPipeline(core)
+    emitted = steps = 0
+    start = time.perf_counter()
+    try:
+        while queue or pipe.has_work():
+            while queue and len(core.scheduler.requests) < requests:
+                core.add_request(list(queue.pop(0)), params)
+            outs = pipe.step() if pipelined else core.step()
+            emitted += sum(len(o.new_token_ids) for o in outs)
+            steps += 1
+    finally:
+        core.step_listeners.remove(seen.add)
+    wall = time.perf_counter() - start
+    if not seen.phases:
+        raise ValueError(f"no step ran {requests} requests at once: give at least {requests} prompts")
+    host = [*HOST_PHASES] if pipelined else [*HOST_PHASES, "outputs"]
+    critical = statistics.median(sum(getattr(p, n) for n in host) for p in seen.phases) * 1e3
+    outputs = statistics.median(p.outputs for p in seen.phases) * 1e3
+    tokens = sum(p.tokens for p in seen.phases) / (len(seen.phases) * requests)
+    drafts = statistics.fmean(seen.rows) - requests
+    num_steps = core.num_steps or 1
+    return EmulatedStats(
+        requests, pipelined, len(seen.phases), critical, outputs, device.device_seconds * 1e3 / num_steps,
+        wall * 1e3 / max(1, steps), emitted / wall, tokens, drafts,
+    )  # fmt: skip
+
+
+def emulated_engine(
+    prompts: Sequence[Sequence[int]],
+    tokenizer: Any,
+    vocab: int,
+    seats: int,
+    decoding_length: int,
+    profile: CostProfile = H100_SMOLLM2,
+    adaptive: bool = False,
+) -> Any:
+    """`stand_in_engine` on an emulated device whose forward costs what `profile` says; with
+    `adaptive`, the draft length is the policy's, planned with that same profile."""
+    core = stand_in_engine(prompts, tokenizer, vocab, seats, decoding_length, profile if adaptive else None)
+    core.runner = EmulatedDevice(core.runner, profile)
+    return core

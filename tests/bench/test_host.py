@@ -14,6 +14,7 @@ from batchserve.bench.host import (
 )
 from batchserve.bench.methods import Row
 from batchserve.bench.report import phase_table
+from batchserve.request import SamplingParams
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
 
 
@@ -72,3 +73,51 @@ def test_the_report_prices_a_draft_row_per_bucket_from_the_cost_profile():
     assert header[1:] == ["1", "2", "4", "8", "12", "16", "24", "32"]  # the buckets the profile covers
     assert step[header.index("8")] == "2.00" and step[header.index("16")] == "6.00"
     assert extra[header.index("8")] == "0.000" and extra[header.index("32")] == f"{12.0 / 31:.3f}"
+
+
+def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says():
+    import time
+
+    from batchserve.bench.host import EmulatedDevice
+    from batchserve.speculation.cost_profile import CostProfile
+
+    prompts = _prompts(4)
+    core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 2, 4)
+    device = EmulatedDevice(core.runner, CostProfile("slow", (1, 64), (0,), ((30.0, 30.0),)))
+    core.runner = device
+    core.add_request(prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    step = core.schedule()
+    t0 = time.perf_counter()
+    core.launch(step)
+    launched = time.perf_counter()
+    core.collect(step)
+    assert time.perf_counter() - t0 >= 0.030  # the device's 30 ms, whatever the host did
+    assert launched - t0 < 0.030  # the launch itself did not wait for it
+    assert step.result is not None and core.commit(step)
+    while core.has_work():  # to the end: the request leaves the engine
+        core.step()
+    assert device.device_seconds == 0.030 and device.backend is device.runner.backend  # the rest is the runner's
+
+
+def test_the_pipelined_loop_hides_building_outputs_on_the_emulated_device():
+    from batchserve.bench.host import emulated_engine, measure_emulated
+
+    prompts, tokenizer = _prompts(8), make_tiny_tokenizer()
+    runs = {}
+    for pipelined in (False, True):
+        core = emulated_engine(prompts, tokenizer, TINY_VOCAB, 4, 6)
+        runs[pipelined] = (core, measure_emulated(core, prompts, 4, 16, pipelined))
+    (seq_core, seq), (pipe_core, pipe) = runs[False], runs[True]
+    # The same work: every step the same shape (fixed drafts), the same tokens.
+    assert pipe.steps == seq.steps >= 3 and pipe.tokens_per_step == seq.tokens_per_step > 1
+    assert pipe.draft_rows == seq.draft_rows > 0 and pipe.device_ms == seq.device_ms
+    assert seq_core.num_steps == pipe_core.num_steps and pipe.pipelined and not seq.pipelined
+    assert pipe.outputs_ms > 0 and pipe.critical_ms > 0 and pipe.tokens_per_s > 0
+
+
+def test_the_adaptive_policy_plans_with_the_emulated_devices_profile():
+    from batchserve.bench.host import H100_SMOLLM2, emulated_engine
+
+    core = emulated_engine(_prompts(4), make_tiny_tokenizer(), TINY_VOCAB, 2, 16, adaptive=True)
+    assert core.cost_profile is H100_SMOLLM2 and core.runner.profile is H100_SMOLLM2
+    assert core.scheduler.speculation.policy is not None
