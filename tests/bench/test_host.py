@@ -94,9 +94,9 @@ def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says():
     assert time.perf_counter() - t0 >= 0.030  # the device's 30 ms, whatever the host did
     assert launched - t0 < 0.030  # the launch itself did not wait for it
     assert step.result is not None and core.commit(step)
+    assert device.device_seconds == 0.030 and device.backend is device.runner.backend  # the rest is the runner's
     while core.has_work():  # to the end: the request leaves the engine
         core.step()
-    assert device.device_seconds == 0.030 and device.backend is device.runner.backend  # the rest is the runner's
 
 
 def test_the_pipelined_loop_hides_building_outputs_on_the_emulated_device():
