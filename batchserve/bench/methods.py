@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Our server with make serve's settings over gRPC and HTTP, and with --draft none (the serving
 # path's cost alone, against the in-process `none` on the same weights); llama.cpp's server on the
@@ -216,6 +216,13 @@ class Row:
     run_tokens_per_s: list[float] | None = None
     # a served row: the in-process method it stands against (the same weights and drafts)
     versus: str | None = None
+    # decode only: the tokens after each request's first / the seconds from its first token to its
+    # last, over all requests (one request's streaming speed: at batch b the batch makes about b x)
+    decode_tokens_per_s: float | None = None
+    # On a GPU (judged against the same engine's `none`): how many prompts differ from it, every one
+    # at a near-tie (`Divergence.near_tie`), with `lossless` None; `lossless` False: one beyond it.
+    near_ties: int | None = None
+    divergences: list[dict[str, float]] | None = None  # each differing prompt's `Divergence`, as a dict
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -248,6 +255,84 @@ def expected_outputs(
     return own.get((weights, key))
 
 
+# A near-tie's bound, in ulps of the top logit (`near_tie_bound`).
+NEAR_TIE_ULPS = 4
+
+
+def near_tie_bound(top1: float, eps: float) -> float:
+    """The largest top-1 minus top-2 logit margin that kernels differing only in how they round can
+    flip: NEAR_TIE_ULPS x eps x max(|top1|, 1), eps the model dtype's (bfloat16: 2^-7).
+
+    bfloat16 keeps 8 significant bits (unit roundoff u = 2^-8): the spacing of values near z (one
+    ulp) lies between 2^-8 |z| and 2^-7 |z| = eps |z|. A logit is a dot product of the final hidden
+    state with a row of the LM head over hidden_size terms, which a GEMM accumulates in an order its
+    tiling and split-K set (both move with the batch's row count) and rounds to bfloat16: two such
+    kernels can land the same logit on neighbouring values, an ulp on each of top-1 and top-2, two
+    on their difference. The hidden state was itself rounded to bfloat16 by every layer, by GEMMs
+    and attention whose order also moves with the row count, so it arrives a few ulps apart, and
+    moves each logit by about as many ulps of its size: two more. 4 ulps is 1/32 of |top1|, 0.6 at
+    a logit of 20. The floor of 1: a dot product's rounding error scales with its terms, not its
+    sum, so a logit near 0 (by cancellation) is no more exact than one of size 1. A wrong mask or
+    KV page moves logits by whole units and breaks outputs at margins far beyond this, mostly
+    early; a flip within it is a choice greedy decoding could make either way under rounding."""
+    return NEAR_TIE_ULPS * eps * max(abs(top1), 1.0)
+
+
+class Divergence(NamedTuple):
+    """Where one prompt's output first differs from its reference, and how near a tie the
+    reference model's choice there was."""
+
+    prompt: int  # the prompt's index in the run
+    position: int  # the first output position where the two differ
+    top1: float  # the model's best logit there
+    margin: float  # its top-1 minus top-2 logit there
+    bound: float  # `near_tie_bound` at top1
+
+    @property
+    def near_tie(self) -> bool:
+        return self.margin <= self.bound
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (the shorter's length where it is the longer's
+    prefix); None where they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def divergences(
+    model: Any, prompts: list[list[int]], outputs: list[list[int]], reference: list[list[int]]
+) -> list[Divergence]:
+    """Each prompt whose output differs from its reference: where, and the margin there, from one
+    forward of `model` (its dtype, its device) over the prompt and the reference's output before
+    that position. `model` is HF's forward on the engine's weights and dtype: not the engine's
+    kernels, another rounding of the same numbers, so it measures the margin to within a few ulps."""
+    import torch
+
+    eps = torch.finfo(model.dtype).eps
+    found = []
+    for i, (prompt, out, ref) in enumerate(zip(prompts, outputs, reference)):
+        pos = first_difference(out, ref)
+        if pos is None:
+            continue
+        ids = torch.tensor([prompt + ref[:pos]], device=model.device)
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].float()  # [vocab], as the model rounded them
+        top1, top2 = torch.topk(logits, 2).values.tolist()
+        found.append(Divergence(i, pos, top1, top1 - top2, near_tie_bound(top1, eps)))
+    return found
+
+
+def judge(row: Row, found: list[Divergence]) -> None:
+    """A row's verdict from its differing prompts (`divergences`): none, lossless; every one a
+    near-tie, `near_ties` (how many) and lossless None, neither proven nor broken; any beyond its
+    bound, lossless False (a bug). The details go with the row."""
+    row.divergences = [d._asdict() for d in found] or None
+    row.near_ties = len(found) if found and all(d.near_tie for d in found) else None
+    row.lossless = None if row.near_ties else not found
+
+
 def make_row(
     method: str,
     dataset: str,
@@ -258,10 +343,12 @@ def make_row(
     tpots: list[float],
     tokens_per_step: float | None,
     lossless: bool | None,
+    decode: list[tuple[int, float]] | None = None,
 ) -> Row:
-    """A row from one run's outputs and timings (percentiles and rates rounded for the report)."""
+    """A row from one run's outputs and timings (percentiles and rates rounded for the report);
+    `decode`: per request with 2+ tokens, (tokens after the first, seconds from the first to the last)."""
     n = sum(len(o) for o in outputs)
-    return Row(
+    row = Row(
         method,
         dataset,
         b,
@@ -276,18 +363,29 @@ def make_row(
         round(percentile(tpots, 0.99), 4),
         lossless,
     )
+    decode_seconds = sum(s for _, s in decode or ())
+    if decode_seconds > 0:
+        row.decode_tokens_per_s = round(sum(k for k, _ in decode or ()) / decode_seconds, 2)
+    return row
 
 
 def pick_run(runs: list[Row], keep: str) -> Row:
     """The run that stands for a (method, batch): the fastest, or the median by tokens/s
-    (the lower middle one for an even count). Any run that was not lossless marks it."""
+    (the lower middle one for an even count). The worst verdict of any run marks it: a mismatch,
+    else near-ties."""
     by_speed = sorted(runs, key=lambda r: r.tokens_per_s)
     row = by_speed[-1] if keep == "fastest" else by_speed[(len(by_speed) - 1) // 2]
-    if any(r.lossless is False for r in runs):
-        row = replace(row, lossless=False)
+    worst = max(runs, key=_severity)
+    if _severity(worst) > _severity(row):  # the verdict, and its details, of the worst run
+        row = replace(row, lossless=worst.lossless, near_ties=worst.near_ties, divergences=worst.divergences)
     if len(runs) > 1:
         row = replace(row, run_tokens_per_s=[r.tokens_per_s for r in runs])
     return row
+
+
+def _severity(r: Row) -> int:
+    """How bad a run's verdict is: identical or unchecked 0, near-ties 1, a mismatch 2."""
+    return 2 if r.lossless is False else int(bool(r.near_ties))
 
 
 def read_rows(paths: list[Path]) -> list[Row]:

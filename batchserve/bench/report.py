@@ -10,7 +10,16 @@ from pathlib import Path
 import torch
 
 from batchserve.bench.host import HOST_PHASES
-from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, method_rank, none_of
+from batchserve.bench.methods import (
+    FIXED_LENGTHS,
+    KERNEL_SUFFIXES,
+    NEAR_TIE_ULPS,
+    SINGLE,
+    Divergence,
+    Row,
+    method_rank,
+    none_of,
+)
 from batchserve.bench.served import served_table
 from batchserve.records import StepPhases
 from batchserve.speculation.cost_profile import CostProfile
@@ -39,7 +48,9 @@ def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, 
         f"decoding length {decoding_length}, {torch.get_num_threads()} CPU threads.{best_of} Batch size b = b requests "
         "in flight (closed loop); a batchserve request's TTFT counts from when its seat frees, so waiting "
         "for the engine to admit it is included. `vs hf`: tokens/s over HF `generate` at batch 1; "
-        "`vs hf-batch`: over HF `generate_batch` at the same batch size.\n"
+        "`vs hf-batch`: over HF `generate_batch` at the same batch size. `tokens/s` counts every token over the "
+        "run's wall time; `decode tok/s` only the tokens after each request's first, over the seconds from its "
+        "first token to its last (one request's stream, its prompt and first token left out; TPOT likewise).\n"
     )
 
 
@@ -49,9 +60,9 @@ def _method_table(rows: list[Row]) -> list[str]:
     hfb = {r.batch_size: r.tokens_per_s for r in rows if r.method == "hf-batch"}
     none = {(r.method, r.batch_size): r.tokens_per_s for r in rows if r.method.startswith("none")}
     lines = [
-        "| method | batch | tokens/s | tokens/step | draft tokens/step | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
-        "| prompt cached | vs hf | vs hf-batch | vs none | lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | batch | tokens/s | decode tok/s | tokens/step | draft tokens/step | TTFT p50 / p99 (s) "
+        "| TPOT p50 / p99 (s) | prompt cached | vs hf | vs hf-batch | vs none | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r.batch_size, method_rank(r.method))):
         vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "-"
@@ -60,13 +71,57 @@ def _method_table(rows: list[Row]) -> list[str]:
         vs_none = f"{r.tokens_per_s / base:.2f}x" if base and not r.method.startswith("none") else "-"
         tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
         dl = "-" if r.mean_decoding_length is None else f"{r.mean_decoding_length:.1f}"
-        lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
+        decode = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:.1f}"
         cached = "-" if r.cached_share is None else f"{r.cached_share:.0%}"
         lines.append(
-            f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {tps} | {dl} | {r.ttft_p50_s:.3f} / "
+            f"| {r.method} | {r.batch_size} | {r.tokens_per_s:.1f} | {decode} | {tps} | {dl} | {r.ttft_p50_s:.3f} / "
             f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {cached} | {vs_hf} | {vs_hfb} | {vs_none} "
-            f"| {lossless} |"
+            f"| {lossless_cell(r)} |"
         )
+    return lines
+
+
+def _divergences(r: Row) -> list[Divergence]:
+    return [Divergence(**d) for d in r.divergences or []]  # type: ignore[arg-type]
+
+
+def _worst(r: Row) -> Divergence | None:
+    """The differing prompt furthest from a tie: the largest margin for its bound."""
+    return max(_divergences(r), key=lambda d: d.margin / d.bound, default=None)
+
+
+def _at(d: Divergence) -> str:
+    return f"prompt {d.prompt} at token {d.position}: margin {d.margin:.3g}, bound {d.bound:.3g}"
+
+
+def lossless_cell(r: Row) -> str:
+    """yes; near-ties (how many prompts); **NO** with the worst prompt where it was measured; -."""
+    if r.near_ties:
+        return f"near-ties ({r.near_ties})"
+    if r.lossless is None:
+        return "-"
+    if r.lossless:
+        return "yes"
+    worst = _worst(r)
+    return "**NO**" if worst is None else f"**NO** ({_at(worst)})"
+
+
+def _divergence_lines(rows: list[Row]) -> list[str]:
+    """Each row's prompts that differ from the same engine's `none` (GPU rows), and why they do or do
+    not count as rounding."""
+    judged = [r for r in rows if r.divergences]
+    if not judged:
+        return []
+    lines = [
+        "\nOutputs that differ from the same engine's `none` (on a GPU its kernels round otherwise at other row "
+        "counts): per prompt, the first differing token and `none`'s top-1 minus top-2 logit there (HF's forward "
+        f"on the same weights and dtype). A margin within {NEAR_TIE_ULPS} ulps of the top logit (bound = "
+        f"{NEAR_TIE_ULPS} x eps x max(|top1|, 1), bf16 eps = 2^-7) is a near-tie that rounding can flip; one "
+        "beyond it is a bug.\n"
+    ]
+    for r in sorted(judged, key=lambda r: (r.batch_size, r.request_rate or 0.0, method_rank(r.method))):
+        parts = "; ".join(_at(d) + ("" if d.near_tie else " **beyond**") for d in _divergences(r))
+        lines.append(f"- {r.method} {_load_point(r)}: {parts}")
     return lines
 
 
@@ -122,10 +177,9 @@ def _open_loop_table(rows: list[Row]) -> list[str]:
         base = none.get((none_of(r.method), r.request_rate))
         vs_none = f"{r.tokens_per_s / base:.2f}x" if base and not r.method.startswith("none") else "-"
         tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
-        lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**NO**")
         lines.append(
             f"| {r.method} | {r.request_rate:g} | {r.tokens_per_s:.1f} | {tps} | {r.ttft_p50_s:.3f} / "
-            f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_none} | {lossless} |"
+            f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {vs_none} | {lossless_cell(r)} |"
         )
     return lines
 
@@ -162,6 +216,7 @@ def write_report(
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix, seated=True))
         lines.extend(_repeat_rounds(rs))
         lines.extend(_every_run(everything))
+        lines.extend(_divergence_lines(everything))
         lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
         for suffix in ("", *KERNEL_SUFFIXES):
@@ -320,7 +375,7 @@ def summary_table(rows: list[Row]) -> str:
     return "\n".join(
         f"{r.dataset:10} {r.method:17} {_load_point(r):9} {r.tokens_per_s:8.1f} tok/s "
         f"{'' if r.tokens_per_step is None else f'{r.tokens_per_step:5.2f} tok/step'} "
-        f"lossless={r.lossless}"
+        f"lossless={f'near-ties({r.near_ties})' if r.near_ties else r.lossless}"
         for r in rows
     )
 

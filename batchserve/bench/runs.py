@@ -84,6 +84,8 @@ class EngineRun:
     phases: PhaseTotals
     cached_share: float | None  # prompt tokens served from the prefix cache / prompt tokens
     second_round_tokens_per_step: float | None = None  # exact repeats run after the first round: theirs
+    # per request with 2+ tokens: (tokens after the first, seconds from the first token's step to the last's)
+    decode: list[tuple[int, float]] = field(default_factory=list)
 
 
 def run_batchserve(
@@ -137,7 +139,9 @@ def run_batchserve(
     cached_share = cached if m.prefix_caching else None
     outputs = [r.token_ids for r in results]
     tps, second_tps = _tokens_per_step(results), None if second is None else _tokens_per_step(second)
-    return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, second_tps)
+    ends = [(len(r.token_ids) - 1, r.token_times) for r in results if len(r.token_ids) > 1 and r.token_times]
+    decode = [(k, times[-1] - times[0]) for k, times in ends]
+    return EngineRun(outputs, seconds, ttfts, tpots, tps, mean_len, phases, cached_share, second_tps, decode)
 
 
 def _params(m: Method, max_new: int, constraints: list[str]) -> Any:

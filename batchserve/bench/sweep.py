@@ -1,8 +1,10 @@
 """`batchserve bench`: batchserve's drafters against real peers, one run, one machine.
 
 Batch size b: b requests in flight (a closed loop). Every batchserve output is compared with HF
-`generate` greedy (`lossless`). Writes DIR/results.json and DIR/report.md as each row finishes (a
-sweep stopped by a time limit keeps every finished row), and DIR/throughput.png at the end.
+`generate` greedy (`lossless`); on a GPU with the same engine's `none`, where a difference at a
+near-tie of `none`'s logits is rounding (`near_ties`) and one beyond it a bug. Writes
+DIR/results.json and DIR/report.md as each row finishes (a sweep stopped by a time limit keeps
+every finished row), and DIR/throughput.png at the end.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from batchserve.bench.methods import (
     SINGLE,
     Row,
     batchserve_method,
+    divergences,
     expected_outputs,
+    judge,
     make_row,
     pick_run,
 )
-from batchserve.bench.peers import llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
+from batchserve.bench.peers import PeerRun, llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
 from batchserve.bench.plots import plot
 from batchserve.bench.report import save_results, write_report
 from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
@@ -85,21 +89,23 @@ def _peer_rows(
         return none
     reference: list[list[int]] = []
     if judged or "hf" in s.methods:  # its first `num_prompts` are also the `hf` row
-        reference, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
+        run = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf")
+        reference, *_ = run
         if "hf" in s.methods:
-            s.add(make_row("hf", dataset, 1, reference, secs, ttfts, tpots, 1.0, None))
+            s.add(_peer_row("hf", dataset, 1, run, 1.0, None))
             s.bar.update(1)
         if judged and len(prompts) > num_prompts:
-            rest = run_hf(s.ref_model, prompts[num_prompts:], s.max_new, eos, None, f"{dataset} reference")[0]
+            rest, *_ = run_hf(s.ref_model, prompts[num_prompts:], s.max_new, eos, None, f"{dataset} reference")
             reference = reference + rest
     if "hf-static" in s.methods:
-        outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf-static", static=True)
+        run = run_hf(s.ref_model, first, s.max_new, eos, None, f"{dataset} hf-static", static=True)
+        outs, *_ = run
         same = outs == reference[:num_prompts] if reference else None
-        s.add(make_row("hf-static", dataset, 1, outs, secs, ttfts, tpots, 1.0, same))
+        s.add(_peer_row("hf-static", dataset, 1, run, 1.0, same))
         s.bar.update(1)
     if "hf-prompt-lookup" in s.methods:
-        outs, secs, ttfts, tpots = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
-        s.add(make_row("hf-prompt-lookup", dataset, 1, outs, secs, ttfts, tpots, None, None))
+        run = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
+        s.add(_peer_row("hf-prompt-lookup", dataset, 1, run, None, None))
         s.bar.update(1)
     if "llamacpp" in s.methods and s.gguf is not None:  # a context for this dataset's longest prompt
         s.llamacpp = load_llamacpp(s.gguf, prompts, s.max_new), eos_token_ids(s.ref_model, s.tokenizer)
@@ -108,12 +114,23 @@ def _peer_rows(
     return reference or none
 
 
+def _peer_row(
+    method: str, dataset: str, b: int, run: PeerRun, tokens_per_step: float | None, lossless: bool | None
+) -> Row:
+    """A peer's row from its run (a bare (outputs, seconds, ttfts, tpots) tuple, as test doubles
+    return, has no token times: no decode-only rate)."""
+    outs, secs, ttfts, tpots = run
+    decode = getattr(run, "decode", None)
+    return make_row(method, dataset, b, outs, secs, ttfts, tpots, tokens_per_step, lossless, decode)
+
+
 def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: list[list[int]]) -> Row:
     """One run of llama.cpp greedy over the prompts, one at a time; how many equal HF's."""
     assert s.llamacpp is not None
     llm, stop = s.llamacpp
-    outs, secs, ttfts, tpots = run_llamacpp(llm, prompts, s.max_new, stop, f"{dataset} llamacpp")
-    row = make_row("llamacpp", dataset, 1, outs, secs, ttfts, tpots, 1.0, None)
+    run = run_llamacpp(llm, prompts, s.max_new, stop, f"{dataset} llamacpp")
+    row = _peer_row("llamacpp", dataset, 1, run, 1.0, None)
+    outs, *_ = run
     row.reference_matches = sum(o == r for o, r in zip(outs, reference))
     s.bar.update(1)
     return row
@@ -161,7 +178,13 @@ def _batchserve_row(
         method, m.cpu_weights, reference, s.own_references, key, run.outputs, work.constrained, s.on_device
     )
     lossless = None if expected is None else run.outputs == expected
-    row = make_row(method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, lossless)
+    row = make_row(
+        method, dataset, b, run.outputs, run.seconds, run.ttfts, run.tpots, run.tokens_per_step, lossless, run.decode
+    )
+    if s.on_device and expected is not None and not lossless:
+        # NOTE: the reference is the same engine's `none`, whose bf16 kernels round otherwise at
+        # other row counts: a difference at a near-tie is rounding, one beyond it a bug.
+        judge(row, divergences(s.ref_model, prompts, run.outputs, expected))
     row.mean_decoding_length = run.mean_len
     row.cached_share = None if run.cached_share is None else round(run.cached_share, 3)
     if run.second_round_tokens_per_step is not None:
@@ -188,8 +211,7 @@ def _batch_rows(
     repeated one after its last round). With `rate`, the batchserve methods in an open loop
     (hf-batch takes its whole batch at once: it has no open loop)."""
     if "hf-batch" in s.methods and rate is None:
-        outs, secs, ttfts, tpots = run_hf_batch(s.ref_model, prompts, s.max_new, b)
-        s.add(make_row("hf-batch", dataset, b, outs, secs, ttfts, tpots, 1.0, None))
+        s.add(_peer_row("hf-batch", dataset, b, run_hf_batch(s.ref_model, prompts, s.max_new, b), 1.0, None))
         s.bar.update(1)
     runs: dict[str, list[Row]] = {}
     with_llamacpp = s.llamacpp_rounds and s.llamacpp is not None and b == 1 and rate is None
