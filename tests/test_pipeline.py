@@ -85,7 +85,8 @@ def test_the_pipelined_loop_gives_the_sequential_loops_outputs_step_for_step(cas
         params[1] = replace(params[1], resume_token_ids=(120,))
     elif case == "structured":
         params[2] = SamplingParams(max_new_tokens=40, constraint=Constraint("json_schema", json.dumps(SCHEMA)))
-        params[3] = SamplingParams(max_new_tokens=30, temperature=0.7, seed=3, constraint=Constraint("regex", "[a-c]+!"))
+        regex = Constraint("regex", "[a-c]+!")
+        params[3] = SamplingParams(max_new_tokens=30, temperature=0.7, seed=3, constraint=regex)
     core = _core(blocks)
     sequential = _drive(core, False, params, abort_at)
     preempted = {"n": core.scheduler.num_preemptions}
@@ -147,7 +148,9 @@ async def test_the_async_engine_streams_beside_the_forward_with_the_same_outputs
         await engine.stop()
         return {f"r{i}": o for i, o in enumerate(outs)}
 
+    def joined(runs: dict[str, list[tuple]]) -> dict[str, tuple[list[int], str]]:
+        return {rid: ([t for o in outs for t in o[0]], "".join(o[1] for o in outs)) for rid, outs in runs.items()}
+
     beside, after = await run(True), await run(False)
-    joined = {rid: (sum((list(o[0]) for o in outs), []), "".join(o[1] for o in outs)) for rid, outs in beside.items()}
-    assert joined == {rid: (sum((list(o[0]) for o in outs), []), "".join(o[1] for o in outs)) for rid, outs in after.items()}
+    assert joined(beside) == joined(after)
     assert all(outs[-1][2] for outs in beside.values())

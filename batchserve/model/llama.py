@@ -1,6 +1,8 @@
 """The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2): fused q|k|v and
 gate|up projections, the residual add fused into RMSNorm, rotary at each packed row's own
-position, attention through the step's backend, and the LM head only for the rows kept.
+position, attention through the step's backend, and the LM head only for the rows kept. The
+norms, silu*up and rotary are layers of the kernels chosen when the model is built
+(`LayerKernels`: torch's ops, or FlashInfer's fused kernels on CUDA).
 
 Shape of one step: ids [T] -> embeddings [T, H] -> layers -> the kept rows [K, H] -> logits
 [K, V]. No Python decision inside depends on the step's data (only on the model's shape).
@@ -16,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from batchserve.model.layers import MergedLinear, RMSNorm, Rotary, SiluAndMul
+from batchserve.model.layers import TORCH_LAYERS, LayerKernels, MergedLinear, choose_layer_kernels
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")  # transformers' model_type
 # Rope types whose frequencies are fixed at load (dynamic and longrope change with length).
@@ -66,7 +68,8 @@ def _head_dim(config: Any) -> int:
 
 
 class Attention(nn.Module):
-    """q|k|v in one product, rotary, the backend's paged attention over the request's KV."""
+    """q|k|v in one product, rotary (the step's, `Rotary.for_step`), the backend's paged attention
+    over the request's KV."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -79,23 +82,21 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, (self.num_heads * d, kv, kv), bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=getattr(config, "attention_bias", False))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Any) -> torch.Tensor:
-        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+    def forward(self, x: torch.Tensor, rotary: Any, metadata: Any) -> torch.Tensor:
+        t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 Hkv) * D]
-        qk, v = qkv.view(t, hq + 2 * hkv, d).transpose(0, 1).split((hq + hkv, hkv))  # [heads, T, D] views
-        qk = Rotary.apply(qk, cos, sin)  # [Hq + Hkv, T, D] contiguous: q and k in one rotation
-        q, k = qk.split((hq, hkv))  # the backend's layout: [heads, T, D] in, [T, Hq, D] out
-        out = metadata.backend.forward(self.layer_idx, q, k, v, metadata, self.scaling)
-        return self.o_proj.forward(out.reshape(t, hq * d))
+        q, k, v = rotary.split_heads(qkv, hq, self.num_kv_heads, self.head_dim)  # [heads, T, D] each, q and k rotated
+        out = metadata.backend.forward(self.layer_idx, q, k, v, metadata, self.scaling)  # [T, Hq, D]
+        return self.o_proj.forward(out.reshape(t, hq * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kernels: LayerKernels = TORCH_LAYERS) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         i = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, (i, i), bias=bias)
-        self.act = SiluAndMul()
+        self.act = kernels.act()
         self.down_proj = nn.Linear(i, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,21 +104,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, kernels: LayerKernels = TORCH_LAYERS) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, kernels)
+        self.input_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, metadata: Any
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Any, metadata: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (the last layer's output, or the embeddings) and the residual beside it (None
+        for the first layer) -> this layer's output and residual. `rotary`: the step's rotation."""
         if residual is None:
             h, residual = self.input_layernorm.forward(x), x
         else:
             h, residual = self.input_layernorm.forward(x, residual)
-        h = self.self_attn.forward(h, cos, sin, metadata)
+        h = self.self_attn.forward(h, rotary, metadata)
         h, residual = self.post_attention_layernorm.forward(h, residual)
         return self.mlp.forward(h), residual
 
@@ -128,13 +131,16 @@ class NativeLlamaForCausalLM(nn.Module):
 
     native = True  # the runner hooks no attention into it: it calls the backend itself
 
-    def __init__(self, config: Any, inv_freq: torch.Tensor, rope_scaling: float) -> None:
+    def __init__(
+        self, config: Any, inv_freq: torch.Tensor, rope_scaling: float, kernels: LayerKernels = TORCH_LAYERS
+    ) -> None:
         super().__init__()
         self.config = config
+        self.layer_kernels = kernels  # what the norms, silu*up and rotary run on, and why
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(inv_freq, rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
+        self.norm = kernels.norm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = kernels.rotary(inv_freq, rope_scaling)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
@@ -150,34 +156,39 @@ class NativeLlamaForCausalLM(nn.Module):
         use_cache: bool = False,
     ) -> Output:
         x = self.embed_tokens.forward(input_ids[0])  # [T, H]
-        cos, sin = self.rotary.cos_sin(position_ids[0], x.dtype)  # [T, D] each
+        rotary = self.rotary.for_step(position_ids[0], x.dtype)  # once per step, for every layer
         fused = self.fused_layers
         residual: torch.Tensor | None = None
         if fused is not None and fused.runs(attn_metadata):
-            x, residual = fused.forward(x, cos, sin, attn_metadata)
+            x, residual = fused.forward(x, rotary.cos, rotary.sin, attn_metadata)  # torch's `Rotary` beside it
         else:
             for layer in self.layers:
-                x, residual = layer.forward(x, residual, cos, sin, attn_metadata)
+                x, residual = layer.forward(x, residual, rotary, attn_metadata)
         x, residual = x[logits_to_keep], residual[logits_to_keep]  # [K, H]: only the rows that sample
         h, _ = self.norm.forward(x, residual)
         return Output(self.lm_head.forward(h)[None])  # [1, K, V]
 
 
 @torch.no_grad()
-def native_from_hf(hf_model: Any) -> NativeLlamaForCausalLM:
+def native_from_hf(hf_model: Any, layer_kernels: LayerKernels | None = None) -> NativeLlamaForCausalLM:
     """The native model with `hf_model`'s weights (moved, not copied twice: the merged ones are
     new tensors, the rest are shared), on its device and in its dtype. Raises ValueError for a
-    model it does not run exactly (see `supports`)."""
+    model it does not run exactly (see `supports`). `layer_kernels`: what its norms, silu*up and
+    rotary run on; by default `choose_layer_kernels` for its device, dtype and shape (torch's ops
+    on the CPU, FlashInfer's fused kernels on CUDA in 16-bit floats where flashinfer imports)."""
     config = hf_model.config
     why = supports(config)
     if why is not None:
         raise ValueError(f"the native forward does not support {why}")
     param = next(hf_model.parameters())
     rotary = hf_model.model.rotary_emb
+    if layer_kernels is None:
+        layer_kernels = choose_layer_kernels(param.device, param.dtype, _head_dim(config), config.intermediate_size)
     with torch.device("meta"):
-        model = NativeLlamaForCausalLM(config, torch.empty(0), 1.0)
+        model = NativeLlamaForCausalLM(config, torch.empty(0), 1.0, layer_kernels)
     model = model.to_empty(device=param.device).to(param.dtype)
-    model.rotary = Rotary(rotary.inv_freq.detach().clone(), float(getattr(rotary, "attention_scaling", 1.0)))
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    model.rotary = layer_kernels.rotary(rotary.inv_freq.detach().clone(), scaling)  # float32 tables: after .to
     model.rotary.to(param.device)
     if param.device.type != "cpu":
         model.rotary.reserve(config.max_position_embeddings)

@@ -47,6 +47,7 @@ PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more
 # request on average. Tiled over the step's requests.
 DRAFT_PATTERN = (0, 0, 1, 0, 2, 1, 5, 7)
 
+
 def _step(runner: ModelRunner, contexts: list[int], num_tokens: int) -> SchedulerOutput:
     """One request per entry of `contexts`, each computing 1 token plus a draft chain, with
     `num_tokens` rows in all (split as evenly as possible)."""

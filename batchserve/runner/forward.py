@@ -9,7 +9,8 @@ here, whether flashinfer is installed) into one frozen `ForwardChoice`:
     linear     the kernels the products run on (our Q4_1/Q8_0, torch's int4, oneDNN, torch)
     attention  kernel, invariant, torch or flashinfer
     graphs     on (replayed CUDA graphs), eager (the same bucketed steps uncaptured) or off
-    fused      whether every decoder layer runs in one kernel call
+    fused      whether every decoder layer runs in one kernel call (CPU), or its norms, silu*up and
+               rotary on FlashInfer's fused kernels (`flashinfer`, CUDA: `model.layer_kernels`)
 
 The weights are loaded as chosen (only the file says which formats it holds, and probes of this
 CPU say which kernels run invariantly), then the runner is built from the record (`build.py`).
@@ -138,15 +139,16 @@ def _linear_part(model: nn.Module, invariant: bool) -> Part:
 def _fused_part(model: Any) -> Part:
     if getattr(model, "fused_layers", None) is not None:
         return Part("on", "every decoder layer in one kernel call")
+    kernels = getattr(model, "layer_kernels", None)  # chosen with the model: FlashInfer's layer ops or torch's, why
+    if kernels is not None and (kernels.name != "torch" or kernels.device != "cpu"):
+        return Part(kernels.name if kernels.name != "torch" else "off", kernels.why)
     layers = getattr(model, "layers", None)
     if not getattr(model, "native", False) or layers is None:
         return Part("off", "only the native model's layers fuse")
     return Part("off", why_not_fused(layers) or "the layers fuse, but were not fused")
 
 
-def graphs_choice(
-    setting: str, device: torch.device, native: bool, backend: type[AttentionBackend]
-) -> tuple[str, str]:
+def graphs_choice(setting: str, device: torch.device, native: bool, backend: type[AttentionBackend]) -> tuple[str, str]:
     """`on`, `eager` or `off` for the cuda_graphs setting, and why: auto is on for the native model
     on CUDA (the forward whose Python makes no data-dependent decision) over a backend that
     declares its kernels safe to replay (`graph_safe`), off elsewhere. `on` where no graph can be
