@@ -12,13 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.request import Request, RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
-    from batchserve.engine import EngineCore
     from batchserve.text import TextCodec
 
 
@@ -114,12 +113,25 @@ def build_outputs(
     return outputs
 
 
+class SteppingCore(Protocol):
+    """What the pipelined loop drives: an EngineCore's step phases."""
+
+    def has_work(self) -> bool: ...
+    def schedule(self) -> PendingStep: ...
+    def launch(self, step: PendingStep) -> None: ...
+    def learn(self) -> None: ...
+    def collect(self, step: PendingStep) -> None: ...
+    def advance(self, step: PendingStep) -> AdvancedStep: ...
+    def finish(self, advanced: AdvancedStep) -> list[RequestOutput]: ...
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+
+
 class StepPipeline:
     """The pipelined loop over one EngineCore: each `step()` schedules and launches step N, builds
     step N-1's outputs while N's forward runs, then collects and advances N. It returns N-1's
     outputs (the last step's come from `flush`, or the next call once there is no work)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: SteppingCore) -> None:
         self.core = core
         self._advanced: AdvancedStep | None = None  # the step whose outputs are still to build
 
