@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.model import native_from_hf
-from batchserve.model.layers import LayerKernels, choose_layer_kernels, load_flashinfer
+from batchserve.model.layer_kernels import LayerKernels, choose_layer_kernels, load_flashinfer
 
 # SmolLM2-135M's config (the default model's).
 SMOLLM2 = dict(

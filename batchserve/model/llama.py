@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from batchserve.model.layers import TORCH_LAYERS, LayerKernels, MergedLinear, choose_layer_kernels
+from batchserve.model.layer_kernels import TORCH_LAYERS, LayerKernels, choose_layer_kernels
+from batchserve.model.layers import MergedLinear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")  # transformers' model_type
 # Rope types whose frequencies are fixed at load (dynamic and longrope change with length).

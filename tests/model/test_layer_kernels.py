@@ -16,18 +16,16 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchserve.model import native_from_hf
-from batchserve.model.layers import (
+from batchserve.model.layer_kernels import (
     TORCH_LAYERS,
     FlashInferRMSNorm,
     FlashInferRotary,
     FlashInferSiluAndMul,
     LayerKernels,
-    RMSNorm,
-    Rotary,
-    SiluAndMul,
     choose_layer_kernels,
     flashinfer_layers,
 )
+from batchserve.model.layers import RMSNorm, Rotary, SiluAndMul
 from batchserve.runner.forward import Part, _fused_part
 from tests.conftest import make_tiny_fa2_model
 from tests.model.flashinfer_standin import LIBRARY
