@@ -10,16 +10,8 @@ from pathlib import Path
 import torch
 
 from batchserve.bench.host import HOST_PHASES
-from batchserve.bench.methods import (
-    FIXED_LENGTHS,
-    KERNEL_SUFFIXES,
-    NEAR_TIE_ULPS,
-    SINGLE,
-    Divergence,
-    Row,
-    method_rank,
-    none_of,
-)
+from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, load_point, method_rank, none_of
+from batchserve.bench.near_ties import divergence_lines, lossless_cell
 from batchserve.bench.served import served_table
 from batchserve.records import StepPhases
 from batchserve.speculation.cost_profile import CostProfile
@@ -78,50 +70,6 @@ def _method_table(rows: list[Row]) -> list[str]:
             f"{r.ttft_p99_s:.3f} | {r.tpot_p50_s:.4f} / {r.tpot_p99_s:.4f} | {cached} | {vs_hf} | {vs_hfb} | {vs_none} "
             f"| {lossless_cell(r)} |"
         )
-    return lines
-
-
-def _divergences(r: Row) -> list[Divergence]:
-    return [Divergence(**d) for d in r.divergences or []]  # type: ignore[arg-type]
-
-
-def _worst(r: Row) -> Divergence | None:
-    """The differing prompt furthest from a tie: the largest margin for its bound."""
-    return max(_divergences(r), key=lambda d: d.margin / d.bound, default=None)
-
-
-def _at(d: Divergence) -> str:
-    return f"prompt {d.prompt} at token {d.position}: margin {d.margin:.3g}, bound {d.bound:.3g}"
-
-
-def lossless_cell(r: Row) -> str:
-    """yes; near-ties (how many prompts); **NO** with the worst prompt where it was measured; -."""
-    if r.near_ties:
-        return f"near-ties ({r.near_ties})"
-    if r.lossless is None:
-        return "-"
-    if r.lossless:
-        return "yes"
-    worst = _worst(r)
-    return "**NO**" if worst is None else f"**NO** ({_at(worst)})"
-
-
-def _divergence_lines(rows: list[Row]) -> list[str]:
-    """Each row's prompts that differ from the same engine's `none` (GPU rows), and why they do or do
-    not count as rounding."""
-    judged = [r for r in rows if r.divergences]
-    if not judged:
-        return []
-    lines = [
-        "\nOutputs that differ from the same engine's `none` (on a GPU its kernels round otherwise at other row "
-        "counts): per prompt, the first differing token and `none`'s top-1 minus top-2 logit there (HF's forward "
-        f"on the same weights and dtype). A margin within {NEAR_TIE_ULPS} ulps of the top logit (bound = "
-        f"{NEAR_TIE_ULPS} x eps x max(|top1|, 1), bf16 eps = 2^-7) is a near-tie that rounding can flip; one "
-        "beyond it is a bug.\n"
-    ]
-    for r in sorted(judged, key=lambda r: (r.batch_size, r.request_rate or 0.0, method_rank(r.method))):
-        parts = "; ".join(_at(d) + ("" if d.near_tie else " **beyond**") for d in _divergences(r))
-        lines.append(f"- {r.method} {_load_point(r)}: {parts}")
     return lines
 
 
@@ -216,7 +164,7 @@ def write_report(
             lines.extend(never_slower(everything, "lookahead-adaptive" + suffix, "none" + suffix, seated=True))
         lines.extend(_repeat_rounds(rs))
         lines.extend(_every_run(everything))
-        lines.extend(_divergence_lines(everything))
+        lines.extend(divergence_lines(everything))
         lines.extend(_open_loop_table([r for r in everything if r.request_rate is not None]))
         lines.extend(_llamacpp_note(rs))
         for suffix in ("", *KERNEL_SUFFIXES):
@@ -232,7 +180,7 @@ def _short_of_prompts(rows: list[Row], num_prompts: int, waves: int) -> list[str
     for r in rows:
         asked = num_prompts if r.method in SINGLE else max(num_prompts, waves * r.batch_size)
         if r.num_prompts < asked:
-            short.setdefault(_load_point(r), (r.num_prompts, asked))
+            short.setdefault(load_point(r), (r.num_prompts, asked))
     if not short:
         return []
     parts = ", ".join(f"{point} ran {ran} of the {asked} asked for" for point, (ran, asked) in short.items())
@@ -256,7 +204,7 @@ def _every_run(rows: list[Row]) -> list[str]:
     if not runs:
         return []
     parts = "; ".join(
-        f"{r.method} {_load_point(r)}: {', '.join(f'{x:.1f}' for x in r.run_tokens_per_s or [])}" for r in runs
+        f"{r.method} {load_point(r)}: {', '.join(f'{x:.1f}' for x in r.run_tokens_per_s or [])}" for r in runs
     )
     return [f"\nEvery run's tokens/s, in round order: {parts}.\n"]
 
@@ -373,12 +321,8 @@ def phase_table(rows: list[Row]) -> list[str]:
 def summary_table(rows: list[Row]) -> str:
     """One line per row for the console: tokens/s, tokens/step and losslessness."""
     return "\n".join(
-        f"{r.dataset:10} {r.method:17} {_load_point(r):9} {r.tokens_per_s:8.1f} tok/s "
+        f"{r.dataset:10} {r.method:17} {load_point(r):9} {r.tokens_per_s:8.1f} tok/s "
         f"{'' if r.tokens_per_step is None else f'{r.tokens_per_step:5.2f} tok/step'} "
         f"lossless={f'near-ties({r.near_ties})' if r.near_ties else r.lossless}"
         for r in rows
     )
-
-
-def _load_point(r: Row) -> str:
-    return f"b={r.batch_size}" if r.request_rate is None else f"{r.request_rate:g} req/s"

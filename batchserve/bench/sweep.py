@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from batchserve.bench import servers
 from batchserve.bench.load import poisson_arrivals
 from batchserve.bench.methods import (
     KEEP,
@@ -27,17 +26,17 @@ from batchserve.bench.methods import (
     SINGLE,
     Row,
     batchserve_method,
-    divergences,
     expected_outputs,
-    judge,
     make_row,
     pick_run,
 )
-from batchserve.bench.peers import PeerRun, llamacpp_gguf, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
+from batchserve.bench.near_ties import divergences, judge
+from batchserve.bench.peers import PeerRun, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
 from batchserve.bench.plots import plot
 from batchserve.bench.report import save_results, write_report
 from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
 from batchserve.bench.served import ServedPeers
+from batchserve.bench.sweep_setup import optional_peers, runs_per_dataset, served_peers
 from batchserve.runner.build import eos_token_ids
 
 if TYPE_CHECKING:
@@ -261,55 +260,6 @@ def _dataset_rows(s: _Sweep, dataset: str, num_prompts: int, count: dict[int, in
         _batch_rows(s, dataset, max(count), work.prompts[:n], reference[:n], work, rate)
 
 
-def _optional_peers(
-    methods: list[str], model_path: str | None
-) -> tuple[list[str], Path | None, tuple[str, Path] | None, str]:
-    """(the methods that can run, llama.cpp's GGUF, llama-server's binary and GGUF, why any
-    optional peer is skipped): the sweep goes on without them, and the report says why."""
-    gguf, skipped = llamacpp_gguf(model_path) if "llamacpp" in methods else (None, "")
-    if skipped:
-        methods = [m for m in methods if m != "llamacpp"]
-    peer, why = servers.llama_server_peer(model_path) if set(LLAMA_SERVER) & set(methods) else (None, "")
-    if why:
-        methods = [m for m in methods if m not in LLAMA_SERVER]
-    skipped = "; ".join(filter(None, (skipped, why)))
-    if skipped:
-        tqdm.write(skipped)
-    return methods, gguf, peer, skipped
-
-
-def _served_peers(
-    methods: list[str],
-    model_path: str | None,
-    engine_model: Any,
-    batch_sizes: list[int],
-    logs: Path,
-    llama_server: tuple[str, Path] | None,
-) -> ServedPeers | None:
-    """The served rows' servers (None: no served method): ours with at least make serve's 16
-    seats, on the weights it runs here."""
-    from batchserve.model import cpu_weights_choice
-
-    if not set(SERVED + LLAMA_SERVER) & set(methods):
-        return None
-    seats = max(16, *batch_sizes)
-    on_cpu = engine_model is None or engine_model.device.type == "cpu"
-    weights = cpu_weights_choice(on_cpu, model_path, seats).weights
-    return ServedPeers(model_path, weights, seats, logs, llama_server)
-
-
-def _runs_per_dataset(
-    methods: list[str], batch_sizes: list[int], rates: list[float], repeats: int, llamacpp_rounds: bool
-) -> int:
-    """Runs of one dataset, for the progress bar."""
-    return (
-        sum(m in SINGLE for m in methods)
-        + (repeats - 1) * llamacpp_rounds
-        + len(batch_sizes) * sum(m not in SINGLE for m in methods) * repeats
-        + len(rates) * sum(batchserve_method(m) is not None for m in methods) * repeats
-    )
-
-
 def run(
     datasets: list[str],
     methods: list[str],
@@ -341,7 +291,7 @@ def run(
         raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
     from batchserve.runner import load_model
 
-    methods, gguf, llama_server, skipped = _optional_peers(methods, model_path)
+    methods, gguf, llama_server, skipped = optional_peers(methods, model_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_model, tokenizer = load_model(model_path, dtype)
     engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
@@ -349,12 +299,12 @@ def run(
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}
     rates = list(request_rates or [])
     llamacpp_rounds = "llamacpp" in methods and repeats > 1 and 1 in batch_sizes
-    total = len(datasets) * _runs_per_dataset(methods, batch_sizes, rates, repeats, llamacpp_rounds)
+    total = len(datasets) * runs_per_dataset(methods, batch_sizes, rates, repeats, llamacpp_rounds)
     bar = tqdm(total=total, desc="bench", unit="run")
     s = _Sweep(methods, max_new, decoding_length, repeats, keep, ref_model, engine_model, tokenizer, profiles, bar)
     s.gguf, s.llamacpp_rounds = gguf, llamacpp_rounds
     s.on_device = engine_model is not None and engine_model.device.type != "cpu"
-    s.served = _served_peers(methods, model_path, engine_model, batch_sizes, out_dir / "logs", llama_server)
+    s.served = served_peers(methods, model_path, engine_model, batch_sizes, out_dir / "logs", llama_server)
     by_kernels = {"-".join(str(k) for k in kernels if k): p for kernels, p in profiles.items()}
 
     def write(rows: list[Row]) -> None:

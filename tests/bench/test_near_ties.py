@@ -11,16 +11,9 @@ import pytest
 import torch
 
 from batchserve.bench import sweep
-from batchserve.bench.methods import (
-    Divergence,
-    divergences,
-    first_difference,
-    judge,
-    make_row,
-    near_tie_bound,
-    pick_run,
-)
-from batchserve.bench.report import lossless_cell, write_report
+from batchserve.bench.methods import make_row, pick_run
+from batchserve.bench.near_ties import Divergence, divergences, first_difference, judge, lossless_cell, near_tie_bound
+from batchserve.bench.report import write_report
 from batchserve.bench.runs import EngineRun, PhaseTotals, Workload
 from tests.conftest import hf_greedy, make_tiny_model
 
