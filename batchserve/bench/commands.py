@@ -6,7 +6,10 @@ import argparse
 import sys
 from typing import Any
 
+from batchserve.bench.curve_commands import add_curve_flags, predict_command, shape_command
 from batchserve.config import MODEL_DTYPES
+
+BENCH_BATCH_SIZES = [1, 2, 4, 8, 16]
 
 
 def int_list(text: str) -> list[int]:
@@ -41,7 +44,12 @@ def add_bench_parser(sub: Any) -> None:
         default=0,
         help="batch b runs at least waves*b prompts, so the closed loop stays full (0: --num-prompts for all)",
     )
-    bench.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16], help="requests in flight")
+    bench.add_argument(
+        "--batch-sizes",
+        type=int_list,
+        default=None,
+        help="requests in flight (default 1,2,4,8,16; with --simulate --curve 1,2,4,8,16,32,64)",
+    )
     bench.add_argument(
         "--request-rates",
         type=float_list,
@@ -72,6 +80,12 @@ def add_bench_parser(sub: Any) -> None:
         "--allow-mismatch", action="store_true", help="fp16/bf16: report outputs that differ from HF, do not fail"
     )
     bench.add_argument("--out", default="bench_out", help="directory for results.json, report.md, throughput.png")
+    _add_replay_flags(bench)
+    add_curve_flags(bench)
+
+
+def _add_replay_flags(bench: argparse.ArgumentParser) -> None:
+    """The flags of the replays that run no benchmark: --simulate, --ceiling and theirs."""
     bench.add_argument("--simulate", action="store_true", help="drafters' step compression, no model run")
     bench.add_argument(
         "--ceiling",
@@ -178,6 +192,13 @@ def _as_served(methods: list[str], model: str | None) -> list[str]:
 
 def bench_command(args: argparse.Namespace) -> int:
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    if args.shape is not None:
+        return shape_command(args)
+    if args.curve is not None and not args.simulate:
+        print("batchserve bench: --curve goes with --simulate (it predicts from a measured curve)", file=sys.stderr)
+        return 2
+    if args.batch_sizes is None and args.curve is None:
+        args.batch_sizes = list(BENCH_BATCH_SIZES)
     problem = dataset_problem(datasets)
     if problem is None and args.simulate and set(datasets) - {"humaneval", "sharegpt"}:
         problem = "--simulate replays humaneval and sharegpt only"
@@ -193,6 +214,8 @@ def bench_command(args: argparse.Namespace) -> int:
         return 2
     if args.ceiling:
         return _ceiling(args, datasets)
+    if args.simulate and args.curve is not None:
+        return predict_command(args, datasets)
     if args.simulate:
         from batchserve.bench.simulate import main as simulate_main
 

@@ -3,7 +3,8 @@
 For HumanEval (prompt -> canonical solution) and ShareGPT (first human turn, rendered with
 the chat template -> first reply), the trie is warmed on the dev split's outputs and every
 test sample is replayed with LLMA's target-guided simulation. Also measures the trie's
-retrieval + update time per step on a warmed trie of 100k+ nodes, and its memory.
+retrieval + update time per step on a warmed trie of 100k+ nodes, and its memory. With a cost
+curve (`--curve`), the same replay predicts tokens/s instead (`predict.py`).
 """
 
 from __future__ import annotations
@@ -58,13 +59,17 @@ def replay(make: Callable[[], Drafter], warm: list[list[int]], test: list[Encode
     return total
 
 
+def encoded_split(name: str, num_samples: int, tokenizer: Any) -> tuple[list[list[int]], list[Encoded]]:
+    """(the dev outputs that warm the trie, the test samples) of `name`'s first `num_samples`."""
+    samples = humaneval() if name == "humaneval" else sharegpt(num_samples)
+    dev, test = split(samples[:num_samples])
+    return [e.output for e in encode(dev, tokenizer)], encode(test, tokenizer)
+
+
 def run(datasets: list[str], lengths: list[int], num_samples: int, tokenizer: Any) -> str:
     lines = []
     for name in datasets:
-        samples = humaneval() if name == "humaneval" else sharegpt(num_samples)
-        dev, test = split(samples[:num_samples])
-        dev_e, test_e = encode(dev, tokenizer), encode(test, tokenizer)
-        warm = [e.output for e in dev_e]
+        warm, test_e = encoded_split(name, num_samples, tokenizer)
         lines.append(f"\n### {name}: {len(test_e)} test samples, trie warmed on {len(warm)} dev outputs\n")
         lines.append("| drafter | " + " | ".join(f"L={n}" for n in lengths) + " |")
         lines.append("|---|" + "---|" * len(lengths))

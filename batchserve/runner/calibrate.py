@@ -48,7 +48,7 @@ PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more
 DRAFT_PATTERN = (0, 0, 1, 0, 2, 1, 5, 7)
 
 
-def _step(runner: ModelRunner, contexts: list[int], num_tokens: int) -> SchedulerOutput:
+def step_of(runner: ModelRunner, contexts: list[int], num_tokens: int) -> SchedulerOutput:
     """One request per entry of `contexts`, each computing 1 token plus a draft chain, with
     `num_tokens` rows in all (split as evenly as possible)."""
     n = len(contexts)
@@ -131,7 +131,7 @@ def lower_quartile(times: list[float]) -> float:
     return sorted(times)[len(times) // 4]
 
 
-def _curve(runner: ModelRunner, steps: list[SchedulerOutput], repeats: int, tick: Any) -> list[float]:
+def curve_of(runner: ModelRunner, steps: list[SchedulerOutput], repeats: int, tick: Any) -> list[float]:
     """Each step's time, measured round-robin so that drift on a shared machine spreads over
     every point instead of bending one part of the curve. Not forced to be monotone: more
     rows can be faster (matmul kernels change with the row count), and the policy uses it."""
@@ -181,7 +181,7 @@ def calibrate(
         for ctx in usable:
             if bar is not None:
                 bar.set_postfix_str(f"context {ctx}")
-            rows.append(tuple(_curve(runner, [_step(runner, [ctx], n) for n in counts], repeats, tick)))
+            rows.append(tuple(curve_of(runner, [step_of(runner, [ctx], n) for n in counts], repeats, tick)))
             seq_ms, draft_ms = _many_requests(runner, ctx, counts[-1], repeats, tick)
             per_seq.append(seq_ms)
             per_draft.append(draft_ms)
@@ -214,10 +214,10 @@ def _many_requests(runner: ModelRunner, ctx: int, max_rows: int, repeats: int, t
         _blocks_needed(runner, [ctx] * m, m * deepest) > pool or m + _pattern_rows(m) > max_rows
     ):
         m //= 2
-    steps = [_step(runner, [ctx], n), _step(runner, [ctx] * n, n)] if n > 1 else []
+    steps = [step_of(runner, [ctx], n), step_of(runner, [ctx] * n, n)] if n > 1 else []
     if m >= len(DRAFT_PATTERN):
-        steps += [_step(runner, [ctx], m + _pattern_rows(m)), _draft_step(runner, [ctx] * m)]
-    times = _curve(runner, steps, repeats, tick)
+        steps += [step_of(runner, [ctx], m + _pattern_rows(m)), _draft_step(runner, [ctx] * m)]
+    times = curve_of(runner, steps, repeats, tick)
     for _ in range((4 - len(steps)) * repeats):
         tick()
     if n < 2:

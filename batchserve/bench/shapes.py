@@ -1,0 +1,228 @@
+"""Random-weight models of the sizes users run, built on the device from a shape: no download,
+no tokenizer file. What `batchserve bench --shape` times.
+
+SmolLM2-135M keeps a GPU launch-bound, a regime no H100 user is in: an 8B model's steps are spent
+reading weights and, past the critical decoding length, in FLOPs. `build_model` builds the native
+forward (`model/llama.py`, the one the engine runs, through `native_from_hf` as for any Llama) of a
+shape with seeded small-normal weights, straight on the device in the device's dtype; `hf_twin` is a
+transformers `LlamaForCausalLM` over the native model's weight tensors (the HF peers' model: the
+same weights, no second copy); `synthetic_tokenizer`
+gives the engine a tokenizer of the shape's vocabulary (ids are the words `t0`, `t1`, ...): timing
+sends token ids and needs no real one.
+
+Light to import (the CLI lists the shapes): torch and transformers load inside the functions.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchserve.model.llama import NativeLlamaForCausalLM
+
+# Tiny shapes fit any CPU; anything larger needs CUDA (`ModelShape.cpu_ok`).
+CPU_MAX_PARAMS = 50_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A Llama-family model's sizes: all a random-weight build needs."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 500_000.0
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    init_std: float = 0.02  # weights ~ N(0, init_std); norm weights 1
+
+    def __post_init__(self) -> None:
+        sizes = (self.hidden_size, self.num_hidden_layers, self.num_attention_heads, self.head_dim)
+        if min(*sizes, self.num_key_value_heads, self.intermediate_size, self.vocab_size) < 1:
+            raise ValueError(f"shape {self.name}: every size must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"shape {self.name}: query heads must be a multiple of KV heads")
+
+    @property
+    def num_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attention = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
+        layer = attention + 3 * h * self.intermediate_size + 2 * h  # q|k|v, o, gate|up, down, two norms
+        return self.num_hidden_layers * layer + 2 * self.vocab_size * h + h  # embedding, head (untied), final norm
+
+    @property
+    def cpu_ok(self) -> bool:
+        """Small enough to build and run on a CPU (the path checked without a GPU)."""
+        return self.num_params <= CPU_MAX_PARAMS
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    def config(self) -> Any:
+        """transformers' `LlamaConfig` of this shape (no special tokens: random weights never end)."""
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            initializer_range=self.init_std,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+        config._name_or_path = f"random-{self.name}"  # names the cost profile (`profile_key`)
+        return config
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        # Meta-Llama-3-8B's config.json: 8.03B parameters, 16.1 GB in bfloat16.
+        ModelShape("llama3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
+        # The same proportions (GQA 4:1, MLP 3.5x hidden, rope theta 500000) at a CPU test's size,
+        # with FlashInfer's smallest head dim (64) so that it runs on a GPU too; wider weights than
+        # 8B's spread the random logits (no near-ties between two forwards).
+        ModelShape("llama3-tiny", 128, 2, 4, 1, 64, 448, 512, max_position_embeddings=1024, init_std=0.2),
+    )
+}
+
+
+def get_shape(name: str) -> ModelShape:
+    """The shape called `name`; ValueError naming the known ones otherwise."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}: one of {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA (what users serve), float32 on the CPU (where the engine takes a handed-in
+    native model as it is: float32 weights)."""
+    import torch
+
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_model(
+    shape: ModelShape, device: str | torch.device = "cuda", dtype: torch.dtype | None = None, seed: int = 0
+) -> NativeLlamaForCausalLM:
+    """The native model of `shape` with seeded random weights on `device` in `dtype` (default:
+    `default_dtype`), built as the engine builds any Llama it serves (`native_from_hf`: its layer
+    kernels chosen for the device), from a transformers model allocated there uninitialized and
+    filled in place: an 8B build on a GPU takes seconds and never holds a host copy. At its peak
+    the device holds three times the weights' bfloat16 bytes (transformers' copy beside the native
+    model allocated in float32 before its cast: 48 GB for 8B), then one."""
+    import torch
+
+    from batchserve.model import native_from_hf
+
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    if device.type == "cpu" and dtype != torch.float32:
+        raise ValueError("on the CPU the engine runs a handed-in native model in float32")
+    hf = _random_hf(shape, device, dtype, seed)
+    model = native_from_hf(hf)
+    del hf  # the native model holds its own copy of every weight
+    gc.collect()
+    # What `choose_impl` records for a model it built: off the CPU the weights are the model's dtype.
+    model.cpu_weights = "float32" if device.type == "cpu" else "-"
+    model.cpu_weights_reason = f"random weights of shape {shape.name}"
+    return model
+
+
+def _random_hf(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    """transformers' model of `shape` on `device` in `dtype`: norms 1, every other weight
+    N(0, init_std) from one seeded generator on the device."""
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+    config = shape.config()
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    hf = hf.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for module in hf.modules():
+            for p in module.parameters(recurse=False):
+                if isinstance(module, LlamaRMSNorm):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, shape.init_std, generator=generator)
+    hf.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # its buffers: computed, not left empty
+    return hf.eval()
+
+
+def hf_twin(model: NativeLlamaForCausalLM) -> Any:
+    """A transformers `LlamaForCausalLM` whose parameters are `model`'s own tensors (views of the
+    merged q|k|v and gate|up products): the same weights, no second copy. `native_from_hf` read
+    backwards. Its config is a copy (transformers sets its attention choice there)."""
+    import torch
+    from torch import nn
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from batchserve.model.llama import PACKED_MODULES
+
+    config = copy.deepcopy(model.config)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    device = next(model.parameters()).device
+    for name, _ in list(hf.named_parameters()):
+        module_name, _, leaf = name.rpartition(".")
+        ours = name.removeprefix("model.")
+        parent, _, proj = ours.rpartition(".")[0].rpartition(".")
+        if proj in PACKED_MODULES:
+            merged_name, part = PACKED_MODULES[proj]
+            merged = model.get_submodule(f"{parent}.{merged_name}")
+            tensor = getattr(merged, leaf).detach().split(merged.sizes)[part]  # a view: rows of the merged weight
+        else:
+            tensor = model.get_parameter(ours).detach()
+        setattr(hf.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
+    hf.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)
+    left = [n for n, t in (*hf.named_parameters(), *hf.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"hf_twin: no weights for {left}")
+    hf.generation_config.eos_token_id = None  # random weights: every prompt runs to max_new_tokens
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def synthetic_tokenizer(vocab_size: int) -> Any:
+    """A fast tokenizer whose ids 0..vocab_size-1 are the words `t0` ... (unknown words: `t0`),
+    without special tokens: what the engine needs to detokenize a random model's output."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def random_prompts(vocab_size: int, num_prompts: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`num_prompts` prompts of `length` uniformly random token ids (seeded)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(num_prompts)]
