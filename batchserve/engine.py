@@ -84,6 +84,7 @@ class EngineCore:
             budget_policy=budget_policy,
             prefix_caching=config.cache.prefix_caching,
         )
+        self.scheduler.speculation.judge_later = True  # in `finish`: beside the next forward when pipelined
         self._ids = itertools.count()
         self.num_steps = 0
         self.consecutive_failed_steps = 0  # steps in a row in which every request failed
@@ -273,6 +274,7 @@ class EngineCore:
     def advance(self, step: PendingStep) -> AdvancedStep:
         """Apply a step's result on the loop thread: what the next schedule needs (tokens, stops,
         finishes, block trims, the policy's trackers). Its outputs wait for `finish`."""
+        self.scheduler.speculation.judge()  # what an earlier step left unjudged (its outputs were never built)
         t0 = time.perf_counter()
         out = step.out
         advanced = AdvancedStep(step, [], [])
@@ -310,7 +312,9 @@ class EngineCore:
         return advanced
 
     def finish(self, advanced: AdvancedStep) -> list[RequestOutput]:
-        """An advanced step's outputs (`pipeline.build_outputs`), then the step listeners."""
+        """The policy judges the advanced step's drafts; its outputs (`pipeline.build_outputs`),
+        then the step listeners."""
+        self.scheduler.speculation.judge()
         outputs = build_outputs(self.text, advanced, self._output, self._failed_output)
         for listener in self.step_listeners:
             try:

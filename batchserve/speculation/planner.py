@@ -3,7 +3,8 @@
 The scheduler calls four methods and nothing else: `start` (a request runs for the first time),
 `attach` (hang this step's drafts off the scheduled requests), `commit` (one request's emitted
 tokens: the policy's trackers, the drafter's trie and text, the window's pool) and `finish` (the
-request ended). The engine adds `observe_step` (what a whole step cost). Behind the seam: the
+request ended). The engine adds `observe_step` (what a whole step cost) and `judge` (with
+`judge_later`: the trackers learn from committed proposals beside the next forward). Behind the seam: the
 drafter (`draft/`), the budget policy (`budget.py`) with its trackers, fits, speed guard and
 host budget, Jacobi windows (`windows.py`), and the judging of trees by later tokens (`judging.py`)."""
 
@@ -56,6 +57,11 @@ class DraftPlanner:
         # This step's whole proposal per policy request (the policy verifies a prefix of it, or
         # none): what the request then emits judges all of it (`observe_acceptance`).
         self._proposals: dict[str, DraftTree] = {}
+        # Committed, not yet judged: (item, accepted nodes, emitted tokens, its whole proposal).
+        # With `judge_later` they wait for `judge` (the engine's, after the step's outputs are
+        # built); else each is judged as it is committed.
+        self.judge_later = False
+        self._to_judge: list[tuple[ScheduledRequest, list[int], list[int], DraftTree | None]] = []
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
         guard = policy.guard if policy is not None else None
@@ -232,19 +238,37 @@ class DraftPlanner:
             observe_window(self.drafter, item, window_outputs)  # type: ignore[arg-type]
 
     def _observe_acceptance(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
-        """Feed the policy's trackers which draft ranks (node indices) were on the accepted path,
-        and, for drafters with a window, how many of them only the window's pool proposed.
-        `emitted`: the tokens the request took this step. The whole proposal is judged by them,
-        the nodes not verified too, as far as the emitted tokens reach, and the rest of it by the
-        next steps' tokens (`judging.py`): free evidence, the successes as well as the failures."""
+        """Count the step's emitted tokens (the speed guard's measure) and queue the judging of
+        its proposal for `judge`: the policy's trackers learn which draft ranks (node indices)
+        were on the accepted path, and the whole proposal is judged by the emitted tokens, the
+        nodes not verified too, as far as they reach, and the rest of it by the next steps'
+        tokens (`judging.py`): free evidence, the successes as well as the failures."""
         self._emitted += len(emitted)
-        if self.policy is None:
+        if self.policy is not None:  # the proposal now: the next attach replaces it
+            proposal = self._proposals.pop(item.request_id, None) or item.draft
+            self._to_judge.append((item, accepted, emitted, proposal))
+            if not self.judge_later:
+                self.judge()
+
+    def judge(self) -> None:
+        """Judge the proposals of the steps committed since the last call (the pipelined loop
+        does it beside the next forward: the trackers then see a step's evidence one step later;
+        what they estimate moves drafts, never tokens). Requests that ended since are skipped."""
+        pending, self._to_judge = self._to_judge, []
+        if not pending:
             return
         start = time.perf_counter()
-        self._judge(item, accepted, emitted)
+        try:
+            for item, accepted, emitted, proposal in pending:
+                if item.request_id in self._started:
+                    self._judge(item, accepted, emitted, proposal)
+        except Exception:  # the policy's estimates: a bug there costs drafts, never outputs
+            logger.exception("the draft policy failed to judge a step's drafts")
         self.host.clock(start)
 
-    def _judge(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
+    def _judge(
+        self, item: ScheduledRequest, accepted: list[int], emitted: list[int], proposal: DraftTree | None
+    ) -> None:
         assert self.policy is not None
         if self.windowed:
             windows = self.policy.windows
@@ -254,7 +278,7 @@ class DraftPlanner:
                 pooled = item.draft.pooled if item.draft is not None else frozenset()
                 windows.observe(item.request_id, sum(1 for node in accepted if node in pooled))
         tracker, rid = self.policy.tracker, item.request_id
-        now, late = self.judgements.judge(rid, self._proposals.pop(rid, None) or item.draft, emitted)
+        now, late = self.judgements.judge(rid, proposal, emitted)
         if now is None:
             tracker.skipped(rid)
         else:

@@ -122,6 +122,7 @@ def test_a_busy_scheduler_where_no_draft_pays_stops_asking_the_policy_every_step
     def counted(wanted):
         nonlocal calls
         calls += 1
+        time.sleep(0.001)  # a plan costs a millisecond on any machine: five steps' allowance (0.2 ms)
         return upper_gains_many(wanted)
 
     policy.upper_gains_many = counted  # type: ignore[method-assign]
