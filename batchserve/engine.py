@@ -314,8 +314,10 @@ class EngineCore:
     def finish(self, advanced: AdvancedStep) -> list[RequestOutput]:
         """The policy judges the advanced step's drafts; its outputs (`pipeline.build_outputs`),
         then the step listeners."""
+        t0 = time.perf_counter()
         self.scheduler.speculation.judge()
         outputs = build_outputs(self.text, advanced, self._output, self._failed_output)
+        advanced.step.phases.outputs = time.perf_counter() - t0
         for listener in self.step_listeners:
             try:
                 listener(advanced.step.out, advanced.step.phases)

@@ -134,8 +134,8 @@ class StepPhases:
     # Part of schedule, verify and commit: seconds in grammar matchers and token masks (structured
     # output); 0 in a step without a constrained request.
     grammar: float = 0.0
-    # After `wall`, off the critical path: building the step's outputs (detokenizing, logprobs),
-    # which the pipelined loop does while the next step's forward runs.
+    # After `wall`, off the critical path: the policy's judging of the step's drafts and building
+    # its outputs (detokenizing, logprobs), which the pipelined loop does beside the next forward.
     outputs: float = 0.0
     # Not a time: the tokens the step's requests emitted (what the phases bought).
     tokens: int = 0
