@@ -19,9 +19,9 @@ from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.server.conftest import free_port
 
 
-def _serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Client]:
-    """A server process on the tiny model, healthy, and a client of it."""
-    make_tiny_model().save_pretrained(tmp_path)
+def _serve(tmp_path: Path, *flags: str, **shape: int) -> tuple[subprocess.Popen, Client]:
+    """A server process on the tiny model (`shape`: its sizes changed), healthy, and a client of it."""
+    make_tiny_model(**shape).save_pretrained(tmp_path)
     make_tiny_tokenizer().save_pretrained(tmp_path)
     port = free_port()
     proc = subprocess.Popen(
@@ -83,12 +83,15 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
 
 
 def test_a_second_signal_exits_at_once(tmp_path):
-    proc, client = _serve(tmp_path, "--kv-cache-gb", "0.01", "--grace", "600", "--draft", "none")
+    # Wider layers: 1,000 tokens take seconds on any CPU, so the stream is still running when the
+    # second signal comes (the tiny model wrote 900 in under a second on a fast one).
+    wide = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "head_dim": 64}
+    proc, client = _serve(tmp_path, "--kv-cache-gb", "0.05", "--grace", "600", "--draft", "none", **wide)
     try:
-        stream = client.stream([1, 2, 3], max_new_tokens=900, ignore_eos=True)
+        stream = client.stream([1, 2, 3], max_new_tokens=1000, ignore_eos=True)
         next(stream)
         proc.send_signal(signal.SIGTERM)  # would wait up to 600 s for the stream
-        time.sleep(1.0)
+        time.sleep(0.3)
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 128 + signal.SIGTERM
