@@ -61,10 +61,11 @@ soak-faults: bench-setup
 simulate: bench-setup
 	$(BIN)/batchserve bench --simulate
 
-# On a CUDA machine (after `make setup`), within 6 minutes: the CUDA graph tests first, then
-# FlashInfer against the torch reference and SmolLM2 end to end (bf16, head dim 64), a short
-# HumanEval bench and, where its data is installed, ShareGPT; logs, junit xml, bench results and
-# summary.txt in gpu_out/ (OUT=... elsewhere; see scripts/gpu_check.sh).
+# On a CUDA machine (after `make setup`), within 9 minutes: kernels per layer, the CUDA graph
+# tests, FlashInfer against the torch reference (bf16, head dim 64), HumanEval at 128 tokens and
+# the fair hf-static peer; GPU_CHECKS="sharegpt shape parity" for the rest (ShareGPT, the 8B
+# shape's cost curve, SmolLM2 end to end); logs, junit xml, bench results and summary.txt in
+# gpu_out/ (OUT=... elsewhere; see scripts/gpu_check.sh).
 gpu-check: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gpu_check.sh
 
