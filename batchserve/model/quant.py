@@ -17,6 +17,7 @@ from torch import nn
 
 from batchserve import kernels
 from batchserve.model.layers import in_checked_rows
+from batchserve.model.row_check import rows_variance
 
 GROUP = 32  # values per block
 COLUMNS = 8  # output columns interleaved together
@@ -173,10 +174,5 @@ def quant_products_invariant() -> bool:
     q8 = Q8Linear(Q8Blocks(torch.randint(-128, 128, (48, 256), generator=gen, dtype=torch.int8).numpy(),
                            (torch.rand(48, 8, generator=gen) / 64).half().float().numpy()))  # fmt: skip
     x = torch.randn(300, 256, generator=gen)
-    for layer in (q4, q8):
-        whole = layer(x)  # [300, 48]
-        for rows in (1, 2, 3, 5, 8, 17, 64, 299):
-            start = 300 - rows
-            if not torch.equal(layer(x[:rows]), whole[:rows]) or not torch.equal(layer(x[start:]), whole[start:]):
-                return False
-    return True
+    counts = (1, 2, 3, 5, 8, 17, 40, 64, 128, 299)
+    return all(rows_variance(layer, x, counts) is None for layer in (q4, q8))
