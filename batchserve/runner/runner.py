@@ -182,7 +182,7 @@ class ModelRunner:
         KV compaction (queued before any later forward), logprobs. Time between `launch` and this
         call is the forward's: the host did other work while the device ran."""
         clock, sampling, step = launched.clock, launched.sampling, launched.step
-        verdict = Verdict.of(Readback.wait(launched.verdict) if launched.verdict is not None else None, len(sampling))
+        verdict = Verdict.of(Readback.wait(launched.verdict) if launched.verdict is not None else [], len(sampling))
         clock.charge("forward")
         output = self._emit(sampling, step, verdict, launched.raw)
         if len(launched.scored):

@@ -211,12 +211,9 @@ class Verdict(NamedTuple):
     windows: list[int]  # [W]
 
     @classmethod
-    def of(cls, result: torch.Tensor | list[int] | None, num_requests: int) -> Verdict:
-        """From `accept`'s [2 S + W] result, a tensor or already on the host as a list (None: no
-        request sampled); a tensor's `tolist` is then the step's one device-to-host copy."""
-        flat: list[int] = (
-            (result.tolist() if isinstance(result, torch.Tensor) else result) if result is not None else []
-        )
+    def of(cls, flat: list[int], num_requests: int) -> Verdict:
+        """From `accept`'s [2 S + W] result brought to the host (`staging.Readback`; empty where
+        no request sampled)."""
         s = num_requests
         return cls(flat[:s], flat[s : 2 * s], flat[2 * s :])
 

@@ -53,7 +53,7 @@ class Readback:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._buffers: list[torch.Tensor] = []
+        self._buffers = [torch.empty(0, dtype=torch.int64) for _ in range(2)]  # pinned once grown
         self._turn = 0
 
     def start(self, result: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -61,8 +61,6 @@ class Readback:
         if self._stream is None:
             return result, None
         self._turn ^= 1
-        while len(self._buffers) < 2:
-            self._buffers.append(torch.empty(0, dtype=torch.int64))
         host = self._buffers[self._turn]
         if len(host) < len(result):
             host = torch.empty(max(len(result), 2 * len(host)), dtype=torch.int64).pin_memory()

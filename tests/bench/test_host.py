@@ -75,24 +75,25 @@ def test_the_report_prices_a_draft_row_per_bucket_from_the_cost_profile():
     assert extra[header.index("8")] == "0.000" and extra[header.index("32")] == f"{12.0 / 31:.3f}"
 
 
-def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says():
+def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says(monkeypatch):
     import time
 
+    from batchserve.bench import host
     from batchserve.bench.host import EmulatedDevice
     from batchserve.speculation.cost_profile import CostProfile
 
+    slept: list[float] = []  # the device's waits, recorded instead of slept
+    monkeypatch.setattr(host.time, "sleep", slept.append)
     prompts = _prompts(4)
     core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 2, 4)
     device = EmulatedDevice(core.runner, CostProfile("slow", (1, 64), (0,), ((30.0, 30.0),)))
     core.runner = device
     core.add_request(prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
     step = core.schedule()
-    t0 = time.perf_counter()
     core.launch(step)
-    launched = time.perf_counter()
+    assert slept == [] and device._due > time.perf_counter()  # launched: the device's 30 ms still running
     core.collect(step)
-    assert time.perf_counter() - t0 >= 0.030  # the device's 30 ms, whatever the host did
-    assert launched - t0 < 0.030  # the launch itself did not wait for it
+    assert len(slept) == 1 and 0 < slept[0] <= 0.030  # collect waited out the rest of them
     assert step.result is not None and core.commit(step)
     assert device.device_seconds == 0.030 and device.backend is device.runner.backend  # the rest is the runner's
     while core.has_work():  # to the end: the request leaves the engine
