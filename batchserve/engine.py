@@ -62,6 +62,7 @@ class EngineCore:
         self.attention_backend = facts.attention_backend
         self.graphs, self.graphs_report = facts.graphs, facts.capture  # cuda_graphs as resolved; what capture took
         self.batch_invariant, self.invariance_check = facts.batch_invariant, facts.check  # checked at start
+        self.invariance_why = facts.invariance_why  # what the check compared or found, or why none ran
         self.eos_token_ids, self._probe_block = facts.eos_token_ids, facts.probe_block
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)
         # Structured output: constraints compiled once per text (front ends compile off the loop first).

@@ -12,8 +12,10 @@ import torch
 
 from batchserve.attention import INVARIANT_BACKENDS, make_backend
 from batchserve.config import EngineConfig
+from batchserve.model import has_invariant_linears
 from batchserve.runner.forward import ForwardChoice
 from batchserve.runner.graphs import CaptureReport, StepGraphs
+from batchserve.runner.layer_check import check_layers
 from batchserve.runner.runner import ModelRunner
 from batchserve.runner.self_check import CheckResult, check_invariance
 
@@ -50,36 +52,63 @@ class ModelFacts:
         """Whether a request's logits were found bit for bit the same alone and in a batch."""
         return self.check is not None and self.check.invariant
 
+    @property
+    def invariance_why(self) -> str:
+        """What the start-up check found (what was compared, or what broke), or why none ran."""
+        if self.check is not None:
+            return self.check.detail
+        why = self.forward.attention.why
+        return f"not checked: the {self.attention_backend} attention claims no batch invariance ({why})"
+
 
 def build_checked_runner(
     model: Any, tokenizer: Any, config: EngineConfig, forward: ForwardChoice
 ) -> tuple[ModelRunner, ModelFacts]:
-    """`build_runner`, then the contract checked on the real model where the invariant attention
-    claims it. A failed comparison says so and falls back to the torch reference attention (the
-    record says why), as `auto` does where the kernel checks fail; a pool too small to check keeps
-    the backend."""
+    """`build_runner`, then the contract checked on the native CPU model (`check_contract`) where
+    the invariant attention claims it, or where auto chose no invariant attention because the
+    products' probe failed (the check then names the layer). A failed check keeps the forward as
+    chosen (no other forward here is known to be invariant) and the server says
+    `batch_invariant: false` with the reason."""
     runner, facts = build_runner(model, tokenizer, config, forward)
-    if facts.attention_backend not in INVARIANT_BACKENDS:
+    claimed = facts.attention_backend in INVARIANT_BACKENDS
+    probed = config.model.attention_backend == "auto" and not has_invariant_linears(model)
+    if runner.device.type != "cpu" or not getattr(model, "native", False) or not (claimed or probed):
         return runner, facts
-    check = check_invariance(runner, facts.num_blocks)
-    failed = check.rows > 0 and not check.invariant
+    check = check_contract(runner, facts, config, claimed)
     if check.invariant:
-        logger.info(
-            "batch invariance: checked on the model, %d rows bit for bit the same (%.2f s)", check.rows, check.seconds
-        )
-    elif failed:
+        logger.info("batch invariance: %s (%.2f s)", check.detail, check.seconds)
+    else:
         logger.warning(
-            "batch invariance: FAILED on the model at %d threads (%s): falling back to the torch attention; a request's"
-            " logits may depend on its batch",
+            "batch invariance: FAILED at %d threads: %s; a request's logits may depend on its batch",
             torch.get_num_threads(),
             check.detail,
         )
-        del runner
-        why = f"the invariant {facts.attention_backend} attention failed its check on the model: {check.detail}"
-        runner, facts = build_runner(model, tokenizer, config, forward.fallback("attention", "torch", why))
-    else:
-        logger.warning("batch invariance: %s", check.detail)
     return runner, dataclasses.replace(facts, check=check)
+
+
+def check_contract(runner: ModelRunner, facts: ModelFacts, config: EngineConfig, claimed: bool) -> CheckResult:
+    """Every row-wise layer at the row counts this engine calls it with (`layer_check`), then, where
+    the attention claims invariance, the model's logits alone and among others (`self_check`)."""
+    sc = config.scheduler
+    kept = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, config)
+    layers = check_layers(runner.model, sc.max_num_batched_tokens, kept)
+    if not layers.invariant:
+        return CheckResult(False, 0, layers.seconds, layers.detail, layers.layers)
+    if not claimed:
+        why = f"every layer passed, but the {facts.attention_backend} attention is not batch-invariant"
+        return CheckResult(False, 0, layers.seconds, why, layers.layers)
+    model = check_invariance(runner, facts.num_blocks)
+    seconds = layers.seconds + model.seconds
+    if model.rows == 0:
+        return model._replace(seconds=seconds, layers=layers.layers)
+    if not model.invariant:
+        why = f"every layer passed, but the model's logits alone and among others differ: {model.detail}"
+        return CheckResult(False, model.rows, seconds, why, layers.layers)
+    what = (
+        f"{layers.layers} layers at up to {layers.counts} row counts each, then {model.rows} rows of the model's"
+        " logits alone and among others: bit for bit the same"
+    )
+    return CheckResult(True, model.rows, seconds, what, layers.layers)
 
 
 def build_runner(

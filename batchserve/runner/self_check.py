@@ -29,7 +29,8 @@ class CheckResult(NamedTuple):
     invariant: bool  # checked, and every compared row had the same bits in both compositions
     rows: int  # rows compared
     seconds: float
-    detail: str  # what differed, for the log ("" when nothing did)
+    detail: str  # what was compared, or what differed (the log, GetModelInfo)
+    layers: int = 0  # row-wise layers checked before (`layer_check`)
 
 
 def _tokens(n: int, seed: int, vocab: int) -> tuple[int, ...]:

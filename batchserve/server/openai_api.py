@@ -198,6 +198,7 @@ class OpenAIServer:
         core = self.frontend.engine.core
         return card | {
             "batch_invariant": core.batch_invariant,
+            "batch_invariant_why": core.invariance_why,
             "forward": core.forward.name,
             "weights_reason": core.forward.weights.why,
             "forward_parts": {name: {"choice": p.choice, "why": p.why} for name, p in core.forward.parts().items()},

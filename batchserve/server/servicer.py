@@ -94,6 +94,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             max_waiting_requests=self.frontend.info.max_waiting_requests,
             prefix_caching=cfg.cache.prefix_caching,
             batch_invariant=core.batch_invariant,
+            batch_invariant_why=core.invariance_why,
             forward=core.forward.name,
             weights_reason=core.forward.weights.why,
             forward_parts=[

@@ -224,7 +224,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "draft_method", "decoding_length", "max_batch_size", "max_waiting_requests", "prefix_caching", "batch_invariant", "forward", "weights_reason", "forward_parts")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "draft_method", "decoding_length", "max_batch_size", "max_waiting_requests", "prefix_caching", "batch_invariant", "forward", "weights_reason", "forward_parts", "batch_invariant_why")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class ModelInfo(_message.Message):
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_REASON_FIELD_NUMBER: _ClassVar[int]
     FORWARD_PARTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_WHY_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -253,7 +254,8 @@ class ModelInfo(_message.Message):
     forward: str
     weights_reason: str
     forward_parts: _containers.RepeatedCompositeFieldContainer[ForwardPart]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., draft_method: _Optional[str] = ..., decoding_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., forward: _Optional[str] = ..., weights_reason: _Optional[str] = ..., forward_parts: _Optional[_Iterable[_Union[ForwardPart, _Mapping]]] = ...) -> None: ...
+    batch_invariant_why: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., draft_method: _Optional[str] = ..., decoding_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., forward: _Optional[str] = ..., weights_reason: _Optional[str] = ..., forward_parts: _Optional[_Iterable[_Union[ForwardPart, _Mapping]]] = ..., batch_invariant_why: _Optional[str] = ...) -> None: ...
 
 class ForwardPart(_message.Message):
     __slots__ = ("part", "choice", "why")

@@ -5,27 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import pytest
-
 from batchserve import SamplingParams
 from batchserve.attention import INVARIANT_BACKENDS
-from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig
+from batchserve.config import DraftConfig, EngineConfig, ModelConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
-
-
-def _native() -> Any:
-    from batchserve.model import choose_impl
-
-    return choose_impl(make_tiny_model(), "auto", max_num_seqs=16)
-
-
-def _core(model: Any, num_blocks: int = 256) -> Any:
-    from batchserve.engine import EngineCore
-
-    config = EngineConfig(
-        model=ModelConfig(), cache=CacheConfig(block_size=4, num_blocks=num_blocks), draft=DraftConfig(method="none")
-    )
-    return EngineCore(config, model, make_tiny_tokenizer())
+from tests.runner.products import core_of, native, per_row
 
 
 def _row_count_leaks(model: Any) -> Any:
@@ -42,37 +26,41 @@ def _row_count_leaks(model: Any) -> Any:
 
 
 def test_the_check_passes_where_the_model_is_invariant_and_says_so():
-    core = _core(_native())
-    if core.attention_backend not in INVARIANT_BACKENDS:
-        pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
+    core = core_of(per_row())  # products invariant by construction (the shipped ones are oneDNN's here)
+    assert core.attention_backend in INVARIANT_BACKENDS
     check = core.invariance_check
-    assert check.invariant and check.rows == 7 and check.detail == "" and check.seconds > 0
-    assert core.batch_invariant
+    assert check.invariant and check.rows == 7 and check.layers == 16 and check.seconds > 0
+    assert check.detail.startswith("16 layers at up to ") and check.detail.endswith("bit for bit the same")
+    assert core.batch_invariant and core.invariance_why == check.detail
     # The check's requests left nothing behind in the runner.
     assert not core.runner._tables._row and not core.runner._generators
 
 
-def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_falls_back(caplog):
-    model = _row_count_leaks(_native())
+def test_the_shipped_model_is_invariant_only_where_its_check_says_so():
+    core = core_of(native())
+    assert core.batch_invariant == (core.invariance_check is not None and core.invariance_check.invariant)
+    assert core.invariance_why
+
+
+def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_says_so(caplog):
+    model = _row_count_leaks(per_row())
     with caplog.at_level(logging.WARNING, logger="batchserve"):
-        core = _core(model)
-    if core.invariance_check is None:
-        pytest.skip("this CPU's kernels fail the batch-invariance check: the invariant attention never ran")
-    assert not core.invariance_check.invariant and "differ" in core.invariance_check.detail
-    assert not core.batch_invariant and core.attention_backend == "torch"  # the reference attention, as auto's fallback
+        core = core_of(model)
+    check = core.invariance_check
+    assert not check.invariant and not core.batch_invariant
+    # Every layer passed (the leak is past them): the model-level comparison caught it.
+    assert check.layers == 16 and check.detail.startswith("every layer passed, but the model's logits")
     assert "batch invariance: FAILED" in caplog.text
-    # The fallback is in the record, with its reason; the other parts stand as chosen.
-    assert core.forward.attention.choice == "torch" and "failed its check on the model" in core.forward.attention.why
-    assert core.forward.impl.choice == "native" and core.forward.name.endswith("torch attention")
+    # No other attention here is known to be invariant: the forward stays as chosen, and says so.
+    assert core.forward.attention.choice == "kernel" and core.forward.impl.choice == "native"
     core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     while core.has_work():  # and the engine serves
         core.step()
 
 
 def test_a_pool_too_small_to_check_keeps_the_backend_and_claims_nothing():
-    core = _core(_native(), num_blocks=8)
-    if core.attention_backend not in INVARIANT_BACKENDS:
-        pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
+    core = core_of(per_row(), num_blocks=8)
+    assert core.attention_backend in INVARIANT_BACKENDS
     assert core.invariance_check.rows == 0 and "not checked" in core.invariance_check.detail
     assert not core.batch_invariant
 
@@ -83,3 +71,4 @@ def test_no_check_where_no_invariance_is_claimed():
     config = EngineConfig(model=ModelConfig(attention_backend="torch"), draft=DraftConfig(method="none"))
     core = EngineCore(config, make_tiny_model(), make_tiny_tokenizer())
     assert core.invariance_check is None and not core.batch_invariant
+    assert core.invariance_why.startswith("not checked: the torch attention claims no batch invariance")

@@ -97,6 +97,7 @@ async def test_completions_and_chat_greedy_equal_grpc_and_llm(api):
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert models.data[0].batch_invariant == api.server.engine.core.batch_invariant  # our extension fields
+    assert models.data[0].batch_invariant_why == api.server.engine.core.invariance_why
     assert models.data[0].forward == api.server.engine.core.forward.name
     assert models.data[0].weights_reason == api.server.engine.core.forward.weights.why
     parts = models.data[0].forward_parts

@@ -1,0 +1,97 @@
+"""The layer-by-layer start-up check: every row-wise layer at every row count the engine runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from batchserve import SamplingParams
+from batchserve.model.layers import ROW_BUCKETS
+from batchserve.runner.layer_check import CHUNK_SIZES, check_layers, row_counts, row_layers
+from tests.runner.products import TILE, core_of, native, per_row, tiling
+
+
+def test_row_counts_are_the_buckets_and_chunk_sizes_up_to_the_budget():
+    counts = row_counts(100)
+    assert set(counts) == {c for c in (*ROW_BUCKETS, *CHUNK_SIZES) if c <= 100} | {99}
+    assert counts == tuple(sorted(counts)) and counts[-1] == 100
+    assert row_counts(1) == (1,)
+
+
+def test_every_row_wise_layer_is_checked_in_the_models_order():
+    model = per_row()
+    names = [layer.name for layer in row_layers(model, model.config.intermediate_size)]
+    assert names[0] == "layers.0.self_attn.qkv_proj" and names[-1] == "lm_head"
+    assert {"layers.1.mlp.act", "layers.1.mlp.down_proj", "layers.1.input_layernorm", "norm"} <= set(names)
+    verdict = check_layers(model, max_rows=64, max_kept_rows=40)
+    assert verdict.invariant and verdict.detail == "" and verdict.layers == len(names)
+    assert verdict.counts == len(row_counts(64))
+
+
+def test_a_product_that_tiles_rows_fails_and_is_named():
+    model = tiling(per_row(), "layers.1.mlp.down_proj")
+    verdict = check_layers(model, max_rows=64, max_kept_rows=40)
+    assert not verdict.invariant
+    assert verdict.detail.startswith("layer layers.1.mlp.down_proj (TilesRows, 128 -> 64, float32 out): a call of ")
+    assert "differ from a call of 64" in verdict.detail
+    # Row 0 of every call of a tile or more agrees: a check of row 0 alone would pass it there.
+    x = torch.randn(64, 128)
+    layer = model.get_submodule("layers.1.mlp.down_proj")
+    with torch.no_grad():
+        whole = layer(x)
+        assert all(torch.equal(layer(x[:n])[0], whole[0]) for n in (16, 17, 33, 40))
+
+
+def test_a_head_that_tiles_rows_is_checked_up_to_the_kept_rows_only():
+    model = tiling(per_row(), "lm_head")
+    assert check_layers(model, max_rows=64, max_kept_rows=TILE - 1).invariant  # no call of a whole tile
+    verdict = check_layers(model, max_rows=64, max_kept_rows=40)
+    assert not verdict.invariant and verdict.detail.startswith("layer lm_head (TilesRows")
+
+
+def test_the_engine_says_which_layer_broke_and_serves_on(caplog):
+    with caplog.at_level(logging.WARNING, logger="batchserve"):
+        core = core_of(tiling(per_row(), "layers.0.self_attn.o_proj"))
+    assert not core.batch_invariant and not core.invariance_check.invariant
+    assert core.invariance_why.startswith("layer layers.0.self_attn.o_proj (TilesRows")
+    assert "batch invariance: FAILED" in caplog.text and "layers.0.self_attn.o_proj" in caplog.text
+    # No other forward here is known to be invariant: the chosen one stays, and says so.
+    assert core.forward.attention.choice == core_of(per_row()).forward.attention.choice
+    core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    while core.has_work():
+        core.step()
+
+
+def test_the_check_runs_where_auto_chose_no_invariant_attention_and_names_the_layer(monkeypatch):
+    """Where the products' probe fails, auto takes the torch attention (no claim): the check runs
+    anyway, to say which layer is to blame."""
+    model = tiling(per_row(), "layers.1.self_attn.qkv_proj")
+    model.batch_invariant_linears = False  # as where oneDNN's probe failed
+    core = core_of(model)
+    assert core.attention_backend == "torch" and not core.batch_invariant
+    assert core.invariance_why.startswith("layer layers.1.self_attn.qkv_proj (TilesRows")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_pass_on_the_shipped_layers_means_every_row_agrees(threads):
+    """The shipped products are third-party kernels (oneDNN): asserted through the verdict only.
+    Where it says invariant, every layer's rows agree in calls the check did not make too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = native()
+        verdict = check_layers(model, max_rows=96, max_kept_rows=48)
+        if not verdict.invariant:
+            assert verdict.detail.startswith("layer ") and "differ" in verdict.detail
+            pytest.skip(f"not invariant on this CPU, and the check says so: {verdict.detail}")
+        gen = torch.Generator().manual_seed(7)
+        for layer in row_layers(model, model.config.intermediate_size):
+            x = torch.randn(96 if not layer.head else 48, layer.width, generator=gen)
+            with torch.no_grad():
+                whole = layer.call(x)
+                for start, n in ((1, 11), (9, 30), (20, 27)):
+                    assert torch.equal(layer.call(x[start : start + n]), whole[start : start + n]), layer.name
+    finally:
+        torch.set_num_threads(before)
