@@ -146,3 +146,18 @@ def test_a_build_that_cannot_run_says_why(tmp_path, monkeypatch):
     assert built.parent == tmp_path / "kernels" and built.stat().st_size > 0
     stamp = built.stat().st_mtime_ns
     assert kernels.build() == built and built.stat().st_mtime_ns == stamp  # built once, then reused
+
+
+def test_a_column_has_the_same_bits_in_a_wide_tile_and_a_narrow_one():
+    """Where AVX-512 runs, pairs of column groups take 512-bit tiles of 8 rows and a group left over
+    takes the 256-bit tiles of 4: the same column gives the same bits either way (on AVX2 both
+    layers take the 256-bit tiles)."""
+    gen = torch.Generator().manual_seed(6)
+    q, d, m = random_q4_1(16, 96, gen)
+    q8 = torch.randint(-128, 128, (16, 96), generator=gen, dtype=torch.int8).numpy()
+    d8 = (torch.rand(16, 3, generator=gen) / 64).half().float().numpy()
+    x = torch.randn(19, 96, generator=gen)  # two 8-row tiles and a 3-row one; four 4-row tiles and a 3-row one
+    pair, single = Q4Linear(q, d, m, None, (16,)), Q4Linear(q[8:], d[8:], m[8:], None, (8,))
+    assert torch.equal(pair(x)[:, 8:], single(x))
+    pair8, single8 = Q8Linear(Q8Blocks(q8, d8)), Q8Linear(Q8Blocks(q8[8:], d8[8:]))
+    assert torch.equal(pair8(x)[:, 8:], single8(x))

@@ -31,6 +31,14 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define BS_VNNI 1
 #endif
+// With AVX-512 (F, BW, VNNI) a tile spans two column groups in one 512-bit register, and 8 rows:
+// each unpacked weight and each broadcast activation serve twice the columns, and twice the rows
+// share each unpacked weight, so an extra row costs about half the instructions. Every lane does
+// the 256-bit path's operations in its order (exact integer sums, then the same float steps), so a
+// column has the same bits whichever path or tile computes it.
+#if defined(BS_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define BS_WIDE 1
+#endif
 
 namespace {
 
@@ -197,6 +205,100 @@ struct Q80 {
     }
 };
 
+#ifdef BS_WIDE
+constexpr int kWideRows = 8;  // rows a 512-bit tile computes at once (2 x 8 of the 32 registers accumulate)
+
+// Two column groups' 32 bytes (g0's low, g0 + 1's high) as one 512-bit register.
+inline __m512i pair_of(const uint8_t* lo, const uint8_t* hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+
+// Two column groups' 8 float16 scales as 16 floats.
+inline __m512 scales_of(const uint16_t* lo, const uint16_t* hi) {
+    const __m256i h = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+// y[t0 + t, 8 g0 + j] for t < MT, j < 16: Q4_1 weights, the column groups g0 and g0 + 1.
+template <int MT>
+void wide_q4_1(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+    const int64_t nb = x.K / QK;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+    const uint8_t* w0p = w.q + g0 * nb * 128;
+    const uint8_t* w1p = w0p + nb * 128;  // the next group's blocks
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i isum[MT];
+        for (int t = 0; t < MT; ++t) isum[t] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p) {
+            const __m512i raw = pair_of(w0p + (b * 4 + p) * 32, w1p + (b * 4 + p) * 32);
+            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            for (int t = 0; t < MT; ++t) {
+                const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * QK + p * 8);
+                isum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], lo, _mm512_set1_epi32(xr[0])), hi,
+                                              _mm512_set1_epi32(xr[1]));
+            }
+        }
+        const int64_t o0 = (g0 * nb + b) * 8, o1 = o0 + nb * 8;
+        const __m512 dw = scales_of(w.d + o0, w.d + o1), mw = scales_of(w.m + o0, w.m + o1);
+        for (int t = 0; t < MT; ++t) {  // d_w d_x sum(q_w q_x) + m_w sum(x), as the 256-bit path
+            const __m512 dx = _mm512_set1_ps(x.d[(t0 + t) * nb + b]), sx = _mm512_set1_ps(x.s[(t0 + t) * nb + b]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(dw, dx), acc[t]);
+            acc[t] = _mm512_fmadd_ps(mw, sx, acc[t]);
+        }
+    }
+    for (int t = 0; t < MT; ++t) _mm512_storeu_ps(y + (t0 + t) * N + g0 * 8, acc[t]);
+}
+
+// The same for Q8_0: |w| against x carrying w's sign (x negated where w < 0; where w is 0, |w| is).
+template <int MT>
+void wide_q8_0(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+    const int64_t nb = x.K / QK;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+    const uint8_t* w0p = w.q + g0 * nb * 256;
+    const uint8_t* w1p = w0p + nb * 256;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i isum[MT];
+        for (int t = 0; t < MT; ++t) isum[t] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; ++s) {
+            const __m512i wv = pair_of(w0p + (b * 8 + s) * 32, w1p + (b * 8 + s) * 32);
+            const __m512i wa = _mm512_abs_epi8(wv);
+            const __mmask64 negative = _mm512_movepi8_mask(wv);
+            for (int t = 0; t < MT; ++t) {
+                const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * QK + s * 4);
+                const __m512i xv = _mm512_set1_epi32(xr[0]);
+                isum[t] = _mm512_dpbusd_epi32(isum[t], wa, _mm512_mask_sub_epi8(xv, negative, zero, xv));
+            }
+        }
+        const int64_t o0 = (g0 * nb + b) * 8;
+        const __m512 dw = scales_of(w.d + o0, w.d + o0 + nb * 8);
+        for (int t = 0; t < MT; ++t)
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(t0 + t) * nb + b])),
+                                     acc[t]);
+    }
+    for (int t = 0; t < MT; ++t) _mm512_storeu_ps(y + (t0 + t) * N + g0 * 8, acc[t]);
+}
+
+template <int MT, int NG>
+struct Q41Wide {
+    static void f(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+        wide_q4_1<MT>(x, w, N, y, t0, g0);
+    }
+};
+template <int MT, int NG>
+struct Q80Wide {
+    static void f(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
+        wide_q8_0<MT>(x, w, N, y, t0, g0);
+    }
+};
+#endif
+
 // Rows [t0, T) for the column groups [g0, g0 + NG): tiles of MT rows, the rest in one smaller tile.
 template <template <int, int> class K, int MT, int NG>
 void row_tiles(const Rows& x, int64_t t0, int64_t T, const Weights& w, int64_t N, float* y, int64_t g0) {
@@ -206,7 +308,26 @@ void row_tiles(const Rows& x, int64_t t0, int64_t T, const Weights& w, int64_t N
     }
 }
 
-template <template <int, int> class K>
+// Each thread's share of the column groups: pairs of groups in 512-bit tiles where there are, the
+// rest (or all, without AVX-512) in 256-bit tiles of kGroups.
+template <template <int, int> class K, template <int, int> class Wide>
+void columns(const Rows& rows, int64_t T, const Weights& w, int64_t N, float* y) {
+    const int64_t groups = N / 8;
+    int64_t first = 0;  // the first group the 256-bit tiles take
+#ifdef BS_WIDE
+    first = groups / 2 * 2;
+#pragma omp for schedule(static) nowait
+    for (int64_t j = 0; j < groups / 2; ++j) row_tiles<Wide, kWideRows, 1>(rows, 0, T, w, N, y, 2 * j);
+#endif
+    const int64_t rest = groups - first, tiles = rest / kGroups;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < tiles + (rest - tiles * kGroups); ++j) {
+        if (j < tiles) row_tiles<K, kRowTile, kGroups>(rows, 0, T, w, N, y, first + j * kGroups);
+        else row_tiles<K, kRowTile, 1>(rows, 0, T, w, N, y, first + tiles * kGroups + (j - tiles));
+    }
+}
+
+template <template <int, int> class K, template <int, int> class Wide>
 void linear(const float* x, int64_t T, int64_t K_, const Weights& w, int64_t N, float* y, int threads) {
     const int64_t nb = K_ / QK;
     static thread_local std::vector<int8_t> xq;
@@ -218,35 +339,36 @@ void linear(const float* x, int64_t T, int64_t K_, const Weights& w, int64_t N, 
     float* d = xds.data();
     float* s = d + T * nb;
     const Rows rows{q, d, s, K_};
-    const int64_t groups = N / 8, tiles = groups / kGroups;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t b = 0; b < nb; ++b)
                 quantize_block(x + t * K_ + b * QK, q + t * K_ + b * QK, d + t * nb + b, s + t * nb + b);
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < tiles + (groups - tiles * kGroups); ++j) {
-            if (j < tiles) row_tiles<K, kRowTile, kGroups>(rows, 0, T, w, N, y, j * kGroups);
-            else row_tiles<K, kRowTile, 1>(rows, 0, T, w, N, y, tiles * kGroups + (j - tiles));
-        }
+        columns<K, Wide>(rows, T, w, N, y);
     }
 }
 
 }  // namespace
+
+#ifdef BS_WIDE
+#define WIDE(k) k##Wide
+#else
+#define WIDE(k) k  // unused without AVX-512: every group takes the 256-bit tiles
+#endif
 
 extern "C" {
 
 // y [T, N] float32 = x [T, K] float32 times the Q4_1 weight's transpose. K % 32 == 0, N % 8 == 0.
 void bs_q4_1_linear(const float* x, int64_t T, int64_t K, const uint8_t* wq, const uint16_t* wd,
                     const uint16_t* wm, int64_t N, float* y, int threads) {
-    linear<Q41>(x, T, K, Weights{wq, wd, wm}, N, y, threads);
+    linear<Q41, WIDE(Q41)>(x, T, K, Weights{wq, wd, wm}, N, y, threads);
 }
 
 // The same over Q8_0 weights.
 void bs_q8_0_linear(const float* x, int64_t T, int64_t K, const int8_t* wq, const uint16_t* wd, int64_t N,
                     float* y, int threads) {
-    linear<Q80>(x, T, K, Weights{reinterpret_cast<const uint8_t*>(wq), wd, nullptr}, N, y, threads);
+    linear<Q80, WIDE(Q80)>(x, T, K, Weights{reinterpret_cast<const uint8_t*>(wq), wd, nullptr}, N, y, threads);
 }
 
 int bs_abi_version() { return 2; }
