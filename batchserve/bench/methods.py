@@ -223,6 +223,8 @@ class Row:
     # at a near-tie (`Divergence.near_tie`), with `lossless` None; `lossless` False: one beyond it.
     near_ties: int | None = None
     divergences: list[dict[str, float]] | None = None  # each differing prompt's `Divergence`, as a dict
+    # a llama.cpp peer that ran on llama.cpp's fallback kernels: why (its default ones crashed here)
+    note: str | None = None
 
 
 def load_point(r: Row) -> str:

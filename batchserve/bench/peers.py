@@ -2,7 +2,8 @@
 
 `generate` runs one prompt at a time (plain, with a static cache, or with prompt lookup);
 `generate_batch` is transformers' continuous batching; `llamacpp` is llama.cpp through the
-optional llama-cpp-python, one prompt at a time on the engine's own GGUF file. Each runner
+optional llama-cpp-python, one prompt at a time on the engine's own GGUF file (in a child
+process: `llamacpp_child.py` runs `run_llamacpp` there). Each runner
 returns a `PeerRun`: the generated token ids per prompt, the run's wall time, every request's
 time to first token and decode-only time per later token, and where recorded, when each token
 arrived.
@@ -218,25 +219,6 @@ def llamacpp_gguf(model_path: str | None) -> tuple[Path | None, str]:
     if name is None:
         return None, f"llamacpp: skipped, {directory} is not a GGUF model (llama.cpp runs GGUF files only)"
     return directory / name, ""
-
-
-def load_llamacpp(gguf: Path, prompts: list[list[int]], max_new: int) -> Any:
-    """llama.cpp on the same GGUF with the bench's thread count (for prompts too: its own
-    default there is every core), a context that holds the longest prompt and its output,
-    and all layers on the GPU where torch has one (a CPU-only build ignores that)."""
-    from llama_cpp import Llama
-
-    threads = torch.get_num_threads()
-    return Llama(
-        model_path=str(gguf),
-        n_ctx=max(map(len, prompts)) + max_new,
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_batch=512,
-        n_gpu_layers=-1 if torch.cuda.is_available() else 0,
-        logits_all=False,
-        verbose=False,
-    )
 
 
 @heap.settled()

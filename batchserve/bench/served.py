@@ -4,9 +4,10 @@
 defaults, `--max-num-seqs` at least the load) and stream every request, over gRPC with our client
 and over HTTP through `/v1/completions`; `llama-server` and `llama-server-ngram` start llama.cpp's
 server on the same GGUF (plain, and with its n-gram speculation) and are sent the same prompts by
-the same HTTP client. Each load runs closed-loop: `concurrency` clients, each sending its next
-prompt when its last finishes. A row's TTFT is from a request's send to its first streamed text,
-its TPOT the mean time per later token.
+the same HTTP client (started again with `--no-repack` where llama.cpp's AMX/repacked kernels
+crash it, the rows saying so). Each load runs closed-loop: `concurrency` clients, each sending its
+next prompt when its last finishes. A row's TTFT is from a request's send to its first streamed
+text, its TPOT the mean time per later token.
 """
 
 from __future__ import annotations
@@ -181,6 +182,9 @@ class ServedPeers:
     llama_server: tuple[str, Path] | None = None  # its binary and the GGUF it serves
     stack: ExitStack = field(default_factory=ExitStack)
     ours: dict[str | None, tuple[str, str]] = field(default_factory=dict)  # --draft -> (gRPC, HTTP)
+    # why llama-server runs with --no-repack: its first start crashed on llama.cpp's AMX/repacked
+    # kernels; every later start takes the flag at once, and each of its rows says so
+    no_repack: str | None = None
 
     def row(
         self, method: str, dataset: str, b: int, prompts: list[list[int]], max_new: int, warm_corpus: list[list[int]],
@@ -189,13 +193,7 @@ class ServedPeers:
         """One closed-loop run of `method` at `b` in flight, against `reference` (the texts of the
         in-process `none` on `weights`, where it ran)."""
         if method in LLAMA_SERVER:
-            assert self.llama_server is not None
-            binary, gguf = self.llama_server
-            context = max(map(len, prompts)) + max_new + 16
-            log = self.logs / f"{method}-b{b}.log"
-            spec = method.endswith("ngram")
-            with servers.llama_server(binary, gguf, b, context, torch_threads(), spec, log) as base:
-                run = run_http(base, prompts, max_new, b)
+            run = self._on_llama_server(method, b, prompts, max_new)
         else:
             draft = "none" if method.endswith("-none") else None
             if draft not in self.ours:
@@ -211,9 +209,24 @@ class ServedPeers:
             else:
                 run = run_http(base, prompts, max_new, b, tenant)
         row = served_row(method, dataset, b, run, reference, method not in LLAMA_SERVER)
+        row.note = self.no_repack if method in LLAMA_SERVER else None
         plain = method.endswith("-none") or method in LLAMA_SERVER
         row.versus = ("none" if plain else "lookahead-adaptive") + WEIGHTS_SUFFIX[self.weights]
         return row
+
+    def _on_llama_server(self, method: str, b: int, prompts: list[list[int]], max_new: int) -> ServedRun:
+        """llama-server with `b` slots for the run (restarted with --no-repack where it crashes:
+        `servers.run_on_llama_server`; `PeerFailed` where it fails both ways)."""
+        assert self.llama_server is not None
+        binary, gguf = self.llama_server
+        context = max(map(len, prompts)) + max_new + 16
+        log = self.logs / f"{method}-b{b}.log"
+        server = servers.LlamaServer(
+            binary, gguf, b, context, torch_threads(), method.endswith("ngram"), log, self.no_repack is not None
+        )
+        run, note = servers.run_on_llama_server(server, lambda base: run_http(base, prompts, max_new, b))
+        self.no_repack = self.no_repack or note
+        return run
 
     def close(self) -> None:
         self.stack.close()

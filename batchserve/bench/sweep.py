@@ -10,13 +10,15 @@ every finished row), and DIR/throughput.png at the end.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from batchserve.bench.crashes import PeerFailed, peer_notes
+from batchserve.bench.llamacpp_child import LlamaCppChild, load_llamacpp
 from batchserve.bench.load import poisson_arrivals
 from batchserve.bench.methods import (
     KEEP,
@@ -31,7 +33,7 @@ from batchserve.bench.methods import (
     pick_run,
 )
 from batchserve.bench.near_ties import divergences, judge
-from batchserve.bench.peers import PeerRun, load_llamacpp, run_hf, run_hf_batch, run_llamacpp
+from batchserve.bench.peers import PeerRun, run_hf, run_hf_batch
 from batchserve.bench.plots import plot
 from batchserve.bench.report import save_results, write_report
 from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
@@ -58,21 +60,35 @@ class _Sweep:
     cost_profiles: dict[tuple[str, str], CostProfile]
     bar: Any
     gguf: Path | None = None  # the engine's GGUF file, for the llamacpp peer
-    # llama.cpp loaded, with the engine's stop ids; `llamacpp_rounds`: it runs at batch 1 in the
-    # batchserve methods' rounds, `repeats` times (its speed moves with the machine's as theirs do)
-    llamacpp: tuple[Any, frozenset[int]] | None = None
+    # llama.cpp's child process, with the engine's stop ids; `llamacpp_rounds`: it runs at batch 1 in
+    # the batchserve methods' rounds, `repeats` times (its speed moves with the machine's as theirs do)
+    llamacpp: tuple[LlamaCppChild, frozenset[int]] | None = None
     llamacpp_rounds: bool = False
     on_device: bool = False  # the engine runs on a GPU: each method is judged against its own `none`
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
     rows: list[Row] = field(default_factory=list)  # the finished rows, in the order they finished
     write: Callable[[list[Row]], None] | None = None  # results.json and report.md of the rows so far
     served: ServedPeers | None = None  # the served rows' servers (bench/served.py)
+    failures: list[str] = field(default_factory=list)  # the peers that failed on both of llama.cpp's kernels
 
     def add(self, row: Row) -> None:
         """A finished row: kept, and everything finished so far written out."""
         self.rows.append(row)
         if self.write is not None:
             self.write(self.rows)
+
+    def fail(self, method: str, dataset: str, error: PeerFailed) -> None:
+        """A peer's run that failed: said now and in the report, and the sweep goes on."""
+        self.failures.append(f"`{method}` on {dataset} failed: {error}.")
+        tqdm.write(self.failures[-1])
+        if self.write is not None:
+            self.write(self.rows)
+
+    def close(self) -> None:
+        """Stop llama.cpp's child process, if one runs (the next dataset's starts its own)."""
+        if self.llamacpp is not None:
+            self.llamacpp[0].close()
+            self.llamacpp = None
 
 
 def _peer_rows(
@@ -82,7 +98,7 @@ def _peer_rows(
     that run at batch 1 add their rows as each finishes. Structured output: no peer runs (they do
     not constrain; each method checks against its own weights' plain decoding, constrained alike)."""
     eos, first, none = s.tokenizer.eos_token_id, prompts[:num_prompts], [[] for _ in prompts]
-    s.llamacpp = None  # the last dataset's
+    s.close()  # the last dataset's llama.cpp
     judged = _needs_hf(s.methods, s.on_device)
     if constrained or not (judged or set(s.methods) & set(SINGLE)):
         return none
@@ -108,8 +124,8 @@ def _peer_rows(
         s.bar.update(1)
     if "llamacpp" in s.methods and s.gguf is not None:  # a context for this dataset's longest prompt
         s.llamacpp = load_llamacpp(s.gguf, prompts, s.max_new), eos_token_ids(s.ref_model, s.tokenizer)
-        if not s.llamacpp_rounds:
-            s.add(_llamacpp_row(s, dataset, first, reference))
+        if not s.llamacpp_rounds and (row := _llamacpp_row(s, dataset, first, reference)):
+            s.add(row)
     return reference or none
 
 
@@ -123,15 +139,21 @@ def _peer_row(
     return make_row(method, dataset, b, outs, secs, ttfts, tpots, tokens_per_step, lossless, decode)
 
 
-def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: list[list[int]]) -> Row:
-    """One run of llama.cpp greedy over the prompts, one at a time; how many equal HF's."""
+def _llamacpp_row(s: _Sweep, dataset: str, prompts: list[list[int]], reference: list[list[int]]) -> Row | None:
+    """One run of llama.cpp greedy over the prompts, one at a time; how many equal HF's. None:
+    it failed on both of llama.cpp's kernels (`s.fail` says why)."""
     assert s.llamacpp is not None
-    llm, stop = s.llamacpp
-    run = run_llamacpp(llm, prompts, s.max_new, stop, f"{dataset} llamacpp")
+    peer, stop = s.llamacpp
+    s.bar.update(1)
+    try:
+        run = peer.run(prompts, s.max_new, stop, f"{dataset} llamacpp")
+    except PeerFailed as e:
+        s.fail("llamacpp", dataset, e)
+        return None
     row = _peer_row("llamacpp", dataset, 1, run, 1.0, None)
     outs, *_ = run
     row.reference_matches = sum(o == r for o, r in zip(outs, reference))
-    s.bar.update(1)
+    row.note = peer.note  # it ran on llama.cpp's fallback kernels
     return row
 
 
@@ -215,8 +237,8 @@ def _batch_rows(
     runs: dict[str, list[Row]] = {}
     with_llamacpp = s.llamacpp_rounds and s.llamacpp is not None and b == 1 and rate is None
     for _ in range(s.repeats):
-        if with_llamacpp:
-            runs.setdefault("llamacpp", []).append(_llamacpp_row(s, dataset, prompts, reference))
+        if with_llamacpp and (row := _llamacpp_row(s, dataset, prompts, reference)):
+            runs.setdefault("llamacpp", []).append(row)
         for m in s.methods:
             if batchserve_method(m) is not None:
                 row = _batchserve_row(s, dataset, b, m, prompts, reference, work, rate)
@@ -224,8 +246,7 @@ def _batch_rows(
                 if s.repeats == 1:
                     s.add(row)
         for m in s.methods:  # after the in-process rows: their plain decoding is the served rows' reference
-            if m in SERVED + LLAMA_SERVER and rate is None:
-                row = _served_row(s, dataset, b, m, prompts, work)
+            if m in SERVED + LLAMA_SERVER and rate is None and (row := _served_row(s, dataset, b, m, prompts, work)):
                 runs.setdefault(m, []).append(row)
                 if s.repeats == 1:
                     s.add(row)
@@ -234,14 +255,19 @@ def _batch_rows(
             s.add(pick_run(rs, s.keep))
 
 
-def _served_row(s: _Sweep, dataset: str, b: int, method: str, prompts: list[list[int]], work: Workload) -> Row:
-    """A served method's run at b in flight, against the in-process plain decoding of make serve's weights."""
+def _served_row(s: _Sweep, dataset: str, b: int, method: str, prompts: list[list[int]], work: Workload) -> Row | None:
+    """A served method's run at b in flight, against the in-process plain decoding of make serve's
+    weights. None: llama-server failed on both of llama.cpp's kernels (`s.fail` says why)."""
     assert s.served is not None
     own = s.own_references.get((s.served.weights, (dataset, b, None)))
     # The server streams text without special tokens (the end-of-sequence one included).
     reference = [s.tokenizer.decode(o, skip_special_tokens=True) for o in own] if own is not None else None
-    row = s.served.row(method, dataset, b, prompts, s.max_new, work.warm, reference)
     s.bar.update(1)
+    try:
+        row = s.served.row(method, dataset, b, prompts, s.max_new, work.warm, reference)
+    except PeerFailed as e:
+        s.fail(method, dataset, e)
+        return None
     s.bar.set_postfix_str(f"{dataset} {method} b={b}: {row.tokens_per_s} tok/s")
     return row
 
@@ -308,12 +334,13 @@ def run(
     by_kernels = {"-".join(str(k) for k in kernels if k): p for kernels, p in profiles.items()}
 
     def write(rows: list[Row]) -> None:
+        said = "\n\n".join(filter(None, (skipped, *peer_notes(rows, s.failures))))  # and llama.cpp's crashes
         save_results(rows, out_dir)
-        write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, skipped, by_kernels)
+        write_report(rows, out_dir, num_prompts, max_new, decoding_length, repeats, keep, waves, said, by_kernels)
 
     s.write = write
     write(s.rows)  # the header and the cost profiles before the first row
-    with s.served or nullcontext():  # every server started is stopped, however the sweep ends
+    with s.served or nullcontext(), closing(s):  # every server and child started is stopped, however it ends
         for dataset in datasets:
             _dataset_rows(s, dataset, num_prompts, count, rates)
     bar.close()

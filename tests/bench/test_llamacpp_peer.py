@@ -1,18 +1,23 @@
-"""The `llamacpp` bench peer on a fake `llama_cpp` module: its settings, its loop, its report row."""
+"""The `llamacpp` bench peer on a fake `llama_cpp` module and fake children (`llama_fakes`): its
+settings, its loop, its report row, and the sweep going on where llama.cpp crashes."""
 
 from __future__ import annotations
 
 import json
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
 
-from batchserve.bench.peers import LLAMACPP_MISSING, llamacpp_gguf, load_llamacpp, run_llamacpp
+from batchserve.bench.llamacpp_child import load_llamacpp, make_llama
+from batchserve.bench.peers import LLAMACPP_MISSING, PeerRun, llamacpp_gguf, run_llamacpp
+from tests.bench import llama_fakes
 
 
 class FakeLlama:
@@ -67,12 +72,15 @@ def test_llama_cpp_gets_the_gguf_the_threads_and_room_for_prompt_and_output(
     fake_llama_cpp: type[FakeLlama], tmp_path: Path
 ) -> None:
     gguf = tmp_path / "m.gguf"
-    load_llamacpp(gguf, [[1] * 30, [1] * 50], 16)
+    peer = load_llamacpp(gguf, [[1] * 30, [1] * 50], 16)
+    assert peer.load is make_llama and peer.settings.extra_bufts  # llama.cpp's own kernels first
+    make_llama(peer.settings)  # what the child runs to load (here in this process, on the fake module)
     (llm,) = fake_llama_cpp.made
     threads = torch.get_num_threads()
     assert llm.kwargs["model_path"] == str(gguf) and llm.kwargs["n_ctx"] == 50 + 16
     assert llm.kwargs["n_threads"] == llm.kwargs["n_threads_batch"] == threads
     assert llm.kwargs["n_batch"] == 512 and llm.kwargs["verbose"] is False and llm.kwargs["logits_all"] is False
+    assert "use_extra_bufts" not in llm.kwargs
 
 
 def test_peer_runs_only_on_a_gguf_with_llama_cpp_importable(
@@ -98,7 +106,7 @@ def _tiny_sweep(
     **options: Any,
 ) -> list[dict[str, Any]]:
     """The bench sweep with `methods` at batch 1 on two prompts, without a real model: the tiny
-    model, a fixed HF reference, and whatever `llama_cpp` the test installed."""
+    model, a fixed HF reference, and whatever `llama_cpp` (and llama.cpp loader) the test installed."""
     from batchserve import runner
     from batchserve.bench import sweep
 
@@ -112,6 +120,13 @@ def _tiny_sweep(
     return json.loads((tmp_path / "out" / "results.json").read_text())
 
 
+def _children_load(monkeypatch: pytest.MonkeyPatch, loader: Any) -> None:
+    """The sweep's llamacpp child loads with `loader` (one of `llama_fakes`) instead of llama-cpp-python."""
+    from batchserve.bench import sweep
+
+    monkeypatch.setattr(sweep, "load_llamacpp", partial(load_llamacpp, load=loader))
+
+
 def test_sweep_puts_the_llamacpp_row_beside_hf_in_the_report(
     fake_llama_cpp: type[FakeLlama],
     monkeypatch: pytest.MonkeyPatch,
@@ -119,15 +134,49 @@ def test_sweep_puts_the_llamacpp_row_beside_hf_in_the_report(
     tiny_model: Any,
     tiny_tokenizer: Any,
 ) -> None:
+    _children_load(monkeypatch, llama_fakes.fine)
     rows = {r["method"]: r for r in _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer)}
     row = rows["llamacpp"]
     assert row["batch_size"] == 1 and row["num_prompts"] == 2 and row["output_tokens"] == 8
     assert row["lossless"] is None and row["reference_matches"] == 1  # the fake's 10, 11, ... is prompt 1's
-    (llm,) = fake_llama_cpp.made
-    assert [ids for ids, _ in llm.calls] == [[1, 2], [3, 4, 5]]
+    assert row["note"] is None
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| llamacpp | 1 |" in report and "| hf | 1 |" in report
     assert "sequential" in report and "equals HF greedy on 1 of 2 prompts" in report
+    assert "AMX" not in report
+
+
+def test_sweep_reruns_a_llamacpp_killed_by_sigill_on_the_fallback_kernels_and_says_so(
+    fake_llama_cpp: type[FakeLlama],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model: Any,
+    tiny_tokenizer: Any,
+) -> None:
+    _children_load(monkeypatch, llama_fakes.sigill_on_default_kernels)
+    rows = {r["method"]: r for r in _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer)}
+    row = rows["llamacpp"]
+    note = "llama.cpp's AMX/repacked kernels crashed (SIGILL); rerun with use_extra_bufts=False"
+    assert row["output_tokens"] == 8 and row["reference_matches"] == 1 and row["note"] == note
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"`llamacpp` on humaneval: {note}." in report and "| llamacpp | 1 |" in report
+
+
+def test_sweep_goes_on_where_llamacpp_fails_both_ways_and_says_why(
+    fake_llama_cpp: type[FakeLlama],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model: Any,
+    tiny_tokenizer: Any,
+) -> None:
+    _children_load(monkeypatch, llama_fakes.crashes_both_ways)
+    methods = ("hf", "llamacpp", "none")
+    rows = _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer, methods, repeats=2)
+    assert sorted(r["method"] for r in rows) == ["hf", "none"]  # the rows after it ran
+    report = (tmp_path / "out" / "report.md").read_text()
+    why = "llamacpp crashed (SIGILL) on its default kernels, and crashed (SIGSEGV) with use_extra_bufts=False"
+    assert report.count(f"`llamacpp` on humaneval failed: {why}.") == 1  # once, though each round ran into it
+    assert "| none | 1 |" in report and "| llamacpp |" not in report
 
 
 def test_sweep_without_llama_cpp_skips_the_peer_and_says_how_to_install_it(
@@ -164,16 +213,13 @@ def test_repeated_sweep_runs_llamacpp_in_the_rounds_at_batch_1_and_keeps_the_med
         order.append(method)
         return make_row(method, dataset, b, [[1, 2]] * len(prompts), next(speeds), [0.1], [0.1], 1.0, True)
 
-    def logged_llamacpp(llm: Any, prompts: list[list[int]], *args: Any) -> Any:
-        order.append("llamacpp")
-        return run_llamacpp(llm, prompts, *args)
-
+    peers: list[_InProcessPeer] = []
     monkeypatch.setattr(sweep, "_batchserve_row", fake_row)
-    monkeypatch.setattr(sweep, "run_llamacpp", logged_llamacpp)
+    monkeypatch.setattr(sweep, "load_llamacpp", lambda *args: peers.append(_InProcessPeer(order)) or peers[-1])
     methods = ("hf", "llamacpp", "none")
     rows = _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer, methods, repeats=3, keep="median")
     assert order == ["llamacpp", "none"] * 3  # in rounds, never all of one engine first
-    assert len(fake_llama_cpp.made) == 1  # loaded once for the dataset
+    assert len(peers) == 1 and peers[0].closed  # loaded once for the dataset, stopped at the end
     assert sorted(r["method"] for r in rows) == ["hf", "llamacpp", "none"]  # one row each
     (ours,) = [r for r in rows if r["method"] == "none"]
     assert ours["seconds"] == 2.0  # the median of 4, 1 and 2 seconds
@@ -181,3 +227,48 @@ def test_repeated_sweep_runs_llamacpp_in_the_rounds_at_batch_1_and_keeps_the_med
     report = (tmp_path / "out" / "report.md").read_text()
     assert "the llamacpp row where batch 1 is swept, is the median of 3 runs" in report
     assert "Every run's tokens/s, in round order: llamacpp b=1: " in report and "; none b=1: 1.0, 4.0, 2.0." in report
+
+
+@dataclass
+class _InProcessPeer:
+    """The llamacpp child's interface, run here on a FakeLlama: the sweep's rounds under test, not the child."""
+
+    order: list[str]
+    llm: FakeLlama = field(default_factory=FakeLlama)
+    note: str | None = None
+    closed: bool = False
+
+    def run(self, prompts: list[list[int]], max_new: int, stop: Collection[int], desc: str) -> PeerRun:
+        self.order.append("llamacpp")
+        return run_llamacpp(self.llm, prompts, max_new, stop, desc)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("mode", ["request", "always"])
+def test_sweep_reports_llama_server_restarted_with_no_repack_or_failed_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Any, tiny_tokenizer: Any, mode: str
+) -> None:
+    from batchserve.bench import sweep
+    from batchserve.bench.served import ServedPeers
+
+    binary, _ = llama_fakes.fake_llama_server(tmp_path, mode)
+    monkeypatch.setenv("LLAMA_SERVER", str(binary))
+    # our server's weights choice reads the GGUF: this one is empty, and only llama-server is served
+    monkeypatch.setattr(
+        sweep, "served_peers", lambda m, path, e, b, logs, peer: ServedPeers(path, "q4_1", 16, logs, peer)
+    )
+    rows = {
+        r["method"]: r for r in _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer, ("hf", "llama-server"))
+    }
+    report = (tmp_path / "out" / "report.md").read_text()
+    if mode == "request":
+        note = "llama.cpp's AMX/repacked kernels crashed (SIGILL) while serving; restarted with --no-repack"
+        assert rows["llama-server"]["output_tokens"] == 4 and rows["llama-server"]["note"] == note
+        assert f"`llama-server` on humaneval: {note}." in report
+    else:
+        assert list(rows) == ["hf"]
+        assert (
+            "`llama-server` on humaneval failed: llama-server crashed (SIGILL) while serving on its default" in report
+        )

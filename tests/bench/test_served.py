@@ -1,14 +1,20 @@
-"""Served rows: the bench's HTTP and gRPC clients against a running server (the tiny model)."""
+"""Served rows: the bench's HTTP and gRPC clients against a running server (the tiny model), and
+llama-server (a fake one, `llama_fakes`) restarted with --no-repack where it crashes."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from batchserve import SamplingParams
 from batchserve.bench import served, servers
+from batchserve.bench.crashes import PeerFailed
+from tests.bench.llama_fakes import fake_llama_server
 from tests.conftest import make_ascii_model
 from tests.server.conftest import start_server, tiny_core
 
@@ -103,3 +109,63 @@ def test_the_report_sets_served_rows_against_the_same_settings_in_process():
         "| served-grpc-none | 1 | 120.0 | none-q4 | 150.0 | 0.80x | 0.100 | 0.100 | 10.0 | 10.0 |",
         "| llama-server | 1 | 90.0 | served-http | 180.0 | 0.50x | 0.100 | 0.100 | 10.0 | 10.0 |",
     ]  # served-http at 16 has no in-process row to stand against: left out
+
+
+def _llama_server_peers(tmp_path: Path, mode: str) -> tuple[served.ServedPeers, Path]:
+    """ServedPeers with a fake llama-server that crashes as `mode` says; the file listing its starts."""
+    binary, starts = fake_llama_server(tmp_path, mode)
+    gguf = tmp_path / "m.gguf"
+    gguf.touch()
+    return served.ServedPeers(None, "float32", 16, tmp_path / "logs", (str(binary), gguf)), starts
+
+
+PROMPTS = [[1, 2], [3, 4], [5]]
+
+
+@pytest.mark.parametrize(("mode", "stage"), [("request", "while serving"), ("start", "before it was ready")])
+def test_llama_server_killed_by_sigill_restarts_with_no_repack_and_the_rows_say_so(
+    tmp_path: Path, mode: str, stage: str
+) -> None:
+    peers, starts = _llama_server_peers(tmp_path, mode)
+    with peers:
+        row = peers.row("llama-server", "humaneval", 2, PROMPTS, 4, [], None)
+        later = peers.row("llama-server-ngram", "humaneval", 2, PROMPTS, 4, [], None)
+    assert row.num_prompts == 3 and row.output_tokens == 6 and later.output_tokens == 6  # "ab" each
+    note = f"llama.cpp's AMX/repacked kernels crashed (SIGILL) {stage}; restarted with --no-repack"
+    assert row.note == later.note == note
+    started = starts.read_text().splitlines()
+    assert ["--no-repack" in s for s in started] == [False, True, True]  # later starts take it at once
+    assert "--spec-type" in started[2]
+    assert (tmp_path / "logs" / "llama-server-b2-no-repack.log").is_file()
+
+
+def test_llama_server_failing_both_ways_raises_with_both_reasons_without_hanging(tmp_path: Path) -> None:
+    peers, starts = _llama_server_peers(tmp_path, "always")
+    t0 = time.monotonic()
+    with peers, pytest.raises(PeerFailed) as failed:
+        peers.row("llama-server", "humaneval", 2, PROMPTS, 4, [], None)
+    assert time.monotonic() - t0 < 60
+    assert str(failed.value).startswith(
+        "llama-server crashed (SIGILL) while serving on its default kernels, "
+        "and crashed (SIGILL) while serving with --no-repack (logs: "
+    )
+    assert ["--no-repack" in s for s in starts.read_text().splitlines()] == [False, True]
+    assert peers.no_repack is None
+
+
+def test_llama_server_that_exits_without_a_signal_is_not_restarted(tmp_path: Path) -> None:
+    peers, starts = _llama_server_peers(tmp_path, "exit")
+    with peers, pytest.raises(PeerFailed, match=r"^llama-server exited with status 3 before it was ready$"):
+        peers.row("llama-server", "humaneval", 1, PROMPTS, 4, [], None)
+    assert len(starts.read_text().splitlines()) == 1
+
+
+def test_a_server_that_dies_while_serving_says_so(tmp_path: Path) -> None:
+    binary, _ = fake_llama_server(tmp_path, "request")
+    server = servers.LlamaServer(str(binary), tmp_path / "m.gguf", 1, 64, 1, False, tmp_path / "log.txt")
+    with pytest.raises(servers.ServerDied, match=r"crashed \(SIGILL\) while serving") as died:
+        with servers.llama_server(server) as base:
+            served.run_http(base, PROMPTS, 4, 1)
+    assert died.value.returncode == -4 and died.value.reason == "crashed (SIGILL) while serving"
+    with servers.llama_server(replace(server, no_repack=True)) as base:
+        assert served.run_http(base, PROMPTS, 4, 1).texts == ["ab"] * 3
