@@ -1,6 +1,6 @@
 """The CPU product kernels on SmolLM2's shapes, by rows per call: ms for one step's products.
 
-    .venv/bin/python benchmarks/quant_products.py [--rows 1,2,4,8,16,32,64] [--repeats 5]
+    .venv/bin/python benchmarks/quant_products.py [--rows 1,2,4,8,16,32,64] [--repeats 5] [--kernels bf16,bfloat16]
 
 Layers: 30 x (q|k|v 960x576, o 576x576, gate|up 3072x576, down 576x1536) on random weights of
 each format; head: the 49152x576 LM head. Each kernel runs every layer once per repeat (the
@@ -9,7 +9,10 @@ weights do not fit the caches, as in a real step); the median is printed. Kernel
 - `q4_1` ours (batchserve/kernels/csrc/quant_gemm.cpp), int8 activations; `q8_0` ours for the head;
 - `int8pack` torch's `_weight_int8pack_mm` (int8 per output channel: not the file's blocks, a
   reference point only);
-- `float32` oneDNN prepacked, and `bfloat16` oneDNN prepacked where this CPU has it."""
+- `float32` oneDNN prepacked, and `bfloat16` oneDNN prepacked where this CPU has it;
+- `bf16` ours over the same bfloat16 weights (batchserve/kernels/csrc/bf16_gemm.cpp:
+  AVX512-BF16's dot products where the CPU has them, else bfloat16 widened to float32 FMAs on
+  AVX-512F or AVX2), invariant by construction."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from batchserve import kernels
+from batchserve.model.bf16 import KernelBf16Linear
 from batchserve.model.int4 import Int4Linear
 from batchserve.model.layers import Bf16Linear, PackedLinear, bf16_prepack_available
 from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Linear, random_q4_1
@@ -62,6 +66,7 @@ def builders() -> dict[str, Callable[[int, int, torch.Generator], nn.Module]]:
     if kernels.available():
         made["q4_1"] = lambda n, k, g: Q4Linear(*random_q4_1(n, k, g), None, (n,))
         made["q8_0"] = _q8
+        made["bf16"] = lambda n, k, g: KernelBf16Linear(_linear(n, k, g))
     if bf16_prepack_available():
         made["bfloat16"] = lambda n, k, g: Bf16Linear(_linear(n, k, g))
     return made
@@ -82,13 +87,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kernels", default="", help="comma-separated kernel names (default: all that run here)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     print("| kernel | part | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|---|" + "---|" * len(rows))
+    chosen = set(args.kernels.split(",")) - {""}
     for name, build in builders().items():
+        if chosen and name not in chosen:
+            continue
         parts = {"head": [build(*HEAD, gen)]}
         if name != "q8_0":  # ours for the head only
             parts = {"layers": [build(n, k, gen) for _ in range(30) for n, k in LAYER_SHAPES], **parts}

@@ -1,13 +1,14 @@
-"""Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp) and
-paged attention (attention.cpp), compiled for this CPU on first use and loaded as an extension module (bindings.cpp).
+"""Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp), over
+bfloat16 weights (bf16_gemm.cpp) and paged attention (attention.cpp), compiled for this CPU on
+first use and loaded as an extension module (bindings.cpp).
 
 The library is built once per source, compiler and CPU with `g++ -O3 -march=native -fopenmp`
 ($CXX overrides the compiler) into $BATCHSERVE_CACHE_DIR/kernels (else ~/.cache/batchserve/
 kernels), which takes a few seconds; `make setup` builds it ahead. Its OpenMP calls resolve to
 the runtime torch already loaded (the same soname), so its threads are torch's threads. Where it
 cannot be built (no compiler, a CPU without AVX2, FMA and F16C), `available()` is False and
-`unavailable_reason()` says why: the Q4_1 weights then run on torch's int4 kernel, and attention
-on the torch-op backends."""
+`unavailable_reason()` says why: the Q4_1 weights then run on torch's int4 kernel, bfloat16
+products on oneDNN's (where its check passes), and attention on the torch-op backends."""
 
 from __future__ import annotations
 
@@ -125,6 +126,35 @@ def q8_0_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tens
     y = torch.empty(rows, n)
     threads = torch.get_num_threads()
     library().q8_0_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), threads)
+    return y
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (any float dtype: rounded to bfloat16) -> `bf16_linear`'s layout, 1-D
+    bfloat16 (opaque: the column grouping follows the kernel this CPU compiled, csrc/bf16_gemm.cpp)."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.bfloat16).contiguous()  # [N, K]
+    lib = library()
+    packed = torch.empty(int(lib.bf16_packed_size(n, k)), dtype=torch.bfloat16)
+    lib.bf16_pack(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def bf16_columns() -> int:
+    """Output columns a group of `bf16_pack`'s layout holds: 16 where the kernel was compiled for
+    AVX-512 (with AVX512-BF16's dot products or without), 8 for AVX2."""
+    return int(library().bf16_columns())
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [T, K] float32 (contiguous), rounded to bfloat16, times a `bf16_pack`ed weight [N, K]
+    transposed -> [T, N] in `out_dtype` (float32, or bfloat16 rounded from the float32 sums)."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"bf16_linear writes float32 or bfloat16, not {out_dtype}")
+    rows, k = x.shape
+    y = torch.empty(rows, n, dtype=out_dtype)
+    narrow = int(out_dtype == torch.bfloat16)
+    library().bf16_linear(x.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(), narrow, torch.get_num_threads())
     return y
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from batchserve import kernels
+from batchserve.model.bf16 import KernelBf16Linear, kernel_bf16_variance, our_bf16_here
 from batchserve.model.fused import KernelDecoderLayers, why_not_fused
 from batchserve.model.int4 import (
     Int4Linear,
@@ -39,8 +40,11 @@ __all__ = [
     "Q4_1_MAX_SEATS",
     "SUPPORTED_ARCHITECTURES",
     "Bf16Linear",
+    "KernelBf16Linear",
     "NativeLlamaForCausalLM",
     "WeightsChoice",
+    "bf16_fast_here",
+    "bf16_layer_class",
     "bf16_products_here",
     "choose_cpu_weights",
     "choose_impl",
@@ -71,11 +75,11 @@ def choose_impl(
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
     transformers elsewhere. On CPU the native model's linear layers are `PackedLinear`
     (batch-invariant) unless `cpu_linear` is `torch` (torch's own kernels: its int4 one for
-    `q4_1`); with `cpu_weights=bfloat16` every product is
-    a `Bf16Linear`; with `q4_1` the layers' products are the GGUF file at `path`'s own Q4_1
-    blocks on our kernel (`Q4Linear`, the head a `Q8Linear` over the file's Q8_0 blocks), or
-    where it cannot run on torch's int4 kernel (`Int4Linear`, the head a `Bf16Linear` where
-    bfloat16 runs invariantly); `auto`
+    `q4_1`); with `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel),
+    or where ours cannot be built oneDNN's `Bf16Linear`; with `q4_1` the layers' products are the
+    GGUF file at `path`'s own Q4_1 blocks on our kernel (`Q4Linear`, the head a `Q8Linear` over
+    the file's Q8_0 blocks), or where it cannot run on torch's int4 kernel (`Int4Linear`, the head
+    in bfloat16 where that runs invariantly and fast: `bf16_fast_here`); `auto`
     takes what `choose_cpu_weights` says for a server of `max_num_seqs` seats. The native model's
     `cpu_weights` names what was chosen.
     A native model handed in (one engine's, reused by another: the bench and `tune` build many
@@ -103,13 +107,14 @@ def choose_impl(
             _load_q4_1(native, path, ours=cpu_linear != "torch" and our_q4_here())
         native.cpu_weights = weights if on_cpu else "-"
         if weights == "bfloat16":
-            pack_linears(native, Bf16Linear)
+            pack_linears(native, KernelBf16Linear if our_bf16_here() else Bf16Linear)
             if loaded_from_path:
                 _load_q8_embedding(native, path)
         elif on_cpu and cpu_linear != "torch" and prepack_available():
             # Beside Q4_1 layers, the LM head (and any product the file does not store as Q4_1)
             # in bfloat16 where it runs invariantly: half float32's bytes, 2x its speed.
-            pack_linears(native, Bf16Linear if weights == "q4_1" and bf16_products_here() else PackedLinear)
+            bf16 = bf16_layer_class() if weights == "q4_1" and bf16_fast_here() else None
+            pack_linears(native, bf16 or PackedLinear)
         if weights == "q4_1" and why_not_fused(native.layers) is None:  # last: it holds the weights' addresses
             native.fused_layers = KernelDecoderLayers(native.layers)
         return native
@@ -156,12 +161,12 @@ def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
       alike (measured on both: benchmarks/README.md);
     - where only torch's int4 kernel runs (vectorized and invariant), `q4_1` up to
       Q4_1_MAX_SEATS seats, or at any count where bfloat16 products do not run: its cost grows by
-      4-row blocks, so past 2 seats bfloat16 wins where it runs.
-    Otherwise `bfloat16` where it runs invariantly, else `float32`."""
+      4-row blocks, so past 2 seats bfloat16 wins where it runs fast.
+    Otherwise `bfloat16` where it runs invariantly and fast (`bf16_fast_here`), else `float32`."""
     if not on_cpu:
         return WeightsChoice("float32", "not on the CPU: the model keeps its dtype")
     q4_file = _is_q4_1_gguf(gguf_path)
-    bf16 = bf16_products_here()
+    bf16 = bf16_fast_here()
     if q4_file and our_q4_here():
         return WeightsChoice(
             "q4_1", "the file's Q4_1 blocks on our kernels: the fastest format at every seat count on AVX2 and AVX-512"
@@ -178,8 +183,9 @@ def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
             why = "no fast Q4_1 kernel here"
         else:
             why = f"torch's int4 kernel loses to them past {Q4_1_MAX_SEATS} seats"
-        return WeightsChoice("bfloat16", f"bfloat16 products run invariantly here; {why}")
-    return WeightsChoice("float32", "no Q4_1 kernel and no invariant bfloat16 products here")
+        kernel = "our kernel" if bf16_layer_class() is KernelBf16Linear else "oneDNN's"
+        return WeightsChoice("bfloat16", f"bfloat16 products run invariantly and fast here ({kernel}); {why}")
+    return WeightsChoice("float32", "no Q4_1 kernel and no invariant bfloat16 products faster than float32 here")
 
 
 def _is_q4_1_gguf(gguf_path: str | None) -> bool:
@@ -192,16 +198,42 @@ def _is_q4_1_gguf(gguf_path: str | None) -> bool:
     return gguf_file is not None and gguf_has_q4_1(directory / gguf_file)
 
 
+def bf16_layer_class() -> type[KernelBf16Linear] | type[Bf16Linear] | None:
+    """The layer bfloat16 products run invariantly on here: ours (`KernelBf16Linear`, invariant by
+    construction) wherever our kernels build, else oneDNN's prepacked `Bf16Linear` where this CPU
+    has it and its check passes (AMX tiles rows: it fails there); None where neither."""
+    if our_bf16_here():
+        return KernelBf16Linear
+    if bf16_prepack_available() and packed_products_invariant(Bf16Linear):
+        return Bf16Linear
+    return None
+
+
 def bf16_products_here() -> bool:
-    """Whether this CPU runs prepacked bfloat16 products (AVX-512) batch-invariantly."""
-    return bf16_prepack_available() and packed_products_invariant(Bf16Linear)
+    """Whether bfloat16 products run batch-invariantly here (`bf16_layer_class`)."""
+    return bf16_layer_class() is not None
+
+
+def bf16_fast_here() -> bool:
+    """Whether bfloat16 products run invariantly here and clearly beat float32's, for `auto` to
+    take them: oneDNN's (AVX-512), or ours compiled for AVX-512 (16 columns a group: AVX512-BF16's
+    dot products, or widening to float32 FMAs on AVX-512F), 1.1x to 2.9x oneDNN's float32 at 1 to
+    64 rows. Ours on AVX2 runs (`cpu_weights=bfloat16` takes it), but was measured only with
+    oneDNN held to AVX2 on an AVX-512 CPU: 1.8x float32 at 1-2 rows, even from 4 rows on; on
+    Intel's AVX2 cores its widening shares the FMA ports, so `auto` keeps float32 there."""
+    layer = bf16_layer_class()
+    return layer is Bf16Linear or (layer is KernelBf16Linear and kernels.bf16_columns() == 16)
 
 
 def _check_bf16(on_cpu: bool, impl: str, unsupported: str | None, cpu_linear: str, dtype: torch.dtype) -> None:
     if not on_cpu or impl == "transformers" or unsupported is not None or dtype != torch.float32:
         raise ValueError("cpu_weights=bfloat16 needs the native model on CPU, loaded in float32")
-    if cpu_linear == "torch" or not bf16_prepack_available():
-        raise ValueError("cpu_weights=bfloat16 needs oneDNN's prepacked bfloat16 products (avx512 or avx_ne_convert)")
+    if cpu_linear == "torch" or not (our_bf16_here() or bf16_prepack_available()):
+        ours = kernel_bf16_variance() or "not asked for: cpu_linear=torch"
+        raise ValueError(
+            f"cpu_weights=bfloat16 needs our bfloat16 kernel ({ours}) or oneDNN's prepacked bfloat16 products"
+            " (avx512 or avx_ne_convert)"
+        )
 
 
 def _load_q8_embedding(native: nn.Module, path: str | None) -> None:
@@ -239,13 +271,14 @@ def _load_q4_1(native: nn.Module, path: str | None, ours: bool) -> None:
         use_kernel_layers(native)  # norms and silu*up in one call each: beside our products only
 
 
-def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinear) -> bool:
+def pack_linears(model: nn.Module, layer_class: type[PackedLinear] | type[KernelBf16Linear] = PackedLinear) -> bool:
     """Swap every `nn.Linear` of `model` for a `layer_class` (`PackedLinear`: the same weights;
-    `Bf16Linear`: bfloat16 copies) in place. False (and nothing swapped) where oneDNN cannot
-    reorder the weights' dtype on this CPU (bfloat16 without avx512 or avx_ne_convert)."""
+    `Bf16Linear`, `KernelBf16Linear`: bfloat16 copies) in place. False (and nothing swapped)
+    where the layer cannot be built here (oneDNN's bfloat16 without avx512 or avx_ne_convert, ours
+    without our kernels)."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
-        if issubclass(layer_class, Bf16Linear):
+        if issubclass(layer_class, (Bf16Linear, KernelBf16Linear)):
             packed = {name: layer_class(m, product_out_dtype(name)) for name, m in linears}
         else:
             packed = {name: layer_class(m) for name, m in linears}
@@ -256,14 +289,16 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
     for name, layer in packed.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-    # Every product of the model is a packed layer's: batch-invariant where this CPU's oneDNN is.
-    # The activations between products must be float32 (the only dtype the invariant attention is
-    # checked in): a float32 model, whose Bf16Linear products enter bfloat16 and leave float32
-    # (o_proj and down_proj leave bfloat16 for the residual add alone, which widens it exactly).
+    # Every product of the model is a packed layer's: batch-invariant where this CPU's oneDNN is
+    # (ours: where its check passes, as it must). The activations between products must be float32
+    # (the only dtype the invariant attention is checked in): a float32 model, whose bfloat16
+    # products enter bfloat16 and leave float32 (o_proj and down_proj leave bfloat16 for the
+    # residual add alone, which widens it exactly).
     dtype = next(model.parameters()).dtype
+    ours_bf16 = issubclass(layer_class, KernelBf16Linear)
     model.batch_invariant_linears = (
         dtype == torch.float32
-        and packed_products_invariant(layer_class)
+        and (our_bf16_here() if ours_bf16 else packed_products_invariant(layer_class))
         and (not int4 or int4_products_invariant())
         and (not ours or quant_products_invariant())
     )
@@ -271,9 +306,10 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] = PackedLinea
 
 
 def uses_our_kernels(model: Any) -> bool:
-    """Whether the model's products run on our kernels (`Q4Linear`, `Q8Linear`): its costs, and
-    so its cost profile, differ from the same weights on torch's int4 kernel."""
-    return any(isinstance(m, (Q4Linear, Q8Linear)) for m in model.modules())
+    """Whether the model's products run on our kernels (`Q4Linear`, `Q8Linear`,
+    `KernelBf16Linear`): its costs, and so its cost profile, differ from the same weights on
+    torch's int4 kernel or oneDNN's."""
+    return any(isinstance(m, (Q4Linear, Q8Linear, KernelBf16Linear)) for m in model.modules())
 
 
 def has_invariant_linears(model: Any) -> bool:

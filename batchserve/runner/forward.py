@@ -41,6 +41,7 @@ _PRODUCTS = {
     "Q4Linear": "the file's Q4_1 blocks on our kernels",
     "Q8Linear": "Q8_0 blocks on our kernels",
     "Int4Linear": "the file's Q4_1 blocks on torch's int4 kernel",
+    "KernelBf16Linear": "bfloat16 copies on our kernel",
     "Bf16Linear": "bfloat16 copies on oneDNN's prepacked kernel",
     "PackedLinear": "float32 on oneDNN's prepacked kernel",
     "OneDNNLinear": "oneDNN's linear kernel, rows padded to buckets",
@@ -74,7 +75,8 @@ class ForwardChoice:
         attention = f"{self.attention.choice} attention"
         if self.impl.choice != "native":
             return f"transformers {self.weights.choice}, {attention}"
-        ours = " on our kernels" if "Q4Linear" in self.linear.choice or "Q8Linear" in self.linear.choice else ""
+        kinds = self.linear.choice.split("+")
+        ours = " on our kernels" if {"Q4Linear", "Q8Linear", "KernelBf16Linear"} & set(kinds) else ""
         return f"native {self.weights.choice} weights{ours}, {attention}"
 
     def parts(self) -> dict[str, Part]:

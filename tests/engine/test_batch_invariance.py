@@ -118,13 +118,14 @@ def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: An
 def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights, attention, monkeypatch):
     """The native model on each of its CPU weights: float32 (PackedLinear products), the GGUF's
     Q4_1 blocks on our kernels (Q4Linear, the head a Q8Linear) or on torch's int4 kernel
-    (Int4Linear), and bfloat16 copies (Bf16Linear); with our attention kernel, and with the
-    torch-op invariant attention."""
+    (Int4Linear), and bfloat16 copies (on our kernel, KernelBf16Linear, else oneDNN's Bf16Linear);
+    with our attention kernel, and with the torch-op invariant attention."""
     from batchserve import kernels
 
     if attention == "kernel" and not kernels.available():
         pytest.skip(f"our kernels cannot run here: {kernels.unavailable_reason()}")
     from batchserve.model import our_q4_here
+    from batchserve.model.bf16 import our_bf16_here
     from batchserve.model.int4 import Int4Linear, int4_available
     from batchserve.model.layers import bf16_prepack_available
     from batchserve.model.quant import Q4Linear, Q8Linear
@@ -135,8 +136,8 @@ def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompt
         if not int4_available():
             pytest.skip("this torch has no CPU int4 kernel")
         monkeypatch.setattr("batchserve.model.our_q4_here", lambda: False)  # as without a compiler
-    if weights == "bfloat16" and not bf16_prepack_available():
-        pytest.skip("oneDNN reorders no bfloat16 weights on this CPU")
+    if weights == "bfloat16" and not (our_bf16_here() or bf16_prepack_available()):
+        pytest.skip("neither our bfloat16 kernel nor oneDNN's runs on this CPU")
     kernel, weights = weights, weights.removesuffix("-int4")
     llm = _llm(*engine_model, "none", cpu_weights=weights, attention_backend=attention)
     layers = {type(m) for m in llm.engine.runner.model.modules()}
@@ -146,7 +147,8 @@ def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompt
         assert Int4Linear in layers and Q4Linear not in layers
     if attention == "kernel":  # invariant by construction: its start-up check must pass, no fallback
         assert llm.engine.attention_backend == "kernel"
-    if weights == "q4_1" and attention == "kernel":  # ours throughout: invariant by construction, on every CPU
+    ours = weights == "q4_1" or (weights == "bfloat16" and our_bf16_here())
+    if ours and attention == "kernel":  # ours throughout: invariant by construction, on every CPU
         assert llm.engine.batch_invariant, llm.engine.invariance_why
     if not llm.engine.batch_invariant:  # a third-party kernel: asserted through the start-up check only
         assert llm.engine.invariance_why, "a server that is not invariant says why"

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchserve.model import bf16_products_here, choose_impl, our_q4_here
+from batchserve.model import bf16_fast_here, bf16_layer_class, choose_impl, our_q4_here
+from batchserve.model.bf16 import KernelBf16Linear
 from batchserve.model.int4 import (
     Int4Linear,
     decode_q4_1,
@@ -17,7 +18,7 @@ from batchserve.model.int4 import (
     int4_products_invariant,
     unpermute_rows,
 )
-from batchserve.model.layers import Bf16Linear, PackedLinear
+from batchserve.model.layers import PackedLinear
 from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Embedding, Q8Linear
 from tests.conftest import make_tiny_model
 
@@ -127,7 +128,7 @@ def test_smollm2_runs_on_its_own_q4_1_blocks(kernel, monkeypatch):
         if kernel == "ours":
             assert isinstance(head, Q8Linear) and head.blocks is native.embed_tokens.blocks  # one copy
         else:  # bfloat16 where this CPU runs it invariantly (half float32's bytes), else float32
-            assert isinstance(head, Bf16Linear if bf16_products_here() else PackedLinear)
+            assert type(head) is (bf16_layer_class() if bf16_fast_here() else PackedLinear)
             assert {m.out_dtype for m in native.layers[3].modules() if isinstance(m, Int4Linear)} == {
                 torch.float32,
                 torch.bfloat16,  # o_proj and down_proj feed the residual add alone
@@ -172,7 +173,7 @@ def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_t
     if our_q4_here():
         assert expected == "q4_1"
         assert "our kernels" in llm.engine.forward.weights.why
-    elif bf16_products_here():
+    elif bf16_fast_here():
         assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and int4_fast_here() else "bfloat16")
     elif int4_fast_here():
         assert expected == "q4_1"
@@ -180,12 +181,13 @@ def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_t
     assert llm.engine.forward.name.startswith(f"native {expected} weights")
     layer_class = Q4Linear if our_q4_here() else Int4Linear
     assert any(isinstance(m, layer_class) for m in model.modules()) == (expected == "q4_1")
-    assert isinstance(model.layers[0].mlp.down_proj, Bf16Linear) == (expected == "bfloat16")
-    # The LM head: the file's Q8_0 blocks on our kernel; else bfloat16 wherever it runs invariantly.
+    bf16 = bf16_layer_class()  # ours where our kernels build, else oneDNN's where invariant
+    assert (type(model.layers[0].mlp.down_proj) is bf16) == (expected == "bfloat16")
+    # The LM head: the file's Q8_0 blocks on our kernel; else bfloat16 wherever it runs invariantly and fast.
     ours = expected == "q4_1" and our_q4_here()
     assert isinstance(model.lm_head, Q8Linear) == ours
-    bf16_head = expected == "bfloat16" or (expected == "q4_1" and not ours and bf16_products_here())
-    assert isinstance(model.lm_head, Bf16Linear) == bf16_head
+    bf16_head = expected == "bfloat16" or (expected == "q4_1" and not ours and bf16_fast_here())
+    assert (type(model.lm_head) is bf16) == bf16_head
     assert isinstance(model.embed_tokens, Q8Embedding) == (expected != "float32")
 
 
@@ -218,15 +220,20 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
     (tmp_path / "hf" / "config.json").write_text("{}")
 
     def cpu(ours: bool, int4_fast: bool, bf16: bool) -> None:
-        """Fake the CPU: our kernels built, torch's int4 fast, oneDNN's bfloat16 (AVX-512)."""
+        """Fake the CPU: our kernels built, torch's int4 fast, AVX-512 (oneDNN's bfloat16, and
+        ours compiled for 16 columns)."""
         monkeypatch.setattr("batchserve.model.our_q4_here", lambda: ours)
+        monkeypatch.setattr("batchserve.model.our_bf16_here", lambda: ours)
+        monkeypatch.setattr("batchserve.kernels.bf16_columns", lambda: 16 if bf16 else 8)
         monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: int4_fast)
         monkeypatch.setattr("batchserve.model.bf16_prepack_available", lambda: bf16)
         monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: True)
 
-    # An AVX2 CPU with our kernels: Q4_1 for every seat count, for a Q4_1 file only.
+    # An AVX2 CPU with our kernels: Q4_1 for every seat count, for a Q4_1 file only; our bfloat16
+    # kernel runs there, but no faster than float32 from 4 rows on, so `auto` does not take it.
     cpu(ours=True, int4_fast=False, bf16=False)
     assert [choose_cpu_weights(True, q4, seats) for seats in (None, 1, 2, 3, 16, 64)] == ["q4_1"] * 6
+    assert bf16_layer_class() is KernelBf16Linear and not bf16_fast_here()
     assert choose_cpu_weights(True, mixed) == "float32"
     assert choose_cpu_weights(False, q4) == "float32"  # not on CPU
     assert choose_cpu_weights(True, str(tmp_path / "missing.gguf")) == "float32"
@@ -256,7 +263,14 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
     assert choose_cpu_weights(True, q4, max_num_seqs=1) == "bfloat16"
     cpu(ours=True, int4_fast=False, bf16=True)
     monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: False)
-    assert choose_cpu_weights(True, q4) == "q4_1"  # bfloat16 not invariant here: not taken
+    assert choose_cpu_weights(True, q4) == "q4_1"
+    # oneDNN's bfloat16 not invariant here (AMX tiles rows): ours, invariant by construction, is taken.
+    assert bf16_layer_class() is KernelBf16Linear
+    assert choose_cpu_weights(True, hf) == "bfloat16" and "our kernel" in cpu_weights_choice(True, hf).why
+    # ... and without our kernels, neither.
+    cpu(ours=False, int4_fast=False, bf16=True)
+    monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: False)
+    assert bf16_layer_class() is None and choose_cpu_weights(True, hf) == "float32"
     assert choose_cpu_weights(False, q4) == "float32"
     # A model handed in (not loaded from the path here) keeps its own weights under auto.
     native = choose_impl(make_tiny_model(), "auto", cpu_weights="auto", path=q4)

@@ -181,20 +181,24 @@ def test_a_native_model_built_on_a_gpu_is_reused_with_the_default_weights():
 
 
 def test_bf16_weights_make_every_product_a_bf16_layer_of_a_float32_model():
-    from batchserve.model.layers import Bf16Linear, bf16_prepack_available
+    from batchserve.model.bf16 import KernelBf16Linear, our_bf16_here
+    from batchserve.model.layers import Bf16Linear, bf16_prepack_available, packed_products_invariant
 
-    if not bf16_prepack_available():
+    if not our_bf16_here() and not bf16_prepack_available():
         with pytest.raises(ValueError, match="prepacked bfloat16"):
             choose_impl(_model("llama"), "auto", cpu_weights="bfloat16")
         return
+    # Our kernel wherever it builds; oneDNN's only where ours cannot be built.
+    layer_class = KernelBf16Linear if our_bf16_here() else Bf16Linear
     native = choose_impl(_model("llama"), "auto", cpu_weights="bfloat16")
-    linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear | Bf16Linear)]
-    assert linears and all(isinstance(m, Bf16Linear) for m in linears)  # the LM head too
+    linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear | Bf16Linear | KernelBf16Linear)]
+    assert linears and all(type(m) is layer_class for m in linears)  # the LM head too
     # Only the products whose output enters the residual add alone leave in bfloat16.
     narrow = {name for name, m in native.named_modules() if getattr(m, "out_dtype", None) == torch.bfloat16}
     residual = ("self_attn.o_proj", "mlp.down_proj")
     assert narrow == {f"layers.{i}.{p}" for i in range(len(native.layers)) for p in residual}
-    assert native.cpu_weights == "bfloat16" and native.batch_invariant_linears
+    invariant = layer_class is KernelBf16Linear or packed_products_invariant(Bf16Linear)
+    assert native.cpu_weights == "bfloat16" and native.batch_invariant_linears == invariant
     assert next(native.parameters()).dtype == torch.float32  # norms, residuals, attention
     with pytest.raises(ValueError, match="prepacked bfloat16"):
         choose_impl(_model("llama"), "auto", cpu_linear="torch", cpu_weights="bfloat16")

@@ -43,6 +43,11 @@ KERNEL(q4_1_linear, "iiiiiiiii",
 KERNEL(q8_0_linear, "iiiiiiii",
        bs_q8_0_linear(p<const float>(a[0]), a[1], a[2], p<const int8_t>(a[3]), p<const uint16_t>(a[4]), a[5],
                       p<float>(a[6]), static_cast<int>(a[7])))
+KERNEL(bf16_pack, "iiiii",
+       bs_bf16_pack(p<const uint16_t>(a[0]), a[1], a[2], p<uint16_t>(a[3]), static_cast<int>(a[4])))
+KERNEL(bf16_linear, "iiiiiiii",
+       bs_bf16_linear(p<const float>(a[0]), a[1], a[2], p<const uint16_t>(a[3]), a[4], p<void>(a[5]),
+                      static_cast<int>(a[6]), static_cast<int>(a[7])))
 KERNEL(attention, "iiiiiiiiiiiiiiiiiiiiiiifii",
        bs_attention(p<const float>(a[0]), a[1], a[2], a[3], a[4], a[5], a[6], p<const float>(a[7]), a[8], a[9],
                     p<const float>(a[10]), a[11], a[12], p<const int64_t>(a[13]), p<float>(a[14]), p<float>(a[15]),
@@ -79,14 +84,23 @@ PyObject* py_layers_workspace(PyObject*, PyObject* const* args, Py_ssize_t n) {
     return PyLong_FromLongLong(bs_layers_workspace(a[0], a[1], a[2], a[3], a[4], a[5]));
 }
 
+PyObject* py_bf16_packed_size(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[32] = {0};
+    double f[32] = {0};
+    if (!parse(args, n, "ii", a, f)) return nullptr;
+    return PyLong_FromLongLong(bs_bf16_packed_size(a[0], a[1]));
+}
+
+PyObject* py_bf16_columns(PyObject*, PyObject*) { return PyLong_FromLong(bs_bf16_columns()); }
 PyObject* py_layer_fields(PyObject*, PyObject*) { return PyLong_FromLongLong(bs_layer_fields()); }
 PyObject* py_abi_version(PyObject*, PyObject*) { return PyLong_FromLong(bs_abi_version()); }
 
 #define METHOD(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_##name)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
-    METHOD(q4_1_linear), METHOD(q8_0_linear), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(rotary),
+    METHOD(q4_1_linear), METHOD(q8_0_linear), METHOD(bf16_pack), METHOD(bf16_linear),
+    METHOD(bf16_packed_size), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(rotary),
     METHOD(decoder_layers), METHOD(layers_workspace), {"layer_fields", py_layer_fields, METH_NOARGS, nullptr},
-    {"abi_version", py_abi_version, METH_NOARGS, nullptr},
+    {"bf16_columns", py_bf16_columns, METH_NOARGS, nullptr}, {"abi_version", py_abi_version, METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 
