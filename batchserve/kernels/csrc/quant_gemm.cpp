@@ -31,7 +31,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define BS_VNNI 1
 #endif
-// With AVX-512 (F, BW, VNNI) a tile spans two column groups in one 512-bit register, and 8 rows:
+// With AVX-512 (F, BW, VNNI) a tile spans two column groups in one 512-bit register, and 8 rows (4 for Q8_0):
 // each unpacked weight and each broadcast activation serve twice the columns, and twice the rows
 // share each unpacked weight, so an extra row costs about half the instructions. Every lane does
 // the 256-bit path's operations in its order (exact integer sums, then the same float steps), so a
@@ -206,7 +206,6 @@ struct Q80 {
 };
 
 #ifdef BS_WIDE
-constexpr int kWideRows = 8;  // rows a 512-bit tile computes at once (2 x 8 of the 32 registers accumulate)
 
 // Two column groups' 32 bytes (g0's low, g0 + 1's high) as one 512-bit register.
 inline __m512i pair_of(const uint8_t* lo, const uint8_t* hi) {
@@ -285,14 +284,18 @@ void wide_q8_0(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0,
     for (int t = 0; t < MT; ++t) _mm512_storeu_ps(y + (t0 + t) * N + g0 * 8, acc[t]);
 }
 
+// Rows a 512-bit tile computes at once: 8 for Q4_1 (2 x 8 of the 32 registers accumulate); 4 for
+// the Q8_0 head, whose sums take twice the instructions a block and which measured faster so.
 template <int MT, int NG>
 struct Q41Wide {
+    static constexpr int kRows = 8;
     static void f(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
         wide_q4_1<MT>(x, w, N, y, t0, g0);
     }
 };
 template <int MT, int NG>
 struct Q80Wide {
+    static constexpr int kRows = 4;
     static void f(const Rows& x, const Weights& w, int64_t N, float* y, int64_t t0, int64_t g0) {
         wide_q8_0<MT>(x, w, N, y, t0, g0);
     }
@@ -317,7 +320,7 @@ void columns(const Rows& rows, int64_t T, const Weights& w, int64_t N, float* y)
 #ifdef BS_WIDE
     first = groups / 2 * 2;
 #pragma omp for schedule(static) nowait
-    for (int64_t j = 0; j < groups / 2; ++j) row_tiles<Wide, kWideRows, 1>(rows, 0, T, w, N, y, 2 * j);
+    for (int64_t j = 0; j < groups / 2; ++j) row_tiles<Wide, Wide<1, 1>::kRows, 1>(rows, 0, T, w, N, y, 2 * j);
 #endif
     const int64_t rest = groups - first, tiles = rest / kGroups;
 #pragma omp for schedule(static)
