@@ -71,7 +71,11 @@ def build_checked_runner(
     `batch_invariant: false` with the reason."""
     runner, facts = build_runner(model, tokenizer, config, forward)
     claimed = facts.attention_backend in INVARIANT_BACKENDS
-    probed = config.model.attention_backend == "auto" and not has_invariant_linears(model)
+    # auto took the torch attention because the products' probe failed: check a float32 model
+    # anyway (only its activations can be invariant), to name the layer to blame.
+    float32 = next(model.parameters()).dtype == torch.float32
+    probed = config.model.attention_backend == "auto" and facts.attention_backend == "torch" and float32
+    probed = probed and not has_invariant_linears(model)
     if runner.device.type != "cpu" or not getattr(model, "native", False) or not (claimed or probed):
         return runner, facts
     check = check_contract(runner, facts, config, claimed)

@@ -137,9 +137,13 @@ void bs_attention(const float* q, int64_t q_head, int64_t q_row, int64_t T, int6
             }
         }
         std::vector<float> w;
-        // Rows of one request and head next to each other: their keys stay in cache.
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t i = 0; i < Hq * T; ++i) attend_row(s, i % T, i / T, w);
+        // The query heads that share a KV head, one row after another on one thread, then the next
+        // row (a request's rows are adjacent): each key and value is read from memory once for the
+        // G heads that read it and for the rows of its request, not once per query head.
+        const int64_t G = Hq / Hkv;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < Hkv * T; ++i)
+            for (int64_t g = 0; g < G; ++g) attend_row(s, i % T, (i / T) * G + g, w);
     }
 }
 
