@@ -99,16 +99,22 @@ class DraftConfig:
     copy_chain: bool = setting(
         True, "lookahead: draft first what followed the longest earlier match (own text, recent outputs)"
     )
-    # A request repeating an earlier answer copies it at any depth; 32k tokens: 128 KiB.
+    # A request repeating an earlier answer copies it at any depth; 32k tokens: 128 KiB and their index.
     recent_output_tokens: int = setting(
-        32768, "lookahead: tokens of finished outputs (all scopes) a copy chain may draft from (0: none)"
+        32768, "lookahead: tokens of finished outputs per scope a copy chain may draft from (0: none)"
     )
     max_match: int = setting(4, "longest suffix of the request's tokens tried as a match key")
     min_match: int = setting(1, "shortest suffix accepted as a match key")
     prompt_weight: float = setting(100.0, "lookahead: how much more a request's own n-grams count")
-    trie_capacity: int = setting(200_000, "lookahead: output-trie nodes before decay-and-prune")
-    # One scope per tenant key: apps that send a key per end-user would otherwise grow without bound.
-    trie_max_scopes: int = setting(4096, "lookahead: output tries (tenant scopes) kept; least recently used go")
+    # Per scope, so one tenant's traffic never decays another tenant's trie.
+    trie_capacity: int = setting(200_000, "lookahead: output-trie nodes per scope before it decays and prunes")
+    # 200k nodes are about 11-16 MB (arrays grow by doubling): the node cap binds first by default.
+    trie_scope_bytes: int = setting(
+        16 << 20, "lookahead: bytes one scope's output trie and recent outputs may hold; over it, it trims its own"
+    )
+    # One scope per tenant key: apps that send a key per end-user would otherwise grow without
+    # bound. The drafter's shared state is at most trie_max_scopes x trie_scope_bytes (16 GiB).
+    trie_max_scopes: int = setting(1024, "lookahead: output tries (tenant scopes) kept; least recently used idle go")
     warmup_path: str | None = setting(
         None,
         'lookahead: JSONL of earlier outputs ({"text"} or {"token_ids"}) to warm the trie with',
@@ -151,6 +157,7 @@ class DraftConfig:
             ("shadow_share", 0 <= self.shadow_share <= 1, "in [0, 1]"),
             ("plan_backoff", self.plan_backoff >= 0, ">= 0"),
             ("trie_capacity", self.trie_capacity >= 1, ">= 1"),
+            ("trie_scope_bytes", self.trie_scope_bytes >= 4096, ">= 4096"),
             ("trie_max_scopes", self.trie_max_scopes >= 1, ">= 1"),
             ("recent_output_tokens", self.recent_output_tokens >= 0, ">= 0"),
             ("acceptance_decay", 0 < self.acceptance_decay <= 1, "in (0, 1]"),

@@ -54,6 +54,16 @@ class WindowDrafter(Protocol):
 
 
 @runtime_checkable
+class Resumes(Protocol):
+    """A drafter that tells a resumed request's earlier output (`resume_token_ids`, which any
+    client can send) from output it generated: the request drafts from it, no one else learns it."""
+
+    def on_tokens_resumed(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request's output so far, given with it (before any accepted token): its own text
+        only, never taught to a scope's trie or recent outputs."""
+
+
+@runtime_checkable
 class LearnsLater(Protocol):
     """A drafter whose learning from accepted tokens can wait off the step's critical path: the
     engine asks it to defer, then calls `learn()` while the next forward runs."""

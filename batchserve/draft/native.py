@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 1  # kAbiVersion of the source this module's calls describe (module.cpp)
+ABI_VERSION = 2  # kAbiVersion of the source this module's calls describe (module.cpp)
 MODULE = "_batchserve_draft"
 
 
@@ -53,4 +53,3 @@ def main() -> None:
         print(f"the native drafter: {build()}")
     except DrafterUnavailable as e:  # setup goes on: `--draft none` still serves, and start-up says why
         print(f"the native drafter cannot be built here (the lookahead drafter will not start): {e}")
-

@@ -4,23 +4,29 @@ The state and the retrieval live in native code (`csrc/`, built by `native.py`);
 the drafter interface over it, plus the request's references. What it keeps:
 - one *output trie per scope*, shared by the requests of that scope: n-grams of their
   generated text (and of a warm-up corpus), inserted as tokens are accepted; frequencies
-  decay and rare nodes are pruned when the tries together outgrow their capacity. A scope
-  is a tenant key (or "" for everyone); a request with no scope reads and writes none, so
-  one tenant's output can never become another tenant's draft;
+  decay and rare nodes are pruned when the scope outgrows its bounds. A scope is a tenant key
+  (or "" for everyone); a request with no scope reads and writes none, so one tenant's output
+  can never become another tenant's draft;
 - one *indexed text* per running request: its own prompt and output as one array with, per
   token, the positions it occurs at (extended per token), searched when drafting as if it were
   a trie of all their runs of up to `own_branch_length` tokens, weighted far above the global
   counts (branch weighting) and dropped whole when the request ends (branch elimination), so a
   finished request leaves no trace of its prompt. A lookup costs the occurrences of the key's
   last token, not the text's length;
-- per scope, its *recent outputs* (never a prompt), bounded in tokens over all scopes.
+- per scope, its *recent outputs* (never a prompt), at most `recent_output_tokens` per scope.
+
+A resumed request's earlier output (`resume_token_ids`: whatever a client sends) is its own text
+and nothing more (`on_tokens_resumed`): no scope's trie or recent outputs learn it, nor n-grams
+that reach into it, so no client can plant text in a scope others draft from.
 
 A node's count in an output trie is the number of times its path (from the root) occurred as a
 run of consecutive tokens, for paths up to `branch_length` tokens. Counts never grow along a
-path, so pruning a node prunes a subtree of nodes at least as rare. Scopes are bounded: at most
-`trie_max_scopes` output tries, least recently used first out, and `trie_capacity` nodes in
-all: over it, idle scopes (no running request) go whole, least recently used first, before any
-live scope is decayed, so many one-off tenants never cost a busy tenant its n-grams.
+path, so pruning a node prunes a subtree of nodes at least as rare. Each scope is bounded on its
+own, so no tenant's traffic ever trims another's state: over `trie_capacity` nodes, or
+`trie_scope_bytes` bytes of trie and recent outputs, a scope decays its own trie (and its arrays
+are rebuilt to size, so the memory goes back) or drops its own oldest outputs. Only the count of
+scopes is shared: at most `trie_max_scopes`, and a new one evicts the least recently used idle
+scope (no running request), so the drafter holds at most `trie_max_scopes` x `trie_scope_bytes`.
 
 A tree is built from, in order: a *copy chain* (what followed the most recent occurrence of
 the longest run the request's text ends with, in its own text or its scope's recent outputs,
@@ -57,8 +63,8 @@ class TrieDrafter:
         self.config = config = config or DraftConfig(method="lookahead")
         self._native: Any = library().Drafter(
             config.branch_length, config.own_branch_length, config.max_match, config.min_match,
-            config.prompt_weight, config.trie_capacity, config.trie_max_scopes, config.recent_output_tokens,
-            config.copy_chain, LAYOUTS[config.layout],
+            config.prompt_weight, config.trie_capacity, config.trie_scope_bytes, config.trie_max_scopes,
+            config.recent_output_tokens, config.copy_chain, LAYOUTS[config.layout],
         )  # fmt: skip
         self.references = ReferenceDrafts(config.max_match, config.min_match)  # per request, never in a trie
         self._single: set[str] = set()  # requests drafting one branch (their references' included)
@@ -83,6 +89,13 @@ class TrieDrafter:
             self._single.add(request_id)
         else:
             self._single.discard(request_id)
+
+    def on_tokens_resumed(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """A resumed request's output so far (before any accepted token): its references move
+        along it and its own text holds it; no scope learns it (see the module docstring)."""
+        self.references.accepted(request_id, token_ids)
+        if token_ids:
+            self._native.resume(request_id, token_ids)
 
     def on_tokens_accepted(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.references.accepted(request_id, token_ids)
@@ -162,6 +175,12 @@ class TrieDrafter:
         """`scope`'s recent outputs as one list, -1 between two (None: it keeps none)."""
         text: list[int] | None = self._native.recent_text(scope)
         return text
+
+    def scope_bytes(self, scope: str = "") -> int | None:
+        """About the bytes `scope` holds, what `trie_scope_bytes` bounds: its output trie and
+        recent outputs (None: it holds neither)."""
+        size: int | None = self._native.scope_bytes(scope)
+        return size
 
     def memory_bytes(self) -> int:
         """About the memory the native state holds (output tries, running texts, recent outputs)."""

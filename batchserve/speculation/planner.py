@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from batchserve.config import DraftConfig
-from batchserve.draft.base import Drafter, WindowDrafter
+from batchserve.draft.base import Drafter, Resumes, WindowDrafter
 from batchserve.draft.jacobi import WindowRows
 from batchserve.draft.tree import DraftTree
 from batchserve.grammar.steps import GrammarSteps
@@ -51,6 +51,7 @@ class DraftPlanner:
         each request's grammar as it commits); the planner prunes drafts and masks rows with it."""
         self.drafter = drafter
         self.windowed = isinstance(drafter, WindowDrafter)  # once: a Protocol isinstance is slow
+        self.resumes = isinstance(drafter, Resumes)
         self.config = config
         self.policy = policy  # None: every request drafts `decoding_length` tokens
         self._started: set[str] = set()  # requests the drafter has been told of
@@ -85,10 +86,19 @@ class DraftPlanner:
                 req.params.jacobi,
                 references=req.reference_token_ids,
             )
-            if req.output_token_ids:  # a resumed request: its output so far is its own text too
-                self.drafter.on_tokens_accepted(req.request_id, list(req.output_token_ids))
+            if req.output_token_ids:  # resumed: its output so far is its own text, never its scope's
+                self._resumed(req.request_id, list(req.output_token_ids))
         except Exception:  # speculation is optional: the request runs without drafts of its own
             logger.exception("the drafter failed to start request %s", req.request_id)
+
+    def _resumed(self, request_id: str, tokens: list[int]) -> None:
+        """A client sent these tokens as the request's output so far: a drafter with shared state
+        (`Resumes`) keeps them to the request, as no one else's drafts may hold what a client
+        says; the others hold nothing shared, and take them as accepted output."""
+        if self.resumes:
+            self.drafter.on_tokens_resumed(request_id, tokens)  # type: ignore[attr-defined]
+        else:
+            self.drafter.on_tokens_accepted(request_id, tokens)
 
     def finish(self, request_id: str) -> None:
         """The request ended: the policy's estimates and the drafter forget it."""

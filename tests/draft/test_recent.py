@@ -5,8 +5,8 @@ repeating an earlier prompt of its scope copies that output from its first token
 a copy stops at the end of an output; the copy chain is what a brute-force search of the scope's
 kept text (`recent_text`) finds. Scopes are kept apart: a request with no scope reads and adds
 nothing, prompts are never kept, a finished request's own text leaves no trace. The kept outputs
-are bounded in tokens over all scopes: the least recently used scope is trimmed first, by its
-oldest half. Where a test needs the copy chain alone it drafts with `_copier`: its trie runs are
+are bounded in tokens per scope: a scope over its bound loses its own oldest half, never another
+scope's outputs. Where a test needs the copy chain alone it drafts with `_copier`: its trie runs are
 2 tokens and its shortest match key 2, so neither the output trie nor the own text expands a match
 and a proposal is the copy chain and nothing else (`_copy` reads one as the old `copy` did).
 """
@@ -116,25 +116,29 @@ def test_a_copy_stops_at_the_end_of_an_output() -> None:
     assert tree is not None and tree.match == 4 and tree.tokens == (8, 7, 2, 3, 4, 5)
 
 
-def test_recent_outputs_are_bounded_oldest_first_least_recent_scope_first() -> None:
+def test_recent_outputs_are_bounded_per_scope_oldest_first() -> None:
     d = _copier(recent_output_tokens=100, trie_max_scopes=2)
     for i in range(10):
         _finish(d, "r", [0], list(range(1000 + 10 * i, 1009 + 10 * i)), scope="old")  # 9 tokens each
+    old = d.recent_text("old")
+    assert old is not None and len(old) == 100
     _finish(d, "r", [0], list(range(40)), scope="new")
-    assert d.stats()["recent_tokens"] <= 100
-    for i in range(30):  # every add keeps the bound; the newest outputs stay
+    for i in range(30):  # every add keeps the scope's bound; the newest outputs stay
         _finish(d, "r", [0], list(range(2000 + 20 * i, 2019 + 20 * i)), scope="new")
-        assert d.stats()["recent_tokens"] <= 100
+        assert len(d.recent_text("new") or ()) <= 100
+        assert d.recent_text("old") == old  # another scope's outputs never trim it
     newest = list(range(2580, 2599))
     assert _copy(d, "new", newest[:5]) == (5, [(t, 1.0) for t in newest[5:15]])
-    assert d.recent_text("old") is None  # the least recently used scope went first
-    assert d.stats()["recent_scopes"] == ["new"] and _copy(d, "old", list(range(1000, 1005))) == (0, [])
+    assert _copy(d, "old", list(range(1000, 1005))) == (5, [(t, 1.0) for t in range(1005, 1009)])
+    assert d.stats()["recent_tokens"] == 100 + len(d.recent_text("new") or ())
     _finish(d, "r", [0], list(range(500)), scope="new")  # longer than the bound: its last tokens are kept
-    assert d.stats()["recent_tokens"] == 100 and d.recent_text("new") == [*range(401, 500), SEP]
+    assert d.recent_text("new") == [*range(401, 500), SEP] and d.recent_text("old") == old
     assert _copy(d, "new", [496, 497, 498]) == (3, [(499, 1.0)])
-    _finish(d, "r", [0], [1], scope="x")  # a third output trie: the least recently used ("old") goes
-    _finish(d, "r", [0], [2], scope="y")  # then "new" goes, and its recent outputs with it
-    assert d.stats()["scopes"] == ["x", "y"] and d.recent_text("new") is None
+    # The count of scopes is the one shared bound: a third output trie evicts the least
+    # recently used idle one, its recent outputs with it.
+    _finish(d, "r", [0], [1], scope="x")  # "old" goes
+    _finish(d, "r", [0], [2], scope="y")  # then "new"
+    assert d.stats()["scopes"] == ["x", "y"] and d.recent_text("new") is None and d.recent_text("old") is None
     assert d.stats()["recent_tokens"] == 4 and d.stats()["recent_scopes"] == ["x", "y"]
     assert _copy(d, "new", [496, 497, 498]) == (0, [])
     none = _copier(recent_output_tokens=0)
@@ -296,23 +300,27 @@ def test_no_scope_sees_another_scopes_outputs_or_any_prompt_and_a_finished_reque
     assert stats["nodes"] == 0 and stats["indexed_tokens"] == 0 and alone.recent_text("") is None
 
 
-def test_the_recent_outputs_never_outgrow_their_bound_over_all_scopes() -> None:
+def test_each_scopes_recent_outputs_stay_within_its_bound_whatever_the_others_do() -> None:
     rng = random.Random(3)
     cap = 50
     d = _drafter(recent_output_tokens=cap)
     scopes = [f"t{i}" for i in range(5)]
     last: dict[str, int] = {}  # scope -> when it last finished an output
+    kept: dict[str, list[int] | None] = dict.fromkeys(scopes)
     for i in range(200):
         scope = rng.choice(scopes)
         output = [rng.randrange(100) for _ in range(rng.randint(1, 80))]
         _finish(d, "r", [9000 + i], output, scope=scope)
         last[scope] = i
-        stats, kept = d.stats(), {s: d.recent_text(s) for s in scopes}
-        assert stats["recent_tokens"] <= cap
+        before, kept = kept, {s: d.recent_text(s) for s in scopes}
+        assert all(kept[s] == before[s] for s in scopes if s != scope)  # the others' outputs untouched
+        stats = d.stats()
+        assert all(len(text or ()) <= cap for text in kept.values())
         assert stats["recent_tokens"] == sum(len(kept[s] or ()) for s in stats["recent_scopes"])
         assert [s for s in scopes if kept[s] is not None] == sorted(stats["recent_scopes"])
         assert stats["recent_scopes"] == sorted(stats["recent_scopes"], key=last.__getitem__)  # by last use
         tail = output[-(cap - 1) :]  # the newest output (its last cap - 1 tokens) is always kept whole
-        assert kept[scope] is not None and kept[scope][-len(tail) - 1 :] == [*tail, SEP]
+        text = kept[scope]
+        assert text is not None and text[-len(tail) - 1 :] == [*tail, SEP]
         for text in kept.values():  # whole outputs only: the oldest half goes, never part of one
             assert text is None or (text[0] != SEP and text[-1] == SEP)

@@ -1,12 +1,17 @@
 // The Lookahead drafter's state and retrieval (see batchserve/draft/trie.py for the design):
-// one output trie per scope, shared by that scope's requests and bounded in nodes and scopes;
-// per running request its own text (prompt and accepted output, indexed); per scope its recent
-// outputs. propose() builds a request's draft tree from them in one call.
+// one output trie per scope, shared by that scope's requests; per running request its own text
+// (prompt, resumed and accepted output, indexed); per scope its recent outputs. Each scope is
+// bounded on its own (trie nodes, bytes of trie and recent outputs): over a bound it trims its
+// own oldest state, never another scope's. propose() builds a request's draft tree in one call.
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
+#include <exception>
 #include <cstdint>
+#include <new>
 #include <queue>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -27,17 +32,18 @@ struct Settings {
     int own_branch_length = 12;     // depth drafted from a request's own text
     size_t max_match = 4, min_match = 1;
     double prompt_weight = 100.0;   // how much more a request's own n-grams count
-    int64_t trie_capacity = 200000; // output-trie nodes (all scopes) before decay-and-prune
-    size_t trie_max_scopes = 4096;
-    int64_t recent_output_tokens = 32768;
+    int64_t trie_capacity = 200000; // output-trie nodes per scope before decay-and-prune
+    size_t scope_bytes = 16 << 20;  // per scope: its output trie and recent outputs
+    size_t trie_max_scopes = 1024;
+    int64_t recent_output_tokens = 32768;  // per scope
     bool copy_chain = true;
     int layout = kHierarchical;
 };
 
 struct Request {
     Request(const int32_t* prompt, size_t n, int depth) : local(depth), num_prompt(n) { local.extend(prompt, n); }
-    Text local;  // prompt + accepted output
-    size_t num_prompt;
+    Text local;  // prompt + resumed tokens + accepted output
+    size_t num_prompt;  // the prompt and resumed tokens: its own text, which no scope ever learns
     bool scoped = false;  // false: reads and feeds no output trie
     std::string scope;
     int layout = -1;  // -1: the drafter's
@@ -68,8 +74,21 @@ public:
         if (scope != nullptr) {
             r.scoped = true;
             r.scope = *scope;
-            if (live_[*scope]++ == 0) live_order_.push_back(*scope);
+            ++live_[*scope];
         }
+    }
+
+    // A resumed request's earlier output (a client's): its own text to draft from, never taught
+    // to its scope's trie or recent outputs (anyone could send any tokens as resumed).
+    void resume(const std::string& id, const int32_t* tokens, size_t n) {
+        auto it = requests_.find(id);
+        if (it == requests_.end() || n == 0) return;
+        Request& r = it->second;
+        if (r.local.size() != r.num_prompt) throw std::invalid_argument("resume comes before any accepted token");
+        r.local.extend(tokens, n);
+        indexed_ += n;
+        r.num_prompt += n;
+        recent_.resumed(id);
     }
 
     void accept(const std::string& id, const int32_t* tokens, size_t n) {
@@ -100,30 +119,30 @@ public:
         auto it = requests_.find(id);
         if (it == requests_.end()) return;
         Request& r = it->second;
-        if (r.pending > 0) {  // its scope learns all of its output
-            insert(r, r.pending);
-            auto queued = std::find(pending_.begin(), pending_.end(), id);
-            if (queued != pending_.end()) pending_.erase(queued);
+        std::exception_ptr failed;  // it ends whatever fails (its scope then misses some of its output)
+        try {
+            teach_output(id, r);
+        } catch (...) {
+            failed = std::current_exception();
         }
-        if (r.scoped) {
-            recent_.end(id, r.local.data() + r.num_prompt, r.local.size() - r.num_prompt);
-            if (--live_[r.scope] == 0) {
-                live_.erase(r.scope);
-                auto at = std::find(live_order_.begin(), live_order_.end(), r.scope);
-                if (at != live_order_.end()) live_order_.erase(at);
-            }
-        }
+        auto queued = std::find(pending_.begin(), pending_.end(), id);
+        if (queued != pending_.end()) pending_.erase(queued);
+        recent_.cancel(id);
+        auto live = live_.find(r.scope);
+        if (r.scoped && live != live_.end() && --live->second == 0) live_.erase(live);
         indexed_ -= r.local.size();
         requests_.erase(it);
+        if (failed) std::rethrow_exception(failed);
     }
 
     // Load t[first, last) run starts of an earlier output into a scope's trie.
     void warm(const std::string& scope, const int32_t* t, size_t n, size_t first, size_t last) {
         Trie& trie = output(scope);
-        const int64_t before = trie.num_nodes;
-        trie.insert_sequence(t, n, s_.branch_length, first, last);
-        nodes_ += trie.num_nodes - before;
-        keep_capacity(scope);
+        {
+            Tally tally(trie, nodes_);
+            trie.insert_sequence(t, n, s_.branch_length, first, last);
+        }
+        keep_bounds(scope);
     }
 
     // The draft tree for request `id` whose text ends with key[0, n) (its last tokens; the
@@ -150,6 +169,13 @@ public:
         return n;
     }
     const Trie* trie(const std::string& scope) const { return outputs_.find(scope); }
+    // What the scope holds (its output trie and recent outputs), what its quota bounds; -1: no such scope.
+    int64_t scope_bytes(const std::string& scope) const {
+        const Trie* t = outputs_.find(scope);
+        const size_t recent = recent_.bytes(scope);
+        if (t == nullptr && recent == 0) return -1;
+        return static_cast<int64_t>((t != nullptr ? t->bytes() : 0) + recent);
+    }
     std::vector<std::string> scopes() const {
         std::vector<std::string> out;
         for (const auto& item : outputs_.items()) out.push_back(item.first);
@@ -157,6 +183,9 @@ public:
     }
 
     bool deferred = false;  // accept() queues trie insertion until flush()
+    // A test hook: the next trie insertion throws (1: bad_alloc, 2: runtime_error, 3: a non-std
+    // exception), as a real failure would, so tests can reach the binding's error paths.
+    int fail_next = 0;
 
 private:
     struct Pair {
@@ -191,17 +220,50 @@ private:
         return made;
     }
 
+    // Keeps the drafter's node total true however the insertion in its scope ends (a throw too).
+    struct Tally {
+        Tally(const Trie& t, int64_t& total) : trie(t), nodes(total), before(t.num_nodes) {}
+        ~Tally() { nodes += trie.num_nodes - before; }
+        const Trie& trie;
+        int64_t& nodes;
+        int64_t before;
+    };
+
+    // Its scope learns the rest of its output (the trie, then its recent outputs) as it ends.
+    void teach_output(const std::string& id, Request& r) {
+        if (r.pending > 0) insert(r, r.pending);
+        if (!r.scoped) return;
+        const size_t out = r.local.size() - r.num_prompt;
+        // Recent outputs live and go with their scope's trie: the scope count bounds both.
+        if (out > 0 && outputs_.find(r.scope) == nullptr) output(r.scope);
+        recent_.end(id, r.local.data() + r.num_prompt, out);
+        keep_bounds(r.scope);
+    }
+
     void insert(Request& r, size_t num_new) {
-        r.pending = 0;
+        const int64_t epoch = r.runs_epoch;
+        r.runs_epoch = -1;  // until its runs are whole again: after a throw they are found afresh
+        if (fail_next != 0) throw_injected();
         Trie& trie = output(r.scope);
-        const int64_t before = trie.num_nodes;
-        if (r.runs_of != trie.serial || r.runs_epoch != trie.epoch) run_ends(r, trie, num_new);
-        const size_t keep = s_.branch_length - 1;  // a run of branch_length tokens extends no further
-        for (size_t i = r.local.size() - num_new; i < r.local.size(); ++i) trie.extend_runs(r.runs, r.local.at(i), keep);
-        r.runs_of = trie.serial;
-        r.runs_epoch = trie.epoch;
-        nodes_ += trie.num_nodes - before;
-        keep_capacity(r.scope);
+        {
+            Tally tally(trie, nodes_);
+            if (r.runs_of != trie.serial || epoch != trie.epoch) run_ends(r, trie, num_new);
+            const size_t keep = s_.branch_length - 1;  // a run of branch_length tokens extends no further
+            for (size_t i = r.local.size() - num_new; i < r.local.size(); ++i)
+                trie.extend_runs(r.runs, r.local.at(i), keep);
+            r.runs_of = trie.serial;
+            r.runs_epoch = trie.epoch;
+        }
+        r.pending = 0;  // only now: a failed insertion leaves them queued for the next flush
+        keep_bounds(r.scope);
+    }
+
+    void throw_injected() {
+        const int kind = fail_next;
+        fail_next = 0;
+        if (kind == 1) throw std::bad_alloc();
+        if (kind == 2) throw std::runtime_error("injected failure");
+        throw kind;
     }
 
     // The runs of the output ending before the `num_new` newest tokens, found from the root:
@@ -215,27 +277,21 @@ private:
             r.runs.push_back(trie.path(r.local.data() + end - i, static_cast<size_t>(i)));
     }
 
-    // Over trie_capacity nodes: idle scopes go whole (least recently used first), then the
-    // largest live scope decays; `current` (being written) goes last of all.
-    void keep_capacity(const std::string& current) {
-        while (nodes_ > s_.trie_capacity) {
-            if (evict_idle(current)) continue;
-            const std::string* pick = nullptr;
-            int64_t most = -1;
-            for (const std::string& scope : live_order_) {
-                const Trie* t = outputs_.find(scope);
-                if (scope != current && t != nullptr && t->num_nodes > most) {
-                    most = t->num_nodes;
-                    pick = &scope;
-                }
-            }
-            const std::string scope = pick != nullptr ? *pick : current;
-            Trie* trie = outputs_.find(scope);
-            if (trie == nullptr) return;
-            const int64_t before = trie->num_nodes;
+    // A scope over its node cap or byte quota trims its own oldest state, never another scope's:
+    // the larger of its trie (counts halved, nodes under 1 deleted, the arrays rebuilt to size,
+    // so the memory goes back) and its recent outputs (the oldest half) gives way first. Over the
+    // quota it trims to half of it: arrays grow by doubling, so it then grows a while untrimmed.
+    void keep_bounds(const std::string& scope) {
+        Trie* trie = outputs_.find(scope);
+        if (trie == nullptr) return;
+        const size_t low = static_cast<size_t>(scope_bytes(scope)) > s_.scope_bytes ? s_.scope_bytes / 2 : SIZE_MAX;
+        while (trie->num_nodes > s_.trie_capacity || static_cast<size_t>(scope_bytes(scope)) > low) {
+            const bool recent_first = recent_.bytes(scope) > trie->bytes() || trie->num_nodes == 0;
+            if (recent_first && trie->num_nodes <= s_.trie_capacity && recent_.trim_oldest(scope)) continue;
+            if (trie->num_nodes == 0) return;  // nothing left to trim: the bare trie is under any quota
+            Tally tally(*trie, nodes_);
             trie->prune();
-            nodes_ -= before - trie->num_nodes;
-            if (trie->num_nodes == 0) drop_scope(scope);
+            trie->compact();
         }
     }
 
@@ -269,7 +325,6 @@ private:
     int64_t nodes_ = 0;     // in every output trie, kept as they change
     uint64_t serial_ = 0;
     std::unordered_map<std::string, int> live_;  // running requests per scope
-    std::vector<std::string> live_order_;        // live scopes, in the order they became live
     std::unordered_map<std::string, Request> requests_;
     std::vector<std::string> pending_;  // requests with deferred tokens, in acceptance order
     size_t indexed_ = 0;

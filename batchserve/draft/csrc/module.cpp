@@ -1,10 +1,8 @@
 // The drafter as a CPython extension module (`_batchserve_draft`): one `Drafter` object per
-// engine, every call METH_FASTCALL. Token arguments are sequences of non-negative ints.
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+// engine, every call METH_FASTCALL. Token arguments are sequences of non-negative ints. Every
+// call is exception-safe (binding.h): a C++ failure is a Python exception, never a crash.
+#include "binding.h"  // Python.h first, as CPython asks
 
-#include <climits>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -12,78 +10,35 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;  // batchserve/draft/native.py checks it: a stale build is rebuilt
+using bsd_py::count_args;
+using bsd_py::guarded;
+using bsd_py::list_of;
+using bsd_py::released;
+using bsd_py::str_of;
+using bsd_py::tokens_of;
+using bsd_py::tuple_of;
+
+constexpr int kAbiVersion = 2;  // batchserve/draft/native.py checks it: a stale build is rebuilt
 
 struct PyDrafter {
     PyObject_HEAD
     bsd::Drafter* d;
 };
 
-bool tokens_of(PyObject* obj, std::vector<int32_t>& out) {
-    out.clear();
-    PyObject* seq = PySequence_Fast(obj, "tokens must be a sequence of ints");
-    if (seq == nullptr) return false;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
-    out.reserve(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        const long v = PyLong_AsLong(items[i]);
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return false;
-        }
-        if (v < 0 || v > INT32_MAX) {
-            Py_DECREF(seq);
-            PyErr_Format(PyExc_ValueError, "token ids must be in [0, 2**31), got %ld", v);
-            return false;
-        }
-        out.push_back(static_cast<int32_t>(v));
-    }
-    Py_DECREF(seq);
-    return true;
-}
-
-bool str_of(PyObject* obj, std::string& out) {
-    Py_ssize_t n = 0;
-    const char* s = PyUnicode_AsUTF8AndSize(obj, &n);
-    if (s == nullptr) return false;
-    out.assign(s, static_cast<size_t>(n));
-    return true;
-}
-
-bool count_args(Py_ssize_t n, Py_ssize_t want, const char* name) {
-    if (n == want) return true;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, n);
-    return false;
-}
-
-// Runs `body`, turning a C++ exception into a Python one.
-template <class F>
-PyObject* guarded(F&& body) {
-    try {
-        return body();
-    } catch (const std::bad_alloc&) {
-        return PyErr_NoMemory();
-    } catch (const std::exception& e) {
-        PyErr_SetString(PyExc_RuntimeError, e.what());
-        return nullptr;
-    }
-}
-
 int init(PyDrafter* self, PyObject* args, PyObject* kwargs) {
     bsd::Settings s;
-    Py_ssize_t branch, own, max_match, min_match, scopes;
+    Py_ssize_t branch, own, max_match, min_match, scopes, scope_bytes;
     long long capacity, recent;
     int copy, layout;
     double weight;
-    static const char* names[] = {"branch_length", "own_branch_length", "max_match", "min_match", "prompt_weight",
-                                  "trie_capacity", "trie_max_scopes", "recent_output_tokens", "copy_chain", "layout",
-                                  nullptr};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nnnndLnLpi", const_cast<char**>(names), &branch, &own, &max_match,
-                                     &min_match, &weight, &capacity, &scopes, &recent, &copy, &layout))
+    static const char* names[] = {"branch_length", "own_branch_length", "max_match",   "min_match",
+                                  "prompt_weight", "trie_capacity",     "scope_bytes", "trie_max_scopes",
+                                  "recent_output_tokens", "copy_chain", "layout",      nullptr};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nnnndLnnLpi", const_cast<char**>(names), &branch, &own, &max_match,
+                                     &min_match, &weight, &capacity, &scope_bytes, &scopes, &recent, &copy, &layout))
         return -1;
     if (branch < 2 || own < 2 || min_match < 1 || max_match < min_match || weight <= 0 || capacity < 1 ||
-        scopes < 1 || recent < 0 || layout < 0 || layout > 2) {
+        scope_bytes < 4096 || scopes < 1 || recent < 0 || layout < 0 || layout > 2) {
         PyErr_SetString(PyExc_ValueError, "invalid drafter settings");
         return -1;
     }
@@ -93,16 +48,19 @@ int init(PyDrafter* self, PyObject* args, PyObject* kwargs) {
     s.min_match = static_cast<size_t>(min_match);
     s.prompt_weight = weight;
     s.trie_capacity = capacity;
+    s.scope_bytes = static_cast<size_t>(scope_bytes);
     s.trie_max_scopes = static_cast<size_t>(scopes);
     s.recent_output_tokens = recent;
     s.copy_chain = copy != 0;
     s.layout = layout;
     delete self->d;
-    self->d = new (std::nothrow) bsd::Drafter(s);
-    if (self->d == nullptr) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    self->d = nullptr;
+    PyObject* made = guarded([&]() -> PyObject* {
+        self->d = new bsd::Drafter(s);
+        Py_RETURN_NONE;
+    });
+    if (made == nullptr) return -1;
+    Py_DECREF(made);
     return 0;
 }
 
@@ -133,6 +91,18 @@ PyObject* start(PyObject* self, PyObject* const* a, Py_ssize_t n) {
     });
 }
 
+// resume(id, tokens): a resumed request's earlier output, before any accept: its own text only
+PyObject* resume(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+    bsd::Drafter* d = drafter(self);
+    std::string id;
+    std::vector<int32_t> tokens;
+    if (d == nullptr || !count_args(n, 2, "resume") || !str_of(a[0], id) || !tokens_of(a[1], tokens)) return nullptr;
+    return guarded([&] {
+        d->resume(id, tokens.data(), tokens.size());
+        Py_RETURN_NONE;
+    });
+}
+
 PyObject* accept(PyObject* self, PyObject* const* a, Py_ssize_t n) {
     bsd::Drafter* d = drafter(self);
     std::string id;
@@ -157,12 +127,9 @@ PyObject* finish(PyObject* self, PyObject* const* a, Py_ssize_t n) {
 PyObject* flush(PyObject* self, PyObject* const*, Py_ssize_t n) {
     bsd::Drafter* d = drafter(self);
     if (d == nullptr || !count_args(n, 0, "flush")) return nullptr;
-    return guarded([&] {
-        // Only the loop thread calls the drafter, and flush reads no Python object: let the
-        // step's thread run meanwhile (the engine calls it while the forward runs).
-        Py_BEGIN_ALLOW_THREADS d->flush();
-        Py_END_ALLOW_THREADS Py_RETURN_NONE;
-    });
+    // Only the loop thread calls the drafter, and flush reads no Python object: let the step's
+    // thread run meanwhile (the engine calls it while the forward runs).
+    return released([d] { d->flush(); });
 }
 
 PyObject* set_deferred(PyObject* self, PyObject* const* a, Py_ssize_t n) {
@@ -170,8 +137,25 @@ PyObject* set_deferred(PyObject* self, PyObject* const* a, Py_ssize_t n) {
     if (d == nullptr || !count_args(n, 1, "set_deferred")) return nullptr;
     const int on = PyObject_IsTrue(a[0]);
     if (on < 0) return nullptr;
-    if (!on) d->flush();
-    d->deferred = on != 0;
+    return guarded([&] {
+        if (!on) d->flush();  // a failure leaves it deferred, the tokens still queued
+        d->deferred = on != 0;
+        Py_RETURN_NONE;
+    });
+}
+
+// fail_next(kind): a test hook; the next trie insertion throws (1: bad_alloc, 2: runtime_error,
+// 3: a non-standard exception; 0: none)
+PyObject* fail_next(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+    bsd::Drafter* d = drafter(self);
+    if (d == nullptr || !count_args(n, 1, "fail_next")) return nullptr;
+    const long kind = PyLong_AsLong(a[0]);
+    if (kind == -1 && PyErr_Occurred()) return nullptr;
+    if (kind < 0 || kind > 3) {
+        PyErr_SetString(PyExc_ValueError, "kind must be 0, 1, 2 or 3");
+        return nullptr;
+    }
+    d->fail_next = static_cast<int>(kind);
     Py_RETURN_NONE;
 }
 
@@ -190,22 +174,17 @@ PyObject* propose(PyObject* self, PyObject* const* a, Py_ssize_t n) {
         if (total < 1 || budget < 1 ||
             !d->propose(id, key.data(), key.size(), static_cast<size_t>(total), static_cast<size_t>(budget), tree))
             Py_RETURN_NONE;
-        const Py_ssize_t size = static_cast<Py_ssize_t>(tree.tokens.size());
-        PyObject* tokens = PyTuple_New(size);
-        PyObject* parents = PyTuple_New(size);
-        PyObject* scores = PyTuple_New(size);
+        const size_t size = tree.tokens.size();
+        PyObject* tokens = tuple_of(size, [&](size_t i) { return PyLong_FromLong(tree.tokens[i]); });
+        PyObject* parents = tuple_of(size, [&](size_t i) {
+            return tree.parents[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(tree.parents[i]);
+        });
+        PyObject* scores = tuple_of(size, [&](size_t i) { return PyFloat_FromDouble(tree.scores[i]); });
         if (tokens == nullptr || parents == nullptr || scores == nullptr) {
             Py_XDECREF(tokens);
             Py_XDECREF(parents);
             Py_XDECREF(scores);
             return nullptr;
-        }
-        for (Py_ssize_t i = 0; i < size; ++i) {
-            const size_t j = static_cast<size_t>(i);
-            PyTuple_SET_ITEM(tokens, i, PyLong_FromLong(tree.tokens[j]));
-            PyObject* parent = tree.parents[j] < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(tree.parents[j]);
-            PyTuple_SET_ITEM(parents, i, parent);
-            PyTuple_SET_ITEM(scores, i, PyFloat_FromDouble(tree.scores[j]));
         }
         return Py_BuildValue("(NNNi)", tokens, parents, scores, tree.match);
     });
@@ -238,39 +217,44 @@ PyObject* warm(PyObject* self, PyObject* const* a, Py_ssize_t n) {
     });
 }
 
-PyObject* list_of(const std::vector<std::string>& names) {
-    PyObject* out = PyList_New(0);
-    for (const std::string& s : names) {
-        PyObject* item = PyUnicode_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
-        if (item == nullptr || PyList_Append(out, item) < 0) {
-            Py_XDECREF(item);
-            Py_DECREF(out);
-            return nullptr;
-        }
-        Py_DECREF(item);
-    }
-    return out;
-}
-
 // stats() -> dict: nodes, indexed_tokens, requests, pending, recent_tokens, scopes (output tries,
 // least recently used first), recent_scopes (likewise)
 PyObject* stats(PyObject* self, PyObject* const*, Py_ssize_t n) {
     bsd::Drafter* d = drafter(self);
     if (d == nullptr || !count_args(n, 0, "stats")) return nullptr;
-    return guarded([&] {
+    return guarded([&]() -> PyObject* {
+        const std::vector<std::string> names = d->scopes(), recent = d->recent().scopes();
+        PyObject* scopes = list_of(names);
+        PyObject* recent_scopes = scopes != nullptr ? list_of(recent) : nullptr;
+        if (recent_scopes == nullptr) {
+            Py_XDECREF(scopes);
+            return nullptr;
+        }
         return Py_BuildValue("{s:L,s:n,s:n,s:n,s:L,s:N,s:N}", "nodes", static_cast<long long>(d->num_nodes()),
                              "indexed_tokens", static_cast<Py_ssize_t>(d->num_indexed_tokens()), "requests",
                              static_cast<Py_ssize_t>(d->num_requests()), "pending",
                              static_cast<Py_ssize_t>(d->num_pending()), "recent_tokens",
-                             static_cast<long long>(d->recent().num_tokens), "scopes", list_of(d->scopes()),
-                             "recent_scopes", list_of(d->recent().scopes()));
+                             static_cast<long long>(d->recent().num_tokens), "scopes", scopes, "recent_scopes",
+                             recent_scopes);
     });
 }
 
 PyObject* memory(PyObject* self, PyObject* const*, Py_ssize_t n) {
     bsd::Drafter* d = drafter(self);
     if (d == nullptr || !count_args(n, 0, "memory")) return nullptr;
-    return PyLong_FromSize_t(d->bytes());
+    return guarded([&] { return PyLong_FromSize_t(d->bytes()); });
+}
+
+// scope_bytes(scope) -> None or the bytes the scope holds (its output trie and recent outputs)
+PyObject* scope_bytes(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+    bsd::Drafter* d = drafter(self);
+    std::string scope;
+    if (d == nullptr || !count_args(n, 1, "scope_bytes") || !str_of(a[0], scope)) return nullptr;
+    return guarded([&]() -> PyObject* {
+        const int64_t bytes = d->scope_bytes(scope);
+        if (bytes < 0) Py_RETURN_NONE;
+        return PyLong_FromLongLong(bytes);
+    });
 }
 
 // trie(scope) -> None or {path tuple: count} of every node of the scope's output trie
@@ -280,25 +264,27 @@ PyObject* trie(PyObject* self, PyObject* const* a, Py_ssize_t n) {
     if (d == nullptr || !count_args(n, 1, "trie") || !str_of(a[0], scope)) return nullptr;
     const bsd::Trie* t = d->trie(scope);
     if (t == nullptr) Py_RETURN_NONE;
-    return guarded([&]() -> PyObject* {
-        PyObject* out = PyDict_New();
-        bool ok = out != nullptr;
+    PyObject* out = PyDict_New();
+    if (out == nullptr) return nullptr;
+    bool ok = true;
+    PyObject* done = guarded([&] {
         t->each([&](const std::vector<int32_t>& path, double count) {
             if (!ok) return;
-            PyObject* key = PyTuple_New(static_cast<Py_ssize_t>(path.size()));
-            for (size_t i = 0; key != nullptr && i < path.size(); ++i)
-                PyTuple_SET_ITEM(key, static_cast<Py_ssize_t>(i), PyLong_FromLong(path[i]));
-            PyObject* value = PyFloat_FromDouble(count);
-            ok = key != nullptr && value != nullptr && PyDict_SetItem(out, key, value) == 0;
+            PyObject* key = tuple_of(path.size(), [&](size_t i) { return PyLong_FromLong(path[i]); });
+            PyObject* value = key != nullptr ? PyFloat_FromDouble(count) : nullptr;
+            ok = value != nullptr && PyDict_SetItem(out, key, value) == 0;
             Py_XDECREF(key);
             Py_XDECREF(value);
         });
-        if (!ok) {
-            Py_XDECREF(out);
-            return nullptr;
-        }
-        return out;
+        Py_RETURN_NONE;
     });
+    if (done == nullptr || !ok) {
+        Py_XDECREF(done);
+        Py_DECREF(out);
+        return nullptr;
+    }
+    Py_DECREF(done);
+    return out;
 }
 
 // recent_text(scope) -> None or the scope's recent outputs as one list (-1 between two outputs)
@@ -309,8 +295,11 @@ PyObject* recent_text(PyObject* self, PyObject* const* a, Py_ssize_t n) {
     const bsd::Text* t = d->recent().text(scope);
     if (t == nullptr) Py_RETURN_NONE;
     PyObject* out = PyList_New(static_cast<Py_ssize_t>(t->size()));
-    if (out == nullptr) return nullptr;
-    for (size_t i = 0; i < t->size(); ++i) PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), PyLong_FromLong(t->at(i)));
+    for (size_t i = 0; out != nullptr && i < t->size(); ++i) {
+        PyObject* item = PyLong_FromLong(t->at(i));
+        if (item == nullptr) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+    }
     return out;
 }
 
@@ -318,6 +307,7 @@ PyObject* recent_text(PyObject* self, PyObject* const* a, Py_ssize_t n) {
 
 PyMethodDef methods[] = {
     FAST(start, "start(id, prompt, scope or None, layout): a request starts (a running id starts clean)"),
+    FAST(resume, "resume(id, tokens): a resumed request's earlier output, before any accept: its own text only"),
     FAST(accept, "accept(id, tokens): tokens accepted; the scope's trie learns them now, or at flush() if deferred"),
     FAST(finish, "finish(id): the request ends; its own text is dropped, its output kept as a recent output"),
     FAST(flush, "flush(): insert every deferred token into its scope's trie"),
@@ -327,6 +317,8 @@ PyMethodDef methods[] = {
     FAST(warm, "warm(scope, tokens, first, last): count the runs of tokens starting in [first, last)"),
     FAST(stats, "stats() -> dict of sizes and scopes"),
     FAST(memory, "memory() -> about the bytes it holds (tries, texts, recent outputs)"),
+    FAST(scope_bytes, "scope_bytes(scope) -> None or the bytes its output trie and recent outputs hold"),
+    FAST(fail_next, "fail_next(kind): a test hook: the next trie insertion throws (see the C++ comment)"),
     FAST(trie, "trie(scope) -> None or {path: count}"),
     FAST(recent_text, "recent_text(scope) -> None or the scope's recent outputs, -1 between two"),
     {nullptr, nullptr, 0, nullptr},

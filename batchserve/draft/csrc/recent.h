@@ -1,7 +1,8 @@
-// Each scope's latest finished outputs (never a prompt), one Text per scope with a separator
-// between two outputs, bounded in tokens over all scopes together: the least recently used
-// scope loses its oldest half first. A request whose prompt hashes the same as an earlier one
-// of its scope copies that output from its first token on, while its own output agrees with it.
+// Each scope's latest finished outputs (never a prompt, never resumed tokens), one Text per
+// scope with a separator between two outputs, bounded in tokens per scope: a scope over its bound
+// loses its own oldest half, never another scope's outputs. A request whose prompt hashes the same
+// as an earlier one of its scope copies that output from its first token on, while its own output
+// agrees with it.
 #pragma once
 
 #include <cstdint>
@@ -60,7 +61,14 @@ public:
             auto it = kept->starts.find(h);
             if (it != kept->starts.end()) repeat = it->second;
         }
-        running_[id] = Running{*scope, h, static_cast<int64_t>(n), repeat};
+        running_[id] = Running{*scope, h, static_cast<int64_t>(n), repeat, false};
+    }
+
+    // The request resumed an earlier generation: what it outputs from here is no output of its
+    // prompt from the first token, so it is never a repeat source for that prompt.
+    void resumed(const std::string& id) {
+        auto it = running_.find(id);
+        if (it != running_.end()) it->second.resumed = true;
     }
 
     void end(const std::string& id, const int32_t* output, size_t n) {
@@ -74,11 +82,24 @@ public:
         scopes_.touch(run.scope);
         const size_t keep = std::min(n, static_cast<size_t>(capacity_ - 1));  // one output never outgrows the bound
         output += n - keep;
-        kept->starts[run.prompt_hash] = kept->trimmed + static_cast<int64_t>(kept->text.size());
+        if (!run.resumed) kept->starts[run.prompt_hash] = kept->trimmed + static_cast<int64_t>(kept->text.size());
         kept->text.extend(output, keep);
         kept->text.extend(&kSeparator, 1);
         num_tokens += static_cast<int64_t>(keep) + 1;
-        while (num_tokens > capacity_) trim(scopes_.items().front().first);
+        kept->bytes = kept->text.bytes();
+        // Its own oldest outputs go: the newest (at most capacity_ tokens) always stays.
+        while ((kept = scopes_.find(run.scope)) != nullptr && static_cast<int64_t>(kept->text.size()) > capacity_)
+            trim(run.scope);
+    }
+
+    // The request ended without end() (a failure on the way): forget it.
+    void cancel(const std::string& id) { running_.erase(id); }
+
+    // Drop the oldest half of `scope`'s outputs (all of them when it holds one); false: it holds none.
+    bool trim_oldest(const std::string& scope) {
+        if (scopes_.find(scope) == nullptr) return false;
+        trim(scope);
+        return true;
     }
 
     void drop(const std::string& scope) {
@@ -126,8 +147,12 @@ public:
     }
     size_t bytes() const {
         size_t n = 0;
-        for (const auto& item : scopes_.items()) n += item.second.text.bytes();
+        for (const auto& item : scopes_.items()) n += item.second.bytes;
         return n;
+    }
+    size_t bytes(const std::string& scope) const {  // O(1): kept as its text changes
+        const Kept* kept = scopes_.find(scope);
+        return kept == nullptr ? 0 : kept->bytes;
     }
     const Text* text(const std::string& scope) const {
         const Kept* kept = scopes_.find(scope);
@@ -140,16 +165,18 @@ private:
         Text text;
         int64_t trimmed = 0;  // tokens dropped off the front: positions count from the first ever kept
         std::unordered_map<uint64_t, int64_t> starts;  // prompt hash -> where its latest output starts
+        size_t bytes = 0;  // text.bytes() as of its last change (that sum walks the index)
     };
     struct Running {
         std::string scope;
         uint64_t prompt_hash;
         int64_t num_prompt;
         int64_t repeat;  // where an earlier identical prompt's output starts; -1: none
+        bool resumed;    // its output so far came with it: the rest is no output of its prompt alone
     };
 
     // Drop the oldest half of `scope`'s outputs, or all of them.
-    void trim(std::string scope) {
+    void trim(std::string scope) {  // a copy: erasing the scope may free the caller's string
         Kept* kept = scopes_.find(scope);
         std::vector<size_t> ends;  // where each output's separator is
         for (size_t i = 0; i < kept->text.size(); ++i)
@@ -161,6 +188,7 @@ private:
             return;
         }
         kept->text.drop_front(cut);
+        kept->bytes = kept->text.bytes();
         kept->trimmed += static_cast<int64_t>(cut);
         for (auto it = kept->starts.begin(); it != kept->starts.end();) {
             if (it->second < kept->trimmed) it = kept->starts.erase(it);
@@ -168,7 +196,7 @@ private:
         }
     }
 
-    int64_t capacity_;  // below 2 (an output and its separator): keep none
+    int64_t capacity_;  // per scope; below 2 (an output and its separator): keep none
     int depth_;         // the longest continuation a copy drafts (own_branch_length)
     LruMap<Kept> scopes_;  // least recently used first
     std::unordered_map<std::string, Running> running_;

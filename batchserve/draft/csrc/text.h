@@ -39,8 +39,9 @@ public:
     // The text from `first` on, renumbered from 0 (a scope dropping its oldest outputs).
     void drop_front(size_t first) {
         std::vector<int32_t> rest(tok_.begin() + static_cast<std::ptrdiff_t>(first), tok_.end());
-        tok_.clear();
-        at_.clear();
+        std::vector<int32_t>().swap(tok_);  // clear() would keep the capacity: release it
+        std::unordered_map<int32_t, std::vector<int32_t>>().swap(at_);
+        tok_.reserve(rest.size());
         extend(rest.data(), rest.size());
     }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace bsd {
@@ -13,7 +14,12 @@ namespace bsd {
 // (parent, token) -> child, linear probing, deletion by backward shift (no tombstones).
 class ChildTable {
 public:
-    ChildTable() { rehash(64); }
+    // Room for `expected` entries without a rehash (a rebuilt trie's table sized to its nodes).
+    explicit ChildTable(size_t expected = 0) {
+        size_t capacity = 64;
+        while ((expected + 1) * 4 > capacity * 3) capacity *= 2;
+        rehash(capacity);
+    }
 
     int32_t get(int32_t parent, int32_t token) const {
         const uint64_t k = key(parent, token);
@@ -199,6 +205,38 @@ public:
                 c = next;
             }
         }
+    }
+
+    // Rebuild the nodes and the table to fit what is left (a prune frees slots but never memory):
+    // children keep their creation order; node ids change, so held ones go stale (epoch).
+    void compact() {
+        ++epoch;
+        std::vector<TrieNode> nodes;
+        nodes.reserve(static_cast<size_t>(num_nodes) + 1);
+        ChildTable table(static_cast<size_t>(num_nodes));
+        nodes.emplace_back();
+        std::vector<std::pair<int32_t, int32_t>> stack{{kRoot, kRoot}};  // (old id, new id)
+        while (!stack.empty()) {
+            const auto [from, to] = stack.back();
+            stack.pop_back();
+            for (int32_t c = nodes_[static_cast<size_t>(from)].first; c >= 0; c = nodes_[static_cast<size_t>(c)].next) {
+                const int32_t made = static_cast<int32_t>(nodes.size());
+                TrieNode n;
+                n.token = nodes_[static_cast<size_t>(c)].token;
+                n.count = nodes_[static_cast<size_t>(c)].count;
+                nodes.push_back(n);  // reserved: no reallocation, `parent` stays valid
+                TrieNode& parent = nodes[static_cast<size_t>(to)];
+                if (parent.last >= 0) nodes[static_cast<size_t>(parent.last)].next = made;
+                else parent.first = made;
+                parent.last = made;
+                table.put(to, n.token, made);
+                stack.emplace_back(c, made);
+            }
+        }
+        nodes_.swap(nodes);
+        table_ = std::move(table);
+        std::vector<int32_t>().swap(free_);
+        std::vector<int32_t>().swap(scratch_);
     }
 
     // Every node's path and count, depth first in creation order (tests read the trie with it).
