@@ -127,14 +127,14 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be ints in [0, {MAX_INT32}], got {t!r}")
         # Looked up for every emitted token: a set, whatever the count (the engine caps the count).
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
-        object.__setattr__(self, "resume_token_ids", tuple(self.resume_token_ids))
-        if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in self.resume_token_ids):
-            raise ValueError("resume_token_ids must be token ids (ints in [0, 2**31))")
-        if len(self.resume_token_ids) >= max(1, self.max_new_tokens):
+        if len(self.resume_token_ids) >= max(1, self.max_new_tokens):  # the count before any copy or scan
             raise ValueError(
                 f"resume_token_ids: {len(self.resume_token_ids)} tokens leave nothing of max_new_tokens "
                 f"{self.max_new_tokens} to generate"
             )
+        object.__setattr__(self, "resume_token_ids", tuple(self.resume_token_ids))
+        if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in self.resume_token_ids):
+            raise ValueError("resume_token_ids must be token ids (ints in [0, 2**31))")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.decoding_length is not None:
@@ -198,6 +198,7 @@ class RequestStats:
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     prediction_tokens: int = 0  # tokens in the request's references (a client's predicted output)
     reference_drafts_accepted: int = 0  # accepted draft tokens that were copied from them
+    resumed_tokens: int = 0  # output tokens the request came with (resume_token_ids): input, not generated here
 
     @property
     def accepted_prediction_tokens(self) -> int:

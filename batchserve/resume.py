@@ -12,7 +12,12 @@ stop strings and penalties count the whole output; logprobs come for the new tok
 
 A resume that the interrupted generation could not have reached is refused (ValueError, naming
 `resume_token_ids`): a token outside the vocabulary, one the grammar forbids, or an end (EOS, a
-stop token or string, the grammar's end, the context) inside the resumed tokens.
+stop token or string, the grammar's end, whose end of sequence ends it even with `ignore_eos`,
+the context) inside the resumed tokens. The count is bounded before any token is copied.
+
+Resumed tokens are input the client sent: they count in the output (`completion_tokens`, as the
+uninterrupted generation's would) and on their own (`RequestStats.resumed_tokens`, reported as
+usage's `resumed_tokens`), so a gateway can count them with the prompt against an input limit.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from batchserve.request import Request
 
 def check_resume(req: Request, vocab_size: int) -> None:
     """Make `req` a resumed request (its output is `params.resume_token_ids`), before the
-    scheduler sees it; raise ValueError where the tokens could not be its output so far."""
-    tokens = list(req.params.resume_token_ids)
+    scheduler sees it; raise ValueError where the tokens could not be its output so far. The
+    length is checked before any token is read or copied; the scan is at C speed but for an
+    error, which it then locates."""
+    tokens = req.params.resume_token_ids
     if not tokens:
         return
     p = req.params
@@ -34,18 +41,23 @@ def check_resume(req: Request, vocab_size: int) -> None:
             f"resume_token_ids: the prompt's {req.num_prompt_tokens} tokens and {len(tokens)} resumed fill the "
             f"model's context of {req.max_total_len}"
         )
-    for i, t in enumerate(tokens):
-        if t >= vocab_size:
-            raise ValueError(f"resume_token_ids[{i}]: {t} is not a token id in [0, {vocab_size})")
-        if (not p.ignore_eos and t in req.eos_token_ids) or t in p.stop_token_set:
-            raise ValueError(f"resume_token_ids[{i}]: {t} ends the generation (end of sequence or a stop token)")
+    ends = p.stop_token_set if p.ignore_eos else p.stop_token_set | req.eos_token_ids
+    if max(tokens) >= vocab_size or not ends.isdisjoint(tokens):
+        for i, t in enumerate(tokens):
+            if t >= vocab_size:
+                raise ValueError(f"resume_token_ids[{i}]: {t} is not a token id in [0, {vocab_size})")
+            if t in ends:
+                raise ValueError(f"resume_token_ids[{i}]: {t} ends the generation (end of sequence or a stop token)")
     if req.grammar is not None:
         _advance_grammar(req.grammar, tokens)
     req.output_token_ids = list(tokens)
-    req.all_token_ids = req.prompt_token_ids + tokens
+    req.all_token_ids = req.prompt_token_ids + req.output_token_ids
+    req.stats.resumed_tokens = len(tokens)
 
 
-def _advance_grammar(grammar: Any, tokens: list[int]) -> None:
+def _advance_grammar(grammar: Any, tokens: tuple[int, ...]) -> None:
+    """The grammar through the tokens, refusing each as it would a generated one: its end of
+    sequence ends the text whatever `ignore_eos` says, so one inside them is refused too."""
     from batchserve.grammar.matcher import GrammarError
 
     for i, t in enumerate(tokens):
@@ -58,14 +70,16 @@ def _advance_grammar(grammar: Any, tokens: list[int]) -> None:
 
 
 def start_text(text: Any, scheduler: Any, req: Request) -> None:
-    """Begin detokenizing `req` (just added to `scheduler`); for a resumed one, decode its tokens,
-    marking what the interrupted stream had handed out by then as sent (the held-back tail a stop
-    string could still claim was not). A stop string among them withdraws the request: ValueError."""
+    """Begin detokenizing `req` (just added to `scheduler`); for a resumed one, decode its tokens
+    at once (linear in their text), marking what the interrupted stream had handed out by then as
+    sent (the held-back tail a stop string could still claim was not). A stop string among them
+    withdraws the request: ValueError."""
     text.start(req.request_id, req.params.stop)
-    for i, t in enumerate(req.params.resume_token_ids):
-        if text.on_token(req.request_id, t):
-            text.take(req.request_id, True)  # drops its text state
-            scheduler.abort(req.request_id)  # and its place in the scheduler, before any step
-            raise ValueError(f"resume_token_ids[{i}]: a stop string ends the generation there")
-    if req.params.resume_token_ids:
-        text.take(req.request_id, False)
+    if not req.params.resume_token_ids:
+        return
+    stopped_at = text.resume(req.request_id, req.params.resume_token_ids)
+    if stopped_at is not None:
+        text.take(req.request_id, True)  # drops its text state
+        scheduler.abort(req.request_id)  # and its place in the scheduler, before any step
+        raise ValueError(f"resume_token_ids[{stopped_at}]: a stop string ends the generation there")
+    text.take(req.request_id, False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ class _TextState:
 
     stream: Any  # tokenizers.decoders.DecodeStream
     stop: tuple[str, ...]
+    # The text decoded and not yet handed out. What was handed out is dropped, so appending a
+    # token's piece copies only this tail, never the whole output (that was quadratic).
     text: str = ""
-    num_emitted_chars: int = 0  # text[:num_emitted_chars] has been handed out
 
     @property
     def holdback(self) -> int:
@@ -158,7 +160,9 @@ class TextCodec:
         self._states[request_id] = _TextState(DecodeStream(skip_special_tokens=True), stop)
 
     def on_token(self, request_id: str, token_id: int) -> bool:
-        """Detokenize one new token; True if a stop string now appears (text cut before it)."""
+        """Detokenize one new token; True if a stop string now appears (text cut before it). The
+        held-back tail is at least a stop string's length less one, so a stop string that this
+        piece completes lies within the text not yet handed out."""
         state = self._states[request_id]
         piece = state.stream.step(self.tokenizer.backend_tokenizer, token_id)
         if not piece:
@@ -172,13 +176,35 @@ class TextCodec:
             return True
         return False
 
+    def resume(self, request_id: str, token_ids: Sequence[int]) -> int | None:
+        """Detokenize a resumed request's tokens, just started, at once: their pieces joined once
+        (linear in the text, where a token at a time re-copies it per token). The index of the
+        token a stop string completes at (the request must not resume), else None."""
+        state = self._states[request_id]
+        backend, step = self.tokenizer.backend_tokenizer, state.stream.step
+        pieces: list[str] = []
+        ends: list[int] = []  # ends[k]: the text's length after token k
+        length = 0
+        for token_id in token_ids:
+            piece = step(backend, token_id)
+            if piece:
+                pieces.append(piece)
+                length += len(piece)
+            ends.append(length)
+        text = "".join(pieces)
+        # The first token at which any stop string is complete: the one its earliest end falls in.
+        done = [i + len(s) for s in state.stop if (i := text.find(s)) >= 0]
+        if done:
+            return bisect.bisect_left(ends, min(done))
+        state.text += text
+        return None
+
     def take(self, request_id: str, finished: bool) -> str:
         """The text not yet handed out. While running, the tail that a stop string could still
         claim is held back; once finished, everything is, and the request's state is dropped."""
         state = self._states.pop(request_id) if finished else self._states[request_id]
-        end = len(state.text) if finished else max(state.num_emitted_chars, len(state.text) - state.holdback)
-        new_text = state.text[state.num_emitted_chars : end]
-        state.num_emitted_chars = end
+        end = len(state.text) if finished else max(0, len(state.text) - state.holdback)
+        new_text, state.text = state.text[:end], state.text[end:]
         return new_text
 
     def is_active(self, request_id: str) -> bool:
@@ -254,7 +280,7 @@ def _checked_call(field: str, call: Any) -> dict[str, Any]:
     if isinstance(args, str):
         try:
             parsed = json.loads(args)
-        except ValueError:  # kept as the text the client sent
+        except (ValueError, RecursionError):  # kept as the text the client sent (nested too deep to parse too)
             parsed = None
         args = parsed if isinstance(parsed, dict) else args
     elif not isinstance(args, Mapping):

@@ -121,3 +121,40 @@ def test_resume_bounds_are_checked_where_the_params_are_made():
     core = _core()
     with pytest.raises(ValueError, match="fill the model's context"):
         core.add_request(PROMPT, SamplingParams(max_new_tokens=5000, resume_token_ids=[65] * (core.max_model_len - 5)))
+
+
+def test_the_grammar_refuses_an_end_of_sequence_in_the_resumed_tokens_even_with_ignore_eos():
+    # Generated, the grammar's end of sequence ends the text (ignore_eos or not): a resume with one
+    # inside could not have come from this request, and the grammar's state would part from the output.
+    core = _core()
+    eos = core.grammars.eos_token_id
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, constraint=Constraint("regex", "[a-z]+"))
+    with pytest.raises(ValueError, match=r"resume_token_ids\[1\].*end of sequence"):
+        core.add_request(PROMPT, SamplingParams(**{**_fields(params), "resume_token_ids": [97, eos, 98]}))
+    core.step()
+    assert not core.has_work() and core.text.num_active == 0
+    # Without a grammar, ignore_eos makes the model's end of sequence an ordinary token, resumed or not.
+    plain = SamplingParams(max_new_tokens=20, ignore_eos=True, resume_token_ids=[97, *sorted(core.eos_token_ids), 98])
+    req = core.add_request(PROMPT, plain)
+    assert req.output_token_ids == list(plain.resume_token_ids)
+    core.abort(req.request_id)
+
+
+def test_resumed_tokens_are_counted_on_their_own():
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    tokens, _ = _joined(_steps(_core(), params))
+    resumed = _steps(_core(), SamplingParams(**{**_fields(params), "resume_token_ids": tokens[:5]}))
+    last = resumed[-1]
+    assert last.stats.resumed_tokens == 5 and last.num_output_tokens == 12 and last.num_prompt_tokens == len(PROMPT)
+
+
+class _Unreadable(list):
+    """Token ids whose count is known but which fail when read or copied."""
+
+    def __iter__(self):
+        raise AssertionError("the resumed tokens were read before their count was checked")
+
+
+def test_the_resume_count_is_checked_before_any_token_is_read():
+    with pytest.raises(ValueError, match="nothing of max_new_tokens"):
+        SamplingParams(max_new_tokens=4, resume_token_ids=_Unreadable([1] * 10))

@@ -103,3 +103,53 @@ def test_stop_token_ids_are_counted():
     codec.check_stop([], [1, 2, 3])
     with pytest.raises(ValueError, match="stop_token_ids: 4 ids, at most 3"):
         codec.check_stop([], [1, 2, 3, 4])
+
+
+def _piecewise(codec: TextCodec, rid: str, ids: list[int]) -> int | None:
+    """`TextCodec.resume`'s answer the slow way: one token at a time."""
+    for i, t in enumerate(ids):
+        if codec.on_token(rid, t):
+            return i
+    return None
+
+
+RESUMED = [("héllo wörld, hi", ()), ("abc déf END ghi", ("END", "f E")), ("xyz", ("y",))]
+
+
+@pytest.mark.parametrize(("text", "stop"), RESUMED)
+def test_resumed_tokens_decode_at_once_as_one_at_a_time(text: str, stop: tuple[str, ...]):
+    ids = list(text.encode())  # multi-byte characters: tokens that end no character
+    fast, slow = _codec(), _codec()
+    fast.start("r", stop)
+    slow.start("r", stop)
+    stopped_at = fast.resume("r", ids)
+    assert stopped_at == _piecewise(slow, "r", ids)
+    if stopped_at is None:  # else the request is refused: its text is dropped unread
+        assert fast.take("r", finished=False) == slow.take("r", finished=False)
+    fast.take("r", finished=True)
+    slow.take("r", finished=True)
+    assert fast.num_active == slow.num_active == 0
+
+
+def test_text_handed_out_is_dropped_so_appending_stays_cheap():
+    # Appending a token's text copies what is held: it must be the held-back tail, never the
+    # whole output (that made a long output, or a long resume, quadratic).
+    codec = _codec()
+    codec.start("r", ("STOP!",))
+    out = []
+    for i in range(2000):
+        codec.on_token("r", 97 + i % 26)
+        out.append(codec.take("r", finished=False))
+        assert len(codec._states["r"].text) <= 4  # the longest stop string less one
+    out.append(codec.take("r", finished=True))
+    assert "".join(out) == "".join(chr(97 + i % 26) for i in range(2000))
+
+
+def test_tool_call_arguments_nested_too_deep_to_parse_are_kept_as_sent():
+    """A client's own arguments string nested past the parser's stack: the text it sent, not a 500."""
+    from batchserve.text import _checked_message
+
+    deep = "[" * 100_000 + "]" * 100_000
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    out = _checked_message(0, {"role": "assistant", "content": None, "tool_calls": [call]})
+    assert out["tool_calls"][0]["function"]["arguments"] == deep

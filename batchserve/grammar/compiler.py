@@ -1,4 +1,4 @@
-"""Constraints compiled to llguidance grammars, validated, bounded and cached by their text.
+"""Constraints compiled to llguidance matchers, validated, bounded and cached by their text.
 
 Why llguidance: a token mask over SmolLM2's 49,152-token vocabulary in a small fraction of a
 step with no start-up compile per grammar worth the name (measured: benchmarks/README.md), a
@@ -6,14 +6,21 @@ small wheel without dependencies, and the operations a draft tree needs: consume
 back, and the mask at any state. xgrammar would add triton and a TVM runtime to a CPU install, and
 precompiles a grammar against the whole vocabulary before its first mask. Pure Python and
 numpy around it; no torch.
+
+What is cached is a pristine matcher, not only the grammar's text: building one constructs
+llguidance's parser (36 ms for a 64k-character schema with SmolLM2's tokenizer), while a
+request's matcher is a `deep_copy` of the cached one (10-40 us). Front ends compile in a thread
+of their own and hold the result until their requests are in: a compiled grammar someone holds
+is found by `compile` even after the cache let it go, so the event loop only ever copies.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.request import Constraint
@@ -27,12 +34,14 @@ class ConstraintError(ValueError):
     """A constraint the engine refuses: not valid, or over a bound. The message names why."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # no slots: `GrammarCompiler` keeps weak references to the ones held
 class CompiledGrammar:
-    """A constraint as llguidance's serialized grammar, validated against the tokenizer."""
+    """A constraint as llguidance's serialized grammar and a matcher built from it, never
+    advanced: each request gets a copy (`GrammarCompiler.matcher`)."""
 
     constraint: Constraint
     grammar: str
+    pristine: Any = field(compare=False, repr=False)  # an llguidance.LLMatcher
 
 
 class GrammarCompiler:
@@ -43,14 +52,26 @@ class GrammarCompiler:
     one whose grammar is complete ends without it (`RequestGrammar.done`).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_chars: int, cache_size: int = 256) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_chars: int, cache_size: int = 256, cache_chars: int | None = None
+    ) -> None:
+        """The cache keeps at most `cache_size` constraints and `cache_chars` characters of their
+        specs (default 16 at the size limit): a cached matcher holds its parser, about 0.65 MB for
+        a 64k-character schema (SmolLM2's tokenizer), so the count alone would let large ones
+        take hundreds of MB."""
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_chars = max_chars
         self.cache_size = cache_size
+        self.cache_chars = cache_chars if cache_chars is not None else 16 * max_chars
+        self._cached_chars = 0
         self._lock = threading.Lock()
         self._lltokenizer: Any = None
         self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
+        # Every compiled grammar still referenced somewhere (a front end between compiling it and
+        # submitting its requests), cached or not: found again, never built again.
+        self._held: weakref.WeakValueDictionary[Constraint, CompiledGrammar] = weakref.WeakValueDictionary()
+        self.num_builds = 0  # matchers built from a grammar (cache misses that compiled)
 
     @property
     def lltokenizer(self) -> Any:
@@ -69,23 +90,52 @@ class GrammarCompiler:
         return int(self.lltokenizer.eos_token)
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
-        """The constraint's grammar, from the cache when the same text was compiled before.
-        Raises ConstraintError for a constraint that is too long or invalid."""
+        """The constraint's grammar and matcher, from the cache (or from whoever still holds
+        them) when the same text was compiled before. Raises ConstraintError for a constraint
+        that is too long or invalid."""
         with self._lock:
-            hit = self._cache.get(constraint)
+            hit = self._cache.get(constraint) or self._held.get(constraint)
             if hit is not None:
-                self._cache.move_to_end(constraint)
+                self._remember(hit)
                 return hit
+        self.check_size(constraint)
+        compiled = self._build(constraint)
+        with self._lock:
+            self._remember(compiled)
+        return compiled
+
+    def _remember(self, compiled: CompiledGrammar) -> None:
+        """`compiled` the most recently used in the cache, the least recently used let go past
+        its bounds (call with the lock held)."""
+        key = compiled.constraint
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return
+        self._cache[key] = self._held[key] = compiled
+        self._cached_chars += len(key.spec)
+        while len(self._cache) > self.cache_size or self._cached_chars > self.cache_chars:
+            evicted, _ = self._cache.popitem(last=False)
+            self._cached_chars -= len(evicted.spec)
+
+    def check_size(self, constraint: Constraint) -> None:
+        """Raise ConstraintError for a constraint over the size limit (before any work on it)."""
         if len(constraint.spec) > self.max_chars:
             raise ConstraintError(
                 f"the {constraint.kind} is {len(constraint.spec)} characters; the limit is {self.max_chars}"
             )
-        compiled = CompiledGrammar(constraint, self._grammar(constraint))
+
+    def _build(self, c: Constraint) -> CompiledGrammar:
+        """The grammar and its matcher (llguidance builds the parser without the GIL). Building
+        the matcher also validates the grammar against the tokenizer: no second parser for that."""
+        from llguidance import LLMatcher
+
+        grammar = self._grammar(c)
+        pristine = LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if pristine.is_error():
+            raise ConstraintError(f"invalid {c.kind}: {(pristine.get_error() or 'refused by llguidance').strip()}")
         with self._lock:
-            self._cache[constraint] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+            self.num_builds += 1
+        return CompiledGrammar(c, grammar, pristine)
 
     def _grammar(self, c: Constraint) -> str:
         from llguidance import LLMatcher
@@ -104,16 +154,11 @@ class GrammarCompiler:
                 grammar = LLMatcher.grammar_from_lark(c.spec)
         except (ValueError, TypeError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
             raise ConstraintError(f"invalid {c.kind}: {e}") from None
-        error = LLMatcher.validate_grammar(grammar, self.lltokenizer)
-        if error:
-            raise ConstraintError(f"invalid {c.kind}: {error.strip()}")
         return grammar
 
     def matcher(self, compiled: CompiledGrammar) -> Any:
-        """A fresh matcher for one request (`RequestGrammar`)."""
-        from llguidance import LLMatcher
-
+        """A fresh matcher for one request (`RequestGrammar`): a copy of the compiled one, so the
+        parser is never built again for it."""
         from batchserve.grammar.matcher import RequestGrammar
 
-        tokenizer = self.lltokenizer
-        return RequestGrammar(LLMatcher(tokenizer, compiled.grammar), int(tokenizer.eos_token), self.vocab_size)
+        return RequestGrammar(compiled.pristine.deep_copy(), self.eos_token_id, self.vocab_size)

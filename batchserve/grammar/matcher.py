@@ -79,10 +79,12 @@ class RequestGrammar:
         return [t for t in self._m.compute_ff_tokens() if t != self.eos_token_id]
 
     def commit(self, tokens: list[int]) -> None:
-        """Advance past the tokens the request emitted this step (an end of sequence ends it)."""
+        """Advance past tokens of the request's output. The end of sequence is never one: it
+        ends the text (the scheduler ends the request there, `ignore_eos` or not), so it is
+        refused here like a token the grammar forbids, never skipped (a resume carrying it)."""
         for token in tokens:
             if token == self.eos_token_id:
-                return
+                raise GrammarError(f"the end of sequence (token {token}) ends the structured output")
             if not self._m.consume_token(token):
                 self._check()
                 raise GrammarError(f"the grammar refused token {token}")

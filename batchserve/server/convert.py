@@ -75,10 +75,20 @@ def references_of(request: pb.GenerateRequest, text: TextCodec) -> list[list[int
     return text.tokenize_references(list(request.reference), "reference")
 
 
-def sampling_params(request: pb.GenerateRequest, limits: LimitsConfig | None = None) -> SamplingParams:
+def sampling_params(
+    request: pb.GenerateRequest, limits: LimitsConfig | None = None, max_model_len: int | None = None
+) -> SamplingParams:
+    """The request's sampling parameters. `max_model_len`: the model's context, which bounds
+    `resume_token_ids` before they are copied (they and a new token must fit in it)."""
     s, la = request.sampling, request.lookahead
     limits = limits or LimitsConfig()
     # Counts first: the lists are copied and checked item by item below.
+    num_resumed = len(request.resume_token_ids)
+    if max_model_len is not None and num_resumed > max_model_len - 2:
+        raise ValueError(
+            f"resume_token_ids: {num_resumed} tokens, at most {max_model_len - 2}: they, the prompt and a new "
+            f"token must fit the model's context of {max_model_len}"
+        )
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
         raise ValueError(f"sampling.stop_token_ids: {len(s.stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
     if len(s.stop) > limits.max_stop_sequences:
@@ -108,8 +118,8 @@ def sampling_params(request: pb.GenerateRequest, limits: LimitsConfig | None = N
     jacobi = [getattr(la, f) if la.HasField(f) else None for f in ("jacobi_window", "jacobi_ngram", "jacobi_guesses")]
     if any(v is not None for v in jacobi):
         kwargs["jacobi"] = tuple(jacobi)
-    if request.resume_token_ids:  # fewer than max_new_tokens (SamplingParams), so bounded by the context
-        kwargs["resume_token_ids"] = list(request.resume_token_ids)
+    if num_resumed:  # copied once, by SamplingParams (which checks the count against max_new_tokens first)
+        kwargs["resume_token_ids"] = request.resume_token_ids
     kind = request.WhichOneof("constraint")
     if kind == "json_object":
         kwargs["constraint"] = Constraint("json_object") if request.json_object else None
@@ -135,6 +145,7 @@ def usage_pb(out: RequestOutput) -> pb.Usage:
         cached_prompt_tokens=out.stats.cached_prompt_tokens,
         accepted_prediction_tokens=out.stats.accepted_prediction_tokens,
         rejected_prediction_tokens=out.stats.rejected_prediction_tokens,
+        resumed_tokens=out.stats.resumed_tokens,
     )
 
 

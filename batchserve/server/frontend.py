@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from batchserve.grammar import GrammarCompiler
+from batchserve.grammar import CompiledGrammar, GrammarCompiler
 from batchserve.request import RequestOutput, SamplingParams
 from batchserve.server.metrics import Metrics
 from batchserve.text import TextCodec
@@ -71,9 +71,14 @@ class Frontend:
         # limit takes tens of ms to tokenize; every other stream would stall meanwhile). Its
         # queue is bounded by admission: each job holds a place in the waiting queue.
         self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-tokenize")
+        # Constraints compile here (llguidance builds a parser, tens of ms for a large schema,
+        # without the GIL): never on the loop, and never in the way of the tokenizing of requests
+        # without one. The engine copies the compiled matcher for each request (microseconds).
+        self._grammar = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-grammar")
 
     def close(self) -> None:
         self._prepare.shutdown(wait=False, cancel_futures=True)
+        self._grammar.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
@@ -104,15 +109,28 @@ class Frontend:
         templating). The job holds their places in the waiting queue from admission until it ends,
         even when its caller leaves first, so the work queued before the engine is bounded like the queue."""
         self.admit(count)
+        return await self._held(self._prepare, count, fn, *args)
+
+    async def _held(self, executor: ThreadPoolExecutor, count: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in `executor`, `count` places in the waiting queue held until it ends."""
         loop = asyncio.get_running_loop()
         self._preparing += count
         try:
-            job = self._prepare.submit(fn, *args)
+            job = executor.submit(fn, *args)
         except BaseException:
             self._preparing -= count
             raise
         job.add_done_callback(lambda _: _call_soon(loop, lambda: self._prepared(count)))
         return await asyncio.wrap_future(job)
+
+    async def compile(self, sampling: SamplingParams, count: int) -> CompiledGrammar | None:
+        """`sampling.constraint` compiled in the grammar thread (or found compiled), for `count`
+        requests: whoever holds the result until they are submitted has the engine copy it,
+        never build it, on the loop (`GrammarCompiler.compile`). None without a constraint.
+        Raises ConstraintError, a ValueError, for a constraint the engine refuses."""
+        if sampling.constraint is None:
+            return None
+        return await self._held(self._grammar, count, self.engine.core.grammars.compile, sampling.constraint)
 
     def _prepared(self, count: int) -> None:
         self._preparing -= count
@@ -161,6 +179,7 @@ class Frontend:
         try:
             job = (_prepare, prepare, params, references, core.text, core.grammars)
             sampling, prompts, refs = await self.prepare(*job, count=n * num_prompts)
+            compiled = await self.compile(sampling, n * len(prompts))  # held until every sample is in
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
@@ -186,6 +205,7 @@ class Frontend:
                 stream.close()
             kind = Refusal.INVALID if isinstance(e, ValueError) else Refusal.ENGINE_DEAD
             raise self.refuse(kind, str(e) if kind is Refusal.INVALID else f"engine stopped: {e}") from None
+        del compiled  # every sample has its copy: the cache alone decides how long it stays
         watched = self._watch(streams)
         try:
             async for item in watched:
@@ -249,11 +269,11 @@ def _prepare(
     grammars: GrammarCompiler,
 ) -> tuple[SamplingParams, list[list[int]], list[list[int]]]:
     """A call's preparation, in the preparation thread: the parameters first (their bounds are
-    cheap to check and refuse before any tokenizing), then its constraint compiled (into the
-    cache the engine takes it from), then the prompts, then its references."""
+    cheap to check and refuse before any tokenizing, the constraint's size among them), then the
+    prompts, then its references. The constraint compiles after, in the grammar thread."""
     sampling = params()
     if sampling.constraint is not None:
-        grammars.compile(sampling.constraint)  # ConstraintError, a ValueError, refuses it
+        grammars.check_size(sampling.constraint)  # ConstraintError, a ValueError, refuses it
     prompt = prepare(text)
     return sampling, prompt, references(text) if references is not None else []
 

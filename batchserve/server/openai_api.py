@@ -12,6 +12,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -137,17 +138,19 @@ class OpenAIServer:
     async def _completions(self, body: CompletionRequest, request: Request) -> Any:
         body.unsupported()
         self._check_model(body.model)
-        prompts = body.prompts(self.frontend.engine.core.config.limits)
+        limits = self.frontend.engine.core.config.limits
+        prompts = body.prompts(limits)
         echoes = tuple(EchoPrompt(p) for p in prompts) if body.echo else None
-        _, per_prompt = body.samples(self.frontend.engine.core.config.limits)
-        view = AnswerView(chat=False, logprobs=body.logprobs is not None, echoes=echoes, per_prompt=per_prompt)
+        n, per_prompt = body.samples(limits)
+        shown = n if body.shared_samples else per_prompt  # the samples of each prompt the answer holds
+        view = AnswerView(chat=False, logprobs=body.logprobs is not None, echoes=echoes, per_prompt=shown)
 
         def prepare(text: TextCodec) -> list[list[int]]:
-            if echoes is not None:
-                return [e.tokenize(text) for e in echoes]
-            return [text.tokenize(p) for p in prompts]
+            ids = [e.tokenize(text) for e in echoes] if echoes is not None else [text.tokenize(p) for p in prompts]
+            body.check_scoring(sum(map(len, ids)), limits)  # once the tokens are known, before any is scored
+            return ids
 
-        return await self._respond(body, request, prepare, body.max_tokens, view, len(prompts))
+        return await self._respond(body, request, prepare, body.max_tokens, view, len(prompts), body.shared_samples)
 
     async def _chat(self, body: ChatRequest, request: Request) -> Any:
         body.unsupported()
@@ -159,7 +162,8 @@ class OpenAIServer:
         messages = [m.rendered(i) for i, m in enumerate(body.messages)]
         offered = tools.prompt_tools if tools is not None else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools)
+        _, per_prompt = body.samples(self.frontend.engine.core.config.limits)  # usage: the prompt once for n
+        view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools, per_prompt=per_prompt)
         return await self._respond(body, request, lambda text: [text.render_chat(messages, offered)], max_tokens, view)
 
     async def _responses(self, body: ResponsesRequest, request: Request) -> Any:
@@ -217,20 +221,28 @@ class OpenAIServer:
         max_tokens: int | None,
         view: AnswerView,
         num_prompts: int = 1,
+        shared: bool = False,
     ) -> Any:
         """Run one call: a JSON body, or (`stream`) server-sent events. `prepare(text)` gives the ids
-        of each of its `num_prompts` prompts, whose choices come in order (`n` of each)."""
+        of each of its `num_prompts` prompts, whose choices come in order (`n` of each). `shared`:
+        a prompt's samples would all be one answer, so one request runs and its answer is each choice."""
         rid = ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex
         n, total = body.samples(self.frontend.engine.core.config.limits)
-        run = await self._run(body, request, prepare, max_tokens, rid, total, num_prompts)
+        run = await self._run(body, request, prepare, max_tokens, rid, 1 if shared else total, num_prompts)
         if run is None:
             return None  # nobody to answer; the requests were aborted and their KV freed
         first, outputs, samples = run
         answer = Answer(rid, self.model_name, view, self.token_text)
         if outputs is not None and first is not None:
+            if shared:
+                outputs = _copies(first, outputs, n)
+                first = await anext(outputs)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse_response(answer.stream(first, outputs, include_usage))
         assert samples is not None
+        if shared:  # the copies share their sample's lists: its prompt's scores are held once
+            samples = [replace(s, index=p * n + c) for p, s in enumerate(samples) for c in range(n)]
+            total = n
         chosen = [s for p in range(num_prompts) for s in best(samples[p * total : (p + 1) * total], n)]
         return answer.whole(chosen, samples)
 
@@ -270,6 +282,9 @@ class OpenAIServer:
                 here, samples = await _unless_gone(request, _collect(outputs, total * num_prompts))
         except Refused as e:
             raise ApiError(STATUS[e.kind], e.message) from None
+        except ApiError:  # a preparation's own refusal (the scoring bound), counted like the others
+            self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
+            raise
         except EngineFailed as e:
             raise ApiError(500, str(e)) from None
         except StopAsyncIteration:  # pragma: no cover - the engine always sends a final output
@@ -288,6 +303,21 @@ Run = tuple[tuple[int, RequestOutput] | None, AsyncIterator[tuple[int, RequestOu
 
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _copies(
+    first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]], n: int
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Each output of prompt p's one request as that of its `n` choices (p * n to p * n + n - 1);
+    closing this closes `outputs`, which aborts the requests."""
+    try:
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            for c in range(n):
+                yield item[0] * n + c, item[1]
+            item = await anext(outputs, None)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
 
 
 async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], total: int) -> list[Sample]:

@@ -3,6 +3,7 @@ how a body becomes `SamplingParams`."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -22,6 +23,11 @@ from batchserve.request import (
 from batchserve.server.openai_errors import ApiError
 from batchserve.server.openai_fields import ChatOnlyFields
 from batchserve.server.openai_options import LookaheadOptions, Prediction, ResponseFormat, StreamOptions, count_field
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+# Echo with logprobs holds each scored prompt position's alternatives (about 0.2 KB of objects and
+# 35 bytes of JSON apiece); a call scores at most this many: prompt tokens x (logprobs + 1) x samples.
+MAX_PROMPT_SCORES = 1 << 19
 
 
 class CommonFields(BaseModel):
@@ -88,7 +94,8 @@ class CommonFields(BaseModel):
         """`logit_bias` by token id; 400 naming it for a key that is not one or a value out of range."""
         out: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) <= MAX_INT32:
+            # ASCII digits only: str.isdigit() takes "²" and int() then raises (a 500, not a 400).
+            if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) <= MAX_INT32:
                 raise ApiError(400, f"logit_bias: {key!r} is not a token id", "logit_bias")
             if not -100 <= value <= 100:
                 raise ApiError(400, f"logit_bias: {value} for {key} is outside [-100, 100]", "logit_bias")
@@ -171,6 +178,30 @@ class CompletionRequest(CommonFields):
         scoring = self.logprobs if self.logprobs is not None else (0 if self.max_tokens == 0 else None)
         ranked = self.logprobs if self.logprobs is not None else (0 if (self.best_of or 1) > (self.n or 1) else None)
         return {"prompt_logprobs": scoring if self.echo else None, "logprobs": ranked}
+
+    @property
+    def shared_samples(self) -> bool:
+        """Whether a prompt's samples are all one answer (max_tokens 0: echo scores the prompt and
+        samples nothing), so that one request per prompt runs and its answer is shown n times."""
+        return self.max_tokens == 0
+
+    def check_scoring(self, num_prompt_tokens: int, limits: LimitsConfig) -> None:
+        """400 naming `prompt` and MAX_PROMPT_SCORES where echo's prompt logprobs would score more
+        than that: prompt tokens x (logprobs + 1) x the samples that each hold them."""
+        k = self.logprob_params()["prompt_logprobs"]
+        if k is None:
+            return
+        n, total = self.samples(limits)
+        copies = n if self.shared_samples else total
+        scores = num_prompt_tokens * (k + 1) * copies
+        if scores > MAX_PROMPT_SCORES:
+            raise ApiError(
+                400,
+                f"prompt: echo with logprobs {k} scores {num_prompt_tokens} prompt tokens x {k + 1} x {copies}"
+                f" samples = {scores}, at most {MAX_PROMPT_SCORES} a call (MAX_PROMPT_SCORES: prompt tokens x"
+                " (logprobs + 1) x samples); send fewer or shorter prompts, a smaller logprobs or fewer samples",
+                "prompt",
+            )
 
     def prompts(self, limits: LimitsConfig) -> list[str | list[int]]:
         """Every prompt of the call (a text, token ids, or a list of either), each answered with

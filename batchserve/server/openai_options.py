@@ -11,6 +11,25 @@ from pydantic import BaseModel, ConfigDict, Field
 from batchserve.request import MAX_INT32, Constraint
 from batchserve.server.openai_errors import ApiError
 
+# JSON levels a client's schema may nest (OpenAI allows 10 levels of objects, about 25 of JSON):
+# strict_schema, json.dumps and the grammar compiler all recurse through it.
+MAX_SCHEMA_DEPTH = 64
+
+
+def too_deep(value: Any, limit: int) -> bool:
+    """Whether parsed JSON `value` nests objects and arrays more than `limit` deep (measured
+    without recursion, so that any depth a body parser let through is answered)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children)
+    return False
+
 
 def count_field() -> Any:
     """An optional count with SamplingParams' bounds, so that a bad value is a 400 naming its field."""
@@ -89,6 +108,9 @@ class ResponseFormat(BaseModel):
             if self.json_schema is None:
                 raise ApiError(400, "response_format.json_schema is required for type json_schema", "response_format")
             schema = self.json_schema.json_schema
+            if too_deep(schema, MAX_SCHEMA_DEPTH):  # before anything recurses through it
+                param = "response_format.json_schema.schema"
+                raise ApiError(400, f"{param}: nested deeper than {MAX_SCHEMA_DEPTH} (MAX_SCHEMA_DEPTH)", param)
             return Constraint("json_schema", json.dumps(strict_schema(schema) if self.json_schema.strict else schema))
         text = getattr(self, self.type)
         if not text:

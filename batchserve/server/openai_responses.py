@@ -68,7 +68,8 @@ def best(samples: Sequence[Sample], n: int) -> list[Sample]:
 def usage(indexed: Sequence[tuple[int, RequestOutput]], per_prompt: int = 1) -> dict[str, Any]:
     """The usage of a call whose samples (by index in the call) ended with these outputs: each
     prompt counted once (it was computed once for its `per_prompt` samples), every sample's
-    completion tokens (best_of's unshown ones too: they ran)."""
+    completion tokens (best_of's unshown ones too: they ran). `resumed_tokens` (an extra): of the
+    completion tokens, those the call carried in `resume_token_ids`, input to count with the prompt."""
     outputs = [o for _, o in indexed]
     by_prompt: dict[int, list[RequestOutput]] = {}
     for i, o in indexed:
@@ -83,6 +84,7 @@ def usage(indexed: Sequence[tuple[int, RequestOutput]], per_prompt: int = 1) -> 
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "resumed_tokens": sum(o.stats.resumed_tokens for o in outputs),
         "completion_tokens_details": {
             "accepted_prediction_tokens": sum(o.stats.accepted_prediction_tokens for o in outputs),
             "rejected_prediction_tokens": sum(o.stats.rejected_prediction_tokens for o in outputs),
@@ -146,9 +148,7 @@ class Answer:
         # The object of a whole answer and of a chunk.
         self.kind = ("chat.completion", "chat.completion.chunk") if view.chat else ("text_completion",) * 2
 
-    def _logprobs(
-        self, entries: list[TokenLogprob] | None, offset: int = 0, echoed: EchoPrompt | None = None
-    ) -> Any:
+    def _logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0, echoed: EchoPrompt | None = None) -> Any:
         """A choice's (or chunk's) logprobs where shown; `echoed`: the entries start with this prompt's."""
         if not self.view.logprobs or (entries is None and echoed is None):
             return None
@@ -160,6 +160,7 @@ class Answer:
     def whole(self, chosen: Sequence[Sample], samples: Sequence[Sample]) -> dict[str, Any]:
         """The JSON answer: `chosen` as its choices; usage counts every one of `samples`."""
         choices = []
+        echoed: dict[int, Any] = {}  # a shared sample's copies (max_tokens 0) show one logprobs object
         for i, s in enumerate(chosen):
             assert s.last is not None
             choice: dict[str, Any] = {"index": i, "finish_reason": finish_reason(s.last)}
@@ -173,7 +174,10 @@ class Answer:
                     choice["finish_reason"] = parsed.finish_reason(choice["finish_reason"])
             elif echo is not None:
                 choice["text"] = echo.text + s.text
-                choice["logprobs"] = self._logprobs((s.prompt_logprobs or []) + (s.logprobs or []), echoed=echo)
+                if id(s.last) not in echoed:
+                    entries = (s.prompt_logprobs or []) + (s.logprobs or [])
+                    echoed[id(s.last)] = self._logprobs(entries, echoed=echo)
+                choice["logprobs"] = echoed[id(s.last)]
             else:
                 choice["text"] = s.text
                 choice["logprobs"] = self._logprobs(s.logprobs)

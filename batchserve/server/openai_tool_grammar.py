@@ -26,6 +26,8 @@ class Tool(Protocol):
 
 
 MAX_FORCED_CALLS = 8  # calls in one forced output ("required" with parallel_tool_calls)
+# The layout a forced call is written in: HEAD, the name as a JSON string, ARGS, the arguments, TAIL.
+HEAD, ARGS, TAIL = TOOL_CALL_OPEN + '\n{"name": ', ', "arguments": ', "}\n" + TOOL_CALL_CLOSE
 
 
 def calls_grammar(tools: Sequence[Tool], parallel: bool, answer: str | None = None) -> str:
@@ -35,8 +37,7 @@ def calls_grammar(tools: Sequence[Tool], parallel: bool, answer: str | None = No
     the calls or that answer. The name is a literal and the arguments' schema stays its own root
     (its `$ref`s resolve)."""
     repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if parallel else ""
-    head = json.dumps(TOOL_CALL_OPEN + '\n{"name": ')
-    tail = json.dumps("}\n" + TOOL_CALL_CLOSE)
+    head, tail = json.dumps(HEAD), json.dumps(TAIL)
     alternatives = " | ".join(f"f{i}" for i in range(len(tools)))
     # A newline may end the output: a model that writes one before its end-of-turn must not be
     # forced into another call by it (measured: SmolLM2 then repeats the call to max_tokens).
@@ -46,7 +47,7 @@ def calls_grammar(tools: Sequence[Tool], parallel: bool, answer: str | None = No
     for i, t in enumerate(tools):
         # Our JSON options override the schema's own: the layout json.dumps writes, as elsewhere.
         schema = {**strict_schema(t.parameters), "x-guidance": JSON_OPTIONS}
-        name = json.dumps(json.dumps(t.name) + ', "arguments": ')
+        name = json.dumps(json.dumps(t.name) + ARGS)
         lines.append(f"f{i}: {name} a{i}")
         lines.append(f"a{i}: %json {json.dumps(schema)}")
     return "\n".join(lines) + "\n"
@@ -60,7 +61,35 @@ def answer_rule(fmt: Constraint) -> str:
         schema = json.loads(fmt.spec)
         return f"%json {json.dumps(schema if isinstance(schema, bool) else {**schema, 'x-guidance': JSON_OPTIONS})}"
     if fmt.kind == "regex":
-        return f"/{fmt.spec.replace('/', chr(92) + '/')}/"
+        return _regex_literal(fmt.spec)
     raise ApiError(
         400, f"a {fmt.kind} response_format cannot stand beside tools under tool_choice 'auto'", "response_format"
     )
+
+
+def _regex_literal(regex: str) -> str:
+    """`regex` as a Lark `/.../` literal that nothing in it can end early: llguidance's own
+    escaping (an unescaped `/`, a newline...), with the regex's meaning kept."""
+    from llguidance import regex_to_lark
+
+    if (len(regex) - len(regex.rstrip("\\"))) % 2:  # llguidance would drop it: a different regex
+        raise ApiError(400, "response_format.regex: ends in an unescaped backslash", "response_format.regex")
+    return f"/{regex_to_lark(regex, '')}/"
+
+
+def cut_call(text: str, names: Sequence[str]) -> tuple[str, str] | None:
+    """(name, arguments so far) of a forced call that `text` (from its `<tool_call>` on) begins
+    and max_tokens (or a stop) cut short, read in the grammar's layout: None where the name is
+    not told yet. Arguments that are whole (only the closing tags were cut) come back whole."""
+    if not (HEAD.startswith(text) or text.startswith(HEAD)):
+        return None  # not the grammar's layout
+    body = text[len(HEAD) :]
+    seen = [n for n in names if (json.dumps(n) + ARGS).startswith(body) or body.startswith(json.dumps(n) + ARGS)]
+    if len(seen) != 1:
+        return None
+    args = body[len(json.dumps(seen[0]) + ARGS) :]
+    try:
+        value, end = json.JSONDecoder().raw_decode(args)
+    except (ValueError, RecursionError):
+        return seen[0], args
+    return seen[0], json.dumps(value, ensure_ascii=False) if TAIL.startswith(args[end:]) else args

@@ -26,7 +26,8 @@ constrain the output (an llguidance Lark grammar, `%json` per function's `parame
 known functions with schema-valid arguments: one to MAX_FORCED_CALLS ("\\n"-separated, a "\\n"
 may end them) with `parallel_tool_calls`, else exactly one; a named function: exactly one call of
 it. The bound stops a small model that repeats its call from filling max_tokens with copies.
-Forced calls have no content. With `parallel_tool_calls` false, parsing keeps only the first call.
+Forced calls have no content; one that max_tokens cuts short is still a call, its arguments as far as
+they got (finish_reason "length"). With `parallel_tool_calls` false, parsing keeps only the first call.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from typing import Any
 
 from batchserve.request import Constraint
 from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_tool_grammar import answer_rule, calls_grammar
+from batchserve.server.openai_options import MAX_SCHEMA_DEPTH, too_deep
+from batchserve.server.openai_tool_grammar import answer_rule, calls_grammar, cut_call
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_TOOLS = 128  # each one is in the prompt and in a forced call's grammar
@@ -70,10 +72,11 @@ class ToolParse:
 
     content: str | None  # None when the output is only calls
     tool_calls: tuple[dict[str, Any], ...]  # OpenAI objects: id, type "function", function {name, arguments}
+    cut: bool = False  # the last call is a forced one cut short: its arguments as far as they got
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's "tool_calls" when the model stopped after calling; any other reason (length) stays."""
-        return "tool_calls" if self.tool_calls and reason == "stop" else reason
+        return "tool_calls" if self.tool_calls and reason == "stop" and not self.cut else reason
 
     def message(self) -> dict[str, Any]:
         """The response's assistant message (`tool_calls` only when there are some)."""
@@ -124,7 +127,7 @@ class ChatTools:
     def parse(self, text: str) -> ToolParse:
         """The finished output as content and calls (module docstring). Whitespace next to a call
         is dropped; content around calls is joined by newlines. Forced calls have no content: what
-        follows them is a call that max_tokens cut short."""
+        follows them is a call that max_tokens cut short, kept as far as it got (never as markup)."""
         if self.choice == "none":
             return ToolParse(text, ())
         known = {t.name for t in self.tools}
@@ -137,6 +140,12 @@ class ChatTools:
                 pieces.append(text[last : m.start()])
                 calls.append(call)
                 last = m.end()
+        if self.forced:
+            names = [self.function] if self.function is not None else [t.name for t in self.tools]
+            cut = cut_call(text[last:].lstrip("\n"), names) if text[last:].strip() else None
+            kept = [*calls, _as_call(*cut)] if cut is not None else calls
+            kept = kept if self.parallel else kept[:1]
+            return ToolParse(None, tuple(kept), cut is not None and len(kept) > len(calls))
         if not calls:
             whole = _call(text, known) if text.lstrip().startswith("{") else None
             return ToolParse(None, (whole,)) if whole else ToolParse(text, ())
@@ -145,8 +154,6 @@ class ChatTools:
         kept = [p.rstrip() if i < n - 1 else p for i, p in enumerate(pieces)]
         kept = [p.lstrip() if i > 0 else p for i, p in enumerate(kept)]
         content = "\n".join(p for p in kept if p)
-        if self.forced:  # the grammar allows only calls: the rest is one cut short
-            content = ""
         return ToolParse(content or None, tuple(calls if self.parallel else calls[:1]))
 
     def stream(self) -> ToolStream:
@@ -214,6 +221,8 @@ def _check_tool(i: int, spec: Any) -> Tool:
         params = NO_ARGUMENTS
     elif not isinstance(params, dict) or params.get("type", "object") != "object":
         raise bad(".function.parameters", "must be a JSON Schema of an object")
+    elif too_deep(params, MAX_SCHEMA_DEPTH):
+        raise bad(".function.parameters", f"is nested deeper than {MAX_SCHEMA_DEPTH} (MAX_SCHEMA_DEPTH)")
     return Tool(name, params, spec)
 
 
@@ -254,12 +263,12 @@ def _call(body: str, known: set[str]) -> dict[str, Any] | None:
             return None
     if not isinstance(args, dict):
         return None
-    arguments = json.dumps(args, ensure_ascii=False)
-    return {
-        "id": f"call_{secrets.token_hex(12)}",
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": arguments},
-    }
+    return _as_call(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _as_call(name: str, arguments: str) -> dict[str, Any]:
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
 
 
 @dataclass(slots=True)

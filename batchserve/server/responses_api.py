@@ -28,15 +28,16 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict[str, An
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part] if text else []}
 
 
-def _function_call(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
-    """A chat tool call (`openai_tools`) as a Responses output item."""
+def _function_call(call: dict[str, Any], arguments: str | None = None, cut: bool = False) -> dict[str, Any]:
+    """A chat tool call (`openai_tools`) as a Responses output item (`cut`: max_output_tokens cut it short)."""
+    status = "in_progress" if arguments is not None else "incomplete" if cut else "completed"
     return {
         "type": "function_call",
         "id": "fc_" + call["id"].removeprefix("call_"),
         "call_id": call["id"],
         "name": call["function"]["name"],
         "arguments": call["function"]["arguments"] if arguments is None else arguments,
-        "status": "completed" if arguments is None else "in_progress",
+        "status": status,
     }
 
 
@@ -86,7 +87,8 @@ class ResponseAnswer:
         """The response object of a finished call whose output is `text`."""
         parsed = self._parse(text)
         output = [_message(_id("msg"), parsed.content)] if parsed.content else []
-        output += [_function_call(c) for c in parsed.tool_calls]
+        last_call = len(parsed.tool_calls) - 1
+        output += [_function_call(c, cut=parsed.cut and i == last_call) for i, c in enumerate(parsed.tool_calls)]
         return self._object("completed", output, last)
 
     def _event(self, kind: str, **fields: Any) -> str:
@@ -123,10 +125,10 @@ class ResponseAnswer:
         for event in state.close_events:
             yield event
         calls = list(tail.parse.tool_calls) if tail is not None else []
-        for call in calls:
+        for n, call in enumerate(calls):
             index = len(output)
             yield self._event("response.output_item.added", output_index=index, item=_function_call(call, ""))
-            item = _function_call(call)
+            item = _function_call(call, cut=tail is not None and tail.parse.cut and n == len(calls) - 1)
             args = {"item_id": item["id"], "output_index": index}
             yield self._event("response.function_call_arguments.delta", **args, delta=item["arguments"])
             yield self._event("response.function_call_arguments.done", **args, arguments=item["arguments"])

@@ -28,6 +28,7 @@ _NONE_ONLY = {
     "max_tool_calls": "no built-in tools run here: the function calls are the client's to run",
 }
 
+
 class ResponsesRequest(NeutralFields):
     """`POST /v1/responses`'s body. Unknown fields are a 400 naming them."""
 
@@ -111,8 +112,25 @@ class ResponsesRequest(NeutralFields):
             return ChatRequest(**{k: v for k, v in fields.items() if v is not None})
         except ValidationError as e:
             err = e.errors()[0]
-            param = ".".join(str(x) for x in err.get("loc", ()))
+            param = _field(".".join(str(x) for x in err.get("loc", ())))
             raise ApiError(400, f"{param}: {err.get('msg', 'invalid')}", param or None) from None
+
+
+# Chat's fields as this request names them (a 400 names the field the client sent).
+_FIELDS = (
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+)
+
+
+def _field(param: str) -> str:
+    """A chat request's field as this request names it."""
+    for chat, ours in _FIELDS:
+        if param == chat or param.startswith(chat + "."):
+            return ours + param[len(chat) :]
+    return param
 
 
 def _messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -123,7 +141,9 @@ def _messages(instructions: str | None, items: str | list[dict[str, Any]]) -> li
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            out.append({"role": item.get("role"), "content": _text(i, item.get("content"))})
+            if not isinstance(item.get("role"), str):
+                raise ApiError(400, f"input[{i}].role: a message's role is a string", f"input[{i}].role")
+            out.append({"role": item["role"], "content": _text(i, item.get("content"))})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}  # fmt: skip
@@ -167,8 +187,11 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
     return choice
 
 
-def _format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`text.format` as chat's `response_format`."""
+def _format(fmt: Any) -> dict[str, Any] | None:
+    """`text.format` as chat's `response_format`; 400 naming it where it is not an object."""
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ApiError(400, f"text.format: must be an object such as {{'type': 'json_object'}}, got {fmt!r:.80}",
+                       "text.format")  # fmt: skip
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":

@@ -135,10 +135,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[RequestOutput]:
         """One request through the shared front end; its refusals and failures as gRPC statuses."""
-        limits = self.engine.core.config.limits
+        limits, max_model_len = self.engine.core.config.limits, self.engine.core.max_model_len
         outputs = self.frontend.generate(
             lambda text: convert.prompt_of(request, text),
-            lambda: convert.sampling_params(request, limits),
+            lambda: convert.sampling_params(request, limits, max_model_len),
             request.request_id,
             choose_tenant(self.tenant_source, _metadata(context, TENANT_METADATA), request.tenant),
             references=lambda text: convert.references_of(request, text),

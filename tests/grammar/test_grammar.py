@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import threading
 
 import numpy as np
 import pytest
 
 from batchserve.draft import DraftTree
-from batchserve.grammar import ConstraintError, GrammarCompiler, allows
+from batchserve.grammar import ConstraintError, GrammarCompiler, GrammarError, allows
 from batchserve.request import Constraint, SamplingParams
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
 
@@ -53,10 +55,23 @@ def test_compiled_grammars_are_cached_by_their_text(compiler: GrammarCompiler):
     c = Constraint("regex", "[a-c]{2}")
     assert compiler.compile(c) is compiler.compile(Constraint("regex", "[a-c]{2}"))
     small = GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, max_chars=100, cache_size=2)
-    first = small.compile(Constraint("regex", "a"))
+    small.compile(Constraint("regex", "a"))  # held by no one: only the cache keeps it
     small.compile(Constraint("regex", "b"))
     small.compile(Constraint("regex", "c"))  # evicts the least recently used
-    assert small.compile(Constraint("regex", "a")) is not first
+    gc.collect()
+    small.compile(Constraint("regex", "a"))
+    assert small.num_builds == 4
+
+
+def test_the_cache_is_bounded_by_the_characters_it_holds_too(builds: _CountingMatcher):
+    # A cached matcher holds its parser (a large schema's: most of a MB): many large ones must not
+    # fit where many small ones do.
+    small = GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, max_chars=100, cache_chars=12)
+    first = small.compile(Constraint("regex", "a{1,3}"))
+    assert small.compile(Constraint("regex", "b{1,3}")) is small.compile(Constraint("regex", "b{1,3}"))
+    assert small.compile(Constraint("regex", "a{1,3}")) is first and len(builds.threads) == 2  # 12 characters fit
+    small.compile(Constraint("regex", "c{1,3}"))  # 18 do not: the least recently used goes
+    assert small.compile(Constraint("regex", "b{1,3}")) is not None and len(builds.threads) == 4
 
 
 def _state_mask(compiler: GrammarCompiler, constraint: Constraint, prefix: list[int]) -> np.ndarray:
@@ -114,3 +129,63 @@ def test_json_schema_grammar_allows_a_valid_document_token_by_token(compiler: Gr
     wrong = compiler.matcher(compiler.compile(Constraint("json_schema", json.dumps(schema))))
     pruned, _ = wrong.prune(DraftTree.chain(ids('{"name": "x", "tags": ["c"]}')))
     assert pruned is not None and bytes(pruned.tokens).decode() == '{"name": "x", "tags": ["'
+
+
+class _CountingMatcher:
+    """llguidance.LLMatcher, counting the matchers built from a grammar (the parser construction
+    that costs tens of ms for a large schema) and the threads that built them."""
+
+    def __init__(self, real: type) -> None:
+        self.real, self.threads = real, []
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread())
+        return self.real(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> _CountingMatcher:
+    import llguidance
+
+    spy = _CountingMatcher(llguidance.LLMatcher)
+    monkeypatch.setattr(llguidance, "LLMatcher", spy)
+    return spy
+
+
+def test_a_cached_grammar_gives_each_request_a_copy_never_a_new_parser(builds: _CountingMatcher):
+    compiler = GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, max_chars=2000)
+    c = Constraint("regex", "(yes|no)!")
+    first, second = (compiler.matcher(compiler.compile(c)) for _ in range(2))
+    third = compiler.matcher(compiler.compile(Constraint("regex", "(yes|no)!")))
+    assert len(builds.threads) == 1 and compiler.num_builds == 1  # one parser for the three requests
+    first.commit(ids("yes"))  # each copy has a state of its own
+    assert np.array_equal(second.prune(None)[1][0], third.prune(None)[1][0])
+    assert not allows(second.prune(None)[1][0], ord("!")) and allows(first.prune(None)[1][0], ord("!"))
+    first.commit([ord("!")])
+    assert first.done and not second.done
+
+
+def test_the_end_of_sequence_is_refused_as_an_output_token_never_skipped(compiler: GrammarCompiler):
+    # The scheduler ends a request at the grammar's end of sequence, ignore_eos or not: a list of
+    # output tokens that holds one (a resume) is one the grammar could not have given.
+    g = compiler.matcher(compiler.compile(Constraint("regex", "[a-z]+")))
+    g.commit(ids("ab"))
+    with pytest.raises(GrammarError, match="end of sequence"):
+        g.commit([g.eos_token_id, ord("c")])
+
+
+def test_a_compiled_grammar_still_held_is_found_after_the_cache_let_it_go(builds: _CountingMatcher):
+    # A front end compiles off the loop and holds the result until its requests are in: however
+    # many others compile meanwhile, the engine (on the loop) copies it and never builds it again.
+    small = GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, max_chars=100, cache_size=1)
+    held = small.compile(Constraint("regex", "a+"))
+    small.compile(Constraint("regex", "b+"))  # the cache's one place: "a+" is out of it
+    assert small.compile(Constraint("regex", "a+")) is held and len(builds.threads) == 2
+    del held
+    small.compile(Constraint("regex", "b+"))  # built again (3): "a+" is out of the cache again,
+    gc.collect()  # and held by no one now
+    small.compile(Constraint("regex", "a+"))
+    assert len(builds.threads) == 4

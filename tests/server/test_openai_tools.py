@@ -97,8 +97,9 @@ def test_the_tools_schemas_are_bounded_by_the_constraint_limit():
     deep: dict[str, Any] = {"type": "object"}
     for _ in range(5000):
         deep = {"type": "object", "properties": {"a": deep}}
-    with pytest.raises(ApiError, match="nested too deeply"):
+    with pytest.raises(ApiError, match="nested deeper than") as e:
         parse_tool_request(with_function(parameters=deep), None, None, 10**9)
+    assert e.value.param == "tools[0].function.parameters"
 
 
 def test_defaults_and_neutral_values():
@@ -301,9 +302,9 @@ def test_calls_are_parsed_out_of_the_text():
     only = tools_of("required").parse(CALL)
     assert only.content is None and only.message()["content"] is None
     assert len(tools_of(parallel=False).parse(TWO_CALLS).tool_calls) == 1
-    # Forced calls cut short by max_tokens: the complete ones, no content, and "length" stays.
+    # Forced calls cut short by max_tokens: the complete ones and the cut one, no content, "length" stays.
     cut = tools_of("required").parse(f"{CALL}\n{CALL[:-1]}")
-    assert cut.content is None and len(cut.tool_calls) == 1 and cut.finish_reason("length") == "length"
+    assert cut.content is None and len(cut.tool_calls) == 2 and cut.finish_reason("length") == "length"
 
 
 @pytest.mark.parametrize(
