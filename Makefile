@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast lint serve proto load soak soak-faults simulate gpu-check clean
+.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast fuzz lint serve proto load soak soak-faults soak-hostile simulate gpu-check clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,14 @@ soak: bench-setup
 soak-faults: bench-setup
 	$(BIN)/python load_tests/soak_faults.py --duration 600 --users 32 --every 120 --out soak_faults_out $(LOAD_ARGS)
 
+# The same well-behaved load (8 users, tenant `good`, gRPC and HTTP) twice on a fresh server:
+# alone, then beside 2 hostile users (tenant `hostile`: grammar and resume floods, echo + logprobs
+# on long prompts, huge bodies, slow readers, cancels). Targets: their p99 TTFT and TPOT within
+# 1.25x, none of their calls failed, tokens a step on repeated prompts kept, peak RSS under +10%
+# (load_tests/soak_hostile.py; report in soak_hostile_out/ and load_tests/results/hostile-report.md).
+soak-hostile: bench-setup
+	$(BIN)/python load_tests/soak_hostile.py --duration 120 --users 8 --hostile 2 --out soak_hostile_out $(LOAD_ARGS)
+
 simulate: bench-setup
 	$(BIN)/batchserve bench --simulate
 
@@ -79,6 +87,16 @@ test: $(STAMP) lint
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The fuzzers at FUZZ_SCALE times the examples `make test` runs, from seed FUZZ_SEED: schemathesis
+# over the HTTP API's /openapi.json, hypothesis over the gRPC conversion and the drafter's API
+# (README.md, "Fuzzing"). Each is a pytest file; a failure prints the request that broke it.
+FUZZ_SCALE ?= 25
+FUZZ_SEED ?= 79
+fuzz: $(STAMP)
+	BATCHSERVE_FUZZ_SCALE=$(FUZZ_SCALE) BATCHSERVE_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
+		-n $(TEST_WORKERS) --dist loadfile --timeout 3600 \
+		tests/server/test_fuzz_http.py tests/server/test_fuzz_convert.py tests/draft/test_fuzz_drafter.py
 
 # The gRPC server on 127.0.0.1:50051 with the default model; metrics on :9090. Ctrl-C drains and exits.
 serve: $(STAMP)

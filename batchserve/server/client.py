@@ -1,8 +1,10 @@
-"""A small synchronous Python client for the TextGeneration service."""
+"""A small synchronous Python client for the TextGeneration service, with failover across replicas."""
 
 from __future__ import annotations
 
 import json
+import random
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -85,6 +87,11 @@ def _set_input(req: pb.GenerateRequest, prompt: str | Sequence[int] | Sequence[d
 
 
 SERVICE = "batchserve.v1.TextGeneration"
+# A ping after 20 s without a frame, the connection dropped 10 s after an unanswered one: a replica gone
+# silent (host lost, partition) fails its calls UNAVAILABLE in 30 s. The server's own; it takes pings every 5 s.
+KEEPALIVE_S = (20.0, 10.0)
+BACKOFF_S = (0.05, 1.0)  # the first pause before another attempt, and the longest
+INFO_TIMEOUT_S = 30.0  # Tokenize and GetModelInfo without a client timeout: quick calls, never unbounded
 
 
 def service_config(load_balancing: str = "round_robin", retries: int = 3) -> str:
@@ -93,28 +100,33 @@ def service_config(load_balancing: str = "round_robin", retries: int = 3) -> str
     no response has arrived, so a retried request was never started by another replica."""
     config: dict[str, Any] = {"loadBalancingConfig": [{load_balancing: {}}]}
     if retries > 1:
-        config["methodConfig"] = [
-            {
-                "name": [{"service": SERVICE}],
-                "retryPolicy": {
-                    "maxAttempts": retries,
-                    "initialBackoff": "0.1s",
-                    "maxBackoff": "1s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
+        policy = {"maxAttempts": retries, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2}
+        policy["retryableStatusCodes"] = ["UNAVAILABLE"]
+        config["methodConfig"] = [{"name": [{"service": SERVICE}], "retryPolicy": policy}]
     return json.dumps(config)
 
 
-def channel_options(load_balancing: str | None = "round_robin", retries: int = 3) -> list[tuple[str, Any]]:
+def channel_options(
+    load_balancing: str | None = "round_robin",
+    retries: int = 3,
+    keepalive: tuple[float, float] | None = KEEPALIVE_S,
+) -> list[tuple[str, Any]]:
     """Channel options for `target`s with several replicas: `dns:///host:port` (every address
-    DNS gives, e.g. a headless Service) or `ipv4:127.0.0.1:p1,127.0.0.1:p2`. None: grpc's
-    default (pick_first, no retries)."""
-    if load_balancing is None:
-        return []
-    return [("grpc.service_config", service_config(load_balancing, retries)), ("grpc.enable_retries", 1)]
+    DNS gives, e.g. a headless Service) or `ipv4:127.0.0.1:p1,127.0.0.1:p2`. `load_balancing`
+    None: grpc's default (pick_first); `retries`: attempts of a call gRPC makes by itself (1:
+    none, not even its transparent ones); `keepalive`: (time, timeout) seconds, None: off."""
+    options: list[tuple[str, Any]] = []
+    if keepalive is not None:
+        # Pings between calls too, and however long a call is silent (grpc stops after 2); any ping
+        # unanswered for `timeout` drops the connection (grpc's flow-control pings wait a minute).
+        time_ms, timeout_ms = int(keepalive[0] * 1000), int(keepalive[1] * 1000)
+        options += [("grpc.keepalive_time_ms", time_ms), ("grpc.keepalive_permit_without_calls", 1)]
+        options += [("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_timeout_ms", timeout_ms)]
+        options.append(("grpc.http2.ping_timeout_ms", timeout_ms))
+    if load_balancing is not None:
+        options.append(("grpc.service_config", service_config(load_balancing, retries)))
+    options.append(("grpc.enable_retries", 1 if load_balancing is not None and retries > 1 else 0))
+    return options
 
 
 def _tenant(kwargs: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -122,10 +134,49 @@ def _tenant(kwargs: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return (("x-batchserve-tenant", tenant),) if tenant else ()
 
 
-# A replica that died, was killed, or shut down under the call: another replica can take it on.
-# A refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its retry hint) or a deadline is the
-# caller's to see, never retried here.
+# A replica that died, was killed, or shut down under the call: another replica can take it on. A
+# refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its retry hint) or a deadline is the caller's.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+class ReplicaShutDown(grpc.RpcError):
+    """UNAVAILABLE: the replica ended the call CANCELLED without the caller asking (it shut down
+    under it), and the client could not finish it elsewhere."""
+
+    def __init__(self, attempts: int) -> None:
+        super().__init__(f"the replica shut down under the call (attempt {attempts})")
+        self.attempts = attempts
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+
+class RetryBudget:
+    """Failovers as a share of calls, for the clients that hold it: each call deposits `ratio`,
+    each failover takes 1 while 1 is left (else the call fails with its error). It starts full at
+    `reserve`, its cap: the burst when a replica dies under many calls (size it to the calls one
+    replica runs). With every replica down a call costs 1 + `ratio` attempts, not 1 + failover."""
+
+    def __init__(self, ratio: float = 0.2, reserve: float = 20.0) -> None:
+        if not ratio >= 0 or not reserve >= 0:
+            raise ValueError(f"ratio and reserve must be >= 0, got {ratio} and {reserve}")
+        self.ratio, self.reserve, self._left = ratio, reserve, reserve
+        self._lock = threading.Lock()
+
+    def deposit(self) -> None:
+        with self._lock:
+            self._left = min(self.reserve, self._left + self.ratio)
+
+    def withdraw(self) -> bool:
+        """Whether a failover may go (it is then counted)."""
+        with self._lock:
+            if self._left < 1:
+                return False
+            self._left -= 1
+            return True
 
 
 class Client:
@@ -133,14 +184,20 @@ class Client:
 
     `target` may name several replicas (`dns:///batchserve-headless:50051`,
     `ipv4:10.0.0.1:50051,10.0.0.2:50051`); `load_balancing` spreads calls over them
-    (`round_robin`, or `pick_first`; None: grpc's defaults) and retries UNAVAILABLE.
+    (`round_robin`, or `pick_first`; None: grpc's default).
 
-    Failover (`failover` tries beyond the first): a call that a replica could not finish
-    (UNAVAILABLE, or CANCELLED that this client did not ask for: the replica died or shut down)
-    is sent again, within the same deadline (`timeout`, for the whole call); a broken stream is
-    resumed on another replica from the tokens it had delivered (`resume_token_ids`), so the
-    caller sees one stream, no token twice or missing: for greedy and seeded requests the very
-    stream the first replica would have sent (bit for bit on CPU)."""
+    Failover is the only retrying (gRPC's own is off on its channel): a call a replica could not
+    finish (UNAVAILABLE, or CANCELLED this client did not ask for: the replica died or shut down)
+    is sent again, at most `failover` times, after a jittered exponential pause (BACKOFF_S), while
+    `retry_budget` allows (a RetryBudget; None: one of its own), within one deadline (`timeout`,
+    for the whole call, pauses included; None: none, a silent replica found by `keepalive`). A
+    broken stream is resumed on another replica from the tokens it had delivered: the caller sees
+    one stream, no token twice or missing; for greedy and seeded requests the very stream the
+    first replica would have sent (bit for bit on CPU).
+
+    Raises grpc.RpcError only (`code()`, `details()`): the last attempt's error as grpc gave it,
+    or ReplicaShutDown; build_request's TypeError or ValueError for an option protobuf cannot
+    hold; after `close()`, grpc's ValueError."""
 
     def __init__(
         self,
@@ -148,35 +205,48 @@ class Client:
         timeout: float | None = None,
         load_balancing: str | None = "round_robin",
         failover: int = 3,
+        keepalive: tuple[float, float] | None = KEEPALIVE_S,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
-        self.channel = grpc.insecure_channel(target, options=channel_options(load_balancing))
+        if failover < 0:
+            raise ValueError(f"failover must be >= 0, got {failover}")
+        options = channel_options(load_balancing, retries=1, keepalive=keepalive)
+        self.channel = grpc.insecure_channel(target, options=options)
         self.stub = pb_grpc.TextGenerationStub(self.channel)
-        self.timeout = timeout
-        self.failover = failover
+        self.timeout, self.failover = timeout, failover
+        self.info_timeout = timeout if timeout is not None else INFO_TIMEOUT_S
+        self.budget = retry_budget if retry_budget is not None else RetryBudget()
         self.failovers = 0  # calls sent again or streams resumed, since this client was made
+        self.refused = 0  # failovers the retry budget refused
+        self._rng = random.Random()
 
     def generate(self, prompt: Any, **kwargs: Any) -> pb.GenerateResponse:
         """`kwargs`: build_request's; a `tenant` goes in the field and the metadata, so the
         server finds it under every --tenant-source."""
         req, deadline = build_request(prompt, **kwargs), self._deadline()
+        self.budget.deposit()
         for attempt in range(self.failover + 1):
             try:
                 reply = self.stub.Generate(req, timeout=_left(deadline), metadata=_tenant(kwargs))
-                if reply.finish_reason != pb.FINISH_REASON_CANCELLED:
-                    return reply
-                self._may_fail_over(_Broken(), attempt, deadline)  # the replica shut down under it
             except grpc.RpcError as e:
                 self._may_fail_over(e, attempt, deadline)
-        raise AssertionError("unreachable")  # pragma: no cover
+                continue
+            if reply.finish_reason != pb.FINISH_REASON_CANCELLED:
+                return reply
+            self._may_fail_over(ReplicaShutDown(attempt + 1), attempt, deadline)
+        raise AssertionError("unreachable")  # pragma: no cover - the last attempt returns or raises
 
     def stream(self, prompt: Any, **kwargs: Any) -> Iterator[pb.GenerateStreamResponse]:
-        """The request's messages as they come, resumed on another replica where one breaks."""
+        """The request's messages as they come, resumed on another replica where one breaks.
+        Leaving the loop early cancels the call (the replica frees its slot at once)."""
         req, deadline = build_request(prompt, **kwargs), self._deadline()
         resumed = list(req.resume_token_ids)  # what the caller resumes from itself
         ended = False  # the last message came (a replica that died before its status cost nothing)
+        self.budget.deposit()
         for attempt in range(self.failover + 1):
+            call = self.stub.StreamGenerate(req, timeout=_left(deadline), metadata=_tenant(kwargs))
             try:
-                for msg in self.stub.StreamGenerate(req, timeout=_left(deadline), metadata=_tenant(kwargs)):
+                for msg in call:
                     broken = msg.finish_reason == pb.FINISH_REASON_CANCELLED
                     ended = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED and not broken
                     if broken:  # the replica shut down under it: what it sent goes on, its end does not
@@ -185,29 +255,37 @@ class Client:
                     if msg.token_ids or msg.text or not broken:
                         yield msg
                     if broken:
-                        raise _Broken()
+                        raise ReplicaShutDown(attempt + 1)
                 return
-            except (grpc.RpcError, _Broken) as e:
-                if ended and not isinstance(e, _Broken):
+            except grpc.RpcError as e:
+                if ended and not isinstance(e, ReplicaShutDown):
                     return
                 self._may_fail_over(e, attempt, deadline)
                 del req.resume_token_ids[:]
                 req.resume_token_ids.extend(resumed)
+            finally:
+                if hasattr(call, "cancel"):  # a no-op once the call has ended
+                    call.cancel()
 
     def _deadline(self) -> float | None:
         return time.monotonic() + self.timeout if self.timeout is not None else None
 
-    def _may_fail_over(self, e: Exception, attempt: int, deadline: float | None) -> None:
-        """Return where the call may go to another replica (after a short pause); raise `e` where not."""
-        code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
+    def _may_fail_over(self, e: grpc.RpcError, attempt: int, deadline: float | None) -> None:
+        """Return where the call may go to another replica (after a jittered pause); raise `e` where not."""
+        code = e.code() if callable(getattr(e, "code", None)) else None  # type: ignore[attr-defined]
         left = _left(deadline)
         if code not in FAILOVER_CODES or attempt >= self.failover or (left is not None and left <= 0):
             raise e
+        if not self.budget.withdraw():
+            self.refused += 1
+            raise e
         self.failovers += 1
-        time.sleep(min(0.05 * 2**attempt, left if left is not None else 1.0))
+        # Full jitter: the calls a dead replica dropped together do not all come back together.
+        pause = self._rng.uniform(0.0, min(BACKOFF_S[1], BACKOFF_S[0] * 2**attempt))
+        time.sleep(pause if left is None else min(pause, left))
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).token_ids)
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.info_timeout).token_ids)
 
     def add_corpus(
         self,
@@ -222,7 +300,7 @@ class Client:
         return self.stub.AddCorpus(req, timeout=self.timeout, metadata=metadata).sequences
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.info_timeout)
 
     def close(self) -> None:
         self.channel.close()
@@ -234,17 +312,12 @@ class Client:
         self.close()
 
 
-class _Broken(Exception):
-    """A stream that a replica ended CANCELLED without the caller asking (its shutdown)."""
-
-
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def generate_command(args: Any) -> int:
     """`batchserve generate`: one request to a running server, printed as text or JSON."""
-    import json
     import sys
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
@@ -260,25 +333,18 @@ def generate_command(args: Any) -> int:
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "request_id": r.request_id,
-                    "text": r.text,
-                    "token_ids": list(r.token_ids),
-                    "finish_reason": FINISH_REASON_NAMES[r.finish_reason],
-                    "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens},
-                    "stats": {
-                        "steps": r.stats.steps,
-                        "draft_tokens_proposed": r.stats.draft_tokens_proposed,
-                        "draft_tokens_accepted": r.stats.draft_tokens_accepted,
-                        "tokens_per_step": round(r.stats.tokens_per_step, 3),
-                    },
-                },
-                ensure_ascii=False,
-            )
-        )
-    else:
-        print(r.text)
+    print(_reply_json(r) if args.json else r.text)
     return 0
+
+
+def _reply_json(r: pb.GenerateResponse) -> str:
+    stats = {k: getattr(r.stats, k) for k in ("steps", "draft_tokens_proposed", "draft_tokens_accepted")}
+    out = {
+        "request_id": r.request_id,
+        "text": r.text,
+        "token_ids": list(r.token_ids),
+        "finish_reason": FINISH_REASON_NAMES[r.finish_reason],
+        "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens},
+        "stats": stats | {"tokens_per_step": round(r.stats.tokens_per_step, 3)},
+    }
+    return json.dumps(out, ensure_ascii=False)
