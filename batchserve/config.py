@@ -127,6 +127,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(
         512, "tokens per forward: prompt chunks, roots and drafts", flags=("--max-tokens-per-step",)
     )
+    # A policy, not a device figure: the measured step time is what it bounds (scheduler/fairness.py).
+    tenant_slack: float = setting(
+        0.25, "how much longer a tenant's prompts over a step's budget may make a step serving other tenants"
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -136,6 +140,8 @@ class SchedulerConfig:
                 "max_num_batched_tokens must be >= max_num_seqs (every running request "
                 f"needs one token per step), got {self.max_num_batched_tokens} < {self.max_num_seqs}"
             )
+        if not 0 <= self.tenant_slack <= 1000:
+            raise ValueError(f"tenant_slack must be in [0, 1000], got {self.tenant_slack}")
 
 
 @dataclass(frozen=True, slots=True)

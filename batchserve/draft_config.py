@@ -133,7 +133,7 @@ class DraftConfig:
     window_size: int = setting(5, "jacobi/hybrid: W, future positions the Jacobi window guesses at once")
     ngram_size: int = setting(4, "jacobi/hybrid: N, n-gram length (the window keeps N-1 levels)")
     guesses: int = setting(5, "jacobi/hybrid: G, pooled n-grams verified per request per step")
-    pool_capacity: int = setting(100_000, "jacobi/hybrid: n-grams kept in all pools together (least recent go)")
+    pool_capacity: int = setting(100_000, "jacobi/hybrid: n-grams in all pools (the largest pool's oldest go first)")
     # Tokens per step a new request's window is assumed to buy before any evidence: optimistic
     # enough to run it, so the pool fills and the measured value takes over.
     window_initial_gain: float = setting(0.5, "jacobi/hybrid adaptive: a window's guessed worth in tokens per step")

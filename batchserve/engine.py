@@ -306,7 +306,7 @@ class EngineCore:
         phases.commit, phases.wall = end - t0, end - step.start
         if step.result is not None and not step.failed:
             try:  # the policy's cost model: a bug there costs its estimate, never the step's outputs
-                self.scheduler.speculation.observe_step(out, phases.wall)
+                self.scheduler.observe_step(out, phases.wall)
             except Exception:
                 logger.exception("the draft policy failed to learn from a step")
         self.num_steps += 1

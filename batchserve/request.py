@@ -31,7 +31,10 @@ MAX_TEMPERATURE = 100.0  # far past uniform for any model's logits; inf would ma
 SEED_RANGE = (-(2**63), 2**64)  # [low, high): torch's generator range; a negative s means s + 2**64
 MAX_LOGPROBS = 20  # top alternatives a token's logprobs may list (OpenAI's bound)
 PENALTY_RANGE = (-2.0, 2.0)  # frequency and presence penalties (OpenAI's bounds)
-MAX_REPETITION_PENALTY = 10.0  # repetition_penalty in (0, this]; 1 is none
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty in [1 / this, this]; 1 is none
+# A factor of at most 10 either way: a logit divided by much less than 1/10 overflows float16's
+# and, far enough, float32's range (inf, then NaN probabilities).
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's bound), each a value in [-100, 100]
 
 
@@ -160,8 +163,13 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         rep = self.repetition_penalty
-        if isinstance(rep, bool) or not isinstance(rep, int | float) or not 0 < rep <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rep!r}")
+        if (
+            isinstance(rep, bool)
+            or not isinstance(rep, int | float)
+            or not MIN_REPETITION_PENALTY <= rep <= MAX_REPETITION_PENALTY
+        ):
+            low, high = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {rep!r}")
         bias = tuple(
             (k, v) for k, v in (self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
         )
@@ -304,7 +312,7 @@ class RequestOutput:
 
     @property
     def tokens_per_step(self) -> float:
-        return tokens_per_step(self.num_output_tokens, self.stats.steps)
+        return tokens_per_step(self.num_output_tokens - self.stats.resumed_tokens, self.stats.steps)  # generated here
 
     @classmethod
     def of(

@@ -146,6 +146,7 @@ def test_resumed_tokens_are_counted_on_their_own():
     resumed = _steps(_core(), SamplingParams(**{**_fields(params), "resume_token_ids": tokens[:5]}))
     last = resumed[-1]
     assert last.stats.resumed_tokens == 5 and last.num_output_tokens == 12 and last.num_prompt_tokens == len(PROMPT)
+    assert last.tokens_per_step == 7 / last.stats.steps  # the speculation stat: tokens generated here
 
 
 class _Unreadable(list):

@@ -269,5 +269,3 @@ def served_table(rows: list[Row]) -> list[str]:
             f"{1e3 * r.tpot_p50_s:.1f} | {1e3 * base.tpot_p50_s:.1f} |"
         )
     return lines
-
-

@@ -23,6 +23,7 @@ from batchserve.bench.tune_report import write_tune_report
 
 __all__ = ["DRAFTS", "SERVE_FLAGS", "Goals", "Point", "TuneResult", "closest", "format_point", "recommend", "tune"]
 
+
 @dataclass(slots=True)
 class _Runner:
     """What every run of one tune shares."""

@@ -94,32 +94,38 @@ def window_rows(levels: Sequence[Sequence[int]]) -> WindowRows:
 class NgramPool:
     """N-grams by (scope, first token), most recent first, at most `capacity` in all.
 
-    The least recently produced n-gram goes first when the pool is full, whatever its scope;
-    each first token keeps at most `per_key` continuations.
+    When the pool is full, the scope holding the most n-grams gives up its least recently
+    produced one: a scope that floods the pool evicts its own n-grams, never those of a scope
+    that holds fewer. Each first token keeps at most `per_key` continuations.
     """
 
     def __init__(self, capacity: int, per_key: int) -> None:
         self.capacity = capacity
         self.per_key = per_key
         self._lists: dict[tuple[Hashable, int], OrderedDict[tuple[int, ...], int]] = {}  # -> {rest: times seen}
-        self._lru: OrderedDict[tuple[Hashable, int, tuple[int, ...]], None] = OrderedDict()
-        self._firsts: dict[Hashable, set[int]] = {}  # scope -> its first tokens
+        self._lru: dict[
+            Hashable, OrderedDict[tuple[int, tuple[int, ...]], None]
+        ] = {}  # scope -> its n-grams, oldest first
+        self._size = 0
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._size
 
     def add(self, scope: Hashable, ngram: Sequence[int]) -> None:
         first, rest = ngram[0], tuple(ngram[1:])
         entries = self._lists.setdefault((scope, first), OrderedDict())
-        self._firsts.setdefault(scope, set()).add(first)
         entries[rest] = entries.pop(rest, 0) + 1  # now the most recent
-        self._lru.pop((scope, first, rest), None)
-        self._lru[(scope, first, rest)] = None
+        lru = self._lru.setdefault(scope, OrderedDict())
+        if (first, rest) in lru:
+            lru.move_to_end((first, rest))
+        else:
+            lru[(first, rest)] = None
+            self._size += 1
         if len(entries) > self.per_key:
-            old = next(iter(entries))
-            self._remove(scope, first, old)
-        while len(self._lru) > self.capacity:
-            self._remove(*next(iter(self._lru)))
+            self._remove(scope, first, next(iter(entries)))
+        while self._size > self.capacity:
+            largest = max(self._lru, key=lambda s: len(self._lru[s]))
+            self._remove(largest, *next(iter(self._lru[largest])))
 
     def candidates(self, scope: Hashable, first: int, limit: int) -> list[tuple[tuple[int, ...], int]]:
         """Up to `limit` (continuation, times seen) after `first`, most recent first."""
@@ -134,22 +140,21 @@ class NgramPool:
         return out
 
     def drop_scope(self, scope: Hashable) -> None:
-        for first in self._firsts.pop(scope, ()):
-            for rest in list(self._lists.get((scope, first), ())):
-                self._remove(scope, first, rest)
+        for first, rest in list(self._lru.get(scope, ())):
+            self._remove(scope, first, rest)
 
     def _remove(self, scope: Hashable, first: int, rest: tuple[int, ...]) -> None:
-        self._lru.pop((scope, first, rest), None)
-        entries = self._lists.get((scope, first))
-        if entries is not None:
-            entries.pop(rest, None)
-            if not entries:
-                del self._lists[(scope, first)]
-                firsts = self._firsts.get(scope)
-                if firsts is not None:
-                    firsts.discard(first)
-                    if not firsts:
-                        del self._firsts[scope]
+        lru = self._lru.get(scope)
+        if lru is None or (first, rest) not in lru:
+            return
+        del lru[(first, rest)]
+        self._size -= 1
+        if not lru:
+            del self._lru[scope]
+        entries = self._lists[(scope, first)]
+        entries.pop(rest, None)
+        if not entries:
+            del self._lists[(scope, first)]
 
 
 @dataclass(slots=True)

@@ -77,6 +77,7 @@ def _warp(
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & cut_p[:, None]
+        drop[:, 0] = False  # a top_p that rounds to 0 in float32 would drop even the first
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs / probs.sum(dim=-1, keepdim=True)
 

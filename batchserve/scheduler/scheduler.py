@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft.base import Drafter
@@ -24,7 +24,9 @@ from batchserve.grammar.steps import GrammarSteps
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
-from batchserve.scheduler.chunks import committed_chunk, gather
+from batchserve.scheduler.chunks import committed_chunk
+from batchserve.scheduler.commit import TokenHook, commit_request
+from batchserve.scheduler.fairness import PromptSlack, background_tenants
 from batchserve.scheduler.prefix_cache import PrefixCache
 from batchserve.speculation import DraftBudgetPolicy, DraftPlanner
 
@@ -33,10 +35,6 @@ logger = logging.getLogger("batchserve")
 
 def _by_arrival(req: Request) -> int:
     return req.arrival_seq
-
-
-# Called for each token appended to the output of a request with stop strings; True stops it.
-TokenHook = Callable[[Request, int], bool]
 
 
 class Scheduler:
@@ -66,6 +64,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0  # since start
         self.prefix = PrefixCache(allocator, draft_config.trie_scope, enabled=prefix_caching)
+        self.slack = PromptSlack(config.tenant_slack, config.max_num_batched_tokens)
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
         self._failed: list[Request] = []  # ended by schedule() itself: their final outputs are owed
@@ -126,60 +125,134 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        background = background_tenants(self.requests.values(), self.config.max_num_batched_tokens)
         scheduled: list[ScheduledRequest] = []
+        # Running requests first, oldest first; background tenants' prompt chunks wait for last.
+        budget, held = self._schedule_running(scheduled, self.config.max_num_batched_tokens, background)
+        # Then admit waiting requests while there are seats, tokens and blocks.
+        budget = self._admit(scheduled, budget, [r for r in self.waiting if r.tenant not in background], background)
+        # Background prompts: beside other tenants' work, only what the slack allows.
+        shared = any(self.requests[s.request_id].tenant not in background for s in scheduled)
+        cap = min(budget, self.slack.allowance()) if shared else budget
+        joined = self._schedule_background(scheduled, cap, held, background)
+        budget -= joined
+        # Drafts last: committed tokens and admissions come before speculation.
+        scheduled = self._add_drafts(scheduled, budget)
+        for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
+            self._failed += self.fail([rid], error)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        out = SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
+        self.slack.scheduled(out, shared and bool(background), joined)
+        return out
 
-        # Running requests first, oldest first; the youngest by arrival is preempted when blocks
-        # run out, so a readmitted request is never the next victim of the ones it preceded.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's measured wall time: for background tenants' share and the draft policy."""
+        self.slack.observe(out, seconds)
+        self.speculation.observe_step(out, seconds)
+
+    def _schedule_running(
+        self, scheduled: list[ScheduledRequest], budget: int, background: frozenset[str]
+    ) -> tuple[int, list[Request]]:
+        """Each running request's committed chunk, oldest first, preempting when blocks run out
+        (a background tenant's youngest first, then the youngest): a readmitted request is never
+        the next victim of the ones it preceded. Returns the budget left and the background
+        prompts held back."""
+        held: list[Request] = []
+        taken: set[str] = set()
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an older request in this loop
+            if req.tenant in background and req.num_tokens - req.num_computed_tokens > 1:
+                held.append(req)
+                continue
             item = self._try_schedule(req, budget)
             while item is None:
-                victim = self.running[-1]
+                victim = self._victim(taken, background)
                 self._preempt(victim)
                 if victim is req:
                     break
                 item = self._try_schedule(req, budget)
-            if item is None:
-                continue  # `req` itself was preempted; self.running[i] is now the next one
-            scheduled.append(item)
-            budget -= item.num_tokens
-            i += 1
+            if item is not None:
+                scheduled.append(item)
+                taken.add(req.request_id)
+                budget -= item.num_tokens
+        return budget, [r for r in held if r.status is RequestStatus.RUNNING]
 
-        # Then admit waiting requests while there are seats, tokens and blocks. One whose next
-        # block a running request is computing right now waits a step or so, then reuses it.
-        in_flight = {k for r in self.running for k in self.prefix.uncached_keys(r)} if self.waiting else set()
-        deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+    def _admit(
+        self, scheduled: list[ScheduledRequest], budget: int, candidates: list[Request], background: frozenset[str]
+    ) -> int:
+        """Admit `candidates` (waiting, in queue order) while there are tokens and blocks; out of
+        seats, a background tenant's request still in its prompt gives its seat to a foreground
+        one. One whose next block a running request is computing right now waits a step or so,
+        then reuses it. Returns the budget left."""
+        in_flight = {k for r in self.running for k in self.prefix.uncached_keys(r)} if candidates else set()
+        taken = {s.request_id for s in scheduled}
+        for req in candidates:
+            if budget <= 0:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = None if req.tenant in background else self._seat_victim(taken, background)
+                if victim is None:
+                    break
+                self._preempt(victim)
             cached = self.prefix.reuse(req)
             if self.prefix.should_wait(req, in_flight):
                 self._drop_blocks(req)
-                deferred.append(self.waiting.popleft())
-                continue
+                continue  # it keeps its place in the queue
             item = self._try_schedule(req, budget)
             if item is None:
                 self._drop_blocks(req)  # a waiting request holds no blocks, cached ones included
                 break  # FCFS: wait for blocks rather than let younger requests overtake
             self.prefix.count(req, cached)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.speculation.start(req)
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_by_arrival)  # running stays in arrival order
             scheduled.append(item)
+            taken.add(req.request_id)
             budget -= item.num_tokens
             in_flight.update(self.prefix.uncached_keys(req))
-        self.waiting.extendleft(reversed(deferred))  # they keep their places in the queue
+        return budget
 
-        # Drafts last: committed tokens and admissions come before speculation.
-        scheduled = self._add_drafts(scheduled, budget)
-        for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
-            self._failed += self.fail([rid], error)
-        finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
+    def _schedule_background(
+        self, scheduled: list[ScheduledRequest], cap: int, held: list[Request], background: frozenset[str]
+    ) -> int:
+        """Background tenants' prompt chunks and admissions within `cap` tokens, the least left to
+        compute first (a tenant's short prompts are not held behind its own floods), never
+        preempting for them. Returns the tokens they took."""
+        waiting = [r for r in self.waiting if r.tenant in background] if background else []  # the preempted too
+        held = [r for r in held if r.status is RequestStatus.RUNNING]
+        left = cap
+        for req in sorted(held + waiting, key=lambda r: r.num_tokens - r.num_computed_tokens):
+            if left <= 0:
+                break
+            if req.status is RequestStatus.WAITING:
+                left = self._admit(scheduled, left, [req], background)
+            elif (item := self._try_schedule(req, left)) is not None:
+                scheduled.append(item)
+                left -= item.num_tokens
+        return cap - left
+
+    def _victim(self, taken: set[str], background: frozenset[str]) -> Request:
+        """Who gives up its blocks: the youngest request of a background tenant not in the step
+        yet, else the youngest request not in the step yet."""
+        free = [r for r in self.running if r.request_id not in taken]
+        return next((r for r in reversed(free) if r.tenant in background), free[-1])
+
+    def _seat_victim(self, taken: set[str], background: frozenset[str]) -> Request | None:
+        """A background tenant's youngest request still in its prompt and not in the step, if any."""
+        return next(
+            (
+                r
+                for r in reversed(self.running)
+                if r.tenant in background and r.request_id not in taken and r.num_tokens - r.num_computed_tokens > 1
+            ),
+            None,
+        )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
         """Commit a step's results. Returns (request, appended tokens) for each request that
@@ -190,7 +263,7 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
-                event = self._commit(req, item, result)
+                event = commit_request(self, req, item, result)
             except Exception as e:  # a bug met by one request (a stop hook, the drafter) ends only it
                 logger.exception("committing request %s failed", req.request_id)
                 self.fail([req.request_id], f"{type(e).__name__}: {e}")
@@ -198,56 +271,6 @@ class Scheduler:
             if event is not None:
                 events.append(event)
         return events
-
-    def _commit(self, req: Request, item: ScheduledRequest, result: RunnerOutput) -> tuple[Request, list[int]] | None:
-        """Apply one request's share of a step; None if it emitted nothing (a prompt chunk)."""
-        req.num_computed_tokens += len(item.token_ids)
-        gather(req, item.request_id, result)
-        emitted = result.emitted.get(item.request_id)
-        if emitted is None:
-            self.prefix.register(req)
-            return None  # a prompt chunk that does not reach the end yet
-        if not req.params.max_new_tokens:  # the prompt scored, nothing to generate
-            self.finish(req, FinishReason.LENGTH)
-            return req, []
-        accepted = result.accepted[item.request_id]
-        req.num_computed_tokens += len(accepted)
-        appended: list[int] = []
-        reason: FinishReason | None = None
-        for tok in emitted:
-            if req.grammar is not None:
-                if tok == req.grammar.eos_token_id:  # the grammar's end: ends the text, not part of it
-                    reason = FinishReason.EOS
-                    break
-                error = self.grammar.advance(req, tok)
-                if error is not None:  # the grammar refused what its own mask allowed
-                    self.fail([req.request_id], error)
-                    return req, appended
-            req.output_token_ids.append(tok)
-            req.all_token_ids.append(tok)
-            appended.append(tok)
-            reason = self._stop_reason(req, tok)
-            if reason is None and req.grammar is not None and req.grammar.done:
-                # The text is complete: the grammar allows only the end of sequence. The rows
-                # after this token chose among nothing; none of their tokens is taken.
-                reason = FinishReason.EOS
-            if reason is not None:
-                break
-        # emitted = the accepted drafts' tokens, then the model's own; a stop may cut it short.
-        # Only drafts that reach the output count (stats, metrics, and what the policy learns).
-        reached = accepted[: len(appended)]
-        req.stats.steps += 1
-        req.stats.draft_tokens_proposed += len(item.draft) if item.draft is not None else 0
-        req.stats.draft_tokens_accepted += len(reached)
-        if item.draft is not None and item.draft.referenced:
-            req.stats.reference_drafts_accepted += sum(1 for node in reached if node in item.draft.referenced)
-        self.speculation.commit(item, reached, appended, result.window_outputs.get(item.request_id))
-        self.prefix.register(req)
-        if reason is not None:
-            self.finish(req, reason)
-        else:
-            self._trim_blocks(req)
-        return req, appended
 
     def take_failed(self) -> list[Request]:
         """The requests schedule() ended since the last call (their grammar failed): each needs
@@ -275,7 +298,7 @@ class Scheduler:
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, r.request_id
             # Between steps a request holds exactly the blocks of its computed K/V: rejected
-            # drafts' blocks went back to the pool (_trim_blocks).
+            # drafts' blocks went back to the pool (trim_blocks).
             assert self.allocator.blocks_for(r.num_computed_tokens) == len(r.block_ids), r.request_id
         assert len(self.waiting) + len(self.running) == len(self.requests)
 
@@ -302,7 +325,7 @@ class Scheduler:
         req.block_ids.extend(self.allocator.allocate(need, after=req.block_ids[-1] if req.block_ids else None))
         return True
 
-    def _trim_blocks(self, req: Request) -> None:
+    def trim_blocks(self, req: Request) -> None:
         """Release blocks that held only rejected draft K/V."""
         keep = self.allocator.blocks_for(req.num_computed_tokens)
         if len(req.block_ids) > keep:
@@ -318,18 +341,6 @@ class Scheduler:
         req.stats.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-
-    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
-        p = req.params
-        if not p.ignore_eos and tok in req.eos_token_ids:
-            return FinishReason.EOS
-        if tok in p.stop_token_set:
-            return FinishReason.STOP_SEQUENCE
-        if p.stop and self.on_token is not None and self.on_token(req, tok):
-            return FinishReason.STOP_SEQUENCE
-        if len(req.output_token_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_len:
-            return FinishReason.LENGTH
-        return None
 
     def _drop_blocks(self, req: Request) -> None:
         """Release all of `req`'s blocks (cached ones stay cached, for whoever comes next)."""

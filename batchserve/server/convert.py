@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from batchserve.config import LimitsConfig
 from batchserve.request import (
@@ -41,6 +41,9 @@ SCALAR_OPTIONS = (
 )
 
 
+Ids = TypeVar("Ids", bound=Sequence[int])
+
+
 def prompt_of(request: Any, text: TextCodec) -> list[int]:
     """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof."""
     kind = request.WhichOneof("input")
@@ -50,15 +53,11 @@ def prompt_of(request: Any, text: TextCodec) -> list[int]:
         if not request.text:
             raise ValueError("input.text: prompt is empty")
         text.check_text_size(len(request.text), "input.text")
-        return text.tokenize(request.text)
+        return _within_context(text.tokenize(request.text), "input.text", text)
     if kind == "token_ids":
         if not request.token_ids.ids:
             raise ValueError("input.token_ids: prompt is empty")
-        if len(request.token_ids.ids) >= text.max_model_len:  # before copying or checking any id
-            raise ValueError(
-                f"input.token_ids: {len(request.token_ids.ids)} tokens; the context is {text.max_model_len}, "
-                "which must also hold at least one new token"
-            )
+        _within_context(request.token_ids.ids, "input.token_ids", text)  # before copying or checking any id
         try:
             return text.tokenize(list(request.token_ids.ids))
         except ValueError as e:
@@ -67,7 +66,17 @@ def prompt_of(request: Any, text: TextCodec) -> list[int]:
     if len(request.chat.messages) > limit:
         raise ValueError(f"input.chat: {len(request.chat.messages)} messages, at most {limit}")
     messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-    return text.render_chat(messages)
+    return _within_context(text.render_chat(messages), "input.chat", text)
+
+
+def _within_context(ids: Ids, field: str, text: TextCodec) -> Ids:
+    """`ids`, unless they leave the context no room for a new token (an error naming `field`)."""
+    if len(ids) >= text.max_model_len:
+        raise ValueError(
+            f"{field}: {len(ids)} tokens; the context is {text.max_model_len}, "
+            "which must also hold at least one new token"
+        )
+    return ids
 
 
 def references_of(request: pb.GenerateRequest, text: TextCodec) -> list[list[int]]:

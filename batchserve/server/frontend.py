@@ -10,13 +10,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.grammar import CompiledGrammar, GrammarCompiler
 from batchserve.request import RequestOutput, SamplingParams
 from batchserve.server.metrics import Metrics
+from batchserve.server.samples import merged_outputs, samples_of, share_prompt_scores
 from batchserve.text import TextCodec
 
 logger = logging.getLogger("batchserve.server")
@@ -197,7 +198,7 @@ class Frontend:
             for p, prompt in enumerate(prompts):
                 rid_p = request_id if len(prompts) == 1 else f"{request_id}-{p}"
                 group = rid_p if n > 1 else ""
-                for rid, sample in _samples(rid_p, sampling, n):
+                for rid, sample in samples_of(rid_p, sampling, n):
                     stream = self.engine.generate(prompt, sample, rid, tenant=tenant, references=refs, group=group)
                     streams.append(stream)
         except (ValueError, EngineDeadError) as e:
@@ -206,20 +207,24 @@ class Frontend:
             kind = Refusal.INVALID if isinstance(e, ValueError) else Refusal.ENGINE_DEAD
             raise self.refuse(kind, str(e) if kind is Refusal.INVALID else f"engine stopped: {e}") from None
         del compiled  # every sample has its copy: the cache alone decides how long it stays
-        watched = self._watch(streams)
+        watched = self._watch(streams, n if n > 1 and sampling.prompt_logprobs is not None else 0)
         try:
             async for item in watched:
                 yield item
         finally:
             await watched.aclose()  # aborts what is still running, now
 
-    async def _watch(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _watch(
+        self, streams: list[RequestStream], share_scores: int = 0
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The streams' outputs as (index, output), with per-request metrics and logs; closing it
         closes (aborts) every stream still open."""
         trackers = [self.metrics.track() for _ in streams]
         last: list[RequestOutput | None] = [None] * len(streams)
         start = time.monotonic()
-        merged = _merged(streams)
+        merged = merged_outputs(streams)
+        if share_scores:  # samples of a prompt, only the first of them scoring it
+            merged = share_prompt_scores(merged, share_scores)
         try:
             async for i, out in merged:
                 trackers[i].observe(out)
@@ -278,55 +283,17 @@ def _prepare(
     return sampling, prompt, references(text) if references is not None else []
 
 
-def _samples(request_id: str, sampling: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
-    """The request id and parameters of each of `n` samples (one: the request itself)."""
-    if n == 1:
-        return [(request_id, sampling)]
-    seed = sampling.seed
-    return [
-        (f"{request_id}-{i}", replace(sampling, seed=None if seed is None else (seed + i) % 2**64)) for i in range(n)
-    ]
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) of every stream as each arrives, until all have finished."""
-    if len(streams) == 1:  # no task in between for the common case
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, out = await queue.get()
-            if out is None:
-                left -= 1
-            else:
-                yield i, out
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 def _log_end(metrics: Metrics, request_id: str, last: RequestOutput | None, seconds: float) -> None:
     if last is None or not last.finished:
         metrics.finished.labels("cancelled").inc()
         logger.info("request %s cancelled by the client after %.2fs", request_id, seconds)
     else:
         logger.info(
-            "request %s finished: %d prompt + %d output tokens, %s, %.2fs, %.2f tokens/step",
+            "request %s finished: %d prompt + %d resumed + %d generated tokens, %s, %.2fs, %.2f tokens/step",
             request_id,
             last.num_prompt_tokens,
-            last.num_output_tokens,
+            last.stats.resumed_tokens,
+            last.num_output_tokens - last.stats.resumed_tokens,
             last.finish_reason.value if last.finish_reason else "?",
             seconds,
             last.tokens_per_step,

@@ -61,6 +61,9 @@ class Metrics:
         self.prompt_tokens_cached = Counter(
             "batchserve_prompt_tokens_cached", "Prompt tokens whose KV came from the prefix cache", registry=r
         )
+        self.resumed_tokens = Counter(
+            "batchserve_resumed_tokens", "Tokens carried in resume_token_ids (input, not generated)", registry=r
+        )
         self.generation_tokens = Counter("batchserve_generation_tokens", "Tokens generated", registry=r)
         self.draft_proposed = Counter("batchserve_draft_tokens_proposed", "Draft tokens verified", registry=r)
         self.draft_accepted = Counter("batchserve_draft_tokens_accepted", "Draft tokens accepted", registry=r)
@@ -172,6 +175,7 @@ class RequestTracker:
             m.e2e.observe(now - self.start)
             m.prompt_tokens.inc(out.num_prompt_tokens)
             m.prompt_tokens_cached.inc(out.stats.cached_prompt_tokens)
+            m.resumed_tokens.inc(out.stats.resumed_tokens)
             m.draft_proposed.inc(out.stats.draft_tokens_proposed)
             m.draft_accepted.inc(out.stats.draft_tokens_accepted)
             m.request_steps.inc(out.stats.steps)

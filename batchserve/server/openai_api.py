@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
 from batchserve.server.http import BodyLimit
-from batchserve.server.openai_errors import ApiError, error_response
+from batchserve.server.openai_errors import ApiError, error_response, param_of
 from batchserve.server.openai_logprobs import TokenText
 from batchserve.server.openai_models import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai_responses import Answer, AnswerView, EchoPrompt, Sample, best
@@ -281,7 +281,7 @@ class OpenAIServer:
             else:
                 here, samples = await _unless_gone(request, _collect(outputs, total * num_prompts))
         except Refused as e:
-            raise ApiError(STATUS[e.kind], e.message) from None
+            raise ApiError(STATUS[e.kind], e.message, param_of(e.message, type(body).model_fields)) from None
         except ApiError:  # a preparation's own refusal (the scoring bound), counted like the others
             self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
             raise

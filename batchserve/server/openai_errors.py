@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Container
+
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
@@ -30,3 +33,26 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     """An OpenAI error object."""
     kind = ERROR_TYPES.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+# The engine's names of the few request fields the OpenAI API calls something else.
+_API_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "prompt_token_ids": "prompt",
+    "prompt_logprobs": "logprobs",
+    "constraint": "response_format",
+    "references": "prediction",
+    "decoding_length": "lookahead",
+    "draft_layout": "lookahead",
+    "jacobi": "lookahead",
+}
+
+
+def param_of(message: str, fields: Container[str]) -> str | None:
+    """The body field a refusal's message names first (`top_p must be ...`, `prompt: ...`), if
+    it is one of `fields`: the error object's `param`."""
+    word = re.match(r"[A-Za-z_][A-Za-z0-9_]*", message)
+    if word is None:
+        return None
+    name = _API_NAMES.get(word.group(), word.group())
+    return name if name in fields else None

@@ -15,6 +15,7 @@ from batchserve.request import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
     PENALTY_RANGE,
     SEED_RANGE,
     Constraint,
@@ -55,7 +56,7 @@ class CommonFields(BaseModel):
     # Penalties (formulas: batchserve/runner/penalties.py): OpenAI's two, vLLM's repetition_penalty.
     frequency_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     presence_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
-    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     n: int | None = count_field()  # completions of the prompt, at most the server's --max-samples
     # An extra: resume a generation from the tokens already delivered (`batchserve/resume.py`).

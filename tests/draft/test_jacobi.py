@@ -50,10 +50,22 @@ def test_pool_keeps_most_recent_first_counts_repeats_and_bounds_size():
     assert pool.candidates("b", 1, 5) == []  # scopes never mix
     for first in (8, 9, 10):
         pool.add("b", [first, 0])
-    assert len(pool) == 4  # capacity: the least recent n-gram of any scope went first
-    assert pool.candidates("a", 1, 5) == [((6, 7), 1)]
+    assert len(pool) == 4  # capacity: the scope holding the most gave up its oldest
+    assert pool.candidates("a", 1, 5) == [((6, 7), 1), ((2, 3), 2)]
+    assert [pool.candidates("b", f, 1) for f in (8, 9, 10)] == [[], [((0,), 1)], [((0,), 1)]]
     pool.drop_scope("b")
-    assert len(pool) == 1 and pool.candidates("b", 8, 1) == []
+    assert len(pool) == 2 and pool.candidates("b", 9, 1) == []
+
+
+def test_a_scope_that_floods_the_pool_evicts_its_own_ngrams_only():
+    pool = NgramPool(capacity=10, per_key=4)
+    for first in range(3):
+        pool.add("quiet", [first, 1, 2])
+    for first in range(100, 1100):
+        pool.add("flood", [first, 1, 2])
+    assert len(pool) == 10
+    assert [pool.candidates("quiet", f, 1) for f in range(3)] == [[((1, 2), 1)]] * 3
+    assert [pool.candidates("flood", f, 1) for f in range(1093, 1100)] == [[((1, 2), 1)]] * 7
 
 
 def test_the_window_grows_to_n_minus_one_levels_then_pools_ngrams_and_slides():

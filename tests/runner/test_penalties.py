@@ -111,7 +111,8 @@ def test_logprobs_of_a_greedy_token_are_its_rows_best():
     ("field", "value"),
     [
         ("logprobs", 21), ("logprobs", -1), ("frequency_penalty", 2.5), ("presence_penalty", -3),
-        ("repetition_penalty", 0), ("repetition_penalty", 11), ("logit_bias", {5: 101}),
+        ("repetition_penalty", 0), ("repetition_penalty", 11), ("repetition_penalty", 0.09),
+        ("repetition_penalty", 5e-324), ("logit_bias", {5: 101}),
         ("logit_bias", {i: 1.0 for i in range(301)}), ("logit_bias", {-1: 1.0}),
     ],
 )  # fmt: skip

@@ -77,6 +77,17 @@ def test_a_draw_never_lands_on_a_removed_token(u):
     assert token in (0, 1)
 
 
+@pytest.mark.parametrize("u", [0.0, 0.5, 0.999999999])
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token(u):
+    """A request may ask any top_p in (0, 1]; one below float32's smallest subnormal is 0 on the
+    device, which kept no token at all (NaN probabilities, a draw of -1)."""
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.2, 0.1]]))
+    rows = _rows([0], [1.0], [0], [5e-324], [u])
+    assert rows.top_p.item() == 0.0
+    assert choose_tokens(logits, rows) == [1]
+    assert warp_rows(logits, rows.temperature, rows.top_k, rows.top_p).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
 def test_a_top_k_at_or_above_the_vocabulary_is_no_cut_even_beside_a_row_that_cuts():
     logits = (torch.randn(1, 50, generator=torch.Generator().manual_seed(1)) * 3).expand(4, 50)  # one row, 4 times
     t = torch.ones(4)

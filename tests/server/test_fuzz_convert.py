@@ -231,20 +231,6 @@ def test_any_engine_output_converts_to_its_proto(out: RequestOutput) -> None:
 # What a server may answer a fuzzed request: anything else is a failure (UNKNOWN: an exception
 # escaped the servicer; DEADLINE_EXCEEDED: it hung).
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
-# Findings this fuzzer made and reported (issue 79, its fuzzing: no engine error, every refusal
-# naming its field), not yet fixed where they live: `make test` steps around them so that it
-# stays a gate, `make fuzz` (BATCHSERVE_FUZZ_SCALE above 1) still fails on them.
-# 1. A text or chat prompt over the context is refused by engine.py's add_request (text.py's
-#    tokenize) as "prompt has N tokens", naming no field (input.text, input.chat); only
-#    input.token_ids is checked first, in convert.prompt_of.
-KNOWN = ("prompt has ",)
-
-
-def known_finding(request: pb.GenerateRequest) -> bool:
-    """2. A repetition_penalty this small divides a logit to inf in float32: the draw is token -1
-    and the request an engine error, INTERNAL (runner/penalties.py, runner/sampler.py's _draw)."""
-    s = request.sampling
-    return s.HasField("repetition_penalty") and 0 < s.repetition_penalty < 1e-36
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +245,6 @@ def stub() -> Iterator[pb_grpc.TextGenerationStub]:
 def test_a_server_answers_any_request_or_refuses_it_naming_the_field(
     stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest, streamed: bool
 ) -> None:
-    if SCALE == 1 and known_finding(request):
-        return
     try:
         if streamed:
             finish = list(stub.StreamGenerate(request, timeout=30))[-1].finish_reason
@@ -272,7 +256,33 @@ def test_a_server_answers_any_request_or_refuses_it_naming_the_field(
         stub.Tokenize(pb.TokenizeRequest(**given), timeout=30)
     except grpc.RpcError as e:
         code, details = e.code(), e.details() or ""  # type: ignore[attr-defined]
-        if SCALE == 1 and code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith(KNOWN):
-            return
         assert code in ANSWERS, f"{code.name}: {details}\n{request}"
         assert names_a_field(details), f"INVALID_ARGUMENT names no field: {details}\n{request}"
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_a_text_or_chat_prompt_over_the_context_is_refused_naming_its_field(
+    stub: pb_grpc.TextGenerationStub, kind: str
+) -> None:
+    """Found by the fuzzer above: only input.token_ids was measured against the context before
+    the engine, whose refusal ("prompt has N tokens") named no field."""
+    words = "a b c d " * CONTEXT
+    given = (
+        {"text": words}
+        if kind == "text"
+        else {"chat": pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=words)])}
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.GenerateRequest(**given), timeout=30)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert e.value.details().startswith(f"input.{kind}: "), e.value.details()  # type: ignore[attr-defined]
+
+
+def test_a_repetition_penalty_too_small_for_float32_is_refused(stub: pb_grpc.TextGenerationStub) -> None:
+    """Found by the fuzzer above: a penalty this small divided a logit to inf, the draw was -1 and
+    the request failed (INTERNAL); the range is now a factor of 10 either way."""
+    sampling = pb.SamplingOptions(max_new_tokens=4, repetition_penalty=1e-37)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.GenerateRequest(text="hello", sampling=sampling), timeout=30)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert e.value.details().startswith("sampling: repetition_penalty must be"), e.value.details()  # type: ignore[attr-defined]

@@ -172,7 +172,7 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
         ("/v1/completions", {"model": "tiny", "prompt": ["a"] * 5, "n": 2}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-        ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
+        ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
@@ -190,7 +190,8 @@ async def test_disconnect_mid_stream_frees_the_kv_at_once(api):
             "messages[0].content",
         ),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "lookahead": {"decoding_length": 99}}, 400, None),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "lookahead": {"decoding_length": 99}}, 400, "lookahead"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "resume_token_ids": [99999]}, 400, "resume_token_ids"),
     ],
 )
 async def test_errors_are_openai_error_objects_with_the_right_status(api, path, body, status, param):

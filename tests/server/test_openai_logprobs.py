@@ -123,7 +123,7 @@ async def test_penalties_and_bias_reach_the_engine(api):
         ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
-        ("/v1/completions", {"logit_bias": {"99999999": 1}}, None),  # outside the vocabulary: the engine's 400
+        ("/v1/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),  # outside the vocabulary: the engine's 400
         ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),

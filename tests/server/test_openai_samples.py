@@ -107,6 +107,29 @@ async def test_echo_with_a_completion_plain_and_streamed(api):
     assert [o for c in streamed for o in c.text_offset] == lp.text_offset
 
 
+async def test_n_samples_with_echo_score_the_prompt_once_and_each_shows_it(api):
+    """Samples 1.. of a prompt score nothing: they reuse sample 0's blocks (the prefix cache's
+    hits) and show its prompt logprobs, which are what the prompt alone scores."""
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.9, seed=2, n=3, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    scored = _offline(PROMPT, SamplingParams(max_new_tokens=1, prompt_logprobs=2))
+    want = [None] + [e.logprob for e in scored.prompt_logprobs]
+    before = api.core.scheduler.prefix.hit_tokens
+    whole = await _client(api, strict=False).completions.create(**kwargs)
+    assert api.core.scheduler.prefix.hit_tokens - before == 2 * 16  # samples 1 and 2 computed no full block
+    for i, choice in enumerate(whole.choices):
+        assert choice.logprobs.token_logprobs[: len(PROMPT)] == want, i
+        sample = _offline(PROMPT, SamplingParams(seed=2 + i, logprobs=2, **(SAMPLING | {"max_new_tokens": 4})))
+        assert choice.text == make_tiny_tokenizer().decode(PROMPT) + sample.text
+    stream = await _client(api, strict=False).completions.create(**kwargs, stream=True)
+    echoed: dict[int, list] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs and c.index not in echoed:
+                echoed[c.index] = c.logprobs.token_logprobs
+    assert echoed == {i: want for i in range(3)}
+
+
 async def test_leaving_a_stream_of_n_samples_aborts_every_one(api):
     stream = await _client(api, strict=False).completions.create(
         model="tiny", prompt=PROMPT, max_tokens=400, temperature=0.9, n=3, stream=True,

@@ -59,8 +59,8 @@ async def test_completions_and_streams_report_prediction_usage(api):
         ({"type": "file", "content": "x"}, "prediction.type", "only 'content'"),
         ({"type": "content", "content": [{"type": "image_url", "image_url": {}}]}, "prediction.content[0]", "text"),
         ({"type": "content"}, "prediction.content", "required"),
-        ({"type": "content", "content": "x" * 2000}, None, "over 1024 tokens"),  # one token a byte here
-        ({"type": "content", "content": "x" * (32 * 1024 + 1)}, None, "characters cannot fit"),
+        ({"type": "content", "content": "x" * 2000}, "prediction", "over 1024 tokens"),  # one token a byte here
+        ({"type": "content", "content": "x" * (32 * 1024 + 1)}, "prediction", "characters cannot fit"),
     ],
 )
 async def test_a_bad_or_oversized_prediction_is_a_400_naming_it(api, prediction, param, message):

@@ -71,7 +71,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         assert sum(len(c.token_ids) for c in chunks) == 300
         assert proc.wait(timeout=60) == 0
         log = proc.stdout.read()
-        assert "shutting down" in log and "finished: 3 prompt + 300 output tokens" in log
+        assert "shutting down" in log and "finished: 3 prompt + 0 resumed + 300 generated tokens" in log
         assert "quick cost profile measured" in log and len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
         assert "READY: health SERVING" in log
         assert "torch threads: 1 ($BATCHSERVE_NUM_THREADS)" in log

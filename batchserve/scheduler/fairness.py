@@ -1,0 +1,107 @@
+"""Tenants' shares of a step: one tenant's long prompts never stall another tenant's decoding.
+
+Every request carries a tenant key (`Request.tenant`, the isolation key of the drafts and the
+prefix cache; "" for clients without one). While two or more tenants hold requests, a tenant
+whose prompt work still to compute (prompts, resumed tokens, recomputation after preemption)
+is more than one step's token budget, and more than another tenant's, is *background*: it asks
+for more than a step can give, so giving it first come, first served would hand it whole steps
+while everyone else waits. Then:
+
+- its prompt chunks run after every other tenant's decodes, prompt chunks and admissions;
+- in a step that serves another tenant they may lengthen that step by at most
+  `SchedulerConfig.tenant_slack` of its time, and join only every other such step (the steps
+  without them measure what "its time" is). `PromptSlack` sizes them from the measured step
+  times, so the bound holds on any device, at any context length, without a cost model;
+- seats and KV blocks: out of either, the scheduler preempts a background tenant's youngest
+  request before anyone else's.
+
+In a step that serves no other tenant (everyone else idle) background work takes the whole
+budget: the device never idles for fairness. One tenant alone, or tenants that each fit in a
+step, see plain first come, first served: nothing here changes their steps. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from batchserve.records import SchedulerOutput
+from batchserve.request import Request
+
+# Exponential average weight of the newest step in the baseline step time.
+_BASELINE_WEIGHT = 0.25
+# Background chunks grow or shrink by at most this factor from one measured step to the next:
+# one noisy step cannot swing the share, and a too-large chunk is halved at once.
+_MAX_STEP_CHANGE = 2.0
+
+
+def prompt_backlog(requests: Iterable[Request]) -> Counter[str]:
+    """Tokens each tenant still has to compute before its requests sample (decodes count 0)."""
+    backlog: Counter[str] = Counter()
+    for req in requests:
+        pending = req.num_tokens - req.num_computed_tokens
+        backlog[req.tenant] += pending if pending > 1 else 0
+    return backlog
+
+
+def background_tenants(requests: Iterable[Request], step_tokens: int) -> frozenset[str]:
+    """The tenants whose prompt backlog is more than a step's `step_tokens`, but for the one with
+    the least (one alone is nobody's background; of two heavy tenants the lighter goes first, so
+    a burst of ordinary prompts never ranks its tenant with a flood)."""
+    backlog = prompt_backlog(requests)
+    if len(backlog) < 2:
+        return frozenset()
+    lightest = min(backlog, key=backlog.__getitem__)
+    return frozenset(t for t, tokens in backlog.items() if tokens > step_tokens and t != lightest)
+
+
+@dataclass(slots=True)
+class PromptSlack:
+    """How many prompt tokens background tenants may take in a step that serves other tenants.
+
+    Feedback on measured wall time, not a model: steps that serve other tenants without
+    background chunks keep an average baseline; after a step with them, their size is scaled by
+    how far the step overran `slack` times that baseline (at most halved or doubled per step),
+    so such a step takes about (1 + slack) times the baseline whatever the device or context.
+    They join every other such step at most, so the baseline stays fresh and the other tenants'
+    time per token grows by about slack / 2 on average.
+    """
+
+    slack: float
+    budget: int  # tokens a step: the most the allowance grows to
+    tokens: int = 1  # the allowance; grows from one token as steps show room for more
+    baseline_ms: float | None = None
+    _last: tuple[SchedulerOutput, int] | None = None  # the step scheduled last, its background tokens
+    _joined: bool = False  # whether the last measured shared step carried background chunks
+
+    def allowance(self) -> int:
+        """Background prompt tokens allowed in the step being scheduled, if it serves others."""
+        if self.baseline_ms is None or self._joined:
+            return 0
+        return self.tokens
+
+    def scheduled(self, out: SchedulerOutput, shared: bool, background_tokens: int) -> None:
+        """The step just scheduled: whether it serves other tenants beside background ones, and
+        the background prompt tokens it carries (only shared steps are measured)."""
+        self._last = (out, background_tokens) if shared else None
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """The measured wall time of a step this scheduled (others are ignored)."""
+        last, self._last = self._last, None
+        if last is None or last[0] is not out:
+            return
+        ms, background = seconds * 1000.0, last[1]
+        if background == 0:
+            base = self.baseline_ms
+            self.baseline_ms = ms if base is None else base + _BASELINE_WEIGHT * (ms - base)
+            self._joined = False
+            return
+        self._joined = True
+        base = self.baseline_ms or ms
+        excess, room = ms - base, self.slack * base
+        scale = _MAX_STEP_CHANGE if excess <= room / _MAX_STEP_CHANGE else max(1 / _MAX_STEP_CHANGE, room / excess)
+        sized = round(background * scale)
+        if excess <= room:  # room left: never below what was allowed (the chunk may have been short)
+            sized = max(sized, self.tokens)
+        self.tokens = max(1, min(self.budget, sized))
