@@ -129,7 +129,7 @@ class SchedulerConfig:
     )
     # A policy, not a device figure: the measured step time is what it bounds (scheduler/fairness.py).
     tenant_slack: float = setting(
-        0.25, "how much longer a tenant's prompts over a step's budget may make a step serving other tenants"
+        0.1, "how much longer a tenant's prompts over a step's budget may make a step serving other tenants"
     )
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 Every request carries a tenant key (`Request.tenant`, the isolation key of the drafts and the
 prefix cache; "" for clients without one). While two or more tenants hold requests, a tenant
 whose prompt work still to compute (prompts, resumed tokens, recomputation after preemption)
-is more than one step's token budget, and more than another tenant's, is *background*: it asks
+is more than one step's token budget, and more than twice another tenant's, is *background*: it asks
 for more than a step can give, so giving it first come, first served would hand it whole steps
 while everyone else waits. Then:
 
@@ -22,9 +22,10 @@ step, see plain first come, first served: nothing here changes their steps. Pure
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from batchserve.records import SchedulerOutput
 from batchserve.request import Request
@@ -36,6 +37,28 @@ _BASELINE_WEIGHT = 0.25
 _MAX_STEP_CHANGE = 2.0
 
 
+def victim_for_blocks(running: Sequence[Request], taken: set[str], background: frozenset[str]) -> Request:
+    """Who gives up its blocks when a running request needs more: the youngest request of a
+    background tenant not in the step yet, else the youngest not in the step yet (`running` is
+    in arrival order, and holds at least the one that needs them)."""
+    free = [r for r in running if r.request_id not in taken]
+    return next((r for r in reversed(free) if r.tenant in background), free[-1])
+
+
+def background_victim(
+    running: Sequence[Request], req: Request, taken: set[str], background: frozenset[str], in_prompt: bool
+) -> Request | None:
+    """For `req` of a foreground tenant, out of seats or blocks: a background tenant's youngest
+    running request not in the step (`in_prompt`: one still in its prompt, which loses least)."""
+    if req.tenant in background:
+        return None
+    for r in reversed(running):
+        if r.tenant in background and r.request_id not in taken:
+            if not in_prompt or r.num_tokens - r.num_computed_tokens > 1:
+                return r
+    return None
+
+
 def prompt_backlog(requests: Iterable[Request]) -> Counter[str]:
     """Tokens each tenant still has to compute before its requests sample (decodes count 0)."""
     backlog: Counter[str] = Counter()
@@ -45,15 +68,18 @@ def prompt_backlog(requests: Iterable[Request]) -> Counter[str]:
     return backlog
 
 
-def background_tenants(requests: Iterable[Request], step_tokens: int) -> frozenset[str]:
-    """The tenants whose prompt backlog is more than a step's `step_tokens`, but for the one with
-    the least (one alone is nobody's background; of two heavy tenants the lighter goes first, so
-    a burst of ordinary prompts never ranks its tenant with a flood)."""
+def background_tenants(requests: Iterable[Request], step_tokens: int, recent: Iterable[str] = ()) -> frozenset[str]:
+    """The tenants whose prompt backlog is more than a step's `step_tokens` and more than twice
+    the lightest tenant's (one alone is nobody's background; tenants of comparable loads, two
+    bursts of ordinary prompts, share first come, first served; a flood is background beside
+    either). `recent`: tenants without requests now that count as present (nothing to compute)."""
     backlog = prompt_backlog(requests)
+    for tenant in recent:
+        backlog[tenant] += 0
     if len(backlog) < 2:
         return frozenset()
-    lightest = min(backlog, key=backlog.__getitem__)
-    return frozenset(t for t, tokens in backlog.items() if tokens > step_tokens and t != lightest)
+    lightest = min(backlog.values())
+    return frozenset(t for t, tokens in backlog.items() if tokens > max(step_tokens, 2 * lightest))
 
 
 @dataclass(slots=True)
@@ -66,24 +92,46 @@ class PromptSlack:
     so such a step takes about (1 + slack) times the baseline whatever the device or context.
     They join every other such step at most, so the baseline stays fresh and the other tenants'
     time per token grows by about slack / 2 on average.
+
+    A step is not preempted: one whole step of background work (a full budget of prompt at a
+    long context: a second on a small CPU) would hold every request that arrives meanwhile. So a
+    tenant served within the last `linger_s` still counts (its users think between requests and
+    come back: `recent`), and a step that serves nobody else takes the same allowance, not the
+    budget; only a longer pause leaves a background tenant alone, with whole steps.
     """
 
     slack: float
     budget: int  # tokens a step: the most the allowance grows to
     tokens: int = 1  # the allowance; grows from one token as steps show room for more
     baseline_ms: float | None = None
+    linger_s: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    _seen: dict[str, float] = field(default_factory=dict)  # tenant -> when a step last served it
     _last: tuple[SchedulerOutput, int] | None = None  # the step scheduled last, its background tokens
     _joined: bool = False  # whether the last measured shared step carried background chunks
 
-    def allowance(self) -> int:
-        """Background prompt tokens allowed in the step being scheduled, if it serves others."""
-        if self.baseline_ms is None or self._joined:
-            return 0
-        return self.tokens
+    def recent(self) -> set[str]:
+        """The tenants a step served within the last `linger_s`."""
+        now = self.clock()
+        for tenant in [t for t, at in self._seen.items() if now - at >= self.linger_s]:
+            del self._seen[tenant]
+        return set(self._seen)
 
-    def scheduled(self, out: SchedulerOutput, shared: bool, background_tokens: int) -> None:
-        """The step just scheduled: whether it serves other tenants beside background ones, and
-        the background prompt tokens it carries (only shared steps are measured)."""
+    def cap(self, shared: bool, background: frozenset[str]) -> int | None:
+        """The background prompt tokens allowed in the step being scheduled (None: no bound):
+        `shared`, it serves another tenant; else some tenant was served lately."""
+        if not background:
+            return None
+        if shared:  # the first such step measures the baseline; then every other one
+            return 0 if self.baseline_ms is None or self._joined else self.tokens
+        return None if self.baseline_ms is None else self.tokens
+
+    def scheduled(self, out: SchedulerOutput, tenants: Iterable[str], shared: bool, background_tokens: int) -> None:
+        """The step just scheduled: the tenants it serves, whether it serves any beside background
+        ones, and the background prompt tokens it carries (only shared steps are measured)."""
+        now = self.clock()
+        for tenant in tenants:
+            self._seen[tenant] = now
         self._last = (out, background_tokens) if shared else None
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:

@@ -26,7 +26,7 @@ from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.chunks import committed_chunk
 from batchserve.scheduler.commit import TokenHook, commit_request
-from batchserve.scheduler.fairness import PromptSlack, background_tenants
+from batchserve.scheduler.fairness import PromptSlack, background_tenants, background_victim, victim_for_blocks
 from batchserve.scheduler.prefix_cache import PrefixCache
 from batchserve.speculation import DraftBudgetPolicy, DraftPlanner
 
@@ -125,7 +125,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        background = background_tenants(self.requests.values(), self.config.max_num_batched_tokens)
+        background = background_tenants(self.requests.values(), self.config.max_num_batched_tokens, self.slack.recent())
         scheduled: list[ScheduledRequest] = []
         # Running requests first, oldest first; background tenants' prompt chunks wait for last.
         budget, held = self._schedule_running(scheduled, self.config.max_num_batched_tokens, background)
@@ -133,7 +133,8 @@ class Scheduler:
         budget = self._admit(scheduled, budget, [r for r in self.waiting if r.tenant not in background], background)
         # Background prompts: beside other tenants' work, only what the slack allows.
         shared = any(self.requests[s.request_id].tenant not in background for s in scheduled)
-        cap = min(budget, self.slack.allowance()) if shared else budget
+        cap = self.slack.cap(shared, background)
+        cap = budget if cap is None else min(budget, cap)
         joined = self._schedule_background(scheduled, cap, held, background)
         budget -= joined
         # Drafts last: committed tokens and admissions come before speculation.
@@ -142,7 +143,8 @@ class Scheduler:
             self._failed += self.fail([rid], error)
         finished, self._finished_ids = tuple(self._finished_ids), []
         out = SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
-        self.slack.scheduled(out, shared and bool(background), joined)
+        tenants = {self.requests[s.request_id].tenant for s in scheduled if s.request_id in self.requests}
+        self.slack.scheduled(out, tenants, shared and bool(background), joined)
         return out
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
@@ -169,7 +171,7 @@ class Scheduler:
                 continue
             item = self._try_schedule(req, budget)
             while item is None:
-                victim = self._victim(taken, background)
+                victim = victim_for_blocks(self.running, taken, background)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -193,7 +195,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if len(self.running) >= self.config.max_num_seqs:
-                victim = None if req.tenant in background else self._seat_victim(taken, background)
+                victim = background_victim(self.running, req, taken, background, in_prompt=True)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -202,6 +204,12 @@ class Scheduler:
                 self._drop_blocks(req)
                 continue  # it keeps its place in the queue
             item = self._try_schedule(req, budget)
+            while item is None:  # a background tenant's blocks go before another tenant waits
+                victim = background_victim(self.running, req, taken, background, in_prompt=False)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                item = self._try_schedule(req, budget)
             if item is None:
                 self._drop_blocks(req)  # a waiting request holds no blocks, cached ones included
                 break  # FCFS: wait for blocks rather than let younger requests overtake
@@ -236,23 +244,6 @@ class Scheduler:
                 scheduled.append(item)
                 left -= item.num_tokens
         return cap - left
-
-    def _victim(self, taken: set[str], background: frozenset[str]) -> Request:
-        """Who gives up its blocks: the youngest request of a background tenant not in the step
-        yet, else the youngest request not in the step yet."""
-        free = [r for r in self.running if r.request_id not in taken]
-        return next((r for r in reversed(free) if r.tenant in background), free[-1])
-
-    def _seat_victim(self, taken: set[str], background: frozenset[str]) -> Request | None:
-        """A background tenant's youngest request still in its prompt and not in the step, if any."""
-        return next(
-            (
-                r
-                for r in reversed(self.running)
-                if r.tenant in background and r.request_id not in taken and r.num_tokens - r.num_computed_tokens > 1
-            ),
-            None,
-        )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
         """Commit a step's results. Returns (request, appended tokens) for each request that

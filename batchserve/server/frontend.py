@@ -76,10 +76,14 @@ class Frontend:
         # without the GIL): never on the loop, and never in the way of the tokenizing of requests
         # without one. The engine copies the compiled matcher for each request (microseconds).
         self._grammar = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-grammar")
+        # Whole answers are built and rendered here: one with echo's prompt logprobs is a few MB of
+        # JSON, seconds of Python that would stall every stream on the loop.
+        self._render = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-render")
 
     def close(self) -> None:
         self._prepare.shutdown(wait=False, cancel_futures=True)
         self._grammar.shutdown(wait=False, cancel_futures=True)
+        self._render.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
@@ -88,6 +92,10 @@ class Frontend:
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
+
+    async def render(self, fn: Callable[[], T]) -> T:
+        """`fn()` (an answer built and rendered) in the render thread, beside the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._render, fn)
 
     def refuse(self, kind: Refusal, message: str) -> Refused:
         """Count a refusal in the metrics and return it to raise."""

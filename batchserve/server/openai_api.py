@@ -191,7 +191,7 @@ class OpenAIServer:
         if outputs is not None and first is not None:
             return _sse_response(answer.stream(first[1], outputs))
         assert samples is not None and samples[0].last is not None
-        return answer.whole(samples[0].text, samples[0].last)
+        return await self.frontend.render(lambda: JSONResponse(answer.whole(samples[0].text, samples[0].last)))
 
     def _count_too_large(self) -> None:
         self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()  # gRPC says RESOURCE_EXHAUSTED
@@ -244,7 +244,7 @@ class OpenAIServer:
             samples = [replace(s, index=p * n + c) for p, s in enumerate(samples) for c in range(n)]
             total = n
         chosen = [s for p in range(num_prompts) for s in best(samples[p * total : (p + 1) * total], n)]
-        return answer.whole(chosen, samples)
+        return await self.frontend.render(lambda: JSONResponse(answer.whole(chosen, samples)))
 
     async def _run(
         self,

@@ -58,8 +58,10 @@ def test_background_needs_two_tenants_and_more_prompt_than_a_step() -> None:
     assert background_tenants(mixed, 512) == {"big", "mid"}
     assert background_tenants(mixed, 600) == {"big"}
     # Of two tenants over a step, the lighter is not held back: a burst of ordinary prompts is
-    # not ranked with a flood.
+    # not ranked with a flood; and two comparable loads share first come, first served.
     assert background_tenants([*alone, _req("e", 900, "burst")], 512) == {"big"}
+    assert background_tenants([_req("f", 900, "one"), _req("g", 1700, "two")], 512) == frozenset()
+    assert background_tenants([_req("f", 900, "one"), _req("g", 1801, "two")], 512) == {"two"}
 
 
 def test_one_tenant_alone_is_first_come_first_served() -> None:
@@ -97,27 +99,36 @@ def test_background_chunks_beside_others_take_the_slack_of_every_other_step() ->
     assert 30 <= len(settled) <= 50  # every other step, give or take the halvings
 
 
-def test_background_takes_whole_steps_when_no_one_else_is_served() -> None:
+def test_background_takes_whole_steps_once_no_one_else_was_served_lately() -> None:
     s = _sched(budget=64)
-    s.add_request(_req("good", 4, "good", max_new=3))
+    now = [0.0]
+    s.slack.clock = lambda: now[0]
+    s.add_request(_req("good", 4, "good", max_new=8))
     s.add_request(_req("hog", 3000, "hostile"))
-    outs = [_run(s, ms_per_token=1.0) for _ in range(8)]
-    assert all(_tokens(o, "good") == 0 for o in outs[4:])  # good finished
-    assert all(_tokens(o, "hog") == 64 for o in outs[4:])  # the device never idles for fairness
+    for _ in range(8):
+        _run(s, ms_per_token=1.0)  # good's 8 tokens: it is done
+        now[0] += 0.01
+    assert "good" not in s.requests
+    # Within linger_s of good's last step (its user may be about to send the next request), a
+    # step of the hog alone takes the allowance, not the budget: no step good would wait on.
+    assert 1 <= _tokens(_run(s, ms_per_token=1.0), "hog") < 64
+    now[0] += s.slack.linger_s
+    outs = [_run(s, ms_per_token=1.0) for _ in range(3)]
+    assert all(_tokens(o, "hog") == 64 for o in outs)  # the device never idles for fairness
 
 
 def test_a_slow_step_shrinks_the_background_share_at_once() -> None:
     slack = PromptSlack(slack=0.2, budget=512, tokens=256)
     base = SchedulerOutput(requests=(), finished_request_ids=())
-    slack.scheduled(base, True, 0)
+    slack.scheduled(base, (), True, 0)
     slack.observe(base, 0.010)  # 10 ms without background
-    assert slack.allowance() == 256
+    assert slack.cap(True, frozenset({"hog"})) == 256
     step = SchedulerOutput(requests=(), finished_request_ids=())
-    slack.scheduled(step, True, 256)
+    slack.scheduled(step, (), True, 256)
     slack.observe(step, 0.100)  # 90 ms over, 2 ms of room: halved (at most) now
-    assert slack.tokens == 128 and slack.allowance() == 0  # and it sits out the next shared step
+    assert slack.tokens == 128 and slack.cap(True, frozenset({"hog"})) == 0  # it sits out the next shared step
     other = SchedulerOutput(requests=(), finished_request_ids=())
-    slack.scheduled(step, True, 64)
+    slack.scheduled(step, (), True, 64)
     slack.observe(other, 1.0)  # a step it did not schedule last: ignored
     assert slack.tokens == 128
 
@@ -161,3 +172,16 @@ def test_a_background_tenants_short_prompt_goes_before_its_own_flood() -> None:
         if s.requests["small"].output_token_ids:
             break
     assert s.requests["small"].output_token_ids  # its prompt was computed and it decodes
+
+
+def test_a_new_request_out_of_blocks_takes_them_from_a_background_tenant() -> None:
+    s = _sched(budget=16, num_blocks=60)
+    s.add_request(_req("hog", 200, "hostile", max_new=1))
+    for _ in range(4):
+        _run(s)  # alone: 64 of its prompt, 16 blocks
+    held = s.allocator.allocate(s.allocator.num_free_blocks - 1)  # the rest of the pool taken elsewhere
+    s.add_request(_req("good", 16, "good", max_new=4))  # its first chunk needs 4 blocks
+    out = s.schedule()
+    assert ("good", 16) in [(r.request_id, r.num_tokens) for r in out.requests]  # admitted at once
+    assert s.requests["hog"].status is RequestStatus.WAITING and s.requests["hog"].stats.num_preemptions == 1
+    s.allocator.free(held)
