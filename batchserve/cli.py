@@ -63,7 +63,7 @@ def _server_settings() -> list[Setting]:
 
 
 def _serve_parser(sub: Any) -> None:
-    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve = sub.add_parser("serve", help="run the server: gRPC and the OpenAI HTTP API over one engine")
     add_settings(serve, _server_settings() + list(SETTINGS.values()))
     serve.add_argument("--log-level", default="INFO")
 

@@ -112,3 +112,32 @@ def test_the_scheduler_only_batches_and_reaches_speculation_through_its_seam() -
         if t.startswith("batchserve.speculation")
     }  # fmt: skip
     assert reached == {"batchserve.speculation"}, sorted(reached)
+
+
+def test_the_servers_wings_stand_apart() -> None:
+    """server/: the gRPC wing and the OpenAI wing never import each other (they meet in the
+    shared core: `frontend`, `samples`, `metrics`, and `app`, which assembles both); gRPC is known
+    to the gRPC wing, the client and `app` alone, FastAPI to the OpenAI wing alone."""
+    graph = _graph()
+    wings = ("batchserve.server.grpc", "batchserve.server.openai")
+    crossing = [
+        f"{m} -> {t}" for m, targets in graph.items() for t in targets for a, b in (wings, wings[::-1])
+        if m.startswith(a) and t.startswith(b)
+    ]  # fmt: skip
+    assert not crossing, crossing
+    for path in PACKAGE.rglob("*.py"):
+        module = _module(path)
+        if module.startswith("batchserve.v1"):
+            continue
+        roots = {
+            (a.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0)
+            for a in (node.names if isinstance(node, ast.Import) else [node])
+        }
+        if "grpc" in roots:
+            assert module.startswith("batchserve.server.grpc") or module in {
+                "batchserve.server.client", "batchserve.server.app"
+            }, module
+        if roots & {"fastapi", "starlette"}:
+            assert module.startswith("batchserve.server.openai"), module

@@ -214,9 +214,6 @@ class TreeBuilder:
             self.scores[idx] = max(self.scores[idx], score)
         return idx
 
-    def has_root_child(self, tok: int) -> bool:
-        return (None, tok) in self.index
-
     def tree(self) -> DraftTree | None:
         if not self.tokens:
             return None

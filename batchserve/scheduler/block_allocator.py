@@ -114,14 +114,6 @@ class BlockAllocator:
                 break
         return blocks
 
-    def fork(self, blocks: list[int]) -> list[int]:
-        """Share `blocks` with another owner (one more reference each)."""
-        for b in blocks:
-            if self._ref_counts[b] < 1:
-                raise ValueError(f"cannot share free block {b}")
-            self._ref_counts[b] += 1
-        return list(blocks)
-
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; at 0 it is free, or evictable if cached."""
         for b in blocks:

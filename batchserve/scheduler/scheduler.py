@@ -51,9 +51,7 @@ class Scheduler:
         prefix_caching: bool = False,
     ) -> None:
         self.config = config
-        self.draft_config = draft_config
         self.allocator = allocator
-        self.drafter = drafter
         self.on_token = on_token
         self.grammar = GrammarSteps()  # structured output's share of each step
         # Speculation, behind its seam (start, attach, commit, finish). `budget_policy` None:

@@ -20,10 +20,10 @@ from batchserve.async_engine import AsyncEngine
 from batchserve.config import setting
 from batchserve.engine import EngineCore
 from batchserve.server.frontend import Frontend, ServiceInfo
+from batchserve.server.grpc.servicer import TextGenerationServicer
 from batchserve.server.http import HttpServer, listen
 from batchserve.server.metrics import Metrics
-from batchserve.server.openai_api import OpenAIServer
-from batchserve.server.servicer import TextGenerationServicer
+from batchserve.server.openai.api import OpenAIServer
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 

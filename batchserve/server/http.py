@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from batchserve.server.openai_errors import ApiError, error_response
+from batchserve.server.openai.errors import ApiError, error_response
 
 FLUSH_SECONDS = 2.0  # at shutdown: open connections get this long to finish their responses
 

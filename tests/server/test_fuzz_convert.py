@@ -1,6 +1,6 @@
 """Fuzzing the gRPC request conversion with hypothesis (issue 79): any GenerateRequest protobuf
 can hold (any input, sampling and lookahead options, references, constraint, resumed tokens)
-becomes engine parameters or a ValueError naming its field (`server/convert.py`'s contract),
+becomes engine parameters or a ValueError naming its field (`server/grpc/convert.py`'s contract),
 and, sent to a running server, an answer or INVALID_ARGUMENT naming the field: never another
 status (UNKNOWN is an exception escaping), never a hang. The engine's outputs convert back to
 protos whatever their values.
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from batchserve.request import FinishReason, RequestOutput, RequestStats, TokenLogprob
-from batchserve.server import convert
+from batchserve.server.grpc import convert
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import make_tiny_model, make_tiny_tokenizer

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from batchserve.server.openai_tool_grammar import HEAD
+from batchserve.server.openai.tool_grammar import HEAD
 from tests.server.test_openai_api import _client, _raw, _sse_frames
 from tests.server.test_openai_tool_calls import MAX_TOKENS, MODE, NAMED, USER
 from tests.server.test_openai_tools import CALL, NOOP_CALL, tools_of

@@ -14,9 +14,9 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import chat_completion_stream_options_param as stream_options
 from openai.types.chat import completion_create_params as chat_params
 
-from batchserve.server.openai_fields import NEUTRAL
-from batchserve.server.openai_models import ChatRequest, CompletionRequest
-from batchserve.server.openai_options import StreamOptions
+from batchserve.server.openai.bodies import ChatRequest, CompletionRequest
+from batchserve.server.openai.fields import NEUTRAL
+from batchserve.server.openai.options import StreamOptions
 from tests.server.test_openai_api import _raw
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"

@@ -11,10 +11,10 @@ import pytest
 
 from batchserve.grammar import GrammarCompiler, GrammarError, allows
 from batchserve.request import Constraint
-from batchserve.server import openai_models
-from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_options import MAX_SCHEMA_DEPTH, JsonSchemaFormat, ResponseFormat
-from batchserve.server.openai_tools import parse_tool_request
+from batchserve.server.openai import bodies
+from batchserve.server.openai.errors import ApiError
+from batchserve.server.openai.options import MAX_SCHEMA_DEPTH, JsonSchemaFormat, ResponseFormat
+from batchserve.server.openai.tools import parse_tool_request
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
 from tests.server.test_openai_api import _client, _raw, _sse_frames
 
@@ -133,7 +133,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 
 
 async def test_scoring_past_the_bound_is_a_400_naming_it(api, submitted, monkeypatch):
-    monkeypatch.setattr(openai_models, "MAX_PROMPT_SCORES", 200)
+    monkeypatch.setattr(bodies, "MAX_PROMPT_SCORES", 200)
     body = {"model": "tiny", "prompt": PROMPT, "echo": True, "logprobs": 4}
     # 10 tokens x (4 + 1) x 4 samples = 200: at the bound; a fifth sample or alternative passes it.
     ok, _ = await _raw(api, "POST", "/v1/completions", {**body, "max_tokens": 0, "n": 4})

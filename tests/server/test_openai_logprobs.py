@@ -59,7 +59,7 @@ async def test_a_sampled_token_outside_the_top_is_among_its_alternatives(ascii_a
 
 def test_completion_alternatives_add_the_chosen_token_only_where_it_is_missing():
     from batchserve.request import TokenLogprob
-    from batchserve.server.openai_logprobs import completion_logprobs
+    from batchserve.server.openai.logprobs import completion_logprobs
 
     class Text:
         def __call__(self, token_id: int) -> str:

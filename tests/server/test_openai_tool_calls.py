@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, Field
 
-from batchserve.server.openai_tool_grammar import MAX_FORCED_CALLS
+from batchserve.server.openai.tool_grammar import MAX_FORCED_CALLS
 from tests.server.test_openai_api import _client, _raw, _sse_frames
 
 try:

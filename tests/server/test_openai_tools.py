@@ -10,9 +10,9 @@ import pytest
 from batchserve.config import LimitsConfig
 from batchserve.grammar import GrammarCompiler, GrammarError, allows
 from batchserve.request import Constraint
-from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_tool_grammar import MAX_FORCED_CALLS
-from batchserve.server.openai_tools import MAX_TOOLS, ChatTools, parse_tool_request
+from batchserve.server.openai.errors import ApiError
+from batchserve.server.openai.tool_grammar import MAX_FORCED_CALLS
+from batchserve.server.openai.tools import MAX_TOOLS, ChatTools, parse_tool_request
 from batchserve.text import TextCodec, tools_prompt
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
 from tests.server.conftest import CHAT_TEMPLATE

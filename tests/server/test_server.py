@@ -528,7 +528,7 @@ async def test_metrics_port_in_use_fails_start_and_leaves_nothing_running():
 
 
 def test_jacobi_options_reach_the_sampling_params_unset_ones_stay_the_servers():
-    from batchserve.server.convert import sampling_params
+    from batchserve.server.grpc.convert import sampling_params
 
     assert sampling_params(build_request([1], jacobi=(3, None, 2))).jacobi == (3, None, 2)
     assert sampling_params(build_request([1])).jacobi is None

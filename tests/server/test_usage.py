@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from batchserve.config import LimitsConfig
-from batchserve.server import convert
 from batchserve.server.client import build_request
+from batchserve.server.grpc import convert
 from tests.server.test_openai_api import _raw
 
 PROMPT = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]

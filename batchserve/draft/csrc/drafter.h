@@ -331,7 +331,6 @@ private:
     Recent recent_;
     Chain chain_, theirs_;
     std::vector<int32_t> scratch_;
-    std::vector<Kid> kids_;
 };
 
 }  // namespace bsd

@@ -23,13 +23,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
 from batchserve.server.http import BodyLimit
-from batchserve.server.openai_errors import ApiError, error_response, param_of
-from batchserve.server.openai_logprobs import TokenText
-from batchserve.server.openai_models import ChatRequest, CommonFields, CompletionRequest
-from batchserve.server.openai_responses import Answer, AnswerView, EchoPrompt, Sample, best
-from batchserve.server.openai_tools import parse_tool_request
-from batchserve.server.responses_api import ResponseAnswer
-from batchserve.server.responses_models import ResponsesRequest
+from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best
+from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
+from batchserve.server.openai.errors import ApiError, error_response, param_of
+from batchserve.server.openai.logprobs import TokenText
+from batchserve.server.openai.responses import ResponseAnswer
+from batchserve.server.openai.responses_bodies import ResponsesRequest
+from batchserve.server.openai.tools import parse_tool_request
 from batchserve.text import TextCodec
 
 T = TypeVar("T")

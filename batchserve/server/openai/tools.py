@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.request import Constraint
-from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_options import MAX_SCHEMA_DEPTH, too_deep
-from batchserve.server.openai_tool_grammar import answer_rule, calls_grammar, cut_call
+from batchserve.server.openai.errors import ApiError
+from batchserve.server.openai.options import MAX_SCHEMA_DEPTH, too_deep
+from batchserve.server.openai.tool_grammar import answer_rule, calls_grammar, cut_call
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_TOOLS = 128  # each one is in the prompt and in a forced call's grammar

@@ -10,13 +10,13 @@ from typing import Any, Protocol
 
 from batchserve.grammar.compiler import JSON_OPTIONS
 from batchserve.request import Constraint
-from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_options import strict_schema
+from batchserve.server.openai.errors import ApiError
+from batchserve.server.openai.options import strict_schema
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 class Tool(Protocol):
-    """A function the grammar offers (`openai_tools.Tool`): its name and its arguments' schema."""
+    """A function the grammar offers (`tools.Tool`): its name and its arguments' schema."""
 
     @property
     def name(self) -> str: ...

@@ -1,5 +1,5 @@
 """The OpenAI API's answers: choices collected from a call's samples (`n`, `best_of`), usage that
-counts the prompt once, and the finish reasons; the HTTP plumbing is `openai_api`'s."""
+counts the prompt once, and the finish reasons; the HTTP plumbing is `api`'s."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from batchserve.request import FinishReason, RequestOutput, TokenLogprob
 from batchserve.server.frontend import EngineFailed
-from batchserve.server.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
-from batchserve.server.openai_tools import ChatTools, ToolStream
+from batchserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
+from batchserve.server.openai.tools import ChatTools, ToolStream
 from batchserve.text import TextCodec
 
 FINISH = {

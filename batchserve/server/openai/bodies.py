@@ -21,9 +21,9 @@ from batchserve.request import (
     Constraint,
     SamplingParams,
 )
-from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_fields import ChatOnlyFields
-from batchserve.server.openai_options import LookaheadOptions, Prediction, ResponseFormat, StreamOptions, count_field
+from batchserve.server.openai.errors import ApiError
+from batchserve.server.openai.fields import ChatOnlyFields
+from batchserve.server.openai.options import LookaheadOptions, Prediction, ResponseFormat, StreamOptions, count_field
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 # Echo with logprobs holds each scored prompt position's alternatives (about 0.2 KB of objects and
@@ -266,7 +266,7 @@ class ChatRequest(CommonFields, ChatOnlyFields):
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    # The checked tool settings (`openai_tools.ChatTools`, which imports this module), once set.
+    # The checked tool settings (`tools.ChatTools`, which imports this module), once set.
     _tools: Any = PrivateAttr(default=None)
 
     def use_tools(self, tools: Any) -> None:

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from batchserve.request import RequestOutput, TokenLogprob
-from batchserve.server import convert
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
+from batchserve.server.grpc import convert
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 

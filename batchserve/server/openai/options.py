@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchserve.request import MAX_INT32, Constraint
-from batchserve.server.openai_errors import ApiError
+from batchserve.server.openai.errors import ApiError
 
 # JSON levels a client's schema may nest (OpenAI allows 10 levels of objects, about 25 of JSON):
 # strict_schema, json.dumps and the grammar compiler all recurse through it.

@@ -14,9 +14,9 @@ from typing import Any
 
 from batchserve.request import FinishReason, RequestOutput
 from batchserve.server.frontend import EngineFailed
-from batchserve.server.openai_responses import usage
-from batchserve.server.openai_tools import ChatTools, ToolParse
-from batchserve.server.responses_models import ResponsesRequest
+from batchserve.server.openai.answers import usage
+from batchserve.server.openai.responses_bodies import ResponsesRequest
+from batchserve.server.openai.tools import ChatTools, ToolParse
 
 
 def _id(prefix: str) -> str:
@@ -29,7 +29,7 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict[str, An
 
 
 def _function_call(call: dict[str, Any], arguments: str | None = None, cut: bool = False) -> dict[str, Any]:
-    """A chat tool call (`openai_tools`) as a Responses output item (`cut`: max_output_tokens cut it short)."""
+    """A chat tool call (`tools`) as a Responses output item (`cut`: max_output_tokens cut it short)."""
     status = "in_progress" if arguments is not None else "incomplete" if cut else "completed"
     return {
         "type": "function_call",

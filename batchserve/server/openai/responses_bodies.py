@@ -12,9 +12,9 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError
 
 from batchserve.request import MAX_INT32, MAX_TEMPERATURE, SEED_RANGE
-from batchserve.server.openai_errors import ApiError
-from batchserve.server.openai_fields import NeutralFields
-from batchserve.server.openai_models import ChatRequest
+from batchserve.server.openai.bodies import ChatRequest
+from batchserve.server.openai.errors import ApiError
+from batchserve.server.openai.fields import NeutralFields
 
 # Fields of OpenAI's request that ask for nothing at these values (else a 400 saying why).
 _NONE_ONLY = {

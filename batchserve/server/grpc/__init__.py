@@ -1,0 +1,1 @@
+"""The gRPC wing: the TextGeneration servicer and the proto <-> engine conversion."""
