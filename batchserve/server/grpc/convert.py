@@ -16,6 +16,7 @@ from batchserve.request import (
     TokenLogprob,
     tokens_per_step,
 )
+from batchserve.server.mapping import check_stop_token_count, lookahead_fields
 from batchserve.text import TextCodec
 from batchserve.v1 import generation_pb2 as pb
 
@@ -84,6 +85,9 @@ def references_of(request: pb.GenerateRequest, text: TextCodec) -> list[list[int
     return text.tokenize_references(list(request.reference), "reference")
 
 
+LOOKAHEAD_FIELDS = ("enable", "decoding_length", "layout", "jacobi_window", "jacobi_ngram", "jacobi_guesses")
+
+
 def sampling_params(
     request: pb.GenerateRequest, limits: LimitsConfig | None = None, max_model_len: int | None = None
 ) -> SamplingParams:
@@ -98,8 +102,7 @@ def sampling_params(
             f"resume_token_ids: {num_resumed} tokens, at most {max_model_len - 2}: they, the prompt and a new "
             f"token must fit the model's context of {max_model_len}"
         )
-    if len(s.stop_token_ids) > limits.max_stop_token_ids:
-        raise ValueError(f"sampling.stop_token_ids: {len(s.stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
+    check_stop_token_count(len(s.stop_token_ids), limits, "sampling.stop_token_ids")
     if len(s.stop) > limits.max_stop_sequences:
         raise ValueError(f"sampling.stop: {len(s.stop)} stop strings, at most {limits.max_stop_sequences}")
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
@@ -118,15 +121,8 @@ def sampling_params(
             raise ValueError(f"sampling.stop[{i}]: not valid UTF-8") from None
     kwargs["stop"] = stops
     kwargs["stop_token_ids"] = list(s.stop_token_ids)
-    if la.HasField("enable") and not la.enable:
-        kwargs["decoding_length"] = 0
-    elif la.HasField("decoding_length"):
-        kwargs["decoding_length"] = la.decoding_length
-    if la.HasField("layout"):
-        kwargs["draft_layout"] = la.layout
-    jacobi = [getattr(la, f) if la.HasField(f) else None for f in ("jacobi_window", "jacobi_ngram", "jacobi_guesses")]
-    if any(v is not None for v in jacobi):
-        kwargs["jacobi"] = tuple(jacobi)
+    given = [getattr(la, f) if la.HasField(f) else None for f in LOOKAHEAD_FIELDS]
+    kwargs |= lookahead_fields(given[0], given[1], given[2], (given[3], given[4], given[5]))
     if num_resumed:  # copied once, by SamplingParams (which checks the count against max_new_tokens first)
         kwargs["resume_token_ids"] = request.resume_token_ids
     kind = request.WhichOneof("constraint")

@@ -21,6 +21,7 @@ from batchserve.request import (
     Constraint,
     SamplingParams,
 )
+from batchserve.server.mapping import check_stop_token_count, lookahead_fields
 from batchserve.server.openai.errors import ApiError
 from batchserve.server.openai.fields import ChatOnlyFields
 from batchserve.server.openai.options import LookaheadOptions, Prediction, ResponseFormat, StreamOptions, count_field
@@ -109,8 +110,7 @@ class CommonFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, max_model_len: int, limits: LimitsConfig) -> SamplingParams:
         """`max_tokens` omitted: up to the end of the context (as OpenAI and vLLM)."""
-        if self.stop_token_ids is not None and len(self.stop_token_ids) > limits.max_stop_token_ids:
-            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
+        check_stop_token_count(len(self.stop_token_ids or ()), limits)
         kwargs: dict[str, Any] = {
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "max_new_tokens": max_model_len if max_tokens is None else max_tokens,
@@ -132,15 +132,8 @@ class CommonFields(BaseModel):
         kwargs["logit_bias"] = self.bias()
         la = self.lookahead
         if la is not None:
-            if la.enable is False:
-                kwargs["decoding_length"] = 0
-            elif la.decoding_length is not None:
-                kwargs["decoding_length"] = la.decoding_length
-            if la.layout is not None:
-                kwargs["draft_layout"] = la.layout
             jacobi = (la.jacobi_window, la.jacobi_ngram, la.jacobi_guesses)
-            if any(v is not None for v in jacobi):
-                kwargs["jacobi"] = jacobi
+            kwargs |= lookahead_fields(la.enable, la.decoding_length, la.layout, jacobi)
         return SamplingParams(**kwargs)
 
 
