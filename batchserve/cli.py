@@ -176,7 +176,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(
         core.runner,
         max_tokens=args.max_tokens,
-        max_context=core.max_model_len,
+        max_context=core.facts.max_model_len,
         contexts=tuple(sorted(set(args.contexts))),
         repeats=args.repeats,
     )

@@ -56,14 +56,10 @@ class EngineCore:
             raise ValueError("pass the tokenizer together with the model")
         model, forward = choose_forward(model, config, loaded_here)
         self.runner, facts = build_checked_runner(model, tokenizer, config, forward)
-        self.forward, self.tokenizer = facts.forward, tokenizer  # what runs every step, and why (after fallbacks)
-        logger.info("forward: %s", self.forward.line())
-        self.vocab_size, self.max_model_len = facts.vocab_size, facts.max_model_len
-        self.attention_backend = facts.attention_backend
-        self.graphs, self.graphs_report = facts.graphs, facts.capture  # cuda_graphs as resolved; what capture took
-        self.batch_invariant, self.invariance_check = facts.batch_invariant, facts.check  # checked at start
-        self.invariance_why = facts.invariance_why  # what the check compared or found, or why none ran
-        self.eos_token_ids, self._probe_block = facts.eos_token_ids, facts.probe_block
+        # What the loaded model is and how it runs: its vocabulary and context, the forward (and why,
+        # after any fallback), cuda_graphs as resolved, the start-up invariance check's verdict.
+        self.facts, self.tokenizer = facts, tokenizer
+        logger.info("forward: %s", facts.forward.line())
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)
         # Structured output: constraints compiled once per text (front ends compile off the loop first).
         self.grammars = GrammarCompiler(tokenizer, facts.vocab_size, config.limits.max_constraint_chars)
@@ -118,7 +114,7 @@ class EngineCore:
         from batchserve.runner.calibrate import load_or_calibrate
 
         path, max_tokens = self.config.draft.profile_path, self.config.scheduler.max_num_batched_tokens
-        return load_or_calibrate(self.runner, path, max_tokens, self.max_model_len)
+        return load_or_calibrate(self.runner, path, max_tokens, self.facts.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -144,8 +140,8 @@ class EngineCore:
             raise ValueError("prompt is empty")
         reference_ids = self.text.tokenize_references(references)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
-            if any(t >= self.vocab_size for t in ids):
-                raise ValueError(f"{name}: {max(ids)} is not a token id in [0, {self.vocab_size})")
+            if any(t >= self.facts.vocab_size for t in ids):
+                raise ValueError(f"{name}: {max(ids)} is not a token id in [0, {self.facts.vocab_size})")
         # A constraint is compiled (or found in the cache) first: ConstraintError, a ValueError, names the problem.
         grammar = self.grammars.matcher(self.grammars.compile(params.constraint)) if params.constraint else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -153,15 +149,15 @@ class EngineCore:
             request_id=rid,
             prompt_token_ids=token_ids,
             params=params,
-            eos_token_ids=self.eos_token_ids,
-            max_total_len=self.max_model_len,
+            eos_token_ids=self.facts.eos_token_ids,
+            max_total_len=self.facts.max_model_len,
             arrival_time=time.monotonic(),
             tenant=tenant,
             reference_token_ids=reference_ids,
             grammar=grammar,
             group=group,
         )
-        check_resume(req, self.vocab_size)  # a resumed generation's tokens become its output so far
+        check_resume(req, self.facts.vocab_size)  # a resumed generation's tokens become its output so far
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
         start_text(self.text, self.scheduler, req)
         return req
@@ -266,7 +262,7 @@ class EngineCore:
     def device_works(self) -> bool:
         """After a step whose every request failed: does a plain forward still run (the
         request's fault), or not (the device's: the step counts towards stopping the engine)?"""
-        return self.runner.device_works(self._probe_block)
+        return self.runner.device_works(self.facts.probe_block)
 
     def commit(self, step: PendingStep) -> list[RequestOutput]:
         """Apply a step's result and build its outputs (`advance`, then `finish`)."""

@@ -137,7 +137,8 @@ def test_the_servers_wings_stand_apart() -> None:
         }
         if "grpc" in roots:
             assert module.startswith("batchserve.server.grpc") or module in {
-                "batchserve.server.client", "batchserve.server.app"
+                "batchserve.server.client",
+                "batchserve.server.app",
             }, module
         if roots & {"fastapi", "starlette"}:
             assert module.startswith("batchserve.server.openai"), module

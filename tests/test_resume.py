@@ -120,7 +120,9 @@ def test_resume_bounds_are_checked_where_the_params_are_made():
         SamplingParams(resume_token_ids=[-1])
     core = _core()
     with pytest.raises(ValueError, match="fill the model's context"):
-        core.add_request(PROMPT, SamplingParams(max_new_tokens=5000, resume_token_ids=[65] * (core.max_model_len - 5)))
+        core.add_request(
+            PROMPT, SamplingParams(max_new_tokens=5000, resume_token_ids=[65] * (core.facts.max_model_len - 5))
+        )
 
 
 def test_the_grammar_refuses_an_end_of_sequence_in_the_resumed_tokens_even_with_ignore_eos():
@@ -134,7 +136,9 @@ def test_the_grammar_refuses_an_end_of_sequence_in_the_resumed_tokens_even_with_
     core.step()
     assert not core.has_work() and core.text.num_active == 0
     # Without a grammar, ignore_eos makes the model's end of sequence an ordinary token, resumed or not.
-    plain = SamplingParams(max_new_tokens=20, ignore_eos=True, resume_token_ids=[97, *sorted(core.eos_token_ids), 98])
+    plain = SamplingParams(
+        max_new_tokens=20, ignore_eos=True, resume_token_ids=[97, *sorted(core.facts.eos_token_ids), 98]
+    )
     req = core.add_request(PROMPT, plain)
     assert req.output_token_ids == list(plain.resume_token_ids)
     core.abort(req.request_id)

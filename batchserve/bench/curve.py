@@ -196,9 +196,9 @@ def run_shape(
         "kv_bytes_per_token": shape.kv_bytes_per_token(next(model.parameters()).element_size()),
         "device": str(engine.runner.device) + _device_name(engine.runner.device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "forward": engine.forward.line(),
+        "forward": engine.facts.forward.line(),
         "build_seconds": round(built_s, 2),
-        **measure_curve(engine.runner, engine.max_model_len, rows, contexts, repeats, progress),
+        **measure_curve(engine.runner, engine.facts.max_model_len, rows, contexts, repeats, progress),
     }
     (out_dir / "curve.json").write_text(json.dumps(curve, indent=1))
     del llm, engine

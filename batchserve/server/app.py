@@ -133,7 +133,7 @@ def check_ports(config: ServerConfig) -> None:
 def message_limit(core: EngineCore) -> int:
     """The largest request a full context can need: its text at the engine's characters-per-token
     bound, 4 bytes per character in UTF-8, plus room for the other fields."""
-    return core.max_model_len * core.config.limits.max_prompt_chars_per_token * 4 + 64 * 1024
+    return core.facts.max_model_len * core.config.limits.max_prompt_chars_per_token * 4 + 64 * 1024
 
 
 class BatchServer:
@@ -300,7 +300,7 @@ async def serve_forever(server: BatchServer, started: float | None = None) -> in
         loop.add_signal_handler(sig, on_signal, sig)
     port = await server.start()
     since = f" {time.monotonic() - started:.1f} s after start" if started is not None else ""
-    captured = server.engine.core.graphs_report
+    captured = server.engine.core.facts.capture
     if captured is not None:
         since += f" (CUDA graphs: {captured.graphs} in {captured.seconds:.1f} s, {captured.bytes / 2**20:.0f} MiB)"
     logger.info("READY: health SERVING on %s:%d%s; Ctrl-C drains and stops", server.config.host, port, since)

@@ -193,7 +193,7 @@ class Frontend:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
             raise self.refuse(Refusal.DRAINING, "server is shutting down")
-        context = core.max_model_len
+        context = core.facts.max_model_len
         for prompt in prompts if fit_context else ():
             if len(prompt) + sampling.max_new_tokens > context:
                 raise self.refuse(

@@ -232,8 +232,8 @@ def test_the_engine_runs_the_graph_path_through_the_double(monkeypatch):
     fi.RUNS_PER_PLAN[0] = 2  # the model's layers: one plan per step
     plain = _core(monkeypatch, "off")
     bucketed = _core(monkeypatch, "eager")
-    assert plain.attention_backend == bucketed.attention_backend == "flashinfer"
-    assert plain.graphs == "off" and bucketed.graphs == "eager"
+    assert plain.facts.attention_backend == bucketed.facts.attention_backend == "flashinfer"
+    assert plain.facts.graphs == "off" and bucketed.facts.graphs == "eager"
     expected, _ = _generate(plain)
     got, used = _generate(bucketed)
     assert got == expected

@@ -143,6 +143,6 @@ def test_engine_refuses_a_forced_flashinfer_backend_without_cuda():
     core = EngineCore(EngineConfig(), make_tiny_model(), make_tiny_tokenizer())
     # The CPU choices: our kernel where it builds, the torch-op invariant one where it passes its check.
     expected = "kernel" if kernels.available() else ("invariant" if kernels_invariant() else "torch")
-    assert core.attention_backend == expected
+    assert core.facts.attention_backend == expected
     core = EngineCore(EngineConfig().with_settings(model_impl="transformers"), make_tiny_model(), make_tiny_tokenizer())
-    assert core.attention_backend == "torch"  # transformers' products are not batch-invariant: no need
+    assert core.facts.attention_backend == "torch"  # transformers' products are not batch-invariant: no need

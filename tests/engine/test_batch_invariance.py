@@ -146,13 +146,15 @@ def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompt
     if kernel == "q4_1-int4":
         assert Int4Linear in layers and Q4Linear not in layers
     if attention == "kernel":  # invariant by construction: its start-up check must pass, no fallback
-        assert llm.engine.attention_backend == "kernel"
+        assert llm.engine.facts.attention_backend == "kernel"
     ours = weights == "q4_1" or (weights == "bfloat16" and our_bf16_here())
     if ours and attention == "kernel":  # ours throughout: invariant by construction, on every CPU
-        assert llm.engine.batch_invariant, llm.engine.invariance_why
-    if not llm.engine.batch_invariant:  # a third-party kernel: asserted through the start-up check only
-        assert llm.engine.invariance_why, "a server that is not invariant says why"
-        pytest.skip(f"not batch-invariant on this CPU, and the start-up check says so: {llm.engine.invariance_why}")
+        assert llm.engine.facts.batch_invariant, llm.engine.facts.invariance_why
+    if not llm.engine.facts.batch_invariant:  # a third-party kernel: asserted through the start-up check only
+        assert llm.engine.facts.invariance_why, "a server that is not invariant says why"
+        pytest.skip(
+            f"not batch-invariant on this CPU, and the start-up check says so: {llm.engine.facts.invariance_why}"
+        )
     rows, tokens, problems = _compare(*engine_model, prompts, cpu_weights=weights, attention_backend=attention)
     assert rows == tokens and not problems, problems  # every token's row, alone and in the batch
 

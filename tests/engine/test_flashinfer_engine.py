@@ -38,7 +38,7 @@ def test_flashinfer_engine_against_torch_backend_and_hf(dtype, smollm2):
     outs = {}
     for backend in ("flashinfer", "torch"):
         llm = LLM(dtype=dtype, attention_backend=backend, decoding_length=16, adaptive=False, max_num_seqs=SEATS)
-        assert llm.engine.attention_backend == backend
+        assert llm.engine.facts.attention_backend == backend
         outs[backend] = [r.token_ids for r in llm.generate(prompts, params)]
         del llm
     from batchserve.runner import load_model
@@ -85,7 +85,7 @@ def test_native_forward_on_cuda_against_the_transformers_one(smollm2):
             dtype="float16", attention_backend="flashinfer", model_impl=impl, decoding_length=16, adaptive=False,
             max_num_seqs=SEATS, cuda_graphs="off",
         )  # fmt: skip
-        assert llm.engine.forward.name.startswith(impl)
+        assert llm.engine.facts.forward.name.startswith(impl)
         outs[impl] = [r.token_ids for r in llm.generate(prompts, params)]
         del llm
     rate, first = mismatch(outs["native"], outs["transformers"])

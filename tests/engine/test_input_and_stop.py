@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from batchserve import FinishReason, SamplingParams
@@ -69,14 +71,15 @@ def test_stop_token_ids_and_eos(llm, tiny_model):
     assert r.token_ids == ref[: first + 1]
 
     # The same token as the model's EOS: EOS, unless ignore_eos.
-    llm.engine.eos_token_ids = frozenset([stop_at])
+    before = llm.engine.facts
+    llm.engine.facts = replace(before, eos_token_ids=frozenset([stop_at]))
     try:
         r = llm.generate([[7, 8, 9]], SamplingParams(max_new_tokens=30))[0]
         assert r.finish_reason is FinishReason.EOS and r.token_ids == ref[: first + 1]
         r = llm.generate([[7, 8, 9]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
         assert r.finish_reason is FinishReason.LENGTH and r.token_ids == ref
     finally:
-        llm.engine.eos_token_ids = frozenset()
+        llm.engine.facts = before
 
 
 def test_stop_inside_an_accepted_draft_truncates(tiny_model):

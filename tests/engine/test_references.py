@@ -105,7 +105,7 @@ def test_another_request_of_the_same_tenant_never_drafts_from_a_prediction():
 
 def test_references_are_bounded_and_checked_before_anything_is_queued():
     llm = tiny_llm(max_references=2)
-    context = llm.engine.max_model_len
+    context = llm.engine.facts.max_model_len
     cases = [
         (["a", "b", "c"], "3 references, at most 2"),
         ([[1] * (context + 1)], f"over {context} tokens"),

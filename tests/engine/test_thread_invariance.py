@@ -77,7 +77,7 @@ def test_logits_are_the_same_alone_and_batched_at_any_thread_count(model_and_tok
     torch.set_num_threads(threads)
     try:
         alone_llm = _llm(model, tokenizer, batched=False)
-        if alone_llm.engine.attention_backend not in INVARIANT_BACKENDS:
+        if alone_llm.engine.facts.attention_backend not in INVARIANT_BACKENDS:
             pytest.skip("this CPU's kernels fail the batch-invariance check (see attention/invariant.py)")
         prompts = _prompts()
 

@@ -176,10 +176,10 @@ def test_an_engine_on_bfloat16_weights_says_they_run_on_our_kernel_and_is_invari
     from tests.conftest import make_tiny_tokenizer
 
     llm = LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), cpu_weights="bfloat16", draft="none")
-    forward = llm.engine.forward
+    forward = llm.engine.facts.forward
     assert forward.linear.choice == "KernelBf16Linear" and "our kernel" in forward.linear.why
     assert forward.name.startswith("native bfloat16 weights on our kernels")
-    assert llm.engine.batch_invariant, llm.engine.invariance_why
+    assert llm.engine.facts.batch_invariant, llm.engine.facts.invariance_why
     prompts = ["abc", "hello there", "x"]
     params = SamplingParams(max_new_tokens=8)
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]

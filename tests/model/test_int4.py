@@ -172,13 +172,13 @@ def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_t
     expected = choose_cpu_weights(True, None, seats)
     if our_q4_here():
         assert expected == "q4_1"
-        assert "our kernels" in llm.engine.forward.weights.why
+        assert "our kernels" in llm.engine.facts.forward.weights.why
     elif bf16_fast_here():
         assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and int4_fast_here() else "bfloat16")
     elif int4_fast_here():
         assert expected == "q4_1"
     assert model.cpu_weights == expected
-    assert llm.engine.forward.name.startswith(f"native {expected} weights")
+    assert llm.engine.facts.forward.name.startswith(f"native {expected} weights")
     layer_class = Q4Linear if our_q4_here() else Int4Linear
     assert any(isinstance(m, layer_class) for m in model.modules()) == (expected == "q4_1")
     bf16 = bf16_layer_class()  # ours where our kernels build, else oneDNN's where invariant

@@ -68,12 +68,12 @@ def test_the_engine_is_built_from_the_record_and_logs_it_in_one_line(caplog):
     config = _config().with_settings(draft="none")
     with caplog.at_level(logging.INFO, logger="batchserve"):
         core = EngineCore(config, make_tiny_model(), make_tiny_tokenizer())
-    assert isinstance(core.forward, ForwardChoice)
+    assert isinstance(core.facts.forward, ForwardChoice)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("forward: ")]
-    assert lines == [f"forward: {core.forward.line()}"]
+    assert lines == [f"forward: {core.facts.forward.line()}"]
     # The runner runs what the record says.
     backend = type(core.runner.backend).__name__
     expected = {"kernel": "KernelBackend", "invariant": "InvariantBackend", "torch": "TorchReferenceBackend"}
-    assert backend == expected[core.forward.attention.choice] and core.runner.graphs is None
-    assert core.attention_backend == core.forward.attention.choice and core.graphs == "off"
+    assert backend == expected[core.facts.forward.attention.choice] and core.runner.graphs is None
+    assert core.facts.attention_backend == core.facts.forward.attention.choice and core.facts.graphs == "off"
     assert next(core.runner.model.parameters()).dtype == torch.float32

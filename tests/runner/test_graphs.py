@@ -206,7 +206,7 @@ def test_a_padded_step_writes_nothing_outside_its_slots_and_the_scratch_block():
     changed = set((backend.k_cache != before).any(dim=(0, 1, 3)).nonzero().flatten().tolist())  # slots written
     assert changed <= set(step.slot_mapping.tolist()) | scratch
     assert changed & scratch  # the padding row did write, to the scratch block alone
-    assert graphs.scratch_block == backend.num_blocks - 1 and graphs.scratch_block != core._probe_block
+    assert graphs.scratch_block == backend.num_blocks - 1 and graphs.scratch_block != core.facts.probe_block
     assert graphs.scratch_block >= core.scheduler.allocator.num_blocks  # outside the scheduler's pool
 
 

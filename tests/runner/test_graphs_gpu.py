@@ -43,9 +43,9 @@ def _tiny(graphs: str, seed: int = 5, max_num_seqs: int = 8) -> LLM:
 def test_every_replayed_bucket_equals_the_same_bucket_run_eagerly():
     llm = _tiny("on")
     engine = llm.engine
-    assert engine.attention_backend == "flashinfer" and engine.graphs == "on"
+    assert engine.facts.attention_backend == "flashinfer" and engine.facts.graphs == "on"
     graphs = engine.runner.graphs
-    assert engine.graphs_report is not None and engine.graphs_report.graphs == len(graphs.captured) > 0
+    assert engine.facts.capture is not None and engine.facts.capture.graphs == len(graphs.captured) > 0
     replayed, eager = [], []
     runner = engine.runner
     launch_eagerly_too = runner._launch
@@ -95,10 +95,10 @@ def test_engine_output_with_graphs_equals_the_same_steps_eager(batch, smollm2_bf
             hf_model=model, tokenizer=tokenizer, cuda_graphs=graphs, max_num_seqs=batch, adaptive=False,
             decoding_length=16,
         )  # fmt: skip
-        assert llm.engine.graphs == graphs and llm.engine.attention_backend == "flashinfer"
+        assert llm.engine.facts.graphs == graphs and llm.engine.facts.attention_backend == "flashinfer"
         outs[graphs] = [r.token_ids for r in llm.generate(prompts, params)]
         if graphs == "on":
-            report = llm.engine.graphs_report
+            report = llm.engine.facts.capture
             mib = report.bytes / 2**20
             print(f"\nbatch {batch}: {report.graphs} graphs captured in {report.seconds:.1f} s, {mib:.0f} MiB")
         del llm

@@ -54,11 +54,11 @@ def test_a_head_that_tiles_rows_is_checked_up_to_the_kept_rows_only():
 def test_the_engine_says_which_layer_broke_and_serves_on(caplog):
     with caplog.at_level(logging.WARNING, logger="batchserve"):
         core = core_of(tiling(per_row(), "layers.0.self_attn.o_proj"))
-    assert not core.batch_invariant and not core.invariance_check.invariant
-    assert core.invariance_why.startswith("layer layers.0.self_attn.o_proj (TilesRows")
+    assert not core.facts.batch_invariant and not core.facts.check.invariant
+    assert core.facts.invariance_why.startswith("layer layers.0.self_attn.o_proj (TilesRows")
     assert "batch invariance: FAILED" in caplog.text and "layers.0.self_attn.o_proj" in caplog.text
     # No other forward here is known to be invariant: the chosen one stays, and says so.
-    assert core.forward.attention.choice == core_of(per_row()).forward.attention.choice
+    assert core.facts.forward.attention.choice == core_of(per_row()).facts.forward.attention.choice
     core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     while core.has_work():
         core.step()
@@ -70,8 +70,8 @@ def test_the_check_runs_where_auto_chose_no_invariant_attention_and_names_the_la
     model = tiling(per_row(), "layers.1.self_attn.qkv_proj")
     model.batch_invariant_linears = False  # as where oneDNN's probe failed
     core = core_of(model)
-    assert core.attention_backend == "torch" and not core.batch_invariant
-    assert core.invariance_why.startswith("layer layers.1.self_attn.qkv_proj (TilesRows")
+    assert core.facts.attention_backend == "torch" and not core.facts.batch_invariant
+    assert core.facts.invariance_why.startswith("layer layers.1.self_attn.qkv_proj (TilesRows")
 
 
 @pytest.mark.parametrize("threads", [1, 2])

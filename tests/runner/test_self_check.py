@@ -27,32 +27,32 @@ def _row_count_leaks(model: Any) -> Any:
 
 def test_the_check_passes_where_the_model_is_invariant_and_says_so():
     core = core_of(per_row())  # products invariant by construction (the shipped ones are oneDNN's here)
-    assert core.attention_backend in INVARIANT_BACKENDS
-    check = core.invariance_check
+    assert core.facts.attention_backend in INVARIANT_BACKENDS
+    check = core.facts.check
     assert check.invariant and check.rows == 7 and check.layers == 16 and check.seconds > 0
     assert check.detail.startswith("16 layers at up to ") and check.detail.endswith("bit for bit the same")
-    assert core.batch_invariant and core.invariance_why == check.detail
+    assert core.facts.batch_invariant and core.facts.invariance_why == check.detail
     # The check's requests left nothing behind in the runner.
     assert not core.runner._tables._row and not core.runner._generators
 
 
 def test_the_shipped_model_is_invariant_only_where_its_check_says_so():
     core = core_of(native())
-    assert core.batch_invariant == (core.invariance_check is not None and core.invariance_check.invariant)
-    assert core.invariance_why
+    assert core.facts.batch_invariant == (core.facts.check is not None and core.facts.check.invariant)
+    assert core.facts.invariance_why
 
 
 def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_says_so(caplog):
     model = _row_count_leaks(per_row())
     with caplog.at_level(logging.WARNING, logger="batchserve"):
         core = core_of(model)
-    check = core.invariance_check
-    assert not check.invariant and not core.batch_invariant
+    check = core.facts.check
+    assert not check.invariant and not core.facts.batch_invariant
     # Every layer passed (the leak is past them): the model-level comparison caught it.
     assert check.layers == 16 and check.detail.startswith("every layer passed, but the model's logits")
     assert "batch invariance: FAILED" in caplog.text
     # No other attention here is known to be invariant: the forward stays as chosen, and says so.
-    assert core.forward.attention.choice == "kernel" and core.forward.impl.choice == "native"
+    assert core.facts.forward.attention.choice == "kernel" and core.facts.forward.impl.choice == "native"
     core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
     while core.has_work():  # and the engine serves
         core.step()
@@ -60,9 +60,9 @@ def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_says_so(capl
 
 def test_a_pool_too_small_to_check_keeps_the_backend_and_claims_nothing():
     core = core_of(per_row(), num_blocks=8)
-    assert core.attention_backend in INVARIANT_BACKENDS
-    assert core.invariance_check.rows == 0 and "not checked" in core.invariance_check.detail
-    assert not core.batch_invariant
+    assert core.facts.attention_backend in INVARIANT_BACKENDS
+    assert core.facts.check.rows == 0 and "not checked" in core.facts.check.detail
+    assert not core.facts.batch_invariant
 
 
 def test_no_check_where_no_invariance_is_claimed():
@@ -70,5 +70,5 @@ def test_no_check_where_no_invariance_is_claimed():
 
     config = EngineConfig(model=ModelConfig(attention_backend="torch"), draft=DraftConfig(method="none"))
     core = EngineCore(config, make_tiny_model(), make_tiny_tokenizer())
-    assert core.invariance_check is None and not core.batch_invariant
-    assert core.invariance_why.startswith("not checked: the torch attention claims no batch invariance")
+    assert core.facts.check is None and not core.facts.batch_invariant
+    assert core.facts.invariance_why.startswith("not checked: the torch attention claims no batch invariance")

@@ -190,7 +190,7 @@ def _refused_naming_a_field(call: Any) -> None:
 def test_a_request_converts_or_is_refused_naming_its_field(core: EngineCore, request: pb.GenerateRequest) -> None:
     _refused_naming_a_field(lambda: convert.prompt_of(request, core.text))
     _refused_naming_a_field(lambda: convert.references_of(request, core.text))
-    context = {"max_model_len": core.max_model_len} if "max_model_len" in SAMPLING_PARAMETERS else {}
+    context = {"max_model_len": core.facts.max_model_len} if "max_model_len" in SAMPLING_PARAMETERS else {}
     _refused_naming_a_field(lambda: convert.sampling_params(request, LimitsConfig(), **context))
 
 

@@ -98,7 +98,7 @@ def _bad_cases(vocab: int) -> list[tuple[dict, str]]:
 
 @pytest.mark.parametrize("call", ["Generate", "StreamGenerate"])
 async def test_bad_values_are_invalid_argument_naming_the_field_and_nothing_is_queued(running, call):
-    cases = _bad_cases(running.core.vocab_size)
+    cases = _bad_cases(running.core.facts.vocab_size)
     for extra, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             result = getattr(running.stub, call)(build_request(PROMPT, max_new_tokens=2, **extra))

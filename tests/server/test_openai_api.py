@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+from dataclasses import replace
 from typing import Any
 
 import openai
@@ -96,12 +97,12 @@ async def test_completions_and_chat_greedy_equal_grpc_and_llm(api):
     assert chat.choices[0].message.role == "assistant"
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert models.data[0].batch_invariant == api.server.engine.core.batch_invariant  # our extension fields
-    assert models.data[0].batch_invariant_why == api.server.engine.core.invariance_why
-    assert models.data[0].forward == api.server.engine.core.forward.name
-    assert models.data[0].weights_reason == api.server.engine.core.forward.weights.why
+    assert models.data[0].batch_invariant == api.server.engine.core.facts.batch_invariant  # our extension fields
+    assert models.data[0].batch_invariant_why == api.server.engine.core.facts.invariance_why
+    assert models.data[0].forward == api.server.engine.core.facts.forward.name
+    assert models.data[0].weights_reason == api.server.engine.core.facts.forward.weights.why
     parts = models.data[0].forward_parts
-    assert parts["weights"] == {"choice": "float32", "why": api.server.engine.core.forward.weights.why}
+    assert parts["weights"] == {"choice": "float32", "why": api.server.engine.core.facts.forward.weights.why}
     assert set(parts) == {"impl", "weights", "linear", "attention", "graphs", "fused"}
 
 
@@ -383,7 +384,8 @@ async def test_the_sse_wire_format_frame_by_frame(api):
 
 async def test_openai_defaults_max_tokens_to_the_rest_of_the_context_and_refuses_what_cannot_fit():
     core = tiny_core()
-    core.max_model_len = core.text.max_model_len = 40  # a short context: the default runs to its end
+    core.facts = replace(core.facts, max_model_len=40)  # a short context: the default runs to its end
+    core.text.max_model_len = 40
     r = await start_server(core, http=True)
     try:
         code, reply = await _raw(

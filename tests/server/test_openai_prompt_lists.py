@@ -91,7 +91,7 @@ async def test_a_list_past_the_samples_bound_is_a_400_naming_the_prompt(api, bod
 
 
 async def test_one_refused_prompt_refuses_the_call_and_runs_none_of_it(api):
-    context = api.core.max_model_len
+    context = api.core.facts.max_model_len
     status, reply = await _raw(
         api, "POST", "/v1/completions", {"model": "tiny", "prompt": [[5, 6], [7] * (context - 2)], "max_tokens": 8}
     )

@@ -340,17 +340,22 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
     assert info.vocab_size == 256 and info.max_model_len == 1024 and info.draft_method == "lookahead"
     # The start-up check's verdict on this model (the invariant attention where this CPU passes).
     core = running.server.engine.core
-    assert info.batch_invariant == core.batch_invariant
-    assert core.batch_invariant <= (core.attention_backend in INVARIANT_BACKENDS)  # only an invariant attention claims
-    assert info.batch_invariant_why == core.invariance_why
+    assert info.batch_invariant == core.facts.batch_invariant
+    assert core.facts.batch_invariant <= (
+        core.facts.attention_backend in INVARIANT_BACKENDS
+    )  # only an invariant attention claims
+    assert info.batch_invariant_why == core.facts.invariance_why
     assert ("bit for bit" in info.batch_invariant_why) == info.batch_invariant
     # What runs a step, and why its weights are in that format (a model handed in keeps float32).
-    assert info.forward == core.forward.name and info.forward.startswith("native float32 weights")
-    assert info.weights_reason == core.forward.weights.why and "handed in" in info.weights_reason
+    assert info.forward == core.facts.forward.name and info.forward.startswith("native float32 weights")
+    assert info.weights_reason == core.facts.forward.weights.why and "handed in" in info.weights_reason
     # The whole record, part by part, with its reasons.
     parts = {p.part: (p.choice, p.why) for p in info.forward_parts}
     assert list(parts) == ["impl", "weights", "linear", "attention", "graphs", "fused"]
-    assert parts["attention"] == (core.attention_backend, core.forward.attention.why) and parts["graphs"][0] == "off"
+    assert (
+        parts["attention"] == (core.facts.attention_backend, core.facts.forward.attention.why)
+        and parts["graphs"][0] == "off"
+    )
     assert all(why for _, why in parts.values())
 
 

@@ -83,7 +83,7 @@ def test_an_over_long_resume_is_refused_at_its_count(monkeypatch: pytest.MonkeyP
 
 
 async def test_an_over_long_resume_is_invalid_argument_naming_the_field(running):
-    context = running.core.max_model_len
+    context = running.core.facts.max_model_len
     req = build_request(PROMPT, max_new_tokens=10 * context, ignore_eos=True)
     req.resume_token_ids.extend([65] * context)
     with pytest.raises(grpc.aio.AioRpcError) as e:

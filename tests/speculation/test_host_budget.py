@@ -112,8 +112,13 @@ def test_a_busy_scheduler_where_no_draft_pays_stops_asking_the_policy_every_step
     drafter, tracker = SlowDrafter(), AcceptanceTracker(16)
     policy = DraftBudgetPolicy(cpu_like(base=10.0, slope=10.0), tracker)
     config = DraftConfig(decoding_length=16, adaptive=True, plan_backoff=8, shadow_share=0.02)
-    s = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256), config, BlockAllocator(512, 4), drafter,
-                  budget_policy=policy)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+        config,
+        BlockAllocator(512, 4),
+        drafter,
+        budget_policy=policy,
+    )
     for i in range(16):
         s.add_request(_req(f"r{i}", 3, 500))
     calls = 0

@@ -84,21 +84,21 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         cfg = core.config
         return pb.ModelInfo(
             model=self.frontend.info.model,
-            vocab_size=core.vocab_size,
-            max_model_len=core.max_model_len,
-            eos_token_ids=sorted(core.eos_token_ids),
+            vocab_size=core.facts.vocab_size,
+            max_model_len=core.facts.max_model_len,
+            eos_token_ids=sorted(core.facts.eos_token_ids),
             dtype=self.frontend.info.dtype,
             draft_method=cfg.draft.method,
             decoding_length=cfg.draft.decoding_length,
             max_batch_size=cfg.scheduler.max_num_seqs,
             max_waiting_requests=self.frontend.info.max_waiting_requests,
             prefix_caching=cfg.cache.prefix_caching,
-            batch_invariant=core.batch_invariant,
-            batch_invariant_why=core.invariance_why,
-            forward=core.forward.name,
-            weights_reason=core.forward.weights.why,
+            batch_invariant=core.facts.batch_invariant,
+            batch_invariant_why=core.facts.invariance_why,
+            forward=core.facts.forward.name,
+            weights_reason=core.facts.forward.weights.why,
             forward_parts=[
-                pb.ForwardPart(part=name, choice=p.choice, why=p.why) for name, p in core.forward.parts().items()
+                pb.ForwardPart(part=name, choice=p.choice, why=p.why) for name, p in core.facts.forward.parts().items()
             ],
         )
 
@@ -117,8 +117,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         def tokenize() -> list[list[int]]:
             seqs = [core.text.tokenize(t) for t in request.texts]
             for i, seq in enumerate(seqs):  # token ids are checked against the context by tokenize
-                if len(seq) >= core.max_model_len:
-                    raise ValueError(f"texts[{i}]: {len(seq)} tokens, at most {core.max_model_len - 1}")
+                if len(seq) >= core.facts.max_model_len:
+                    raise ValueError(f"texts[{i}]: {len(seq)} tokens, at most {core.facts.max_model_len - 1}")
             return seqs + [core.text.tokenize(list(s.ids)) for s in request.token_ids]
 
         try:
@@ -135,7 +135,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[RequestOutput]:
         """One request through the shared front end; its refusals and failures as gRPC statuses."""
-        limits, max_model_len = self.engine.core.config.limits, self.engine.core.max_model_len
+        limits, max_model_len = self.engine.core.config.limits, self.engine.core.facts.max_model_len
         outputs = self.frontend.generate(
             lambda text: convert.prompt_of(request, text),
             lambda: convert.sampling_params(request, limits, max_model_len),

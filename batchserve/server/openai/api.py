@@ -201,11 +201,13 @@ class OpenAIServer:
         # An extension: whether the start-up check found a request's logits the same in any batch.
         core = self.frontend.engine.core
         return card | {
-            "batch_invariant": core.batch_invariant,
-            "batch_invariant_why": core.invariance_why,
-            "forward": core.forward.name,
-            "weights_reason": core.forward.weights.why,
-            "forward_parts": {name: {"choice": p.choice, "why": p.why} for name, p in core.forward.parts().items()},
+            "batch_invariant": core.facts.batch_invariant,
+            "batch_invariant_why": core.facts.invariance_why,
+            "forward": core.facts.forward.name,
+            "weights_reason": core.facts.forward.weights.why,
+            "forward_parts": {
+                name: {"choice": p.choice, "why": p.why} for name, p in core.facts.forward.parts().items()
+            },
         }
 
     def _check_model(self, model: str) -> None:
@@ -265,7 +267,7 @@ class OpenAIServer:
         core = self.frontend.engine.core
         outputs = self.frontend.generate_n(
             prepare,
-            lambda: body.sampling_params(max_tokens, core.max_model_len, core.config.limits),
+            lambda: body.sampling_params(max_tokens, core.facts.max_model_len, core.config.limits),
             rid,
             tenant,
             fit_context=max_tokens is not None,
