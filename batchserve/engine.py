@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from batchserve.admission import Admission
 from batchserve.config import EngineConfig
 from batchserve.draft import Drafter, TrieDrafter, make_drafter
 from batchserve.draft.base import LearnsLater
@@ -17,7 +16,7 @@ from batchserve.grammar import GrammarCompiler
 from batchserve.pipeline import AdvancedStep, PendingStep, build_outputs, retry_in_halves, without
 from batchserve.records import RunnerOutput, SchedulerOutput, StepPhases
 from batchserve.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprob
-from batchserve.resume import check_resume, start_text
+from batchserve.resume import start_text
 from batchserve.scheduler import BlockAllocator, Scheduler
 from batchserve.speculation.budget import DraftBudgetPolicy
 from batchserve.speculation.cost_profile import CostProfile
@@ -26,7 +25,6 @@ from batchserve.threads import set_threads
 
 logger = logging.getLogger("batchserve")
 
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
 CORPUS_SLICE_TOKENS = 128  # run starts inserted between two yields of the loop (a few ms of trie work)
 
 
@@ -82,7 +80,7 @@ class EngineCore:
             prefix_caching=config.cache.prefix_caching,
         )
         self.scheduler.speculation.judge_later = True  # in `finish`: beside the next forward when pipelined
-        self._ids = itertools.count()
+        self.admission = Admission(config, self.text, self.grammars)
         self.num_steps = 0
         self.consecutive_failed_steps = 0  # steps in a row in which every request failed
         # Called after every step with its schedule and phase times (metrics, benchmarks).
@@ -127,61 +125,19 @@ class EngineCore:
         references: Sequence[Prompt] = (),
         group: str = "",
     ) -> Request:
-        """Validate and enqueue; raises ValueError (naming the field) before touching the scheduler.
-        `tenant`: the isolation key whose drafts this request shares (see DraftConfig.trie_scope);
-        `references`: texts or token ids its output is expected to repeat, drafted from privately;
-        `group`: a key the samples of one call share (they compute the prompt's blocks once)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        self._check_limits(params, request_id, tenant)
-        token_ids = self.text.tokenize(prompt)  # raises for a prompt beyond the context
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        reference_ids = self.text.tokenize_references(references)
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
-            if any(t >= self.facts.vocab_size for t in ids):
-                raise ValueError(f"{name}: {max(ids)} is not a token id in [0, {self.facts.vocab_size})")
-        # A constraint is compiled (or found in the cache) first: ConstraintError, a ValueError, names the problem.
-        grammar = self.grammars.matcher(self.grammars.compile(params.constraint)) if params.constraint else None
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=token_ids,
-            params=params,
-            eos_token_ids=self.facts.eos_token_ids,
-            max_total_len=self.facts.max_model_len,
-            arrival_time=time.monotonic(),
-            tenant=tenant,
-            reference_token_ids=reference_ids,
-            grammar=grammar,
-            group=group,
-        )
-        check_resume(req, self.facts.vocab_size)  # a resumed generation's tokens become its output so far
+        """Validate and enqueue (`admission.py`); raises ValueError (naming the field) before
+        touching the scheduler. `tenant`: the isolation key whose drafts this request shares (see
+        DraftConfig.trie_scope) and whose share of the steps it counts in; `references`: texts or
+        token ids its output is expected to repeat, drafted from privately; `group`: a key the
+        samples of one call share (they compute the prompt's blocks once)."""
+        req = self.admission.request(self.facts, prompt, params, request_id, tenant, references, group)
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
         start_text(self.text, self.scheduler, req)
         return req
 
     def check_tenant(self, tenant: str) -> None:
         """Raise ValueError unless `tenant` is "" (none) or a valid key."""
-        if tenant:
-            self._check_key("tenant", tenant)
-
-    def _check_key(self, field_name: str, value: str) -> None:
-        limit = self.config.limits.max_request_id_length
-        if not value or len(value) > limit or not REQUEST_ID.fullmatch(value):
-            raise ValueError(
-                f"{field_name}: 1 to {limit} characters of A-Z a-z 0-9 . _ : - (got {len(value)} characters)"
-            )
-
-    def _check_limits(self, params: SamplingParams, request_id: str | None, tenant: str) -> None:
-        if request_id is not None:
-            self._check_key("request_id", request_id)
-        self.check_tenant(tenant)
-        self.text.check_stop(params.stop, params.stop_token_ids)
-        cap = self.config.draft.decoding_length
-        if params.decoding_length is not None and params.decoding_length > cap:
-            raise ValueError(f"decoding_length: {params.decoding_length} is above the server's cap of {cap}")
+        self.admission.check_tenant(tenant)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel; the request's KV blocks are free when this returns."""

@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scheduler", "attention"),
     ("model",),
     ("runner",),
-    ("resume", "pipeline", "engine", "async_engine", "llm"),
+    ("resume", "admission", "pipeline", "engine", "async_engine", "llm"),
     ("server",),
     ("bench", "cli", "__init__"),
 )
