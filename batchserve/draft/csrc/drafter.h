@@ -27,17 +27,19 @@ namespace bsd {
 
 enum Layout : int { kHierarchical = 0, kParallel = 1, kSingle = 2 };
 
+// Every field is set by the binding from DraftConfig (batchserve/draft_config.py), where the
+// defaults and their reasons live: none is repeated here.
 struct Settings {
-    size_t branch_length = 12;      // n-gram length inserted into the output tries
-    int own_branch_length = 12;     // depth drafted from a request's own text
-    size_t max_match = 4, min_match = 1;
-    double prompt_weight = 100.0;   // how much more a request's own n-grams count
-    int64_t trie_capacity = 200000; // output-trie nodes per scope before decay-and-prune
-    size_t scope_bytes = 16 << 20;  // per scope: its output trie and recent outputs
-    size_t trie_max_scopes = 1024;
-    int64_t recent_output_tokens = 32768;  // per scope
-    bool copy_chain = true;
-    int layout = kHierarchical;
+    size_t branch_length;        // n-gram length inserted into the output tries
+    int own_branch_length;       // depth drafted from a request's own text
+    size_t max_match, min_match;
+    double prompt_weight;        // how much more a request's own n-grams count
+    int64_t trie_capacity;       // output-trie nodes per scope before decay-and-prune
+    size_t scope_bytes;          // per scope: its output trie and recent outputs
+    size_t trie_max_scopes;
+    int64_t recent_output_tokens;  // per scope
+    bool copy_chain;
+    int layout;
 };
 
 struct Request {

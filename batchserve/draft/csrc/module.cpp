@@ -26,7 +26,7 @@ struct PyDrafter {
 };
 
 int init(PyDrafter* self, PyObject* args, PyObject* kwargs) {
-    bsd::Settings s;
+    bsd::Settings s{};
     Py_ssize_t branch, own, max_match, min_match, scopes, scope_bytes;
     long long capacity, recent;
     int copy, layout;
