@@ -9,9 +9,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from batchserve.draft.jacobi import WindowRows
-from batchserve.draft.tree import DraftTree, spec_mask
 from batchserve.request import SamplingParams, TokenLogprob
+from batchserve.trees import DraftTree, WindowRows, spec_mask
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,10 @@ import random
 import time
 
 import batchserve.attention.invariant_plan as invariant
-from batchserve.draft.tree import DraftTree
 from batchserve.llm import LLM
 from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import SamplingParams
+from batchserve.trees import DraftTree
 
 CONTEXT = 220
 # (label, requests, draft nodes of the first requests)

@@ -10,7 +10,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchserve"
 
 # Lowest first; a module may import from its own layer (without a circle) or any below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("settings", "draft_config", "config", "jsonl", "heap", "threads", "native_build", "request", "text", "v1"),
+    (
+        "settings",
+        "draft_config",
+        "config",
+        "jsonl",
+        "heap",
+        "threads",
+        "native_build",
+        "request",
+        "text",
+        "trees",
+        "v1",
+    ),
     ("draft", "grammar", "kernels"),
     ("records",),  # the step's records: read by scheduler, runner, engine and server alike
     ("speculation",),  # which drafts a step verifies: the scheduler calls it through one seam
@@ -142,3 +154,17 @@ def test_the_servers_wings_stand_apart() -> None:
             }, module
         if roots & {"fastapi", "starlette"}:
             assert module.startswith("batchserve.server.openai"), module
+
+
+def test_the_step_reads_draft_trees_as_data() -> None:
+    """The records, the runner and the attention take a request's draft tree and Jacobi window,
+    and their masks, from `batchserve.trees`: none of them knows a drafter (`draft/`)."""
+    graph = _graph()
+    readers = ("batchserve.records", "batchserve.runner", "batchserve.attention")
+    reach = [
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if m.startswith(readers) and t.startswith("batchserve.draft")
+    ]
+    assert not reach, reach

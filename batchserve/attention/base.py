@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.draft.jacobi import window_layout
-from batchserve.draft.tree import ancestor_mask, spec_mask
+from batchserve.trees import ancestor_mask, spec_mask, window_layout
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,10 @@
 
 from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, NoDrafter, WindowDrafter
-from batchserve.draft.jacobi import HybridDrafter, JacobiDrafter, WindowRows
+from batchserve.draft.jacobi import HybridDrafter, JacobiDrafter
 from batchserve.draft.llma import SingleBranchDrafter
-from batchserve.draft.tree import DraftTree
 from batchserve.draft.trie import TrieDrafter
+from batchserve.trees import DraftTree, WindowRows
 
 __all__ = [
     "DraftTree",

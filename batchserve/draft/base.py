@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from batchserve.draft.tree import DraftTree
+from batchserve.trees import DraftTree
 
 if TYPE_CHECKING:
-    from batchserve.draft.jacobi import WindowRows
+    from batchserve.trees import WindowRows
 
 
 class Drafter(Protocol):

@@ -20,7 +20,6 @@ under `trie_scope=request`) has its own, dropped when it finishes. Pure Python a
 
 from __future__ import annotations
 
-import functools
 import random
 import zlib
 from collections import OrderedDict
@@ -31,8 +30,9 @@ import numpy as np
 
 from batchserve.config import DraftConfig
 from batchserve.draft.reference import ReferenceDrafts
-from batchserve.draft.tree import DraftTree, TreeBuilder, merge_trees
+from batchserve.draft.tree import TreeBuilder, merge_trees
 from batchserve.draft.trie import TrieDrafter
+from batchserve.trees import DraftTree, WindowRows, window_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,42 +53,6 @@ class JacobiShape:
             return self
         mine = (self.window, self.ngram, self.guesses)
         return JacobiShape(*(m if a is None else min(a, m) for a, m in zip(asked, mine)))
-
-
-@dataclass(frozen=True, slots=True)
-class WindowRows:
-    """Rows a step computes for one request and never verifies: the Jacobi window.
-
-    They follow the request's draft nodes in the packed batch and, like them, see the whole
-    committed prefix and the root; among themselves they see what `mask` says.
-    """
-
-    tokens: tuple[int, ...]
-    offsets: tuple[int, ...]  # RoPE position of each row, below the root's (root + offset)
-    mask: np.ndarray  # [m, m] bool: the window rows each row may see (itself included)
-    num_outputs: int  # the last `num_outputs` rows' next tokens go back to the drafter
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-@functools.lru_cache(maxsize=256)
-def window_layout(levels: int, width: int) -> tuple[tuple[int, ...], np.ndarray]:
-    """(offsets, mask) of a window of `levels` x `width` rows, level-major (row = i * width + j)."""
-    i = np.repeat(np.arange(levels), width)  # [m] level of each row
-    j = np.tile(np.arange(width), levels)  # [m] column of each row
-    first = (i[None, :] == 0) & (j[None, :] <= j[:, None])  # level 0 up to the row's column
-    down = (i[None, :] >= 1) & (i[None, :] <= i[:, None]) & (j[None, :] == j[:, None])  # its column, levels 1..i
-    mask = first | down  # [m, m]
-    mask.flags.writeable = False
-    return tuple((1 + i + j).tolist()), mask
-
-
-def window_rows(levels: Sequence[Sequence[int]]) -> WindowRows:
-    """The rows of a window whose levels (oldest first) all have the same width."""
-    width = len(levels[0])
-    offsets, mask = window_layout(len(levels), width)
-    return WindowRows(tuple(t for level in levels for t in level), offsets, mask, width)
 
 
 class NgramPool:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from batchserve.draft.base import NoDrafter
 from batchserve.draft.reference import ReferenceDrafts
-from batchserve.draft.tree import DraftTree
+from batchserve.trees import DraftTree
 
 
 class SingleBranchDrafter(NoDrafter):

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchserve.draft.tree import DraftTree, TreeBuilder, merge_trees
+from batchserve.draft.tree import TreeBuilder, merge_trees
+from batchserve.trees import DraftTree
 
 # Before any evidence a chain may fill the whole budget: the client said this is the output.
 UNBOUNDED = 1 << 30

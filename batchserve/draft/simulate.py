@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchserve.draft.base import Drafter
-from batchserve.draft.tree import DraftTree, walk
+from batchserve.draft.tree import walk
 from batchserve.request import tokens_per_step
+from batchserve.trees import DraftTree
 
 
 @dataclass(slots=True)

@@ -50,8 +50,8 @@ from typing import Any
 from batchserve.config import DraftConfig
 from batchserve.draft.native import library
 from batchserve.draft.reference import ReferenceDrafts
-from batchserve.draft.tree import MATCH_CAP, DraftTree
 from batchserve.draft.warmup import read_corpus
+from batchserve.trees import MATCH_CAP, DraftTree
 
 LAYOUTS = {"hierarchical": 0, "parallel": 1, "single": 2}  # the native layout codes
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.draft.tree import DraftTree
+from batchserve.trees import DraftTree
 
 
 class GrammarError(RuntimeError):

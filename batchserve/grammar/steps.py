@@ -10,9 +10,10 @@ import time
 
 import numpy as np
 
-from batchserve.draft.tree import DraftTree, merge_trees
+from batchserve.draft.tree import merge_trees
 from batchserve.grammar.matcher import GrammarError
 from batchserve.request import Request
+from batchserve.trees import DraftTree
 
 
 class GrammarSteps:

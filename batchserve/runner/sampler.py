@@ -21,8 +21,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from batchserve.draft.tree import DraftTree
 from batchserve.threads import torch_threads
+from batchserve.trees import DraftTree
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from batchserve.draft.tree import DraftTree
 from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import SamplingParams
 from batchserve.runner.runner import ModelRunner
+from batchserve.trees import DraftTree
 
 CHECK_ID = "#self-check"  # outside request ids' alphabet: no request can share its runner state
 PROMPT = 16  # tokens of the checked request's prompt (the others' differ in length)

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from batchserve.config import DraftConfig
-from batchserve.draft.tree import MATCH_CAP
 from batchserve.speculation.fits import ScoreCalibration, non_increasing
+from batchserve.trees import MATCH_CAP
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from batchserve.draft.tree import DraftTree
+from batchserve.trees import DraftTree
 
 # Open trees kept per request: one a step while its trees stay undecided, each decided within
 # its depth in steps; past this many the oldest is dropped unjudged (a bound, not a policy).

@@ -17,8 +17,6 @@ from dataclasses import replace
 
 from batchserve.config import DraftConfig
 from batchserve.draft.base import Drafter, Resumes, WindowDrafter
-from batchserve.draft.jacobi import WindowRows
-from batchserve.draft.tree import DraftTree
 from batchserve.grammar.steps import GrammarSteps
 from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import Request
@@ -27,6 +25,7 @@ from batchserve.speculation.host_budget import HostBudget
 from batchserve.speculation.judging import OpenJudgements
 from batchserve.speculation.policy_drafts import PolicyDrafts
 from batchserve.speculation.windows import WindowStep, observe_window, plan_windows
+from batchserve.trees import DraftTree, WindowRows
 
 logger = logging.getLogger("batchserve")
 

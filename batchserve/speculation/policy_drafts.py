@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from batchserve.config import DraftConfig
-from batchserve.draft.tree import DraftTree
 from batchserve.request import Request
 from batchserve.speculation.budget import DraftBudgetPolicy, DraftCandidate, StepShape
 from batchserve.speculation.host_budget import HostBudget
+from batchserve.trees import DraftTree
 
 logger = logging.getLogger("batchserve")
 # A hopeful request's tree holds up to this many times the nodes it would get at best (and a shadow draft's more).

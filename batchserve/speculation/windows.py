@@ -12,11 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchserve.draft.base import Drafter, WindowDrafter
-from batchserve.draft.jacobi import WindowRows
-from batchserve.draft.tree import DraftTree
 from batchserve.records import ScheduledRequest
 from batchserve.request import Request
 from batchserve.speculation.budget import DraftBudgetPolicy
+from batchserve.trees import DraftTree, WindowRows
 
 logger = logging.getLogger("batchserve")
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from batchserve.config import DraftConfig
-from batchserve.draft import DraftTree, HybridDrafter, JacobiDrafter, WindowDrafter
-from batchserve.draft.jacobi import JacobiShape, NgramPool, merge_trees, window_rows
+from batchserve.draft import HybridDrafter, JacobiDrafter, WindowDrafter
+from batchserve.draft.jacobi import JacobiShape, NgramPool, merge_trees
 from batchserve.request import SamplingParams
+from batchserve.trees import DraftTree, window_rows
 from tests.engine.drafters import token_path
 
 

@@ -20,8 +20,8 @@ from operator import mul
 from typing import Any
 
 from batchserve.config import DraftConfig
-from batchserve.draft.tree import MATCH_CAP
 from batchserve.draft.trie import TrieDrafter
+from batchserve.trees import MATCH_CAP
 from tests.engine.drafters import token_path
 
 ANSWER = list(range(200, 230))  # a 30-token output

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from batchserve.config import DraftConfig
-from batchserve.draft.tree import DraftTree
 from batchserve.draft.trie import TrieDrafter
+from batchserve.trees import DraftTree
 
 SEP = -1  # between two outputs in `recent_text`
 PROMPT = list(range(100, 140))

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from batchserve.config import DraftConfig
-from batchserve.draft import DraftTree, NoDrafter, SingleBranchDrafter, TrieDrafter, make_drafter
+from batchserve.draft import NoDrafter, SingleBranchDrafter, TrieDrafter, make_drafter
+from batchserve.trees import DraftTree
 from tests.engine.drafters import random_tree, token_path
 
 

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from batchserve.config import DraftConfig
-from batchserve.draft import DraftTree, TrieDrafter
+from batchserve.draft import TrieDrafter
 from batchserve.draft.simulate import simulate
-from batchserve.draft.tree import MATCH_CAP
 from batchserve.request import SamplingParams
+from batchserve.trees import MATCH_CAP, DraftTree
 from tests.engine.drafters import token_path
 
 

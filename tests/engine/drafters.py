@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from batchserve.draft import DraftTree, NoDrafter
+from batchserve.draft import NoDrafter
+from batchserve.trees import DraftTree
 
 
 def token_path(tree: DraftTree, i: int) -> tuple[int, ...]:

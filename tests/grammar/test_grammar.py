@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from batchserve.draft import DraftTree
 from batchserve.grammar import ConstraintError, GrammarCompiler, GrammarError, allows
 from batchserve.request import Constraint, SamplingParams
+from batchserve.trees import DraftTree
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
 
 

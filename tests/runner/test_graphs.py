@@ -112,8 +112,8 @@ def test_a_filler_step_has_the_buckets_shape():
 
 
 def _scheduled(rid: str, cached: int, blocks: tuple[int, ...], tree: Any) -> Any:
-    from batchserve.draft.tree import DraftTree
     from batchserve.records import ScheduledRequest
+    from batchserve.trees import DraftTree
 
     draft = DraftTree(*tree) if tree is not None else None
     return ScheduledRequest(rid, (7,), cached, blocks, draft, True, SamplingParams())
@@ -184,8 +184,8 @@ def test_bucketed_steps_give_the_unpadded_steps_logits_bit_for_bit():
 
 
 def test_a_padded_step_writes_nothing_outside_its_slots_and_the_scratch_block():
-    from batchserve.draft.tree import DraftTree
     from batchserve.records import ScheduledRequest
+    from batchserve.trees import DraftTree
 
     core = _core("eager")
     runner = core.runner

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
-from batchserve.draft.tree import DraftTree, walk
+from batchserve.draft.tree import walk
 from batchserve.request import MAX_INT32
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, choose_on_device, warp_rows
+from batchserve.trees import DraftTree
 from tests.conftest import TINY_VOCAB, tiny_llm
 from tests.engine.test_sampling import reference_probs
 from tests.rounding import U

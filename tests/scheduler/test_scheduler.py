@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from batchserve.config import DraftConfig, SchedulerConfig
-from batchserve.draft import DraftTree, NoDrafter
+from batchserve.draft import NoDrafter
 from batchserve.records import RunnerOutput, SchedulerOutput
 from batchserve.request import FinishReason, Request, RequestStatus, SamplingParams
 from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, Scheduler
 from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy
+from batchserve.trees import DraftTree
 from tests.speculation.workloads import cpu_like, gpu_like
 
 

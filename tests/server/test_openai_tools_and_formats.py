@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from batchserve.draft import DraftTree
 from batchserve.grammar import GrammarCompiler, allows
 from batchserve.request import Constraint
 from batchserve.server.openai.options import ResponseFormat, strict_schema
 from batchserve.server.openai.tools import parse_tool_request
+from batchserve.trees import DraftTree
 from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
 from tests.server.test_openai_api import _client
 from tests.server.test_openai_tool_calls import COLOR, MODE, USER, valid

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from batchserve.draft import DraftTree
 from batchserve.speculation.judging import MAX_OPEN, Decided, OpenJudgements
+from batchserve.trees import DraftTree
 
 
 def test_a_chain_whose_first_token_matches_is_decided_by_the_next_steps_tokens():
