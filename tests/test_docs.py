@@ -33,8 +33,15 @@ def _cited(doc: Path) -> list[str]:
 
 
 def _exists(doc: Path, path: str) -> bool:
+    """Whether `path` names something inside the repository (resolved from the doc's folder, the
+    root, the package or the benchmarks): a path that leaves the repository is never found, since
+    a clone has nothing beside it."""
     bases = (doc.parent, ROOT, ROOT / "batchserve", ROOT / "benchmarks")
-    return any((base / path).exists() for base in bases)
+    for base in bases:
+        target = (base / path).resolve()
+        if target.is_relative_to(ROOT) and target.exists():
+            return True
+    return False
 
 
 def test_the_docs_are_found() -> None:
@@ -52,3 +59,5 @@ def test_the_check_catches_a_missing_path(tmp_path: Path) -> None:
     doc.write_text("see [this](gone/file.md) and `batchserve/nothing_here.py:12`, not `--a/--b`", encoding="utf-8")
     assert _cited(doc) == ["gone/file.md", "batchserve/nothing_here.py"]
     assert not any(_exists(doc, p) for p in _cited(doc))
+    assert _exists(ROOT / "README.md", "docs/serving.md")
+    assert not _exists(ROOT / "docs" / "design.md", "../../README.md")  # outside the repository
