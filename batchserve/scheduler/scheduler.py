@@ -178,7 +178,7 @@ class Scheduler:
                 scheduled.append(item)
                 taken.add(req.request_id)
                 budget -= item.num_tokens
-        return budget, [r for r in held if r.status is RequestStatus.RUNNING]
+        return budget, held
 
     def _admit(
         self, scheduled: list[ScheduledRequest], budget: int, candidates: list[Request], background: frozenset[str]
@@ -230,10 +230,13 @@ class Scheduler:
         """Background tenants' prompt chunks and admissions within `cap` tokens, the least left to
         compute first (a tenant's short prompts are not held behind its own floods), never
         preempting for them. Returns the tokens they took."""
-        waiting = [r for r in self.waiting if r.tenant in background] if background else []  # the preempted too
-        held = [r for r in held if r.status is RequestStatus.RUNNING]
+        if cap <= 0 or not background:
+            return 0
+        # Held back, still running (an admission may have preempted some since), and waiting (those too).
+        running = [r for r in held if r.status is RequestStatus.RUNNING]
+        waiting = [r for r in self.waiting if r.tenant in background]
         left = cap
-        for req in sorted(held + waiting, key=lambda r: r.num_tokens - r.num_computed_tokens):
+        for req in sorted(running + waiting, key=lambda r: r.num_tokens - r.num_computed_tokens):
             if left <= 0:
                 break
             if req.status is RequestStatus.WAITING:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from batchserve.async_engine import RequestStream
-from batchserve.request import RequestOutput, SamplingParams
+from batchserve.request import RequestOutput, SamplingParams, TokenLogprob
 
 
 def samples_of(request_id: str, sampling: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
@@ -37,7 +37,7 @@ async def share_prompt_scores(
     """`outputs` of `n` samples per prompt (index p * n + i), where sample 0 alone scored each
     prompt: every other sample's first output carries sample 0's prompt logprobs, and waits for
     them if it comes first (it never waits past sample 0's end, with or without scores)."""
-    scores: dict[int, list | None] = {}  # prompt -> sample 0's prompt logprobs, once its first output came
+    scores: dict[int, list[TokenLogprob] | None] = {}  # prompt -> sample 0's prompt logprobs, from its first output
     held: dict[int, list[tuple[int, RequestOutput]]] = {}  # prompt -> outputs waiting for them
     started: set[int] = set()
 
