@@ -1,8 +1,9 @@
-"""Admission: a request checked and built once, before the scheduler sees it. Its id and tenant
-key, the server's limits, its prompt (tokenized, or its ids checked against the vocabulary and
-the context), references, stop and bias ids, its constraint compiled (or found compiled) and
-copied, and a resumed generation's tokens made its output so far. Every refusal is a ValueError
-that names the field."""
+"""Admission: a request as submitted (`Submission`, one record built once by whoever submits it:
+the server's front end, `LLM`, a benchmark) checked and made a `Request` once, before the
+scheduler sees it. Its id and tenant key, the server's limits, its prompt (tokenized, or its ids
+checked against the vocabulary and the context), references, stop and bias ids, its constraint
+compiled (or its compiled form copied), and a resumed generation's tokens made its output so
+far. Every refusal is a ValueError that names the field."""
 
 from __future__ import annotations
 
@@ -10,15 +11,38 @@ import itertools
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from batchserve.config import EngineConfig
-from batchserve.grammar import GrammarCompiler
-from batchserve.request import Request, SamplingParams
+from batchserve.grammar import CompiledGrammar, GrammarCompiler, RequestGrammar
+from batchserve.request import Constraint, Request, SamplingParams
 from batchserve.resume import check_resume
 from batchserve.runner.build import ModelFacts
 from batchserve.text import Prompt, TextCodec
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """One request as it is submitted, carried whole from the front end to `EngineCore.add_request`.
+
+    `prompt`: text or token ids; `params`: sampling, lookahead options, stops, a constraint and a
+    resumed generation's tokens (`SamplingParams`); `request_id`: unique among running requests
+    (None: the engine names it); `tenant`: the isolation key whose drafts it shares (see
+    DraftConfig.trie_scope) and whose share of the steps it counts in; `references`: texts or
+    token ids its output is expected to repeat, drafted from privately; `group`: a key the samples
+    of one call share (they compute the prompt's blocks once); `grammar`: `params.constraint`
+    compiled ahead, off the event loop (the front end does): admission copies it instead of
+    compiling (or finding) it on the loop."""
+
+    prompt: Prompt
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    tenant: str = ""
+    references: Sequence[Prompt] = ()
+    group: str = ""
+    grammar: CompiledGrammar | None = None
 
 
 class Admission:
@@ -28,44 +52,52 @@ class Admission:
         self.config, self.text, self.grammars = config, text, grammars
         self._ids = itertools.count()
 
-    def request(
-        self,
-        facts: ModelFacts,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        tenant: str = "",
-        references: Sequence[Prompt] = (),
-        group: str = "",
-    ) -> Request:
+    def request(self, facts: ModelFacts, sub: Submission) -> Request:
         """The checked request for `facts`' model (see `EngineCore.add_request`)."""
-        params = params or SamplingParams()
+        if not isinstance(sub, Submission):
+            raise ValueError(f"submit a Submission, got {type(sub).__name__}")
+        params = sub.params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        self._check_limits(params, request_id, tenant)
-        token_ids = self.text.tokenize(prompt)  # raises for a prompt beyond the context
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        reference_ids = self.text.tokenize_references(references)
+        self._check_limits(params, sub.request_id, sub.tenant)
+        # The prompt's ids (raises for a prompt beyond the context), its references', its stops in bounds.
+        token_ids, reference_ids = self.text.inputs(sub.prompt, sub.references, params.stop, params.stop_token_ids)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
             if any(t >= facts.vocab_size for t in ids):
                 raise ValueError(f"{name}: {max(ids)} is not a token id in [0, {facts.vocab_size})")
-        # A constraint is compiled (or found in the cache) first: ConstraintError, a ValueError, names the problem.
-        grammar = self.grammars.matcher(self.grammars.compile(params.constraint)) if params.constraint else None
         req = Request(
-            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            request_id=sub.request_id if sub.request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=token_ids,
             params=params,
             eos_token_ids=facts.eos_token_ids,
             max_total_len=facts.max_model_len,
             arrival_time=time.monotonic(),
-            tenant=tenant,
+            tenant=sub.tenant,
             reference_token_ids=reference_ids,
-            grammar=grammar,
-            group=group,
+            grammar=self._grammar(sub),
+            group=sub.group,
         )
         check_resume(req, facts.vocab_size)  # a resumed generation's tokens become its output so far
         return req
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """`constraint` compiled (or found compiled); thread-safe: front ends call it off the loop
+        and hand the result in as `Submission.grammar`. ConstraintError, a ValueError, refuses it."""
+        return self.grammars.compile(constraint)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Refuse a constraint over the size bound before anything is tokenized or compiled."""
+        self.grammars.check_size(constraint)
+
+    def _grammar(self, sub: Submission) -> RequestGrammar | None:
+        """The request's own matcher: a copy of its compiled constraint (compiled here, or found in
+        the cache, where the submitter did not compile it; ConstraintError, a ValueError, names the problem)."""
+        constraint = sub.params.constraint
+        if constraint is None:
+            return None
+        if sub.grammar is not None and sub.grammar.constraint != constraint:
+            raise ValueError("grammar: compiled from another constraint than params.constraint")
+        return self.grammars.matcher(sub.grammar or self.grammars.compile(constraint))
 
     def check_tenant(self, tenant: str) -> None:
         """Raise ValueError unless `tenant` is "" (none) or a valid key."""
@@ -83,7 +115,6 @@ class Admission:
         if request_id is not None:
             self._check_key("request_id", request_id)
         self.check_tenant(tenant)
-        self.text.check_stop(params.stop, params.stop_token_ids)
         cap = self.config.draft.decoding_length
         if params.decoding_length is not None and params.decoding_length > cap:
             raise ValueError(f"decoding_length: {params.decoding_length} is above the server's cap of {cap}")

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from batchserve.admission import Submission
 from batchserve.config import EngineConfig
+from batchserve.cost_profile import CostProfile
 from batchserve.engine import EngineCore
 from batchserve.pipeline import AdvancedStep
 from batchserve.records import SchedulerOutput, StepPhases
-from batchserve.request import FinishReason, RequestOutput, RequestStats, SamplingParams
-from batchserve.speculation.cost_profile import CostProfile
-from batchserve.text import Prompt
+from batchserve.request import FinishReason, RequestOutput, RequestStats
 
 logger = logging.getLogger("batchserve")
 
@@ -154,29 +154,20 @@ class AsyncEngine:
             self._task = None
         self._executor.shutdown(wait=True)
 
-    def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        tenant: str = "",
-        references: Sequence[Prompt] = (),
-        group: str = "",
-    ) -> RequestStream:
+    def generate(self, sub: Submission) -> RequestStream:
         """Submit a request and return its stream of per-step outputs (the last one has
-        `finished` set). `references`: texts or token ids the output is expected to repeat (see
-        `EngineCore.add_request`, and `group`). A constraint's matcher is a copy of its compiled
-        one (tens of microseconds); compile it first off the loop and hold it meanwhile
-        (`GrammarCompiler.compile`, as `Frontend` does), or a constraint not compiled yet is
-        compiled here, on the loop: tens of ms for a large schema. Raises ValueError at once for
-        invalid input, EngineDeadError once the engine has stopped for good."""
+        `finished` set). A constraint's matcher is a copy of its compiled one (tens of
+        microseconds): compile it off the loop first and hand it in as `sub.grammar` (as `Frontend`
+        does), or a constraint not compiled yet is compiled here, on the loop: tens of ms for a
+        large schema. Raises ValueError at once for invalid input, EngineDeadError once the
+        engine has stopped for good."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if request_id is not None and request_id in self._queues:
+        if sub.request_id is not None and sub.request_id in self._queues:
             # Still streaming (or finished but not yet read): never let a second caller touch it.
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ValueError(f"request_id {sub.request_id!r} is already in use")
         self.start()
-        req = self.core.add_request(prompt, params, request_id, tenant, references, group)
+        req = self.core.add_request(sub)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req.request_id] = queue
         self._wakeup.set()

@@ -1,27 +1,28 @@
-"""The engine core: one synchronous step (schedule, execute, commit) over scheduler, runner and drafter."""
+"""The engine core: one synchronous step (schedule, execute, commit) over scheduler, speculation and runner."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from batchserve.admission import Admission
+from batchserve.admission import Admission, Submission
 from batchserve.config import EngineConfig
-from batchserve.draft import Drafter, TrieDrafter, make_drafter
-from batchserve.draft.base import LearnsLater
+from batchserve.cost_profile import CostProfile
+from batchserve.detokenize import Detokenizer
 from batchserve.grammar import GrammarCompiler
-from batchserve.pipeline import AdvancedStep, PendingStep, build_outputs, retry_in_halves, without
+from batchserve.grammar.steps import GrammarSteps
+from batchserve.pipeline import AdvancedStep, PendingStep, build_outputs, output_of, retry_in_halves, stop_hook, without
 from batchserve.records import RunnerOutput, SchedulerOutput, StepPhases
-from batchserve.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprob
-from batchserve.resume import start_text
+from batchserve.request import FinishReason, Request, RequestOutput
 from batchserve.scheduler import BlockAllocator, Scheduler
-from batchserve.speculation.budget import DraftBudgetPolicy
-from batchserve.speculation.cost_profile import CostProfile
-from batchserve.text import Prompt, TextCodec
+from batchserve.speculation import DraftBudgetPolicy, Drafter, DraftPlanner, build_drafter, corpus_slices, defer
+from batchserve.text import TextCodec
 from batchserve.threads import set_threads
+
+__all__ = ["CORPUS_SLICE_TOKENS", "Drafter", "EngineCore"]  # Drafter: the type of a drafter handed in
 
 logger = logging.getLogger("batchserve")
 
@@ -29,7 +30,7 @@ CORPUS_SLICE_TOKENS = 128  # run starts inserted between two yields of the loop 
 
 
 class EngineCore:
-    """Scheduler + runner + drafter + text codec; `step()` runs one model step."""
+    """Scheduler + speculation + runner + text codec; `step()` runs one model step."""
 
     def __init__(
         self,
@@ -59,54 +60,46 @@ class EngineCore:
         self.facts, self.tokenizer = facts, tokenizer
         logger.info("forward: %s", facts.forward.line())
         self.text = TextCodec(tokenizer, facts.vocab_size, facts.max_model_len, config.limits)
+        self.detok = Detokenizer(tokenizer)  # the output's text: begun at admission, decoded in the outputs
         # Structured output: constraints compiled once per text (front ends compile off the loop first).
         self.grammars = GrammarCompiler(tokenizer, facts.vocab_size, config.limits.max_constraint_chars)
-        self.drafter = drafter if drafter is not None else self._make_drafter()
         # Insertion beside the next forward (`learn`) on a device; on a CPU at once (benchmarks/README.md).
-        if isinstance(self.drafter, LearnsLater) and self.runner.device.type != "cpu":
-            self.drafter.defer_learning()
+        deferred = self.runner.device.type != "cpu"
+        if drafter is None:
+            drafter = build_drafter(config.draft, self.text.tokenize, deferred)
+        else:
+            defer(drafter, deferred)
         self.cost_profile: CostProfile | None = None
         budget_policy = None
         if config.draft.adaptive and config.draft.method != "none":
             self.cost_profile = cost_profile or self._load_profile()
             budget_policy = DraftBudgetPolicy.from_config(self.cost_profile, config.draft)
+        grammar = GrammarSteps()  # structured output's share of each step: drafts pruned, rows masked, advanced
         self.scheduler = Scheduler(
             config.scheduler,
-            config.draft,
             BlockAllocator(facts.num_blocks, config.cache.block_size),
-            self.drafter,
-            on_token=lambda req, token_id, text=self.text: text.on_token(req.request_id, token_id),
-            budget_policy=budget_policy,
+            config.draft.trie_scope,
+            on_token=stop_hook(self.detok),
             prefix_caching=config.cache.prefix_caching,
+            grammar=grammar,
         )
-        self.scheduler.speculation.judge_later = True  # in `finish`: beside the next forward when pipelined
+        # Speculation: each step's drafts as data, and what the committed step teaches them.
+        # `budget_policy` None: every request drafts `decoding_length` tokens.
+        self.speculation = DraftPlanner(drafter, config.draft, budget_policy, grammar)
+        self.speculation.judge_later = True  # in `finish`: beside the next forward when pipelined
         self.admission = Admission(config, self.text, self.grammars)
         self.num_steps = 0
         self.consecutive_failed_steps = 0  # steps in a row in which every request failed
         # Called after every step with its schedule and phase times (metrics, benchmarks).
         self.step_listeners: list[Callable[[SchedulerOutput, StepPhases], None]] = []
 
-    def _make_drafter(self) -> Drafter:
-        draft = self.config.draft
-        drafter = make_drafter(draft)
-        if isinstance(drafter, TrieDrafter) and draft.warmup_path:
-            n = drafter.warm_up_file(draft.warmup_path, self.text.tokenize, draft.warmup_scope)
-            msg = "warmed the lookahead trie (scope %r) with %d sequences from %s"
-            logger.info(msg, draft.warmup_scope, n, draft.warmup_path)
-        return drafter
-
     def add_corpus(self, sequences: list[list[int]], tenant: str = "") -> Iterator[None]:
         """Load earlier outputs into the draft trie of `tenant`'s scope (the scope requests with
         that key draft from), a slice at a time: the returned iterator does the work, and the
         caller may serve others between its steps. Call from the loop thread. Raises ValueError
         at once where no trie is shared (another drafter, or `trie_scope=request`)."""
-        if not isinstance(self.drafter, TrieDrafter):
-            raise ValueError(f"the {self.config.draft.method!r} drafter has no trie to add a corpus to")
         self.check_tenant(tenant)
-        scope = {"global": "", "tenant": tenant}.get(self.config.draft.trie_scope)
-        if scope is None:
-            raise ValueError("trie_scope 'request' shares no n-grams between requests: a corpus would serve none")
-        return self.drafter.warm_up_slices(sequences, scope, CORPUS_SLICE_TOKENS)
+        return corpus_slices(self.speculation.drafter, self.config.draft, sequences, tenant, CORPUS_SLICE_TOKENS)
 
     def _load_profile(self) -> CostProfile:
         from batchserve.runner.calibrate import load_or_calibrate
@@ -116,23 +109,16 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        tenant: str = "",
-        references: Sequence[Prompt] = (),
-        group: str = "",
-    ) -> Request:
-        """Validate and enqueue (`admission.py`); raises ValueError (naming the field) before
-        touching the scheduler. `tenant`: the isolation key whose drafts this request shares (see
-        DraftConfig.trie_scope) and whose share of the steps it counts in; `references`: texts or
-        token ids its output is expected to repeat, drafted from privately; `group`: a key the
-        samples of one call share (they compute the prompt's blocks once)."""
-        req = self.admission.request(self.facts, prompt, params, request_id, tenant, references, group)
+    def add_request(self, sub: Submission) -> Request:
+        """Validate and enqueue one submitted request (`admission.py`); raises ValueError (naming
+        the field) before touching the scheduler."""
+        req = self.admission.request(self.facts, sub)
         self.scheduler.add_request(req)  # may still refuse (duplicate id, never fits the pool)
-        start_text(self.text, self.scheduler, req)
+        try:
+            self.detok.begin(req)  # a resumed request's text decoded: a stop string in it refuses it
+        except ValueError:
+            self.scheduler.abort(req.request_id)
+            raise
         return req
 
     def check_tenant(self, tenant: str) -> None:
@@ -145,7 +131,8 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.abort(request_id)
-        return self._output(req, [])
+        self.speculation.finish(request_id)
+        return self._out(req, [])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -164,16 +151,13 @@ class EngineCore:
     def learn(self) -> None:
         """What the drafter learns from the last commit, after this step's proposals (AsyncEngine:
         while the forward runs). A failure costs drafts, never outputs."""
-        if isinstance(self.drafter, LearnsLater):
-            try:
-                self.drafter.learn()
-            except Exception:
-                logger.exception("the drafter failed to learn from accepted tokens")
+        self.speculation.learn()
 
     def schedule(self) -> PendingStep:
         step = PendingStep(start=time.perf_counter())
         try:
-            step.out = self.scheduler.schedule()
+            out = self.scheduler.schedule()  # committed tokens first; drafts, as data, in what is left
+            step.out = self.scheduler.reserve(out, self.speculation.propose(out, self.scheduler.requests))
         except Exception as e:  # commit fails every request: no stream may wait forever
             step.schedule_error = e
         step.phases.schedule = time.perf_counter() - step.start
@@ -227,7 +211,7 @@ class EngineCore:
     def advance(self, step: PendingStep) -> AdvancedStep:
         """Apply a step's result on the loop thread: what the next schedule needs (tokens, stops,
         finishes, block trims, the policy's trackers). Its outputs wait for `finish`."""
-        self.scheduler.speculation.judge()  # what an earlier step left unjudged (its outputs were never built)
+        self.speculation.judge()  # what an earlier step left unjudged (its outputs were never built)
         t0 = time.perf_counter()
         out = step.out
         advanced = AdvancedStep(step, [], [])
@@ -241,14 +225,16 @@ class EngineCore:
                 if step.result is not None:
                     done = out if not step.failed else replace(out, requests=without(out.requests, step.failed))
                     logprobs = step.result.logprobs
+                    committed = self.scheduler.update(done, step.result)
                     advanced.events = [
-                        (req, toks, logprobs.get(req.request_id), not req.params.stop)
-                        for req, toks in self.scheduler.update(done, step.result)
+                        (req, toks, logprobs.get(req.request_id), not req.params.stop) for req, toks in committed.events
                     ]
-            advanced.ready += [self._output(r, []) for r in self.scheduler.take_failed()]
+                    self.speculation.commit(committed.drafts)
+            advanced.ready += [self._out(r, []) for r in self.scheduler.take_failed()]
         except Exception as e:  # never leave a stream waiting forever
             crashed = True
             advanced.ready += self.fail_all(e)
+        self.speculation.forget_ended(self.scheduler.requests)
         if step.engine_failed(crashed):
             self.consecutive_failed_steps += 1
         elif out.requests:
@@ -259,6 +245,7 @@ class EngineCore:
         if step.result is not None and not step.failed:
             try:  # the policy's cost model: a bug there costs its estimate, never the step's outputs
                 self.scheduler.observe_step(out, phases.wall)
+                self.speculation.observe_step(out, phases.wall)
             except Exception:
                 logger.exception("the draft policy failed to learn from a step")
         self.num_steps += 1
@@ -268,8 +255,8 @@ class EngineCore:
         """The policy judges the advanced step's drafts; its outputs (`pipeline.build_outputs`),
         then the step listeners."""
         t0 = time.perf_counter()
-        self.scheduler.speculation.judge()
-        outputs = build_outputs(self.text, advanced, self._output, self._failed_output)
+        self.speculation.judge()
+        outputs = build_outputs(self.detok, advanced, self._failed_output)
         advanced.step.phases.outputs = time.perf_counter() - t0
         for listener in self.step_listeners:
             try:
@@ -282,7 +269,7 @@ class EngineCore:
         """End these requests with ERROR (the step that ran them raised)."""
         logger.error("engine step failed for %s", ", ".join(request_ids), exc_info=error)
         message = f"{type(error).__name__}: {error}"
-        return [self._output(req, []) for req in self.scheduler.fail(request_ids, message)]
+        return [self._out(req, []) for req in self.scheduler.fail(request_ids, message)]
 
     def _failed_output(self, req: Request, error: Exception) -> RequestOutput:
         """The final output of a request whose output could not be built (it may have finished)."""
@@ -290,13 +277,13 @@ class EngineCore:
         message = f"{type(error).__name__}: {error}"
         if not self.scheduler.fail([req.request_id], message):  # finished already: its end is ERROR now
             req.error, req.finish_reason = message, FinishReason.ERROR
-        return RequestOutput.of(req, [], self.text.take(req.request_id, True))
+        return RequestOutput.of(req, [], self.detok.take(req.request_id, True))
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """Last resort after an unexpected engine error: end every request with ERROR."""
         logger.error("engine loop failed; failing all %d requests", len(self.scheduler.requests), exc_info=error)
         message = f"{type(error).__name__}: {error}"
-        return [self._output(req, []) for req in self.scheduler.fail(list(self.scheduler.requests), message)]
+        return [self._out(req, []) for req in self.scheduler.fail(list(self.scheduler.requests), message)]
 
-    def _output(self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        return RequestOutput.of(req, new_tokens, self.text.take(req.request_id, req.is_finished), logprobs)
+    def _out(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        return output_of(self.detok, req, new_tokens)

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchserve.admission import Submission
 from batchserve.config import EngineConfig
-from batchserve.draft import Drafter
-from batchserve.engine import EngineCore
+from batchserve.cost_profile import CostProfile
+from batchserve.engine import Drafter, EngineCore  # the drafter type EngineCore takes
 from batchserve.request import (
     FinishReason,
     Request,
@@ -19,7 +20,6 @@ from batchserve.request import (
     TokenLogprob,
     tokens_per_step,
 )
-from batchserve.speculation.cost_profile import CostProfile
 from batchserve.text import Prompt
 
 # A prompt's references (predicted outputs): one text, one token-id list, a list of either, or None.
@@ -138,7 +138,7 @@ class LLM:
         requests: list[Request] = []
         try:
             for ids, sp, r in zip(token_ids, params, ref_ids):
-                requests.append(core.add_request(ids, sp, references=r))
+                requests.append(core.add_request(Submission(ids, sp, references=r)))
         except ValueError:
             for r in requests:
                 core.abort(r.request_id)

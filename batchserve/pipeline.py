@@ -1,4 +1,5 @@
-"""A step's records between its phases, and the pipelined loop: step N's outputs beside N+1's forward.
+"""A step's records between its phases, its outputs (the one place that decodes their text and
+answers the stop hook), and the pipelined loop: step N's outputs beside N+1's forward.
 
 A step is schedule -> launch -> collect -> advance -> finish (`EngineCore`). `advance` applies
 what the next schedule needs (accepted tokens, stops, finishes, block trims, the policy's
@@ -11,13 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from batchserve.detokenize import Detokenizer
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
 from batchserve.request import Request, RequestOutput, TokenLogprob
-
-if TYPE_CHECKING:
-    from batchserve.text import TextCodec
 
 
 @dataclass(slots=True)
@@ -86,23 +85,38 @@ def without(requests: tuple[ScheduledRequest, ...], ids: dict[str, Exception]) -
     return tuple(r for r in requests if r.request_id not in ids)
 
 
+def stop_hook(detok: Detokenizer) -> Callable[[Request, int], bool]:
+    """What the scheduler's commit asks after each token of a request with stop strings: the token
+    decoded, and whether a stop string now completes (its text cut before it)."""
+
+    def completes_a_stop(req: Request, token_id: int) -> bool:
+        return detok.on_token(req.request_id, token_id)
+
+    return completes_a_stop
+
+
+def output_of(
+    detok: Detokenizer, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None
+) -> RequestOutput:
+    """One request's output of a step: its new tokens, the text they free (all of it, and its text
+    state dropped, once it finished), their logprobs."""
+    return RequestOutput.of(req, new_tokens, detok.take(req.request_id, req.is_finished), logprobs)
+
+
 def build_outputs(
-    text: TextCodec,
-    advanced: AdvancedStep,
-    output: Callable[[Request, list[int], list[TokenLogprob] | None], RequestOutput],
-    failed: Callable[[Request, Exception], RequestOutput],
+    detok: Detokenizer, advanced: AdvancedStep, failed: Callable[[Request, Exception], RequestOutput]
 ) -> list[RequestOutput]:
     """An advanced step's outputs: the text of its tokens (decoded here for requests without
-    stop strings, whose text no stop decision needs), logprobs. `output` builds one request's;
-    `failed` ends a request whose output raised (a bug met by one request's text ends only it)."""
+    stop strings, whose text no stop decision needs), logprobs. `failed` ends a request whose
+    output raised (a bug met by one request's text ends only it)."""
     outputs = advanced.ready
-    for req, toks, logprobs, detokenize in advanced.events:
-        if not text.is_active(req.request_id):
+    for req, toks, logprobs, decode in advanced.events:
+        if not detok.is_active(req.request_id):
             continue  # aborted since `advance`: its final output is out
         try:
-            for t in toks if detokenize else ():
-                text.on_token(req.request_id, t)
-            outputs.append(output(req, toks, logprobs))
+            for t in toks if decode else ():
+                detok.on_token(req.request_id, t)
+            outputs.append(output_of(detok, req, toks, logprobs))
         except Exception as e:
             outputs.append(failed(req, e))
     advanced.step.phases.tokens = sum(len(o.new_token_ids) for o in outputs)

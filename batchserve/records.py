@@ -1,6 +1,7 @@
 """The step's records: what the scheduler hands the runner (ScheduledRequest, SchedulerOutput),
-what the runner hands back (RunnerOutput) and the step's phase times (StepPhases). They live below
-the scheduler, runner, engine and server, which all read them."""
+what speculation proposes for a step (StepDrafts) and learns from it (CommittedDraft), what the
+runner hands back (RunnerOutput) and the step's phase times (StepPhases). They live below the
+scheduler, speculation, runner, engine and server, which all read them."""
 
 from __future__ import annotations
 
@@ -74,10 +75,34 @@ class SchedulerOutput:
 
     requests: tuple[ScheduledRequest, ...]  # in packing order
     finished_request_ids: tuple[str, ...]  # ended since the last step: drop their runner state
+    draft_budget: int = 0  # rows of the step's token budget the committed tokens left for drafts
 
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class StepDrafts:
+    """Speculation's proposal for one step, as data: by request id, the draft tree it verifies
+    and the Jacobi window rows computed after it. The scheduler reserves their KV slots and
+    hangs them off its scheduled requests (`Scheduler.reserve`); short of blocks, it drops a
+    window first, then a tree."""
+
+    trees: dict[str, DraftTree] = field(default_factory=dict)
+    windows: dict[str, WindowRows] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedDraft:
+    """One request's share of a committed step, for speculation to learn from: `accepted`, the
+    draft nodes on the path that reached the output; `emitted`, the tokens the request took (a
+    stop may cut them short); `window_outputs`, its window rows' tokens (None without a window)."""
+
+    item: ScheduledRequest
+    accepted: list[int]
+    emitted: list[int]
+    window_outputs: list[int] | None
 
 
 @dataclass(frozen=True, slots=True)

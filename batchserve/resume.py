@@ -6,7 +6,7 @@ for its k-th token; on CPU the forward is batch-invariant bit for bit), so the c
 what the uninterrupted generation would have been. Here: the tokens are the request's output
 before its first step (the prompt and they are prefilled as one chunk, as a preempted request's
 are recomputed; the prefix cache makes a warm resume cheap), its grammar is advanced through
-them, its text decoded past them (and what the interrupted stream had handed out marked sent),
+them, its text decoded past them (`Detokenizer.begin`) (and what the interrupted stream had handed out marked sent),
 the drafter learns them, and the runner starts its seeded stream after them. max_new_tokens,
 stop strings and penalties count the whole output; logprobs come for the new tokens only.
 
@@ -67,19 +67,3 @@ def _advance_grammar(grammar: Any, tokens: tuple[int, ...]) -> None:
             grammar.commit([t])
         except GrammarError as e:
             raise ValueError(f"resume_token_ids[{i}]: the structured output forbids token {t} ({e})") from None
-
-
-def start_text(text: Any, scheduler: Any, req: Request) -> None:
-    """Begin detokenizing `req` (just added to `scheduler`); for a resumed one, decode its tokens
-    at once (linear in their text), marking what the interrupted stream had handed out by then as
-    sent (the held-back tail a stop string could still claim was not). A stop string among them
-    withdraws the request: ValueError."""
-    text.start(req.request_id, req.params.stop)
-    if not req.params.resume_token_ids:
-        return
-    stopped_at = text.resume(req.request_id, req.params.resume_token_ids)
-    if stopped_at is not None:
-        text.take(req.request_id, True)  # drops its text state
-        scheduler.abort(req.request_id)  # and its place in the scheduler, before any step
-        raise ValueError(f"resume_token_ids[{stopped_at}]: a stop string ends the generation there")
-    text.take(req.request_id, False)

@@ -1,11 +1,10 @@
-"""Text in and out of the engine: tokenize, chat templates, incremental detokenize, stop strings."""
+"""Text into the engine: tokenize, chat templates, every input bounded before it is tokenized.
+The output's text (incremental detokenizing, stop strings) is `detokenize.py`'s."""
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from batchserve.config import LimitsConfig
@@ -28,55 +27,64 @@ TOOLS_PROMPT = (
 )
 
 
-@dataclass(slots=True)
-class _TextState:
-    """Incremental detokenization of one request's output (multi-byte safe)."""
-
-    stream: Any  # tokenizers.decoders.DecodeStream
-    stop: tuple[str, ...]
-    # The text decoded and not yet handed out. What was handed out is dropped, so appending a
-    # token's piece copies only this tail, never the whole output (that was quadratic).
-    text: str = ""
-
-    @property
-    def holdback(self) -> int:
-        # A stop string may still complete across the next step: hold back its possible prefix.
-        return max((len(s) for s in self.stop), default=1) - 1
+class TokenIds(list[int]):
+    """Token ids a `TextCodec` made (a text tokenized, a chat rendered) or checked: every one in
+    the model's vocabulary. Checked once: admission measures them against the context again
+    (a length) but never id by id; the front end did that off the event loop."""
 
 
 class TextCodec:
-    """One tokenizer's text handling for the engine, with every input bounded before it is tokenized."""
+    """One tokenizer's input handling for the engine, with every input bounded before it is tokenized."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, limits: LimitsConfig) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.limits = limits
-        self._states: dict[str, _TextState] = {}
 
     # ---- input -----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> TokenIds:
         """Token ids of a text prompt, or a checked copy of a token-id prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             self.check_text_size(len(prompt), "prompt")
-            return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+            return self._made(self.tokenizer(prompt, add_special_tokens=True).input_ids)
         # The length first: no per-id work (on whichever thread) for a prompt that cannot fit.
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
                 "which must also hold at least one new token"
             )
-        ids = list(prompt)
+        if isinstance(prompt, TokenIds):
+            return TokenIds(prompt)  # checked id by id where it was made
+        ids = TokenIds(prompt)
         vocab = self.vocab_size
         if not all(type(t) is int and 0 <= t < vocab for t in ids):
             bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab)
             raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {vocab})")
         return ids
 
-    def tokenize_references(self, references: Sequence[Prompt], field: str = "references") -> list[list[int]]:
+    def _made(self, ids: Sequence[int]) -> TokenIds:
+        """The tokenizer's ids, refused where a tokenizer larger than the model made one past its vocabulary."""
+        made = TokenIds(ids)
+        if made and max(made) >= self.vocab_size:
+            raise ValueError(f"the tokenizer made token {max(made)}, past the model's vocabulary of {self.vocab_size}")
+        return made
+
+    def inputs(
+        self, prompt: Prompt, references: Sequence[Prompt], stop: Sequence[str], stop_token_ids: Sequence[int]
+    ) -> tuple[TokenIds, list[TokenIds]]:
+        """A request's text checked at admission, cheapest bound first: its stops, then its prompt's
+        ids (a text tokenized; ids checked against the vocabulary and the context), its references'."""
+        self.check_stop(stop, stop_token_ids)
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids, self.tokenize_references(references)
+
+    def tokenize_references(self, references: Sequence[Prompt], field: str = "references") -> list[TokenIds]:
         """Token ids of a request's references (texts, tokenized on their own without special
         tokens, or token ids), the empty ones dropped. Bounded like a prompt, on a bound of
         their own: at most `max_references`, their text within a prompt's characters before
@@ -85,14 +93,14 @@ class TextCodec:
         if len(references) > limit:
             raise ValueError(f"{field}: {len(references)} references, at most {limit}")
         self.check_text_size(sum(len(r) for r in references if isinstance(r, str)), field)
-        out: list[list[int]] = []
+        out: list[TokenIds] = []
         total = 0
         for i, ref in enumerate(references):
             if isinstance(ref, str):
-                ids = list(self.tokenizer(ref, add_special_tokens=False).input_ids) if ref else []
+                ids = self._made(self.tokenizer(ref, add_special_tokens=False).input_ids) if ref else TokenIds()
             elif total + len(ref) <= self.max_model_len:  # the length first, as for a prompt
-                ids = list(ref)
-                if not all(type(t) is int and 0 <= t < self.vocab_size for t in ids):
+                ids = TokenIds(ref)
+                if not isinstance(ref, TokenIds) and not all(type(t) is int and 0 <= t < self.vocab_size for t in ids):
                     raise ValueError(f"{field}[{i}]: token ids must be ints in [0, {self.vocab_size})")
             else:
                 ids = ref  # type: ignore[assignment]  # too long: refused below, never copied
@@ -111,7 +119,7 @@ class TextCodec:
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> list[int]:
+    ) -> TokenIds:
         """Token ids of chat messages (and the functions a model may call, OpenAI's `tools`)
         rendered with the model's chat template. Every bound is checked before the work it
         bounds: the message count and size (tool calls and schemas included) before templating,
@@ -138,7 +146,7 @@ class TextCodec:
         except Exception as e:  # the template's own checks (jinja raise_exception, bad fields)
             raise ValueError(f"input.chat: the model's chat template refused the messages: {e}") from None
         self.check_text_size(len(text), "input.chat (rendered)")
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._made(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def check_stop(self, stop: Sequence[str], stop_token_ids: Sequence[int] = ()) -> None:
         """Bound the stop strings (each one is searched for after every token) and stop ids."""
@@ -150,71 +158,6 @@ class TextCodec:
                 raise ValueError(f"stop[{i}]: {len(s)} characters, at most {limits.max_stop_length}")
         if len(stop_token_ids) > limits.max_stop_token_ids:
             raise ValueError(f"stop_token_ids: {len(stop_token_ids)} ids, at most {limits.max_stop_token_ids}")
-
-    # ---- output ----------------------------------------------------------------------------
-
-    def start(self, request_id: str, stop: tuple[str, ...]) -> None:
-        """Begin detokenizing a request's output."""
-        from tokenizers.decoders import DecodeStream
-
-        self._states[request_id] = _TextState(DecodeStream(skip_special_tokens=True), stop)
-
-    def on_token(self, request_id: str, token_id: int) -> bool:
-        """Detokenize one new token; True if a stop string now appears (text cut before it). The
-        held-back tail is at least a stop string's length less one, so a stop string that this
-        piece completes lies within the text not yet handed out."""
-        state = self._states[request_id]
-        piece = state.stream.step(self.tokenizer.backend_tokenizer, token_id)
-        if not piece:
-            return False
-        start = len(state.text)
-        state.text += piece
-        # The earliest occurrence wins, whichever stop string it is (several may complete at once).
-        found = [i for s in state.stop if (i := state.text.find(s, max(0, start - len(s) + 1))) >= 0]
-        if found:
-            state.text = state.text[: min(found)]
-            return True
-        return False
-
-    def resume(self, request_id: str, token_ids: Sequence[int]) -> int | None:
-        """Detokenize a resumed request's tokens, just started, at once: their pieces joined once
-        (linear in the text, where a token at a time re-copies it per token). The index of the
-        token a stop string completes at (the request must not resume), else None."""
-        state = self._states[request_id]
-        backend, step = self.tokenizer.backend_tokenizer, state.stream.step
-        pieces: list[str] = []
-        ends: list[int] = []  # ends[k]: the text's length after token k
-        length = 0
-        for token_id in token_ids:
-            piece = step(backend, token_id)
-            if piece:
-                pieces.append(piece)
-                length += len(piece)
-            ends.append(length)
-        text = "".join(pieces)
-        # The first token at which any stop string is complete: the one its earliest end falls in.
-        done = [i + len(s) for s in state.stop if (i := text.find(s)) >= 0]
-        if done:
-            return bisect.bisect_left(ends, min(done))
-        state.text += text
-        return None
-
-    def take(self, request_id: str, finished: bool) -> str:
-        """The text not yet handed out. While running, the tail that a stop string could still
-        claim is held back; once finished, everything is, and the request's state is dropped."""
-        state = self._states.pop(request_id) if finished else self._states[request_id]
-        end = len(state.text) if finished else max(0, len(state.text) - state.holdback)
-        new_text, state.text = state.text[:end], state.text[end:]
-        return new_text
-
-    def is_active(self, request_id: str) -> bool:
-        """Whether the request's output is being detokenized (started, not yet finished)."""
-        return request_id in self._states
-
-    @property
-    def num_active(self) -> int:
-        """Requests being detokenized (for leak checks)."""
-        return len(self._states)
 
 
 # ---- chat messages with tools --------------------------------------------------------------

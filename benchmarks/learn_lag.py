@@ -18,8 +18,8 @@ from batchserve.bench.datasets import humaneval, sharegpt, split
 from batchserve.bench.simulate import Encoded, encode
 from batchserve.config import DraftConfig
 from batchserve.draft import TrieDrafter
-from batchserve.draft.tree import walk
 from batchserve.model.loader import load_tokenizer
+from batchserve.trees import walk
 
 
 def tokens_per_step(warm: list[list[int]], test: list[Encoded], concurrent: int, length: int, late: bool) -> float:

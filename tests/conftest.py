@@ -154,14 +154,14 @@ def _engines_end_empty(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     def tracking_init(self: EngineCore, *args: Any, **kwargs: Any) -> None:
         real_init(self, *args, **kwargs)
-        built.append((self.scheduler, self.text))
+        built.append((self.scheduler, self.detok))
 
     monkeypatch.setattr(EngineCore, "__init__", tracking_init)
     yield
-    for sched, text in built:
+    for sched, detok in built:
         assert not sched.requests, f"requests left in an engine: {sorted(sched.requests)}"
         assert sched.allocator.num_free_blocks == sched.allocator.num_blocks, "KV blocks still taken"
-        assert text.num_active == 0, "detokenizer state left behind"
+        assert detok.num_active == 0, "detokenizer state left behind"
         sched.check_integrity()
 
 

@@ -112,4 +112,4 @@ def test_llm_and_the_server_share_their_defaults():
 
     llm = LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer())
     assert llm.engine.config == EngineConfig()
-    assert llm.engine.cost_profile is not None and llm.engine.scheduler.speculation.policy is not None
+    assert llm.engine.cost_profile is not None and llm.engine.speculation.policy is not None

@@ -20,12 +20,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "native_build",
         "request",
         "text",
+        "detokenize",
         "trees",
+        "cost_profile",
         "v1",
     ),
     ("draft", "grammar", "kernels"),
     ("records",),  # the step's records: read by scheduler, runner, engine and server alike
-    ("speculation",),  # which drafts a step verifies: the scheduler calls it through one seam
+    ("speculation",),  # which drafts a step verifies: the engine owns it, the scheduler never sees it
     ("scheduler", "attention"),
     ("model",),
     ("runner",),
@@ -34,6 +36,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bench", "cli", "__init__"),
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _top(module: str) -> str:
+    """batchserve.speculation.planner -> speculation; batchserve.engine -> engine."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 def _module(path: Path) -> str:
@@ -112,18 +120,32 @@ def test_the_analysis_sees_what_it_must() -> None:
 SCHEDULER_MODULES = {"__init__", "scheduler", "chunks", "commit", "fairness", "block_allocator", "prefix_cache"}
 
 
-def test_the_scheduler_only_batches_and_reaches_speculation_through_its_seam() -> None:
-    """`scheduler/` holds the batching modules alone, and of speculation it imports only the
-    package's seam (`batchserve.speculation`: the planner and the policy's type), never a module
-    behind it (budgets, fits, trackers, the guard)."""
+def test_the_scheduler_only_batches_and_sees_drafts_as_data() -> None:
+    """`scheduler/` holds the batching modules alone and imports neither speculation nor the
+    drafters: it reserves the slots of draft trees handed to it as data (`records.StepDrafts`)."""
     here = {p.stem for p in (PACKAGE / "scheduler").glob("*.py")}
     assert here == SCHEDULER_MODULES, f"scheduler/ holds more than batching: {sorted(here - SCHEDULER_MODULES)}"
     graph = _graph()
     reached = {
         t for m, targets in graph.items() if m.startswith("batchserve.scheduler") for t in targets
-        if t.startswith("batchserve.speculation")
+        if t.startswith(("batchserve.speculation", "batchserve.draft."))
     }  # fmt: skip
-    assert reached == {"batchserve.speculation"}, sorted(reached)
+    assert not reached, sorted(reached)
+
+
+# Each of these packages has one owner in the product: the only package outside it that imports
+# it. The bench's drafter simulation is the one measurement that reaches past the owner.
+OWNERS = {"speculation": "engine", "draft": "speculation"}
+
+
+def test_speculation_and_the_drafters_have_one_owner_each() -> None:
+    graph = _graph()
+    for package, owner in OWNERS.items():
+        importers = {
+            _top(m) for m, targets in graph.items() for t in targets
+            if _top(t) == package and _top(m) not in (package, "bench")
+        }  # fmt: skip
+        assert importers == {owner}, f"{package}/ is imported by {sorted(importers)}, not by {owner} alone"
 
 
 def test_the_servers_wings_stand_apart() -> None:

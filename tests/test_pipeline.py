@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from batchserve import AsyncEngine, FinishReason, SamplingParams
+from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from batchserve.pipeline import StepPipeline
@@ -53,7 +54,7 @@ def _output(o: RequestOutput) -> tuple:
 def _drive(core: EngineCore, pipelined: bool, params: list[SamplingParams], abort_at: dict[int, str]) -> list[tuple]:
     """Every output of a run, in order; `abort_at`: after that many steps, abort that request."""
     for i, (p, sp) in enumerate(zip(PROMPTS, params)):
-        core.add_request(p, sp, request_id=f"r{i}")
+        core.add_request(Submission(p, sp, request_id=f"r{i}"))
     pipe = StepPipeline(core)
     seen: list[tuple] = []
     n = 0
@@ -64,7 +65,7 @@ def _drive(core: EngineCore, pipelined: bool, params: list[SamplingParams], abor
             rid = abort_at[n]
             outs += pipe.abort(rid) if pipelined else ([core.abort(rid)] if core.has_work() else [])
         seen += [_output(o) for o in outs if o is not None]
-    assert core.text.num_active == 0 and not core.scheduler.requests
+    assert core.detok.num_active == 0 and not core.scheduler.requests
     pool = core.scheduler.allocator
     assert pool.num_free_blocks == pool.num_blocks
     return seen
@@ -139,7 +140,9 @@ async def test_the_async_engine_streams_beside_the_forward_with_the_same_outputs
     async def run(beside: bool) -> dict[str, list[tuple]]:
         engine = AsyncEngine(_core())
         engine.stream_beside_forward = beside
-        streams = [engine.generate(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(PROMPTS, _params()))]
+        streams = [
+            engine.generate(Submission(p, sp, request_id=f"r{i}")) for i, (p, sp) in enumerate(zip(PROMPTS, _params()))
+        ]
 
         async def read(stream: Any) -> list[tuple]:
             return [_output(o)[1:] for o in [o async for o in stream]]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from batchserve.request import Constraint, FinishReason, SamplingParams
@@ -29,9 +30,9 @@ def _core() -> EngineCore:
 
 def _steps(core: EngineCore, params: SamplingParams, neighbours: int = 1) -> list[Any]:
     """Each step's output of one request (beside `neighbours` others, so batches differ)."""
-    req = core.add_request(PROMPT, params)
+    req = core.add_request(Submission(PROMPT, params))
     for i in range(neighbours):
-        core.add_request([65 + i, 66, 67], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        core.add_request(Submission([65 + i, 66, 67], SamplingParams(max_new_tokens=40, ignore_eos=True)))
     outs = []
     while core.has_work():
         outs += [o for o in core.step() if o.request_id == req.request_id]
@@ -84,7 +85,7 @@ def test_a_grammar_is_advanced_through_the_resumed_tokens():
         assert tokens[:cut] + _joined(resumed)[0] == tokens
     forbidden = [*b'{"word": "al', ord("x")]  # no word of the enum goes on so
     with pytest.raises(ValueError, match=r"resume_token_ids\[12\].*forbids"):
-        _core().add_request(PROMPT, SamplingParams(**{**_fields(params), "resume_token_ids": forbidden}))
+        _core().add_request(Submission(PROMPT, SamplingParams(**{**_fields(params), "resume_token_ids": forbidden})))
 
 
 def test_logprobs_come_for_the_new_tokens_only():
@@ -107,9 +108,9 @@ def test_logprobs_come_for_the_new_tokens_only():
 def test_a_resume_the_generation_could_not_have_reached_is_refused_and_leaves_nothing(params, says):
     core = _core()
     with pytest.raises(ValueError, match="resume_token_ids" + says):
-        core.add_request(PROMPT, params)
+        core.add_request(Submission(PROMPT, params))
     core.step()  # the withdrawn request leaves nothing behind
-    assert not core.has_work() and core.text.num_active == 0
+    assert not core.has_work() and core.detok.num_active == 0
     core.scheduler.check_integrity()
 
 
@@ -121,7 +122,9 @@ def test_resume_bounds_are_checked_where_the_params_are_made():
     core = _core()
     with pytest.raises(ValueError, match="fill the model's context"):
         core.add_request(
-            PROMPT, SamplingParams(max_new_tokens=5000, resume_token_ids=[65] * (core.facts.max_model_len - 5))
+            Submission(
+                PROMPT, SamplingParams(max_new_tokens=5000, resume_token_ids=[65] * (core.facts.max_model_len - 5))
+            )
         )
 
 
@@ -132,14 +135,14 @@ def test_the_grammar_refuses_an_end_of_sequence_in_the_resumed_tokens_even_with_
     eos = core.grammars.eos_token_id
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, constraint=Constraint("regex", "[a-z]+"))
     with pytest.raises(ValueError, match=r"resume_token_ids\[1\].*end of sequence"):
-        core.add_request(PROMPT, SamplingParams(**{**_fields(params), "resume_token_ids": [97, eos, 98]}))
+        core.add_request(Submission(PROMPT, SamplingParams(**{**_fields(params), "resume_token_ids": [97, eos, 98]})))
     core.step()
-    assert not core.has_work() and core.text.num_active == 0
+    assert not core.has_work() and core.detok.num_active == 0
     # Without a grammar, ignore_eos makes the model's end of sequence an ordinary token, resumed or not.
     plain = SamplingParams(
         max_new_tokens=20, ignore_eos=True, resume_token_ids=[97, *sorted(core.facts.eos_token_ids), 98]
     )
-    req = core.add_request(PROMPT, plain)
+    req = core.add_request(Submission(PROMPT, plain))
     assert req.output_token_ids == list(plain.resume_token_ids)
     core.abort(req.request_id)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batchserve.bench.shapes import ModelShape, build_model, hf_twin, random_prompts, synthetic_tokenizer
-from batchserve.speculation.cost_profile import CostProfile
+from batchserve.cost_profile import CostProfile
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a step computes: one request's, or n requests' one each
 CONTEXTS = (128, 512)  # KV tokens each request attends to: a few hundred, as a chat or code prompt

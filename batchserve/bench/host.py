@@ -23,13 +23,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from batchserve.admission import Submission
 from batchserve.attention.base import AttentionBackend, StepLayout
 from batchserve.attention.flashinfer_backend import PagedPlan, build_plan
+from batchserve.cost_profile import CostProfile
 from batchserve.draft.base import LearnsLater
 from batchserve.pipeline import StepPipeline
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import SamplingParams
-from batchserve.speculation.cost_profile import CostProfile
 
 HOST_PHASES = ("schedule", "prepare", "verify", "commit")
 
@@ -155,7 +156,7 @@ def measure_host(
     try:
         while queue or core.has_work():
             while queue and len(core.scheduler.requests) < requests:
-                core.add_request(list(queue.pop(0)), params)
+                core.add_request(Submission(list(queue.pop(0)), params))
             emitted += sum(len(o.new_token_ids) for o in core.step())
     finally:
         core.step_listeners.remove(seen.add)
@@ -194,8 +195,8 @@ def stand_in_engine(
     core.runner.backend = PlanOnlyBackend(config.cache.num_blocks + 2, config.cache.block_size)
     if core.runner.graphs is not None:
         core.runner.graphs.backend = core.runner.backend
-    if isinstance(core.drafter, LearnsLater):  # as on a GPU: the trie's insertion beside the next forward
-        core.drafter.defer_learning()
+    if isinstance(core.speculation.drafter, LearnsLater):  # as on a GPU: the trie's insertion beside the next forward
+        core.speculation.drafter.defer_learning()
     return core
 
 
@@ -284,7 +285,7 @@ def measure_emulated(
     try:
         while queue or pipe.has_work():
             while queue and len(core.scheduler.requests) < requests:
-                core.add_request(list(queue.pop(0)), params)
+                core.add_request(Submission(list(queue.pop(0)), params))
             outs = pipe.step() if pipelined else core.step()
             emitted += sum(len(o.new_token_ids) for o in outs)
             steps += 1

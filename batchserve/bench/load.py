@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import time
 
+from batchserve.admission import Submission
 from batchserve.llm import LLM, GenerationResult, _Collected
 from batchserve.request import SamplingParams
 
@@ -49,7 +50,7 @@ def open_loop(
             while nxt < len(prompts) and due[nxt] <= now:
                 refs = references[nxt] if references is not None else None
                 p = params[nxt] if isinstance(params, list) else params
-                req = core.add_request(prompts[nxt], p, references=[refs] if refs else ())
+                req = core.add_request(Submission(prompts[nxt], p, references=[refs] if refs else ()))
                 pending[req.request_id] = _Collected(req)
                 ids.append(req.request_id)
                 nxt += 1

@@ -32,15 +32,14 @@ from dataclasses import dataclass
 
 from batchserve.bench.simulate import Encoded
 from batchserve.config import DraftConfig, SchedulerConfig
+from batchserve.cost_profile import CostProfile
 from batchserve.draft import make_drafter
-from batchserve.draft.tree import walk
 from batchserve.request import Request, SamplingParams
 from batchserve.speculation.budget import DraftBudgetPolicy, StepShape
-from batchserve.speculation.cost_profile import CostProfile
 from batchserve.speculation.host_budget import HostBudget
 from batchserve.speculation.judging import OpenJudgements
 from batchserve.speculation.policy_drafts import PolicyDrafts
-from batchserve.trees import DraftTree
+from batchserve.trees import DraftTree, walk
 
 IN_FLIGHT = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUDGET = SchedulerConfig().max_num_batched_tokens  # the engine's default rows per step

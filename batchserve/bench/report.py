@@ -13,8 +13,8 @@ from batchserve.bench.host import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, load_point, method_rank, none_of
 from batchserve.bench.near_ties import divergence_lines, lossless_cell
 from batchserve.bench.served import served_table
+from batchserve.cost_profile import CostProfile
 from batchserve.records import StepPhases
-from batchserve.speculation.cost_profile import CostProfile
 
 
 def save_results(rows: list[Row], out_dir: Path) -> None:

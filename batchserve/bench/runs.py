@@ -17,7 +17,7 @@ from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import tokens_per_step
 
 if TYPE_CHECKING:
-    from batchserve.speculation.cost_profile import CostProfile
+    from batchserve.cost_profile import CostProfile
 
 
 @dataclass(slots=True)
@@ -114,7 +114,7 @@ def run_batchserve(
 
     llm = method_engine(engine_model, tokenizer, m, b, decoding_length, cost_profile, max_num_batched_tokens)
     if m.warm:
-        llm.engine.drafter.warm_up(warm)
+        llm.engine.speculation.drafter.warm_up(warm)
     if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
         llm.generate(earlier, SamplingParams(max_new_tokens=1))
     phases = PhaseTotals(b)

@@ -42,7 +42,7 @@ from batchserve.bench.sweep_setup import optional_peers, runs_per_dataset, serve
 from batchserve.runner.build import eos_token_ids
 
 if TYPE_CHECKING:
-    from batchserve.speculation.cost_profile import CostProfile
+    from batchserve.cost_profile import CostProfile
 
 
 @dataclass(slots=True)

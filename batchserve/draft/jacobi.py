@@ -30,9 +30,8 @@ import numpy as np
 
 from batchserve.config import DraftConfig
 from batchserve.draft.reference import ReferenceDrafts
-from batchserve.draft.tree import TreeBuilder, merge_trees
 from batchserve.draft.trie import TrieDrafter
-from batchserve.trees import DraftTree, WindowRows, window_rows
+from batchserve.trees import DraftTree, TreeBuilder, WindowRows, merge_trees, window_rows
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchserve.draft.tree import TreeBuilder, merge_trees
-from batchserve.trees import DraftTree
+from batchserve.trees import DraftTree, TreeBuilder, merge_trees
 
 # Before any evidence a chain may fill the whole budget: the client said this is the output.
 UNBOUNDED = 1 << 30

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchserve.draft.base import Drafter
-from batchserve.draft.tree import walk
 from batchserve.request import tokens_per_step
-from batchserve.trees import DraftTree
+from batchserve.trees import DraftTree, walk
 
 
 @dataclass(slots=True)

@@ -10,10 +10,9 @@ import time
 
 import numpy as np
 
-from batchserve.draft.tree import merge_trees
 from batchserve.grammar.matcher import GrammarError
 from batchserve.request import Request
-from batchserve.trees import DraftTree
+from batchserve.trees import DraftTree, merge_trees
 
 
 class GrammarSteps:

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from batchserve.cost_profile import CostProfile
 from batchserve.records import ScheduledRequest, SchedulerOutput
 from batchserve.request import SamplingParams
 from batchserve.runner.profile_key import profile_key, profile_path
 from batchserve.runner.runner import ModelRunner
-from batchserve.speculation.cost_profile import CostProfile
 from batchserve.trees import DraftTree
 
 logger = logging.getLogger("batchserve")

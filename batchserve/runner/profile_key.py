@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from batchserve import kernels
+from batchserve.cost_profile import CostProfile
 from batchserve.model import uses_our_kernels
 from batchserve.runner.runner import ModelRunner
-from batchserve.speculation.cost_profile import CostProfile
 
 # Bumped when what a profile measures changes (the attention backend's batching, the step
 # shapes), so that profiles measured before are remeasured instead of trusted.

@@ -96,6 +96,24 @@ class BlockAllocator:
             self._ref_counts[b] = 1
         return blocks
 
+    def grow(self, block_ids: list[int], num_slots: int) -> bool:
+        """Extend a request's block table in place to cover `num_slots` slots; False (and nothing
+        taken) when the pool cannot."""
+        need = self.blocks_for(num_slots) - len(block_ids)
+        if need <= 0:
+            return True
+        if not self.can_allocate(need):
+            return False
+        block_ids.extend(self.allocate(need, after=block_ids[-1] if block_ids else None))
+        return True
+
+    def shrink(self, block_ids: list[int], num_slots: int) -> None:
+        """Release the blocks of a request's table past the first `num_slots` slots."""
+        keep = self.blocks_for(num_slots)
+        if len(block_ids) > keep:
+            self.free(block_ids[keep:])
+            del block_ids[keep:]
+
     def _take_free(self, blocks: list[int]) -> None:
         self._is_free[blocks] = False
         self._num_free -= len(blocks)

@@ -1,20 +1,30 @@
 """One request's share of a step, committed: the tokens it emitted up to a stop, the grammar's
-advance, its speculation stats, then its finish or the trim of blocks that held rejected drafts."""
+advance, its speculation stats and what its drafts earned (as data, for speculation), then its
+finish or the trim of blocks that held rejected drafts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchserve.grammar.steps import GrammarSteps
-from batchserve.records import RunnerOutput, ScheduledRequest
+from batchserve.records import CommittedDraft, RunnerOutput, ScheduledRequest
 from batchserve.request import FinishReason, Request
 from batchserve.scheduler.chunks import gather
 from batchserve.scheduler.prefix_cache import PrefixCache
-from batchserve.speculation import DraftPlanner
 
 # Called for each token appended to the output of a request with stop strings; True stops it.
 TokenHook = Callable[[Request, int], bool]
+
+
+@dataclass(slots=True)
+class StepCommit:
+    """A committed step: (request, appended tokens) for each request that emitted tokens or
+    finished, and each sampling request's `CommittedDraft` (what speculation learns from)."""
+
+    events: list[tuple[Request, list[int]]] = field(default_factory=list)
+    drafts: list[CommittedDraft] = field(default_factory=list)
 
 
 class Committing(Protocol):
@@ -22,7 +32,6 @@ class Committing(Protocol):
 
     on_token: TokenHook | None
     grammar: GrammarSteps
-    speculation: DraftPlanner
     prefix: PrefixCache
 
     def finish(self, req: Request, reason: FinishReason) -> None: ...
@@ -31,18 +40,20 @@ class Committing(Protocol):
 
 
 def commit_request(
-    sched: Committing, req: Request, item: ScheduledRequest, result: RunnerOutput
-) -> tuple[Request, list[int]] | None:
-    """Apply one request's share of a step; None if it emitted nothing (a prompt chunk)."""
+    sched: Committing, req: Request, item: ScheduledRequest, result: RunnerOutput, done: StepCommit
+) -> None:
+    """Apply one request's share of a step, adding its event and its drafts' record to `done`
+    (nothing for a prompt chunk that emits nothing)."""
     req.num_computed_tokens += len(item.token_ids)
     gather(req, item.request_id, result)
     emitted = result.emitted.get(item.request_id)
     if emitted is None:
         sched.prefix.register(req)
-        return None  # a prompt chunk that does not reach the end yet
+        return  # a prompt chunk that does not reach the end yet
     if not req.params.max_new_tokens:  # the prompt scored, nothing to generate
         sched.finish(req, FinishReason.LENGTH)
-        return req, []
+        done.events.append((req, []))
+        return
     accepted = result.accepted[item.request_id]
     req.num_computed_tokens += len(accepted)
     appended: list[int] = []
@@ -55,7 +66,8 @@ def commit_request(
             error = sched.grammar.advance(req, tok)
             if error is not None:  # the grammar refused what its own mask allowed
                 sched.fail([req.request_id], error)
-                return req, appended
+                done.events.append((req, appended))
+                return
         req.output_token_ids.append(tok)
         req.all_token_ids.append(tok)
         appended.append(tok)
@@ -74,13 +86,13 @@ def commit_request(
     req.stats.draft_tokens_accepted += len(reached)
     if item.draft is not None and item.draft.referenced:
         req.stats.reference_drafts_accepted += sum(1 for node in reached if node in item.draft.referenced)
-    sched.speculation.commit(item, reached, appended, result.window_outputs.get(item.request_id))
+    done.drafts.append(CommittedDraft(item, reached, appended, result.window_outputs.get(item.request_id)))
     sched.prefix.register(req)
     if reason is not None:
         sched.finish(req, reason)
     else:
         sched.trim_blocks(req)
-    return req, appended
+    done.events.append((req, appended))
 
 
 def stop_reason(req: Request, tok: int, on_token: TokenHook | None) -> FinishReason | None:

@@ -3,8 +3,9 @@
 NOTE: the one invariant: for every request, `all_token_ids[:num_computed_tokens]` have K/V
 in the request's blocks and everything after it is still to be computed. Each step a
 request computes the next chunk of those tokens (a prompt chunk, or just its last token),
-and, once the chunk reaches the end, a draft tree hanging off the last token; verification
-then commits the accepted path's K/V and appends the accepted tokens plus one more.
+and, once the chunk reaches the end, a draft tree hanging off the last token (speculation
+proposes it as data; `reserve` finds its slots); verification then commits the accepted
+path's K/V and appends the accepted tokens plus one more.
 There is no prefill or decode phase: a preempted request simply drops all its K/V
 (`num_computed_tokens = 0`) and recomputes its prompt and output as one long chunk.
 """
@@ -17,18 +18,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import replace
 
-from batchserve.config import DraftConfig, SchedulerConfig
-from batchserve.draft.base import Drafter
+from batchserve.config import SchedulerConfig
 from batchserve.grammar.steps import GrammarSteps
-from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput
+from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepDrafts
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.chunks import committed_chunk
-from batchserve.scheduler.commit import TokenHook, commit_request
+from batchserve.scheduler.commit import StepCommit, TokenHook, commit_request
 from batchserve.scheduler.fairness import PromptSlack, background_tenants, background_victim, victim_for_blocks
 from batchserve.scheduler.prefix_cache import PrefixCache
-from batchserve.speculation import DraftBudgetPolicy, DraftPlanner
 
 logger = logging.getLogger("batchserve")
 
@@ -43,25 +43,24 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        draft_config: DraftConfig,
         allocator: BlockAllocator,
-        drafter: Drafter,
+        scope: str = "global",
         on_token: TokenHook | None = None,
-        budget_policy: DraftBudgetPolicy | None = None,
         prefix_caching: bool = False,
+        grammar: GrammarSteps | None = None,
     ) -> None:
+        """`scope`: who may reuse whose cached prefix (DraftConfig.trie_scope: "global", "tenant" or
+        "request"); `on_token`: detokenizes a token of a request with stop strings (True: stop);
+        `grammar`: structured output's share of each step, which speculation's planner shares."""
         self.config = config
         self.allocator = allocator
         self.on_token = on_token
-        self.grammar = GrammarSteps()  # structured output's share of each step
-        # Speculation, behind its seam (start, attach, commit, finish). `budget_policy` None:
-        # every request drafts `decoding_length` tokens.
-        self.speculation = DraftPlanner(drafter, draft_config, budget_policy, self.grammar)
+        self.grammar = grammar if grammar is not None else GrammarSteps()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0  # since start
-        self.prefix = PrefixCache(allocator, draft_config.trie_scope, enabled=prefix_caching)
+        self.prefix = PrefixCache(allocator, scope, enabled=prefix_caching)
         self.slack = PromptSlack(config.tenant_slack, config.max_num_batched_tokens)
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
@@ -83,8 +82,8 @@ class Scheduler:
         req.arrival_seq = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        # NOTE: the drafter hears of the request only when it first runs (speculation.start): a
-        # waiting request costs nothing there, whatever its prompt.
+        # NOTE: the drafter hears of the request only when it first runs (a step drafts for it):
+        # a waiting request costs nothing there, whatever its prompt.
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are free before the next step. False if unknown."""
@@ -107,7 +106,6 @@ class Scheduler:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        self.speculation.finish(req.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,6 +121,9 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """This step's committed tokens: running requests' chunks, admissions, background prompts;
+        drafts come after, as data (`reserve`), within the budget left (`draft_budget`)."""
+        self.grammar.reset()
         background = background_tenants(self.requests.values(), self.config.max_num_batched_tokens, self.slack.recent())
         scheduled: list[ScheduledRequest] = []
         # Running requests first, oldest first; background tenants' prompt chunks wait for last.
@@ -135,20 +136,44 @@ class Scheduler:
         cap = budget if cap is None else min(budget, cap)
         joined = self._schedule_background(scheduled, cap, held, background)
         budget -= joined
-        # Drafts last: committed tokens and admissions come before speculation.
-        scheduled = self._add_drafts(scheduled, budget)
-        for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
-            self._failed += self.fail([rid], error)
         finished, self._finished_ids = tuple(self._finished_ids), []
-        out = SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished)
+        # Drafts last: committed tokens and admissions come before speculation.
+        out = SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished, draft_budget=budget)
         tenants = {self.requests[s.request_id].tenant for s in scheduled if s.request_id in self.requests}
         self.slack.scheduled(out, tenants, shared and bool(background), joined)
         return out
 
+    def reserve(self, out: SchedulerOutput, drafts: StepDrafts) -> SchedulerOutput:
+        """`out` with speculation's proposal hung off its requests, each with the KV slots for its
+        rows (speculation is optional: short of blocks, a window goes first, then a tree), and
+        the grammar's masks of the rows a constrained request samples. A request whose grammar
+        failed is left out of the step and ends here."""
+        items = []
+        for item in out.requests:
+            req = self.requests[item.request_id]
+            tree, window = drafts.trees.get(item.request_id), drafts.windows.get(item.request_id)
+            if tree is not None or window is not None:
+                end = item.num_computed_tokens + len(item.token_ids)
+                rows = (len(tree) if tree is not None else 0) + (len(window) if window is not None else 0)
+                if window is not None and not self.allocator.grow(req.block_ids, end + rows):
+                    window, rows = None, rows - len(window)
+                if tree is not None and not self.allocator.grow(req.block_ids, end + rows):
+                    tree = None
+                if tree is not None or window is not None:
+                    item = replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))
+            if item.sample and req.grammar is not None:
+                mask = self.grammar.row_masks(req, item.draft)
+                if mask is None:
+                    continue  # its grammar failed: it ends below
+                item = replace(item, token_mask=mask)
+            items.append(item)
+        for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
+            self._failed += self.fail([rid], error)
+        return replace(out, requests=tuple(items))
+
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's measured wall time: for background tenants' share and the draft policy."""
+        """A step's measured wall time: background tenants' share of the next ones follows it."""
         self.slack.observe(out, seconds)
-        self.speculation.observe_step(out, seconds)
 
     def _schedule_running(
         self, scheduled: list[ScheduledRequest], budget: int, background: frozenset[str]
@@ -213,7 +238,6 @@ class Scheduler:
                 break  # FCFS: wait for blocks rather than let younger requests overtake
             self.prefix.count(req, cached)
             self.waiting.remove(req)
-            self.speculation.start(req)
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING
@@ -246,23 +270,21 @@ class Scheduler:
                 left -= item.num_tokens
         return cap - left
 
-    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
-        """Commit a step's results. Returns (request, appended tokens) for each request that
-        emitted tokens or finished."""
-        events: list[tuple[Request, list[int]]] = []
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> StepCommit:
+        """Commit a step's results: (request, appended tokens) for each request that emitted
+        tokens or finished, and what each sampling request's drafts earned (for speculation)."""
+        done = StepCommit()
         for item in out.requests:
             req = self.requests.get(item.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
-                event = commit_request(self, req, item, result)
-            except Exception as e:  # a bug met by one request (a stop hook, the drafter) ends only it
+                commit_request(self, req, item, result, done)
+            except Exception as e:  # a bug met by one request (a stop hook, the grammar) ends only it
                 logger.exception("committing request %s failed", req.request_id)
                 self.fail([req.request_id], f"{type(e).__name__}: {e}")
-                event = (req, [])
-            if event is not None:
-                events.append(event)
-        return events
+                done.events.append((req, []))
+        return done
 
     def take_failed(self) -> list[Request]:
         """The requests schedule() ended since the last call (their grammar failed): each needs
@@ -300,29 +322,13 @@ class Scheduler:
         """Plan `req`'s committed tokens for this step within `budget`, or None if out of blocks."""
         num_pending = req.num_tokens - req.num_computed_tokens
         chunk = min(num_pending, budget)
-        if not self._ensure_blocks(req, req.num_computed_tokens + chunk):
+        if not self.allocator.grow(req.block_ids, req.num_computed_tokens + chunk):
             return None
         return committed_chunk(req, chunk, sample=chunk == num_pending)
 
-    def _add_drafts(self, items: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Hang speculation's draft trees and windows off the sampling requests with blocks for them."""
-        return self.speculation.attach(items, self.requests, budget, self._ensure_blocks)
-
-    def _ensure_blocks(self, req: Request, num_slots: int) -> bool:
-        need = self.allocator.blocks_for(num_slots) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if not self.allocator.can_allocate(need):
-            return False
-        req.block_ids.extend(self.allocator.allocate(need, after=req.block_ids[-1] if req.block_ids else None))
-        return True
-
     def trim_blocks(self, req: Request) -> None:
         """Release blocks that held only rejected draft K/V."""
-        keep = self.allocator.blocks_for(req.num_computed_tokens)
-        if len(req.block_ids) > keep:
-            self.allocator.free(req.block_ids[keep:])
-            del req.block_ids[keep:]
+        self.allocator.shrink(req.block_ids, req.num_computed_tokens)
 
     def _preempt(self, req: Request) -> None:
         """Drop all of `req`'s K/V; it recomputes prompt and output when readmitted (from its

@@ -10,11 +10,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from batchserve.admission import Admission, Submission
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from batchserve.grammar import CompiledGrammar, GrammarCompiler
+from batchserve.grammar import CompiledGrammar
 from batchserve.request import RequestOutput, SamplingParams
 from batchserve.server.metrics import Metrics
 from batchserve.server.samples import merged_outputs, samples_of, share_prompt_scores
@@ -135,11 +136,11 @@ class Frontend:
     async def compile(self, sampling: SamplingParams, count: int) -> CompiledGrammar | None:
         """`sampling.constraint` compiled in the grammar thread (or found compiled), for `count`
         requests: whoever holds the result until they are submitted has the engine copy it,
-        never build it, on the loop (`GrammarCompiler.compile`). None without a constraint.
+        never build it, on the loop (`Admission.compile`). None without a constraint.
         Raises ConstraintError, a ValueError, for a constraint the engine refuses."""
         if sampling.constraint is None:
             return None
-        return await self._held(self._grammar, count, self.engine.core.grammars.compile, sampling.constraint)
+        return await self._held(self._grammar, count, self.engine.core.admission.compile, sampling.constraint)
 
     def _prepared(self, count: int) -> None:
         self._preparing -= count
@@ -186,29 +187,29 @@ class Frontend:
         `num_prompts`: how many prompts `prepare` returns (admission counts every request)."""
         request_id, core = request_id or uuid.uuid4().hex, self.engine.core
         try:
-            job = (_prepare, prepare, params, references, core.text, core.grammars)
-            sampling, prompts, refs = await self.prepare(*job, count=n * num_prompts)
-            compiled = await self.compile(sampling, n * len(prompts))  # held until every sample is in
+            job = (_prepare, prepare, params, references, tenant, core.text, core.admission)
+            sampling, subs = await self.prepare(*job, count=n * num_prompts)
+            compiled = await self.compile(sampling, n * len(subs))  # held until every sample is in
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
             raise self.refuse(Refusal.DRAINING, "server is shutting down")
         context = core.facts.max_model_len
-        for prompt in prompts if fit_context else ():
-            if len(prompt) + sampling.max_new_tokens > context:
+        for sub in subs if fit_context else ():
+            if len(sub.prompt) + sampling.max_new_tokens > context:
                 raise self.refuse(
                     Refusal.INVALID,
-                    f"the prompt's {len(prompt)} tokens plus max_tokens {sampling.max_new_tokens} exceed the "
+                    f"the prompt's {len(sub.prompt)} tokens plus max_tokens {sampling.max_new_tokens} exceed the "
                     f"model's context of {context} tokens",
                 )
         streams: list[RequestStream] = []
         try:
-            for p, prompt in enumerate(prompts):
-                rid_p = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            for p, sub in enumerate(subs):
+                rid_p = request_id if len(subs) == 1 else f"{request_id}-{p}"
                 group = rid_p if n > 1 else ""
                 for rid, sample in samples_of(rid_p, sampling, n):
-                    stream = self.engine.generate(prompt, sample, rid, tenant=tenant, references=refs, group=group)
-                    streams.append(stream)
+                    one = replace(sub, params=sample, request_id=rid, group=group, grammar=compiled)
+                    streams.append(self.engine.generate(one))
         except (ValueError, EngineDeadError) as e:
             for stream in streams:
                 stream.close()
@@ -278,17 +279,20 @@ def _prepare(
     prepare: Callable[[TextCodec], list[list[int]]],
     params: Callable[[], SamplingParams],
     references: Callable[[TextCodec], list[list[int]]] | None,
+    tenant: str,
     text: TextCodec,
-    grammars: GrammarCompiler,
-) -> tuple[SamplingParams, list[list[int]], list[list[int]]]:
-    """A call's preparation, in the preparation thread: the parameters first (their bounds are
-    cheap to check and refuse before any tokenizing, the constraint's size among them), then the
-    prompts, then its references. The constraint compiles after, in the grammar thread."""
+    admission: Admission,
+) -> tuple[SamplingParams, list[Submission]]:
+    """A call's requests, one per prompt, built in the preparation thread: the parameters first
+    (their bounds are cheap to check and refuse before any tokenizing, the constraint's size
+    among them), then the prompts, then its references. The constraint compiles after, in the
+    grammar thread; each sample is its prompt's record with its own id and seed."""
     sampling = params()
     if sampling.constraint is not None:
-        grammars.check_size(sampling.constraint)  # ConstraintError, a ValueError, refuses it
-    prompt = prepare(text)
-    return sampling, prompt, references(text) if references is not None else []
+        admission.check_constraint(sampling.constraint)  # ConstraintError, a ValueError, refuses it
+    prompts = prepare(text)
+    refs = references(text) if references is not None else []
+    return sampling, [Submission(ids, sampling, tenant=tenant, references=refs) for ids in prompts]
 
 
 def _log_end(metrics: Metrics, request_id: str, last: RequestOutput | None, seconds: float) -> None:

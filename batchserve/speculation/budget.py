@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchserve.config import DraftConfig
+from batchserve.cost_profile import CostProfile
 from batchserve.speculation.acceptance import AcceptanceTracker, WindowTracker
-from batchserve.speculation.cost_profile import CostProfile
 from batchserve.speculation.fits import DecayedRidge, ScoreCalibration
 from batchserve.speculation.speed_guard import SpeedGuard
 

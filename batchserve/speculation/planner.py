@@ -1,24 +1,25 @@
-"""Speculation's seam to the scheduler: each step's draft trees and windows, and what they teach.
+"""Speculation, one object the engine owns: each step's draft trees and windows, as data, and
+what the committed step teaches.
 
-The scheduler calls four methods and nothing else: `start` (a request runs for the first time),
-`attach` (hang this step's drafts off the scheduled requests), `commit` (one request's emitted
-tokens: the policy's trackers, the drafter's trie and text, the window's pool) and `finish` (the
-request ended). The engine adds `observe_step` (what a whole step cost) and `judge` (with
-`judge_later`: the trackers learn from committed proposals beside the next forward). Behind the seam: the
-drafter (`draft/`), the budget policy (`budget.py`) with its trackers, fits, speed guard and
-host budget, Jacobi windows (`windows.py`), and the judging of trees by later tokens (`judging.py`)."""
+Each step the engine calls `propose` (the scheduled step in, `StepDrafts` out: the scheduler
+then reserves their slots), `commit` (what each request's drafts earned, as `CommittedDraft`s:
+the policy's trackers, the drafter's trie and text, the windows' pool; requests that ended are
+forgotten), `observe_step` (what the whole step cost), `judge` (with `judge_later`: the trackers
+learn from committed proposals beside the next forward) and `learn` (the drafter's deferred
+insertions). Nothing here calls back into the scheduler. Behind it: the drafter (`draft/`), the
+budget policy (`budget.py`) with its trackers, fits, speed guard and host budget, Jacobi
+windows (`windows.py`), and the judging of trees by later tokens (`judging.py`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Container, Iterable
 
 from batchserve.config import DraftConfig
-from batchserve.draft.base import Drafter, Resumes, WindowDrafter
+from batchserve.draft.base import Drafter, LearnsLater, Resumes, WindowDrafter
 from batchserve.grammar.steps import GrammarSteps
-from batchserve.records import ScheduledRequest, SchedulerOutput
+from batchserve.records import CommittedDraft, ScheduledRequest, SchedulerOutput, StepDrafts
 from batchserve.request import Request
 from batchserve.speculation.budget import DraftBudgetPolicy, StepShape
 from batchserve.speculation.host_budget import HostBudget
@@ -46,8 +47,8 @@ class DraftPlanner:
         policy: DraftBudgetPolicy | None,
         grammar: GrammarSteps | None = None,
     ) -> None:
-        """`grammar`: structured output's share of the step, which the scheduler owns (it advances
-        each request's grammar as it commits); the planner prunes drafts and masks rows with it."""
+        """`grammar`: structured output's share of the step, shared with the scheduler (it masks the
+        rows and advances each request's grammar as it commits); the planner prunes drafts with it."""
         self.drafter = drafter
         self.windowed = isinstance(drafter, WindowDrafter)  # once: a Protocol isinstance is slow
         self.resumes = isinstance(drafter, Resumes)
@@ -121,45 +122,22 @@ class DraftPlanner:
             return None
         return {"global": "", "tenant": req.tenant}.get(self.config.trie_scope)
 
-    def attach(
-        self,
-        items: list[ScheduledRequest],
-        requests: dict[str, Request],
-        budget: int,
-        ensure_blocks: Callable[[Request, int], bool],
-    ) -> list[ScheduledRequest]:
-        """`items` with this step's trees and windows, where `ensure_blocks(req, slots)` finds
-        the blocks for them. Speculation is optional: short of blocks, the window goes first,
-        then the tree."""
+    def propose(self, out: SchedulerOutput, requests: dict[str, Request]) -> StepDrafts:
+        """This step's trees and windows for the scheduled requests of `out`, within its draft
+        budget (the scheduler reserves their slots, or drops them). The drafter hears of a
+        request when it first runs."""
+        items = list(out.requests)
+        for item in items:
+            self.start(requests[item.request_id])
         self._emitted = 0
-        self.grammar.reset()
         guard = self.policy.guard if self.policy is not None else None
         self._chunked = not _decode_only(items)
         self._plain = guard is not None and guard.wants_plain(len(items), self._chunked)
         self.host.new_step()
         start = time.perf_counter()
-        trees, windows = self.plan(items, requests, budget)
+        trees, windows = self.plan(items, requests, out.draft_budget)
         self.host.clock(start)
-        out = []
-        for item in items:
-            tree, window = trees.get(item.request_id), windows.get(item.request_id)
-            req = requests[item.request_id]
-            if tree is not None or window is not None:
-                end = item.num_computed_tokens + len(item.token_ids)
-                rows = (len(tree) if tree is not None else 0) + (len(window) if window is not None else 0)
-                if window is not None and not ensure_blocks(req, end + rows):
-                    window, rows = None, rows - len(window)
-                if tree is not None and not ensure_blocks(req, end + rows):
-                    tree = None
-                if tree is not None or window is not None:
-                    item = replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))
-            if item.sample and req.grammar is not None:
-                mask = self.grammar.row_masks(req, tree)
-                if mask is None:
-                    continue  # its grammar failed: the scheduler ends it (`grammar.failed`)
-                item = replace(item, token_mask=mask)
-            out.append(item)
-        return out
+        return StepDrafts(trees, windows)
 
     def plan(
         self, items: list[ScheduledRequest], requests: dict[str, Request], budget: int
@@ -235,16 +213,31 @@ class DraftPlanner:
             search_ms=self.host.search_ms,
         )
 
-    def commit(
-        self, item: ScheduledRequest, accepted: list[int], emitted: list[int], window_outputs: list[int] | None
-    ) -> None:
-        """One request's share of a verified step: `accepted`, the draft nodes on the path that
-        reached the output; `emitted`, the tokens the request took; `window_outputs`, its
-        window's rows' tokens (None without a window)."""
-        self._observe_acceptance(item, accepted, emitted)
-        self._accepted(item.request_id, emitted)
-        if self.windowed:  # a WindowDrafter, checked once in __init__
-            observe_window(self.drafter, item, window_outputs)  # type: ignore[arg-type]
+    def commit(self, drafts: Iterable[CommittedDraft]) -> None:
+        """A verified step's drafts, one `CommittedDraft` per sampling request. Speculation is
+        optional: a bug here costs a request its drafts, never its tokens."""
+        for d in drafts:
+            try:
+                self._observe_acceptance(d.item, d.accepted, d.emitted)
+                self._accepted(d.item.request_id, d.emitted)
+                if self.windowed:  # a WindowDrafter, checked once in __init__
+                    observe_window(self.drafter, d.item, d.window_outputs)  # type: ignore[arg-type]
+            except Exception:
+                logger.exception("the drafter failed to learn request %s's tokens", d.item.request_id)
+
+    def forget_ended(self, live: Container[str]) -> None:
+        """Forget every request the drafter knows that is not in `live` (finished, failed, aborted)."""
+        for rid in [r for r in self._started if r not in live]:
+            self.finish(rid)
+
+    def learn(self) -> None:
+        """What the drafter learns from the last commit, after this step's proposals (AsyncEngine:
+        while the forward runs). A failure costs drafts, never outputs."""
+        if isinstance(self.drafter, LearnsLater):
+            try:
+                self.drafter.learn()
+            except Exception:
+                logger.exception("the drafter failed to learn from accepted tokens")
 
     def _observe_acceptance(self, item: ScheduledRequest, accepted: list[int], emitted: list[int]) -> None:
         """Count the step's emitted tokens (the speed guard's measure) and queue the judging of

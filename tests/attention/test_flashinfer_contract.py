@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.attention import StepLayout, TorchReferenceBackend
 from batchserve.attention.base import StepBucket
 from batchserve.attention.flashinfer_backend import FlashInferBackend, MaskUpload, build_plan
@@ -217,7 +218,9 @@ def _generate(core: Any) -> tuple[dict[str, list[int]], list[Any]]:
 
     runner._launch = record
     for i in range(9):
-        core.add_request([1 + i, 2, 3, 4, 5] * (1 + i % 3), SamplingParams(max_new_tokens=20, ignore_eos=True))
+        core.add_request(
+            Submission([1 + i, 2, 3, 4, 5] * (1 + i % 3), SamplingParams(max_new_tokens=20, ignore_eos=True))
+        )
     done: dict[str, list[int]] = {}
     while core.has_work():
         for o in core.step():

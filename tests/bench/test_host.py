@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from batchserve.admission import Submission
 from batchserve.bench.host import (
     HOST_PHASES,
     PlanOnlyBackend,
@@ -61,7 +62,7 @@ def test_the_bench_phase_table_shows_the_host_side():
 
 def test_the_report_prices_a_draft_row_per_bucket_from_the_cost_profile():
     from batchserve.bench.report import row_price_table
-    from batchserve.speculation.cost_profile import CostProfile
+    from batchserve.cost_profile import CostProfile
 
     # A flat step up to 8 rows, then 0.5 ms a row: a GPU whose spare FLOPs run out at 8 rows.
     counts = (1, 8, 16, 32)
@@ -80,7 +81,7 @@ def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says(monk
 
     from batchserve.bench import host
     from batchserve.bench.host import EmulatedDevice
-    from batchserve.speculation.cost_profile import CostProfile
+    from batchserve.cost_profile import CostProfile
 
     slept: list[float] = []  # the device's waits, recorded instead of slept
     monkeypatch.setattr(host.time, "sleep", slept.append)
@@ -88,7 +89,7 @@ def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says(monk
     core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 2, 4)
     device = EmulatedDevice(core.runner, CostProfile("slow", (1, 64), (0,), ((30.0, 30.0),)))
     core.runner = device
-    core.add_request(prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    core.add_request(Submission(prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True)))
     step = core.schedule()
     core.launch(step)
     assert slept == [] and device._due > time.perf_counter()  # launched: the device's 30 ms still running
@@ -121,4 +122,4 @@ def test_the_adaptive_policy_plans_with_the_emulated_devices_profile():
 
     core = emulated_engine(_prompts(4), make_tiny_tokenizer(), TINY_VOCAB, 2, 16, adaptive=True)
     assert core.cost_profile is H100_SMOLLM2 and core.runner.profile is H100_SMOLLM2
-    assert core.scheduler.speculation.policy is not None
+    assert core.speculation.policy is not None

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.bench import served, servers
 from batchserve.bench.crashes import PeerFailed
 from tests.bench.llama_fakes import fake_llama_server
@@ -43,7 +44,7 @@ async def test_the_served_clients_stream_what_the_engine_makes():
 def _direct(prompts: list[list[int]]) -> list[str]:
     """The same engine's text for each prompt, in-process (a second engine like the server's)."""
     core = tiny_core(model=make_ascii_model())
-    ids = [core.add_request(p, SamplingParams(max_new_tokens=8)).request_id for p in prompts]
+    ids = [core.add_request(Submission(p, SamplingParams(max_new_tokens=8))).request_id for p in prompts]
     tokens: dict[str, list[int]] = {}
     while core.has_work():
         for o in core.step():

@@ -99,7 +99,7 @@ def test_the_engine_learns_beside_the_forward_and_its_output_is_unchanged() -> N
     outs = []
     for method in ("lookahead", "none"):
         llm = LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), draft=method)
-        drafter = llm.engine.drafter
+        drafter = llm.engine.speculation.drafter
         if method == "lookahead":
             assert isinstance(drafter, TrieDrafter)
             drafter.defer_learning()
@@ -118,6 +118,6 @@ def test_the_engine_learns_beside_the_forward_and_its_output_is_unchanged() -> N
     assert outs[0] == outs[1]
     cpu = LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), draft="lookahead")
     held: list[int] = []
-    cpu.engine.step_listeners.append(lambda out, phases: held.append(cpu.engine.drafter.stats()["pending"]))
+    cpu.engine.step_listeners.append(lambda out, phases: held.append(cpu.engine.speculation.drafter.stats()["pending"]))
     cpu.generate(prompts, params)
     assert held and max(held) == 0  # on a CPU the engine inserts at once

@@ -9,8 +9,7 @@ from batchserve.config import DraftConfig
 from batchserve.draft import HybridDrafter, JacobiDrafter, NoDrafter, SingleBranchDrafter, TrieDrafter
 from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.simulate import simulate
-from batchserve.draft.tree import merge_trees
-from batchserve.trees import MATCH_CAP, DraftTree
+from batchserve.trees import MATCH_CAP, DraftTree, merge_trees
 from tests.engine.drafters import token_path
 
 REF = [10, 11, 12, 13, 14, 15, 16, 17]

@@ -6,7 +6,7 @@ import pytest
 
 from batchserve import SamplingParams
 from batchserve.config import DraftConfig, EngineConfig, SchedulerConfig
-from batchserve.speculation.cost_profile import CostProfile
+from batchserve.cost_profile import CostProfile
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
 from tests.engine.drafters import MatchTellingDrafter, OracleDrafter, RandomTreeDrafter, random_prompts
 
@@ -64,7 +64,7 @@ def test_the_engine_teaches_the_policy_what_a_long_match_means(reference):
     results = llm.generate(prompts, SamplingParams(max_new_tokens=48))
     for p, r in zip(prompts, results):
         assert r.token_ids == reference[tuple(p)]
-    calibration = llm.engine.scheduler.speculation.policy.tracker.calibration
+    calibration = llm.engine.speculation.policy.tracker.calibration
     assert calibration.prob(0.5, 0.8, match=24) > 0.7 > 0.3 > calibration.prob(0.5, 0.8, match=1)
 
 
@@ -90,7 +90,7 @@ def test_per_request_override_bypasses_the_policy(reference):
 def test_measured_decode_steps_refine_the_profile_only_when_asked(reference, learn):
     prompts = [list(p) for p in reference][:4]
     llm = _llm(OracleDrafter(reference, seed=0, vocab=TINY_VOCAB, depth=12), learn_step_costs=learn)
-    policy = llm.engine.scheduler.speculation.policy
+    policy = llm.engine.speculation.policy
     seen: list[tuple[int, int]] = []
     observe = policy.observe_step
 

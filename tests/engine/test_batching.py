@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from batchserve import AsyncEngine, FinishReason, SamplingParams
+from batchserve.admission import Submission
 from batchserve.engine import EngineCore
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, make_tiny_tokenizer, tiny_llm
 from tests.engine.drafters import RandomTreeDrafter, WrongChainDrafter
@@ -30,7 +31,7 @@ def _core(**kwargs) -> EngineCore:
 
 def _assert_pool_full(core: EngineCore) -> None:
     alloc = core.scheduler.allocator
-    assert not core.scheduler.requests and core.text.num_active == 0
+    assert not core.scheduler.requests and core.detok.num_active == 0
     assert alloc.num_free_blocks == alloc.num_blocks
     core.scheduler.check_integrity()
 
@@ -42,7 +43,7 @@ async def test_late_request_starts_before_running_ones_finish():
     finish_of_long: list[float] = []
 
     async def run(prompt, params, sink):
-        async for out in engine.generate(prompt, params):
+        async for out in engine.generate(Submission(prompt, params)):
             if out.new_token_ids and sink is first_token_of_late and not sink:
                 sink.append(asyncio.get_running_loop().time())
             if out.finished and sink is finish_of_long:
@@ -61,7 +62,7 @@ async def test_late_request_starts_before_running_ones_finish():
 async def test_abort_mid_stream_frees_blocks():
     engine = AsyncEngine(_core())
     got = 0
-    async for out in engine.generate([5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True)):
+    async for out in engine.generate(Submission([5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True))):
         got += len(out.new_token_ids)
         assert engine.core.scheduler.allocator.num_free_blocks < engine.core.scheduler.allocator.num_blocks
         if got >= 10:
@@ -69,7 +70,7 @@ async def test_abort_mid_stream_frees_blocks():
     _assert_pool_full(engine.core)
 
     # The documented way: leaving `async with` closes the stream.
-    async with engine.generate([5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True)) as stream:
+    async with engine.generate(Submission([5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True))) as stream:
         async for _ in stream:
             break
     _assert_pool_full(engine.core)
@@ -78,7 +79,9 @@ async def test_abort_mid_stream_frees_blocks():
     outs = []
 
     async def consume():
-        async for out in engine.generate([5, 6, 7], SamplingParams(max_new_tokens=500), request_id="victim"):
+        async for out in engine.generate(
+            Submission([5, 6, 7], SamplingParams(max_new_tokens=500), request_id="victim")
+        ):
             outs.append(out)
 
     task = asyncio.create_task(consume())
@@ -95,7 +98,7 @@ async def test_cancelled_consumer_task_frees_blocks():
     engine = AsyncEngine(_core())
 
     async def consume():
-        async for _ in engine.generate([1, 2], SamplingParams(max_new_tokens=1000, ignore_eos=True)):
+        async for _ in engine.generate(Submission([1, 2], SamplingParams(max_new_tokens=1000, ignore_eos=True))):
             pass
 
     task = asyncio.create_task(consume())
@@ -120,7 +123,7 @@ async def test_many_concurrent_streams_match_offline(tiny_model, beside):
     async def run(p, delay):
         await asyncio.sleep(delay)
         toks = []
-        async for out in engine.generate(p, SamplingParams(max_new_tokens=24)):
+        async for out in engine.generate(Submission(p, SamplingParams(max_new_tokens=24))):
             toks += out.new_token_ids
         return toks
 
@@ -200,7 +203,7 @@ def test_a_transient_forward_failure_is_retried_and_nobody_fails(tiny_model, mon
     monkeypatch.setattr(runner, "launch", flaky)
     prompts = [[1, 2, 3 + i] for i in range(3)]
     for i, p in enumerate(prompts):
-        core.add_request(p, SamplingParams(max_new_tokens=20), request_id=f"a{i}")
+        core.add_request(Submission(p, SamplingParams(max_new_tokens=20), request_id=f"a{i}"))
     tokens: dict[str, list[int]] = {}
     finals = {}
     while core.has_work():
@@ -227,9 +230,9 @@ async def test_async_engine_survives_failed_step(monkeypatch):
         return real_execute(out)
 
     monkeypatch.setattr(engine.core.runner, "launch", flaky)
-    outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
+    outs = [o async for o in engine.generate(Submission([1, 2, 3], SamplingParams(max_new_tokens=5)))]
     assert outs[-1].finish_reason is FinishReason.ERROR and "boom" in outs[-1].error
-    outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
+    outs = [o async for o in engine.generate(Submission([1, 2, 3], SamplingParams(max_new_tokens=5)))]
     assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == 5
     _assert_pool_full(engine.core)
     await engine.stop()
@@ -246,9 +249,9 @@ async def test_unexpected_loop_error_ends_streams_instead_of_hanging(monkeypatch
         return real_schedule()
 
     monkeypatch.setattr(engine.core.scheduler, "schedule", broken)
-    outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
+    outs = [o async for o in engine.generate(Submission([1, 2, 3], SamplingParams(max_new_tokens=5)))]
     assert outs[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in outs[-1].error
-    outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5))]
+    outs = [o async for o in engine.generate(Submission([1, 2, 3], SamplingParams(max_new_tokens=5)))]
     assert outs[-1].finish_reason is FinishReason.LENGTH
     _assert_pool_full(engine.core)
     await engine.stop()
@@ -267,7 +270,7 @@ def test_preemption_takes_the_youngest_by_arrival_so_nobody_thrashes(tiny_model)
     requests, outputs = [], {}
     while pending or core.has_work():
         if pending:
-            requests.append(core.add_request(pending.pop(0), params))
+            requests.append(core.add_request(Submission(pending.pop(0), params)))
         for o in core.step():
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
         core.scheduler.check_integrity()
@@ -286,7 +289,7 @@ async def test_load_reports_what_admission_and_metrics_need():
     assert (idle.num_running, idle.num_waiting, idle.free_seats, idle.kv_usage) == (0, 0, 2, 0.0)
     assert idle.num_free_kv_blocks == idle.num_kv_blocks == 64
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    streams = [engine.generate([1, 2, 3, i], params) for i in range(5)]
+    streams = [engine.generate(Submission([1, 2, 3, i], params)) for i in range(5)]
     first = await streams[0].__anext__()  # one step has run: two admitted, three waiting
     assert not first.finished
     busy = engine.load()
@@ -325,7 +328,10 @@ def test_draft_dropped_for_lack_of_blocks_before_anyone_is_preempted(tiny_model)
         steps.append({i.request_id: (i.request_id in proposed, i.draft is not None) for i in out.requests})
 
     core.step_listeners.append(listen)
-    reqs = [core.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    reqs = [
+        core.add_request(Submission(p, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+        for p, n in zip(prompts, lengths)
+    ]
     while core.has_work():
         core.step()
         assert core.scheduler.num_preemptions == 0
@@ -370,7 +376,7 @@ async def test_abort_landing_while_the_forward_runs_in_the_worker_thread(tiny_mo
     outs: dict[str, list] = {"victim": [], "keeper": []}
 
     async def consume(rid):
-        async for out in engine.generate(prompts[rid], params, request_id=rid):
+        async for out in engine.generate(Submission(prompts[rid], params, request_id=rid)):
             outs[rid].append(out)
 
     tasks = {rid: asyncio.create_task(consume(rid)) for rid in prompts}
@@ -434,7 +440,7 @@ async def test_a_built_engine_does_all_its_torch_work_in_its_step_thread(monkeyp
 
     monkeypatch.setattr(async_engine, "EngineCore", Recording)
     engine = AsyncEngine.build(EngineConfig(), make_tiny_model(), make_tiny_tokenizer())
-    out = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))]
+    out = [o async for o in engine.generate(Submission([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)))]
     assert out[-1].finished and len(threads) >= 2
     assert len(set(threads)) == 1 and threads[0].startswith("batchserve-step")
     await engine.stop()

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from batchserve import AsyncEngine, FinishReason, SamplingParams
+from batchserve.admission import Submission
 from batchserve.async_engine import EngineDeadError
 from batchserve.engine import EngineCore
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, make_tiny_tokenizer
@@ -35,7 +36,7 @@ def _core(drafter=None, adaptive: bool = False) -> EngineCore:
 
 def _run(core: EngineCore) -> tuple[dict[str, list[int]], dict]:
     for rid, p in PROMPTS.items():
-        core.add_request(p, PARAMS, request_id=rid)
+        core.add_request(Submission(p, PARAMS, request_id=rid))
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
     finals = {}
     while core.has_work():
@@ -89,7 +90,7 @@ def test_a_drafter_that_raises_costs_the_draft_not_the_request(tiny_model):
 
 def test_a_draft_budget_that_raises_costs_the_drafts_not_the_requests(tiny_model, monkeypatch):
     core = _core(adaptive=True)
-    policy = core.scheduler.speculation.policy
+    policy = core.speculation.policy
     assert policy is not None
 
     def broken(*args, **kwargs):
@@ -107,7 +108,7 @@ def test_a_detokenizer_error_of_one_request_fails_only_it(tiny_model, monkeypatc
     # Without stop strings a request's text is decoded when its outputs are built (`finish`);
     # with them, as its tokens are committed (`advance`): an error in either fails only it.
     core = _core()
-    real = core.text.on_token
+    real = core.detok.on_token
     seen = {"n": 0}
 
     def detokenizer_bug(request_id, token_id):
@@ -117,7 +118,7 @@ def test_a_detokenizer_error_of_one_request_fails_only_it(tiny_model, monkeypatc
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return real(request_id, token_id)
 
-    monkeypatch.setattr(core.text, "on_token", detokenizer_bug)
+    monkeypatch.setattr(core.detok, "on_token", detokenizer_bug)
     monkeypatch.setattr(sys.modules[__name__], "PARAMS", replace(PARAMS, stop=stop))
     tokens, finals = _run(core)
     _assert_only(finals, "r3", "injected", tokens, tiny_model)
@@ -141,7 +142,7 @@ async def test_an_engine_whose_every_step_fails_stops_for_good(monkeypatch):
     monkeypatch.setattr(engine.core.runner, "launch", broken)
 
     async def collect(rid):
-        return [o async for o in engine.generate(PROMPTS[rid], PARAMS, rid)]
+        return [o async for o in engine.generate(Submission(PROMPTS[rid], PARAMS, rid))]
 
     results = await asyncio.wait_for(asyncio.gather(*(collect(rid) for rid in PROMPTS)), timeout=30)
     for outs in results:
@@ -154,7 +155,7 @@ async def test_an_engine_whose_every_step_fails_stops_for_good(monkeypatch):
         assert (await asyncio.wait_for(collect("r0"), timeout=10))[-1].finish_reason is FinishReason.ERROR
     assert engine.died.is_set() and engine.dead is not None and "3 engine steps in a row failed" in engine.dead
     with pytest.raises(EngineDeadError):
-        engine.generate([1, 2, 3], PARAMS)
+        engine.generate(Submission([1, 2, 3], PARAMS))
     await engine.stop()
 
 
@@ -172,7 +173,7 @@ async def test_requests_that_fail_alone_in_their_steps_never_stop_the_engine(mon
     monkeypatch.setattr(engine.core.runner, "launch", poisoned)
 
     async def collect(prompt, rid):
-        return [o async for o in engine.generate(prompt, PARAMS, rid)]
+        return [o async for o in engine.generate(Submission(prompt, PARAMS, rid))]
 
     for i in range(5):  # alone, one after another
         outs = await asyncio.wait_for(collect([99, 1, 2], f"bad{i}"), timeout=10)
@@ -193,7 +194,7 @@ def test_the_device_probe_tells_a_broken_device_from_a_bad_request(monkeypatch):
     assert core.device_works()
     monkeypatch.setattr(core.runner, "launch", lambda out: (_ for _ in ()).throw(RuntimeError("device lost")))
     assert not core.device_works()
-    core.add_request([1, 2, 3], PARAMS, request_id="x")
+    core.add_request(Submission([1, 2, 3], PARAMS, request_id="x"))
     core.step()
     assert core.consecutive_failed_steps == 1  # the probe failed too: the step counts
 
@@ -204,7 +205,7 @@ def test_a_policy_that_fails_to_learn_from_a_step_drops_no_outputs(monkeypatch):
     def broken(out, seconds):
         raise RuntimeError("fit bug")
 
-    monkeypatch.setattr(core.scheduler.speculation, "observe_step", broken)
+    monkeypatch.setattr(core.speculation, "observe_step", broken)
     _tokens, finals = _run(core)
     assert {o.finish_reason for o in finals.values()} == {FinishReason.LENGTH}
 
@@ -226,9 +227,9 @@ async def test_a_loop_that_dies_stops_the_engine_loudly_and_ends_every_stream(mo
     assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ERROR
     assert engine.died.is_set() and "engine loop died" in (engine.dead or "")
     with pytest.raises(EngineDeadError):
-        engine.generate([1, 2, 3], PARAMS)
+        engine.generate(Submission([1, 2, 3], PARAMS))
     await engine.stop()
 
 
 async def _collect_all(engine, prompt):
-    return [o async for o in engine.generate(prompt, PARAMS)]
+    return [o async for o in engine.generate(Submission(prompt, PARAMS))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from tests.conftest import tiny_llm
 
 BS = 4
@@ -25,7 +26,7 @@ def _run(engine, requests) -> tuple[dict[str, list[int]], int]:
 
     engine.step_listeners.append(count)
     for rid, params, group in requests:
-        engine.add_request(PROMPT, params, rid, group=group)
+        engine.add_request(Submission(PROMPT, params, rid, group=group))
     out: dict[str, list[int]] = {}
     while engine.has_work():
         for o in engine.step():
@@ -61,8 +62,8 @@ def test_without_a_group_and_caching_off_each_request_computes_its_prompt():
 def test_groups_of_different_tenants_never_share_under_request_scope():
     engine = tiny_llm(None, block_size=BS, trie_scope="request").engine
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    engine.add_request(PROMPT, params, "a", tenant="t1", group="g")
-    engine.add_request(PROMPT, params, "b", tenant="t2", group="g")  # the same group key, another tenant
+    engine.add_request(Submission(PROMPT, params, "a", tenant="t1", group="g"))
+    engine.add_request(Submission(PROMPT, params, "b", tenant="t2", group="g"))  # the same group key, another tenant
     while engine.has_work():
         engine.step()
     assert engine.scheduler.prefix.hit_tokens == 0

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from batchserve import FinishReason, SamplingParams
+from batchserve.admission import Submission
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
 
 
@@ -145,7 +146,7 @@ def test_streamed_text_equals_final_text_with_multibyte(tiny_tokenizer):
     r = llm.generate([prompt], SamplingParams(max_new_tokens=60, temperature=1.0, seed=1))[0]
     deltas, token_ids = [], []
     core = llm.engine
-    core.add_request(prompt, SamplingParams(max_new_tokens=60, temperature=1.0, seed=1), request_id="s")
+    core.add_request(Submission(prompt, SamplingParams(max_new_tokens=60, temperature=1.0, seed=1), request_id="s"))
     while core.has_work():
         for o in core.step():
             deltas.append(o.new_text)
@@ -161,11 +162,11 @@ def test_streamed_text_equals_final_text_with_multibyte(tiny_tokenizer):
     # Feed the bytes of a multi-byte string one token at a time through the engine's
     # detokenizer: no delta may carry a broken character.
     text = "ünïcödé ✓ 漢字 🙂"
-    req = core.add_request([1], SamplingParams(max_new_tokens=100), request_id="bytes")
+    req = core.add_request(Submission([1], SamplingParams(max_new_tokens=100), request_id="bytes"))
     pieces = []
     for tok in tiny_tokenizer(text).input_ids:
-        assert not core.text.on_token(req.request_id, tok)
-        pieces.append(core.text.take(req.request_id, finished=False))
+        assert not core.detok.on_token(req.request_id, tok)
+        pieces.append(core.detok.take(req.request_id, finished=False))
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # some tokens were held back until their character completed

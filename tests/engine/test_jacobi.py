@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
+from batchserve.cost_profile import CostProfile
 from batchserve.engine import EngineCore
-from batchserve.speculation.cost_profile import CostProfile
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, tiny_llm
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -36,7 +37,7 @@ def _run_staggered(core: EngineCore, prompts: list[list[int]], params: SamplingP
     reqs, pending = [], list(prompts)
     while pending or core.has_work():
         if pending:
-            reqs.append(core.add_request(pending.pop(0), params))
+            reqs.append(core.add_request(Submission(pending.pop(0), params)))
         core.step()
         if pending:
             core.step()
@@ -55,7 +56,7 @@ def test_greedy_equals_hf_alone_and_with_16_staggered_requests(tiny_model, metho
     _checked(core)
     reqs = _run_staggered(core, prompts, GREEDY)
     assert [r.output_token_ids for r in reqs] == expected
-    pool = core.drafter.pool if method == "jacobi" else core.drafter.jacobi.pool
+    pool = core.speculation.drafter.pool if method == "jacobi" else core.speculation.drafter.jacobi.pool
     assert len(pool) > 0  # the windows ran and filled the pool
     if method == "jacobi":  # every accepted draft token came from the pool
         assert sum(r.stats.draft_tokens_accepted for r in reqs) > 0
@@ -78,7 +79,7 @@ def test_window_outputs_are_the_models_next_token_on_each_chain():
     the row sees (level 0 up to its column, then its column down the levels)."""
     model = make_tiny_model()
     core = tiny_llm(None, draft="jacobi", window_size=3, ngram_size=4, guesses=2, block_size=4).engine
-    drafter = core.drafter
+    drafter = core.speculation.drafter
     seen: dict[str, list[int]] = {}
     checked = []
     real_window, real_outputs = drafter.window, drafter.on_window_outputs
@@ -99,7 +100,7 @@ def test_window_outputs_are_the_models_next_token_on_each_chain():
         real_outputs(rid, rows, outputs)
 
     drafter.window, drafter.on_window_outputs = window, on_window_outputs
-    reqs = [core.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in _prompts(3)]
+    reqs = [core.add_request(Submission(p, SamplingParams(max_new_tokens=12, ignore_eos=True))) for p in _prompts(3)]
     while core.has_work():
         core.step()
     assert all(r.is_finished for r in reqs)
@@ -118,8 +119,10 @@ def test_window_rows_are_scratch_and_a_request_may_ask_for_a_smaller_window():
 
     core.step_listeners.append(record)
     prompt = _prompts(1)[0]
-    core.add_request(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True, jacobi=(2, None, 1)), "small")
-    core.add_request(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True), "default")
+    core.add_request(
+        Submission(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True, jacobi=(2, None, 1)), "small")
+    )
+    core.add_request(Submission(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True), "default"))
     while core.has_work():
         core.step()
         for r in core.scheduler.running:  # between steps: only committed K/V holds blocks
@@ -134,7 +137,7 @@ def test_a_request_without_speculation_runs_no_window():
     core = tiny_llm(None, draft="hybrid", window_size=3, ngram_size=3, guesses=2).engine
     windows = []
     core.step_listeners.append(lambda out, phases: windows.extend(i.window for i in out.requests if i.window))
-    core.add_request(_prompts(1)[0], SamplingParams(max_new_tokens=10, decoding_length=0))
+    core.add_request(Submission(_prompts(1)[0], SamplingParams(max_new_tokens=10, decoding_length=0)))
     while core.has_work():
         core.step()
     assert windows == []

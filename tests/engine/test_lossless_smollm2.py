@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from batchserve import LLM, AsyncEngine, SamplingParams
+from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from tests.conftest import hf_greedy
@@ -71,7 +72,7 @@ async def test_staggered_concurrent_greedy_equals_hf(engine_model, prompts, refe
         while engine.num_steps < (i + 2) // 3:
             await asyncio.sleep(0.002)
         tokens: list[int] = []
-        async for out in engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW)):
+        async for out in engine.generate(Submission(prompt, SamplingParams(max_new_tokens=MAX_NEW))):
             tokens += out.new_token_ids
             if not out.finished:
                 batch_sizes.append(engine.core.scheduler.num_running)
@@ -95,7 +96,7 @@ async def test_staggered_concurrent_greedy_equals_hf(engine_model, prompts, refe
     assert alloc.num_free_blocks == alloc.num_blocks
     engine.core.scheduler.check_integrity()
     if method == "lookahead":  # every prompt's branches were eliminated; only outputs remain
-        drafter = engine.core.drafter
+        drafter = engine.core.speculation.drafter
         assert drafter.num_nodes == len(drafter.trie_counts("") or {}) and drafter.num_indexed_tokens == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.records import SchedulerOutput, StepPhases
 from tests.conftest import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from tests.engine.drafters import RandomTreeDrafter
@@ -31,7 +32,7 @@ def test_phases_add_up_to_the_step_wall():
     for decoding_length in (None, 0):
         for i in range(8):
             params = SamplingParams(max_new_tokens=24, ignore_eos=True, decoding_length=decoding_length)
-            core.add_request([1 + i, 2, 3, 4, 5, 6] * (1 + i), params)
+            core.add_request(Submission([1 + i, 2, 3, 4, 5, 6] * (1 + i), params))
         while core.has_work():
             emitted += sum(len(o.new_token_ids) for o in core.step())
     assert emitted == 2 * 8 * 24 == sum(p.tokens for _, p in seen)  # each step counts what it emitted
@@ -68,7 +69,7 @@ def test_a_failing_listener_does_not_stop_the_engine():
         raise RuntimeError("metrics bug")
 
     core.step_listeners.append(broken)
-    core.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    core.add_request(Submission([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True)))
     outputs = []
     while core.has_work():
         outputs += core.step()

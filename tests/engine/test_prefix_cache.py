@@ -7,6 +7,7 @@ import random
 import pytest
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.engine import EngineCore
 from tests.conftest import TINY_VOCAB, hf_greedy, tiny_llm
 from tests.engine.drafters import OracleDrafter
@@ -58,8 +59,8 @@ def test_requests_arriving_together_wait_for_the_shared_blocks_being_computed(ti
     _checked(core)
     first_step: dict[str, int] = {}  # request id -> the step that first scheduled it
     steps = 0
-    reqs = [core.add_request(p, PARAMS, request_id=f"s{i}") for i, p in enumerate(prompts)]
-    reqs.append(core.add_request(other, PARAMS, request_id="other"))
+    reqs = [core.add_request(Submission(p, PARAMS, request_id=f"s{i}")) for i, p in enumerate(prompts)]
+    reqs.append(core.add_request(Submission(other, PARAMS, request_id="other")))
     while core.has_work():
         step = core.schedule()
         for item in step.out.requests:
@@ -74,7 +75,7 @@ def test_requests_arriving_together_wait_for_the_shared_blocks_being_computed(ti
     prefix = core.scheduler.prefix
     assert prefix.hit_tokens == 3 * 2 * BS
     # The same five again: each finds its whole prompt's full blocks, and nobody waits.
-    again = [core.add_request(p, PARAMS) for p in [*prompts, other]]
+    again = [core.add_request(Submission(p, PARAMS)) for p in [*prompts, other]]
     while core.has_work():
         core.step()
     assert [r.stats.cached_prompt_tokens for r in again] == [2 * BS] * 4 + [2 * BS]
@@ -85,9 +86,9 @@ def test_tenants_do_not_wait_for_each_others_prefill():
     """The wait follows the cache's scope: another tenant's identical prompt is computed at once."""
     prompt = _tokens(4, 40)
     core = tiny_llm(None, block_size=BS).engine
-    a = core.add_request(prompt, PARAMS, tenant="a")
-    b = core.add_request(prompt, PARAMS, tenant="b")
-    a2 = core.add_request(prompt, PARAMS, tenant="a")
+    a = core.add_request(Submission(prompt, PARAMS, tenant="a"))
+    b = core.add_request(Submission(prompt, PARAMS, tenant="b"))
+    a2 = core.add_request(Submission(prompt, PARAMS, tenant="a"))
     core.step()
     assert a.num_computed_tokens == b.num_computed_tokens == 40
     assert a2.num_computed_tokens == 0  # waits for tenant a's blocks
@@ -103,7 +104,7 @@ def test_a_follower_of_a_chunked_prefill_reuses_every_chunk(tiny_model):
     prompts = [system + _tokens(20, 5), system + _tokens(21, 7)]
     core = tiny_llm(None, block_size=BS, max_num_batched_tokens=2 * BS).engine
     _checked(core)
-    reqs = [core.add_request(p, PARAMS) for p in prompts]
+    reqs = [core.add_request(Submission(p, PARAMS)) for p in prompts]
     while core.has_work():
         core.step()
     assert reqs[1].stats.cached_prompt_tokens == 6 * BS
@@ -171,7 +172,7 @@ def test_tenants_never_reuse_each_others_blocks():
     core = llm.engine
 
     def run(tenant: str) -> int:
-        req = core.add_request(prompt, PARAMS, tenant=tenant)
+        req = core.add_request(Submission(prompt, PARAMS, tenant=tenant))
         while core.has_work():
             core.step()
         return req.stats.cached_prompt_tokens
@@ -186,12 +187,12 @@ def test_aborting_or_failing_a_request_on_shared_blocks_drops_only_its_reference
     prompt = _tokens(9, 40)
     core = tiny_llm(None, block_size=BS).engine
     _checked(core)
-    core.add_request(prompt, PARAMS, request_id="first")
+    core.add_request(Submission(prompt, PARAMS, request_id="first"))
     while core.has_work():
         core.step()
     cached = core.scheduler.allocator.num_cached_blocks
-    a = core.add_request(prompt, PARAMS, request_id="a")
-    b = core.add_request(prompt, PARAMS, request_id="b")
+    a = core.add_request(Submission(prompt, PARAMS, request_id="a"))
+    b = core.add_request(Submission(prompt, PARAMS, request_id="b"))
     core.step()  # both start on the same two cached blocks
     shared = a.block_ids[:2]
     assert b.block_ids[:2] == shared and all(core.scheduler.allocator.ref_count(x) == 2 for x in shared)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.request import FinishReason, Request, TokenLogprob
 from batchserve.scheduler.chunks import score_span
 from tests.conftest import TINY_VOCAB, make_tiny_model, tiny_llm
@@ -65,7 +66,7 @@ def test_a_one_token_prompt_has_no_prompt_logprobs_and_none_are_sent_twice():
     r = llm.generate([[9]], SamplingParams(max_new_tokens=3, prompt_logprobs=1, ignore_eos=True))[0]
     assert r.prompt_logprobs == [] and len(r.token_ids) == 3
     engine = llm.engine
-    engine.add_request([4, 5, 6, 7], SamplingParams(max_new_tokens=4, prompt_logprobs=0, ignore_eos=True))
+    engine.add_request(Submission([4, 5, 6, 7], SamplingParams(max_new_tokens=4, prompt_logprobs=0, ignore_eos=True)))
     outputs = []
     while engine.has_work():
         outputs += engine.step()

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.llm import as_references
 from tests.conftest import tiny_llm
 
@@ -74,9 +75,9 @@ def test_seeded_sampling_is_the_same_with_a_prediction():
 
 def test_a_prediction_is_freed_when_its_request_finishes_or_is_aborted():
     core = tiny_llm().engine
-    drafter = core.drafter
-    done = core.add_request([1, 2, 3], _params(), references=[[5, 6, 7, 8]])
-    kept = core.add_request([1, 2, 3], _params(), references=["abc"])
+    drafter = core.speculation.drafter
+    done = core.add_request(Submission([1, 2, 3], _params(), references=[[5, 6, 7, 8]]))
+    kept = core.add_request(Submission([1, 2, 3], _params(), references=["abc"]))
     core.step()
     assert len(drafter.references) == 2 and done.reference_token_ids == [[5, 6, 7, 8]]
     core.abort(kept.request_id)
@@ -94,8 +95,8 @@ def test_another_request_of_the_same_tenant_never_drafts_from_a_prediction():
     core.step_listeners.append(
         lambda out, _: seen.extend((r.request_id, r.draft.referenced) for r in out.requests if r.draft is not None)
     )
-    a = core.add_request(PROMPTS[0], _params(), request_id="a", references=[base.token_ids])
-    b = core.add_request(PROMPTS[0], _params(), request_id="b")
+    a = core.add_request(Submission(PROMPTS[0], _params(), request_id="a", references=[base.token_ids]))
+    b = core.add_request(Submission(PROMPTS[0], _params(), request_id="b"))
     while core.has_work():
         core.step()
     assert a.output_token_ids == b.output_token_ids == base.token_ids

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from batchserve import LLM, SamplingParams
+from batchserve.admission import Submission
 from batchserve.grammar import allows
 from batchserve.request import Constraint, FinishReason
 from tests.conftest import TINY_VOCAB, make_ascii_model, make_tiny_tokenizer
@@ -118,7 +119,7 @@ def test_a_bad_constraint_is_refused_before_the_request_is_queued():
     llm = _llm(draft="lookahead")
     bad = SamplingParams(constraint=Constraint("json_schema", '{"type": "objec"}'))
     with pytest.raises(ValueError, match="objec"):
-        llm.engine.add_request("hi", bad)
+        llm.engine.add_request(Submission("hi", bad))
     assert not llm.engine.scheduler.requests
     # Constrained and free requests share a batch; each gets what it asked for.
     free, boxed = llm.generate(

@@ -8,6 +8,7 @@ import itertools
 import random
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, make_tiny_tokenizer
@@ -30,7 +31,7 @@ def _core() -> EngineCore:
 
 
 def _run(core: EngineCore, prompts: list[list[int]]) -> list:
-    reqs = [core.add_request(p, PARAMS) for p in prompts]
+    reqs = [core.add_request(Submission(p, PARAMS)) for p in prompts]
     while core.has_work():
         core.step()
     return reqs
@@ -38,7 +39,7 @@ def _run(core: EngineCore, prompts: list[list[int]]) -> list:
 
 def _real_size(core: EngineCore) -> int:
     """Nodes in every output trie, counted from their paths (not from the bookkeeping)."""
-    return sum(len(core.drafter.trie_counts(s) or {}) for s in core.drafter.stats()["scopes"])
+    return sum(len(core.speculation.drafter.trie_counts(s) or {}) for s in core.speculation.drafter.stats()["scopes"])
 
 
 def test_output_trie_is_pruned_to_capacity_during_a_run(tiny_model):
@@ -49,19 +50,19 @@ def test_output_trie_is_pruned_to_capacity_during_a_run(tiny_model):
 
     core = _core()
     sizes = []  # after every step: (the output tries' node count, the nodes really in them)
-    core.step_listeners.append(lambda out, phases: sizes.append((core.drafter.num_nodes, _real_size(core))))
+    core.step_listeners.append(lambda out, phases: sizes.append((core.speculation.drafter.num_nodes, _real_size(core))))
     # The popular prompt four times at once (its n-grams counted 4 times), then two rare ones
     # that overflow the capacity, then the popular prompt again.
     reqs = _run(core, [popular] * 4)
     assert sizes[-1][0] <= CAPACITY and all(a <= b for (a, _), (b, _) in itertools.pairwise(sizes))  # it fits alone
-    assert all(c == int(c) for c in (core.drafter.trie_counts("") or {}).values())  # never halved
+    assert all(c == int(c) for c in (core.speculation.drafter.trie_counts("") or {}).values())  # never halved
     grown = len(sizes)
     reqs += _run(core, [rare[0]]) + _run(core, [rare[1]])
     again = _run(core, [popular])[0]
 
     # Pruning ran (a step's node count fell, and counts were halved) and kept the tries in bounds.
     assert any(b < a for (a, _), (b, _) in zip(sizes[grown - 1 :], sizes[grown:])), sizes
-    assert any(c != int(c) for c in (core.drafter.trie_counts("") or {}).values())
+    assert any(c != int(c) for c in (core.speculation.drafter.trie_counts("") or {}).values())
     # After every step the output tries fit, and their bookkeeping is the nodes really there.
     assert all(total <= CAPACITY for total, _ in sizes), sizes
     assert all(total == real for total, real in sizes), sizes

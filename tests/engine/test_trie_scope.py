@@ -7,6 +7,7 @@ import random
 import pytest
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_model, make_tiny_tokenizer
@@ -25,7 +26,7 @@ def _core(scope: str) -> EngineCore:
 
 
 def _generate(core: EngineCore, tenant: str, params: SamplingParams = PARAMS):
-    req = core.add_request(PROMPT, params, tenant=tenant)
+    req = core.add_request(Submission(PROMPT, params, tenant=tenant))
     while core.has_work():
         core.step()
     return req
@@ -63,14 +64,14 @@ def test_request_scope_shares_nothing_and_disabled_lookahead_inserts_nothing():
     again = _generate(solo, "a")
     fresh = _generate(_core("request"), "a")
     assert again.stats.draft_tokens_accepted == fresh.stats.draft_tokens_accepted
-    assert not solo.drafter.num_nodes  # no output trie, and no live request's local trie
+    assert not solo.speculation.drafter.num_nodes  # no output trie, and no live request's local trie
 
     core = _core("global")
     _generate(core, "a", SamplingParams(max_new_tokens=48, ignore_eos=True, decoding_length=0))
-    assert core.drafter.num_nodes == 0  # a request without speculation leaves no n-grams
+    assert core.speculation.drafter.num_nodes == 0  # a request without speculation leaves no n-grams
 
 
 @pytest.mark.parametrize("tenant", ["a" * 129, "line\nbreak"])
 def test_tenant_keys_are_bounded(tenant):
     with pytest.raises(ValueError, match="tenant"):
-        _core("tenant").add_request(PROMPT, PARAMS, tenant=tenant)
+        _core("tenant").add_request(Submission(PROMPT, PARAMS, tenant=tenant))

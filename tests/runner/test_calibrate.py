@@ -6,10 +6,11 @@ import itertools
 
 import pytest
 
+from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+from batchserve.cost_profile import CostProfile
 from batchserve.engine import EngineCore
 from batchserve.runner import calibrate as cal
-from batchserve.speculation.cost_profile import CostProfile
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 
@@ -44,7 +45,7 @@ def test_calibrate_measures_a_curve_per_context():
     assert 1 <= profile.critical_decoding_length() <= 48
     # The synthetic steps leave no runner state behind, and the engine still generates.
     assert not core.runner._generators
-    core.add_request([1, 2, 3])
+    core.add_request(Submission([1, 2, 3]))
     while core.has_work():
         core.step()
 
@@ -123,7 +124,7 @@ def test_engine_calibrates_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert len(saved) == 1 and CostProfile.load(saved[0]) == first.cost_profile
     second = _core(adaptive=True)
     assert len(calls) == 1 and second.cost_profile == first.cost_profile
-    assert second.scheduler.speculation.policy is not None
+    assert second.speculation.policy is not None
     saved[0].write_text('{"key": ')  # a damaged cache entry is measured again, not fatal
     third = _core(adaptive=True)
     assert len(calls) == 2 and CostProfile.load(saved[0]) == third.cost_profile
@@ -138,7 +139,7 @@ def test_a_cache_that_cannot_be_written_still_serves(tmp_path, monkeypatch, capl
     monkeypatch.setattr(cal, "QUICK_REPEATS", 1)
     with caplog.at_level("WARNING"):
         core = _core(adaptive=True)
-    assert core.cost_profile is not None and core.scheduler.speculation.policy is not None
+    assert core.cost_profile is not None and core.speculation.policy is not None
     assert "could not save cost profile" in caplog.text
 
 

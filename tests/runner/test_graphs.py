@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.attention.base import StepBucket, StepLayout
 from batchserve.records import SchedulerOutput
 from batchserve.runner.batch import BlockTables, pack
@@ -166,7 +167,9 @@ def test_bucketed_steps_give_the_unpadded_steps_logits_bit_for_bit():
     outputs = []
     for core in (plain, bucketed):
         for i in range(9):
-            core.add_request([1 + i, 2, 3, 4, 5] * (1 + i % 3), SamplingParams(max_new_tokens=20, ignore_eos=True))
+            core.add_request(
+                Submission([1 + i, 2, 3, 4, 5] * (1 + i % 3), SamplingParams(max_new_tokens=20, ignore_eos=True))
+            )
         done: dict[str, list[int]] = {}
         while core.has_work():
             for o in core.step():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.model.layers import ROW_BUCKETS
 from batchserve.runner.layer_check import CHUNK_SIZES, check_layers, row_counts, row_layers
 from tests.runner.products import TILE, core_of, native, per_row, tiling
@@ -59,7 +60,7 @@ def test_the_engine_says_which_layer_broke_and_serves_on(caplog):
     assert "batch invariance: FAILED" in caplog.text and "layers.0.self_attn.o_proj" in caplog.text
     # No other forward here is known to be invariant: the chosen one stays, and says so.
     assert core.facts.forward.attention.choice == core_of(per_row()).facts.forward.attention.choice
-    core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    core.add_request(Submission([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)))
     while core.has_work():
         core.step()
 

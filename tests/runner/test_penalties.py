@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.records import ScheduledRequest
 from batchserve.runner.penalties import penalize, token_logprobs, tree_paths
 from tests.conftest import TINY_VOCAB, tiny_llm
@@ -124,5 +125,5 @@ def test_bad_values_are_refused_naming_the_field(field, value):
 def test_a_bias_outside_the_vocabulary_is_refused_before_queueing():
     llm = tiny_llm(None, draft="none")
     with pytest.raises(ValueError, match="logit_bias"):
-        llm.engine.add_request([1, 2, 3], SamplingParams(logit_bias={TINY_VOCAB: 1.0}))
+        llm.engine.add_request(Submission([1, 2, 3], SamplingParams(logit_bias={TINY_VOCAB: 1.0})))
     assert not llm.engine.has_work()

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from batchserve import SamplingParams
-from batchserve.draft.tree import walk
 from batchserve.request import MAX_INT32
 from batchserve.runner.sampler import SampledRows, TreeRows, accept, accepted_path, choose_on_device, warp_rows
-from batchserve.trees import DraftTree
+from batchserve.trees import DraftTree, walk
 from tests.conftest import TINY_VOCAB, tiny_llm
 from tests.engine.test_sampling import reference_probs
 from tests.rounding import U
@@ -23,7 +22,7 @@ def choose_tokens(logits: torch.Tensor, sampled: SampledRows | None) -> list[int
 
 
 def verify(draft: DraftTree | None, choices: list[int]) -> tuple[list[int], list[int]]:
-    """The walk down a tree on the host (`draft.tree.walk`), the oracle `accept` is checked against:
+    """The walk down a tree on the host (`trees.walk`), the oracle `accept` is checked against:
     `choices[0]` after the root, `choices[1 + i]` after draft node i."""
     return walk(draft, lambda node: choices[0 if node is None else 1 + node])
 

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from batchserve import SamplingParams
+from batchserve.admission import Submission
 from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.config import DraftConfig, EngineConfig, ModelConfig
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
@@ -53,7 +54,7 @@ def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_says_so(capl
     assert "batch invariance: FAILED" in caplog.text
     # No other attention here is known to be invariant: the forward stays as chosen, and says so.
     assert core.facts.forward.attention.choice == "kernel" and core.facts.forward.impl.choice == "native"
-    core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    core.add_request(Submission([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)))
     while core.has_work():  # and the engine serves
         core.step()
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from batchserve.config import DraftConfig, SchedulerConfig
-from batchserve.draft import NoDrafter
+from batchserve.config import SchedulerConfig
 from batchserve.records import RunnerOutput, SchedulerOutput
 from batchserve.request import Request, RequestStatus, SamplingParams
 from batchserve.scheduler import BlockAllocator, Scheduler
@@ -28,9 +27,7 @@ def _req(rid: str, n_prompt: int, tenant: str, max_new: int = 1000) -> Request:
 def _sched(budget: int = 64, max_num_seqs: int = 8, num_blocks: int = 1024, slack: float = 0.25) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, tenant_slack=slack),
-        DraftConfig(),
         BlockAllocator(num_blocks, 4),
-        NoDrafter(),
     )
 
 

@@ -8,9 +8,10 @@ from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.draft import NoDrafter
 from batchserve.records import RunnerOutput, SchedulerOutput
 from batchserve.request import FinishReason, Request, RequestStatus, SamplingParams
-from batchserve.scheduler import BlockAllocator, NoFreeBlocksError, Scheduler
+from batchserve.scheduler import BlockAllocator, NoFreeBlocksError
 from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy
 from batchserve.trees import DraftTree
+from tests.scheduler.drafting import DraftingScheduler
 from tests.speculation.workloads import cpu_like, gpu_like
 
 
@@ -41,8 +42,10 @@ class ChainDrafter(NoDrafter):
         return DraftTree.chain([7] * min(self.n, max_tokens)) if max_tokens else None
 
 
-def _sched(num_blocks=64, block_size=4, max_num_seqs=4, budget=64, drafter=None, decoding_length=4) -> Scheduler:
-    return Scheduler(
+def _sched(
+    num_blocks=64, block_size=4, max_num_seqs=4, budget=64, drafter=None, decoding_length=4
+) -> DraftingScheduler:
+    return DraftingScheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         DraftConfig(decoding_length=decoding_length),
         BlockAllocator(num_blocks, block_size),
@@ -208,7 +211,7 @@ class CountingDrafter(WideDrafter):
 def test_scheduler_proposes_only_what_the_policy_could_give(shadow: int):
     tracker = AcceptanceTracker(32)
     drafter = CountingDrafter()
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
         DraftConfig(decoding_length=32, adaptive=True, shadow_draft=shadow),
         BlockAllocator(256, 4),
@@ -227,9 +230,9 @@ def test_scheduler_proposes_only_what_the_policy_could_give(shadow: int):
     assert {r.request_id: r.draft is None for r in out.requests} == {"silenced": True, "good": False}
 
 
-def _busy(n: int, profile, tracker: AcceptanceTracker, drafter, **draft) -> Scheduler:
+def _busy(n: int, profile, tracker: AcceptanceTracker, drafter, **draft) -> DraftingScheduler:
     """n 3-token requests on a policy over `profile`, 16-token drafts, 2-token shadow drafts."""
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=256),
         DraftConfig(decoding_length=16, adaptive=True, shadow_draft=2, **draft),
         BlockAllocator(512, 4),
@@ -284,7 +287,7 @@ class TruthDrafter(NoDrafter):
 
 def test_a_shadow_draft_that_the_output_matches_revives_a_silenced_request():
     tracker = AcceptanceTracker(8)
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256),
         DraftConfig(decoding_length=8, adaptive=True),
         BlockAllocator(256, 4),
@@ -316,7 +319,7 @@ def test_shadow_drafts_teach_every_rank_they_reach_not_only_the_first():
     misses (whenever the first missed), and a request whose matches turned good would never
     earn deep drafts."""
     tracker = AcceptanceTracker(16)
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256),
         DraftConfig(decoding_length=16, adaptive=True, shadow_draft=4),
         BlockAllocator(512, 4),
@@ -336,7 +339,7 @@ def test_shadow_drafts_teach_every_rank_they_reach_not_only_the_first():
 def test_scheduler_applies_policy_overrides_and_feeds_acceptance():
     tracker = AcceptanceTracker(32)
     policy = DraftBudgetPolicy(gpu_like(cdl=16), tracker)
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
         DraftConfig(decoding_length=32, adaptive=True),
         BlockAllocator(256, 4),
@@ -396,7 +399,7 @@ def test_a_preempted_request_is_not_indexed_twice():
 
 def test_finished_requests_leave_no_window_estimate():
     policy = DraftBudgetPolicy(gpu_like(cdl=16), AcceptanceTracker(4))
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
         DraftConfig(decoding_length=4),
         BlockAllocator(64, 4),

@@ -118,7 +118,7 @@ async def test_the_tenant_comes_from_the_metadata_by_default_and_is_validated(ru
     # By default only the x-batchserve-tenant metadata (what a gateway sets) names the tenant:
     # the request's own field cannot pick another tenant's scope (tests/server/test_trust.py has
     # the other sources).
-    drafter = running.core.drafter
+    drafter = running.core.speculation.drafter
     await running.stub.Generate(build_request([1, 2, 3], max_new_tokens=6), metadata=(("x-batchserve-tenant", "acme"),))
     assert set(drafter.stats()["scopes"]) == {"acme"}
     await running.stub.Generate(

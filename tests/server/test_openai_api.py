@@ -270,9 +270,9 @@ async def test_tenant_header_and_user_scope_drafts_and_the_schema_is_served(api)
     seen = []
     real = api.core.add_request
 
-    def spy(prompt, params, request_id, tenant, references=(), group=""):
-        seen.append(tenant)
-        return real(prompt, params, request_id, tenant, references, group)
+    def spy(sub):
+        seen.append(sub.tenant)
+        return real(sub)
 
     api.core.add_request = spy
     await _raw(api, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u1"})

@@ -121,9 +121,9 @@ def submitted(api) -> list[list[int]]:
     seen: list[list[int]] = []
     real = api.core.add_request
 
-    def spy(prompt, *args, **kwargs):
-        seen.append(list(prompt))
-        return real(prompt, *args, **kwargs)
+    def spy(sub):
+        seen.append(list(sub.prompt))
+        return real(sub)
 
     api.core.add_request = spy
     return seen

@@ -109,9 +109,9 @@ def prompts(api) -> list[str]:
     seen: list[str] = []
     real = api.core.add_request
 
-    def spy(prompt, params, request_id, tenant, references=(), group=""):
-        seen.append(bytes(prompt).decode("utf-8", errors="replace"))
-        return real(prompt, params, request_id, tenant, references, group)
+    def spy(sub):
+        seen.append(bytes(sub.prompt).decode("utf-8", errors="replace"))
+        return real(sub)
 
     api.core.add_request = spy
     return seen

@@ -463,8 +463,8 @@ async def test_request_id_in_use_is_invalid_argument(running):
 
 async def test_adaptive_server_reports_its_critical_decoding_length_and_chosen_lengths():
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+    from batchserve.cost_profile import CostProfile
     from batchserve.engine import EngineCore
-    from batchserve.speculation.cost_profile import CostProfile
     from tests.conftest import make_tiny_model, make_tiny_tokenizer
     from tests.server.conftest import start_server
 
@@ -562,7 +562,7 @@ async def test_add_corpus_needs_the_admin_token_and_feeds_the_tenants_trie():
         corpus = [pb.TokenIds(ids=[7, 8, 9, 10, 11, 12])]
         reply = await call(pb.AddCorpusRequest(token_ids=corpus, tenant="team-a"), metadata=auth)
         assert reply.sequences == 1
-        drafter = r.core.drafter
+        drafter = r.core.speculation.drafter
         assert (7, 8) in (drafter.trie_counts("team-a") or {})
         assert drafter.stats()["scopes"] == ["team-a"]  # that tenant's scope only
     finally:

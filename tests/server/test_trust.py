@@ -135,9 +135,9 @@ async def _tenants(r, monkeypatch) -> list[str]:
     seen: list[str] = []
     real = r.core.add_request
 
-    def spy(prompt, params, request_id, tenant, references=(), group=""):
-        seen.append(tenant)
-        return real(prompt, params, request_id, tenant, references, group)
+    def spy(sub):
+        seen.append(sub.tenant)
+        return real(sub)
 
     monkeypatch.setattr(r.core, "add_request", spy)
     return seen

@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from batchserve.config import SETTINGS, DraftConfig
+from batchserve.cost_profile import CostProfile
 from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, StepShape, WindowTracker
-from batchserve.speculation.cost_profile import CostProfile
 from batchserve.trees import MATCH_CAP
 from tests.speculation.workloads import COUNTS, cpu_like, feed, gpu_like, trained
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from batchserve.speculation.cost_profile import CostProfile
+from batchserve.cost_profile import CostProfile
 from tests.speculation.workloads import COUNTS, cpu_like, gpu_like
 
 

@@ -9,10 +9,11 @@ import pytest
 
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.records import RunnerOutput
-from batchserve.scheduler import BlockAllocator, Scheduler
+from batchserve.scheduler import BlockAllocator
 from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate, StepShape
 from batchserve.speculation.host_budget import HostBudget
 from batchserve.speculation.speed_guard import SpeedGuard
+from tests.scheduler.drafting import DraftingScheduler
 from tests.scheduler.test_scheduler import CountingDrafter, _req
 from tests.speculation.workloads import cpu_like, gpu_like
 
@@ -112,7 +113,7 @@ def test_a_busy_scheduler_where_no_draft_pays_stops_asking_the_policy_every_step
     drafter, tracker = SlowDrafter(), AcceptanceTracker(16)
     policy = DraftBudgetPolicy(cpu_like(base=10.0, slope=10.0), tracker)
     config = DraftConfig(decoding_length=16, adaptive=True, plan_backoff=8, shadow_share=0.02)
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
         config,
         BlockAllocator(512, 4),

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from batchserve.config import DraftConfig
 from batchserve.draft.trie import TrieDrafter
-from batchserve.records import ScheduledRequest
+from batchserve.records import CommittedDraft, ScheduledRequest
 from batchserve.request import Request, SamplingParams
 from batchserve.speculation.planner import DraftPlanner
 
@@ -42,7 +42,7 @@ def _generate(planner: DraftPlanner, req: Request, output: Sequence[int]) -> Non
         item = ScheduledRequest(req.request_id, last, req.num_tokens - 1, (), None, True, req.params)
         req.output_token_ids += tokens
         req.all_token_ids += tokens
-        planner.commit(item, [], tokens, None)
+        planner.commit([CommittedDraft(item, [], tokens, None)])
     planner.finish(req.request_id)
 
 

@@ -11,9 +11,10 @@ import pytest
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.records import RunnerOutput
 from batchserve.request import Request, SamplingParams
-from batchserve.scheduler import BlockAllocator, Scheduler
+from batchserve.scheduler import BlockAllocator
 from batchserve.speculation.budget import AcceptanceTracker, DraftBudgetPolicy, DraftCandidate
 from batchserve.speculation.speed_guard import SpeedGuard
+from tests.scheduler.drafting import DraftingScheduler
 from tests.scheduler.test_scheduler import TruthDrafter
 from tests.speculation.workloads import cpu_like, trained
 
@@ -146,12 +147,12 @@ def test_the_settings_build_the_guard():
             DraftConfig(**bad)
 
 
-def _guarded_scheduler(period: int, slope: float, seats: int = 2) -> tuple[Scheduler, SpeedGuard]:
+def _guarded_scheduler(period: int, slope: float, seats: int = 2) -> tuple[DraftingScheduler, SpeedGuard]:
     """Two long requests "a" and "b" on a policy with a guard; `seats` running at most."""
     guard = SpeedGuard(period=period)
     # No margin: what these tests see is the guard's doing alone.
     policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=slope), AcceptanceTracker(8), guard=guard, min_speedup=0.0)
-    s = Scheduler(
+    s = DraftingScheduler(
         SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=256),
         DraftConfig(decoding_length=8, adaptive=True),
         BlockAllocator(1024, 4),
@@ -163,7 +164,7 @@ def _guarded_scheduler(period: int, slope: float, seats: int = 2) -> tuple[Sched
     return s, guard
 
 
-def _truth_step(s: Scheduler, ms_of: Callable[[int], float]) -> int:
+def _truth_step(s: DraftingScheduler, ms_of: Callable[[int], float]) -> int:
     """One step where the model emits the true text (position p holds 10 + p % 50), so every
     draft node is accepted; the step takes `ms_of(rows)`. The draft rows it verified."""
     out = s.schedule()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from batchserve.cost_profile import CostProfile
 from batchserve.speculation.budget import AcceptanceTracker
-from batchserve.speculation.cost_profile import CostProfile
 from batchserve.speculation.fits import ScoreCalibration
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

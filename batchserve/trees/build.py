@@ -1,13 +1,13 @@
 """Building draft trees: `TreeBuilder` merges matches into one tree by token path, `merge_trees`
 joins two drafters' trees, `walk` follows the model's choices down one (the tree itself:
-`batchserve/trees.py`)."""
+`tree.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchserve.trees import DraftTree
+from batchserve.trees.tree import DraftTree
 
 
 @dataclass(slots=True)

@@ -1,7 +1,5 @@
-"""What a step verifies for a request beyond its committed tokens, as data: its draft tree
-(`DraftTree`: tokens, parents, the ancestor masks) and its Jacobi window (`WindowRows`), with the
-masks the attention reads. Drafters build them (`draft/`); the scheduler, the runner and the
-attention read them without knowing any drafter. numpy only."""
+"""A draft tree (`DraftTree`: tokens, parents, the ancestor masks) and a Jacobi window
+(`WindowRows`), with the masks the attention reads (the package's docstring says who reads them)."""
 
 from __future__ import annotations
 
