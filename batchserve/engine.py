@@ -18,7 +18,7 @@ from batchserve.pipeline import AdvancedStep, PendingStep, build_outputs, output
 from batchserve.records import RunnerOutput, SchedulerOutput, StepPhases
 from batchserve.request import FinishReason, Request, RequestOutput
 from batchserve.scheduler import BlockAllocator, Scheduler
-from batchserve.speculation import DraftBudgetPolicy, Drafter, DraftPlanner, build_drafter, corpus_slices, defer
+from batchserve.speculation import DraftBudgetPolicy, Drafter, Speculation, build_drafter, corpus_slices, defer
 from batchserve.text import TextCodec
 from batchserve.threads import set_threads
 
@@ -85,7 +85,7 @@ class EngineCore:
         )
         # Speculation: each step's drafts as data, and what the committed step teaches them.
         # `budget_policy` None: every request drafts `decoding_length` tokens.
-        self.speculation = DraftPlanner(drafter, config.draft, budget_policy, grammar)
+        self.speculation = Speculation(drafter, config.draft, budget_policy, grammar)
         self.speculation.judge_later = True  # in `finish`: beside the next forward when pipelined
         self.admission = Admission(config, self.text, self.grammars)
         self.num_steps = 0

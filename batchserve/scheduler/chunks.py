@@ -1,6 +1,7 @@
-"""A request's committed chunk as the runner gets it: its tokens, and the history its rows need
-(penalties: the output so far, and the prompt for a repetition penalty; prompt logprobs: which
-rows score which prompt tokens), and gathering the prompt logprobs the runner reported.
+"""A request's share of a step as the runner gets it: its committed chunk (its tokens, and the
+history its rows need: penalties' output so far, and the prompt for a repetition penalty; prompt
+logprobs: which rows score which prompt tokens), its drafts with the KV slots for their rows,
+and gathering the prompt logprobs the runner reported.
 
 Prompt logprobs (`SamplingParams.prompt_logprobs`): row j of a chunk starting at KV index s
 holds the model's distribution for the token at s + j + 1; tokens 1 .. P-1 of a P-token prompt
@@ -8,8 +9,12 @@ are scored, each exactly once (a preempted request recomputes its prompt without
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from batchserve.records import RunnerOutput, ScheduledRequest
 from batchserve.request import Request
+from batchserve.scheduler.block_allocator import BlockAllocator
+from batchserve.trees import DraftTree, WindowRows
 
 
 def committed_chunk(req: Request, chunk: int, sample: bool) -> ScheduledRequest:
@@ -51,3 +56,21 @@ def gather(req: Request, request_id: str, result: RunnerOutput) -> None:
     entries = result.prompt_logprobs.get(request_id)
     if entries:
         req.prompt_logprobs.extend(entries)
+
+
+def with_drafts(
+    item: ScheduledRequest, req: Request, tree: DraftTree | None, window: WindowRows | None, pool: BlockAllocator
+) -> ScheduledRequest:
+    """`item` with its drafts hung off it, each where the pool has the blocks for its rows
+    (speculation is optional: short of blocks, the window goes first, then the tree)."""
+    if tree is None and window is None:
+        return item
+    end = item.num_computed_tokens + len(item.token_ids)
+    rows = (len(tree) if tree is not None else 0) + (len(window) if window is not None else 0)
+    if window is not None and not pool.grow(req.block_ids, end + rows):
+        window, rows = None, rows - len(window)
+    if tree is not None and not pool.grow(req.block_ids, end + rows):
+        tree = None
+    if tree is None and window is None:
+        return item
+    return replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))

@@ -25,7 +25,7 @@ from batchserve.grammar.steps import GrammarSteps
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepDrafts
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.scheduler.block_allocator import BlockAllocator
-from batchserve.scheduler.chunks import committed_chunk
+from batchserve.scheduler.chunks import committed_chunk, with_drafts
 from batchserve.scheduler.commit import StepCommit, TokenHook, commit_request
 from batchserve.scheduler.fairness import PromptSlack, background_tenants, background_victim, victim_for_blocks
 from batchserve.scheduler.prefix_cache import PrefixCache
@@ -151,16 +151,8 @@ class Scheduler:
         items = []
         for item in out.requests:
             req = self.requests[item.request_id]
-            tree, window = drafts.trees.get(item.request_id), drafts.windows.get(item.request_id)
-            if tree is not None or window is not None:
-                end = item.num_computed_tokens + len(item.token_ids)
-                rows = (len(tree) if tree is not None else 0) + (len(window) if window is not None else 0)
-                if window is not None and not self.allocator.grow(req.block_ids, end + rows):
-                    window, rows = None, rows - len(window)
-                if tree is not None and not self.allocator.grow(req.block_ids, end + rows):
-                    tree = None
-                if tree is not None or window is not None:
-                    item = replace(item, draft=tree, window=window, block_ids=tuple(req.block_ids))
+            rid = item.request_id
+            item = with_drafts(item, req, drafts.trees.get(rid), drafts.windows.get(rid), self.allocator)
             if item.sample and req.grammar is not None:
                 mask = self.grammar.row_masks(req, item.draft)
                 if mask is None:

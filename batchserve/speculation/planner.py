@@ -31,7 +31,7 @@ from batchserve.trees import DraftTree, WindowRows
 logger = logging.getLogger("batchserve")
 
 
-class DraftPlanner:
+class Speculation:
     """Proposes a tree per sampling request and decides how much of each the step verifies.
 
     Requests with their own `decoding_length` (and every request without a budget policy)

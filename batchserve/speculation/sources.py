@@ -1,6 +1,6 @@
 """The draft source speculation owns: the drafter a `DraftConfig` names, built and warmed once,
 and corpora loaded into its trie while serving. The engine reaches the drafter only through
-speculation (`DraftPlanner.drafter`)."""
+speculation (`Speculation.drafter`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ logger = logging.getLogger("batchserve")
 
 def build_drafter(config: DraftConfig, tokenize: Callable[[str], list[int]], deferred: bool) -> Drafter:
     """The configured drafter, its trie warmed from `config.warmup_path` where one is named.
-    `deferred`: insertion waits for `DraftPlanner.learn`, beside the next forward (on a device;
+    `deferred`: insertion waits for `Speculation.learn`, beside the next forward (on a device;
     on a CPU it runs at once: benchmarks/README.md)."""
     drafter = make_drafter(config)
     if isinstance(drafter, TrieDrafter) and config.warmup_path:

@@ -11,11 +11,11 @@ from batchserve.grammar.steps import GrammarSteps
 from batchserve.records import RunnerOutput, SchedulerOutput
 from batchserve.request import Request
 from batchserve.scheduler import BlockAllocator, Scheduler
-from batchserve.speculation import DraftBudgetPolicy, DraftPlanner
+from batchserve.speculation import DraftBudgetPolicy, Speculation
 
 
 class DraftingScheduler:
-    """`Scheduler` + `DraftPlanner` over one `GrammarSteps`; other attributes read the scheduler's."""
+    """`Scheduler` + `Speculation` over one `GrammarSteps`; other attributes read the scheduler's."""
 
     def __init__(
         self,
@@ -28,7 +28,7 @@ class DraftingScheduler:
     ) -> None:
         grammar = GrammarSteps()
         self.scheduler = Scheduler(config, allocator, draft_config.trie_scope, grammar=grammar, **scheduler)
-        self.speculation = DraftPlanner(drafter, draft_config, budget_policy, grammar)
+        self.speculation = Speculation(drafter, draft_config, budget_policy, grammar)
 
     def schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()

@@ -14,14 +14,14 @@ from batchserve.config import DraftConfig
 from batchserve.draft.trie import TrieDrafter
 from batchserve.records import CommittedDraft, ScheduledRequest
 from batchserve.request import Request, SamplingParams
-from batchserve.speculation.planner import DraftPlanner
+from batchserve.speculation.planner import Speculation
 
 SEP = -1  # between two outputs in `recent_text`
 
 
-def _planner() -> DraftPlanner:
+def _planner() -> Speculation:
     config = DraftConfig(method="lookahead", adaptive=False)
-    return DraftPlanner(TrieDrafter(config), config, policy=None)
+    return Speculation(TrieDrafter(config), config, policy=None)
 
 
 def _request(rid: str, prompt: Sequence[int], tenant: str = "", resumed: Sequence[int] = ()) -> Request:
@@ -33,7 +33,7 @@ def _request(rid: str, prompt: Sequence[int], tenant: str = "", resumed: Sequenc
     return req
 
 
-def _generate(planner: DraftPlanner, req: Request, output: Sequence[int]) -> None:
+def _generate(planner: Speculation, req: Request, output: Sequence[int]) -> None:
     """Run `req` through the planner: it starts, commits `output` a few tokens a step, ends."""
     planner.start(req)
     for i in range(0, len(output), 3):
