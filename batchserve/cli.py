@@ -9,11 +9,10 @@ from typing import Any
 from batchserve.bench.commands import (
     add_bench_parser,
     add_plot_parser,
-    add_tune_parser,
     bench_command,
+    dataset_problem,
     int_list,
     plot_command,
-    tune_command,
 )
 from batchserve.config import SETTINGS, EngineConfig, Setting, settings_of
 
@@ -51,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _calibrate_parser(sub)
     _generate_parser(sub)
     add_bench_parser(sub)
-    add_tune_parser(sub)
+    _tune_parser(sub)
     add_plot_parser(sub)
     return parser
 
@@ -98,6 +97,28 @@ def _generate_parser(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result")
+
+
+def _tune_parser(sub: Any) -> None:
+    tune = sub.add_parser(
+        "tune",
+        help="measure this machine on a workload and recommend max-num-seqs, the token budget and drafts for SLOs",
+    )
+    tune.add_argument("--dataset", default="humaneval", help="a bench dataset name or FILE.jsonl of your prompts")
+    tune.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token goal (ms)")
+    tune.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token goal (ms)")
+    tune.add_argument("--percentile", type=float, default=99.0, help="the goals hold for this percentile of requests")
+    tune.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="max-num-seqs values to try")
+    tune.add_argument(
+        "--token-budgets", type=int_list, default=[256, 1024], help="max-num-batched-tokens to try at the best point"
+    )
+    tune.add_argument("--num-prompts", type=int, default=16, help="prompts per run (at least)")
+    tune.add_argument("--waves", type=int, default=2, help="each run sends max(num-prompts, waves x concurrency)")
+    tune.add_argument("--max-new-tokens", type=int, default=128)
+    tune.add_argument("--model", default=None, help="model (default: SmolLM2)")
+    tune.add_argument("--confirm", action="store_true", help="run the recommendation again and report how it held")
+    tune.add_argument("--repeats", type=int, default=1, help="runs per point; the median by tokens/s stands for it")
+    tune.add_argument("--out", default="tune_out", help="directory for tune.md, tune.json, tune.png")
 
 
 def engine_config(args: argparse.Namespace, settings: list[Setting] | None = None) -> EngineConfig:
@@ -187,6 +208,46 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"batchserve tune: {message}", file=sys.stderr)
+        return 2
+
+    problem = dataset_problem([args.dataset])
+    if problem is not None:
+        return fail(problem)
+    counts = (args.num_prompts, args.max_new_tokens, args.repeats, *args.concurrency, *args.token_budgets)
+    if not args.concurrency or min(counts) < 1 or args.waves < 0:
+        return fail(
+            "--concurrency, --token-budgets, --num-prompts, --max-new-tokens and --repeats must be >= 1, --waves >= 0"
+        )
+    from pathlib import Path
+
+    from batchserve.tune import Goals, answer_lines, tune
+
+    try:
+        goals = Goals(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
+    except ValueError as e:
+        return fail(str(e))
+    out = Path(args.out)
+    result = tune(
+        args.dataset,
+        goals,
+        args.concurrency,
+        args.token_budgets,
+        args.num_prompts,
+        args.waves,
+        args.max_new_tokens,
+        args.model,
+        out,
+        args.confirm,
+        args.repeats,
+    )
+    print("\n".join(answer_lines(result)))
+    print(f"wrote {out / 'tune.md'}, {out / 'tune.json'}, {out / 'tune.png'}")
+    return 0 if result.best is not None else 1
+
+
 def _generate(args: argparse.Namespace) -> int:
     # gRPC stays inside batchserve/server/.
     from batchserve.server.client import generate_command
@@ -199,7 +260,7 @@ COMMANDS = {
     "calibrate": _calibrate,
     "generate": _generate,
     "bench": bench_command,
-    "tune": tune_command,
+    "tune": _tune,
     "plot": plot_command,
 }
 

@@ -4,9 +4,10 @@
     python benchmarks/host_side.py --emulate [--points 1:0,1:16,1:adaptive,16:0,16:8,16:adaptive]
 
 The engine runs the default model's tokenizer on HumanEval prompts with a stand-in forward that
-costs nothing (`batchserve.bench.host`): what a step costs here is what the host adds to every
-GPU step. Each point is requests in flight : draft tokens per request (fixed, trie drafts).
-Medians over the steps with every seat taken and no prompt chunk.
+costs nothing (`batchserve.bench.host`, timed by `batchserve.bench.host_timing`): what a step
+costs here is what the host adds to every GPU step. Each point is requests in flight : draft
+tokens per request (fixed, trie drafts). Medians over the steps with every seat taken and no
+prompt chunk.
 
 With --emulate the forward takes an H100's time (SmolLM2 bf16 replayed from graphs: its start-up
 profile, `batchserve.bench.host.H100_SMOLLM2`) on an emulated asynchronous device, and each point
@@ -20,7 +21,8 @@ from __future__ import annotations
 import argparse
 
 from batchserve.bench.datasets import humaneval
-from batchserve.bench.host import HOST_PHASES, emulated_engine, measure_emulated, time_host
+from batchserve.bench.host import emulated_engine
+from batchserve.bench.host_timing import HOST_PHASES, measure_emulated, time_host
 from batchserve.model.loader import load_tokenizer
 
 

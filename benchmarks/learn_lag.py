@@ -15,7 +15,7 @@ import argparse
 from collections import deque
 
 from batchserve.bench.datasets import humaneval, sharegpt, split
-from batchserve.bench.simulate import Encoded, encode
+from batchserve.bench.samples import Encoded, encode
 from batchserve.config import DraftConfig
 from batchserve.draft import TrieDrafter
 from batchserve.model.loader import load_tokenizer

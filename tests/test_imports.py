@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runner",),
     ("resume", "admission", "pipeline", "engine", "async_engine", "llm"),
     ("server",),
-    ("bench", "cli", "__init__"),
+    ("bench", "tune", "cli", "__init__"),
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -31,7 +31,6 @@ import numpy as np
 from batchserve.bench import simulate
 from batchserve.bench.simulate import Encoded
 from batchserve.config import DraftConfig
-from batchserve.draft import TrieDrafter
 from batchserve.request import SamplingParams, tokens_per_step
 
 
@@ -98,7 +97,7 @@ def replay(
     (`predictions`: each prompt's predicted output, [] for none; None: the dataset has none)."""
 
     def trie(samples: list[Encoded]) -> float:
-        drafter = simulate.replay(lambda: TrieDrafter(DraftConfig(method="lookahead")), warm, samples, length)
+        drafter = simulate.replay(simulate.trie(DraftConfig(method="lookahead")), warm, samples, length)
         return round(drafter.tokens_per_step, 3)
 
     samples = [Encoded(p, o) for p, o in zip(prompts, outputs)]
@@ -172,7 +171,7 @@ def main(
     datasets: list[str], lengths: list[int], num_prompts: int, max_new_tokens: int, model: str | None, out: Path
 ) -> list[CeilingRow]:
     """Generate with the engine's default settings, replay, and write ceiling.md and ceiling.json."""
-    from batchserve.llm import LLM
+    from batchserve import LLM
 
     llm = LLM(model, draft="lookahead")
     rows = ceiling_rows(llm, datasets, lengths, num_prompts, max_new_tokens)

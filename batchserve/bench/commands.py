@@ -1,4 +1,4 @@
-"""The `batchserve bench` and `batchserve tune` commands: their flags and what they run."""
+"""The `batchserve bench` and `batchserve plot` commands: their flags and what they run."""
 
 from __future__ import annotations
 
@@ -99,28 +99,6 @@ def _add_replay_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--no-speed", action="store_true", help="--simulate: skip the trie timing and memory")
 
 
-def add_tune_parser(sub: Any) -> None:
-    tune = sub.add_parser(
-        "tune",
-        help="measure this machine on a workload and recommend max-num-seqs, the token budget and drafts for SLOs",
-    )
-    tune.add_argument("--dataset", default="humaneval", help="a bench dataset name or FILE.jsonl of your prompts")
-    tune.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token goal (ms)")
-    tune.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token goal (ms)")
-    tune.add_argument("--percentile", type=float, default=99.0, help="the goals hold for this percentile of requests")
-    tune.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="max-num-seqs values to try")
-    tune.add_argument(
-        "--token-budgets", type=int_list, default=[256, 1024], help="max-num-batched-tokens to try at the best point"
-    )
-    tune.add_argument("--num-prompts", type=int, default=16, help="prompts per run (at least)")
-    tune.add_argument("--waves", type=int, default=2, help="each run sends max(num-prompts, waves x concurrency)")
-    tune.add_argument("--max-new-tokens", type=int, default=128)
-    tune.add_argument("--model", default=None, help="model (default: SmolLM2)")
-    tune.add_argument("--confirm", action="store_true", help="run the recommendation again and report how it held")
-    tune.add_argument("--repeats", type=int, default=1, help="runs per point; the median by tokens/s stands for it")
-    tune.add_argument("--out", default="tune_out", help="directory for tune.md, tune.json, tune.png")
-
-
 def dataset_problem(datasets: list[str]) -> str | None:
     """Why these datasets cannot run (unknown, or a JSONL file with a bad line), else None:
     checked before any model loads."""
@@ -178,14 +156,14 @@ def _as_served(methods: list[str], model: str | None) -> list[str]:
     the weights named in each (`none` -> `none-q4`), and the choice printed with its reason."""
     import torch
 
+    from batchserve.bench.host import served_weights
     from batchserve.bench.methods import as_served
     from batchserve.config import SchedulerConfig
-    from batchserve.model import cpu_weights_choice
 
-    choice = cpu_weights_choice(not torch.cuda.is_available(), model, SchedulerConfig().max_num_seqs)
-    served = as_served(methods, choice.weights)
+    weights, why = served_weights(not torch.cuda.is_available(), model, SchedulerConfig().max_num_seqs)
+    served = as_served(methods, weights)
     if served != methods:
-        print(f"batchserve bench: plain methods run make serve's {choice.weights} weights here ({choice.why}): "
+        print(f"batchserve bench: plain methods run make serve's {weights} weights here ({why}): "
               f"{', '.join(served)} (name -f32 for float32)")  # fmt: skip
     return served
 
@@ -247,47 +225,6 @@ def bench_command(args: argparse.Namespace) -> int:
         print("batchserve bench: some outputs differ from HF greedy (lossless=false): a bug", file=sys.stderr)
         return 1
     return 0
-
-
-def tune_command(args: argparse.Namespace) -> int:
-    def fail(message: str) -> int:
-        print(f"batchserve tune: {message}", file=sys.stderr)
-        return 2
-
-    problem = dataset_problem([args.dataset])
-    if problem is not None:
-        return fail(problem)
-    counts = (args.num_prompts, args.max_new_tokens, args.repeats, *args.concurrency, *args.token_budgets)
-    if not args.concurrency or min(counts) < 1 or args.waves < 0:
-        return fail(
-            "--concurrency, --token-budgets, --num-prompts, --max-new-tokens and --repeats must be >= 1, --waves >= 0"
-        )
-    from pathlib import Path
-
-    from batchserve.bench.tune import Goals, tune
-    from batchserve.bench.tune_report import answer_lines
-
-    try:
-        goals = Goals(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
-    except ValueError as e:
-        return fail(str(e))
-    out = Path(args.out)
-    result = tune(
-        args.dataset,
-        goals,
-        args.concurrency,
-        args.token_budgets,
-        args.num_prompts,
-        args.waves,
-        args.max_new_tokens,
-        args.model,
-        out,
-        args.confirm,
-        args.repeats,
-    )
-    print("\n".join(answer_lines(result)))
-    print(f"wrote {out / 'tune.md'}, {out / 'tune.json'}, {out / 'tune.png'}")
-    return 0 if result.best is not None else 1
 
 
 def add_plot_parser(sub: Any) -> None:

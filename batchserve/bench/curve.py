@@ -3,11 +3,12 @@
 
 Writes under DIR:
 - curve.json: what a step costs on this model and device, measured by the engine's own
-  calibration (`runner/calibrate.py`) on the engine's own runner: `profile`, the `CostProfile` the
-  adaptive policy reads (ms per step by rows of one request computing its token and a chain draft,
-  at each context, and what each further request and draft row adds), and `decode_ms`, steps of n
-  requests computing one token each (plain decoding at n in flight). `batchserve bench --simulate
-  --curve DIR/curve.json` predicts tokens/s of `none` and `lookahead-adaptive` from it;
+  calibration (`runner/calibrate.py`) on the engine's own runner (`host.measure_curve`): `profile`,
+  the `CostProfile` the adaptive policy reads (ms per step by rows of one request computing its
+  token and a chain draft, at each context, and what each further request and draft row adds), and
+  `decode_ms`, steps of n requests computing one token each (plain decoding at n in flight).
+  `batchserve bench --simulate --curve DIR/curve.json` predicts tokens/s of `none` and
+  `lookahead-adaptive` from it;
 - results.json and report.md: decode TPOT of our `none` engine against the `hf-static` peer (HF
   `generate` with a static cache and a compiled forward) over the same weight tensors, random prompt
   ids, one prompt at a time (both run batch 1).
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from batchserve.bench.host import measure_curve
 from batchserve.bench.shapes import ModelShape, build_model, hf_twin, random_prompts, synthetic_tokenizer
 from batchserve.cost_profile import CostProfile
 
@@ -64,37 +66,6 @@ def curve_engine(model: Any, tokenizer: Any, rows: tuple[int, ...], contexts: tu
         hf_model=model,
         tokenizer=tokenizer,
     )
-
-
-def measure_curve(
-    runner: Any,
-    max_context: int,
-    rows: tuple[int, ...] = ROWS,
-    contexts: tuple[int, ...] = CONTEXTS,
-    repeats: int = REPEATS,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """curve.json's measurements on an idle runner: the cost profile (`calibrate`) at `contexts`,
-    and at each context the decode steps of n requests of one row each, n in `rows`."""
-    from batchserve.runner.calibrate import calibrate, curve_of, step_of
-
-    profile = calibrate(
-        runner,
-        max_tokens=max(rows),
-        max_context=max_context,
-        contexts=contexts,
-        repeats=repeats,
-        progress=progress,
-        token_counts=rows,
-    )
-    decode: dict[str, list[float]] = {}
-    try:
-        for ctx in profile.contexts:  # those that fit the model and the pool
-            steps = [step_of(runner, [ctx] * n, n) for n in rows]  # n requests, one row each
-            decode[str(ctx)] = [round(ms, 4) for ms in curve_of(runner, steps, repeats, lambda: None)]
-    finally:
-        runner.release([f"calibrate-{i}" for i in range(max(rows))])
-    return {"rows": list(rows), "contexts": list(profile.contexts), "decode_ms": decode, "profile": asdict(profile)}
 
 
 def load_curve(path: str | Path) -> CostProfile:
@@ -189,19 +160,19 @@ def run_shape(
     built_s = time.perf_counter() - t0
     tokenizer = synthetic_tokenizer(shape.vocab_size)
     llm = curve_engine(model, tokenizer, rows, contexts)
-    engine = llm.engine
+    on = next(model.parameters()).device  # the engine runs where its model's weights are
     curve = {
         "shape": asdict(shape),
         "num_params": shape.num_params,
         "kv_bytes_per_token": shape.kv_bytes_per_token(next(model.parameters()).element_size()),
-        "device": str(engine.runner.device) + _device_name(engine.runner.device),
+        "device": str(on) + _device_name(on),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "forward": engine.facts.forward.line(),
+        "forward": llm.engine.facts.forward.line(),
         "build_seconds": round(built_s, 2),
-        **measure_curve(engine.runner, engine.facts.max_model_len, rows, contexts, repeats, progress),
+        **measure_curve(llm, rows, contexts, repeats, progress),
     }
     (out_dir / "curve.json").write_text(json.dumps(curve, indent=1))
-    del llm, engine
+    del llm
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

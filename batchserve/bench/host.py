@@ -1,38 +1,39 @@
-"""The host side of a step, measured alone: the engine driven by a stand-in forward that costs
-nothing, so what is left of a step is schedule + prepare + verify + commit; and the same engine
-on an emulated asynchronous device (`EmulatedDevice`), where the forward takes a GPU's time and
-the pipelined loop builds one step's outputs while the next one's forward runs.
+"""The engine below its public API: one of the bench's two modules that reach past it
+(`bench/__init__.py` names them; `simulate.py` is the other, for the drafters).
 
-On a GPU the forward of a replayed step costs a few milliseconds; the host work around it then
-decides the step's speed. A stand-in model that answers every kept row at once (no layers, no
-attention) leaves exactly that work on the clock, on any machine. Its answer follows a bigram
+The host-side stand-in. On a GPU the forward of a replayed step costs a few milliseconds; the host
+work around it then decides the step's speed. A stand-in model that answers every kept row at
+once (no layers, no attention) leaves exactly that work on the clock, on any machine: the engine
+built over it (`stand_in_engine`) is measured by `host_timing.py`. Its answer follows a bigram
 table built from the prompts (the next token after a row's input is the one that followed it
 last in the prompts), so outputs copy prompt text and the drafts are accepted as on real
-copy-heavy workloads: the tree walks, compactions and trie updates all run.
+copy-heavy workloads: the tree walks, compactions and trie updates all run. The same engine runs
+on an emulated asynchronous device (`EmulatedDevice`), where the forward takes a GPU's time, and
+in the pipelined loop (`pipeline`), which builds one step's outputs while the next forward runs.
+
+The model side the public API does not give (each a handle the bench would take from `LLM` or
+`EngineCore` if they offered it): a forward built once and handed to many engines
+(`build_forward`), the CPU weights `batchserve serve` takes here (`served_weights`), the ids an
+engine stops at (`stop_ids`), a step cost curve measured on an engine's own runner
+(`measure_curve`), and a native model built from a transformers one (`native_model`,
+`packed_modules`: `bench --shape`'s random weights).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from batchserve.admission import Submission
 from batchserve.attention.base import AttentionBackend, StepLayout
 from batchserve.attention.flashinfer_backend import PagedPlan, build_plan
 from batchserve.cost_profile import CostProfile
-from batchserve.draft.base import LearnsLater
 from batchserve.pipeline import StepPipeline
-from batchserve.records import SchedulerOutput, StepPhases
-from batchserve.request import SamplingParams
-
-HOST_PHASES = ("schedule", "prepare", "verify", "commit")
+from batchserve.records import SchedulerOutput
 
 
 class StandInModel(nn.Module):
@@ -119,55 +120,6 @@ class PlanOnlyBackend(AttentionBackend):
         pass
 
 
-class HostStats(NamedTuple):
-    """Host milliseconds per step (medians over steps with every seat taken)."""
-
-    requests: int  # requests in flight in the measured steps
-    steps: int  # steps measured
-    phase_ms: dict[str, float]  # median ms per step of each host phase
-    host_ms: float  # median of schedule + prepare + verify + commit per step
-    rows: float  # mean rows per step (roots, draft nodes)
-    tokens_per_step: float  # mean tokens a request emitted per step
-
-
-@dataclass(slots=True)
-class _Steps:
-    seats: int
-    phases: list[StepPhases]
-    rows: list[int]
-
-    def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
-        # Full steps only, without a prompt chunk: the steady state a replayed step serves.
-        if len(out.requests) == self.seats and all(len(r.token_ids) == 1 for r in out.requests):
-            self.phases.append(phases)
-            self.rows.append(out.num_tokens)
-
-
-def measure_host(
-    core: Any, prompts: Sequence[Sequence[int]], requests: int, max_new_tokens: int, decoding_length: int | None = None
-) -> HostStats:
-    """Run `prompts` through `core` (an EngineCore over a StandInModel) `requests` at a time, each
-    to `max_new_tokens`, and report the host phases of the full steps."""
-    seen = _Steps(requests, [], [])
-    core.step_listeners.append(seen.add)
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, decoding_length=decoding_length)
-    queue = list(prompts)
-    emitted = 0
-    try:
-        while queue or core.has_work():
-            while queue and len(core.scheduler.requests) < requests:
-                core.add_request(Submission(list(queue.pop(0)), params))
-            emitted += sum(len(o.new_token_ids) for o in core.step())
-    finally:
-        core.step_listeners.remove(seen.add)
-    if not seen.phases:
-        raise ValueError(f"no step ran {requests} requests at once: give at least {requests} prompts")
-    phase_ms = {n: statistics.median(getattr(p, n) for p in seen.phases) * 1e3 for n in HOST_PHASES}
-    host = statistics.median(sum(getattr(p, n) for n in HOST_PHASES) for p in seen.phases) * 1e3
-    tokens = sum(p.tokens for p in seen.phases) / (len(seen.phases) * requests)
-    return HostStats(requests, len(seen.phases), phase_ms, host, statistics.fmean(seen.rows), tokens)
-
-
 def stand_in_engine(
     prompts: Sequence[Sequence[int]],
     tokenizer: Any,
@@ -179,8 +131,8 @@ def stand_in_engine(
     """An EngineCore over a StandInModel (trie drafts, fixed decoding length, a pool for `seats`),
     its steps bucketed as for CUDA graphs and planned as for FlashInfer (`PlanOnlyBackend`).
     `adaptive_profile`: the adaptive draft length instead, planned with this profile."""
+    from batchserve import EngineCore
     from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from batchserve.engine import EngineCore
 
     config = EngineConfig(
         # The bucketed steps a GPU replays: padding, staging and planning are host work too.
@@ -195,20 +147,10 @@ def stand_in_engine(
     core.runner.backend = PlanOnlyBackend(config.cache.num_blocks + 2, config.cache.block_size)
     if core.runner.graphs is not None:
         core.runner.graphs.backend = core.runner.backend
-    if isinstance(core.speculation.drafter, LearnsLater):  # as on a GPU: the trie's insertion beside the next forward
-        core.speculation.drafter.defer_learning()
+    drafter = core.speculation.drafter
+    if hasattr(drafter, "defer_learning"):  # as on a GPU: the trie's insertion beside the next forward
+        drafter.defer_learning()
     return core
-
-
-def time_host(
-    prompts: Sequence[Sequence[int]], tokenizer: Any, vocab: int, points: Sequence[tuple[int, int]], max_new_tokens: int
-) -> list[HostStats]:
-    """HostStats at each (requests, decoding length) point, each on a fresh engine."""
-    out = []
-    for requests, length in points:
-        core = stand_in_engine(prompts, tokenizer, vocab, requests, length)
-        out.append(measure_host(core, prompts, requests, max_new_tokens))
-    return out
 
 
 # SmolLM2-135M bf16 replayed from CUDA graphs on one H100: the engine's start-up profile (one
@@ -254,58 +196,6 @@ class EmulatedDevice:
         return self.collect(self.launch(out))
 
 
-class EmulatedStats(NamedTuple):
-    """A run on the emulated device: what the host adds to its steps, and what comes out."""
-
-    requests: int  # requests in flight at most
-    pipelined: bool
-    steps: int  # full steps measured (every seat taken, no prompt chunk)
-    critical_ms: float  # median host ms a full step spends in series with the device
-    outputs_ms: float  # median ms a full step spends building outputs (beside the forward when pipelined)
-    device_ms: float  # mean emulated forward ms a step
-    wall_ms: float  # mean wall ms a step, every step of the run
-    tokens_per_s: float  # tokens emitted over the run's wall time
-    tokens_per_step: float  # mean tokens a request emitted per full step
-    draft_rows: float  # mean draft rows a full step
-
-
-def measure_emulated(
-    core: Any, prompts: Sequence[Sequence[int]], requests: int, max_new_tokens: int, pipelined: bool
-) -> EmulatedStats:
-    """Run `prompts` through `core` (its runner an EmulatedDevice) `requests` at a time, with the
-    pipelined loop or the sequential one. A full step's critical path is schedule + prepare +
-    verify + commit, and building its outputs too where the loop is sequential."""
-    device = core.runner
-    seen = _Steps(requests, [], [])
-    core.step_listeners.append(seen.add)
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    queue, pipe = list(prompts), StepPipeline(core)
-    emitted = steps = 0
-    start = time.perf_counter()
-    try:
-        while queue or pipe.has_work():
-            while queue and len(core.scheduler.requests) < requests:
-                core.add_request(Submission(list(queue.pop(0)), params))
-            outs = pipe.step() if pipelined else core.step()
-            emitted += sum(len(o.new_token_ids) for o in outs)
-            steps += 1
-    finally:
-        core.step_listeners.remove(seen.add)
-    wall = time.perf_counter() - start
-    if not seen.phases:
-        raise ValueError(f"no step ran {requests} requests at once: give at least {requests} prompts")
-    host = [*HOST_PHASES] if pipelined else [*HOST_PHASES, "outputs"]
-    critical = statistics.median(sum(getattr(p, n) for n in host) for p in seen.phases) * 1e3
-    outputs = statistics.median(p.outputs for p in seen.phases) * 1e3
-    tokens = sum(p.tokens for p in seen.phases) / (len(seen.phases) * requests)
-    drafts = statistics.fmean(seen.rows) - requests
-    num_steps = core.num_steps or 1
-    return EmulatedStats(
-        requests, pipelined, len(seen.phases), critical, outputs, device.device_seconds * 1e3 / num_steps,
-        wall * 1e3 / max(1, steps), emitted / wall, tokens, drafts,
-    )  # fmt: skip
-
-
 def emulated_engine(
     prompts: Sequence[Sequence[int]],
     tokenizer: Any,
@@ -320,3 +210,97 @@ def emulated_engine(
     core = stand_in_engine(prompts, tokenizer, vocab, seats, decoding_length, profile if adaptive else None)
     core.runner = EmulatedDevice(core.runner, profile)
     return core
+
+
+def seated(core: Any) -> int:
+    """Requests in `core`'s scheduler (waiting or running): a closed loop adds one while fewer
+    than its seats are."""
+    return len(core.scheduler.requests)
+
+
+def device_seconds(core: Any) -> float:
+    """The emulated forward time of every step `core` launched on its `EmulatedDevice`."""
+    return core.runner.device_seconds
+
+
+def pipeline(core: Any) -> Any:
+    """The pipelined loop over `core` (`StepPipeline`: a step's outputs built beside the next
+    forward), as the serving loop runs it on a device."""
+    return StepPipeline(core)
+
+
+def build_forward(
+    model: Any,
+    impl: str,
+    cpu_linear: str,
+    cpu_weights: str,
+    path: str | None = None,
+    loaded_from_path: bool = False,
+    max_num_seqs: int | None = None,
+) -> Any:
+    """What an engine with these settings runs over `model` (transformers', as loaded), built
+    once: `LLM(hf_model=...)` takes a built forward back as it is, so many engines share one."""
+    from batchserve.model import choose_impl
+
+    return choose_impl(model, impl, cpu_linear, cpu_weights, path, loaded_from_path, max_num_seqs)
+
+
+def served_weights(on_cpu: bool, model_path: str | None, seats: int | None) -> tuple[str, str]:
+    """(the CPU weights `cpu_weights=auto` takes for `batchserve serve` of `seats` seats on the
+    model at `model_path` here, why): known before any model loads."""
+    from batchserve.model import cpu_weights_choice
+
+    choice = cpu_weights_choice(on_cpu, model_path, seats)
+    return choice.weights, choice.why
+
+
+def stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The token ids an engine over `model` ends a request at (its end-of-sequence ids)."""
+    from batchserve.runner.build import eos_token_ids
+
+    return eos_token_ids(model, tokenizer)
+
+
+def measure_curve(
+    llm: Any, rows: tuple[int, ...], contexts: tuple[int, ...], repeats: int, progress: bool = True
+) -> dict[str, Any]:
+    """curve.json's measurements on `llm`'s idle engine, by the engine's own calibration
+    (`runner/calibrate.py`) on its own runner: the cost profile at `contexts`, and at each context
+    the decode steps of n requests of one row each, n in `rows`."""
+    from dataclasses import asdict
+
+    from batchserve.runner.calibrate import calibrate, curve_of, step_of
+
+    runner = llm.engine.runner
+    profile = calibrate(
+        runner,
+        max_tokens=max(rows),
+        max_context=llm.engine.facts.max_model_len,
+        contexts=contexts,
+        repeats=repeats,
+        progress=progress,
+        token_counts=rows,
+    )
+    decode: dict[str, list[float]] = {}
+    try:
+        for ctx in profile.contexts:  # those that fit the model and the pool
+            steps = [step_of(runner, [ctx] * n, n) for n in rows]  # n requests, one row each
+            decode[str(ctx)] = [round(ms, 4) for ms in curve_of(runner, steps, repeats, lambda: None)]
+    finally:
+        runner.release([f"calibrate-{i}" for i in range(max(rows))])
+    return {"rows": list(rows), "contexts": list(profile.contexts), "decode_ms": decode, "profile": asdict(profile)}
+
+
+def native_model(hf: Any) -> nn.Module:
+    """The engine's native forward (`model/llama.py`) over a transformers Llama's weights, built as
+    the engine builds any Llama it serves (`native_from_hf`), its layers left as built."""
+    from batchserve.model import native_from_hf
+
+    return native_from_hf(hf)
+
+
+def packed_modules() -> dict[str, tuple[str, int]]:
+    """transformers' projection -> (the native model's merged product, its part): q|k|v, gate|up."""
+    from batchserve.model.llama import PACKED_MODULES
+
+    return PACKED_MODULES

@@ -8,7 +8,8 @@ costs comes from a curve: curve.json measured on the GPU (`bench --shape NAME --
 any cost profile, or the built-in synthetic one (`curve.load_curve`). The adaptive policy runs on
 that curve as the engine runs it: `PolicyDrafts` over `DraftBudgetPolicy.from_config(profile,
 DraftConfig())` (hopeful requests, proposals, shadow drafts, the allocation, the speed guard's
-baseline steps and hedge), its trackers taught by `OpenJudgements` as the planner teaches them.
+baseline steps and hedge), its trackers taught by `OpenJudgements` as the planner teaches them
+(`simulate.Speculation`: the drafter and the policy live in `simulate.py`, past the public API).
 
 Per in-flight count b, a closed loop of b seats over the test samples (outputs cut at max_new):
 - none: each running request emits one token; the step costs the profile's time for b rows of b
@@ -30,16 +31,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batchserve.bench.simulate import Encoded
+from batchserve.bench.simulate import Encoded, Speculation, verify
 from batchserve.config import DraftConfig, SchedulerConfig
 from batchserve.cost_profile import CostProfile
-from batchserve.draft import make_drafter
 from batchserve.request import Request, SamplingParams
-from batchserve.speculation.budget import DraftBudgetPolicy, StepShape
-from batchserve.speculation.host_budget import HostBudget
-from batchserve.speculation.judging import OpenJudgements
-from batchserve.speculation.policy_drafts import PolicyDrafts
-from batchserve.trees import DraftTree, walk
 
 IN_FLIGHT = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUDGET = SchedulerConfig().max_num_batched_tokens  # the engine's default rows per step
@@ -101,76 +96,6 @@ class _Seat:
         return len(self.output) - self.done
 
 
-class Speculation:
-    """lookahead-adaptive's side of the loop: the drafter and the policy, driven as the engine's
-    planner (`speculation/planner.py`) drives them, minus host time (module docstring)."""
-
-    def __init__(self, profile: CostProfile, warm: list[list[int]], config: DraftConfig) -> None:
-        self.cap = config.decoding_length or 0  # the most draft tokens a request verifies in a step
-        self.drafter = make_drafter(config)
-        if warm:
-            self.drafter.warm_up(warm)  # type: ignore[attr-defined]
-        self.policy = DraftBudgetPolicy.from_config(profile, config)
-        host = HostBudget(config.shadow_share, config.plan_backoff, self.policy.guard)
-        self.sizing = PolicyDrafts(self.policy, config, host)
-        self.judgements = OpenJudgements()
-        self._proposals: dict[str, DraftTree] = {}  # this step's whole proposal per request
-
-    def start(self, req: Request) -> None:
-        self.drafter.on_request_start(req.request_id, req.prompt_token_ids)
-
-    def plan(self, seats: list[_Seat], context: float, budget: int) -> dict[str, DraftTree]:
-        """The verified trees of this step's requests, within `budget` draft rows."""
-        n = len(seats)
-        guard = self.policy.guard
-        baseline = guard is not None and guard.wants_plain(n)
-        wanted = [(s.request, lim) for s in seats if (lim := min(self.cap, s.left - 1, budget)) > 0]
-        if not wanted:
-            self._proposals = {}
-            return {}
-        shape = StepShape(num_roots=n, context=context, num_seqs=n, token_budget=max(0, budget))
-        trees = self.sizing.trees(wanted, shape, baseline, self._propose)
-        self._proposals = trees.proposals
-        return trees.verified
-
-    def _propose(self, req: Request, limit: int) -> DraftTree | None:
-        tree = self.drafter.propose(req.request_id, req.all_token_ids, limit) if limit > 0 else None
-        return tree if tree is not None and len(tree) else None
-
-    def commit(self, request_id: str, emitted: list[int]) -> None:
-        """The request emitted `emitted`: its proposals judged (this step's and open earlier ones),
-        the drafter told."""
-        tracker = self.policy.tracker
-        now, late = self.judgements.judge(request_id, self._proposals.pop(request_id, None), emitted)
-        if now is None:
-            tracker.skipped(request_id)
-        else:
-            tracker.observe(request_id, now.stop, now.hits, now.scores, now.match)
-        for d in late:
-            tracker.observe_late(request_id, d.start, d.stop, d.hits, d.scores, d.match)
-        self.drafter.on_tokens_accepted(request_id, emitted)
-
-    def observe(self, num_seqs: int, tokens: int, ms: float, drafted: bool) -> None:
-        if self.policy.guard is not None:
-            self.policy.guard.observe(num_seqs, tokens, ms, drafted)
-
-    def finish(self, request_id: str) -> None:
-        self.policy.tracker.forget(request_id)
-        self.policy.windows.forget(request_id)
-        self.judgements.forget(request_id)
-        self.drafter.on_request_finish(request_id)
-
-
-def _verify(tree: DraftTree | None, output: list[int], done: int) -> list[int]:
-    """What a request emits this step: the model's token after each node is the reference's."""
-
-    def model_token(node: int | None) -> int | None:
-        i = done + (0 if node is None or tree is None else tree.depths[node])
-        return output[i] if i < len(output) else None
-
-    return walk(tree, model_token)[0]
-
-
 def run_loop(
     profile: CostProfile,
     samples: Sequence[Encoded],
@@ -198,7 +123,7 @@ def run_loop(
         tokens = 0
         for s in seats:
             rid = s.request.request_id
-            emitted = _verify(trees.get(rid), s.output, s.done)
+            emitted = verify(trees.get(rid), s.output, s.done)
             s.done += len(emitted)
             s.request.all_token_ids.extend(emitted)
             s.request.output_token_ids.extend(emitted)
@@ -282,7 +207,7 @@ def main(
 ) -> None:
     """Print, per dataset, the predicted tokens/s table on `profile`."""
     from batchserve.bench.simulate import encoded_split
-    from batchserve.runner import load_tokenizer
+    from batchserve.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     contexts = ", ".join(f"{c}: {profile.critical_decoding_length(context=c)}" for c in profile.contexts)

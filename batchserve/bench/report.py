@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from batchserve.bench.host import HOST_PHASES
+from batchserve.bench.host_timing import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, load_point, method_rank, none_of
 from batchserve.bench.near_ties import divergence_lines, lossless_cell
 from batchserve.bench.served import served_table

@@ -12,7 +12,7 @@ from batchserve import heap
 from batchserve.bench.datasets import REPEAT, Sample, load_samples, split, split_workload
 from batchserve.bench.load import open_loop, open_loop_latencies
 from batchserve.bench.methods import Method, Row, batchserve_method
-from batchserve.bench.simulate import encode
+from batchserve.bench.samples import encode
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import tokens_per_step
 
@@ -113,8 +113,9 @@ def run_batchserve(
     from batchserve import SamplingParams
 
     llm = method_engine(engine_model, tokenizer, m, b, decoding_length, cost_profile, max_num_batched_tokens)
-    if m.warm:
-        llm.engine.speculation.drafter.warm_up(warm)
+    if m.warm:  # the dev outputs into the trie, as a server's admin loads a corpus (`add_corpus`)
+        for _ in llm.engine.add_corpus(warm):
+            pass
     if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
         llm.generate(earlier, SamplingParams(max_new_tokens=1))
     phases = PhaseTotals(b)
@@ -195,11 +196,11 @@ _FORWARDS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, str], Any]] = wea
 
 def forward_for(model: Any, m: Method) -> Any:
     """The model method `m`'s engines run: `model` (as loaded) built for m's kernels, once."""
-    from batchserve.model import choose_impl
+    from batchserve.bench.host import build_forward
 
     built = _FORWARDS.setdefault(model, {})
     if m.kernels not in built:
-        forward = choose_impl(model, m.model_impl, m.cpu_linear, m.cpu_weights)
+        forward = build_forward(model, m.model_impl, m.cpu_linear, m.cpu_weights)
         built[m.kernels] = None if forward is model else forward  # None: as loaded (no cycle to the key)
     return built[m.kernels] or model
 

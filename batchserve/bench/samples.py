@@ -1,8 +1,10 @@
-"""A benchmark sample: the record every dataset loader (`datasets`, `grounded`) returns."""
+"""A benchmark sample: the record every dataset loader (`datasets`, `grounded`) returns, and the
+same sample as token ids (`Encoded`, `encode`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,3 +19,27 @@ class Sample:
 
     def messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.history] + [{"role": "user", "content": self.prompt}]
+
+
+@dataclass(slots=True)
+class Encoded:
+    prompt: list[int]
+    output: list[int]
+    prediction: list[int] = field(default_factory=list)  # a predicted output sent with the request, if any
+
+
+def encode(samples: list[Sample], tokenizer: Any) -> list[Encoded]:
+    """Each sample's prompt (chat samples rendered with the chat template) and reference as ids."""
+    out = []
+    for s in samples:
+        if s.chat:
+            text = tokenizer.apply_chat_template(s.messages(), tokenize=False, add_generation_prompt=True)
+        else:
+            text = s.prompt
+        out.append(
+            Encoded(
+                tokenizer(text, add_special_tokens=False).input_ids,
+                tokenizer(s.reference, add_special_tokens=False).input_ids,
+            )
+        )
+    return out

@@ -3,12 +3,12 @@ no tokenizer file. What `batchserve bench --shape` times.
 
 SmolLM2-135M keeps a GPU launch-bound, a regime no H100 user is in: an 8B model's steps are spent
 reading weights and, past the critical decoding length, in FLOPs. `build_model` builds the native
-forward (`model/llama.py`, the one the engine runs, through `native_from_hf` as for any Llama) of a
-shape with seeded small-normal weights, straight on the device in the device's dtype; `hf_twin` is a
-transformers `LlamaForCausalLM` over the native model's weight tensors (the HF peers' model: the
-same weights, no second copy); `synthetic_tokenizer`
-gives the engine a tokenizer of the shape's vocabulary (ids are the words `t0`, `t1`, ...): timing
-sends token ids and needs no real one.
+forward (`model/llama.py`, the one the engine runs, through `native_from_hf` as for any Llama:
+`host.native_model`) of a shape with seeded small-normal weights, straight on the device in the
+device's dtype; `hf_twin` is a transformers `LlamaForCausalLM` over the native model's weight
+tensors (the HF peers' model: the same weights, no second copy); `synthetic_tokenizer` gives the
+engine a tokenizer of the shape's vocabulary (ids are the words `t0`, `t1`, ...): timing sends
+token ids and needs no real one.
 
 Light to import (the CLI lists the shapes): torch and transformers load inside the functions.
 """
@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
-    from batchserve.model.llama import NativeLlamaForCausalLM
+    from torch import nn
 
 # Tiny shapes fit any CPU; anything larger needs CUDA (`ModelShape.cpu_ok`).
 CPU_MAX_PARAMS = 50_000_000
@@ -125,7 +124,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def build_model(
     shape: ModelShape, device: str | torch.device = "cuda", dtype: torch.dtype | None = None, seed: int = 0
-) -> NativeLlamaForCausalLM:
+) -> nn.Module:
     """The native model of `shape` with seeded random weights on `device` in `dtype` (default:
     `default_dtype`), built as the engine builds any Llama it serves (`native_from_hf`: its layer
     kernels chosen for the device), from a transformers model allocated there uninitialized and
@@ -134,14 +133,14 @@ def build_model(
     model allocated in float32 before its cast: 48 GB for 8B), then one."""
     import torch
 
-    from batchserve.model import native_from_hf
+    from batchserve.bench.host import native_model
 
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if device.type == "cpu" and dtype != torch.float32:
         raise ValueError("on the CPU the engine runs a handed-in native model in float32")
     hf = _random_hf(shape, device, dtype, seed)
-    model = native_from_hf(hf)
+    model = native_model(hf)
     del hf  # the native model holds its own copy of every weight
     gc.collect()
     # What `choose_impl` records for a model it built: off the CPU the weights are the model's dtype.
@@ -173,7 +172,7 @@ def _random_hf(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed
     return hf.eval()
 
 
-def hf_twin(model: NativeLlamaForCausalLM) -> Any:
+def hf_twin(model: nn.Module) -> Any:
     """A transformers `LlamaForCausalLM` whose parameters are `model`'s own tensors (views of the
     merged q|k|v and gate|up products): the same weights, no second copy. `native_from_hf` read
     backwards. Its config is a copy (transformers sets its attention choice there)."""
@@ -182,8 +181,9 @@ def hf_twin(model: NativeLlamaForCausalLM) -> Any:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from batchserve.model.llama import PACKED_MODULES
+    from batchserve.bench.host import packed_modules
 
+    packed = packed_modules()
     config = copy.deepcopy(model.config)
     with torch.device("meta"):
         hf = LlamaForCausalLM(config)
@@ -192,8 +192,8 @@ def hf_twin(model: NativeLlamaForCausalLM) -> Any:
         module_name, _, leaf = name.rpartition(".")
         ours = name.removeprefix("model.")
         parent, _, proj = ours.rpartition(".")[0].rpartition(".")
-        if proj in PACKED_MODULES:
-            merged_name, part = PACKED_MODULES[proj]
+        if proj in packed:
+            merged_name, part = packed[proj]
             merged = model.get_submodule(f"{parent}.{merged_name}")
             tensor = getattr(merged, leaf).detach().split(merged.sizes)[part]  # a view: rows of the merged weight
         else:

@@ -1,4 +1,8 @@
-"""`batchserve bench --simulate`: step compression of each drafter without running the model.
+"""The drafters replayed offline: `batchserve bench --simulate`'s step compression of each
+drafter without running the model, and the drafter and adaptive policy that `--ceiling` and
+`--simulate --curve` (`ceiling.py`, `predict.py`) replay. One of the bench's two modules that
+reach past the public API (`bench/__init__.py` names them): the drafters (`draft/`) and the
+speculation's policy (`speculation/`) have no public handle, since the engine owns them.
 
 For HumanEval (prompt -> canonical solution) and ShareGPT (first human turn, rendered with
 the chat template -> first reply), the trie is warmed on the dev split's outputs and every
@@ -12,40 +16,24 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
-from batchserve.bench.datasets import Sample, humaneval, sharegpt, split
+from batchserve.bench.datasets import humaneval, sharegpt, split
+from batchserve.bench.samples import Encoded, encode
 from batchserve.config import DraftConfig
-from batchserve.draft import Drafter, SingleBranchDrafter, TrieDrafter
+from batchserve.cost_profile import CostProfile
+from batchserve.draft import Drafter, SingleBranchDrafter, TrieDrafter, make_drafter
 from batchserve.draft.simulate import SimulationResult, simulate
+from batchserve.request import Request
+from batchserve.speculation.budget import DraftBudgetPolicy, StepShape
+from batchserve.speculation.host_budget import HostBudget
+from batchserve.speculation.judging import OpenJudgements
+from batchserve.speculation.policy_drafts import PolicyDrafts
+from batchserve.trees import DraftTree, walk
 
 LAYOUTS = ("single", "parallel", "hierarchical")
-
-
-@dataclass(slots=True)
-class Encoded:
-    prompt: list[int]
-    output: list[int]
-    prediction: list[int] = field(default_factory=list)  # a predicted output sent with the request, if any
-
-
-def encode(samples: list[Sample], tokenizer: Any) -> list[Encoded]:
-    out = []
-    for s in samples:
-        if s.chat:
-            text = tokenizer.apply_chat_template(s.messages(), tokenize=False, add_generation_prompt=True)
-        else:
-            text = s.prompt
-        out.append(
-            Encoded(
-                tokenizer(text, add_special_tokens=False).input_ids,
-                tokenizer(s.reference, add_special_tokens=False).input_ids,
-            )
-        )
-    return out
 
 
 def replay(make: Callable[[], Drafter], warm: list[list[int]], test: list[Encoded], length: int) -> SimulationResult:
@@ -57,6 +45,11 @@ def replay(make: Callable[[], Drafter], warm: list[list[int]], test: list[Encode
         references = [s.prediction] if s.prediction else []
         total.merge(simulate(drafter, f"sim-{i}", s.prompt, s.output, length, references))
     return total
+
+
+def trie(config: DraftConfig | None = None) -> Callable[[], TrieDrafter]:
+    """A maker of fresh trie drafters with `config` (default: the engine's), for `replay`."""
+    return lambda: TrieDrafter(config or DraftConfig())
 
 
 def encoded_split(name: str, num_samples: int, tokenizer: Any) -> tuple[list[list[int]], list[Encoded]]:
@@ -118,7 +111,7 @@ def trie_speed(tokenizer: Any, length: int = 64, min_nodes: int = 100_000) -> st
 
 
 def main(datasets: list[str], lengths: list[int], num_samples: int, model: str | None, speed: bool = True) -> None:
-    from batchserve.runner import load_tokenizer
+    from batchserve.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     t0 = time.perf_counter()
@@ -127,3 +120,76 @@ def main(datasets: list[str], lengths: list[int], num_samples: int, model: str |
     if speed:
         print(trie_speed(tokenizer))
     print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+class Speculation:
+    """lookahead-adaptive's side of `predict.py`'s loop: the drafter and the policy, driven as the
+    engine's planner (`speculation/planner.py`) drives them, minus host time (`predict.py`'s
+    docstring). `plan` takes the loop's seats: anything with `.request` (a `Request`) and `.left`
+    (the tokens it has yet to emit)."""
+
+    def __init__(self, profile: CostProfile, warm: list[list[int]], config: DraftConfig) -> None:
+        self.cap = config.decoding_length or 0  # the most draft tokens a request verifies in a step
+        self.drafter = make_drafter(config)
+        if warm:
+            self.drafter.warm_up(warm)  # type: ignore[attr-defined]
+        self.policy = DraftBudgetPolicy.from_config(profile, config)
+        host = HostBudget(config.shadow_share, config.plan_backoff, self.policy.guard)
+        self.sizing = PolicyDrafts(self.policy, config, host)
+        self.judgements = OpenJudgements()
+        self._proposals: dict[str, DraftTree] = {}  # this step's whole proposal per request
+
+    def start(self, req: Request) -> None:
+        self.drafter.on_request_start(req.request_id, req.prompt_token_ids)
+
+    def plan(self, seats: list[Any], context: float, budget: int) -> dict[str, DraftTree]:
+        """The verified trees of this step's requests, within `budget` draft rows."""
+        n = len(seats)
+        guard = self.policy.guard
+        baseline = guard is not None and guard.wants_plain(n)
+        wanted = [(s.request, lim) for s in seats if (lim := min(self.cap, s.left - 1, budget)) > 0]
+        if not wanted:
+            self._proposals = {}
+            return {}
+        shape = StepShape(num_roots=n, context=context, num_seqs=n, token_budget=max(0, budget))
+        trees = self.sizing.trees(wanted, shape, baseline, self._propose)
+        self._proposals = trees.proposals
+        return trees.verified
+
+    def _propose(self, req: Request, limit: int) -> DraftTree | None:
+        tree = self.drafter.propose(req.request_id, req.all_token_ids, limit) if limit > 0 else None
+        return tree if tree is not None and len(tree) else None
+
+    def commit(self, request_id: str, emitted: list[int]) -> None:
+        """The request emitted `emitted`: its proposals judged (this step's and open earlier ones),
+        the drafter told."""
+        tracker = self.policy.tracker
+        now, late = self.judgements.judge(request_id, self._proposals.pop(request_id, None), emitted)
+        if now is None:
+            tracker.skipped(request_id)
+        else:
+            tracker.observe(request_id, now.stop, now.hits, now.scores, now.match)
+        for d in late:
+            tracker.observe_late(request_id, d.start, d.stop, d.hits, d.scores, d.match)
+        self.drafter.on_tokens_accepted(request_id, emitted)
+
+    def observe(self, num_seqs: int, tokens: int, ms: float, drafted: bool) -> None:
+        if self.policy.guard is not None:
+            self.policy.guard.observe(num_seqs, tokens, ms, drafted)
+
+    def finish(self, request_id: str) -> None:
+        self.policy.tracker.forget(request_id)
+        self.policy.windows.forget(request_id)
+        self.judgements.forget(request_id)
+        self.drafter.on_request_finish(request_id)
+
+
+def verify(tree: DraftTree | None, output: list[int], done: int) -> list[int]:
+    """What a request emits this step, its reference `output` emitted up to `done`: the model's
+    token after each node of `tree` is the reference's (target-guided)."""
+
+    def model_token(node: int | None) -> int | None:
+        i = done + (0 if node is None or tree is None else tree.depths[node])
+        return output[i] if i < len(output) else None
+
+    return walk(tree, model_token)[0]

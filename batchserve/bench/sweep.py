@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from batchserve.bench.crashes import PeerFailed, peer_notes
+from batchserve.bench.host import stop_ids
 from batchserve.bench.llamacpp_child import LlamaCppChild, load_llamacpp
 from batchserve.bench.load import poisson_arrivals
 from batchserve.bench.methods import (
@@ -39,7 +40,6 @@ from batchserve.bench.report import save_results, write_report
 from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
 from batchserve.bench.served import ServedPeers
 from batchserve.bench.sweep_setup import optional_peers, runs_per_dataset, served_peers
-from batchserve.runner.build import eos_token_ids
 
 if TYPE_CHECKING:
     from batchserve.cost_profile import CostProfile
@@ -123,7 +123,7 @@ def _peer_rows(
         s.add(_peer_row("hf-prompt-lookup", dataset, 1, run, None, None))
         s.bar.update(1)
     if "llamacpp" in s.methods and s.gguf is not None:  # a context for this dataset's longest prompt
-        s.llamacpp = load_llamacpp(s.gguf, prompts, s.max_new), eos_token_ids(s.ref_model, s.tokenizer)
+        s.llamacpp = load_llamacpp(s.gguf, prompts, s.max_new), stop_ids(s.ref_model, s.tokenizer)
         if not s.llamacpp_rounds and (row := _llamacpp_row(s, dataset, first, reference)):
             s.add(row)
     return reference or none
@@ -315,7 +315,7 @@ def run(
     method) with at most max(`batch_sizes`) running, over max(`num_prompts`, `waves` x that) prompts."""
     if keep not in KEEP:
         raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
-    from batchserve.runner import load_model
+    from batchserve.model.loader import load_model
 
     methods, gguf, llama_server, skipped = optional_peers(methods, model_path)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -40,13 +40,13 @@ def served_peers(
 ) -> ServedPeers | None:
     """The served rows' servers (None: no served method): ours with at least make serve's 16
     seats, on the weights it runs here."""
-    from batchserve.model import cpu_weights_choice
+    from batchserve.bench.host import served_weights
 
     if not set(SERVED + LLAMA_SERVER) & set(methods):
         return None
     seats = max(16, *batch_sizes)
     on_cpu = engine_model is None or engine_model.device.type == "cpu"
-    weights = cpu_weights_choice(on_cpu, model_path, seats).weights
+    weights, _ = served_weights(on_cpu, model_path, seats)
     return ServedPeers(model_path, weights, seats, logs, llama_server)
 
 

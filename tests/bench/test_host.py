@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from batchserve.admission import Submission
-from batchserve.bench.host import (
-    HOST_PHASES,
-    PlanOnlyBackend,
-    StandInModel,
-    bigram_successor,
-    measure_host,
-    stand_in_engine,
-)
+from batchserve import Submission
+from batchserve.bench.host import PlanOnlyBackend, StandInModel, bigram_successor, stand_in_engine
+from batchserve.bench.host_timing import HOST_PHASES, measure_host
 from batchserve.bench.methods import Row
 from batchserve.bench.report import phase_table
 from batchserve.request import SamplingParams
@@ -102,7 +96,8 @@ def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says(monk
 
 
 def test_the_pipelined_loop_hides_building_outputs_on_the_emulated_device():
-    from batchserve.bench.host import emulated_engine, measure_emulated
+    from batchserve.bench.host import emulated_engine
+    from batchserve.bench.host_timing import measure_emulated
 
     prompts, tokenizer = _prompts(8), make_tiny_tokenizer()
     runs = {}

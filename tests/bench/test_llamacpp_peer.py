@@ -107,11 +107,11 @@ def _tiny_sweep(
 ) -> list[dict[str, Any]]:
     """The bench sweep with `methods` at batch 1 on two prompts, without a real model: the tiny
     model, a fixed HF reference, and whatever `llama_cpp` (and llama.cpp loader) the test installed."""
-    from batchserve import runner
     from batchserve.bench import sweep
+    from batchserve.model import loader
 
     reference = [[10, 11, 12, 13], [5, 6, 7, 8]]
-    monkeypatch.setattr(runner, "load_model", lambda path, dtype: (model, tokenizer))
+    monkeypatch.setattr(loader, "load_model", lambda path, dtype: (model, tokenizer))
     monkeypatch.setattr(sweep, "load_dataset", lambda name, n, tok: sweep.Workload([[1, 2], [3, 4, 5]], []))
     monkeypatch.setattr(sweep, "run_hf", lambda m, prompts, *a, **k: (reference[: len(prompts)], 1.0, [0.1], [0.1]))
     gguf = tmp_path / "m.gguf"

@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from batchserve.bench.tune import Goals, Point, TuneResult, closest, recommend
-from batchserve.bench.tune_report import answer_lines, write_tune_report
 from batchserve.cli import main
+from batchserve.tune import Goals, Point, TuneResult, answer_lines, closest, recommend, write_tune_report
 
 
 def _point(draft: str, seqs: int, tps: float, ttft: float, tpot: float, goals: Goals, budget: int = 512) -> Point:
@@ -65,7 +64,7 @@ def test_when_nothing_meets_the_goals_it_says_so_and_names_the_closest(tmp_path:
 
 
 def test_a_point_of_repeated_runs_is_their_median() -> None:
-    from batchserve.bench.tune import _Runner
+    from batchserve.tune.measure import _Runner
 
     speeds = iter([30.0, 90.0, 50.0])
 

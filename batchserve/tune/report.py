@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from batchserve.bench.tune_points import DRAFTS, TuneResult, closest
+from batchserve.tune.points import DRAFTS, TuneResult, closest
 
 
 def write_tune_report(result: TuneResult, out_dir: Path, dataset: str, max_new: int) -> None:

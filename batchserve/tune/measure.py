@@ -6,7 +6,11 @@ without drafts (`none`, `lookahead-adaptive`), at the default token budget. Stag
 token budgets (`max_num_batched_tokens`, which bounds a step's prompt chunk and so TTFT and
 TPOT under prompt load) at the best point that meets the goals. The recommendation is the point
 with the most output tokens/s whose TTFT and TPOT at the goals' percentile are within them;
-`--confirm` runs it once more to show how well the prediction holds."""
+`--confirm` runs it once more to show how well the prediction holds.
+
+Each point is a bench run (`bench/runs.py`: the workload, the engine a method's settings build,
+the closed loop and its latencies), so that `tune` measures what `batchserve bench` measures; the
+weights and the forward are the server's own choice (`model/`), as `batchserve serve` makes it."""
 
 from __future__ import annotations
 
@@ -18,10 +22,8 @@ from typing import Any
 from tqdm import tqdm
 
 from batchserve.bench.methods import WEIGHTS_SUFFIX, batchserve_method, percentile
-from batchserve.bench.tune_points import DRAFTS, SERVE_FLAGS, Goals, Point, TuneResult, closest, format_point, recommend
-from batchserve.bench.tune_report import write_tune_report
-
-__all__ = ["DRAFTS", "SERVE_FLAGS", "Goals", "Point", "TuneResult", "closest", "format_point", "recommend", "tune"]
+from batchserve.tune.points import DRAFTS, Goals, Point, TuneResult, closest, format_point, recommend
+from batchserve.tune.report import write_tune_report
 
 
 @dataclass(slots=True)
@@ -108,7 +110,7 @@ def tune(
     from batchserve.bench.runs import cost_profiles, load_dataset
     from batchserve.config import EngineConfig
     from batchserve.model import choose_cpu_weights, choose_impl
-    from batchserve.runner import load_model
+    from batchserve.model.loader import load_model
 
     default_budget = EngineConfig().scheduler.max_num_batched_tokens
     concurrency = sorted(set(concurrency))
