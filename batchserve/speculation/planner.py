@@ -54,7 +54,9 @@ class Speculation:
         self.resumes = isinstance(drafter, Resumes)
         self.config = config
         self.policy = policy  # None: every request drafts `decoding_length` tokens
-        self._started: set[str] = set()  # requests the drafter has been told of
+        # Requests the drafter has been told of, in the order it was: ended ones are forgotten in it
+        # (a set's order would vary with string hashing, and the shared trie with it).
+        self._started: dict[str, None] = {}
         # This step's whole proposal per policy request (the policy verifies a prefix of it, or
         # none): what the request then emits judges all of it (`observe_acceptance`).
         self._proposals: dict[str, DraftTree] = {}
@@ -76,7 +78,7 @@ class Speculation:
         """Tell the drafter of a request (it indexes the prompt), once, when it first runs."""
         if req.request_id in self._started:
             return  # readmitted after a preemption: its index stands
-        self._started.add(req.request_id)
+        self._started[req.request_id] = None
         try:
             self.drafter.on_request_start(
                 req.request_id,
@@ -107,7 +109,7 @@ class Speculation:
             self.policy.windows.forget(request_id)
         if request_id not in self._started:
             return
-        self._started.discard(request_id)
+        del self._started[request_id]
         self._proposals.pop(request_id, None)
         self.judgements.forget(request_id)
         try:

@@ -385,6 +385,21 @@ def test_the_drafter_hears_of_a_request_when_it_first_runs_never_while_it_waits(
     assert drafter.events == [("start", "a"), ("finish", "a"), ("start", "b"), ("finish", "b")]
 
 
+def test_requests_that_end_in_one_step_are_forgotten_in_the_order_they_started():
+    """The drafter forgets the requests a step ended in the order it heard of them, not in a set's
+    order (which moves with string hashing): forgetting flushes a request's text into the shared
+    trie, so the order is part of what later drafts see."""
+    drafter = ChainDrafter(2)
+    s = _sched(num_blocks=512, max_num_seqs=24, budget=512, drafter=drafter)
+    ids = [f"req-{i * 7919 % 101}" for i in range(24)]
+    for rid in ids:
+        s.add_request(_req(rid, 5, max_new=1))
+    out = s.schedule()
+    s.update(out, _fake_run(out))
+    assert not s.has_work()
+    assert [rid for kind, rid in drafter.events if kind == "finish"] == ids
+
+
 def test_a_preempted_request_is_not_indexed_twice():
     drafter = ChainDrafter(0)
     s = _sched(num_blocks=6, block_size=4, max_num_seqs=2, drafter=drafter)
