@@ -96,7 +96,8 @@ FUZZ_SEED ?= 79
 fuzz: $(STAMP)
 	BATCHSERVE_FUZZ_SCALE=$(FUZZ_SCALE) BATCHSERVE_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile --timeout 3600 \
-		tests/server/test_fuzz_http.py tests/server/test_fuzz_convert.py tests/draft/test_fuzz_drafter.py
+		tests/server/test_fuzz_http.py tests/server/test_fuzz_convert.py tests/draft/test_fuzz_drafter.py \
+		tests/draft/test_native_oracle.py
 
 # The gRPC server on 127.0.0.1:50051 with the default model; metrics on :9090. Ctrl-C drains and exits.
 serve: $(STAMP)

@@ -1,202 +1,209 @@
-// Retrieval: a request's draft tree from its own text, its scope's recent outputs and its
-// scope's output trie (batchserve/draft/trie.py describes the design).
+// The drafter's state (drafter.h): requests starting, accepting and ending, what their scopes
+// learn (at once or deferred), warm-ups, and each scope's bounds.
 #include "drafter.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <exception>
+#include <new>
+#include <stdexcept>
 
 namespace bsd {
 
-bool Drafter::propose(const std::string& id, const int32_t* key, size_t n, size_t total, size_t budget, Tree& out) {
-    if (budget < 1 || n == 0) return false;
+void Drafter::start(const std::string& id, const int32_t* prompt, size_t n, const std::string* scope, int layout) {
+    finish(id);  // a restarted id starts clean
+    Request& r = requests_.emplace(id, Request(prompt, n, s_.own_branch_length)).first->second;
+    r.layout = layout;
+    indexed_ += n;
+    recent_.begin(id, scope, prompt, n);
+    if (scope != nullptr) {
+        r.scoped = true;
+        r.scope = *scope;
+        ++live_[*scope];
+    }
+}
+
+void Drafter::resume(const std::string& id, const int32_t* tokens, size_t n) {
     auto it = requests_.find(id);
-    if (it == requests_.end()) return false;
+    if (it == requests_.end() || n == 0) return;
     Request& r = it->second;
-    Search s;
-    s.text = &r.local;
-    s.trie = r.scoped ? outputs_.find(r.scope) : nullptr;
-    const int layout = r.layout >= 0 ? r.layout : s_.layout;
-    TreeBuilder b(budget);
-    int own = -1;  // the match in the request's own text, when measured
-    if (s_.copy_chain) {
-        // What followed the longest earlier match, first: where the request is copying from
-        // (its own text's, or a recent output's if longer), the most recent occurrence.
-        own = static_cast<int>(copy_chain(r.local, key, n, kMatchCap, chain_, scratch_));
-        const int seen = static_cast<int>(recent_.copy(id, r.local, key, n, theirs_, scratch_));
-        if (seen > own) {
-            own = seen;
-            chain_.swap(theirs_);
-        }
-        b.add_chain(chain_);
-    }
-    // Multi-stage retrieval: the longest matching suffix first; shorter ones fill what is left.
-    const size_t longest = std::min({s_.max_match, total, s_.branch_length - 1, n});
-    for (size_t m = longest; m >= s_.min_match && m > 0; --m) {
-        if (b.full() || (layout == kSingle && !b.empty())) break;  // a copy chain may be the one branch
-        const int32_t* k = key + n - m;
-        Pair start{-1, -1};
-        if (m <= std::min(r.local.size(), static_cast<size_t>(r.local.depth()))) {
-            INode node{m, {}, false, {}};
-            r.local.find(k, m, node.ends);
-            if (!node.ends.empty()) {
-                start.local = static_cast<int32_t>(s.nodes.size());
-                s.nodes.push_back(std::move(node));
-            }
-        }
-        if (s.trie != nullptr) start.out = s.trie->find(k, m);
-        if (start.local < 0 && start.out < 0) continue;
-        if (layout == kParallel) {
-            parallel(s, start, b);
-        } else if (layout == kSingle) {
-            Chain chain;
-            heaviest_chain(s, start, static_cast<int64_t>(b.budget()), chain);
-            b.add_chain(chain);
-        } else {
-            best_first(s, start, b);
-        }
-    }
-    if (b.empty()) return false;
-    b.finish();
-    out.tokens.swap(b.tokens);
-    out.parents.swap(b.parents);
-    out.scores.swap(b.scores);
-    out.match = match_of(r, key, n, own);
-    return true;
+    if (r.local.size() != r.num_prompt) throw std::invalid_argument("resume comes before any accepted token");
+    r.local.extend(tokens, n);
+    indexed_ += n;
+    r.num_prompt += n;
+    recent_.resumed(id);
 }
 
-int Drafter::match_of(Request& r, const int32_t* key, size_t n, int own) {
-    int match = own >= 0 ? own : static_cast<int>(r.local.copy_source(key, n, kMatchCap, scratch_));
-    const Trie* trie = r.scoped ? outputs_.find(r.scope) : nullptr;
-    const int deepest = static_cast<int>(s_.branch_length) - 1;
-    if (trie != nullptr && match < deepest) match = std::max(match, trie->suffix_match(key, n, deepest));
-    return match;
-}
-
-const std::vector<std::pair<int32_t, int32_t>>& Drafter::grouped(Search& s, int32_t node) {
-    if (s.nodes[static_cast<size_t>(node)].grouped) return s.nodes[static_cast<size_t>(node)].kids;
-    const size_t depth = s.nodes[static_cast<size_t>(node)].depth + 1;
-    std::vector<std::pair<int32_t, int32_t>> kids;
-    if (depth <= static_cast<size_t>(s.text->depth())) {
-        // This node's occurrences with a next token, grouped by it, groups in first-occurrence order.
-        std::vector<std::pair<int32_t, std::vector<int32_t>>> groups;
-        std::unordered_map<int32_t, size_t> where;
-        const std::vector<int32_t>& ends = s.nodes[static_cast<size_t>(node)].ends;
-        for (int32_t e : ends) {
-            if (static_cast<size_t>(e) >= s.text->size()) continue;
-            const int32_t token = s.text->at(static_cast<size_t>(e));
-            size_t g = groups.size();
-            if (groups.size() < 8) {
-                for (size_t i = 0; i < groups.size(); ++i)
-                    if (groups[i].first == token) g = i;
-            } else {
-                if (where.empty())
-                    for (size_t i = 0; i < groups.size(); ++i) where.emplace(groups[i].first, i);
-                auto w = where.find(token);
-                if (w != where.end()) g = w->second;
-                else where.emplace(token, g);
-            }
-            if (g == groups.size()) groups.emplace_back(token, std::vector<int32_t>());
-            groups[g].second.push_back(e + 1);
-        }
-        for (auto& [token, after] : groups) {
-            kids.emplace_back(token, static_cast<int32_t>(s.nodes.size()));
-            s.nodes.push_back(INode{depth, std::move(after), false, {}});
-        }
+void Drafter::accept(const std::string& id, const int32_t* tokens, size_t n) {
+    auto it = requests_.find(id);
+    if (it == requests_.end() || n == 0) return;
+    Request& r = it->second;
+    r.local.extend(tokens, n);
+    indexed_ += n;
+    if (!r.scoped) return;
+    if (deferred_) {
+        if (r.pending == 0) pending_.push_back(id);
+        r.pending += n;
+        return;
     }
-    INode& self = s.nodes[static_cast<size_t>(node)];  // after the pushes: the arena may have moved
-    self.kids = std::move(kids);
-    self.grouped = true;
-    return self.kids;
+    insert(r, n);
 }
 
-// Each continuation of `pair` with its weight and its share of all continuations' weight: the
-// scope's first (creation order), then the request's own new ones (first occurrence first).
-void Drafter::children(Search& s, Pair pair, std::vector<Kid>& kids) {
-    kids.clear();
-    const double pw = s_.prompt_weight;
-    static const std::vector<std::pair<int32_t, int32_t>> none;
-    const auto& own = pair.local >= 0 ? grouped(s, pair.local) : none;
-    auto count = [&](int32_t node) { return static_cast<double>(s.nodes[static_cast<size_t>(node)].ends.size()); };
-    if (pair.out >= 0) {
-        std::unordered_map<int32_t, int32_t> by_token;  // the request's own continuations, when many
-        if (own.size() > 8) by_token.insert(own.begin(), own.end());
-        for (int32_t c = s.trie->node(pair.out).first; c >= 0; c = s.trie->node(c).next) {
-            const int32_t token = s.trie->node(c).token;
-            int32_t local = -1;
-            if (own.size() > 8) {
-                auto hit = by_token.find(token);
-                if (hit != by_token.end()) local = hit->second;
-            } else {
-                for (const auto& [t, node] : own)
-                    if (t == token) local = node;
-            }
-            const double mine = local >= 0 ? count(local) * pw : 0.0;
-            kids.push_back(Kid{token, Pair{local, c}, mine + s.trie->node(c).count, 0.0});
-        }
-        for (const auto& [token, node] : own)
-            if (s.trie->child(pair.out, token) < 0)
-                kids.push_back(Kid{token, Pair{node, -1}, count(node) * pw, 0.0});
-    } else {
-        for (const auto& [token, node] : own) kids.push_back(Kid{token, Pair{node, -1}, count(node) * pw, 0.0});
+void Drafter::flush() {
+    for (const std::string& id : pending_) {
+        auto it = requests_.find(id);
+        if (it != requests_.end() && it->second.pending > 0) insert(it->second, it->second.pending);
     }
-    double total = 0.0;
-    for (const Kid& k : kids) total += k.w;
-    for (Kid& k : kids) k.prob = total > 0 ? k.w / total : 0.0;
+    pending_.clear();
 }
 
-// Hierarchical: the heaviest nodes under the match, best first, shared prefixes merged.
-void Drafter::best_first(Search& s, Pair start, TreeBuilder& b) {
-    struct Item {
-        double w;
-        uint64_t seq;
-        int32_t parent, token;
-        Pair pair;
-        double prob;
-    };
-    auto later = [](const Item& a, const Item& c) { return a.w < c.w || (a.w == c.w && a.seq > c.seq); };
-    std::priority_queue<Item, std::vector<Item>, decltype(later)> heap(later);
-    uint64_t seq = 0;
-    std::vector<Kid> kids;
-    auto push = [&](Pair pair, int32_t parent) {
-        children(s, pair, kids);
-        for (const Kid& k : kids) heap.push(Item{k.w, seq++, parent, k.token, k.pair, k.prob});
-    };
-    push(start, -1);
-    while (!heap.empty() && !b.full()) {
-        const Item top = heap.top();
-        heap.pop();
-        const int32_t idx = b.add(top.parent, top.token, top.prob);
-        if (!b.full()) push(top.pair, idx);  // else its children would never be popped
+void Drafter::set_deferred(bool on) {
+    if (!on) flush();  // a failure leaves it deferred, the tokens still queued
+    deferred_ = on;
+}
+
+void Drafter::finish(const std::string& id) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return;
+    Request& r = it->second;
+    std::exception_ptr failed;  // it ends whatever fails (its scope then misses some of its output)
+    try {
+        teach_output(id, r);
+    } catch (...) {
+        failed = std::current_exception();
     }
+    auto queued = std::find(pending_.begin(), pending_.end(), id);
+    if (queued != pending_.end()) pending_.erase(queued);
+    recent_.cancel(id);
+    auto live = live_.find(r.scope);
+    if (r.scoped && live != live_.end() && --live->second == 0) live_.erase(live);
+    indexed_ -= r.local.size();
+    requests_.erase(it);
+    if (failed) std::rethrow_exception(failed);
 }
 
-// The heaviest path under `pair`, at most `limit` steps, appended to `chain`: (token,
-// probability given the previous) per step.
-void Drafter::heaviest_chain(Search& s, Pair pair, int64_t limit, Chain& chain) {
-    std::vector<Kid> kids;
-    for (int64_t added = 0; added < limit; ++added) {
-        children(s, pair, kids);
-        if (kids.empty()) break;
-        const Kid* best = &kids[0];
-        for (const Kid& k : kids)
-            if (k.w > best->w) best = &k;
-        chain.emplace_back(best->token, best->prob);
-        pair = best->pair;
+void Drafter::warm(const std::string& scope, const int32_t* t, size_t n, size_t first, size_t last) {
+    Trie& trie = output(scope);
+    {
+        Tally tally(trie, nodes_);
+        trie.insert_sequence(t, n, s_.branch_length, first, last);
+    }
+    keep_bounds(scope);
+}
+
+size_t Drafter::bytes() const {
+    size_t n = recent_.bytes();
+    for (const auto& item : outputs_.items()) n += item.second.bytes();
+    for (const auto& item : requests_) n += item.second.local.bytes();
+    return n;
+}
+
+int64_t Drafter::scope_bytes(const std::string& scope) const {
+    const Trie* t = outputs_.find(scope);
+    const size_t recent = recent_.bytes(scope);
+    if (t == nullptr && recent == 0) return -1;
+    return static_cast<int64_t>((t != nullptr ? t->bytes() : 0) + recent);
+}
+
+std::vector<std::string> Drafter::scopes() const {
+    std::vector<std::string> out;
+    for (const auto& item : outputs_.items()) out.push_back(item.first);
+    return out;
+}
+
+Trie& Drafter::output(const std::string& scope) {
+    Trie* trie = outputs_.find(scope);
+    if (trie != nullptr) {
+        outputs_.touch(scope);
+        return *trie;
+    }
+    Trie& made = outputs_.add(scope, ++serial_);
+    if (outputs_.size() > s_.trie_max_scopes) evict_idle(scope);
+    return made;
+}
+
+// Its scope learns the rest of its output (the trie, then its recent outputs) as it ends.
+void Drafter::teach_output(const std::string& id, Request& r) {
+    if (r.pending > 0) insert(r, r.pending);
+    if (!r.scoped) return;
+    const size_t out = r.local.size() - r.num_prompt;
+    // Recent outputs live and go with their scope's trie: the scope count bounds both.
+    if (out > 0 && outputs_.find(r.scope) == nullptr) output(r.scope);
+    recent_.end(id, r.local.data() + r.num_prompt, out);
+    keep_bounds(r.scope);
+}
+
+void Drafter::insert(Request& r, size_t num_new) {
+    const int64_t epoch = r.runs_epoch;
+    r.runs_epoch = -1;  // until its runs are whole again: after a throw they are found afresh
+    if (fail_next != 0) throw_injected();
+    Trie& trie = output(r.scope);
+    {
+        Tally tally(trie, nodes_);
+        if (r.runs_of != trie.serial || epoch != trie.epoch) run_ends(r, trie, num_new);
+        const size_t keep = s_.branch_length - 1;  // a run of branch_length tokens extends no further
+        for (size_t i = r.local.size() - num_new; i < r.local.size(); ++i)
+            trie.extend_runs(r.runs, r.local.at(i), keep);
+        r.runs_of = trie.serial;
+        r.runs_epoch = trie.epoch;
+    }
+    r.pending = 0;  // only now: a failed insertion leaves them queued for the next flush
+    keep_bounds(r.scope);
+}
+
+void Drafter::throw_injected() {
+    const int kind = fail_next;
+    fail_next = 0;
+    if (kind == 1) throw std::bad_alloc();
+    if (kind == 2) throw std::runtime_error("injected failure");
+    throw kind;
+}
+
+// The runs of the output ending before the `num_new` newest tokens, found from the root:
+// for a request new to `trie`, or after a prune.
+void Drafter::run_ends(Request& r, Trie& trie, size_t num_new) {
+    r.runs.clear();
+    const size_t end = r.local.size() - num_new;
+    const int64_t room = static_cast<int64_t>(end) - static_cast<int64_t>(r.num_prompt);
+    const int64_t longest = std::min(static_cast<int64_t>(s_.branch_length) - 1, room);
+    for (int64_t i = longest; i > 0; --i) r.runs.push_back(trie.path(r.local.data() + end - i, static_cast<size_t>(i)));
+}
+
+// A scope over its node cap or byte quota trims its own oldest state, never another scope's:
+// the larger of its trie (counts halved, nodes under 1 deleted, the arrays rebuilt to size,
+// so the memory goes back) and its recent outputs (the oldest half) gives way first. Over the
+// quota it trims to half of it: arrays grow by doubling, so it then grows a while untrimmed.
+void Drafter::keep_bounds(const std::string& scope) {
+    Trie* trie = outputs_.find(scope);
+    if (trie == nullptr) return;
+    const size_t low = static_cast<size_t>(scope_bytes(scope)) > s_.scope_bytes ? s_.scope_bytes / 2 : SIZE_MAX;
+    while (trie->num_nodes > s_.trie_capacity || static_cast<size_t>(scope_bytes(scope)) > low) {
+        const bool recent_first = recent_.bytes(scope) > trie->bytes() || trie->num_nodes == 0;
+        if (recent_first && trie->num_nodes <= s_.trie_capacity && recent_.trim_oldest(scope)) continue;
+        if (trie->num_nodes == 0) return;  // nothing left to trim: the bare trie is under any quota
+        Tally tally(*trie, nodes_);
+        trie->prune();
+        trie->compact();
     }
 }
 
-// Parallel: disjoint chains, the heaviest path under each of the heaviest first tokens, each up
-// to branch_length; no prefix sharing below the root.
-void Drafter::parallel(Search& s, Pair start, TreeBuilder& b) {
-    std::vector<Kid> kids;
-    children(s, start, kids);
-    std::stable_sort(kids.begin(), kids.end(), [](const Kid& a, const Kid& c) { return a.w > c.w; });
-    for (const Kid& k : kids) {
-        if (b.full()) return;
-        if (b.find(-1, k.token) >= 0) continue;  // an earlier (longer) match has a branch starting with it
-        const int64_t room = std::min(static_cast<int64_t>(s_.branch_length),
-                                      static_cast<int64_t>(b.budget()) - static_cast<int64_t>(b.tokens.size()));
-        Chain chain{{k.token, k.prob}};
-        heaviest_chain(s, k.pair, room - 1, chain);
-        b.add_chain(chain);
+bool Drafter::evict_idle(const std::string& keep) {
+    for (const auto& item : outputs_.items()) {
+        if (item.first != keep && live_.find(item.first) == live_.end()) {
+            drop_scope(std::string(item.first));
+            return true;
+        }
     }
+    return false;
+}
+
+void Drafter::drop_scope(const std::string& scope) {
+    const Trie* trie = outputs_.find(scope);
+    if (trie == nullptr) return;
+    nodes_ -= trie->num_nodes;
+    outputs_.erase(scope);
+    recent_.drop(scope);
 }
 
 }  // namespace bsd

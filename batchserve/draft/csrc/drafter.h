@@ -3,29 +3,24 @@
 // (prompt, resumed and accepted output, indexed); per scope its recent outputs. Each scope is
 // bounded on its own (trie nodes, bytes of trie and recent outputs): over a bound it trims its
 // own oldest state, never another scope's. propose() builds a request's draft tree in one call.
+// The state's bodies are in drafter.cpp, retrieval's in retrieve.cpp.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
-#include <exception>
 #include <cstdint>
-#include <new>
-#include <queue>
-#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "builder.h"
+#include "constants.h"
 #include "lru.h"
 #include "recent.h"
 #include "text.h"
 #include "trie.h"
 
 namespace bsd {
-
-enum Layout : int { kHierarchical = 0, kParallel = 1, kSingle = 2 };
 
 // Every field is set by the binding from DraftConfig (batchserve/draft_config.py), where the
 // defaults and their reasons live: none is repeated here.
@@ -39,7 +34,7 @@ struct Settings {
     size_t trie_max_scopes;
     int64_t recent_output_tokens;  // per scope
     bool copy_chain;
-    int layout;
+    int layout;                  // a Layout
 };
 
 struct Request {
@@ -67,124 +62,41 @@ class Drafter {
 public:
     explicit Drafter(const Settings& s) : s_(s), recent_(s.recent_output_tokens, s.own_branch_length) {}
 
-    void start(const std::string& id, const int32_t* prompt, size_t n, const std::string* scope, int layout) {
-        finish(id);  // a restarted id starts clean
-        Request& r = requests_.emplace(id, Request(prompt, n, s_.own_branch_length)).first->second;
-        r.layout = layout;
-        indexed_ += n;
-        recent_.begin(id, scope, prompt, n);
-        if (scope != nullptr) {
-            r.scoped = true;
-            r.scope = *scope;
-            ++live_[*scope];
-        }
-    }
-
+    // A request starts (a running id starts clean); `scope` null: it reads and feeds no scope.
+    void start(const std::string& id, const int32_t* prompt, size_t n, const std::string* scope, int layout);
     // A resumed request's earlier output (a client's): its own text to draft from, never taught
     // to its scope's trie or recent outputs (anyone could send any tokens as resumed).
-    void resume(const std::string& id, const int32_t* tokens, size_t n) {
-        auto it = requests_.find(id);
-        if (it == requests_.end() || n == 0) return;
-        Request& r = it->second;
-        if (r.local.size() != r.num_prompt) throw std::invalid_argument("resume comes before any accepted token");
-        r.local.extend(tokens, n);
-        indexed_ += n;
-        r.num_prompt += n;
-        recent_.resumed(id);
-    }
-
-    void accept(const std::string& id, const int32_t* tokens, size_t n) {
-        auto it = requests_.find(id);
-        if (it == requests_.end() || n == 0) return;
-        Request& r = it->second;
-        r.local.extend(tokens, n);
-        indexed_ += n;
-        if (!r.scoped) return;
-        if (deferred) {
-            if (r.pending == 0) pending_.push_back(id);
-            r.pending += n;
-            return;
-        }
-        insert(r, n);
-    }
-
+    void resume(const std::string& id, const int32_t* tokens, size_t n);
+    // Tokens accepted: its own text at once; its scope's trie now, or at flush() if deferred.
+    void accept(const std::string& id, const int32_t* tokens, size_t n);
     // Insert every deferred token into its scope's trie (in the order the requests accepted).
-    void flush() {
-        for (const std::string& id : pending_) {
-            auto it = requests_.find(id);
-            if (it != requests_.end() && it->second.pending > 0) insert(it->second, it->second.pending);
-        }
-        pending_.clear();
-    }
-
-    void finish(const std::string& id) {
-        auto it = requests_.find(id);
-        if (it == requests_.end()) return;
-        Request& r = it->second;
-        std::exception_ptr failed;  // it ends whatever fails (its scope then misses some of its output)
-        try {
-            teach_output(id, r);
-        } catch (...) {
-            failed = std::current_exception();
-        }
-        auto queued = std::find(pending_.begin(), pending_.end(), id);
-        if (queued != pending_.end()) pending_.erase(queued);
-        recent_.cancel(id);
-        auto live = live_.find(r.scope);
-        if (r.scoped && live != live_.end() && --live->second == 0) live_.erase(live);
-        indexed_ -= r.local.size();
-        requests_.erase(it);
-        if (failed) std::rethrow_exception(failed);
-    }
-
+    void flush();
+    // Queue trie insertion until flush(); turning it off flushes first (a failure leaves it on).
+    void set_deferred(bool on);
+    // The request ends: its scope learns the rest of its output, its own text goes.
+    void finish(const std::string& id);
     // Load t[first, last) run starts of an earlier output into a scope's trie.
-    void warm(const std::string& scope, const int32_t* t, size_t n, size_t first, size_t last) {
-        Trie& trie = output(scope);
-        {
-            Tally tally(trie, nodes_);
-            trie.insert_sequence(t, n, s_.branch_length, first, last);
-        }
-        keep_bounds(scope);
-    }
+    void warm(const std::string& scope, const int32_t* t, size_t n, size_t first, size_t last);
 
     // The draft tree for request `id` whose text ends with key[0, n) (its last tokens; the
     // whole text is `total` tokens long), at most `budget` nodes. False: nothing to draft.
     bool propose(const std::string& id, const int32_t* key, size_t n, size_t total, size_t budget, Tree& out);
-
     // The longest suffix of key[0, n) seen before with a token after it: in the request's own
     // text (up to kMatchCap) or its scope's outputs (up to the trie's depth).
-    int match_length(const std::string& id, const int32_t* key, size_t n) {
-        auto it = requests_.find(id);
-        return it == requests_.end() ? 0 : match_of(it->second, key, n, -1);
-    }
+    int match_length(const std::string& id, const int32_t* key, size_t n);
 
     int64_t num_nodes() const { return nodes_; }
     size_t num_indexed_tokens() const { return indexed_; }
     size_t num_requests() const { return requests_.size(); }
     size_t num_pending() const { return pending_.size(); }
     const Recent& recent() const { return recent_; }
-    // About the memory it holds: output tries, running requests' texts, recent outputs.
-    size_t bytes() const {
-        size_t n = recent_.bytes();
-        for (const auto& item : outputs_.items()) n += item.second.bytes();
-        for (const auto& item : requests_) n += item.second.local.bytes();
-        return n;
-    }
     const Trie* trie(const std::string& scope) const { return outputs_.find(scope); }
+    // About the memory it holds: output tries, running requests' texts, recent outputs.
+    size_t bytes() const;
     // What the scope holds (its output trie and recent outputs), what its quota bounds; -1: no such scope.
-    int64_t scope_bytes(const std::string& scope) const {
-        const Trie* t = outputs_.find(scope);
-        const size_t recent = recent_.bytes(scope);
-        if (t == nullptr && recent == 0) return -1;
-        return static_cast<int64_t>((t != nullptr ? t->bytes() : 0) + recent);
-    }
-    std::vector<std::string> scopes() const {
-        std::vector<std::string> out;
-        for (const auto& item : outputs_.items()) out.push_back(item.first);
-        return out;
-    }
+    int64_t scope_bytes(const std::string& scope) const;
+    std::vector<std::string> scopes() const;  // output tries, least recently used first
 
-    bool deferred = false;  // accept() queues trie insertion until flush()
     // A test hook: the next trie insertion throws (1: bad_alloc, 2: runtime_error, 3: a non-std
     // exception), as a real failure would, so tests can reach the binding's error paths.
     int fail_next = 0;
@@ -210,18 +122,6 @@ private:
         const Trie* trie = nullptr;
         std::vector<INode> nodes;
     };
-
-    Trie& output(const std::string& scope) {
-        Trie* trie = outputs_.find(scope);
-        if (trie != nullptr) {
-            outputs_.touch(scope);
-            return *trie;
-        }
-        Trie& made = outputs_.add(scope, ++serial_);
-        if (outputs_.size() > s_.trie_max_scopes) evict_idle(scope);
-        return made;
-    }
-
     // Keeps the drafter's node total true however the insertion in its scope ends (a throw too).
     struct Tally {
         Tally(const Trie& t, int64_t& total) : trie(t), nodes(total), before(t.num_nodes) {}
@@ -231,91 +131,19 @@ private:
         int64_t before;
     };
 
-    // Its scope learns the rest of its output (the trie, then its recent outputs) as it ends.
-    void teach_output(const std::string& id, Request& r) {
-        if (r.pending > 0) insert(r, r.pending);
-        if (!r.scoped) return;
-        const size_t out = r.local.size() - r.num_prompt;
-        // Recent outputs live and go with their scope's trie: the scope count bounds both.
-        if (out > 0 && outputs_.find(r.scope) == nullptr) output(r.scope);
-        recent_.end(id, r.local.data() + r.num_prompt, out);
-        keep_bounds(r.scope);
-    }
+    // drafter.cpp: the state.
+    Trie& output(const std::string& scope);
+    void teach_output(const std::string& id, Request& r);
+    void insert(Request& r, size_t num_new);
+    void throw_injected();
+    void run_ends(Request& r, Trie& trie, size_t num_new);
+    void keep_bounds(const std::string& scope);
+    bool evict_idle(const std::string& keep);
+    void drop_scope(const std::string& scope);
 
-    void insert(Request& r, size_t num_new) {
-        const int64_t epoch = r.runs_epoch;
-        r.runs_epoch = -1;  // until its runs are whole again: after a throw they are found afresh
-        if (fail_next != 0) throw_injected();
-        Trie& trie = output(r.scope);
-        {
-            Tally tally(trie, nodes_);
-            if (r.runs_of != trie.serial || epoch != trie.epoch) run_ends(r, trie, num_new);
-            const size_t keep = s_.branch_length - 1;  // a run of branch_length tokens extends no further
-            for (size_t i = r.local.size() - num_new; i < r.local.size(); ++i)
-                trie.extend_runs(r.runs, r.local.at(i), keep);
-            r.runs_of = trie.serial;
-            r.runs_epoch = trie.epoch;
-        }
-        r.pending = 0;  // only now: a failed insertion leaves them queued for the next flush
-        keep_bounds(r.scope);
-    }
-
-    void throw_injected() {
-        const int kind = fail_next;
-        fail_next = 0;
-        if (kind == 1) throw std::bad_alloc();
-        if (kind == 2) throw std::runtime_error("injected failure");
-        throw kind;
-    }
-
-    // The runs of the output ending before the `num_new` newest tokens, found from the root:
-    // for a request new to `trie`, or after a prune.
-    void run_ends(Request& r, Trie& trie, size_t num_new) {
-        r.runs.clear();
-        const size_t end = r.local.size() - num_new;
-        const int64_t room = static_cast<int64_t>(end) - static_cast<int64_t>(r.num_prompt);
-        const int64_t longest = std::min(static_cast<int64_t>(s_.branch_length) - 1, room);
-        for (int64_t i = longest; i > 0; --i)
-            r.runs.push_back(trie.path(r.local.data() + end - i, static_cast<size_t>(i)));
-    }
-
-    // A scope over its node cap or byte quota trims its own oldest state, never another scope's:
-    // the larger of its trie (counts halved, nodes under 1 deleted, the arrays rebuilt to size,
-    // so the memory goes back) and its recent outputs (the oldest half) gives way first. Over the
-    // quota it trims to half of it: arrays grow by doubling, so it then grows a while untrimmed.
-    void keep_bounds(const std::string& scope) {
-        Trie* trie = outputs_.find(scope);
-        if (trie == nullptr) return;
-        const size_t low = static_cast<size_t>(scope_bytes(scope)) > s_.scope_bytes ? s_.scope_bytes / 2 : SIZE_MAX;
-        while (trie->num_nodes > s_.trie_capacity || static_cast<size_t>(scope_bytes(scope)) > low) {
-            const bool recent_first = recent_.bytes(scope) > trie->bytes() || trie->num_nodes == 0;
-            if (recent_first && trie->num_nodes <= s_.trie_capacity && recent_.trim_oldest(scope)) continue;
-            if (trie->num_nodes == 0) return;  // nothing left to trim: the bare trie is under any quota
-            Tally tally(*trie, nodes_);
-            trie->prune();
-            trie->compact();
-        }
-    }
-
-    bool evict_idle(const std::string& keep) {
-        for (const auto& item : outputs_.items()) {
-            if (item.first != keep && live_.find(item.first) == live_.end()) {
-                drop_scope(std::string(item.first));
-                return true;
-            }
-        }
-        return false;
-    }
-
-    void drop_scope(const std::string& scope) {
-        const Trie* trie = outputs_.find(scope);
-        if (trie == nullptr) return;
-        nodes_ -= trie->num_nodes;
-        outputs_.erase(scope);
-        recent_.drop(scope);
-    }
-
+    // retrieve.cpp: the proposal.
     int match_of(Request& r, const int32_t* key, size_t n, int own);
+    Pair match_start(Search& s, Request& r, const int32_t* key, size_t m);
     void children(Search& s, Pair pair, std::vector<Kid>& kids);
     const std::vector<std::pair<int32_t, int32_t>>& grouped(Search& s, int32_t node);
     void best_first(Search& s, Pair start, TreeBuilder& b);
@@ -329,6 +157,7 @@ private:
     std::unordered_map<std::string, int> live_;  // running requests per scope
     std::unordered_map<std::string, Request> requests_;
     std::vector<std::string> pending_;  // requests with deferred tokens, in acceptance order
+    bool deferred_ = false;  // accept() queues trie insertion until flush()
     size_t indexed_ = 0;
     Recent recent_;
     Chain chain_, theirs_;

@@ -2,154 +2,52 @@
 // scope with a separator between two outputs, bounded in tokens per scope: a scope over its bound
 // loses its own oldest half, never another scope's outputs. A request whose prompt hashes the same
 // as an earlier one of its scope copies that output from its first token on, while its own output
-// agrees with it.
+// agrees with it. The bodies are in recent.cpp.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "constants.h"
 #include "lru.h"
 #include "text.h"
 
 namespace bsd {
 
-constexpr int kMatchCap = 32;       // the longest match a tree reports (DraftTree.match)
-constexpr size_t kCopyPerMatch = 2;  // a copy chain drafts this many tokens per token of match
-constexpr size_t kCopyMinMatch = 3;  // below this a match is a guess the counts make better
-
-inline uint64_t hash_tokens(const int32_t* t, size_t n) {
-    uint64_t h = 0x9e3779b97f4a7c15ULL ^ n;
-    for (size_t i = 0; i < n; ++i) {
-        h ^= static_cast<uint32_t>(t[i]);
-        h *= 0x100000001b3ULL;
-        h ^= h >> 29;
-    }
-    return h;
-}
-
 // (m, chain): the longest suffix of key[0, n) (at most `limit`) found in `text` with a token
 // after it and, where m >= kCopyMinMatch, what followed its most recent occurrence
 // (kCopyPerMatch tokens per token of match, up to the text's depth, never past a separator).
-inline size_t copy_chain(const Text& text, const int32_t* key, size_t n, size_t limit, Chain& chain,
-                         std::vector<int32_t>& scratch) {
-    chain.clear();
-    const size_t m = text.copy_source(key, n, limit, scratch);
-    if (m < kCopyMinMatch) return m;
-    text.continuation(scratch, kCopyPerMatch * m, chain);
-    for (size_t i = 0; i < chain.size(); ++i) {
-        if (chain[i].first == kSeparator) {
-            chain.resize(i);
-            break;
-        }
-    }
-    return m;
-}
+size_t copy_chain(const Text& text, const int32_t* key, size_t n, size_t limit, Chain& chain,
+                  std::vector<int32_t>& scratch);
 
 class Recent {
 public:
     Recent(int64_t capacity, int depth) : capacity_(capacity), depth_(depth) {}
 
-    void begin(const std::string& id, const std::string* scope, const int32_t* prompt, size_t n) {
-        if (scope == nullptr || capacity_ < 2) return;
-        const uint64_t h = hash_tokens(prompt, n);
-        const Kept* kept = scopes_.find(*scope);
-        int64_t repeat = -1;
-        if (kept != nullptr) {
-            auto it = kept->starts.find(h);
-            if (it != kept->starts.end()) repeat = it->second;
-        }
-        running_[id] = Running{*scope, h, static_cast<int64_t>(n), repeat, false};
-    }
-
+    // A request starts (a scope's, else nothing to keep): is its prompt one the scope answered?
+    void begin(const std::string& id, const std::string* scope, const int32_t* prompt, size_t n);
     // The request resumed an earlier generation: what it outputs from here is no output of its
     // prompt from the first token, so it is never a repeat source for that prompt.
-    void resumed(const std::string& id) {
-        auto it = running_.find(id);
-        if (it != running_.end()) it->second.resumed = true;
-    }
-
-    void end(const std::string& id, const int32_t* output, size_t n) {
-        auto it = running_.find(id);
-        if (it == running_.end()) return;
-        const Running run = it->second;
-        running_.erase(it);
-        if (n == 0) return;
-        Kept* kept = scopes_.find(run.scope);
-        if (kept == nullptr) kept = &scopes_.add(run.scope, depth_);
-        scopes_.touch(run.scope);
-        const size_t keep = std::min(n, static_cast<size_t>(capacity_ - 1));  // one output never outgrows the bound
-        output += n - keep;
-        if (!run.resumed) kept->starts[run.prompt_hash] = kept->trimmed + static_cast<int64_t>(kept->text.size());
-        kept->text.extend(output, keep);
-        kept->text.extend(&kSeparator, 1);
-        num_tokens += static_cast<int64_t>(keep) + 1;
-        kept->bytes = kept->text.bytes();
-        // Its own oldest outputs go: the newest (at most capacity_ tokens) always stays.
-        while ((kept = scopes_.find(run.scope)) != nullptr && static_cast<int64_t>(kept->text.size()) > capacity_)
-            trim(run.scope);
-    }
-
+    void resumed(const std::string& id);
+    // The request ended with output[0, n): its scope keeps it (the newest capacity_ - 1 tokens).
+    void end(const std::string& id, const int32_t* output, size_t n);
     // The request ended without end() (a failure on the way): forget it.
     void cancel(const std::string& id) { running_.erase(id); }
-
     // Drop the oldest half of `scope`'s outputs (all of them when it holds one); false: it holds none.
-    bool trim_oldest(const std::string& scope) {
-        if (scopes_.find(scope) == nullptr) return false;
-        trim(scope);
-        return true;
-    }
-
-    void drop(const std::string& scope) {
-        const Kept* kept = scopes_.find(scope);
-        if (kept == nullptr) return;
-        num_tokens -= static_cast<int64_t>(kept->text.size());
-        scopes_.erase(scope);
-    }
+    bool trim_oldest(const std::string& scope);
+    void drop(const std::string& scope);
 
     // (match, chain) for a running request whose text is `own` (its prompt the first
     // `num_prompt` tokens) and whose key is key[0, n): the earlier output of its very prompt
     // while its output agrees (match kMatchCap), else copy_chain over its scope's outputs.
     size_t copy(const std::string& id, const Text& own, const int32_t* key, size_t n, Chain& chain,
-                std::vector<int32_t>& scratch) {
-        chain.clear();
-        auto it = running_.find(id);
-        if (it == running_.end()) return 0;
-        Running& run = it->second;
-        const Kept* kept = scopes_.find(run.scope);
-        if (kept == nullptr) return 0;
-        if (run.repeat >= 0) {
-            const int64_t start = run.repeat - kept->trimmed;
-            const size_t done = own.size() - static_cast<size_t>(run.num_prompt);
-            const size_t size = kept->text.size();
-            if (start >= 0 && static_cast<size_t>(start) + done <= size &&
-                std::memcmp(kept->text.data() + start, own.data() + run.num_prompt, done * sizeof(int32_t)) == 0) {
-                const size_t from = static_cast<size_t>(start) + done;
-                for (size_t i = from; i < size && i < from + static_cast<size_t>(depth_); ++i) {
-                    if (kept->text.at(i) == kSeparator) break;
-                    chain.emplace_back(kept->text.at(i), 1.0);
-                }
-                if (!chain.empty()) return kMatchCap;
-            }
-            // Diverged, trimmed away or ended: an output only grows, so it never copies it again.
-            run.repeat = -1;
-        }
-        return copy_chain(kept->text, key, n, static_cast<size_t>(kMatchCap), chain, scratch);
-    }
+                std::vector<int32_t>& scratch);
 
-    int64_t num_tokens = 0;  // in every scope's text, separators included
-    std::vector<std::string> scopes() const {
-        std::vector<std::string> out;
-        for (const auto& item : scopes_.items()) out.push_back(item.first);
-        return out;
-    }
-    size_t bytes() const {
-        size_t n = 0;
-        for (const auto& item : scopes_.items()) n += item.second.bytes;
-        return n;
-    }
+    std::vector<std::string> scopes() const;  // least recently used first
+    size_t bytes() const;
     size_t bytes(const std::string& scope) const {  // O(1): kept as its text changes
         const Kept* kept = scopes_.find(scope);
         return kept == nullptr ? 0 : kept->bytes;
@@ -158,6 +56,7 @@ public:
         const Kept* kept = scopes_.find(scope);
         return kept == nullptr ? nullptr : &kept->text;
     }
+    int64_t num_tokens() const { return num_tokens_; }  // in every scope's text, separators included
 
 private:
     struct Kept {
@@ -176,28 +75,11 @@ private:
     };
 
     // Drop the oldest half of `scope`'s outputs, or all of them.
-    void trim(std::string scope) {  // a copy: erasing the scope may free the caller's string
-        Kept* kept = scopes_.find(scope);
-        std::vector<size_t> ends;  // where each output's separator is
-        for (size_t i = 0; i < kept->text.size(); ++i)
-            if (kept->text.at(i) == kSeparator) ends.push_back(i);
-        const size_t cut = ends.size() > 1 ? ends[ends.size() / 2 - 1] + 1 : kept->text.size();
-        num_tokens -= static_cast<int64_t>(cut);
-        if (cut >= kept->text.size()) {
-            scopes_.erase(scope);
-            return;
-        }
-        kept->text.drop_front(cut);
-        kept->bytes = kept->text.bytes();
-        kept->trimmed += static_cast<int64_t>(cut);
-        for (auto it = kept->starts.begin(); it != kept->starts.end();) {
-            if (it->second < kept->trimmed) it = kept->starts.erase(it);
-            else ++it;
-        }
-    }
+    void trim(std::string scope);  // a copy: erasing the scope may free the caller's string
 
     int64_t capacity_;  // per scope; below 2 (an output and its separator): keep none
     int depth_;         // the longest continuation a copy drafts (own_branch_length)
+    int64_t num_tokens_ = 0;
     LruMap<Kept> scopes_;  // least recently used first
     std::unordered_map<std::string, Running> running_;
 };
