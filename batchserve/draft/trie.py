@@ -51,9 +51,12 @@ from batchserve.config import DraftConfig
 from batchserve.draft.native import library
 from batchserve.draft.reference import ReferenceDrafts
 from batchserve.draft.warmup import read_corpus
+from batchserve.draft_config import DRAFT_LAYOUTS
 from batchserve.trees import MATCH_CAP, DraftTree
 
-LAYOUTS = {"hierarchical": 0, "parallel": 1, "single": 2}  # the native layout codes
+# The native layout codes: a layout's index in DRAFT_LAYOUTS (the native module's own list is
+# checked against it when it loads).
+LAYOUTS = {name: code for code, name in enumerate(DRAFT_LAYOUTS)}
 
 
 class TrieDrafter:
