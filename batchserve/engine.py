@@ -256,6 +256,7 @@ class EngineCore:
         then the step listeners."""
         t0 = time.perf_counter()
         self.speculation.judge()
+        self.speculation.settle(self.scheduler.requests)
         outputs = build_outputs(self.detok, advanced, self._failed_output)
         advanced.step.phases.outputs = time.perf_counter() - t0
         for listener in self.step_listeners:

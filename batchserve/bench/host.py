@@ -166,7 +166,7 @@ H100_SMOLLM2 = CostProfile(
 class EmulatedDevice:
     """A runner whose forward runs asynchronously and takes a device's time: `launch` does the
     host's work and returns (the stand-in's logits are ready at once, as queued kernels would be
-    later), `collect` returns no earlier than the launch's end plus `profile`'s forward time for
+    later), `collect` waits (spinning) until the launch's end plus `profile`'s forward time for
     the step's rows, requests and context. Everything else is the wrapped runner's."""
 
     def __init__(self, runner: Any, profile: CostProfile) -> None:
@@ -187,9 +187,11 @@ class EmulatedDevice:
         return launched
 
     def collect(self, launched: Any) -> Any:
-        wait = self._due - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
+        # Spin, as the runner's readback does on CUDA (an event without the blocking-sync flag:
+        # the driver spins while the process has fewer contexts than cores): a core that slept
+        # through the forward wakes slow, and the host work after it measured 3x its cost.
+        while time.perf_counter() < self._due:
+            pass
         return self.runner.collect(launched)
 
     def execute(self, out: SchedulerOutput) -> Any:

@@ -41,6 +41,10 @@ class AcceptanceTracker:
         self.calibration = calibration or ScoreCalibration()  # for drafts whose nodes carry scores
         self._est: dict[str, list[float]] = {}
         self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
+        # upper_gains at every rank by request, until the next observation changes any estimate
+        # (the pool's and the calibration's move with each): built beside the forward (`settle`).
+        self._upper: dict[str, list[float]] = {}
+        self.revision = 0  # counts the changes to any estimate: what reads them may cache until it moves
 
     def _monotone(self, request_id: str) -> list[float]:
         est = self._est.get(request_id)
@@ -64,6 +68,28 @@ class AcceptanceTracker:
         ests = self._est.get(request_id, self.prior)[: min(n, len(scores))]
         return non_increasing(self.calibration.probs_each(ests, scores[: len(ests)], match))
 
+    def gains_many(self, candidates: Sequence[tuple[str, int, Sequence[float], int]]) -> list[list[float]]:
+        """`gains` of each (request id, n, scores, match): a step's trees in one set of array
+        operations (the same numbers as one call each)."""
+        out: list[list[float] | None] = [None] * len(candidates)
+        scored: list[int] = []
+        for i, (rid, n, scores, _) in enumerate(candidates):
+            if scores:
+                scored.append(i)
+            else:
+                out[i] = self._monotone(rid)[:n]
+        if scored:
+            ests = []
+            for i in scored:
+                rid, n, scores, _ = candidates[i]
+                ests.append(self._est.get(rid, self.prior)[: min(n, len(scores))])
+            probs = self.calibration.probs_of_trees(
+                ests, [candidates[i][2][: len(e)] for i, e in zip(scored, ests)], [candidates[i][3] for i in scored]
+            )
+            for i, p in zip(scored, probs):
+                out[i] = non_increasing(p)
+        return [g if g is not None else [] for g in out]
+
     def upper_gains(self, request_id: str, n: int) -> list[float]:
         """The most the first `n` nodes could be worth whatever the drafter's scores and match
         turn out to be: what is worth proposing before the tree exists. Optimistic on purpose:
@@ -74,17 +100,26 @@ class AcceptanceTracker:
         return self.upper_gains_many([(request_id, n)])[0]
 
     def upper_gains_many(self, wanted: Sequence[tuple[str, int]]) -> list[list[float]]:
-        """`upper_gains` of each (request id, n): a step's requests in one set of array operations."""
-        if not wanted:
-            return []
+        """`upper_gains` of each (request id, n): the rows `settle` built, the missing ones in one
+        set of array operations."""
+        self.settle([rid for rid, _ in wanted])
+        return [self._upper[rid][:n] for rid, n in wanted]
+
+    def settle(self, request_ids: Iterable[str]) -> None:
+        """Fit what the last observations taught and build these requests' upper gains now, so
+        that the next step's `upper_gains_many` only reads them (the engine calls this after
+        judging a step, beside the next forward)."""
+        missing = [rid for rid in dict.fromkeys(request_ids) if rid not in self._upper]
+        if not missing:
+            return
         cal = self.calibration
         # The fit is monotone in the score and in log2(1 + match): the best case is at one end.
         best_score = 1.0 if cal.weights[1] >= 0 else 0.0
         match = MATCH_CAP if cal.weights[3] >= 0 else 1
-        ests = np.array([self._est.get(rid, self.prior) for rid, _ in wanted])  # [requests, max_rank]
+        ests = np.array([self._est.get(rid, self.prior) for rid in missing])  # [requests, max_rank]
         probs = cal.prob_array(ests, best_score, match)
-        upper = np.maximum(np.array([self._monotone(rid) for rid, _ in wanted]), probs).tolist()
-        return [row[:n] for row, (_, n) in zip(upper, wanted)]
+        upper = np.maximum(np.array([self._monotone(rid) for rid in missing]), probs).tolist()
+        self._upper.update(zip(missing, upper))
 
     def observe(
         self,
@@ -133,6 +168,8 @@ class AcceptanceTracker:
         score calibration's; the request's estimates."""
         est = self._est.setdefault(request_id, list(self.prior))
         self._gains.pop(request_id, None)
+        self._upper.clear()  # every request's: the pool and the calibration move too
+        self.revision += 1
         hits = set(accepted_ranks)
         stop = min(stop, self.max_rank)
         n = min(stop - start, len(scores))
@@ -154,6 +191,8 @@ class AcceptanceTracker:
     def forget(self, request_id: str) -> None:
         self._est.pop(request_id, None)
         self._gains.pop(request_id, None)
+        self._upper.pop(request_id, None)
+        self.revision += 1
 
 
 class WindowTracker:

@@ -120,6 +120,9 @@ class DraftBudgetPolicy:
         # size), the smallest coefficients win: a scale explains a uniform slowdown with the
         # smallest one. Coefficients: (scale - 1, per_seq, per_draft).
         self._step_fit = DecayedRidge(3, step_cost_decay, step_cost_ridge, nonneg=(1, 2))
+        # `upper_gains_many`'s answers by (request id, limit), while the tracker's revision stands.
+        self._uppers: dict[tuple[str, int], list[float]] = {}
+        self._uppers_revision = -1
 
     @classmethod
     def from_config(cls, profile: CostProfile, config: DraftConfig) -> DraftBudgetPolicy:
@@ -162,10 +165,21 @@ class DraftBudgetPolicy:
         return self.upper_gains_many([(request_id, limit)])[0]
 
     def upper_gains_many(self, wanted: Sequence[tuple[str, int]]) -> list[list[float]]:
-        """`upper_gains` of each (request id, limit), all at once (a step's requests)."""
-        floor = self.min_gain
-        uppers = self.tracker.upper_gains_many(wanted)
-        return [sorted((g for g in gains if g >= floor), reverse=True) for gains in uppers]
+        """`upper_gains` of each (request id, limit), all at once (a step's requests); kept until
+        the tracker's estimates next move (`settle` builds them beside the forward)."""
+        if self._uppers_revision != self.tracker.revision:
+            self._uppers, self._uppers_revision = {}, self.tracker.revision
+        missing = [w for w in dict.fromkeys(wanted) if w not in self._uppers]
+        if missing:
+            floor = self.min_gain
+            for w, gains in zip(missing, self.tracker.upper_gains_many(missing)):
+                self._uppers[w] = sorted((g for g in gains if g >= floor), reverse=True)
+        return [self._uppers[w] for w in wanted]
+
+    def settle(self, wanted: Sequence[tuple[str, int]]) -> None:
+        """Fit what the last judged steps taught and build these (request id, limit)s' upper
+        gains now, off the next step's critical path."""
+        self.upper_gains_many(wanted)
 
     def observe_step(self, num_tokens: int, context: float, num_seqs: int, elapsed_ms: float) -> None:
         """Record a measured decode step (schedule + forward + update; no prompt chunks)."""
@@ -195,7 +209,7 @@ class DraftBudgetPolicy:
     def allocate_step(self, candidates: Sequence[DraftCandidate], step: StepShape) -> dict[str, int]:
         """Draft lengths by request: each candidate's nodes valued by its acceptance estimates
         and the drafter's scores."""
-        gains = [self.tracker.gains(c.request_id, c.max_tokens, c.scores, c.match) for c in candidates]
+        gains = self.tracker.gains_many([(c.request_id, c.max_tokens, c.scores, c.match) for c in candidates])
         lengths, self.planned_gain = self._choose([c.request_id for c in candidates], gains, step)
         return lengths
 
@@ -218,10 +232,12 @@ class DraftBudgetPolicy:
         # Each request's gains are non-increasing, so sorting them all in descending order takes
         # every request's nodes as a prefix (a stable sort: ties in request order, as a merge).
         sizes = [len(gs) for gs in gains]
-        values = np.fromiter(itertools.chain.from_iterable(gains), float, sum(sizes))  # [nodes]
+        total = sum(sizes)
+        values = np.fromiter(itertools.chain.from_iterable(gains), float, total)  # [nodes]
         owners = np.repeat(np.arange(len(sizes)), sizes)  # [nodes] each node's request
+        ranks = np.arange(total) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [nodes] rank in its request
         worth = values >= self.min_gain
-        values, owners = values[worth], owners[worth]
+        values, owners, ranks = values[worth], owners[worth], ranks[worth]
         order = np.argsort(-values, kind="stable")[: max(0, cap)]
         # gain[k]: what the first k nodes are worth, as the guard lets the policy count them
         gain = np.concatenate(([0.0], np.cumsum(values[order]) / hedge))
@@ -229,9 +245,10 @@ class DraftBudgetPolicy:
         curve = self.profile.curve(context)
         searches = np.zeros(len(ks))  # [k] host ms of the tree searches the first k nodes need
         if step.search_ms > 0 and len(order):
-            first = np.zeros(len(order), dtype=bool)  # each request's best node starts its search
-            first[np.unique(owners[order], return_index=True)[1]] = True
-            searches[1:] = step.search_ms * np.cumsum(first)
+            # Each request's best node starts its search: its rank 0 (gains are non-increasing and
+            # the sort stable, so it comes first of the request's nodes, and a node worth less
+            # than `min_gain` has none worth more after it).
+            searches[1:] = step.search_ms * np.cumsum(ranks[order] == 0)
 
         def cost(others: int) -> np.ndarray:  # [k] predicted ms of the step with k nodes
             # Draft rows: the k nodes (fixed-length drafts among `others` would add the same

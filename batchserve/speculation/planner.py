@@ -270,6 +270,24 @@ class Speculation:
             logger.exception("the draft policy failed to judge a step's drafts")
         self.host.clock(start)
 
+    def settle(self, requests: dict[str, Request]) -> None:
+        """After `judge`: the policy fits what it was taught and builds the estimates the next
+        step's planning reads (beside the next forward when pipelined; the same numbers as
+        building them when first read, as nothing else teaches the policy in between)."""
+        if self.policy is None:
+            return
+        start = time.perf_counter()
+        try:
+            wanted = [
+                (rid, self.limit(req))
+                for rid, req in requests.items()
+                if rid in self._started and req.params.decoding_length is None
+            ]
+            self.policy.settle([(rid, limit) for rid, limit in wanted if limit > 0])
+        except Exception:  # the policy's estimates: a bug there costs drafts, never outputs
+            logger.exception("the draft policy failed to settle its estimates")
+        self.host.clock(start)
+
     def _judge(
         self, item: ScheduledRequest, accepted: list[int], emitted: list[int], proposal: DraftTree | None
     ) -> None:

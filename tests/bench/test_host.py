@@ -70,15 +70,12 @@ def test_the_report_prices_a_draft_row_per_bucket_from_the_cost_profile():
     assert extra[header.index("8")] == "0.000" and extra[header.index("32")] == f"{12.0 / 31:.3f}"
 
 
-def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says(monkeypatch):
+def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says():
     import time
 
-    from batchserve.bench import host
     from batchserve.bench.host import EmulatedDevice
     from batchserve.cost_profile import CostProfile
 
-    slept: list[float] = []  # the device's waits, recorded instead of slept
-    monkeypatch.setattr(host.time, "sleep", slept.append)
     prompts = _prompts(4)
     core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 2, 4)
     device = EmulatedDevice(core.runner, CostProfile("slow", (1, 64), (0,), ((30.0, 30.0),)))
@@ -86,9 +83,10 @@ def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says(monk
     core.add_request(Submission(prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True)))
     step = core.schedule()
     core.launch(step)
-    assert slept == [] and device._due > time.perf_counter()  # launched: the device's 30 ms still running
+    due = device._due
+    assert due > time.perf_counter()  # launched: the device's 30 ms still running
     core.collect(step)
-    assert len(slept) == 1 and 0 < slept[0] <= 0.030  # collect waited out the rest of them
+    assert time.perf_counter() >= due  # collect waited out the rest of them (spinning, as CUDA's readback does)
     assert step.result is not None and core.commit(step)
     assert device.device_seconds == 0.030 and device.backend is device.runner.backend  # the rest is the runner's
     while core.has_work():  # to the end: the request leaves the engine
