@@ -124,9 +124,16 @@ class StepLayout:
         sizes = q * kv
         flat = np.ones(int(sizes.sum()), dtype=bool)
         offsets = np.concatenate(([0], np.cumsum(sizes)))
+        chunks, cached = self.num_chunk.tolist(), self.num_cached.tolist()
         for i in np.flatnonzero(q > 1).tolist():  # single rows see everything: all True already
             view = flat[offsets[i] : offsets[i + 1]].reshape(q[i], kv[i])
-            view[:, self.num_cached[i] :] = self.step_mask(i)
+            if chunks[i] == 1:  # a decode step's request: its root, then its tree and window rows
+                view[0, cached[i] + 1 :] = False  # the root sees none of them
+                spec = self.spec_masks[i]
+                if spec is not None:  # each sees the root (all True already) and what its mask says
+                    view[1:, cached[i] + 1 :] = spec
+            else:
+                view[:, cached[i] :] = self.step_mask(i)
         return flat
 
 

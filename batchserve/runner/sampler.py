@@ -144,31 +144,37 @@ class TreeRows:
 
     @classmethod
     def of(cls, trees: list[tuple[int, DraftTree | None, int]]) -> TreeRows:
-        """From (root row, draft, window rows after the tree) per sampling request."""
-        roots, rows, parents, tokens, depths, owners, pair_n, pair_a, window = ([] for _ in range(9))
+        """From (root row, draft, window rows after the tree) per sampling request: Python lists
+        gathered over the step's trees, one array each at the end (a step holds dozens of trees)."""
+        roots, rows, parents, tokens, depths, owners, window = ([] for _ in range(7))
+        pair_n: list[np.ndarray] = []
+        pair_a: list[np.ndarray] = []
         first = 0  # node index of the request's first node
         for j, (root, tree, num_window) in enumerate(trees):
             roots.append(root)
             n = 0 if tree is None else len(tree)
-            if n:
-                rows.append(np.arange(root + 1, root + 1 + n))
-                parents.append(np.array([root if q is None else root + 1 + q for q in tree.parents], np.int64))
-                tokens.append(np.array(tree.tokens, np.int64))
-                depths.append(np.array(tree.depths, np.int64))
-                owners.append(np.full(n, j, np.int64))
+            if tree is not None and n:
+                rows += range(root + 1, root + 1 + n)
+                parents += [root if q is None else root + 1 + q for q in tree.parents]
+                tokens += tree.tokens
+                depths += tree.depths
+                owners += [j] * n
                 node, ancestor = np.nonzero(tree.mask)  # [n, n] ancestor-or-self
                 pair_n.append(node + first)
                 pair_a.append(ancestor + first)
                 first += n
             if num_window:
-                window.append(np.arange(root + 1 + n, root + 1 + n + num_window))
+                window += range(root + 1 + n, root + 1 + n + num_window)
+
+        def ints(values: list[int]) -> np.ndarray:
+            return np.array(values, np.int64)
 
         def cat(parts: list[np.ndarray]) -> np.ndarray:
             return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
         return cls(
-            np.array(roots, np.int64), cat(rows), cat(parents), cat(tokens), cat(depths), cat(owners),
-            cat(pair_n), cat(pair_a), cat(window),
+            ints(roots), ints(rows), ints(parents), ints(tokens), ints(depths), ints(owners),
+            cat(pair_n), cat(pair_a), ints(window),
         )  # fmt: skip
 
 
