@@ -78,15 +78,18 @@ class DraftTree:
     # A long match is a copy in progress (a code edit, a repeated answer); one token is a guess.
     match: int = 0
     depths: tuple[int, ...] = field(init=False)  # root children have depth 1
-    children: dict[int | None, dict[int, int]] = field(init=False)  # node (None: the root) -> {token: child}
+    # node (None: the root) -> {token: child}: `children`, built on first use for a derived tree
+    _children: dict[int | None, dict[int, int]] | None = field(init=False, default=None, repr=False, compare=False)
     _mask: Any = field(init=False, default=None, repr=False, compare=False)  # ancestor_mask, built on first use
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("tokens and parents must have the same length")
-        if self.scores and len(self.scores) != len(self.tokens):
+        scores = self.scores
+        if scores and len(scores) != len(self.tokens):
             raise ValueError("scores must be empty or one per node")
-        if any(not 0.0 <= s <= 1.0 for s in self.scores):
+        # (min and max skip a NaN; the sum does not: NaN is never equal to itself)
+        if scores and (not 0.0 <= min(scores) <= max(scores) <= 1.0 or sum(scores) != sum(scores)):
             raise ValueError("scores must be probabilities in [0, 1]")
         if self.match < 0:
             raise ValueError(f"match must be >= 0, got {self.match}")
@@ -94,15 +97,31 @@ class DraftTree:
         depths: list[int] = []
         children: dict[int | None, dict[int, int]] = {}
         for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
-            if parent is not None and not 0 <= parent < i:
+            if parent is None:
+                depths.append(1)
+            elif 0 <= parent < i:
+                depths.append(depths[parent] + 1)
+            else:
                 raise ValueError(f"node {i}: parent {parent} must precede it")
-            slot = children.setdefault(parent, {})
-            if tok in slot:
+            slot = children.get(parent)
+            if slot is None:
+                children[parent] = {tok: i}
+            elif tok in slot:
                 raise ValueError(f"node {i}: duplicate sibling token {tok}")
-            slot[tok] = i
-            depths.append(1 if parent is None else depths[parent] + 1)
+            else:
+                slot[tok] = i
         object.__setattr__(self, "depths", tuple(depths))
-        object.__setattr__(self, "children", children)
+        object.__setattr__(self, "_children", children)
+
+    @property
+    def children(self) -> dict[int | None, dict[int, int]]:
+        """node (None: the root) -> {token: child}."""
+        if self._children is None:
+            children: dict[int | None, dict[int, int]] = {}
+            for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
+                children.setdefault(parent, {})[tok] = i
+            object.__setattr__(self, "_children", children)
+        return self._children  # type: ignore[return-value]
 
     def child(self, node: int | None, token: int) -> int | None:
         """The child of `node` (None: the root) that carries `token`, if any."""
@@ -130,18 +149,14 @@ class DraftTree:
         best first, so this is the best `n`-node draft."""
         if n >= len(self.tokens):
             return self
-        tokens, parents = self.tokens[:n], self.parents[:n]
-        children: dict[int | None, dict[int, int]] = {}
-        for i, (tok, parent) in enumerate(zip(tokens, parents)):
-            children.setdefault(parent, {})[tok] = i
         return self._derived(
-            tokens=tokens,
-            parents=parents,
+            tokens=self.tokens[:n],
+            parents=self.parents[:n],
             scores=self.scores[:n],
-            pooled=frozenset(i for i in self.pooled if i < n),
-            referenced=frozenset(i for i in self.referenced if i < n),
+            pooled=frozenset(i for i in self.pooled if i < n) if self.pooled else self.pooled,
+            referenced=frozenset(i for i in self.referenced if i < n) if self.referenced else self.referenced,
             depths=self.depths[:n],
-            children=children,
+            _children=None,  # built if asked (the grammar's walk, a merge)
             _mask=None if self._mask is None else self._mask[:n, :n],
         )
 

@@ -41,8 +41,9 @@ def test_tree_scores_are_per_node_probabilities_and_follow_prefixes():
     assert DraftTree((5, 6), (None, 0)).prefix(1).scores == ()  # a drafter without scores
     with pytest.raises(ValueError, match="one per node"):
         DraftTree((5, 6), (None, 0), (0.5,))
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        DraftTree((5,), (None,), (1.5,))
+    for bad in ((1.5,), (-0.1, 0.5), (0.5, float("nan")), (float("nan"), 0.5), (0.2, float("inf"))):
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            DraftTree((5, 6), (None, 0), bad) if len(bad) == 2 else DraftTree((5,), (None,), bad)
 
 
 def test_chain_and_random_trees_hold_invariants():
@@ -81,7 +82,7 @@ def test_derived_trees_equal_the_same_trees_built_and_checked_from_scratch():
             frozenset(i for i in referenced if i < k),
             match,
         )
-        assert cut == fresh and (cut.mask == fresh.mask).all()
+        assert cut == fresh and (cut.mask == fresh.mask).all() and cut.children == fresh.children
     with pytest.raises(ValueError, match=">= 0"):
         DraftTree((5,), (None,)).with_match(-1)
 
