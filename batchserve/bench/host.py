@@ -166,8 +166,8 @@ H100_SMOLLM2 = CostProfile(
 class EmulatedDevice:
     """A runner whose forward runs asynchronously and takes a device's time: `launch` does the
     host's work and returns (the stand-in's logits are ready at once, as queued kernels would be
-    later), `collect` waits (spinning) until the launch's end plus `profile`'s forward time for
-    the step's rows, requests and context. Everything else is the wrapped runner's."""
+    later), `collect` waits (spinning) until the step's staging ended plus `profile`'s forward
+    time for the step's rows, requests and context. Everything else is the wrapped runner's."""
 
     def __init__(self, runner: Any, profile: CostProfile) -> None:
         self.runner = runner
@@ -179,11 +179,15 @@ class EmulatedDevice:
         return getattr(self.runner, name)
 
     def launch(self, out: SchedulerOutput) -> Any:
+        start = time.perf_counter()
         launched = self.runner.launch(out)
         context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / max(1, len(out.requests))
         seconds = self.profile.time_ms(out.num_tokens, context, len(out.requests)) / 1e3
         self.device_seconds += seconds
-        self._due = time.perf_counter() + seconds
+        # The device starts once the host has staged the step: the stand-in's forward, choice and
+        # acceptance, which ran here on the CPU, are the device's work, inside its time, as the
+        # queued kernels' are on a GPU (not host time added to it).
+        self._due = start + launched.clock.spent["prepare"] + seconds
         return launched
 
     def collect(self, launched: Any) -> Any:

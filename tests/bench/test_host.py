@@ -93,6 +93,39 @@ def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says():
         core.step()
 
 
+def test_the_emulated_devices_time_starts_when_the_step_is_staged(monkeypatch):
+    """The stand-in's forward runs on the CPU inside `launch`; on a GPU it is the device's work, so
+    it counts within the device's time, not before it (here a forward of 0.2 s, a device of 30 ms:
+    the results are due 30 ms after staging, long past already)."""
+    import time
+
+    from batchserve.bench.host import EmulatedDevice
+    from batchserve.cost_profile import CostProfile
+
+    forward = StandInModel.forward
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.2)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(StandInModel, "forward", slow)
+    prompts = _prompts(2)
+    core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 1, 4)
+    device = EmulatedDevice(core.runner, CostProfile("fast", (1, 64), (0,), ((30.0, 30.0),)))
+    core.runner = device
+    core.add_request(Submission(prompts[0], SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    step = core.schedule()
+    before = time.perf_counter()
+    core.launch(step)
+    assert step.launched is not None
+    staged = before + step.launched.clock.spent["prepare"]
+    assert staged + 0.030 <= device._due < staged + 0.130 < time.perf_counter()
+    core.collect(step)
+    assert step.result is not None and core.commit(step)
+    while core.has_work():  # to the end: the request leaves the engine
+        core.step()
+
+
 def test_the_pipelined_loop_hides_building_outputs_on_the_emulated_device():
     from batchserve.bench.host import emulated_engine
     from batchserve.bench.host_timing import measure_emulated
