@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from batchserve import Submission
@@ -70,27 +72,39 @@ def test_the_report_prices_a_draft_row_per_bucket_from_the_cost_profile():
     assert extra[header.index("8")] == "0.000" and extra[header.index("32")] == f"{12.0 / 31:.3f}"
 
 
-def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says():
-    import time
-
+def _one_request_on_a_30_ms_device() -> tuple[Any, Any, Any]:
+    """(engine, its EmulatedDevice, the request's first step, scheduled): a device whose every
+    step takes 30 ms."""
     from batchserve.bench.host import EmulatedDevice
     from batchserve.cost_profile import CostProfile
 
-    prompts = _prompts(4)
-    core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 2, 4)
-    device = EmulatedDevice(core.runner, CostProfile("slow", (1, 64), (0,), ((30.0, 30.0),)))
+    prompts = _prompts(2)
+    core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 1, 4)
+    device = EmulatedDevice(core.runner, CostProfile("30ms", (1, 64), (0,), ((30.0, 30.0),)))
     core.runner = device
     core.add_request(Submission(prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True)))
-    step = core.schedule()
+    return core, device, core.schedule()
+
+
+def _to_the_end(core: Any, step: Any) -> None:
+    """Collect and commit the launched `step`, then step until the request leaves the engine."""
+    core.collect(step)
+    assert step.result is not None and core.commit(step)
+    while core.has_work():
+        core.step()
+
+
+def test_the_emulated_device_returns_a_step_no_sooner_than_its_profile_says():
+    import time
+
+    core, device, step = _one_request_on_a_30_ms_device()
     core.launch(step)
     due = device._due
     assert due > time.perf_counter()  # launched: the device's 30 ms still running
     core.collect(step)
     assert time.perf_counter() >= due  # collect waited out the rest of them (spinning, as CUDA's readback does)
-    assert step.result is not None and core.commit(step)
     assert device.device_seconds == 0.030 and device.backend is device.runner.backend  # the rest is the runner's
-    while core.has_work():  # to the end: the request leaves the engine
-        core.step()
+    _to_the_end(core, step)
 
 
 def test_the_emulated_devices_time_starts_when_the_step_is_staged(monkeypatch):
@@ -99,31 +113,20 @@ def test_the_emulated_devices_time_starts_when_the_step_is_staged(monkeypatch):
     the results are due 30 ms after staging, long past already)."""
     import time
 
-    from batchserve.bench.host import EmulatedDevice
-    from batchserve.cost_profile import CostProfile
-
     forward = StandInModel.forward
 
-    def slow(self, *args, **kwargs):
+    def slow(self: StandInModel, *args: Any, **kwargs: Any) -> Any:
         time.sleep(0.2)
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(StandInModel, "forward", slow)
-    prompts = _prompts(2)
-    core = stand_in_engine(prompts, make_tiny_tokenizer(), TINY_VOCAB, 1, 4)
-    device = EmulatedDevice(core.runner, CostProfile("fast", (1, 64), (0,), ((30.0, 30.0),)))
-    core.runner = device
-    core.add_request(Submission(prompts[0], SamplingParams(max_new_tokens=2, ignore_eos=True)))
-    step = core.schedule()
+    core, device, step = _one_request_on_a_30_ms_device()
     before = time.perf_counter()
     core.launch(step)
     assert step.launched is not None
     staged = before + step.launched.clock.spent["prepare"]
     assert staged + 0.030 <= device._due < staged + 0.130 < time.perf_counter()
-    core.collect(step)
-    assert step.result is not None and core.commit(step)
-    while core.has_work():  # to the end: the request leaves the engine
-        core.step()
+    _to_the_end(core, step)
 
 
 def test_the_pipelined_loop_hides_building_outputs_on_the_emulated_device():
