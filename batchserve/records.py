@@ -158,8 +158,9 @@ class StepPhases:
     # Part of schedule, verify and commit: seconds in grammar matchers and token masks (structured
     # output); 0 in a step without a constrained request.
     grammar: float = 0.0
-    # After `wall`, off the critical path: the policy's judging of the step's drafts and building
-    # its outputs (detokenizing, logprobs), which the pipelined loop does beside the next forward.
+    # After `wall`, off the critical path: the policy's judging of the step's drafts (and settling
+    # the estimates the next plan reads) and building its outputs (detokenizing, logprobs), which
+    # the pipelined loop does beside the next forward.
     outputs: float = 0.0
     # Not a time: the tokens the step's requests emitted (what the phases bought).
     tokens: int = 0

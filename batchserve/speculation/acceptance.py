@@ -71,24 +71,13 @@ class AcceptanceTracker:
     def gains_many(self, candidates: Sequence[tuple[str, int, Sequence[float], int]]) -> list[list[float]]:
         """`gains` of each (request id, n, scores, match): a step's trees in one set of array
         operations (the same numbers as one call each)."""
-        out: list[list[float] | None] = [None] * len(candidates)
-        scored: list[int] = []
-        for i, (rid, n, scores, _) in enumerate(candidates):
-            if scores:
-                scored.append(i)
-            else:
-                out[i] = self._monotone(rid)[:n]
-        if scored:
-            ests = []
-            for i in scored:
-                rid, n, scores, _ = candidates[i]
-                ests.append(self._est.get(rid, self.prior)[: min(n, len(scores))])
-            probs = self.calibration.probs_of_trees(
-                ests, [candidates[i][2][: len(e)] for i, e in zip(scored, ests)], [candidates[i][3] for i in scored]
-            )
-            for i, p in zip(scored, probs):
-                out[i] = non_increasing(p)
-        return [g if g is not None else [] for g in out]
+        scored = [c for c in candidates if c[2]]  # the rest: their rank estimates alone (`gains`)
+        ests = [self._est.get(rid, self.prior)[: min(n, len(scores))] for rid, n, scores, _ in scored]
+        probs = self.calibration.probs_of_trees(
+            ests, [scores[: len(e)] for (_, _, scores, _), e in zip(scored, ests)], [m for *_, m in scored]
+        )
+        trees = iter(probs)
+        return [non_increasing(next(trees)) if scores else self._monotone(rid)[:n] for rid, n, scores, _ in candidates]
 
     def upper_gains(self, request_id: str, n: int) -> list[float]:
         """The most the first `n` nodes could be worth whatever the drafter's scores and match
