@@ -36,7 +36,7 @@ __all__ = [
 
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
-CPU_WEIGHTS: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
+CPU_WEIGHTS: tuple[str, ...] = ("auto", "gguf", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "kernel", "invariant", "torch")  # resolve_backend's
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.forward.graphs_choice

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -42,15 +43,15 @@ class EngineCore:
     ) -> None:
         """`cost_profile` (adaptive decoding length) defaults to the cached one for this
         model and device, measured on first use."""
-        from batchserve.runner import load_model
-        from batchserve.runner.build import build_checked_runner
+        from batchserve.model.loader import load_engine_model
+        from batchserve.runner.build import build_checked_runner, kv_pool_bytes
         from batchserve.runner.forward import choose_forward
 
         self.config = config = config or EngineConfig()
         loaded_here = model is None  # cpu_weights=auto reads the file only where the model came from it
         set_threads(config.model.num_threads)  # before the invariance checks: they hold at this count
         if model is None:
-            model, tokenizer = load_model(config.model.path, config.model.dtype, config.model.device)
+            model, tokenizer = load_engine_model(config.model, functools.partial(kv_pool_bytes, config.cache))
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         model, forward = choose_forward(model, config, loaded_here)

@@ -306,10 +306,11 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] | type[Kernel
 
 
 def uses_our_kernels(model: Any) -> bool:
-    """Whether the model's products run on our kernels (`Q4Linear`, `Q8Linear`,
+    """Whether the model's products run on our kernels (`BlockLinear`, `Q4Linear`, `Q8Linear`,
     `KernelBf16Linear`): its costs, and so its cost profile, differ from the same weights on
     torch's int4 kernel or oneDNN's."""
-    return any(isinstance(m, (Q4Linear, Q8Linear, KernelBf16Linear)) for m in model.modules())
+    ours = (Q4Linear, Q8Linear, KernelBf16Linear)
+    return any(isinstance(m, ours) or type(m).__name__ == "BlockLinear" for m in model.modules())
 
 
 def has_invariant_linears(model: Any) -> bool:

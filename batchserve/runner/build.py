@@ -189,6 +189,15 @@ def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, config: EngineCon
     return max(1, min(max_num_batched_tokens, max_num_seqs * per_request))
 
 
+def kv_pool_bytes(cache: Any, model_config: Any) -> int:
+    """Bytes of the CPU's float32 KV pool `cache` (a CacheConfig) sets for a model config."""
+    if cache.num_blocks is None:
+        return int(cache.kv_cache_memory_gb * 2**30)
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    per_block = 2 * model_config.num_hidden_layers * cache.block_size * model_config.num_key_value_heads * head_dim * 4
+    return cache.num_blocks * per_block
+
+
 def kv_blocks_for_memory(
     memory_gb: float, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:

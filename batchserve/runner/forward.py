@@ -38,6 +38,7 @@ PARTS = ("impl", "weights", "linear", "attention", "graphs", "fused")
 
 # What each kind of product layer runs on, by class name (the `linear` part names the classes).
 _PRODUCTS = {
+    "BlockLinear": "the file's own blocks, each tensor at its own type, on our kernels",
     "Q4Linear": "the file's Q4_1 blocks on our kernels",
     "Q8Linear": "Q8_0 blocks on our kernels",
     "Int4Linear": "the file's Q4_1 blocks on torch's int4 kernel",
@@ -76,7 +77,7 @@ class ForwardChoice:
         if self.impl.choice != "native":
             return f"transformers {self.weights.choice}, {attention}"
         kinds = self.linear.choice.split("+")
-        ours = " on our kernels" if {"Q4Linear", "Q8Linear", "KernelBf16Linear"} & set(kinds) else ""
+        ours = " on our kernels" if {"BlockLinear", "Q4Linear", "Q8Linear", "KernelBf16Linear"} & set(kinds) else ""
         return f"native {self.weights.choice} weights{ours}, {attention}"
 
     def parts(self) -> dict[str, Part]:
@@ -120,6 +121,8 @@ def choose_forward(model: Any, config: EngineConfig, loaded_from_path: bool) -> 
 
 
 def _impl_why(model: Any, asked: str, handed_native: bool, native: bool) -> str:
+    if getattr(model, "cpu_weights", None) == "gguf":
+        return "read straight from the GGUF file's blocks (no transformers model)"
     if handed_native:
         return "a native model handed in"
     if asked != "auto":

@@ -1,0 +1,174 @@
+"""A GGUF file read as it is: memory-mapped by gguf-py's `GGUFReader`, its config and tokenizer
+from its metadata (through transformers, cached by the file's identity: a second start parses
+no vocabulary), its tensors as the file's own bytes.
+
+Nothing here copies a weight: `GGUFTensors` hands out read-only views of the mapping, and
+`release` drops a range's pages from this process once a layer has made its own copy, so a
+load's resident memory is the packed layers plus one tensor, not the file twice."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("batchserve")
+
+META_FORMAT = 1
+META_MARKER = "batchserve-gguf-meta.json"  # written last: an entry without it is incomplete
+LLAMA_CPP_ARCHS = {"llama": "llama", "qwen2": "qwen2"}  # general.architecture -> what our forward runs
+PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes attn_q/attn_k rows for these (rotary pairs)
+
+
+def meta_cache_dir() -> Path | None:
+    """Where a file's config and tokenizer are cached: $BATCHSERVE_MODEL_CACHE_DIR (`off` to
+    disable), else $BATCHSERVE_CACHE_DIR/models, else ~/.cache/batchserve/models."""
+    value = os.environ.get("BATCHSERVE_MODEL_CACHE_DIR")
+    if value is not None:
+        return None if value.strip().lower() in ("", "0", "off", "none") else Path(value)
+    return Path(os.environ.get("BATCHSERVE_CACHE_DIR") or Path.home() / ".cache" / "batchserve") / "models"
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """What a cached reading of `path` depends on: the file (path, size, modification time)."""
+    st = path.stat()
+    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _meta_key(path: Path) -> dict[str, Any]:
+    return {"format": META_FORMAT, **file_identity(path), "transformers": importlib.metadata.version("transformers")}
+
+
+def _meta_entry(path: Path) -> Path | None:
+    root = meta_cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha1(json.dumps(_meta_key(path), sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"{path.stem}-meta-{digest}"
+
+
+def cached_meta(path: Path) -> Path | None:
+    """The complete config-and-tokenizer entry for this file, or None."""
+    entry = _meta_entry(path)
+    if entry is None or not (entry / META_MARKER).is_file():
+        return None
+    try:
+        if json.loads((entry / META_MARKER).read_text()) == _meta_key(path):
+            return entry
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def read_meta(path: Path) -> tuple[Any, Any]:
+    """(config, tokenizer) of a GGUF file from its metadata: from the cache entry where there is
+    one, else parsed by transformers (the vocabulary twice: seconds for a large one) and cached."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    entry = cached_meta(path)
+    if entry is not None:
+        try:
+            config = AutoConfig.from_pretrained(entry, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(entry, local_files_only=True)
+            config._name_or_path = str(path)  # as read from the file
+            return config, tokenizer
+        except Exception as e:  # a damaged entry, whatever the damage: parse the file again
+            logger.warning("ignoring the cached metadata in %s: %s", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+    kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": path.name}
+    config = AutoConfig.from_pretrained(path.parent, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    _write_meta(path, config, tokenizer)
+    config._name_or_path = str(path)
+    return config, tokenizer
+
+
+def _write_meta(path: Path, config: Any, tokenizer: Any) -> None:
+    """Best effort: written to a temporary directory, then renamed, so a reader never sees half
+    an entry; a full disk or a read-only cache costs the next start its speed, nothing else."""
+    entry = _meta_entry(path)
+    if entry is None:
+        return
+    tmp: Path | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / META_MARKER).write_text(json.dumps(_meta_key(path), sort_keys=True))
+        if entry.exists():
+            shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+        tmp = None
+    except OSError as e:
+        logger.warning("could not cache %s's metadata in %s: %s", path.name, entry, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """One tensor of the file, as stored."""
+
+    name: str
+    qtype: int  # GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: (rows, cols) for a matrix, cols = ne0 (the reduction dim)
+    data: np.ndarray  # the mapping's bytes: uint8 [rows, row_bytes] for a block type, else [rows, cols] floats
+    offset: int  # byte offset of `data` in the file
+    nbytes: int
+
+
+class GGUFTensors:
+    """The tensors of a memory-mapped GGUF file by name, and the architecture it declares."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(path, "r")
+        except (ValueError, OSError, IndexError) as e:  # not a GGUF file, a truncated one, a big-endian one
+            raise ValueError(f"{path} is not a GGUF file this reader can read: {e}") from None
+        if self.reader.byte_order != "I":
+            raise ValueError(f"{path} is a big-endian GGUF file; convert it with gguf_convert_endian.py")
+        field = self.reader.fields.get("general.architecture")
+        self.architecture = str(field.contents()) if field is not None else ""
+        self.tensors: dict[str, TensorView] = {}
+        for t in self.reader.tensors:
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ne reversed: (rows, cols)
+            self.tensors[t.name] = TensorView(t.name, int(t.tensor_type), shape, t.data, int(t.data_offset),
+                                              int(t.n_bytes))  # fmt: skip
+
+    def get(self, name: str) -> TensorView | None:
+        return self.tensors.get(name)
+
+    def __getitem__(self, name: str) -> TensorView:
+        view = self.tensors.get(name)
+        if view is None:
+            raise ValueError(f"{self.path.name} has no tensor {name}")
+        return view
+
+    def release(self, view: TensorView) -> None:
+        """Drop `view`'s pages from this process (they stay in the page cache; a later read maps
+        them again): called once a layer holds its own packed copy."""
+        raw = getattr(self.reader.data, "_mmap", None)
+        if raw is None or not hasattr(raw, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = view.offset // page * page
+        end = view.offset + view.nbytes
+        try:
+            raw.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):  # only a hint: a platform without it keeps the pages
+            pass

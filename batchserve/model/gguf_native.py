@@ -1,0 +1,304 @@
+"""The native model built straight over a GGUF file's blocks: no transformers model, no float32
+copy, no conversion cache. Each product is a `BlockLinear` over the tensors' own blocks, whatever
+type each tensor has (a llama.cpp mix varies by layer and falls back per tensor); the token
+embedding looks its rows up in the mapped file; norms and biases are the file's float32 values.
+
+A tensor whose type has no kernel of ours (IQ quants, Q2_K, Q3_K, float matrices) is dequantized
+to bfloat16 for our bfloat16 kernel, and the start-up log names each such tensor and its cost. A
+file that cannot fit in memory beside the KV pool is refused before anything is read."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from batchserve import kernels
+from batchserve.model.gguf_file import LLAMA_CPP_ARCHS, PERMUTED_ARCHS, GGUFTensors, TensorView, read_meta
+from batchserve.model.llama import NativeLlamaForCausalLM, product_out_dtype, supports
+
+logger = logging.getLogger("batchserve")
+
+MARGIN_BYTES = 512 << 20  # left free beside the weights and the KV pool (the runtime's own)
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as floats (norms, biases), never as blocks
+
+
+class GGUFRefused(ValueError):
+    """The file cannot be served from its own blocks here (another load may serve it); the
+    message says why."""
+
+
+class GGUFTooLarge(ValueError):
+    """The file's layers and the KV pool do not fit in this machine's available memory."""
+
+
+def type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def dequantized(view: TensorView) -> np.ndarray:
+    """The tensor as float32 [rows, cols] (gguf-py's dequantizers: llama.cpp's formulas)."""
+    from gguf import dequantize
+
+    return np.asarray(dequantize(view.data, view.qtype), dtype=np.float32).reshape(view.shape)
+
+
+class GGUFEmbedding(nn.Module):
+    """The token embedding as stored in the file: a step's rows are dequantized from the mapped
+    blocks (only the rows asked for are read), float32 out, the file's exact values."""
+
+    def __init__(self, view: TensorView) -> None:
+        super().__init__()
+        self.view = view
+        self.num_embeddings, self.embedding_dim = view.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf import dequantize
+
+        rows = self.view.data[ids.cpu().numpy()]  # [T, row_bytes] (or [T, H] floats)
+        out = np.asarray(dequantize(rows, self.view.qtype), dtype=np.float32)
+        return torch.from_numpy(out.reshape(ids.shape[0], self.embedding_dim))  # [T, H]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {type_name(self.view.qtype)} rows read from the file"
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What the load made of the file's tensors (the start-up log's line and GetModelInfo's reason)."""
+
+    native: Counter[str] = field(default_factory=Counter)  # block type -> products' parts on our kernels
+    dequantized: list[str] = field(default_factory=list)  # tensors run as bfloat16 copies
+    dequantized_bytes: int = 0  # what those copies take
+    packed_bytes: int = 0  # what the packed blocks take
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(self.native.items()))
+        text = f"the file's own blocks on our kernels ({kinds})"
+        if self.dequantized:
+            names = ", ".join(self.dequantized[:4]) + (", ..." if len(self.dequantized) > 4 else "")
+            mib = self.dequantized_bytes / 2**20
+            text += f"; no kernel of ours for {len(self.dequantized)} tensors ({names}): bfloat16 copies, {mib:.0f} MiB"
+        return text
+
+
+def refusal(tensors: GGUFTensors) -> str | None:
+    """Why this file's layers cannot be built from its blocks here; None where they can."""
+    if tensors.architecture not in LLAMA_CPP_ARCHS:
+        return f"architecture {tensors.architecture or '(none)'} (read from blocks: {', '.join(LLAMA_CPP_ARCHS)})"
+    if not kernels.available():
+        return f"our kernels do not run here: {kernels.unavailable_reason()}"
+    from batchserve.model.blocks import block_products_invariant
+
+    if not block_products_invariant():
+        return "our block products are not batch-invariant on this CPU"
+    return None
+
+
+def bytes_needed(tensors: GGUFTensors) -> int:
+    """Resident bytes the layers will hold: the blocks of every native type as packed (about the
+    file's), bfloat16 for the rest; the embedding's rows stay in the file."""
+    from batchserve.model.blocks import NATIVE_TYPES
+
+    total = 0
+    for view in tensors.tensors.values():
+        if view.name == "token_embd.weight" and "output.weight" in tensors.tensors:
+            continue
+        if view.qtype in NATIVE_TYPES or len(view.shape) < 2:
+            total += view.nbytes
+        else:
+            total += 2 * int(np.prod(view.shape))
+    return total
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(tensors: GGUFTensors, kv_bytes: int) -> None:
+    need = bytes_needed(tensors) + kv_bytes + MARGIN_BYTES
+    have = available_bytes()
+    if have is not None and need > have:
+        raise GGUFTooLarge(
+            f"{tensors.path.name} needs {need:,} bytes ({need / 2**30:.1f} GiB: its layers, a KV pool of"
+            f" {kv_bytes / 2**30:.1f} GiB and {MARGIN_BYTES >> 20} MiB to run) and {have:,} are available;"
+            " lower --kv-cache-gb or use a smaller file"
+        )
+
+
+def load_gguf_native(path: Path, kv_bytes: Callable[[Any], int] | None = None) -> tuple[NativeLlamaForCausalLM, Any]:
+    """(native model, tokenizer) for a GGUF file, its layers over the file's own blocks. Raises
+    GGUFRefused where the file cannot be read so (the caller may fall back, saying why)."""
+    t0 = time.perf_counter()
+    tensors = GGUFTensors(path)
+    why = refusal(tensors)
+    if why is not None:
+        raise GGUFRefused(why)
+    config, tokenizer = read_meta(path)
+    check_fits(tensors, kv_bytes(config) if kv_bytes is not None else 0)
+    config._name_or_path = str(path)
+    why = supports(config)
+    if why is not None:
+        raise GGUFRefused(f"the native forward does not support {why}")
+    builder = _Builder(tensors, config)
+    model = builder.build()
+    logger.info("read %s in %.1f s: %s", path.name, time.perf_counter() - t0, builder.report.line())
+    return model, tokenizer
+
+
+def rotary_for(config: Any, factors: np.ndarray | None) -> nn.Module:
+    """The rope frequencies as transformers computes them for `config`, divided by llama.cpp's
+    `rope_freqs` factors where the file stores them (its Llama 3.1 scaling)."""
+    from batchserve.model.layer_kernels import TORCH_LAYERS
+
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    rotary_class = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+    rope = rotary_class(config=config)
+    inv_freq = rope.inv_freq.detach().float().clone()  # [D/2]
+    if factors is not None:
+        inv_freq = inv_freq / torch.from_numpy(factors.reshape(-1))
+    return TORCH_LAYERS.rotary(inv_freq, float(getattr(rope, "attention_scaling", 1.0)))
+
+
+class _Builder:
+    """Fills a native model's modules from the file, one tensor at a time."""
+
+    def __init__(self, tensors: GGUFTensors, config: Any) -> None:
+        self.tensors, self.config = tensors, config
+        self.report = LoadReport()
+        self.permuted = tensors.architecture in PERMUTED_ARCHS
+        self.total = sum(v.nbytes for v in tensors.tensors.values())
+        self.done = 0
+        self.started = self.last_log = time.perf_counter()
+
+    def build(self) -> NativeLlamaForCausalLM:
+        from batchserve.model.layer_kernels import TORCH_LAYERS
+        from batchserve.model.layers import use_kernel_layers
+
+        c = self.config
+        with torch.device("meta"):
+            model = NativeLlamaForCausalLM(c, torch.empty(0), 1.0, TORCH_LAYERS)
+        model.embed_tokens = GGUFEmbedding(self.tensors["token_embd.weight"])
+        for i, layer in enumerate(model.layers):
+            self._layer(layer, i)
+        model.norm.weight = self._vector("output_norm.weight")
+        head = self.tensors.get("output.weight") or self.tensors["token_embd.weight"]
+        model.lm_head = self._product("lm_head", [head], None)
+        factors = self.tensors.get("rope_freqs.weight")
+        model.rotary = rotary_for(c, None if factors is None else np.array(factors.data, dtype=np.float32))
+        use_kernel_layers(model)  # norms and silu*up on our kernels, beside our products
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise GGUFRefused(f"the file has no weights for {left[:4]}")
+        self._finish(model)
+        return model.eval()
+
+    def _finish(self, model: NativeLlamaForCausalLM) -> None:
+        from transformers import GenerationConfig
+
+        from batchserve.model.bf16 import our_bf16_here
+        from batchserve.model.blocks import block_products_invariant
+        from batchserve.model.fused import KernelDecoderLayers, why_not_fused
+
+        model.cpu_weights = "gguf"
+        model.cpu_weights_reason = self.report.line()
+        model.gguf_report = self.report
+        model.batch_invariant_linears = block_products_invariant() and (not self.report.dequantized or our_bf16_here())
+        model.generation_config = GenerationConfig.from_model_config(self.config)
+        if why_not_fused(model.layers) is None:  # last: it holds the weights' addresses
+            model.fused_layers = KernelDecoderLayers(model.layers)
+
+    def _layer(self, layer: nn.Module, i: int) -> None:
+        c, blk = self.config, f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = (self.tensors[f"{blk}attn_{p}.weight"] for p in "qkv")
+        if self.permuted:
+            q, k = self._unpermuted(q, c.num_attention_heads), self._unpermuted(k, c.num_key_value_heads)
+        bias = None
+        if self.tensors.get(f"{blk}attn_q.bias") is not None:
+            bias = torch.cat([self._vector(f"{blk}attn_{p}.bias").data for p in "qkv"])
+        attn.qkv_proj = self._product(f"layers.{i}.self_attn.qkv_proj", [q, k, v], bias)
+        attn.o_proj = self._product(f"layers.{i}.self_attn.o_proj", [self.tensors[f"{blk}attn_output.weight"]], None)
+        gate, up = self.tensors[f"{blk}ffn_gate.weight"], self.tensors[f"{blk}ffn_up.weight"]
+        mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [gate, up], None)
+        mlp.down_proj = self._product(f"layers.{i}.mlp.down_proj", [self.tensors[f"{blk}ffn_down.weight"]], None)
+        layer.input_layernorm.weight = self._vector(f"{blk}attn_norm.weight")
+        layer.post_attention_layernorm.weight = self._vector(f"{blk}ffn_norm.weight")
+
+    def _unpermuted(self, view: TensorView, heads: int) -> TensorView:
+        """llama.cpp's converter interleaves each head's rotary halves in attn_q/attn_k; the rows
+        back in transformers' order (a row is a whole run of blocks, so rows move as they are)."""
+        rows = view.shape[0]
+        order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+        return TensorView(view.name, view.qtype, view.shape, view.data[order], view.offset, view.nbytes)
+
+    def _vector(self, name: str) -> nn.Parameter:
+        view = self.tensors[name]
+        values = view.data if view.qtype == 0 else dequantized(view)
+        return nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1)), requires_grad=False)
+
+    def _product(self, name: str, views: list[TensorView], bias: torch.Tensor | None) -> nn.Module:
+        from batchserve.model.blocks import NATIVE_TYPES, BlockLinear, BlockPart
+
+        sizes = tuple(v.shape[0] for v in views)
+        if all(v.qtype in NATIVE_TYPES for v in views):
+            layer: nn.Module = BlockLinear([BlockPart(v.data, v.qtype, v.shape[1]) for v in views], bias, sizes)
+            self.report.native.update(type_name(v.qtype) for v in views)
+            self.report.packed_bytes += sum(v.nbytes for v in views)
+        else:
+            layer = self._bf16(name, views, bias, sizes)
+        for view in views:
+            self._progress(view)
+        return layer
+
+    def _bf16(self, name: str, views: list[TensorView], bias: torch.Tensor | None, sizes: tuple[int, ...]) -> nn.Module:
+        from batchserve.model import bf16_layer_class
+        from batchserve.model.layers import MergedLinear, PackedLinear
+
+        weight = torch.from_numpy(np.concatenate([dequantized(v) for v in views]))  # [N, K] float32, one product's
+        linear = MergedLinear(weight.shape[1], sizes, bias=bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        del weight
+        self.report.dequantized += [f"{v.name} ({type_name(v.qtype)})" for v in views]
+        self.report.dequantized_bytes += 2 * linear.weight.numel()
+        layer_class = bf16_layer_class()
+        if layer_class is None:
+            return PackedLinear(linear)
+        return layer_class(linear, product_out_dtype(name))
+
+    def _progress(self, view: TensorView) -> None:
+        """The mapping's pages of a packed tensor released; a log line every few seconds."""
+        self.tensors.release(view)
+        self.done += view.nbytes
+        now = time.perf_counter()
+        if now - self.last_log >= 3.0:
+            self.last_log = now
+            rate = self.done / max(now - self.started, 1e-9) / 2**20
+            logger.info(
+                "reading %s: %.0f%% (%.0f of %.0f MiB, %.0f MiB/s)",
+                self.tensors.path.name, 100 * self.done / self.total, self.done / 2**20, self.total / 2**20, rate,
+            )  # fmt: skip

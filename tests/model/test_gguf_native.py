@@ -1,0 +1,157 @@
+"""A GGUF file read straight from its blocks: the mapping of llama.cpp's tensors onto the native
+model (checked with exact products against transformers' own dequantized load), each mix's
+tensors on their own types, the refusals, the metadata cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from batchserve.bench.gguf_write import tensor_types, write_gguf
+from batchserve.bench.shapes import ModelShape
+from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
+from batchserve.engine import EngineCore
+from batchserve.model import blocks, gguf_file, gguf_native
+from batchserve.model.gguf_native import GGUFEmbedding, GGUFTooLarge, load_gguf_native
+from batchserve.model.loader import default_model_path, load_model
+from tests.model.test_llama import _all_logits
+
+pytestmark = pytest.mark.skipif(not blocks.block_products_invariant(), reason="our block kernels do not run here")
+
+# Small enough for a test, wide enough (256) for the K-quants; 96-wide tensors fall back per tensor.
+TINY = ModelShape("tiny-llama", 256, 2, 4, 2, 64, 512, 49152, init_std=0.05)
+TINY_QWEN = ModelShape(
+    "tiny-qwen", 256, 2, 4, 2, 64, 512, 49152, init_std=0.05, arch="qwen2", tied_embeddings=True, qkv_bias=True
+)
+
+
+def _config(path: str | Path, weights: str = "auto", **model: object) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(path=str(path), cpu_weights=weights, **model),  # type: ignore[arg-type]
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+        draft=DraftConfig(decoding_length=8, adaptive=False),
+    )
+
+
+class ExactBlockLinear(nn.Module):
+    """A stand-in for `BlockLinear` with the dequantized weights in float32 and torch's product:
+    what transformers' load computes, so the model's mapping can be checked apart from our kernels."""
+
+    def __init__(self, parts: list[blocks.BlockPart], bias: torch.Tensor | None, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        from gguf import dequantize
+
+        w = [np.asarray(dequantize(p.raw, p.qtype), np.float32).reshape(-1, p.cols) for p in parts]
+        self.register_buffer("weight", torch.from_numpy(np.concatenate(w)))  # [N, K]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() @ self.weight.T  # [T, N]
+        return y if self.bias is None else y + self.bias
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf")
+    files = {f"llama-{q}": write_gguf(root / f"llama-{q}.gguf", TINY, q) for q in ("Q4_K_M", "Q6_K", "Q4_0")}
+    files["qwen-Q5_K_M"] = write_gguf(root / "qwen-Q5_K_M.gguf", TINY_QWEN, "Q5_K_M")
+    return files
+
+
+@pytest.mark.parametrize("name", ["llama-Q4_K_M", "qwen-Q5_K_M"])
+def test_the_mapping_equals_transformers_load_of_the_same_file(tiny_files, monkeypatch, name):
+    """With exact products, the native model read from the blocks (q/k rows un-permuted for
+    llama, biases, tied head, norms, rope) computes transformers' float32 model of the file."""
+    monkeypatch.setattr(blocks, "BlockLinear", ExactBlockLinear)
+    native, tokenizer = load_gguf_native(tiny_files[name])
+    hf, _ = load_model(tiny_files[name], "float32")
+    prompts = [[5, 9, 33, 1, 200, 17], [7], list(range(40, 60))]
+    got = _all_logits(EngineCore(_config(tiny_files[name], model_impl="native"), native, tokenizer), prompts)
+    want = _all_logits(EngineCore(_config(tiny_files[name], model_impl="transformers"), hf, tokenizer), prompts)
+    # Two float32 evaluations summing in different orders (and our norm kernel): close, not equal.
+    assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    # ... and a slip in the mapping is far outside that: q's rows left permuted.
+    monkeypatch.setattr(gguf_native, "PERMUTED_ARCHS", ())
+    if name.startswith("llama"):
+        wrong, _ = load_gguf_native(tiny_files[name])
+        core = EngineCore(_config(tiny_files[name], model_impl="native"), wrong, tokenizer)
+        assert not torch.allclose(_all_logits(core, prompts), want, rtol=0, atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["llama-Q4_K_M", "llama-Q6_K", "llama-Q4_0", "qwen-Q5_K_M"])
+def test_each_mix_runs_every_tensor_on_its_own_type(tiny_files, name):
+    core = EngineCore(_config(tiny_files[name]))
+    model = core.runner.model
+    assert model.cpu_weights == "gguf" and isinstance(model.embed_tokens, GGUFEmbedding)
+    assert core.facts.forward.impl.why.startswith("read straight from the GGUF file")
+    planned = tensor_types(TINY_QWEN if name.startswith("qwen") else TINY, name.partition("-")[2])
+    matrices = [n for n in planned if n.endswith(".weight") and "norm" not in n and n != "token_embd.weight"]
+    want = {planned[n].name for n in matrices} | ({planned["token_embd.weight"].name} if name.startswith("qwen") else set())
+    assert set(model.gguf_report.native) == want and not model.gguf_report.dequantized
+    layer = model.layers[0]
+    for product in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(product, blocks.BlockLinear)
+    assert model.batch_invariant_linears and core.facts.batch_invariant
+
+
+def test_a_type_without_our_kernel_runs_as_bfloat16_and_says_so(tmp_path, caplog):
+    path = write_gguf(tmp_path / "f16.gguf", TINY, "F16")
+    with caplog.at_level(logging.INFO, logger="batchserve"):
+        model, _ = load_gguf_native(path)
+    assert len(model.gguf_report.dequantized) == 7 * TINY.num_hidden_layers + 1  # every matrix and the head
+    assert "no kernel of ours for 15 tensors" in caplog.text and "bfloat16 copies" in caplog.text
+
+
+def test_a_file_that_cannot_fit_is_refused_with_the_bytes_it_needs(tiny_files, monkeypatch):
+    monkeypatch.setattr(gguf_native, "available_bytes", lambda: 1 << 20)
+    with pytest.raises(GGUFTooLarge, match=r"needs [\d,]+ bytes .* and 1,048,576 are available"):
+        EngineCore(_config(tiny_files["llama-Q4_0"]))
+
+
+def test_not_a_gguf_file_is_refused_by_name(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf_native(bad)
+
+
+def test_the_config_and_tokenizer_are_read_from_the_cache_on_a_second_start(tiny_files, monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    import transformers
+
+    parsed: list[str] = []
+    real = transformers.AutoConfig.from_pretrained
+
+    def counting(directory, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if "gguf_file" in kwargs:
+            parsed.append(kwargs["gguf_file"])
+        return real(directory, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counting)
+    path = tiny_files["llama-Q4_0"]
+    first = gguf_file.read_meta(path)
+    second = gguf_file.read_meta(path)
+    assert parsed == [path.name]  # once, the first time
+    assert first[0].to_dict() == second[0].to_dict()
+    assert first[1]("hello world")["input_ids"] == second[1]("hello world")["input_ids"]
+    path.touch()  # a changed file is read again
+    gguf_file.read_meta(path)
+    assert parsed == [path.name, path.name]
+
+
+def test_the_default_model_reads_its_blocks_with_the_q4_1_paths_bits():
+    """SmolLM2's Q4_1 file read from its blocks computes what the transformers-loaded q4_1 path
+    computes, bit for bit (the same kernels over the same blocks)."""
+    path = default_model_path()
+    direct = EngineCore(_config(path))
+    assert direct.runner.model.cpu_weights == "gguf"
+    hf, tokenizer = load_model(path, "float32")
+    legacy = EngineCore(_config(path, weights="q4_1"), hf, tokenizer)
+    prompts = [tokenizer("def fibonacci(n):")["input_ids"], tokenizer("The capital of France is")["input_ids"]]
+    assert torch.equal(_all_logits(direct, prompts), _all_logits(legacy, prompts))
