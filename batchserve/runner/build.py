@@ -13,6 +13,7 @@ import torch
 from batchserve.attention import INVARIANT_BACKENDS, make_backend
 from batchserve.config import EngineConfig
 from batchserve.model import has_invariant_linears
+from batchserve.runner.check_cache import cached_check, check_key, store_check
 from batchserve.runner.forward import ForwardChoice
 from batchserve.runner.graphs import CaptureReport, StepGraphs
 from batchserve.runner.layer_check import check_layers
@@ -78,7 +79,13 @@ def build_checked_runner(
     probed = probed and not has_invariant_linears(model)
     if runner.device.type != "cpu" or not getattr(model, "native", False) or not (claimed or probed):
         return runner, facts
+    key = check_key(runner, config, facts)
+    check = cached_check(key)
+    if check is not None:
+        logger.info("batch invariance: %s (%.2f s when checked; cached by file and CPU)", check.detail, check.seconds)
+        return runner, dataclasses.replace(facts, check=check)
     check = check_contract(runner, facts, config, claimed)
+    store_check(key, check)
     if check.invariant:
         logger.info("batch invariance: %s (%.2f s)", check.detail, check.seconds)
     else:

@@ -4,6 +4,7 @@ tensors on their own types, the refusals, the metadata cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -155,3 +156,27 @@ def test_the_default_model_reads_its_blocks_with_the_q4_1_paths_bits():
     legacy = EngineCore(_config(path, weights="q4_1"), hf, tokenizer)
     prompts = [tokenizer("def fibonacci(n):")["input_ids"], tokenizer("The capital of France is")["input_ids"]]
     assert torch.equal(_all_logits(direct, prompts), _all_logits(legacy, prompts))
+
+
+def test_a_second_start_reuses_the_invariance_verdict_for_the_same_file_and_cpu(tiny_files, monkeypatch, tmp_path):
+    from batchserve.runner import build
+
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    checked: list[bool] = []
+    real = build.check_contract
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        checked.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build, "check_contract", counting)
+    path = tiny_files["llama-Q4_K_M"]
+    first = EngineCore(_config(path)).facts.check
+    second = EngineCore(_config(path)).facts.check
+    assert len(checked) == 1 and first == second and first.invariant
+    other = _config(path)
+    EngineCore(dataclasses.replace(other, scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)))
+    assert len(checked) == 2  # another engine shape is another check ...
+    path.touch()
+    EngineCore(_config(path))
+    assert len(checked) == 3  # ... and so is a changed file
