@@ -76,11 +76,12 @@ class ModelConfig:
     )
     cpu_weights: str = setting(
         "auto",
-        "native model on CPU: float32; bfloat16: bfloat16 copies of the products' weights on our kernels (AVX2;"
-        " oneDNN's where ours cannot build and its check passes); q4_1: a GGUF file's Q4_1 layers (and Q8_0 head) as"
-        " stored, on our kernels (AVX2; built with g++ on first use), else torch's int4 one. Both give the"
-        " reduced-precision model's output, not float32 HF's. auto: for a Q4_1 GGUF q4_1 where our kernels build;"
-        " else bfloat16 where it runs fast (AVX-512), else float32 (the log says which, why)",
+        "native model on CPU: gguf: a GGUF file read straight from its blocks, each tensor at its own type (Q4_0,"
+        " Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on our kernels, memory-mapped, no float32 copy (a type without"
+        " a kernel of ours runs as bfloat16, named at start-up); float32; bfloat16: bfloat16 copies of the products'"
+        " weights on our kernels (an HF directory is read tensor by tensor); q4_1: the file's Q4_1 layers through"
+        " transformers' load (the earlier path). auto: gguf for a GGUF file where our kernels build; else bfloat16"
+        " where it runs fast (AVX-512), else float32 (the log says which, why)",
         choices=CPU_WEIGHTS,
     )
     num_threads: int | None = setting(None, THREADS_HELP)

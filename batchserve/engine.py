@@ -43,7 +43,7 @@ class EngineCore:
     ) -> None:
         """`cost_profile` (adaptive decoding length) defaults to the cached one for this
         model and device, measured on first use."""
-        from batchserve.model.loader import load_engine_model
+        from batchserve.model.engine_model import load_engine_model
         from batchserve.runner.build import build_checked_runner, kv_pool_bytes
         from batchserve.runner.forward import choose_forward
 

@@ -42,9 +42,9 @@ def _check(walk: Walk, what: str) -> None:
     crowded = {room: doors for room, doors in walk.entries().items() if len(doors) > DOORS.get(room, MOST_DOORS)}
     assert not crowded, f"{what}: rooms entered from more than {MOST_DOORS} others\n{walk.report()}"
     assert walk.entries()["grammar"] == {"admission", "speculation", "scheduler"}, walk.report()
-    assert {"server", "engine", "scheduler", "speculation", "runner", "detokenize", "grammar"} <= set(
-        walk.entries()
-    ), walk.report()  # the walk saw the whole request, drafts, stop strings and grammar included
+    assert {"server", "engine", "scheduler", "speculation", "runner", "detokenize", "grammar"} <= set(walk.entries()), (
+        walk.report()
+    )  # the walk saw the whole request, drafts, stop strings and grammar included
 
 
 async def _traced(walk: Walk, r: Running, call) -> None:

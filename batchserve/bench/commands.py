@@ -82,6 +82,24 @@ def add_bench_parser(sub: Any) -> None:
     bench.add_argument("--out", default="bench_out", help="directory for results.json, report.md, throughput.png")
     _add_replay_flags(bench)
     add_curve_flags(bench)
+    _add_gguf_flags(bench)
+
+
+def _add_gguf_flags(bench: argparse.ArgumentParser) -> None:
+    """--write-gguf and its --quant, --seed (with --shape): a random-block GGUF, no benchmark."""
+    bench.add_argument(
+        "--write-gguf",
+        default=None,
+        metavar="PATH",
+        help="write --shape as a llama.cpp GGUF file in --quant, random blocks and the default model's tokenizer",
+    )
+    bench.add_argument(
+        "--quant",
+        default="Q4_K_M",
+        help="--write-gguf: llama-quantize's mix Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1; "
+        "Q4_K, Q5_K (pure), F16, BF16 or F32",
+    )
+    bench.add_argument("--seed", type=int, default=0, help="--write-gguf: the random blocks' seed")
 
 
 def _add_replay_flags(bench: argparse.ArgumentParser) -> None:
@@ -170,6 +188,10 @@ def _as_served(methods: list[str], model: str | None) -> list[str]:
 
 def bench_command(args: argparse.Namespace) -> int:
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    if args.write_gguf is not None:
+        from batchserve.bench.gguf_write import write_gguf_command
+
+        return write_gguf_command(args)
     if args.shape is not None:
         return shape_command(args)
     if args.curve is not None and not args.simulate:

@@ -253,10 +253,13 @@ def build_forward(
 
 def served_weights(on_cpu: bool, model_path: str | None, seats: int | None) -> tuple[str, str]:
     """(the CPU weights `cpu_weights=auto` takes for `batchserve serve` of `seats` seats on the
-    model at `model_path` here, why): known before any model loads."""
+    model at `model_path` here, why): known before any model loads. The bench's in-process engines
+    share one transformers-loaded model, so a GGUF the server reads from its blocks (`gguf`) runs
+    here on the weights transformers' load gives (a Q4_1 file's `q4_1`: the same kernels over the
+    same blocks, the same bits: tests/model/test_gguf_native.py)."""
     from batchserve.model import cpu_weights_choice
 
-    choice = cpu_weights_choice(on_cpu, model_path, seats)
+    choice = cpu_weights_choice(on_cpu, model_path, seats, direct=False)
     return choice.weights, choice.why
 
 

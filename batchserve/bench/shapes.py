@@ -44,6 +44,11 @@ class ModelShape:
     max_position_embeddings: int = 8192
     rms_norm_eps: float = 1e-5
     init_std: float = 0.02  # weights ~ N(0, init_std); norm weights 1
+    # What `bench/gguf_write.py` writes (llama.cpp's architecture, a tied output, q/k/v biases);
+    # `build_model` and `config` always build an untied, bias-free Llama of these sizes.
+    arch: str = "llama"
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         sizes = (self.hidden_size, self.num_hidden_layers, self.num_attention_heads, self.head_dim)
@@ -94,11 +99,26 @@ class ModelShape:
         return config
 
 
+def _qwen25(name: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> ModelShape:
+    """A Qwen2.5 shape: its vocabulary, rope theta, context and norm epsilon, tied, with q/k/v biases."""
+    return ModelShape(
+        name, hidden, layers, heads, kv_heads, head_dim, inter, 151936, rope_theta=1e6,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, arch="qwen2", tied_embeddings=True, qkv_bias=True,
+    )  # fmt: skip
+
+
 SHAPES = {
     s.name: s
     for s in (
         # Meta-Llama-3-8B's config.json: 8.03B parameters, 16.1 GB in bfloat16.
         ModelShape("llama3-8b", 4096, 32, 32, 8, 128, 14336, 128256),
+        # Qwen2.5-0.5B/1.5B and Llama-3.2-3B's config.json (tied embeddings; Qwen: q/k/v biases).
+        # Llama 3.2's rope scaling (llama3, factor 32) is left out: it changes no speed or size.
+        _qwen25("qwen2.5-0.5b", 896, 24, 14, 2, 64, 4864),
+        _qwen25("qwen2.5-1.5b", 1536, 28, 12, 2, 128, 8960),
+        ModelShape(
+            "llama3.2-3b", 3072, 28, 24, 8, 128, 8192, 128256, max_position_embeddings=131072, tied_embeddings=True
+        ),
         # The same proportions (GQA 4:1, MLP 3.5x hidden, rope theta 500000) at a CPU test's size,
         # with FlashInfer's smallest head dim (64) so that it runs on a GPU too; wider weights than
         # 8B's spread the random logits (no near-ties between two forwards).

@@ -1,4 +1,5 @@
-"""Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp), over
+"""Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp: Q4_1
+and Q8_0 in numpy-grouped layouts; block_gemm.cpp: Q4_0 .. Q6_K repacked by block_pack.cpp), over
 bfloat16 weights (bf16_gemm.cpp) and paged attention (attention.cpp), compiled for this CPU on
 first use and loaded as an extension module (bindings.cpp).
 
@@ -28,7 +29,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 2  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 3  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -263,3 +264,33 @@ def decoder_layers(
         scale, work.data_ptr(), out.data_ptr(), residual.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out, residual, float(seconds)
+
+
+def block_packed_size(qtype: int, rows: int, cols: int) -> int:
+    """Bytes of `block_pack`'s layout of a [rows, cols] weight of GGML type `qtype` (0: not ours)."""
+    return int(library().block_packed_size(qtype, rows, cols))
+
+
+def block_pack(raw: Any, qtype: int, rows: int, cols: int, out: torch.Tensor) -> None:
+    """The file's blocks `raw` (a numpy uint8 array [rows, row bytes], unit stride in a row: read
+    only) of GGML type `qtype` -> the kernel layout (csrc/blocks.h) into `out`, a contiguous uint8
+    tensor of `block_packed_size` bytes (or more), rows padded to whole groups of 8 with zeros."""
+    if raw.dtype.itemsize != 1 or raw.ndim != 2 or raw.shape[0] != rows or raw.strides[1] != 1:
+        raise ValueError(f"block_pack reads uint8 rows with unit stride, got {raw.dtype} {raw.shape} {raw.strides}")
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < block_packed_size(qtype, rows, cols):
+        raise ValueError("block_pack writes a contiguous uint8 tensor of block_packed_size bytes")
+    address = raw.__array_interface__["data"][0]  # a read-only memmap's address too
+    library().block_pack(qtype, address, rows, cols, raw.strides[0], out.data_ptr(), torch.get_num_threads())
+
+
+def block_linear(x: torch.Tensor, desc: torch.Tensor, n: int) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) times the product `desc` describes (csrc/blocks.h: an int64
+    tensor [3 + 3 P] = K, N, P, then each part's type, rows, packed weights' address) -> [T, N] float32."""
+    y = torch.empty(x.shape[0], n)
+    library().block_linear(x.data_ptr(), x.shape[0], desc.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def block_wide() -> bool:
+    """Whether the block products were compiled with 512-bit tiles (AVX-512 VNNI)."""
+    return bool(library().block_wide())

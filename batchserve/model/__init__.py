@@ -144,7 +144,7 @@ def _weights_for(
         return WeightsChoice(asked, f"cpu_weights={asked} was asked for")
     if not loaded_from_path:  # a model handed in keeps the weights it came with: only the engine knows its file
         return WeightsChoice("float32", "a model handed in keeps its float32 weights (only a file has others)")
-    return cpu_weights_choice(on_cpu, path, max_num_seqs)
+    return cpu_weights_choice(on_cpu, path, max_num_seqs, direct=False)
 
 
 def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:
@@ -152,10 +152,15 @@ def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
     return cpu_weights_choice(on_cpu, gguf_path, max_num_seqs).weights
 
 
-def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> WeightsChoice:
+def cpu_weights_choice(
+    on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None, direct: bool = True
+) -> WeightsChoice:
     """What `cpu_weights=auto` takes for a native model the engine loaded itself from `gguf_path`
     (None: the default model) to serve `max_num_seqs` requests at once (None: unknown), and why.
-    For a GGUF whose layers are Q4_1:
+    A GGUF file is read straight from its blocks (`gguf`) wherever our block kernels run
+    invariantly (`direct`: the engine reads the file itself; a model transformers loaded from it,
+    where the file could not be read so, takes the choices below). Else, for a GGUF whose layers
+    are Q4_1:
     - `q4_1` on our kernels wherever they build, at every seat count: they read each weight block
       once per step, and beat bfloat16 and float32 at 1 to 64 rows on AVX2-only and AVX-512 CPUs
       alike (measured on both: benchmarks/README.md);
@@ -165,6 +170,8 @@ def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
     Otherwise `bfloat16` where it runs invariantly and fast (`bf16_fast_here`), else `float32`."""
     if not on_cpu:
         return WeightsChoice("float32", "not on the CPU: the model keeps its dtype")
+    if direct and _is_gguf(gguf_path) and our_blocks_here():
+        return WeightsChoice("gguf", "the file's own blocks, each tensor at its own type, on our kernels")
     q4_file = _is_q4_1_gguf(gguf_path)
     bf16 = bf16_fast_here()
     if q4_file and our_q4_here():
@@ -186,6 +193,23 @@ def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | 
         kernel = "our kernel" if bf16_layer_class() is KernelBf16Linear else "oneDNN's"
         return WeightsChoice("bfloat16", f"bfloat16 products run invariantly and fast here ({kernel}); {why}")
     return WeightsChoice("float32", "no Q4_1 kernel and no invariant bfloat16 products faster than float32 here")
+
+
+def our_blocks_here() -> bool:
+    """Whether our block kernels (`BlockLinear`: every GGUF type we read) build and run
+    batch-invariantly here."""
+    from batchserve.model.blocks import block_products_invariant
+
+    return kernels.available() and block_products_invariant()
+
+
+def _is_gguf(path: str | None) -> bool:
+    from batchserve.model.loader import resolve_model_path
+
+    try:
+        return resolve_model_path(path)[1] is not None
+    except (OSError, ValueError):
+        return False
 
 
 def _is_q4_1_gguf(gguf_path: str | None) -> bool:

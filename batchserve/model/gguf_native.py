@@ -273,7 +273,7 @@ class _Builder:
         return layer
 
     def _bf16(self, name: str, views: list[TensorView], bias: torch.Tensor | None, sizes: tuple[int, ...]) -> nn.Module:
-        from batchserve.model import bf16_layer_class
+        from batchserve.model.bf16 import KernelBf16Linear, our_bf16_here
         from batchserve.model.layers import MergedLinear, PackedLinear
 
         weight = torch.from_numpy(np.concatenate([dequantized(v) for v in views]))  # [N, K] float32, one product's
@@ -285,10 +285,9 @@ class _Builder:
         del weight
         self.report.dequantized += [f"{v.name} ({type_name(v.qtype)})" for v in views]
         self.report.dequantized_bytes += 2 * linear.weight.numel()
-        layer_class = bf16_layer_class()
-        if layer_class is None:
+        if not our_bf16_here():  # float32 on oneDNN's packed product: no bfloat16 kernel of ours here
             return PackedLinear(linear)
-        return layer_class(linear, product_out_dtype(name))
+        return KernelBf16Linear(linear, product_out_dtype(name))
 
     def _progress(self, view: TensorView) -> None:
         """The mapping's pages of a packed tensor released; a log line every few seconds."""

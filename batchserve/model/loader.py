@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,12 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
     from transformers import AutoTokenizer
 
     directory, gguf_file = resolve_model_path(path)
-    if gguf_file is not None:  # from the file's metadata, cached by its identity
-        from batchserve.model.gguf_file import read_meta
+    if gguf_file is not None:
+        for dtype in DTYPES:  # a GGUF converted before: its tokenizer is the same in every entry
+            entry = _cached_entry(directory / gguf_file, dtype)
+            if entry is not None:
+                return AutoTokenizer.from_pretrained(entry, local_files_only=True)
+        from batchserve.model.gguf_file import read_meta  # from its metadata, cached by the file's identity
 
         return read_meta(directory / gguf_file)[1]
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -170,69 +174,6 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str
     return device, dtype
 
 
-def gguf_direct_refusal(path: str | os.PathLike[str] | None, model_config: Any) -> str | None:
-    """Why the engine's model is not read straight from its GGUF file's blocks (`gguf_native`);
-    None where it is: a GGUF file, on the CPU, float32 activations, the native forward, and
-    `cpu_weights` auto or gguf. (The checks on the file itself come when it is opened.)"""
-    _, gguf_file = resolve_model_path(path)
-    mc = model_config
-    if gguf_file is None:
-        return "the model is a directory, not a GGUF file"
-    device, dtype = resolve_device_dtype(mc.device, mc.dtype)
-    if torch.device(device).type != "cpu":
-        return f"blocks are read on the CPU; the model runs on {device}"
-    if dtype != "float32" or mc.model_impl == "transformers" or mc.cpu_weights not in ("auto", "gguf"):
-        return f"dtype={mc.dtype}, model_impl={mc.model_impl}, cpu_weights={mc.cpu_weights} were asked for"
-    if mc.cpu_linear == "torch":
-        return "cpu_linear=torch was asked for"
-    return None
-
-
-def load_engine_model(model_config: Any, kv_bytes: Callable[[Any], int] | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) as the engine runs them: a GGUF file's layers over its own blocks where
-    `gguf_direct_refusal` allows (a file our kernels cannot read falls back to transformers' load,
-    with a log line saying why, unless cpu_weights=gguf insisted), else `load_model`. `kv_bytes`:
-    the KV pool's bytes for a model config (what must fit beside the weights)."""
-    from batchserve.model.gguf_native import GGUFRefused, load_gguf_native
-
-    mc = model_config
-    directory, gguf_file = resolve_model_path(mc.path)
-    if gguf_file is None and mc.cpu_weights != "gguf":
-        return _load_directory(directory, mc)
-    why = gguf_direct_refusal(mc.path, mc)
-    if why is None:
-        try:
-            return load_gguf_native(directory / str(gguf_file), kv_bytes)
-        except GGUFRefused as e:
-            if mc.cpu_weights == "gguf":
-                raise ValueError(f"cpu_weights=gguf: {e}") from None
-            logger.warning("reading %s through transformers instead of its own blocks: %s", gguf_file, e)
-    elif mc.cpu_weights == "gguf":
-        raise ValueError(f"cpu_weights=gguf reads a GGUF file's blocks on the CPU: {why}")
-    return load_model(mc.path, mc.dtype, mc.device)
-
-
-def _load_directory(directory: Path, mc: Any) -> tuple[Any, Any]:
-    """An HF directory: read tensor by tensor into bfloat16 products where the engine would run
-    bfloat16 products on the CPU (`cpu_weights` bfloat16, or auto where it chooses them), else
-    transformers' load."""
-    from transformers import AutoConfig
-
-    from batchserve.model import cpu_weights_choice
-    from batchserve.model.hf_native import hf_direct_refusal, load_hf_native
-
-    device, dtype = resolve_device_dtype(mc.device, mc.dtype)
-    on_cpu = torch.device(device).type == "cpu"
-    weights = mc.cpu_weights if mc.cpu_weights != "auto" else cpu_weights_choice(on_cpu, str(directory)).weights
-    if on_cpu and dtype == "float32" and mc.model_impl != "transformers" and weights == "bfloat16":
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-        why = hf_direct_refusal(directory, config) if mc.cpu_linear != "torch" else "cpu_linear=torch was asked for"
-        if why is None:
-            return load_hf_native(directory)
-        logger.info("loading %s through transformers: %s", directory, why)
-    return load_model(directory, mc.dtype, mc.device)
-
-
 def load_model(
     path: str | os.PathLike[str] | None = None, dtype: str = "auto", device: str = "auto"
 ) -> tuple[Any, Any]:
@@ -269,14 +210,14 @@ def _converting(gguf_path: Path | None, dtype: str) -> Iterator[None]:
 
 
 def _load(path: Any, directory: Path, gguf_file: str | None, dtype: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = tokenizer = None
     entry = _cached_entry(directory / gguf_file, dtype) if gguf_file is not None else None
     if entry is not None:
         try:
             model = AutoModelForCausalLM.from_pretrained(entry, dtype=DTYPES[dtype], local_files_only=True)
-            tokenizer = load_tokenizer(path)
+            tokenizer = AutoTokenizer.from_pretrained(entry, local_files_only=True)
             model.config._name_or_path = model.name_or_path = str(directory)  # as loaded from the file
             logger.info("read the converted %s from %s", gguf_file, entry)
         except Exception as e:  # a damaged entry, whatever the damage: convert again and rewrite it

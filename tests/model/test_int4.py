@@ -159,35 +159,36 @@ def test_smollm2_runs_on_its_own_q4_1_blocks(kernel, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("seats", [16, 1])
 def test_the_engine_serving_the_default_file_takes_the_fast_reduced_weights_of_this_cpu(seats):
-    """cpu_weights=auto, the shipped default: an engine that loads the default GGUF itself runs
-    the file's Q4_1 blocks on our kernels at every seat count wherever they build, AVX2 and
-    AVX-512 alike (on torch's int4 kernel: up to two seats where bfloat16 products run); on
-    bfloat16 the token embedding is the file's own Q8_0 blocks, on our kernel the head and the
-    embedding are. The engine says which and why."""
+    """cpu_weights=auto, the shipped default: an engine that loads the default GGUF itself reads
+    it straight from its blocks (`gguf`: every product a `BlockLinear`, the embedding's rows read
+    from the file) at every seat count wherever our kernels build, AVX2 and AVX-512 alike;
+    elsewhere transformers loads it and the Q4_1 layers run on torch's int4 kernel (up to two
+    seats where bfloat16 products run). The engine says which and why."""
     from batchserve import LLM
-    from batchserve.model import Q4_1_MAX_SEATS, choose_cpu_weights, int4_fast_here
+    from batchserve.model import Q4_1_MAX_SEATS, choose_cpu_weights, int4_fast_here, our_blocks_here
+    from batchserve.model.blocks import BlockLinear
+    from batchserve.model.gguf_native import GGUFEmbedding
 
     llm = LLM(draft="none", max_num_seqs=seats)
     model = llm.engine.runner.model
     expected = choose_cpu_weights(True, None, seats)
-    if our_q4_here():
-        assert expected == "q4_1"
+    if our_blocks_here():
+        assert expected == "gguf"
         assert "our kernels" in llm.engine.facts.forward.weights.why
+        assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, BlockLinear)
+        assert all(isinstance(layer.mlp.down_proj, BlockLinear) for layer in model.layers)
     elif bf16_fast_here():
         assert expected == ("q4_1" if seats <= Q4_1_MAX_SEATS and int4_fast_here() else "bfloat16")
     elif int4_fast_here():
         assert expected == "q4_1"
     assert model.cpu_weights == expected
     assert llm.engine.facts.forward.name.startswith(f"native {expected} weights")
-    layer_class = Q4Linear if our_q4_here() else Int4Linear
-    assert any(isinstance(m, layer_class) for m in model.modules()) == (expected == "q4_1")
+    if expected == "gguf":
+        return
+    assert any(isinstance(m, Int4Linear) for m in model.modules()) == (expected == "q4_1")
     bf16 = bf16_layer_class()  # ours where our kernels build, else oneDNN's where invariant
     assert (type(model.layers[0].mlp.down_proj) is bf16) == (expected == "bfloat16")
-    # The LM head: the file's Q8_0 blocks on our kernel; else bfloat16 wherever it runs invariantly and fast.
-    ours = expected == "q4_1" and our_q4_here()
-    assert isinstance(model.lm_head, Q8Linear) == ours
-    bf16_head = expected == "bfloat16" or (expected == "q4_1" and not ours and bf16_fast_here())
-    assert (type(model.lm_head) is bf16) == bf16_head
+    assert (type(model.lm_head) is bf16) == (expected == "bfloat16" or (expected == "q4_1" and bf16_fast_here()))
     assert isinstance(model.embed_tokens, Q8Embedding) == (expected != "float32")
 
 
@@ -223,18 +224,29 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
         """Fake the CPU: our kernels built, torch's int4 fast, AVX-512 (oneDNN's bfloat16, and
         ours compiled for 16 columns)."""
         monkeypatch.setattr("batchserve.model.our_q4_here", lambda: ours)
+        monkeypatch.setattr("batchserve.model.our_blocks_here", lambda: ours)
         monkeypatch.setattr("batchserve.model.our_bf16_here", lambda: ours)
         monkeypatch.setattr("batchserve.kernels.bf16_columns", lambda: 16 if bf16 else 8)
         monkeypatch.setattr("batchserve.model.int4_fast_here", lambda: int4_fast)
         monkeypatch.setattr("batchserve.model.bf16_prepack_available", lambda: bf16)
         monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: True)
 
-    # An AVX2 CPU with our kernels: Q4_1 for every seat count, for a Q4_1 file only; our bfloat16
-    # kernel runs there, but no faster than float32 from 4 rows on, so `auto` does not take it.
+    from batchserve.model import cpu_weights_choice
+
+    def transformers_loaded(path: str, seats: int | None = None) -> str:
+        """What auto takes for a model transformers loaded from `path` (the engine could not read it)."""
+        return cpu_weights_choice(True, path, seats, direct=False).weights
+
+    # Wherever our kernels build, the engine reads any GGUF straight from its blocks.
     cpu(ours=True, int4_fast=False, bf16=False)
-    assert [choose_cpu_weights(True, q4, seats) for seats in (None, 1, 2, 3, 16, 64)] == ["q4_1"] * 6
+    assert [choose_cpu_weights(True, p, seats) for p in (q4, mixed) for seats in (None, 1, 64)] == ["gguf"] * 6
+    assert choose_cpu_weights(False, q4) == "float32"  # not on CPU
+    # An AVX2 CPU with our kernels, a model transformers loaded: Q4_1 for every seat count, for a
+    # Q4_1 file only; our bfloat16 kernel runs there, but no faster than float32 from 4 rows on, so
+    # `auto` does not take it.
+    assert [transformers_loaded(q4, seats) for seats in (None, 1, 2, 3, 16, 64)] == ["q4_1"] * 6
     assert bf16_layer_class() is KernelBf16Linear and not bf16_fast_here()
-    assert choose_cpu_weights(True, mixed) == "float32"
+    assert transformers_loaded(mixed) == "float32"
     assert choose_cpu_weights(False, q4) == "float32"  # not on CPU
     assert choose_cpu_weights(True, str(tmp_path / "missing.gguf")) == "float32"
     assert choose_cpu_weights(True, hf) == "float32"  # a model directory
@@ -246,7 +258,7 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
     # An AVX-512 CPU (bfloat16 products) with our kernels: Q4_1 at every seat count on a Q4_1 file
     # (measured there: 2.07x bfloat16 at one request, 1.75x at 16), bfloat16 for any other model.
     cpu(ours=True, int4_fast=False, bf16=True)
-    assert [choose_cpu_weights(True, q4, seats) for seats in (None, 1, 2, 3, 16, 64)] == ["q4_1"] * 6
+    assert [transformers_loaded(q4, seats) for seats in (None, 1, 2, 3, 16, 64)] == ["q4_1"] * 6
     assert choose_cpu_weights(True, hf) == "bfloat16" and choose_cpu_weights(True, hf, max_num_seqs=1) == "bfloat16"
     # Without our kernels, torch's int4: bfloat16 past two seats, Q4_1 for one or two at a time.
     cpu(ours=False, int4_fast=True, bf16=True)
@@ -255,15 +267,13 @@ def test_auto_weights_take_q4_1_only_for_a_q4_1_gguf_loaded_here(tmp_path, monke
     assert [choose_cpu_weights(True, q4, seats) for seats in (1, 2, 3)] == ["q4_1", "q4_1", "bfloat16"]
     assert choose_cpu_weights(True, hf, max_num_seqs=1) == "bfloat16"  # no Q4_1 file
     # Each choice says why.
-    from batchserve.model import cpu_weights_choice
-
     assert "torch's int4" in cpu_weights_choice(True, q4, 1).why and "2 seats" in cpu_weights_choice(True, q4, 3).why
     assert "no Q4_1 layers" in cpu_weights_choice(True, hf).why
     cpu(ours=False, int4_fast=False, bf16=True)
     assert choose_cpu_weights(True, q4, max_num_seqs=1) == "bfloat16"
     cpu(ours=True, int4_fast=False, bf16=True)
     monkeypatch.setattr("batchserve.model.packed_products_invariant", lambda layer_class: False)
-    assert choose_cpu_weights(True, q4) == "q4_1"
+    assert transformers_loaded(q4) == "q4_1"
     # oneDNN's bfloat16 not invariant here (AMX tiles rows): ours, invariant by construction, is taken.
     assert bf16_layer_class() is KernelBf16Linear
     assert choose_cpu_weights(True, hf) == "bfloat16" and "our kernel" in cpu_weights_choice(True, hf).why

@@ -43,6 +43,10 @@ KERNEL(q4_1_linear, "iiiiiiiii",
 KERNEL(q8_0_linear, "iiiiiiii",
        bs_q8_0_linear(p<const float>(a[0]), a[1], a[2], p<const int8_t>(a[3]), p<const uint16_t>(a[4]), a[5],
                       p<float>(a[6]), static_cast<int>(a[7])))
+KERNEL(block_pack, "iiiiiii",
+       bs_block_pack(a[0], p<const uint8_t>(a[1]), a[2], a[3], a[4], p<uint8_t>(a[5]), static_cast<int>(a[6])))
+KERNEL(block_linear, "iiiii",
+       bs_block_linear(p<const float>(a[0]), a[1], p<const int64_t>(a[2]), p<float>(a[3]), static_cast<int>(a[4])))
 KERNEL(bf16_pack, "iiiii",
        bs_bf16_pack(p<const uint16_t>(a[0]), a[1], a[2], p<uint16_t>(a[3]), static_cast<int>(a[4])))
 KERNEL(bf16_linear, "iiiiiiii",
@@ -91,6 +95,14 @@ PyObject* py_bf16_packed_size(PyObject*, PyObject* const* args, Py_ssize_t n) {
     return PyLong_FromLongLong(bs_bf16_packed_size(a[0], a[1]));
 }
 
+PyObject* py_block_packed_size(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[32] = {0};
+    double f[32] = {0};
+    if (!parse(args, n, "iii", a, f)) return nullptr;
+    return PyLong_FromLongLong(bs_block_packed_size(a[0], a[1], a[2]));
+}
+
+PyObject* py_block_wide(PyObject*, PyObject*) { return PyLong_FromLong(bs_block_wide()); }
 PyObject* py_bf16_columns(PyObject*, PyObject*) { return PyLong_FromLong(bs_bf16_columns()); }
 PyObject* py_layer_fields(PyObject*, PyObject*) { return PyLong_FromLongLong(bs_layer_fields()); }
 PyObject* py_abi_version(PyObject*, PyObject*) { return PyLong_FromLong(bs_abi_version()); }
@@ -99,7 +111,8 @@ PyObject* py_abi_version(PyObject*, PyObject*) { return PyLong_FromLong(bs_abi_v
 PyMethodDef methods[] = {
     METHOD(q4_1_linear), METHOD(q8_0_linear), METHOD(bf16_pack), METHOD(bf16_linear),
     METHOD(bf16_packed_size), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(rotary),
-    METHOD(decoder_layers), METHOD(layers_workspace), {"layer_fields", py_layer_fields, METH_NOARGS, nullptr},
+    METHOD(decoder_layers), METHOD(block_pack), METHOD(block_linear), METHOD(block_packed_size),
+    {"block_wide", py_block_wide, METH_NOARGS, nullptr}, METHOD(layers_workspace), {"layer_fields", py_layer_fields, METH_NOARGS, nullptr},
     {"bf16_columns", py_bf16_columns, METH_NOARGS, nullptr}, {"abi_version", py_abi_version, METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };

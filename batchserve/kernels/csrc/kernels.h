@@ -22,5 +22,9 @@ int bs_bf16_columns();
 void bs_bf16_linear(const float*, int64_t, int64_t, const uint16_t*, int64_t, void*, int, int);
 int64_t bs_layers_workspace(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 int64_t bs_layer_fields();
+int64_t bs_block_packed_size(int64_t, int64_t, int64_t);
+void bs_block_pack(int64_t, const uint8_t*, int64_t, int64_t, int64_t, uint8_t*, int);
+void bs_block_linear(const float*, int64_t, const int64_t*, float*, int);
+int bs_block_wide();
 int bs_abi_version();
 }

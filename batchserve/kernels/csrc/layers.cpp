@@ -13,24 +13,34 @@
 
 namespace {
 
-// One layer's row of the table (int64 each; pointers as integers, 0 for a missing bias).
+// One layer's row of the table (int64 each; pointers as integers, 0 for a missing bias). Each
+// product is 5 fields: its kind, then for a Q4_1 product (kQ4_1, `Q4Linear`) its q, d, m and bias,
+// for a block product (kBlocks, `BlockLinear`, any GGUF types, several parts) its descriptor
+// (csrc/blocks.h), 0, 0 and bias.
 enum Field : int64_t {
     kInputNorm, kPostNorm,
-    kQkvQ, kQkvD, kQkvM, kQkvBias,
-    kOQ, kOD, kOM, kOBias,
-    kGateUpQ, kGateUpD, kGateUpM, kGateUpBias,
-    kDownQ, kDownD, kDownM, kDownBias,
+    kQkvKind, kQkvQ, kQkvD, kQkvM, kQkvBias,
+    kOKind, kOQ, kOD, kOM, kOBias,
+    kGateUpKind, kGateUpQ, kGateUpD, kGateUpM, kGateUpBias,
+    kDownKind, kDownQ, kDownD, kDownM, kDownBias,
     kFields,
 };
+enum Kind : int64_t { kQ4_1 = 0, kBlocks = 1 };
 
 template <class T>
 const T* at(const int64_t* row, Field f) { return reinterpret_cast<const T*>(static_cast<intptr_t>(row[f])); }
 
-// y [T, N] = x [T, K] times the layer's Q4_1 weight (fields q, d, m), plus its bias if any: the
-// bias added after the product, as `Q4Linear.forward` does (one float add: the same bits).
-void product(const int64_t* row, Field q, const float* x, int64_t T, int64_t K, int64_t N, float* y, int threads) {
-    bs_q4_1_linear(x, T, K, at<uint8_t>(row, q), at<uint16_t>(row, Field(q + 1)), at<uint16_t>(row, Field(q + 2)), N,
-                   y, threads);
+// y [T, N] = x [T, K] times the layer's product whose fields start at `kind`, plus its bias if
+// any: the bias added after the product, as `Q4Linear.forward` and `BlockLinear.forward` do (one
+// float add: the same bits).
+void product(const int64_t* row, Field kind, const float* x, int64_t T, int64_t K, int64_t N, float* y,
+             int threads) {
+    const Field q = Field(kind + 1);
+    if (row[kind] == kBlocks)
+        bs_block_linear(x, T, at<int64_t>(row, q), y, threads);
+    else
+        bs_q4_1_linear(x, T, K, at<uint8_t>(row, q), at<uint16_t>(row, Field(q + 1)), at<uint16_t>(row, Field(q + 2)),
+                       N, y, threads);
     const float* bias = at<float>(row, Field(q + 3));
     if (bias != nullptr)
         for (int64_t t = 0; t < T; ++t)
@@ -76,7 +86,7 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
         } else {
             bs_rms_norm(out, residual, at<float>(row, kInputNorm), T, H, eps, h, residual, threads);
         }
-        product(row, kQkvQ, h, T, H, qkv_width, qkv, threads);
+        product(row, kQkvKind, h, T, H, qkv_width, qkv, threads);
         // q and k heads of each row ([T, heads, D] inside qkv) rotated into head-major [Hq + Hkv, T, D]
         bs_rotary(qkv, Hq + Hkv, T, D, D, qkv_width, cos, sin, qk, threads);
         const int64_t pool = l * Hkv * S * D;
@@ -85,11 +95,11 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
                      slot_mapping, keys + pool, values + pool, S, slots, prefix_at, prefix_len, tails, tail_at,
                      tail_len, scale, attn, threads);
         attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        product(row, kOQ, attn, T, Hq * D, H, o, threads);
+        product(row, kOKind, attn, T, Hq * D, H, o, threads);
         bs_rms_norm(o, residual, at<float>(row, kPostNorm), T, H, eps, h, residual, threads);
-        product(row, kGateUpQ, h, T, H, 2 * I, gate_up, threads);
+        product(row, kGateUpKind, h, T, H, 2 * I, gate_up, threads);
         bs_silu_mul(gate_up, T, I, act, threads);
-        product(row, kDownQ, act, T, I, H, out, threads);
+        product(row, kDownKind, act, T, I, H, out, threads);
     }
     return attention_s;
 }

