@@ -79,14 +79,17 @@ inline void quantize_block(const float* p, int8_t* q, float* d, float* s, int32_
 template <class V, int64_t Q>
 constexpr int rows_of() { return V::kCols == 8 ? 4 : 8; }
 
-// Software prefetch of the weights a block of 32 ahead: a few records ahead (~2 KB), this block's share
-// of the record's bytes, for each group the tile reads. Without it the 1-row products, which do
-// little work a byte, stalled on DRAM (Q6_K streamed at half the rate of the others).
+// Software prefetch of the weights a block of 32 ahead: a few records ahead (3-5 KB a stream), this
+// block's share of the record's bytes, for each group the tile reads. Without it the 1-row products,
+// which do little work a byte, stalled on DRAM (Q6_K streamed at half the rate of the others). Near a
+// group's end it reaches into the group this thread reads next: the following one for one-group
+// tiles; for two-group tiles the pair after (the next pair's same group, one group further on), so
+// short rows (K = 1536: 6 records a group) stream as well as long ones.
 template <class V, int64_t Q>
 inline void prefetch(const uint8_t* r, int64_t gs, int jb, int64_t left) {
-    constexpr int64_t rec = record_bytes(Q), per = kquant(Q) ? 8 : 1, ahead = kquant(Q) ? 1 : 8, share = rec / per;
-    if (left <= ahead) return;
-    const uint8_t* p = r + ahead * rec + jb * share;
+    constexpr int64_t rec = record_bytes(Q), per = kquant(Q) ? 8 : 1, ahead = kquant(Q) ? 4 : 12, share = rec / per;
+    const int64_t skip = left <= ahead && V::kCols == 16 ? gs : 0;
+    const uint8_t* p = r + ahead * rec + jb * share + skip;
     for (int g = 0; g < V::kCols / 8; ++g)
         for (int64_t o = 0; o < share; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + g * gs + o), _MM_HINT_T0);
 }
