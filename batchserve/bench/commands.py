@@ -169,6 +169,15 @@ def _ceiling(args: argparse.Namespace, datasets: list[str]) -> int:
     return 0
 
 
+def _shape_commands(args: argparse.Namespace) -> int:
+    """`--write-gguf` (a file of the shape) or `--shape` (its cost curve on this device)."""
+    if args.write_gguf is not None:
+        from batchserve.bench.gguf_write import write_gguf_command
+
+        return write_gguf_command(args)
+    return shape_command(args)
+
+
 def _as_served(methods: list[str], model: str | None) -> list[str]:
     """Plain method names on the weights `make serve` runs here (cpu_weights=auto at its seats),
     the weights named in each (`none` -> `none-q4`), and the choice printed with its reason."""
@@ -188,12 +197,8 @@ def _as_served(methods: list[str], model: str | None) -> list[str]:
 
 def bench_command(args: argparse.Namespace) -> int:
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-    if args.write_gguf is not None:
-        from batchserve.bench.gguf_write import write_gguf_command
-
-        return write_gguf_command(args)
-    if args.shape is not None:
-        return shape_command(args)
+    if args.write_gguf is not None or args.shape is not None:
+        return _shape_commands(args)
     if args.curve is not None and not args.simulate:
         print("batchserve bench: --curve goes with --simulate (it predicts from a measured curve)", file=sys.stderr)
         return 2

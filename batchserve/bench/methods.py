@@ -76,13 +76,14 @@ BATCHSERVE = {
 }
 METHODS = PEERS + tuple(BATCHSERVE)
 # --cpu-weights -> the suffix of the methods that run on those weights: any method on our forward
-# takes one (`none-q4`: the GGUF's Q4_1 layers, checked against its own `none-q4`; `-bf16`: bfloat16
+# takes one (`none-q4`: the GGUF's Q4_1 layers, checked against its own `none-q4`; `-gguf`: the file read
+# from its blocks, on a model the engine read so (the bench's shared model is transformers'); `-bf16`: bfloat16
 # copies on oneDNN's prepacked kernel, AVX-512 CPUs). A name without one runs float32 in `run`; the
 # bench command first gives it the suffix of the weights `make serve` runs here (`as_served`),
 # so `-f32` asks for float32 there.
-WEIGHTS_SUFFIX = {"float32": "", "bfloat16": "-bf16", "q4_1": "-q4"}
+WEIGHTS_SUFFIX = {"float32": "", "bfloat16": "-bf16", "q4_1": "-q4", "gguf": "-gguf"}
 F32 = "-f32"
-SUFFIX_WEIGHTS = {"-bf16": "bfloat16", "-q4": "q4_1", F32: "float32"}
+SUFFIX_WEIGHTS = {"-bf16": "bfloat16", "-q4": "q4_1", "-gguf": "gguf", F32: "float32"}
 NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
 # ... with this one, each request sends its sample's expected output as a predicted output (code-edit:
 # the code being edited; a JSONL line's "prediction"), as an OpenAI client does

@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,25 +131,37 @@ class TensorView:
 
 
 class GGUFTensors:
-    """The tensors of a memory-mapped GGUF file by name, and the architecture it declares."""
+    """The tensors of a memory-mapped GGUF file by name, and the architecture it declares (the
+    header read by `gguf_read`: gguf-py's reader parses every vocabulary string into numpy views,
+    seconds for a large vocabulary)."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from batchserve.model.gguf_read import read_gguf
 
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
-        except (ValueError, OSError, IndexError) as e:  # not a GGUF file, a truncated one, a big-endian one
+            contents = read_gguf(path)
+            self.mapping = np.memmap(path, dtype=np.uint8, mode="r")
+        except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, struct.error) as e:
             raise ValueError(f"{path} is not a GGUF file this reader can read: {e}") from None
-        if self.reader.byte_order != "I":
-            raise ValueError(f"{path} is a big-endian GGUF file; convert it with gguf_convert_endian.py")
-        field = self.reader.fields.get("general.architecture")
-        self.architecture = str(field.contents()) if field is not None else ""
+        arch = contents.metadata.get("general.architecture")
+        self.architecture = str(arch.value) if arch is not None else ""
         self.tensors: dict[str, TensorView] = {}
-        for t in self.reader.tensors:
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ne reversed: (rows, cols)
-            self.tensors[t.name] = TensorView(t.name, int(t.tensor_type), shape, t.data, int(t.data_offset),
-                                              int(t.n_bytes))  # fmt: skip
+        floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+        for t in contents.tensors:
+            cols, rows = t.ne[0], int(np.prod(t.ne[1:], dtype=np.int64))
+            block, size = GGML_QUANT_SIZES[t.qtype]
+            nbytes = rows * (cols // block) * size
+            if t.offset + nbytes > self.mapping.shape[0]:
+                raise ValueError(f"{path} is truncated: tensor {t.name} ends past the file")
+            raw = self.mapping[t.offset : t.offset + nbytes]
+            dtype = floats.get(t.qtype)
+            data = raw.view(dtype).reshape(rows, cols) if dtype is not None else raw.reshape(rows, -1)
+            shape = (rows, cols) if len(t.ne) > 1 else (cols,)
+            self.tensors[t.name] = TensorView(t.name, int(t.qtype), shape, data if len(t.ne) > 1 else data.reshape(-1),
+                                              t.offset, nbytes)  # fmt: skip
 
     def get(self, name: str) -> TensorView | None:
         return self.tensors.get(name)
@@ -162,7 +175,7 @@ class GGUFTensors:
     def release(self, view: TensorView) -> None:
         """Drop `view`'s pages from this process (they stay in the page cache; a later read maps
         them again): called once a layer holds its own packed copy."""
-        raw = getattr(self.reader.data, "_mmap", None)
+        raw = getattr(self.mapping, "_mmap", None)
         if raw is None or not hasattr(raw, "madvise"):
             return
         page = mmap.PAGESIZE

@@ -110,24 +110,33 @@ def tune(
     from batchserve.bench.runs import cost_profiles, load_dataset
     from batchserve.config import EngineConfig
     from batchserve.model import choose_cpu_weights, choose_impl
-    from batchserve.model.loader import load_model
+    from batchserve.model.gguf_native import load_gguf_native
+    from batchserve.model.loader import load_model, load_tokenizer, resolve_model_path
 
     default_budget = EngineConfig().scheduler.max_num_batched_tokens
     concurrency = sorted(set(concurrency))
     budgets = sorted({b for b in token_budgets if b != default_budget})
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf_model, tokenizer = load_model(model_path, "float32")
-    on_cpu = next(hf_model.parameters()).device.type == "cpu"
-    # Each point runs the weights a server with its seats would take (`auto` takes Q4_1 for one
-    # seat on AVX-512 CPUs, bfloat16 for more): one forward per kind, reused by every run.
+    import torch
+
+    on_cpu = not torch.cuda.is_available()
+    # Each point runs the weights a server with its seats would take, loaded as the server loads
+    # them (a GGUF from its blocks; transformers' model for the rest): one forward per kind,
+    # reused by every run.
     weights_at = {c: choose_cpu_weights(on_cpu, model_path, c) for c in concurrency}
+    loaded = set(weights_at.values()) - {"gguf"}
+    hf_model, tokenizer = load_model(model_path, "float32") if loaded else (None, load_tokenizer(model_path))
     work = load_dataset(dataset, max(num_prompts, waves * concurrency[-1]), tokenizer)
     kinds = len(set(weights_at.values()))
     total = kinds + (len(concurrency) * len(DRAFTS) + len(budgets) + int(confirm)) * repeats
     bar = tqdm(total=total, desc="tune", unit="run")
     runners: dict[str, _Runner] = {}
     for weights in dict.fromkeys(weights_at.values()):  # each forward built once, then the HF model goes
-        model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
+        if weights == "gguf":
+            directory, name = resolve_model_path(model_path)
+            model = load_gguf_native(directory / str(name))[0]
+        else:
+            model = choose_impl(hf_model, "auto", "auto", weights, model_path, loaded_from_path=True)
         profile = cost_profiles(["lookahead-adaptive" + WEIGHTS_SUFFIX[weights]], model, tokenizer).popitem()[1]
         runners[weights] = _Runner(
             model, tokenizer, work, goals, num_prompts, waves, max_new, weights, profile, bar, repeats

@@ -31,6 +31,7 @@ PUBLIC = frozenset(
         "batchserve.cost_profile",
         "batchserve.server.client",
         "batchserve.model.loader",
+        "batchserve.model.gguf_read",  # the GGUF header reader: real-shaped files are written and read back with it
         "batchserve.heap",
         "batchserve.jsonl",
     }

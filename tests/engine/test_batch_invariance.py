@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from tests.prompts import all_prompt_ids
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16
-Path = tuple[int, ...]  # the tokens a row continues: the request's committed tokens, then its branch
+TokenPath = tuple[int, ...]  # the tokens a row continues: the request's committed tokens, then its branch
 
 
 class LogitsRecorder:
@@ -23,12 +24,12 @@ class LogitsRecorder:
     The same path seen twice (a preempted request recomputing its prompt) must hash the same."""
 
     def __init__(self, llm: LLM) -> None:
-        self.rows: dict[Path, str] = {}
-        self.conflicts: list[Path] = []
+        self.rows: dict[TokenPath, str] = {}
+        self.conflicts: list[TokenPath] = []
         engine = llm.engine
         runner, model = engine.runner, engine.runner.model
         execute, forward = runner.launch, model.forward
-        pending: list[Path | None] = []
+        pending: list[TokenPath | None] = []
 
         def record_forward(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
@@ -45,12 +46,12 @@ class LogitsRecorder:
         model.forward = record_forward
 
     @staticmethod
-    def _paths(engine: Any, r: Any) -> list[Path | None]:
+    def _paths(engine: Any, r: Any) -> list[TokenPath | None]:
         known = engine.scheduler.requests[r.request_id].all_token_ids
         committed = tuple(known[: r.num_computed_tokens + len(r.token_ids)])
-        paths: list[Path | None] = [committed]
+        paths: list[TokenPath | None] = [committed]
         if r.draft is not None:
-            branch: list[Path] = []
+            branch: list[TokenPath] = []
             for token, parent in zip(r.draft.tokens, r.draft.parents):
                 branch.append((committed if parent is None else branch[parent]) + (token,))
             paths += branch
@@ -58,13 +59,16 @@ class LogitsRecorder:
             paths += [None] * r.window.num_outputs
         return paths
 
-    def _add(self, path: Path, digest: str) -> None:
+    def _add(self, path: TokenPath, digest: str) -> None:
         if self.rows.setdefault(path, digest) != digest:
             self.conflicts.append(path)
 
 
 def _llm(model: Any, tokenizer: Any, draft: str, **kwargs: Any) -> LLM:
+    """An engine over `model` (loaded, or a file path the engine reads itself) with these settings."""
     model_kwargs = {k: kwargs.pop(k) for k in ("attention_backend", "cpu_linear", "cpu_weights") if k in kwargs}
+    if isinstance(model, Path):
+        model_kwargs["path"] = str(model)
     cache = {k: kwargs.pop(k) for k in ("num_blocks", "prefix_caching") if k in kwargs}
     config = EngineConfig(
         model=ModelConfig(**model_kwargs),
@@ -72,6 +76,8 @@ def _llm(model: Any, tokenizer: Any, draft: str, **kwargs: Any) -> LLM:
         scheduler=SchedulerConfig(max_num_seqs=16, **kwargs),
         draft=DraftConfig(method=draft, adaptive=False, decoding_length=12),  # type: ignore[arg-type]
     )
+    if isinstance(model, Path):
+        return LLM(config=config)
     return LLM(config=config, hf_model=model, tokenizer=tokenizer)
 
 
@@ -163,3 +169,39 @@ def test_the_check_catches_kernels_that_are_not_batch_invariant(engine_model, pr
     """torch's float32 linear and SDPA: identical tokens (argmax rarely flips), different bits."""
     rows, tokens, problems = _compare(*engine_model, prompts, attention_backend="torch", cpu_linear="torch")
     assert rows == tokens and any("logits differ" in p for p in problems), problems
+
+
+# SmolLM2's own weights in llama.cpp's mixes (bench/gguf_requant.py), read straight from their
+# blocks: with the default Q4_1 file, every block type our kernels run, on real text (drafts accepted).
+MIXES = {
+    "Q4_K_M": {"Q4_K", "Q6_K", "Q5_0", "Q8_0"},  # 576-wide rows fall back from Q4_K to Q5_0
+    "Q5_K_M": {"Q5_K", "Q6_K", "Q5_1", "Q8_0"},
+    "Q4_0": {"Q4_0", "Q8_0"},
+    "default": {"Q4_1", "Q8_0"},
+}
+
+
+@pytest.fixture(scope="module")
+def requantized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from batchserve.bench.gguf_requant import write_requantized
+    from batchserve.model.loader import default_model_path
+
+    root = tmp_path_factory.mktemp("requantized")
+    files = {q: write_requantized(default_model_path(), root / f"smollm2-{q}.gguf", q) for q in MIXES if q != "default"}
+    return {**files, "default": default_model_path()}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_every_block_type_is_bitwise_the_same_alone_and_in_any_batch(requantized, prompts, mix):
+    """The engine reading a GGUF from its blocks (each tensor on its own type's kernel): a request's
+    logits alone and in any batch, with drafts, the prefix cache and preemption, bit for bit."""
+    from batchserve.model import our_blocks_here
+
+    if not our_blocks_here():
+        pytest.skip("our block kernels cannot run here")
+    llm = _llm(requantized[mix], None, "none")
+    model = llm.engine.runner.model
+    assert model.cpu_weights == "gguf" and set(model.gguf_report.native) == MIXES[mix]
+    assert llm.engine.facts.batch_invariant, llm.engine.facts.invariance_why
+    rows, tokens, problems = _compare(requantized[mix], None, prompts)
+    assert rows == tokens and not problems, problems

@@ -116,7 +116,7 @@ def test_tune_on_smollm2_recommends_flags_it_measured(
     assert len(points) == 5 and points[4]["max_num_batched_tokens"] == 256
     assert all(p["tokens_per_s"] > 0 and p["missed"] == "" for p in points)
     assert all(p["lossless"] is True for p in points if p["draft"] != "none" and p["max_num_batched_tokens"] == 512)
-    # Each point ran the weights a server with its seats takes (one seat: Q4_1 on AVX-512 too).
+    # Each point ran the weights a server with its seats takes (the file read from its blocks where our kernels run).
     from batchserve.model import choose_cpu_weights
 
     assert all(p["weights"] == choose_cpu_weights(True, None, p["max_num_seqs"]) for p in points)

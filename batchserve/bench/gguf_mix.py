@@ -1,0 +1,150 @@
+"""llama.cpp's quantization mixes: the type `llama-quantize` gives each tensor of a Llama-family
+shape in each `--type` (the first and last eighth of layers and every third between get more bits
+under the _M mixes; rows that are not a multiple of 256 fall back to a 32-value type), the planned
+tensors of a file and its size (../shared notes: gguf-blocks.md, section 3)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+
+from batchserve.bench.shapes import ModelShape, get_shape
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True, slots=True)
+class Quant:
+    """A `--quant` name: its default type, its llama.cpp file type, and whether llama-quantize's
+    mix rules apply (False: every 2-D weight is the default type, as with `--pure`)."""
+
+    default: GGMLQuantizationType
+    file_type: LlamaFileType
+    mix: bool = True
+
+
+QUANTS: dict[str, Quant] = {
+    "Q4_K_M": Quant(Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "Q5_K_M": Quant(Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+    "Q6_K": Quant(Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "Q8_0": Quant(Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": Quant(Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "Q4_1": Quant(Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "Q5_0": Quant(Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "Q5_1": Quant(Q.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    # No llama.cpp file type is one K-quant throughout: these are `--pure` Q4_K_S / Q5_K_S.
+    "Q4_K": Quant(Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_S, mix=False),
+    "Q5_K": Quant(Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_S, mix=False),
+    "F16": Quant(Q.F16, LlamaFileType.MOSTLY_F16, mix=False),
+    "BF16": Quant(Q.BF16, LlamaFileType.MOSTLY_BF16, mix=False),
+    "F32": Quant(Q.F32, LlamaFileType.ALL_F32, mix=False),
+}
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+# llama-quantize's `tensor_type_fallback` for a row that is not a multiple of 256.
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    """One tensor of the file: its llama.cpp name, numpy shape (rows, row length) or (n,), type."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+
+    @property
+    def nbytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) * (self.shape[-1] // block) * size
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama-quantize's layers that get more bits: the first and last eighth and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _get_quant(quant: str) -> Quant:
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r}: one of {', '.join(QUANTS)}")
+    return QUANTS[quant]
+
+
+def _as_shape(shape: ModelShape | str) -> ModelShape:
+    return get_shape(shape) if isinstance(shape, str) else shape
+
+
+def _weight_type(q: Quant, name: str, ne0: int, layer: int, n_layer: int, is_output: bool) -> GGMLQuantizationType:
+    """The type llama-quantize gives the 2-D weight `name` with rows of `ne0` values."""
+    t = q.default
+    if q.mix and t not in FLOAT_TYPES:
+        block = GGML_QUANT_SIZES[t][0]
+        bump = q.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
+        if is_output and ne0 % block:  # output.weight, or token_embd when tied
+            t = Q.Q8_0
+        elif is_output and t != Q.Q8_0:
+            t = Q.Q6_K
+        elif name.endswith(("attn_v.weight", "ffn_down.weight")) and bump and use_more_bits(layer, n_layer):
+            t = Q.Q6_K
+    if t not in FLOAT_TYPES and ne0 % GGML_QUANT_SIZES[t][0]:
+        t = FALLBACK.get(t, t)
+        if ne0 % GGML_QUANT_SIZES[t][0]:
+            t = Q.F16  # llama.cpp: F16 after a fallback; a 32-block type it would refuse
+    return t
+
+
+def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
+    """Every tensor of the file in write order: token_embd, each layer's, output_norm, output."""
+    s, q = _as_shape(shape), _get_quant(quant)
+    h, n, d = s.hidden_size, s.num_hidden_layers, s.head_dim
+    q_out, kv_out = s.num_attention_heads * d, s.num_key_value_heads * d
+
+    def weight(name: str, rows: int, ne0: int, layer: int = 0, is_output: bool = False) -> PlannedTensor:
+        return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output))
+
+    tensors = [weight("token_embd.weight", s.vocab_size, h, is_output=s.tied_embeddings)]
+    for i in range(n):
+        b = f"blk.{i}"
+        tensors.append(PlannedTensor(f"{b}.attn_norm.weight", (h,), Q.F32))
+        for proj, rows in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            tensors.append(weight(f"{b}.attn_{proj}.weight", rows, h, i))
+            if s.qkv_bias:
+                tensors.append(PlannedTensor(f"{b}.attn_{proj}.bias", (rows,), Q.F32))
+        tensors += [
+            weight(f"{b}.attn_output.weight", h, q_out, i),
+            PlannedTensor(f"{b}.ffn_norm.weight", (h,), Q.F32),
+            weight(f"{b}.ffn_gate.weight", s.intermediate_size, h, i),
+            weight(f"{b}.ffn_up.weight", s.intermediate_size, h, i),
+            weight(f"{b}.ffn_down.weight", h, s.intermediate_size, i),
+        ]
+    tensors.append(PlannedTensor("output_norm.weight", (h,), Q.F32))
+    if not s.tied_embeddings:
+        tensors.append(weight("output.weight", s.vocab_size, h, is_output=True))
+    return tensors
+
+
+def tensor_types(shape: ModelShape | str, quant: str) -> dict[str, GGMLQuantizationType]:
+    """Each tensor's type under `quant` (the mix's rule applied per tensor name), in file order."""
+    return {t.name: t.qtype for t in plan(shape, quant)}
+
+
+def _padded(nbytes: int, align: int = 32) -> int:
+    return -(-nbytes // align) * align
+
+
+def planned_bytes(shape: ModelShape | str, quant: str) -> int:
+    """The tensor data's bytes in the file (each tensor padded to the 32-byte alignment): the
+    file's size less its metadata (a few MB: the tokenizer)."""
+    return sum(_padded(t.nbytes) for t in plan(shape, quant))
+
+
+def type_counts(tensors: list[PlannedTensor]) -> dict[str, int]:
+    """How many tensors of each type, most first."""
+    return dict(Counter(t.qtype.name for t in tensors).most_common())
+
+
+# Random blocks. Each filler takes a (blocks, block bytes) uint8 array of random bytes and
+# overwrites its scales so that a weight is about N(0, std) in magnitude with a zero mean.
+# The q codes stay uniform: Q4 codes have std 4.61 (sqrt(255/12)), Q5 9.23, Q6 18.5, Q8 73.6.

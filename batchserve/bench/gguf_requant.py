@@ -1,0 +1,122 @@
+"""A GGUF model's own weights written again in another llama.cpp mix: real text in every block
+type, for the lossless and invariance checks (a random-weight file is noise: drafts are never
+accepted). gguf-py quantizes the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) bit-exactly as
+ggml's reference does; it has no K-quant quantizer, so the K-quants here are a plain one
+(min/max scales per sub-block, 6-bit or int8 super-block scales), valid blocks in llama.cpp's
+layout that any reader decodes, though less accurate than llama-quantize's search.
+
+    write_requantized(src, dst, "Q4_K_M")  # the mix's type per tensor: bench/gguf_write.py's rules"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, dequantize, quantize
+
+from batchserve.bench.gguf_mix import FLOAT_TYPES, QUANTS, _weight_type
+from batchserve.model.gguf_read import read_gguf
+
+Q = GGMLQuantizationType
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _k_scales(scale: np.ndarray, minimum: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per super-block d, dmin (float16) and 6-bit sc, mn [n, 8] for sub-block scales and mins."""
+    d = (scale.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (minimum.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(minimum / np.where(dmin > 0, dmin, 1)[:, None]), 0, 63).astype(np.uint8)
+    return d, dmin, sc, mn
+
+
+def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """The 12 bytes of Q4_K/Q5_K's scales: bytes 0-3 sc0-3 and sc4-7's top bits, 4-7 mn0-3 and
+    mn4-7's top bits, 8-11 the low nibbles of sc4-7 and mn4-7."""
+    out = np.zeros((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    return out
+
+
+def _quantize_q45k(x: np.ndarray, five: bool) -> np.ndarray:
+    """x [n, 256] -> Q4_K (144 B) or Q5_K (176 B) blocks [n, bytes]: w = d*sc*q - dmin*mn."""
+    levels = 31 if five else 15
+    sub = x.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(axis=2), 0)  # [n, 8]: mins are subtracted (mn >= 0)
+    scale = (sub.max(axis=2) - low) / levels
+    d, dmin, sc, mn = _k_scales(scale, -low)
+    step = d[:, None] * sc  # [n, 8]
+    q = np.rint((sub + (dmin[:, None] * mn)[..., None]) / np.where(step > 0, step, 1)[..., None])
+    q = np.clip(q, 0, levels).astype(np.uint8)  # [n, 8, 32]
+    # Element 64c + 32t + l: the low (t = 0) or high (t = 1) nibble of qs[32c + l].
+    nib = q & 15
+    qs = (nib[:, 0::2] | (nib[:, 1::2] << 4)).reshape(-1, 128)
+    parts = [_f16(d), _f16(dmin), _pack_k_scales(sc, mn)]
+    if five:  # qh[l] bit j: the 5th bit of sub-block j's element l
+        qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+        parts.append(qh)
+    return np.concatenate([*parts, qs], axis=1)
+
+
+def _quantize_q6k(x: np.ndarray) -> np.ndarray:
+    """x [n, 256] -> Q6_K blocks [n, 210]: w = d*scales[j]*(q - 32), 16 sub-blocks of 16."""
+    sub = x.reshape(-1, 16, 16)
+    s = np.abs(sub).max(axis=2) / 31  # [n, 16]
+    d = (s.max(axis=1) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(s / np.where(d > 0, d, 1)[:, None]), 0, 127).astype(np.int8)
+    step = d[:, None] * sc
+    q = np.clip(np.rint(sub / np.where(step > 0, step, 1)[..., None]) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # element 128h + 32s + l
+    ql = np.zeros((q.shape[0], 2, 64), np.uint8)
+    ql[:, :, :32] = (q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4)  # s = 0 low, s = 2 high
+    ql[:, :, 32:] = (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)  # s = 1 low, s = 3 high
+    qh = ((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16(d)], axis=1)
+
+
+def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """x [rows, cols] float32 -> the type's bytes [rows, row_bytes]."""
+    if qtype in FLOAT_TYPES:
+        return quantize(x, qtype)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        rows = x.shape[0]
+        flat = x.reshape(-1, 256).astype(np.float32)
+        blocks = _quantize_q6k(flat) if qtype == Q.Q6_K else _quantize_q45k(flat, qtype == Q.Q5_K)
+        return blocks.reshape(rows, -1)
+    return quantize(x, qtype)
+
+
+def write_requantized(src: str | Path, dst: str | Path, quant: str) -> Path:
+    """`src`'s weights (dequantized) written to `dst` in the mix `quant`, with its metadata."""
+    mix = QUANTS[quant]
+    contents = read_gguf(src)
+    reader = GGUFReader(src)
+    n_layer = int(contents.metadata[f"{contents.metadata['general.architecture'].value}.block_count"].value)
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    writer = GGUFWriter(str(dst), str(contents.metadata["general.architecture"].value))
+    for key, meta in contents.metadata.items():
+        if key in ("general.architecture", "general.file_type") or key.startswith("GGUF."):
+            continue
+        writer.add_key_value(key, meta.value, meta.vtype, meta.sub_type)
+    writer.add_file_type(int(mix.file_type))
+    for t in reader.tensors:
+        values = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        if len(t.shape) < 2:
+            writer.add_tensor(t.name, values.reshape(-1))
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else 0
+        output = t.name == "output.weight" or (tied and t.name == "token_embd.weight")
+        qtype = _weight_type(mix, t.name, cols, layer, n_layer, output)
+        data = quantize_rows(values.reshape(rows, cols), qtype)
+        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)
