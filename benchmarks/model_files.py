@@ -80,7 +80,16 @@ def main() -> int:
     for path in args.files:
         row: dict[str, object] = {}
         for start in ("first", "second"):
-            argv = [sys.executable, __file__, path, "--child", "--in-flight", args.in_flight, "--tokens", str(args.tokens)]
+            argv = [
+                sys.executable,
+                __file__,
+                path,
+                "--child",
+                "--in-flight",
+                args.in_flight,
+                "--tokens",
+                str(args.tokens),
+            ]
             child = subprocess.run(argv, capture_output=True, text=True, check=True, env=os.environ)
             result = json.loads(child.stdout.strip().splitlines()[-1])
             row.update(result if start == "first" else {"second_ready_s": result["ready_s"]})
