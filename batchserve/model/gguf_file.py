@@ -17,6 +17,7 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,28 +95,44 @@ def read_meta(path: Path) -> tuple[Any, Any]:
     return config, tokenizer
 
 
-def _write_meta(path: Path, config: Any, tokenizer: Any) -> None:
-    """Best effort: written to a temporary directory, then renamed, so a reader never sees half
-    an entry; a full disk or a read-only cache costs the next start its speed, nothing else."""
-    entry = _meta_entry(path)
-    if entry is None:
-        return
+def publish_entry(
+    entry: Path, fill: Callable[[Path], None], what: str, taken: Callable[[], bool] | None = None
+) -> bool:
+    """Write a cache entry whole: `fill` writes it into a temporary directory beside `entry`,
+    which is then renamed over it, so a reader never sees half an entry and two writers do not
+    collide (`taken`: another process wrote it meanwhile; keep theirs). Best effort: a full disk
+    or a read-only cache costs the next start its speed, nothing else; False then."""
     tmp: Path | None = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / META_MARKER).write_text(json.dumps(_meta_key(path), sort_keys=True))
-        if entry.exists():
+        fill(tmp)
+        if taken is not None and taken():
+            return True
+        if entry.exists():  # a stale or damaged entry: replace it
             shutil.rmtree(entry, ignore_errors=True)
         os.replace(tmp, entry)
         tmp = None
-    except OSError as e:
-        logger.warning("could not cache %s's metadata in %s: %s", path.name, entry, e)
+        return True
+    except OSError as e:  # a full disk, no permission, a concurrent writer's rename
+        logger.warning("could not cache %s in %s: %s", what, entry, e)
+        return False
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_meta(path: Path, config: Any, tokenizer: Any) -> None:
+    entry = _meta_entry(path)
+    if entry is None:
+        return
+
+    def fill(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / META_MARKER).write_text(json.dumps(_meta_key(path), sort_keys=True))
+
+    publish_entry(entry, fill, f"{path.name}'s metadata")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,35 +131,25 @@ def _cached_entry(gguf_path: Path, dtype: str) -> Path | None:
 
 
 def _write_entry(gguf_path: Path, dtype: str, model: Any, tokenizer: Any) -> None:
-    """Save the converted model into its entry: written to a temporary directory, then renamed,
-    so a reader never sees half an entry and two processes converting at once do not collide.
-    Best effort: a full disk or a read-only cache costs the next load its speed, nothing else."""
+    """Save the converted model into its entry (`publish_entry`: whole or not at all; a second
+    process that converted it meanwhile keeps its own)."""
+    from batchserve.model.gguf_file import publish_entry
+
     entry = _entry_path(gguf_path, dtype)
     if entry is None:
         return
     from safetensors.torch import save_model
 
-    tmp: Path | None = None
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+    def fill(tmp: Path) -> None:
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))  # shares tied weights once
         (tmp / MARKER).write_text(json.dumps(_cache_key(gguf_path, dtype), sort_keys=True))
-        if _cached_entry(gguf_path, dtype) is not None:  # another process converted it meanwhile
-            return
-        if entry.exists():  # a stale or damaged entry: replace it
-            shutil.rmtree(entry, ignore_errors=True)
-        os.replace(tmp, entry)
-        tmp = None
+
+    taken = lambda: _cached_entry(gguf_path, dtype) is not None  # noqa: E731
+    if publish_entry(entry, fill, "the converted model", taken):
         logger.info("converted %s cached in %s (later loads read it)", gguf_path.name, entry)
-    except OSError as e:  # a full disk, no permission, a concurrent writer's rename
-        logger.warning("could not cache the converted model in %s: %s", entry, e)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str, str]:

@@ -3,7 +3,6 @@ types, beside `Q4Linear` layers) in one call of our kernels: the bits of the lay
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
@@ -13,12 +12,11 @@ from gguf import GGMLQuantizationType as T
 from batchserve import kernels
 from batchserve.model import native_from_hf
 from batchserve.model.blocks import BlockLinear, BlockPart, random_blocks
-from batchserve.model.fused import KernelDecoderLayers, why_not_fused
+from batchserve.model.fused import why_not_fused
 from batchserve.model.layers import use_kernel_layers
 from batchserve.model.quant import Q4Linear, random_q4_1
-from tests.attention.layouts import blocks_needed, random_step
 from tests.conftest import TINY_VOCAB
-from tests.model.test_fused import BS, LAYERS, _forward, _pools
+from tests.model.test_fused import LAYERS, check_fused_against_one_by_one
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
 
@@ -69,21 +67,4 @@ def test_fused_block_layers_give_every_row_the_bits_of_the_layers_one_by_one(bia
     assert why_not_fused(model.layers) is None
     assert type(model.layers[0].self_attn.qkv_proj) is BlockLinear
     assert model.layers[0].self_attn.qkv_proj.qtypes == (T.Q4_K, T.Q4_K, T.Q6_K)
-    fused = KernelDecoderLayers(model.layers)
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    num_blocks = blocks_needed((0, 1, 7, 33, 200), BS)
-    seqs = random_step(rng, BS, num_blocks, cached=(0, 1, 7, 33, 200))
-    ids = torch.randint(0, TINY_VOCAB, (seqs[-1].q_start + seqs[-1].q_len,), generator=gen)
-    one_by_one, together = _pools(num_blocks, gen)
-    model.fused_layers = None
-    want = _forward(model, one_by_one, seqs, ids)
-    model.fused_layers = fused
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            assert torch.equal(_forward(model, together, seqs, ids), want), threads
-            assert torch.equal(together.k_cache, one_by_one.k_cache)
-            assert torch.equal(together.v_cache, one_by_one.v_cache)
-    finally:
-        torch.set_num_threads(before)
+    check_fused_against_one_by_one(model, seed, (1, 2))

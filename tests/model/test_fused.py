@@ -68,7 +68,13 @@ def _pools(num_blocks: int, gen: torch.Generator) -> tuple[KernelBackend, Kernel
 
 @pytest.mark.parametrize(("bias", "seed"), [(False, 0), (True, 1), (False, 2)])
 def test_the_fused_layers_give_every_row_the_bits_of_the_layers_one_by_one(bias, seed):
-    model = _q4_model(bias, seed)
+    together = check_fused_against_one_by_one(_q4_model(bias, seed), seed, (1, 3))
+    assert together.seconds > 0  # attention's time is still reported apart
+
+
+def check_fused_against_one_by_one(model: Any, seed: int, thread_counts: tuple[int, ...]) -> KernelBackend:
+    """A random ragged step through `model`'s layers one by one, then fused at each thread count:
+    the same output and the same K/V written, bit for bit. Returns the fused run's pool."""
     fused = KernelDecoderLayers(model.layers)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     num_blocks = blocks_needed((0, 1, 7, 33, 200), BS)
@@ -80,14 +86,14 @@ def test_the_fused_layers_give_every_row_the_bits_of_the_layers_one_by_one(bias,
     model.fused_layers = fused
     before = torch.get_num_threads()
     try:
-        for threads in (1, 3):
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             assert torch.equal(_forward(model, together, seqs, ids), want), threads
             assert torch.equal(together.k_cache, one_by_one.k_cache)
             assert torch.equal(together.v_cache, one_by_one.v_cache)
     finally:
         torch.set_num_threads(before)
-    assert together.seconds > 0  # attention's time is still reported apart
+    return together
 
 
 def test_a_layer_that_is_not_ours_end_to_end_runs_the_layers_one_by_one():

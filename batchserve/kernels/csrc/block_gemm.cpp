@@ -2,7 +2,7 @@
 // layout of blocks.h, for 1 to a few hundred rows, each weight byte read once per call and row tile.
 // One call may hold several parts of different types (q|k|v, gate|up): the activations are
 // quantized once per call, per row and block of 32 to int8 (d = max|x| / 127, round half to even,
-// as quant_gemm.cpp's quantize_block, so Q4_1 and Q8_0 give the bits of bs_q4_1_linear and
+// as quantize.h's quantize_block (quant_gemm.cpp's too), so Q4_1 and Q8_0 give the bits of bs_q4_1_linear and
 // bs_q8_0_linear), with the block's float sum and the exact int sums of each 16 values.
 //
 // Per block of 32, per row and column, the integer sum isum = sum(q_w * q_x) over the stored
@@ -25,6 +25,7 @@
 
 #include "block_vec.h"
 #include "blocks.h"
+#include "quantize.h"
 
 using namespace blocks;
 using namespace blockvec;
@@ -39,35 +40,10 @@ struct Acts {           // a call's activations, quantized
     int64_t K, nb;
 };
 
-inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// One row's block of 32 floats -> int8 q, d, the float sum and the int sums of each 16: the
-// operations of quant_gemm.cpp's quantize_block, so the same bits.
-inline void quantize_block(const float* p, int8_t* q, float* d, float* s, int32_t* x16) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
-    const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
-    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    const float mx = hmax8(a);
-    *d = mx / 127.0f;
-    *s = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-    const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
-    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, mul)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, mul));
-    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, mul)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, mul));
-    __m256i r = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-    r = _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), r);
+// One row's block of 32 floats -> quantize_block's int8 q, d and float sum, and the int sums of
+// each 16 values (the offset types' correction).
+inline void quantize_block16(const float* p, int8_t* q, float* d, float* s, int32_t* x16) {
+    quantize_block(p, q, d, s);
     int32_t lo = 0, hi = 0;
     for (int i = 0; i < 16; ++i) lo += q[i], hi += q[16 + i];
     x16[0] = lo;
@@ -259,7 +235,7 @@ void bs_block_linear(const float* x, int64_t T, const int64_t* desc, float* y, i
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t b = 0; b < nb; ++b)
-                quantize_block(x + t * K + b * 32, q + t * K + b * 32, d + t * nb + b, s + t * nb + b,
+                quantize_block16(x + t * K + b * 32, q + t * K + b * 32, d + t * nb + b, s + t * nb + b,
                                x16 + 2 * (t * nb + b));
         int64_t col = 0;
         for (int64_t i = 0; i < parts; ++i) {

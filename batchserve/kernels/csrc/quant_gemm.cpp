@@ -22,6 +22,8 @@
 
 #include <vector>
 
+#include "quantize.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "the quantized-product kernels need AVX2, FMA and F16C"
 #endif
@@ -45,36 +47,6 @@ namespace {
 constexpr int64_t QK = 32;   // values per block
 constexpr int kRowTile = 4;  // rows a tile computes at once
 constexpr int kGroups = 1;   // column groups (of 8) a tile computes at once
-
-inline float hmax(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// One row's block of 32 floats -> 32 int8 in [-127, 127], the scale d and the float sum.
-inline void quantize_block(const float* p, int8_t* q, float* d, float* s) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
-    const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
-    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    const float mx = hmax(a);
-    *d = mx / 127.0f;
-    *s = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-    const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
-    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, mul)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, mul));
-    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, mul)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, mul));
-    __m256i r = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-    r = _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // undo packs' lane interleave
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), r);
-}
 
 struct Rows {         // a call's activations, quantized
     const int8_t* q;  // [T, K]
