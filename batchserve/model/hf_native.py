@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import struct
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -64,9 +67,49 @@ def hf_direct_refusal(directory: Path, config: Any) -> str | None:
     return None
 
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class SafetensorsMap:
+    """One safetensors file memory-mapped: its tensors as views of the map (no copy), and each
+    tensor's pages dropped from this process once a layer holds its own packed copy (`release`),
+    so a load's resident memory is the packed weights plus a product's tensors, not the file too."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        size = struct.unpack_from("<Q", self.map, 0)[0]
+        header = json.loads(self.map[8 : 8 + size])
+        header.pop("__metadata__", None)
+        self.base, self.entries = 8 + size, header
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self.entries[key]
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {key} is {entry['dtype']}: read as bfloat16 products are float tensors only")
+        start, end = entry["data_offsets"]
+        if end == start:
+            return torch.empty(entry["shape"], dtype=dtype)
+        with warnings.catch_warnings():  # a read-only map: nothing here writes into it
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(memoryview(self.map)[self.base + start : self.base + end], dtype=dtype)
+        return flat.view(entry["shape"])
+
+    def release(self, key: str) -> None:
+        start, end = (self.base + o for o in self.entries[key]["data_offsets"])
+        page = mmap.PAGESIZE
+        try:
+            self.map.madvise(mmap.MADV_DONTNEED, start // page * page, end - start // page * page)
+        except (OSError, ValueError, AttributeError):  # only a hint
+            pass
+
+
 def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
     """(native model with bfloat16 products on our kernel, tokenizer) from an HF directory."""
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from batchserve.model.bf16 import KernelBf16Linear
@@ -85,30 +128,35 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
     merged: dict[str, dict[int, torch.Tensor]] = {}  # a merged product's parts, until all are read
     biases: dict[str, dict[int, torch.Tensor]] = {}
     for file in safetensors_files(directory):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                name = key.removeprefix("model.")
-                if name == "lm_head.weight" and tied:
-                    continue
-                tensor = f.get_tensor(key)
-                module, _, leaf = name.rpartition(".")
-                parent, _, proj = module.rpartition(".")
-                if proj in PACKED_MODULES:
-                    target, part = PACKED_MODULES[proj]
-                    (merged if leaf == "weight" else biases).setdefault(f"{parent}.{target}", {})[part] = tensor
-                    _pack_ready(model, f"{parent}.{target}", merged, biases, KernelBf16Linear)
-                elif name == "embed_tokens.weight":
-                    model.embed_tokens = FileEmbedding(tensor if tensor.dtype != torch.float32 else tensor.clone())
-                    if tied:
-                        model.lm_head = _bf16(KernelBf16Linear, tensor, None, "lm_head")
-                elif leaf == "weight" and module.endswith(("o_proj", "down_proj", "lm_head")):
-                    bias_key = key.removesuffix("weight") + "bias"
-                    bias = f.get_tensor(bias_key) if bias_key in f.keys() else None
-                    _set(model, module, _bf16(KernelBf16Linear, tensor, bias, module))
-                elif leaf == "bias" and module.endswith(("o_proj", "down_proj")):
-                    continue  # read with its weight
-                else:  # norms
-                    _set(model, name, nn.Parameter(tensor.float().clone(), requires_grad=False))
+        f = SafetensorsMap(file)
+        waiting: dict[str, list[str]] = {}  # a merged product's keys, released once it is packed
+        for key in f.keys():
+            name = key.removeprefix("model.")
+            if name == "lm_head.weight" and tied:
+                continue
+            tensor = f.get(key)
+            module, _, leaf = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj in PACKED_MODULES:
+                target, part = PACKED_MODULES[proj]
+                (merged if leaf == "weight" else biases).setdefault(f"{parent}.{target}", {})[part] = tensor
+                waiting.setdefault(f"{parent}.{target}", []).append(key)
+                if _pack_ready(model, f"{parent}.{target}", merged, biases, KernelBf16Linear):
+                    for done in waiting.pop(f"{parent}.{target}"):
+                        f.release(done)
+                continue
+            if name == "embed_tokens.weight":
+                model.embed_tokens = FileEmbedding(tensor.clone())  # its own copy: the map's pages go
+                if tied:
+                    model.lm_head = _bf16(KernelBf16Linear, tensor, None, "lm_head")
+            elif leaf == "weight" and module.endswith(("o_proj", "down_proj", "lm_head")):
+                bias_key = key.removesuffix("weight") + "bias"
+                bias = f.get(bias_key) if bias_key in f.entries else None
+                _set(model, module, _bf16(KernelBf16Linear, tensor, bias, module))
+            elif not (leaf == "bias" and module.endswith(("o_proj", "down_proj"))):  # a bias: read with its weight
+                _set(model, name, nn.Parameter(tensor.float().clone(), requires_grad=False))  # norms
+            del tensor
+            f.release(key)
     model.rotary = rotary_for(config, None)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left or merged:
@@ -135,19 +183,20 @@ def _pack_ready(
     merged: dict[str, dict[int, torch.Tensor]],
     biases: dict[str, dict[int, torch.Tensor]],
     layer_class: type,
-) -> None:
-    """Pack a merged product (q|k|v, gate|up) once every part's weight has been read."""
+) -> bool:
+    """Pack a merged product (q|k|v, gate|up) once every part's weight has been read; whether it was."""
     parts = merged.get(target, {})
     wanted = 3 if target.endswith("qkv_proj") else 2
     has_bias = getattr(model.get_submodule(target), "bias", None) is not None
     if len(parts) < wanted or (has_bias and len(biases.get(target, {})) < wanted):
-        return
+        return False
     weight = torch.cat([parts[i] for i in range(wanted)])  # [sum of parts, K] in the file's dtype
     bias = torch.cat([biases[target][i] for i in range(wanted)]) if has_bias else None
     sizes = tuple(parts[i].shape[0] for i in range(wanted))
     _set(model, target, _bf16(layer_class, weight, bias, target, sizes))
     del merged[target]
     biases.pop(target, None)
+    return True
 
 
 def _set(model: nn.Module, name: str, value: nn.Module | nn.Parameter) -> None:
