@@ -55,7 +55,7 @@ class EngineCore:
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         model, forward = choose_forward(model, config, loaded_here)
-        self.runner, facts = build_checked_runner(model, tokenizer, config, forward)
+        self.runner, facts = build_checked_runner(model, tokenizer, config, forward, cache_check=loaded_here)
         # What the loaded model is and how it runs: its vocabulary and context, the forward (and why,
         # after any fallback), cuda_graphs as resolved, the start-up invariance check's verdict.
         self.facts, self.tokenizer = facts, tokenizer

@@ -63,13 +63,15 @@ class ModelFacts:
 
 
 def build_checked_runner(
-    model: Any, tokenizer: Any, config: EngineConfig, forward: ForwardChoice
+    model: Any, tokenizer: Any, config: EngineConfig, forward: ForwardChoice, cache_check: bool = False
 ) -> tuple[ModelRunner, ModelFacts]:
     """`build_runner`, then the contract checked on the native CPU model (`check_contract`) where
     the invariant attention claims it, or where auto chose no invariant attention because the
     products' probe failed (the check then names the layer). A failed check keeps the forward as
     chosen (no other forward here is known to be invariant) and the server says
-    `batch_invariant: false` with the reason."""
+    `batch_invariant: false` with the reason. `cache_check`: the engine read the model from its file
+    itself, so the check's verdict may be cached by file and CPU (`check_cache`); a model handed in
+    may be any object, and is checked every time."""
     runner, facts = build_runner(model, tokenizer, config, forward)
     claimed = facts.attention_backend in INVARIANT_BACKENDS
     # auto took the torch attention because the products' probe failed: check a float32 model
@@ -79,7 +81,7 @@ def build_checked_runner(
     probed = probed and not has_invariant_linears(model)
     if runner.device.type != "cpu" or not getattr(model, "native", False) or not (claimed or probed):
         return runner, facts
-    key = check_key(runner, config, facts)
+    key = check_key(runner, config, facts) if cache_check else None
     check = cached_check(key)
     if check is not None:
         logger.info("batch invariance: %s (%.2f s when checked; cached by file and CPU)", check.detail, check.seconds)

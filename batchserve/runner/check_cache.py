@@ -1,11 +1,12 @@
 """The start-up invariance check's verdict, cached by file and CPU: a second start of a model read
 from a file skips the check it already ran on the same bytes, kernels, CPU, thread count and
-engine shape (the 8B check runs for minutes on two cores; its answer cannot change).
+engine shape (the 8B check takes 21 s on two cores; its answer cannot change).
 
-Only a model read from a file is cached (a model handed in may be any object; it is checked every
-time). The key names everything the verdict depends on: the file's identity, the forward's
-profile key (model, weights, kernels' build for this source, compiler and CPU, thread count), and
-the row counts and pool the check used."""
+Only a model the engine read from its file itself is cached (`build_checked_runner`'s
+`cache_check`: a model handed in may be any object, and is checked every time). The key names
+everything the verdict depends on: the file's identity, the forward's profile key (model,
+weights, kernels' build for this source, compiler and CPU, thread count), and the row counts and
+pool the check used."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ FORMAT = 1
 
 
 def check_key(runner: Any, config: Any, facts: Any) -> dict[str, Any] | None:
-    """What the verdict depends on, or None where it is not cached (not a model read from a file)."""
+    """What the verdict depends on, or None where it is not cached (not read from a file)."""
     from batchserve.model.gguf_file import file_identity
     from batchserve.runner.profile_key import profile_key
 

@@ -181,3 +181,6 @@ def test_a_second_start_reuses_the_invariance_verdict_for_the_same_file_and_cpu(
     path.touch()
     EngineCore(_config(path))
     assert len(checked) == 3  # ... and so is a changed file
+    for _ in range(2):  # a model handed in, though read from the same file, is checked every time
+        EngineCore(_config(path), *load_gguf_native(path))
+    assert len(checked) == 5
