@@ -92,7 +92,7 @@ def _check(layer: BlockLinear, parts: list[tuple[np.ndarray, int]], x: torch.Ten
 def test_each_type_is_the_dequantized_product_within_the_activations_error(qtype):
     gen = torch.Generator().manual_seed(qtype)
     k = _cols(qtype)
-    raw = random_blocks(qtype, 13, k, gen)  # 13 rows: a group and a padded one
+    raw = random_blocks(qtype, 37, k, gen)  # 37 rows: two pairs of groups (a tile reads 0 with 2) and a padded one
     layer = BlockLinear([BlockPart(raw, qtype, k)])
     for rows in (1, 3, 17):
         x = torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 4  # uneven channels

@@ -57,22 +57,21 @@ constexpr int rows_of() { return V::kCols == 8 ? 4 : 8; }
 
 // Software prefetch of the weights a block of 32 ahead: a few records ahead (3-5 KB a stream), this
 // block's share of the record's bytes, for each group the tile reads. Without it the 1-row products,
-// which do little work a byte, stalled on DRAM (Q6_K streamed at half the rate of the others). Near a
-// group's end it reaches into the group this thread reads next: the following one for one-group
-// tiles; for two-group tiles the pair after (the next pair's same group, one group further on), so
-// short rows (K = 1536: 6 records a group) stream as well as long ones.
+// which do little work a byte, stalled on DRAM (Q6_K streamed at half the rate of the others). A
+// thread's groups are consecutive in each stream (`part`), so reaching past a group's last record
+// prefetches the group the stream reads next.
 template <class V, int64_t Q>
-inline void prefetch(const uint8_t* r, int64_t gs, int jb, int64_t left) {
+inline void prefetch(const uint8_t* r, int64_t gs, int jb) {
     constexpr int64_t rec = record_bytes(Q), per = kquant(Q) ? 8 : 1, ahead = kquant(Q) ? 4 : 12, share = rec / per;
-    const int64_t skip = left <= ahead && V::kCols == 16 ? gs : 0;
-    const uint8_t* p = r + ahead * rec + jb * share + skip;
+    const uint8_t* p = r + ahead * rec + jb * share;
     for (int g = 0; g < V::kCols / 8; ++g)
         for (int64_t o = 0; o < share; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + g * gs + o), _MM_HINT_T0);
 }
 
-// y[t0 + t, c] for t < MT and the V::kCols columns of the group(s) at w (`valid` of them kept).
+// y[t0 + t, c] for t < MT and the V::kCols columns of the group(s) at w (`valid` of them kept): the
+// first group's at y, a 512-bit tile's second group (gs bytes after the first) at y + yo.
 template <class V, int64_t Q, int MT>
-void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t ys, int64_t t0, int valid) {
+void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int64_t ys, int64_t t0, int valid) {
     using I = typename V::I;
     using F = typename V::F;
     constexpr bool kq = kquant(Q), five = Q == Q5_0 || Q == Q5_1 || Q == Q5_K;
@@ -88,7 +87,7 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t ys, int
         if constexpr (Q == Q4_K || Q == Q5_K) dmin = V::half(r + kDmin, gs);
         for (int jb = 0; jb < per; ++jb) {
             const int64_t b = u * per + jb;
-            prefetch<V, Q>(r, gs, jb, units - u);
+            prefetch<V, Q>(r, gs, jb);
             I is[MT], is2[MT];  // is2: Q6_K's second sub-block of 16
             for (int t = 0; t < MT; ++t) is[t] = is2[t] = V::zero();
             if constexpr (Q == Q8_0) {
@@ -161,38 +160,42 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t ys, int
             }
         }
     }
-    for (int t = 0; t < MT; ++t) V::store(y + (t0 + t) * ys, acc[t], valid);
+    for (int t = 0; t < MT; ++t) V::store(y + (t0 + t) * ys, yo, acc[t], valid);
 }
 
 // Rows [t0, T) in tiles of MT, the rest in tiles of MT / 2, MT / 4, .. 1 (at most one each): fewer
 // tile sizes to compile than every count below MT (8 types x 2 widths of them), each a few rows
 // the group's weights, then in L1, serve again.
 template <class V, int64_t Q, int MT>
-void row_tiles(const Acts& x, int64_t t0, int64_t T, const uint8_t* w, int64_t gs, float* y, int64_t ys, int valid) {
-    for (; t0 + MT <= T; t0 += MT) tile<V, Q, MT>(x, w, gs, y, ys, t0, valid);
+void row_tiles(const Acts& x, int64_t t0, int64_t T, const uint8_t* w, int64_t gs, float* y, int64_t yo, int64_t ys,
+               int valid) {
+    for (; t0 + MT <= T; t0 += MT) tile<V, Q, MT>(x, w, gs, y, yo, ys, t0, valid);
     if constexpr (MT > 1) {
-        if (T > t0) row_tiles<V, Q, MT / 2>(x, t0, T, w, gs, y, ys, valid);
+        if (T > t0) row_tiles<V, Q, MT / 2>(x, t0, T, w, gs, y, yo, ys, valid);
     }
 }
 
-// One part's columns (its `rows` weight rows) into y's columns [0, rows): this thread's share of
-// pairs of groups in 512-bit tiles, then of the group left over (or all, without AVX-512).
+// One part's columns (its `rows` weight rows) into y's columns [0, rows). In 512-bit tiles a tile
+// reads group j with group j + P (P = half the groups, rounded down), and a thread's tiles take
+// consecutive j: each of its two streams runs through consecutive groups, however short a group's
+// records (a pair of neighbours made short rows, K = 1536, two streams restarting every few KB, read
+// at two thirds of long rows' rate). Then the group left over (or all, without AVX-512).
 template <int64_t Q>
 void part(const Acts& x, int64_t T, const uint8_t* w, int64_t rows, float* y, int64_t ys) {
-    const int64_t groups = (rows + 7) / 8, gs = x.nb / (kquant(Q) ? 8 : 1) * record_bytes(Q);
+    const int64_t groups = (rows + 7) / 8, pairs = groups / 2, gs = x.nb / (kquant(Q) ? 8 : 1) * record_bytes(Q);
     int64_t first = 0;
 #ifdef BS_BLOCK_WIDE
-    first = groups / 2 * 2;
+    first = 2 * pairs;
 #pragma omp for schedule(static) nowait
-    for (int64_t j = 0; j < groups / 2; ++j) {
-        const int valid = static_cast<int>(std::min<int64_t>(16, rows - 16 * j));
-        row_tiles<V16, Q, rows_of<V16, Q>()>(x, 0, T, w + 2 * j * gs, gs, y + 16 * j, ys, valid);
+    for (int64_t j = 0; j < pairs; ++j) {
+        const int valid = 8 + static_cast<int>(std::min<int64_t>(8, rows - 8 * (j + pairs)));
+        row_tiles<V16, Q, rows_of<V16, Q>()>(x, 0, T, w + j * gs, pairs * gs, y + 8 * j, 8 * pairs, ys, valid);
     }
 #endif
 #pragma omp for schedule(static) nowait
     for (int64_t g = first; g < groups; ++g) {
         const int valid = static_cast<int>(std::min<int64_t>(8, rows - 8 * g));
-        row_tiles<V8, Q, rows_of<V8, Q>()>(x, 0, T, w + g * gs, gs, y + 8 * g, ys, valid);
+        row_tiles<V8, Q, rows_of<V8, Q>()>(x, 0, T, w + g * gs, gs, y + 8 * g, 0, ys, valid);
     }
 }
 

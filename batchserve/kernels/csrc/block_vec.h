@@ -3,7 +3,7 @@
 // groups in one 512-bit register: AVX-512 F/BW/VNNI). Each operation does the same per-lane
 // arithmetic at both widths, and every integer sum is exact, so a column's output has the same bits
 // whichever width, tile or machine computes it. `gs` is the byte distance between the two groups'
-// records (unused by V8).
+// records (unused by V8), which need not be neighbours.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -88,7 +88,7 @@ struct V8 {
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-    static void store(float* y, F v, int valid) {
+    static void store(float* y, int64_t, F v, int valid) {  // (y's offset of a second group: V16's)
         if (valid >= kCols) {
             _mm256_storeu_ps(y, v);
         } else {
@@ -141,8 +141,11 @@ struct V16 {
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
     static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-    static void store(float* y, F v, int valid) {
-        _mm512_mask_storeu_ps(y, valid >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1), v);
+    // The first group's 8 lanes at y (all valid), the second's at y + yo (`valid` - 8 of them).
+    static void store(float* y, int64_t yo, F v, int valid) {
+        _mm256_storeu_ps(y, _mm512_castps512_ps256(v));
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        _mm256_mask_storeu_ps(y + yo, valid >= kCols ? __mmask8(0xFF) : __mmask8((1u << (valid - 8)) - 1), hi);
     }
 };
 #endif
