@@ -61,8 +61,11 @@ __all__ = [
 ]
 
 Q = GGMLQuantizationType
-EXTRA_TOKEN = "<|extra_{}|>"  # pads the tokenizer up to the shape's vocabulary (CONTROL tokens)
-TOKEN_TYPE_CONTROL = 3
+# Pads the tokenizer up to the shape's vocabulary as llama.cpp's converter pads a model whose embedding
+# has more rows than its tokenizer (Qwen2.5's 151,936 for 151,665 tokens): UNUSED tokens, plain
+# vocabulary entries, not special tokens a loader registers one by one.
+PAD_TOKEN = "[PAD{}]"
+TOKEN_TYPE_UNUSED = 5
 CHUNK_BYTES = 32 << 20  # rows generated and written at a time
 
 
@@ -185,7 +188,7 @@ def _tokenizer_metadata(source: Path) -> dict[str, MetaValue]:
 
 
 def _copy_tokenizer(writer: GGUFWriter, source: Path, vocab_size: int) -> int:
-    """Copy `source`'s tokenizer.* metadata, padded with CONTROL tokens up to `vocab_size`;
+    """Copy `source`'s tokenizer.* metadata, padded with UNUSED tokens up to `vocab_size`;
     returns the tokenizer's own size."""
     metadata = _tokenizer_metadata(source)
     n_tokens = len(metadata["tokenizer.ggml.tokens"].value)
@@ -193,8 +196,8 @@ def _copy_tokenizer(writer: GGUFWriter, source: Path, vocab_size: int) -> int:
         raise ValueError(f"the shape's vocabulary ({vocab_size}) is smaller than the tokenizer's ({n_tokens})")
     extra = vocab_size - n_tokens
     pads = {
-        "tokenizer.ggml.tokens": [EXTRA_TOKEN.format(i) for i in range(extra)],
-        "tokenizer.ggml.token_type": [TOKEN_TYPE_CONTROL] * extra,
+        "tokenizer.ggml.tokens": [PAD_TOKEN.format(n_tokens + i) for i in range(extra)],
+        "tokenizer.ggml.token_type": [TOKEN_TYPE_UNUSED] * extra,
         "tokenizer.ggml.scores": [0.0] * extra,
     }
     for key, m in metadata.items():

@@ -41,6 +41,11 @@ QUICK_TOKEN_COUNTS = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 256, 512)
 # one context would price short-prompt batches at the long one's cost, or the reverse.
 QUICK_CONTEXTS = (64, 512)
 QUICK_REPEATS = 3
+# What the quick profile may take (projected from one timing of each step shape, ascending): a large
+# model on a few cores costs seconds a wide step, and all of QUICK_TOKEN_COUNTS would take minutes
+# (an 8B on 2 cores: 512 rows, 20 s a step). The counts it can afford are measured; the curve
+# extrapolates its last segment past them (rows cost alike once the products are compute-bound).
+QUICK_BUDGET_S = 20.0
 PER_SEQ_REQUESTS = 16  # requests in the step that measures the cost of one more request
 # Draft rows per request in the step that measures what a draft row costs among many requests:
 # uneven, as a budget hands them out (most requests get none or one, a few a deep tree), two a
@@ -206,7 +211,7 @@ def _many_requests(runner: ModelRunner, ctx: int, max_rows: int, repeats: int, t
     chain of as many rows and the requests' own cost; 0 where the pool or `max_rows` allow too
     few requests for the pattern."""
     pool, deepest = runner.backend.num_blocks, max(DRAFT_PATTERN) + 1
-    n = PER_SEQ_REQUESTS
+    n = min(PER_SEQ_REQUESTS, max_rows)
     while n > 1 and _blocks_needed(runner, [ctx] * n, n) > pool:
         n //= 2
     m = n
@@ -234,6 +239,25 @@ def _pattern_rows(m: int) -> int:
     return sum(DRAFT_PATTERN[i % len(DRAFT_PATTERN)] for i in range(m))
 
 
+def affordable_counts(
+    runner: ModelRunner, counts: Sequence[int], ctx: int, runs: int, budget_s: float
+) -> tuple[int, ...]:
+    """The ascending prefix of `counts` (at least two) whose curve, `runs` timings of each step shape
+    and of the per-request steps (`_many_requests`: four of about min(16, rows) rows), is projected to
+    take at most `budget_s` with this projection's own timing (each shape once, at context `ctx`)."""
+    kept: list[int] = []
+    times: dict[int, float] = {}
+    for n in sorted(counts):
+        if _blocks_needed(runner, [ctx], n) > runner.backend.num_blocks:
+            break
+        times[n] = _time_once(runner, step_of(runner, [ctx], n)) / 1e3
+        per_request = 4 * times[max([c for c in times if c <= PER_SEQ_REQUESTS] or [min(times)])]
+        if len(kept) >= 2 and sum(times.values()) + runs * (sum(times.values()) + per_request) > budget_s:
+            break
+        kept.append(n)
+    return tuple(kept or counts[:1])
+
+
 def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: int, max_context: int) -> CostProfile:
     """The cached profile for this model and device, measuring (and saving) it if absent."""
     key = profile_key(runner)
@@ -250,22 +274,27 @@ def load_or_calibrate(runner: ModelRunner, path: str | Path | None, max_tokens: 
                 logger.warning("cost profile %s was measured for %r, not %r", target, profile.key, key)
             logger.info("cost profile %s: critical decoding length %d", target, profile.critical_decoding_length())
             return profile
-    logger.info(
-        "no cost profile for %s yet: a quick one (%d step shapes x %d runs) before serving; the policy refines it "
-        "online, and `batchserve calibrate` measures the whole curve",
-        key,
-        len(QUICK_TOKEN_COUNTS) + 4,
-        QUICK_REPEATS + 1,
-    )
     t0 = time.perf_counter()
+    wanted = sorted({c for c in QUICK_TOKEN_COUNTS if c <= max_tokens} | {max_tokens})
+    runs = len(QUICK_CONTEXTS) * (QUICK_REPEATS + 1)  # calibrate's warm-up and repeats at each context
+    counts = affordable_counts(runner, wanted, QUICK_CONTEXTS[0], runs, QUICK_BUDGET_S)
+    logger.info(
+        "no cost profile for %s yet: a quick one (%d step shapes, up to %d rows%s, x %d runs) before serving; the "
+        "policy refines it online, and `batchserve calibrate` measures the whole curve",
+        key,
+        len(counts) + 4,
+        counts[-1],
+        "" if counts[-1] == wanted[-1] else f" of {wanted[-1]}: the rest extrapolated, to fit {QUICK_BUDGET_S:.0f} s",
+        QUICK_REPEATS,
+    )
     profile = calibrate(
         runner,
-        max_tokens=max_tokens,
+        max_tokens=counts[-1],
         max_context=max_context,
         contexts=QUICK_CONTEXTS,
         repeats=QUICK_REPEATS,
         key=key,
-        token_counts=QUICK_TOKEN_COUNTS,
+        token_counts=counts,
     )
     logger.info("quick cost profile measured in %.1f s", time.perf_counter() - t0)
     try:

@@ -119,7 +119,8 @@ def test_engine_calibrates_once_then_reads_the_cache(tmp_path, monkeypatch):
     first = _core(adaptive=True)
     assert len(calls) == 1 and calls[0]["max_tokens"] == 64
     # A server's first start measures only the quick profile (seconds, not minutes).
-    assert calls[0]["token_counts"] == cal.QUICK_TOKEN_COUNTS and calls[0]["contexts"] == cal.QUICK_CONTEXTS
+    quick = tuple(c for c in cal.QUICK_TOKEN_COUNTS if c <= 64)  # the tiny model affords every count
+    assert calls[0]["token_counts"] == quick and calls[0]["contexts"] == cal.QUICK_CONTEXTS
     saved = list((tmp_path / "profiles").glob("*.json"))
     assert len(saved) == 1 and CostProfile.load(saved[0]) == first.cost_profile
     second = _core(adaptive=True)
@@ -164,3 +165,28 @@ def test_calibrate_cli(tmp_path, capsys):
     assert profile.contexts == (8, 32) and profile.token_counts[-1] == 16
     assert main(["calibrate", "--model", str(tmp_path / "missing")]) == 2
     assert main(["calibrate", "--model", str(model_dir), "--max-tokens", "0"]) == 2
+
+
+def test_the_quick_profile_measures_what_its_budget_affords_and_extrapolates_the_rest(tmp_path, monkeypatch, caplog):
+    core = _core()
+
+    # Steps of 100 ms a row: 1, 2 and 4 rows project to 0.7 s + 9 runs x (0.7 s + four 4-row steps
+    # for the per-request cost) = 21.4 s; with 5 rows, 30 s.
+    def rows(out) -> int:
+        return sum(len(r.token_ids) + (len(r.draft.tokens) if r.draft else 0) for r in out.requests)
+
+    monkeypatch.setattr(cal, "_time_once", lambda runner, out: 100.0 * rows(out))
+    counts = cal.affordable_counts(core.runner, (1, 2, 4, 5, 8, 64), 64, runs=9, budget_s=25.0)
+    assert counts == (1, 2, 4)
+    assert cal.affordable_counts(core.runner, (1, 2, 4), 64, runs=9, budget_s=0.0) == (1, 2)  # two at least
+    assert cal.affordable_counts(core.runner, (1, 2, 4, 5), 64, runs=9, budget_s=1e9) == (1, 2, 4, 5)
+    # At start-up: the profile stops at the affordable counts, its curve extrapolated past them.
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "QUICK_BUDGET_S", 25.0)
+    monkeypatch.setattr(cal, "QUICK_REPEATS", 1)
+    with caplog.at_level("INFO", logger="batchserve"):
+        profile = _core(adaptive=True).cost_profile
+    assert profile is not None and profile.token_counts[-1] < 64
+    assert "the rest extrapolated" in caplog.text
+    last = profile.token_counts[-1]
+    assert profile.time_ms(64, 64) > profile.time_ms(last, 64) > profile.time_ms(1, 64)  # the last segment, on
