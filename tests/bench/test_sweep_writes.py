@@ -44,3 +44,31 @@ def test_a_stopped_sweep_leaves_every_finished_row_in_results_and_report(
     report = (out / "report.md").read_text()
     assert "| hf | 1 |" in report and "| none | 1 |" in report and "| lookahead | 1 |" in report
     assert not (out / "throughput.png").exists()  # drawn at the end only
+
+
+def test_a_sweep_of_served_rows_only_loads_no_model_in_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_tokenizer: Any
+) -> None:
+    """The servers load the model; the bench process needs its tokenizer only (an 8B file's float32
+    copy, which transformers' load makes, would not fit beside them)."""
+    from batchserve.bench import sweep
+    from batchserve.bench.methods import make_row
+    from batchserve.model import loader
+
+    def no_model(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a served-only sweep loaded the model in process")
+
+    monkeypatch.setattr(loader, "load_model", no_model)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: tiny_tokenizer)
+    monkeypatch.setattr(sweep, "load_dataset", lambda name, n, tok: sweep.Workload([[1, 2], [3, 4, 5]], []))
+    monkeypatch.setattr(sweep, "served_peers", lambda *args: None)
+    ran: list[tuple[str, int]] = []
+
+    def served_row(s: Any, dataset: str, b: int, method: str, prompts: list[list[int]], work: Any) -> Any:
+        ran.append((method, b))
+        return make_row(method, dataset, b, [[1]] * len(prompts), 1.0, [0.1], [0.1], None, None)
+
+    monkeypatch.setattr(sweep, "_served_row", served_row)
+    rows = sweep.run(["humaneval"], ["served-http-none", "served-grpc-none"], [1, 2], 2, 4, tmp_path / "out", None)
+    assert ran == [("served-http-none", 1), ("served-grpc-none", 1), ("served-http-none", 2), ("served-grpc-none", 2)]
+    assert len(rows) == 4

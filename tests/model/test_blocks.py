@@ -200,3 +200,13 @@ def test_parts_our_kernels_do_not_take_are_refused():
         BlockLinear([BlockPart(raw, T.Q4_K, 256), BlockPart(random_blocks(T.Q8_0, 8, 512, gen), T.Q8_0, 512)])
     with pytest.raises(ValueError, match="add up"):
         BlockLinear([BlockPart(raw, T.Q4_K, 256)], sizes=(4, 5))
+
+
+def test_a_product_of_huge_pages_is_the_dequantized_product():
+    from batchserve.model.blocks import HUGE_PAGE
+
+    gen = torch.Generator().manual_seed(3)
+    raw = random_blocks(T.Q8_0, 2056, 1024, gen)  # 2.2 MB packed: anonymous memory asked for in huge pages
+    layer = BlockLinear([BlockPart(raw, T.Q8_0, 1024)])
+    assert layer.packed.numel() >= HUGE_PAGE and layer.packed.data_ptr() % 4096 == 0
+    _check(layer, [(raw, T.Q8_0)], torch.randn(3, 1024, generator=gen))
