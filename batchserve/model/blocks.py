@@ -69,6 +69,13 @@ class BlockLinear(nn.Module):
     any float dtype -> [T, N] float32, plus `bias` if given. `sizes` (the merged projections' widths,
     as the other linear layers carry them) defaults to each part's rows."""
 
+    # The start-up check (`runner.layer_check`) calls it with every count up to this many rows, not
+    # up to the step's budget: a row's output depends on its own activations only (quantized row by
+    # row; the threads split the columns, never the rows) and comes out of a tile of 8, 4, 2 or 1
+    # rows with the same per-lane arithmetic, so every path a larger count takes is among these
+    # (each tile size at each row position). On the 8B the budget's counts took 61 s of a start.
+    check_rows = 64
+
     def __init__(self, parts: Sequence[BlockPart], bias: torch.Tensor | None = None,
                  sizes: tuple[int, ...] | None = None) -> None:  # fmt: skip
         super().__init__()
@@ -113,6 +120,11 @@ class BlockLinear(nn.Module):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.block_linear(x, self.desc, self.out_features)  # [T, N]
+
+    @property
+    def check_kind(self) -> str:
+        """Its kernel as the start-up check groups layers: one per mix of block types."""
+        return f"BlockLinear[{','.join(T(q).name for q in self.qtypes)}]"
 
     def extra_repr(self) -> str:
         kinds = "|".join(f"{T(q).name}[{r}]" for q, r in zip(self.qtypes, self.rows, strict=False))

@@ -9,8 +9,10 @@ most rows a step keeps) at the first, middle and last offsets, and every row com
 same row of one call over all of them (`row_check.rows_variance`). The first layer, in the
 forward's order, that gives a row other bits is named with the call that showed it.
 
-Layers of one kind (class, widths, output dtype) run one kernel: the first of each kind is checked
-at every row count, the others at a few (their weights differ, their code does not). The attention
+Layers of one kind (class, widths, output dtype; a `BlockLinear`'s block types too) run one kernel:
+the first of each kind is checked at every row count, the others at a few (their weights differ,
+their code does not). A layer whose rows are computed alone in small tiles says how many rows
+cover its paths (`check_rows`: `BlockLinear`'s 64), and is checked up to that. The attention
 is not row-wise (it reads the KV cache), so the model-level check (`self_check`) covers it.
 """
 
@@ -53,6 +55,7 @@ class RowLayer:
     width: int
     call: Callable[[torch.Tensor], torch.Tensor]
     head: bool  # the LM head: called with a step's kept rows only
+    most: int | None = None  # the most rows its kernel's paths need (a layer's `check_rows`); None: the step's
 
 
 def row_counts(max_rows: int) -> tuple[int, ...]:
@@ -79,9 +82,9 @@ def row_layers(model: nn.Module, intermediate: int | None = None) -> Iterator[Ro
         elif isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int):
             out = str(getattr(m, "out_dtype", "float32")).removeprefix("torch.")
             head = name.rpartition(".")[2] == "lm_head"
-            kind = (type(m).__name__, int(m.in_features), int(m.out_features), out)
+            kind = (getattr(m, "check_kind", type(m).__name__), int(m.in_features), int(m.out_features), out)
             inside = name
-            yield RowLayer(name, kind, int(m.in_features), m, head)
+            yield RowLayer(name, kind, int(m.in_features), m, head, getattr(m, "check_rows", None))
 
 
 def _norm_call(norm: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -104,6 +107,7 @@ def check_layers(model: nn.Module, max_rows: int, max_kept_rows: int, seed: int 
     intermediate = getattr(getattr(model, "config", None), "intermediate_size", None)
     for layer in row_layers(model, intermediate):
         most = max(1, max_kept_rows if layer.head else max_rows)
+        most = most if layer.most is None else min(most, layer.most)
         full = layer.kind not in checked
         checked.add(layer.kind)
         rows = most if full else min(most, SPOT_ROWS)

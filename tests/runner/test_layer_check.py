@@ -11,7 +11,7 @@ from batchserve import SamplingParams
 from batchserve.admission import Submission
 from batchserve.model.layers import ROW_BUCKETS
 from batchserve.runner.layer_check import CHUNK_SIZES, check_layers, row_counts, row_layers
-from tests.runner.products import TILE, core_of, native, per_row, tiling
+from tests.runner.products import TILE, PerRow, core_of, native, per_row, tiling
 
 
 def test_row_counts_are_the_buckets_and_chunk_sizes_up_to_the_budget():
@@ -96,3 +96,38 @@ def test_a_pass_on_the_shipped_layers_means_every_row_agrees(threads):
                     assert torch.equal(layer.call(x[start : start + n]), whole[start : start + n]), layer.name
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_block_product_is_checked_per_mix_of_types_up_to_the_rows_its_tiles_need(monkeypatch):
+    from gguf import GGMLQuantizationType as T
+    from torch import nn
+
+    from batchserve import kernels
+    from batchserve.model.blocks import BlockLinear, BlockPart, random_blocks
+    from batchserve.runner import layer_check
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    gen = torch.Generator().manual_seed(0)
+
+    def block(qtype: int) -> BlockLinear:
+        return BlockLinear([BlockPart(random_blocks(qtype, 24, 256, gen), qtype, 256)])
+
+    model = nn.Module()
+    model.q4k, model.q6k, model.again = block(T.Q4_K), block(T.Q6_K), block(T.Q4_K)
+    model.plain = PerRow(nn.Linear(256, 24))  # no `check_rows`: up to the step's budget
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    real = layer_check.rows_variance
+
+    def spy(call, x, wanted):
+        calls.append((x.shape[0], wanted))
+        return real(call, x, wanted)
+
+    monkeypatch.setattr(layer_check, "rows_variance", spy)
+    kinds = [layer.kind for layer in row_layers(model)]
+    assert kinds[0] == ("BlockLinear[Q4_K]", 256, 24, "float32") and kinds[1][0] == "BlockLinear[Q6_K]"
+    verdict = check_layers(model, max_rows=512, max_kept_rows=16)
+    assert verdict.invariant and verdict.layers == 4
+    # Each type's first product at every count up to 64; the second Q4_K one spot-checked; the
+    # other product up to the budget.
+    assert calls == [(64, row_counts(64)), (64, row_counts(64)), (64, (1, 3, 17)), (512, row_counts(512))]
