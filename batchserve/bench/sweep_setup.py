@@ -60,3 +60,13 @@ def runs_per_dataset(
         + len(batch_sizes) * sum(m not in SINGLE for m in methods) * repeats
         + len(rates) * sum(batchserve_method(m) is not None for m in methods) * repeats
     )
+
+
+def reference_model(methods: list[str], model_path: str | None, dtype: str) -> tuple[Any, Any]:
+    """(HF's model in process, the tokenizer); no model where every method is served: the servers
+    load it, and transformers' float32 copy of an 8B file would not fit beside them."""
+    from batchserve.model import loader
+
+    if set(methods) <= set(SERVED + LLAMA_SERVER):
+        return None, loader.load_tokenizer(model_path)
+    return loader.load_model(model_path, dtype)
