@@ -1,6 +1,6 @@
 """The start-up invariance check's verdict, cached by file and CPU: a second start of a model read
 from a file skips the check it already ran on the same bytes, kernels, CPU, thread count and
-engine shape (the 8B check takes 21 s on two cores; its answer cannot change).
+engine shape (the 8B's check takes 16 s on two cores; its answer cannot change).
 
 Only a model the engine read from its file itself is cached (`build_checked_runner`'s
 `cache_check`: a model handed in may be any object, and is checked every time). The key names

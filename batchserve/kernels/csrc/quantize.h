@@ -10,12 +10,6 @@
 
 namespace {
 
-inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 // One row's block of 32 floats -> 32 int8 in [-127, 127], the scale d and the float sum.
 inline void quantize_block(const float* p, int8_t* q, float* d, float* s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);

@@ -5,11 +5,19 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+// Horizontal reductions of 8 floats in one fixed order: halves, then pairs, then the last two.
+template <__m128 (*Op)(__m128, __m128), __m128 (*Last)(__m128, __m128)>
+inline float hreduce(__m256 v) {
+    __m128 s = Op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = Op(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(Last(s, _mm_movehdup_ps(s)));
 }
+inline __m128 add4(__m128 a, __m128 b) { return _mm_add_ps(a, b); }
+inline __m128 add1(__m128 a, __m128 b) { return _mm_add_ss(a, b); }
+inline __m128 max4(__m128 a, __m128 b) { return _mm_max_ps(a, b); }
+inline __m128 max1(__m128 a, __m128 b) { return _mm_max_ss(a, b); }
+inline float hsum(__m256 v) { return hreduce<add4, add1>(v); }
+inline float hmax8(__m256 v) { return hreduce<max4, max1>(v); }
 
 // exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
 // polynomial (Cephes' expf coefficients), times 2^n built in the exponent bits. Below -87 it
