@@ -32,12 +32,15 @@ using namespace blockvec;
 
 namespace {
 
+// Block-major: block b of every row, then block b + 1, so a tile's rows are at fixed offsets from
+// one pointer and a block's reads are one sequential run (row-major, the 8 rows of a tile were 8
+// streams K bytes apart and their pointers spilled the general registers).
 struct Acts {           // a call's activations, quantized
-    const int8_t* q;    // [T, K]
-    const float* d;     // [T, K/32] scales
-    const float* s;     // [T, K/32] float sums
-    const int32_t* x16; // [T, K/16] int sums of each 16 quantized values
-    int64_t K, nb;
+    const int8_t* q;    // [K/32, T, 32]
+    const float* d;     // [K/32, T] scales
+    const float* s;     // [K/32, T] float sums
+    const int32_t* x16; // [K/32, T, 2] int sums of each 16 quantized values
+    int64_t T, nb;
 };
 
 // One row's block of 32 floats -> quantize_block's int8 q, d and float sum, and the int sums of
@@ -86,7 +89,8 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
         if constexpr (kq) dsup = V::half(r + kD, gs);
         if constexpr (Q == Q4_K || Q == Q5_K) dmin = V::half(r + kDmin, gs);
         for (int jb = 0; jb < per; ++jb) {
-            const int64_t b = u * per + jb;
+            const int64_t b = u * per + jb, rb = b * x.T + t0;  // row t0's entry of block b
+            const int8_t* xb = x.q + rb * 32;
             prefetch<V, Q>(r, gs, jb);
             I is[MT], is2[MT];  // is2: Q6_K's second sub-block of 16
             for (int t = 0; t < MT; ++t) is[t] = is2[t] = V::zero();
@@ -94,13 +98,14 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
                 for (int st = 0; st < 8; ++st) {
                     const I wv = V::load(r + st * 32, gs);
                     for (int t = 0; t < MT; ++t) {
-                        const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * 32);
-                        is[t] = V::dot_q8(is[t], wv, V::x4(xr[st]));
+                        const int32_t* xr = reinterpret_cast<const int32_t*>(xb + t * 32);
+                        is[t] = V::dotm_q8(is[t], wv, xr + st);
                     }
                 }
             } else {
                 const uint8_t* nib = r + (kq ? nibblesK(Q) + 128 * jb : kNibbles);
                 [[maybe_unused]] I hv;
+                #pragma GCC unroll 4
                 for (int p = 0; p < 4; ++p) {
                     const I raw = V::load(nib + 32 * p, gs);
                     I w0 = V::and_(raw, low), w1 = V::and_(V::srl16(raw, 4), low);
@@ -120,10 +125,9 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
                         }
                     }
                     for (int t = 0; t < MT; ++t) {
-                        const int32_t* xr = reinterpret_cast<const int32_t*>(x.q + (t0 + t) * x.K + b * 32 + 8 * p);
-                        const I x0 = V::x4(xr[0]), x1 = V::x4(xr[1]);
-                        if (Q == Q6_K && p >= 2) is2[t] = V::dot(V::dot(is2[t], w0, x0), w1, x1);
-                        else is[t] = V::dot(V::dot(is[t], w0, x0), w1, x1);
+                        const int32_t* xr = reinterpret_cast<const int32_t*>(xb + t * 32 + 8 * p);
+                        if (Q == Q6_K && p >= 2) is2[t] = V::dotm(V::dotm(is2[t], w0, xr), w1, xr + 1);
+                        else is[t] = V::dotm(V::dotm(is[t], w0, xr), w1, xr + 1);
                     }
                 }
             }
@@ -131,28 +135,28 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
                 constexpr int32_t off = Q == Q4_0 ? 8 : Q == Q5_0 ? 16 : V::kQ8Offset;
                 const F dw = V::half(r + d32(Q), gs);
                 for (int t = 0; t < MT; ++t) {
-                    const int64_t row = (t0 + t) * x.nb + b;
+                    const int64_t row = rb + t;
                     const I c = off ? V::sub32(is[t], off * (x.x16[2 * row] + x.x16[2 * row + 1])) : is[t];
                     acc[t] = V::fma(V::cvt(c), V::mul(dw, V::splat(x.d[row])), acc[t]);
                 }
             } else if constexpr (Q == Q4_1 || Q == Q5_1) {
                 const F dw = V::half(r + d32(Q), gs), mw = V::half(r + m32(Q), gs);
                 for (int t = 0; t < MT; ++t) {
-                    const int64_t row = (t0 + t) * x.nb + b;
+                    const int64_t row = rb + t;
                     acc[t] = V::fma(V::cvt(is[t]), V::mul(dw, V::splat(x.d[row])), acc[t]);
                     acc[t] = V::fma(mw, V::splat(x.s[row]), acc[t]);
                 }
             } else if constexpr (Q == Q4_K || Q == Q5_K) {
                 const F dw = V::mul(dsup, V::u8f(r + kSc + 8 * jb, gs)), mw = V::mul(dmin, V::u8f(r + kMn + 8 * jb, gs));
                 for (int t = 0; t < MT; ++t) {
-                    const int64_t row = (t0 + t) * x.nb + b;
+                    const int64_t row = rb + t;
                     acc[t] = V::fma(V::cvt(is[t]), V::mul(dw, V::splat(x.d[row])), acc[t]);
                     acc[t] = V::fnma(mw, V::splat(x.s[row]), acc[t]);
                 }
             } else {  // Q6_K
                 const I sa = V::i8i(r + kScales6 + 16 * jb, gs), sb = V::i8i(r + kScales6 + 16 * jb + 8, gs);
                 for (int t = 0; t < MT; ++t) {
-                    const int64_t row = (t0 + t) * x.nb + b;
+                    const int64_t row = rb + t;
                     const I c = V::add32(V::mul32(sa, V::sub32(is[t], 32 * x.x16[2 * row])),
                                          V::mul32(sb, V::sub32(is2[t], 32 * x.x16[2 * row + 1])));
                     acc[t] = V::fma(V::cvt(c), V::mul(dsup, V::splat(x.d[row])), acc[t]);
@@ -232,14 +236,14 @@ void bs_block_linear(const float* x, int64_t T, const int64_t* desc, float* y, i
     float* d = xf.data();
     float* s = d + T * nb;
     int32_t* x16 = xi.data();
-    const Acts acts{q, d, s, x16, K, nb};
+    const Acts acts{q, d, s, x16, T, nb};
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t b = 0; b < nb; ++b)
-                quantize_block16(x + t * K + b * 32, q + t * K + b * 32, d + t * nb + b, s + t * nb + b,
-                               x16 + 2 * (t * nb + b));
+                quantize_block16(x + t * K + b * 32, q + (b * T + t) * 32, d + b * T + t, s + b * T + t,
+                                 x16 + 2 * (b * T + t));
         int64_t col = 0;
         for (int64_t i = 0; i < parts; ++i) {
             const int64_t* p = desc + kDescHead + 3 * i;

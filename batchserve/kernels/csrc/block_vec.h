@@ -69,6 +69,9 @@ struct V8 {
         return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
     }
+    // dot and dot_q8 against 4 bytes of x broadcast (V16: vpdpbusd's embedded broadcast).
+    static I dotm(I acc, I w, const int32_t* x) { return dot(acc, w, x4(*x)); }
+    static I dotm_q8(I acc, I w, const int32_t* x) { return dot_q8(acc, w, x4(*x)); }
     static I dot_q8(I acc, I w, I x) {
 #ifdef BS_BLOCK_VNNI
         return _mm256_dpbusd_epi32(acc, w, x);
@@ -130,6 +133,13 @@ struct V16 {
     }
     static I x4(int32_t v) { return _mm512_set1_epi32(v); }
     static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+    // GCC does not fold a broadcast load into vpdpbusd's {1to16} operand: a separate vpbroadcastd
+    // for each of a tile's 16 dot products a step measured 5-15% slower.
+    static I dotm(I acc, I w, const int32_t* x) {
+        asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+        return acc;
+    }
+    static I dotm_q8(I acc, I w, const int32_t* x) { return dotm(acc, w, x); }
     static I dot_q8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
     static I zero() { return _mm512_setzero_si512(); }
     static I sub32(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
