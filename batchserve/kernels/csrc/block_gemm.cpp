@@ -58,17 +58,36 @@ inline void quantize_block16(const float* p, int8_t* q, float* d, float* s, int3
 template <class V, int64_t Q>
 constexpr int rows_of() { return V::kCols == 8 ? 4 : 8; }
 
+// A Q4_K/Q5_K record's 6-bit scales and mins (blocks.h) -> out: sc [8 sub][8 columns] bytes, then
+// mn, for the tile's steps to read 8 at a time. Once a super-block, in byte lanes: 4 sub-blocks a
+// 256-bit vector (the tile's per-step decoding cost 16-row products 5-10%).
+inline void scales_k(const uint8_t* r, uint8_t* out) {
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kScHigh));
+    for (int h = 0; h < 2; ++h) {  // sub-blocks 4h .. 4h + 3
+        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kScLow + 32 * h));
+        const __m256i t = _mm256_and_si256(h ? _mm256_srli_epi16(high, 4) : high, low);
+        const __m256i sc = _mm256_or_si256(_mm256_and_si256(l, low), _mm256_slli_epi16(_mm256_and_si256(t, three), 4));
+        const __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), low),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 2), three), 4));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * h), sc);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + 64 + 32 * h), mn);
+    }
+}
+
 // Software prefetch of the weights a block of 32 ahead: a few records ahead (3-5 KB a stream), this
 // block's share of the record's bytes, for each group the tile reads. Without it the 1-row products,
 // which do little work a byte, stalled on DRAM (Q6_K streamed at half the rate of the others). A
 // thread's groups are consecutive in each stream (`part`), so reaching past a group's last record
-// prefetches the group the stream reads next.
+// prefetches the group the stream reads next. Into L2, not L1: a long row's activations (14 KB at
+// K = 14336) and two streams' prefetched records did not fit L1 together (Q6_K's 1-row products of
+// that width ran 1.3-1.6x faster prefetched into L2).
 template <class V, int64_t Q>
 inline void prefetch(const uint8_t* r, int64_t gs, int jb) {
     constexpr int64_t rec = record_bytes(Q), per = kquant(Q) ? 8 : 1, ahead = kquant(Q) ? 4 : 12, share = rec / per;
     const uint8_t* p = r + ahead * rec + jb * share;
     for (int g = 0; g < V::kCols / 8; ++g)
-        for (int64_t o = 0; o < share; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + g * gs + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < share; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + g * gs + o), _MM_HINT_T1);
 }
 
 // y[t0 + t, c] for t < MT and the V::kCols columns of the group(s) at w (`valid` of them kept): the
@@ -86,8 +105,12 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
     for (int64_t u = 0; u < units; ++u) {
         const uint8_t* r = w + u * record_bytes(Q);
         [[maybe_unused]] F dsup, dmin;
+        [[maybe_unused]] alignas(32) uint8_t scm[V::kCols / 8 * 128];
         if constexpr (kq) dsup = V::half(r + kD, gs);
-        if constexpr (Q == Q4_K || Q == Q5_K) dmin = V::half(r + kDmin, gs);
+        if constexpr (Q == Q4_K || Q == Q5_K) {
+            dmin = V::half(r + kDmin, gs);
+            for (int g = 0; g < V::kCols / 8; ++g) scales_k(r + g * gs, scm + 128 * g);
+        }
         for (int jb = 0; jb < per; ++jb) {
             const int64_t b = u * per + jb, rb = b * x.T + t0;  // row t0's entry of block b
             const int8_t* xb = x.q + rb * 32;
@@ -147,7 +170,7 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
                     acc[t] = V::fma(mw, V::splat(x.s[row]), acc[t]);
                 }
             } else if constexpr (Q == Q4_K || Q == Q5_K) {
-                const F dw = V::mul(dsup, V::u8f(r + kSc + 8 * jb, gs)), mw = V::mul(dmin, V::u8f(r + kMn + 8 * jb, gs));
+                const F dw = V::mul(dsup, V::u8f(scm + 8 * jb, 128)), mw = V::mul(dmin, V::u8f(scm + 64 + 8 * jb, 128));
                 for (int t = 0; t < MT; ++t) {
                     const int64_t row = rb + t;
                     acc[t] = V::fma(V::cvt(is[t]), V::mul(dw, V::splat(x.d[row])), acc[t]);

@@ -1,6 +1,5 @@
 // Repacking a GGUF tensor's blocks (the file's bytes, rows = output features) into the kernel
-// layout blocks.h describes: a permutation of the file's values, scales and mins (K-quants' 6-bit
-// scales unpacked to bytes), nothing converted. Parallel over column groups, each group written
+// layout blocks.h describes: a permutation of the file's values, scales and mins, nothing converted. Parallel over column groups, each group written
 // by one thread from its 8 rows only, so a multi-gigabyte file repacks at memory speed.
 #include <immintrin.h>
 #include <omp.h>
@@ -91,6 +90,7 @@ void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int
         if (t == Q5_0 || t == Q5_1) masks(H, rec + kMasks32);
         return;
     }
+    if (t != Q6_K) memset(rec + kScHigh, 0, 32);  // or-ed into below
     for (int j = 0; j < 8; ++j) {
         if (t == Q6_K) {
             memcpy(rec + kD + 2 * j, src[j] + 208, 2);
@@ -98,7 +98,12 @@ void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int
         } else {
             memcpy(rec + kD + 2 * j, src[j], 2);
             memcpy(rec + kDmin + 2 * j, src[j] + 2, 2);
-            for (int i = 0; i < 8; ++i) scale_min(src[j] + 4, i, rec + kSc + 8 * i + j, rec + kMn + 8 * i + j);
+            for (int i = 0; i < 8; ++i) {
+                uint8_t sc, mn;
+                scale_min(src[j] + 4, i, &sc, &mn);
+                rec[kScLow + 8 * i + j] = static_cast<uint8_t>((sc & 15) | (mn & 15) << 4);
+                rec[kScHigh + 8 * (i % 4) + j] |= static_cast<uint8_t>(((sc >> 4) | (mn >> 4) << 2) << (4 * (i / 4)));
+            }
         }
     }
     for (int b = 0; b < 8; ++b) {

@@ -10,16 +10,19 @@
 //   masks    (5th bits): a uint32 a step, bit 4j + r = the 5th bit of column j's value 4s + r.
 //   high2    (Q6_K's top 2 bits): 2 vectors of 32 bytes a block, vector h holding steps 4h + i
 //            in bits 2i, 2i + 1 of byte 4j + r.
-//   fp16 fields (d, m, dmin) as the file's bits, 8 a group (one a column); K-quant scales and
-//   mins unpacked to one byte a column and sub-block.
+//   fp16 fields (d, m, dmin) as the file's bits, 8 a group (one a column).
+//   sc/mn (Q4_K, Q5_K: sub-block i's 6-bit scale and min, as many bits as the file's):
+//            low[8 sub][8] byte (i, j) = sc low 4 bits | mn low 4 bits << 4;
+//            high[4][8] byte (i % 4, j), nibble i / 4 = sc top 2 bits | mn top 2 bits << 2
+//            (so 32 bytes of low and 32 of high decode 4 sub-blocks in byte lanes).
 // Record layouts (byte offsets), per group and unit:
 //   Q4_0: nibbles[128] d[8]                                   144 (18 B per 32 values, the file's)
 //   Q4_1: nibbles[128] d[8] m[8]                              160 (20)
 //   Q5_0: nibbles[128] masks[8] d[8]                          176 (22)
 //   Q5_1: nibbles[128] masks[8] d[8] m[8]                     192 (24)
 //   Q8_0: values[8 steps][32] (q ^ 0x80, so unsigned) d[8]    272 (34)
-//   Q4_K: d[8] dmin[8] sc[8 sub][8] mn[8 sub][8] nibbles[8 blocks][128]              1184 (148 per 256; file 144)
-//   Q5_K: d[8] dmin[8] sc[8][8] mn[8][8] masks[8 blocks][8] nibbles[8][128]          1440 (180; file 176)
+//   Q4_K: d[8] dmin[8] low[8][8] high[4][8] nibbles[8 blocks][128]                   1152 (144 per 256, the file's)
+//   Q5_K: d[8] dmin[8] low[8][8] high[4][8] masks[8 blocks][8] nibbles[8][128]       1408 (176, the file's)
 //   Q6_K: d[8] sc[16 sub][8] (int8) high2[8 blocks][64] nibbles[8][128]              1680 (210, the file's)
 #pragma once
 #include <stdint.h>
@@ -56,8 +59,8 @@ constexpr int64_t record_bytes(int64_t t) {
         case Q5_0: return 176;
         case Q5_1: return 192;
         case Q8_0: return 272;
-        case Q4_K: return 1184;
-        case Q5_K: return 1440;
+        case Q4_K: return 1152;
+        case Q5_K: return 1408;
         case Q6_K: return 1680;
         default: return 0;
     }
@@ -68,9 +71,9 @@ constexpr int64_t kNibbles = 0, kMasks32 = 128;
 constexpr int64_t d32(int64_t t) { return t == Q8_0 ? 256 : (t == Q5_0 || t == Q5_1) ? 160 : 128; }
 constexpr int64_t m32(int64_t t) { return d32(t) + 16; }
 // Offsets inside a super-block record.
-constexpr int64_t kD = 0, kDmin = 16, kSc = 32, kMn = 96;
-constexpr int64_t kMasksK = 160;                                // Q5_K
-constexpr int64_t nibblesK(int64_t t) { return t == Q5_K ? 416 : t == Q4_K ? 160 : 656; }
+constexpr int64_t kD = 0, kDmin = 16, kScLow = 32, kScHigh = 96;
+constexpr int64_t kMasksK = 128;                                // Q5_K
+constexpr int64_t nibblesK(int64_t t) { return t == Q5_K ? 384 : t == Q4_K ? 128 : 656; }
 constexpr int64_t kScales6 = 16, kHigh2 = 144;                  // Q6_K
 
 }  // namespace blocks
