@@ -74,7 +74,7 @@ def cached_meta(path: Path) -> Path | None:
 
 def read_meta(path: Path) -> tuple[Any, Any]:
     """(config, tokenizer) of a GGUF file from its metadata: from the cache entry where there is
-    one, else parsed by transformers (the vocabulary twice: seconds for a large one) and cached."""
+    one, else parsed by transformers (its reader: seconds for a large vocabulary) and cached."""
     from transformers import AutoConfig, AutoTokenizer
 
     entry = cached_meta(path)
@@ -89,10 +89,29 @@ def read_meta(path: Path) -> tuple[Any, Any]:
             shutil.rmtree(entry, ignore_errors=True)
     kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": path.name}
     config = AutoConfig.from_pretrained(path.parent, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    tokenizer = _gguf_tokenizer(path, config.model_type, kwargs)
     _write_meta(path, config, tokenizer)
     config._name_or_path = str(path)
     return config, tokenizer
+
+
+def _gguf_tokenizer(path: Path, model_type: str, kwargs: dict[str, Any]) -> Any:
+    """The tokenizer `AutoTokenizer` builds from the file, through the class it would pick for
+    `model_type`: `AutoTokenizer` first parses the file's config again (transformers' reader of
+    every metadata field: 6 s of an 8B's first start, whose tokenizer itself takes 0.7). Where the
+    class cannot be named here (another transformers), `AutoTokenizer` as it is."""
+    from transformers import AutoTokenizer
+
+    try:
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+        name = TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend"
+        cls = tokenizer_class_from_name(name if isinstance(name, str) else "")
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    if cls is None:
+        return AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    return cls.from_pretrained(path.parent, **kwargs)
 
 
 def publish_entry(

@@ -147,6 +147,35 @@ def test_the_config_and_tokenizer_are_read_from_the_cache_on_a_second_start(tiny
     assert parsed == [path.name, path.name]
 
 
+@pytest.mark.parametrize("name", ["llama-Q4_0", "qwen-Q5_K_M"])
+def test_a_first_read_parses_the_config_once_and_builds_autotokenizers_tokenizer(
+    tiny_files, monkeypatch, tmp_path, name
+):
+    """The file's metadata is parsed once on a first start (each parse reads every field: 6 s on
+    an 8B), and the tokenizer is the one `AutoTokenizer` builds from the file."""
+    monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    from transformers import AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    path = tiny_files[name]
+    want = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    parses: list[str] = []
+    real = gguf_utils.load_gguf_checkpoint
+
+    def counting(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        parses.append(str(file))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counting)
+    _, got = gguf_file.read_meta(path)
+    assert parses == [str(path)]
+    assert type(got) is type(want)
+    assert got.backend_tokenizer.to_str() == want.backend_tokenizer.to_str()
+    assert (got.special_tokens_map, got.chat_template) == (want.special_tokens_map, want.chat_template)
+    text = "def f(x):\n    return x  # <|im_end|> héllo"
+    assert got(text)["input_ids"] == want(text)["input_ids"]
+
+
 def test_the_default_model_reads_its_blocks_with_the_q4_1_paths_bits():
     """SmolLM2's Q4_1 file read from its blocks computes what the transformers-loaded q4_1 path
     computes, bit for bit (the same kernels over the same blocks)."""
