@@ -39,6 +39,8 @@ def why_not_fused(layers: nn.ModuleList) -> str | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(type(n) is not KernelRMSNorm for n in norms) or type(layer.mlp.act) is not KernelSiluAndMul:
             return f"layer {i}'s norms or activation are not our kernels'"
+        if layer.self_attn.q_norm is not None:
+            return f"layer {i} norms each head of q and k (the one-call kernel does not)"
         if layer.self_attn.head_dim % 16 or norms[0].eps != layers[0].input_layernorm.eps:
             return f"layer {i}: head dim {layer.self_attn.head_dim} (rotary takes multiples of 16) or its own eps"
     return None

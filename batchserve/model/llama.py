@@ -1,4 +1,4 @@
-"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2): fused q|k|v and
+"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3): fused q|k|v and
 gate|up projections, the residual add fused into RMSNorm, rotary at each packed row's own
 position, attention through the step's backend, and the LM head only for the rows kept. The
 norms, silu*up and rotary are layers of the kernels chosen when the model is built
@@ -21,7 +21,8 @@ from torch import nn
 from batchserve.model.layer_kernels import TORCH_LAYERS, LayerKernels, choose_layer_kernels
 from batchserve.model.layers import MergedLinear
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")  # transformers' model_type
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # transformers' model_type
+QK_NORM_ARCHITECTURES = ("qwen3",)  # an RMSNorm over each head of q and of k, before rotary
 # Rope types whose frequencies are fixed at load (dynamic and longrope change with length).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # transformers' parameter names -> (our merged module, its part): one product instead of several.
@@ -72,7 +73,7 @@ class Attention(nn.Module):
     """q|k|v in one product, rotary (the step's, `Rotary.for_step`), the backend's paged attention
     over the request's KV."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, kernels: LayerKernels = TORCH_LAYERS) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # the backend's KV layer
         self.head_dim = d = _head_dim(config)
@@ -82,10 +83,26 @@ class Attention(nn.Module):
         kv = self.num_kv_heads * d
         self.qkv_proj = MergedLinear(config.hidden_size, (self.num_heads * d, kv, kv), bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.model_type in QK_NORM_ARCHITECTURES:
+            self.q_norm, self.k_norm = kernels.norm(d, config.rms_norm_eps), kernels.norm(d, config.rms_norm_eps)
+
+    def _normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q|k|v [T, (Hq + 2 Hkv) * D] -> the same with each head of q and of k RMS-normed over its
+        D values (row-wise: a head's result depends on that head alone)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=1)
+        q = self.q_norm.forward(q.reshape(t * hq, d)).reshape(t, hq * d)
+        k = self.k_norm.forward(k.reshape(t * hkv, d)).reshape(t, hkv * d)
+        return torch.cat((q, k, v.to(q.dtype)), dim=1)
 
     def forward(self, x: torch.Tensor, rotary: Any, metadata: Any) -> torch.Tensor:
         t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 Hkv) * D]
+        if self.q_norm is not None:
+            qkv = self._normed_heads(qkv)
         q, k, v = rotary.split_heads(qkv, hq, self.num_kv_heads, self.head_dim)  # [heads, T, D] each, q and k rotated
         out = metadata.backend.forward(self.layer_idx, q, k, v, metadata, self.scaling)  # [T, Hq, D]
         return self.o_proj.forward(out.reshape(t, hq * self.head_dim))
@@ -107,7 +124,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, kernels: LayerKernels = TORCH_LAYERS) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, kernels)
         self.mlp = MLP(config, kernels)
         self.input_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)

@@ -55,6 +55,8 @@ def _model(kind: str) -> Any:
         config = tf.MistralConfig(**SMALL, head_dim=16, sliding_window=None, tie_word_embeddings=False)
     elif kind == "qwen2":
         config = tf.Qwen2Config(**SMALL, tie_word_embeddings=True, use_sliding_window=False)
+    elif kind == "qwen3":
+        config = tf.Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False, use_sliding_window=False)
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
@@ -63,12 +65,14 @@ def _model(kind: str) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.3)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # not ones: a dropped norm shows
+                p.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
-KINDS = ["llama", "llama3-rope-bias-tied", "mistral", "qwen2"]
+KINDS = ["llama", "llama3-rope-bias-tied", "mistral", "qwen2", "qwen3"]
 
 
 def _core(model: Any, impl: str) -> EngineCore:
