@@ -112,6 +112,8 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
             tensors.append(weight(f"{b}.attn_{proj}.weight", rows, h, i))
             if s.qkv_bias:
                 tensors.append(PlannedTensor(f"{b}.attn_{proj}.bias", (rows,), Q.F32))
+            if s.arch == "qwen3" and proj in "qk":  # Qwen3's RMSNorm over each head of q and k
+                tensors.append(PlannedTensor(f"{b}.attn_{proj}_norm.weight", (d,), Q.F32))
         tensors += [
             weight(f"{b}.attn_output.weight", h, q_out, i),
             PlannedTensor(f"{b}.ffn_norm.weight", (h,), Q.F32),

@@ -239,6 +239,13 @@ class _Builder:
         if self.tensors.get(f"{blk}attn_q.bias") is not None:
             bias = torch.cat([self._vector(f"{blk}attn_{p}.bias").data for p in "qkv"])
         attn.qkv_proj = self._product(f"layers.{i}.self_attn.qkv_proj", [q, k, v], bias)
+        if attn.q_norm is not None and attn.k_norm is not None:  # per-head q/k norms (qwen3)
+            attn.q_norm.weight = self._vector(f"{blk}attn_q_norm.weight")
+            attn.k_norm.weight = self._vector(f"{blk}attn_k_norm.weight")
+            if attn.q_norm.weight.numel() != attn.head_dim:
+                raise GGUFRefused(
+                    f"{blk}attn_q_norm has {attn.q_norm.weight.numel()} values, the head dim is {attn.head_dim}"
+                )
         attn.o_proj = self._product(f"layers.{i}.self_attn.o_proj", [self.tensors[f"{blk}attn_output.weight"]], None)
         gate, up = self.tensors[f"{blk}ffn_gate.weight"], self.tensors[f"{blk}ffn_up.weight"]
         mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [gate, up], None)

@@ -61,6 +61,19 @@ def supports(config: Any) -> str | None:
     return None
 
 
+def attention_window(config: Any) -> int | None:
+    """The sliding window of the model's attention if any layer has one (a query at position p
+    sees keys p - W + 1 .. p), else None. Neither forward applies one yet: a sequence no longer
+    than W never meets it, so the engine caps its context at W (`runner.build`)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)  # transformers' per-layer kinds, where it has them
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
+
+
 class Output(NamedTuple):
     logits: torch.Tensor  # [1, K, V]: the kept rows' logits (the runner's contract with any model)
 

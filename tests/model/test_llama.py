@@ -13,6 +13,7 @@ import torch
 from batchserve import LLM, SamplingParams
 from batchserve.engine import EngineCore
 from batchserve.model import NativeLlamaForCausalLM, choose_impl, native_from_hf, supports
+from batchserve.model.llama import attention_window
 from batchserve.records import ScheduledRequest
 from batchserve.runner.batch import pack
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_tokenizer
@@ -229,3 +230,32 @@ def test_each_forward_has_its_own_cost_profile():
     native, hf = _core(_model("llama"), "native"), _core(_model("llama"), "transformers")
     assert profile_key(native.runner) != profile_key(hf.runner)
     assert "-native-" in profile_key(native.runner) and "-hf-" in profile_key(hf.runner)
+
+
+def test_a_sliding_window_caps_the_context_so_every_output_is_the_models():
+    """No forward applies a sliding window yet: a model with one is served with its context
+    capped at the window, where the window never excludes a key, so its output is its own (a
+    random Mistral with a 24-token window left transformers' greedy output past it before)."""
+    import transformers as tf
+
+    config = tf.MistralConfig(**{**SMALL, "max_position_embeddings": 4096}, head_dim=16, sliding_window=24)
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        built = tf.AutoModelForCausalLM.from_config(config).float().eval()
+        built.generation_config.eos_token_id, built.generation_config.pad_token_id = None, 0
+        return built
+
+    assert attention_window(config) == 24
+    assert attention_window(_model("qwen3").config) is None  # use_sliding_window=False
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, TINY_VOCAB, n).tolist() for n in (5, 13)]
+    expected = [hf_greedy(model(), p, 24 - 13, ignore_eos=True) for p in prompts]
+    llm = LLM(hf_model=model(), tokenizer=make_tiny_tokenizer(), adaptive=False)
+    assert llm.engine.facts.max_model_len == 24
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=24 - 13, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    (longer,) = llm.generate([prompts[1]], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert longer.token_ids == expected[1]  # stopped at the context, before the window could matter
+    with pytest.raises(ValueError, match="24-token sliding window"):
+        LLM(hf_model=model(), tokenizer=make_tiny_tokenizer(), max_model_len=100)
