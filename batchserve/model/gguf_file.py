@@ -28,11 +28,8 @@ logger = logging.getLogger("batchserve")
 
 META_FORMAT = 1
 META_MARKER = "batchserve-gguf-meta.json"  # written last: an entry without it is incomplete
-LLAMA_CPP_ARCHS = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}  # general.architecture -> what our forward runs
+# general.architecture -> what our forward runs
+LLAMA_CPP_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes attn_q/attn_k rows for these (rotary pairs)
 
 

@@ -53,8 +53,8 @@ def supports(config: Any) -> str | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE:
         return f"rope type {rope_type}"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+    window = attention_window(config)
+    if window is not None and window < config.max_position_embeddings:
         return f"sliding-window attention ({window} tokens)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act}"

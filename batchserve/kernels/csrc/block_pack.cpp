@@ -1,6 +1,7 @@
 // Repacking a GGUF tensor's blocks (the file's bytes, rows = output features) into the kernel
-// layout blocks.h describes: a permutation of the file's values, scales and mins, nothing converted. Parallel over column groups, each group written
-// by one thread from its 8 rows only, so a multi-gigabyte file repacks at memory speed.
+// layout blocks.h describes: a permutation of the file's values, scales and mins, nothing
+// converted. Parallel over column groups, each group written by one thread from its 8 rows only,
+// so a multi-gigabyte file repacks at memory speed.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
