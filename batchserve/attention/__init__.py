@@ -7,7 +7,7 @@ import importlib.util
 import torch
 
 from batchserve import kernels
-from batchserve.attention.base import AttentionBackend, SeqLayout, StepLayout, fa2_head_dim, slots_of
+from batchserve.attention.base import AttentionBackend, LayerAttention, SeqLayout, StepLayout, fa2_head_dim, slots_of
 from batchserve.attention.invariant import InvariantBackend
 from batchserve.attention.invariant_check import checked_backend, kernels_invariant
 from batchserve.attention.kernel import KernelBackend, kernel_backend_runs
@@ -23,6 +23,7 @@ __all__ = [
     "AttentionBackend",
     "InvariantBackend",
     "KernelBackend",
+    "LayerAttention",
     "SeqLayout",
     "StepLayout",
     "TorchReferenceBackend",
@@ -114,10 +115,35 @@ def make_backend(
     device: torch.device,
     sm_scale: float | None = None,
     max_model_len: int = 0,
+    layers: tuple[LayerAttention, ...] = (),
 ) -> AttentionBackend:
     """The backend `name` names, resolved already (`resolve_backend`, which the runner calls once
     with what it knows of the model); `auto` alone is resolved here, as for a model that
-    claims no invariant products."""
+    claims no invariant products. `layers`: each layer's sliding window and soft-cap, if any."""
+    backend = _make_backend(
+        name, num_layers, num_blocks, block_size, num_qo_heads, num_kv_heads, head_dim, dtype, device, sm_scale,
+        max_model_len,
+    )  # fmt: skip
+    if layers:
+        if len(layers) != num_layers:
+            raise ValueError(f"{len(layers)} layers' attention kinds for {num_layers} layers")
+        backend.set_layers(layers)
+    return backend
+
+
+def _make_backend(
+    name: str,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    sm_scale: float | None,
+    max_model_len: int,
+) -> AttentionBackend:
     if name == "auto":
         name = resolve_backend(name, device, dtype, head_dim=head_dim)
     if name == "kernel":  # query heads per KV head come from q's shape each step

@@ -13,6 +13,23 @@ from batchserve.trees import ancestor_mask, spec_mask, window_layout
 
 
 @dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention applies beyond the step's mask (Gemma's, Mistral's options)."""
+
+    window: int | None = None  # sliding window: a query at position p sees keys at p - window + 1 .. p
+    softcap: float | None = None  # scores s (scaled) -> softcap * tanh(s / softcap), before the mask
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a sliding window must hold at least one key, got {self.window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"a logit soft-cap must be positive, got {self.softcap}")
+
+
+PLAIN = LayerAttention()
+
+
+@dataclass(frozen=True, slots=True)
 class SeqLayout:
     """One request's rows in the packed step, described without tensors of the pool."""
 
@@ -118,8 +135,23 @@ class StepLayout:
         below = spec.sum(axis=1) if spec is not None else np.zeros(0, np.int64)
         return np.concatenate((cached + np.arange(chunk), cached + chunk - 1 + below)).astype(np.int64)
 
-    def flat_masks(self) -> np.ndarray:
-        """[sum q_len * kv_len] bool: every request's [q_len, kv_len] mask, row-major, back to back."""
+    def key_positions(self, i: int) -> np.ndarray:
+        """[kv_len] positions of the keys request i's rows see, in slot order (prefix, then its rows)."""
+        return np.concatenate((np.arange(int(self.num_cached[i])), self.row_positions(i)))
+
+    def in_window(self, i: int, window: int | None) -> np.ndarray | None:
+        """[q_len, kv_len] bool: which of request i's keys lie inside each row's sliding window (by
+        position: a draft node's as much as a decoded token's); None where every key does."""
+        if window is None:
+            return None
+        rows = self.row_positions(i)
+        if len(rows) == 0 or int(rows.max()) < window:  # no row reaches past its window
+            return None
+        return (rows[:, None] - self.key_positions(i)[None, :]) < window
+
+    def flat_masks(self, window: int | None = None) -> np.ndarray:
+        """[sum q_len * kv_len] bool: every request's [q_len, kv_len] mask, row-major, back to back
+        (each row's sliding `window` applied too, if any)."""
         q, kv = self.q_len, self.kv_len
         sizes = q * kv
         flat = np.ones(int(sizes.sum()), dtype=bool)
@@ -134,6 +166,11 @@ class StepLayout:
                     view[1:, cached[i] + 1 :] = spec
             else:
                 view[:, cached[i] :] = self.step_mask(i)
+        if window is not None:
+            for i in range(len(q)):
+                inside = self.in_window(i, window)
+                if inside is not None:
+                    flat[offsets[i] : offsets[i + 1]] &= inside.reshape(-1)
         return flat
 
 
@@ -178,6 +215,21 @@ class AttentionBackend(ABC):
     # the step into that bucket's fixed buffers, which the kernels read. A backend that builds its
     # metadata afresh each step would replay the capture's layout instead: never graphed.
     graph_safe: bool = False
+    # Per layer, what its attention applies beyond the mask (`set_layers`); empty: plain everywhere.
+    layers: tuple[LayerAttention, ...] = ()
+
+    def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
+        """Give each layer its sliding window and soft-cap (before the first step is planned). A
+        backend that cannot apply them raises ValueError with the reason."""
+        self.layers = tuple(layers)
+
+    def layer(self, layer_idx: int) -> LayerAttention:
+        return self.layers[layer_idx] if self.layers else PLAIN
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the layers (a step is planned once for each)."""
+        return tuple(sorted({spec.window for spec in self.layers if spec.window is not None}))
 
     @abstractmethod
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.attention.base import AttentionBackend, StepBucket, StepLayout, fa2_head_dim
+from batchserve.attention.base import PLAIN, AttentionBackend, LayerAttention, StepBucket, StepLayout, fa2_head_dim
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
 
@@ -40,10 +40,13 @@ def _int32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
 
-def build_plan(step: StepLayout, page_size: int, num_requests: int | None = None) -> PagedPlan:
+def build_plan(
+    step: StepLayout, page_size: int, num_requests: int | None = None, window: int | None = None
+) -> PagedPlan:
     """The page table and flattened masks of a packed step, in a few array operations.
     `num_requests`: pad with requests of no rows (one key on page 0, never read) up to this many:
-    a graph's plan has a fixed batch size."""
+    a graph's plan has a fixed batch size. `window`: a sliding window the masks apply by each
+    row's own position (a draft node's is its depth's, which FlashInfer's `window_left` cannot know)."""
     if num_requests is not None and num_requests > len(step.num_cached):
         step = pad_requests(step, num_requests)
     kv_len = step.kv_len
@@ -58,7 +61,7 @@ def build_plan(step: StepLayout, page_size: int, num_requests: int | None = None
         kv_indptr=_int32(np.concatenate(([0], np.cumsum(num_pages)))),
         kv_indices=_int32(step.block_table[used]),  # row-major: each request's pages in logical order
         kv_last_page_len=_int32(kv_len - (num_pages - 1) * page_size),
-        custom_mask=torch.from_numpy(step.flat_masks()),
+        custom_mask=torch.from_numpy(step.flat_masks(window)),
     )
 
 
@@ -82,9 +85,11 @@ def pad_requests(step: StepLayout, num_requests: int) -> StepLayout:
 @dataclass(frozen=True, slots=True)
 class FlashInferMetadata:
     backend: FlashInferBackend
-    wrapper: Any  # the planned BatchPrefillWithPagedKVCacheWrapper every layer's run() uses
+    wrapper: Any  # the planned BatchPrefillWithPagedKVCacheWrapper of the first kind of layer
     slot_mapping: torch.Tensor  # [T] pool slot of each new token (on the device)
     num_tokens: int
+    # One planned wrapper per kind of layer (sliding window, soft-cap): FlashInfer plans them.
+    wrappers: dict[LayerAttention, Any]
 
 
 class FlashInferBackend(AttentionBackend):
@@ -138,16 +143,28 @@ class FlashInferBackend(AttentionBackend):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._flashinfer = library
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = library.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+        self._kinds: tuple[LayerAttention, ...] = (PLAIN,)  # the distinct kinds of layer (`set_layers`)
+        self._wrappers = {PLAIN: library.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")}
         # Graph-replayed steps: one wrapper per bucket over its own fixed buffers (they share the
         # workspace: one step runs at a time).
         self._buckets: dict[StepBucket, FlashInferMetadata] = {}
         self.max_model_len = max_model_len
         self._mask = MaskUpload(device)
 
+    def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
+        """One wrapper per kind of layer: FlashInfer plans the window and the soft-cap with the step."""
+        if self._buckets:
+            raise ValueError("set_layers comes before the first planned step")
+        super().set_layers(layers)
+        self._kinds = tuple(dict.fromkeys(layers)) or (PLAIN,)
+        make = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        self._wrappers = {kind: make(self._workspace, "NHD", backend="fa2") for kind in self._kinds}
+
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> FlashInferMetadata:
-        self._plan(self._wrapper, build_plan(step, self.block_size), masked=True)
-        return FlashInferMetadata(self, self._wrapper, slot_mapping.to(self.device), step.num_tokens)
+        for kind, wrapper in self._wrappers.items():
+            self._plan(wrapper, build_plan(step, self.block_size, window=kind.window), masked=True, kind=kind)
+        first = self._wrappers[self._kinds[0]]
+        return FlashInferMetadata(self, first, slot_mapping.to(self.device), step.num_tokens, self._wrappers)
 
     def plan(
         self, step: StepLayout, slot_mapping: torch.Tensor, bucket: StepBucket | None = None
@@ -160,7 +177,9 @@ class FlashInferBackend(AttentionBackend):
         if metadata is None:
             metadata = self._buckets[bucket] = self._bucket_metadata(bucket, slot_mapping)
         # Requests past the step's own (and the padding request) have no rows: a fixed batch size.
-        self._plan(metadata.wrapper, build_plan(step, self.block_size, bucket.requests + 1), masked=bucket.tree)
+        for kind, wrapper in metadata.wrappers.items():
+            plan = build_plan(step, self.block_size, bucket.requests + 1, window=kind.window)
+            self._plan(wrapper, plan, masked=bucket.tree, kind=kind)
         return metadata
 
     def _bucket_metadata(self, bucket: StepBucket, slot_mapping: torch.Tensor) -> FlashInferMetadata:
@@ -186,15 +205,26 @@ class FlashInferBackend(AttentionBackend):
             bits = bucket.rows * (self.max_model_len + bucket.rows)
             buffers["custom_mask_buf"] = torch.zeros(bits // 8 + n + 8, dtype=torch.uint8, device=dev)
             buffers["mask_indptr_buf"] = torch.zeros(n + 1, **int32)
-        wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_cuda_graph=True, backend="fa2", **buffers
-        )
-        return FlashInferMetadata(self, wrapper, slot_mapping, bucket.rows)
+        make = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        wrappers = {  # each kind of layer its own buffers: their masks differ
+            kind: make(
+                self._workspace, "NHD", use_cuda_graph=True, backend="fa2", **{k: b.clone() for k, b in buffers.items()}
+            )
+            for kind in self._kinds
+        }
+        return FlashInferMetadata(self, wrappers[self._kinds[0]], slot_mapping, bucket.rows, wrappers)
 
-    def _plan(self, wrapper: Any, plan: PagedPlan, masked: bool) -> None:
+    def _plan(self, wrapper: Any, plan: PagedPlan, masked: bool, kind: LayerAttention = PLAIN) -> None:
         """Plan from host (CPU) index arrays: FlashInfer reads them on the host anyway and copies
         what its kernels need to the device itself. The mask is the exception: plan() bit-packs it
-        with a CUDA kernel, so it goes to the device first."""
+        with a CUDA kernel, so it goes to the device first. A sliding window is in the mask where
+        there is one (`build_plan`); without one every request has a single row, the last of its
+        keys, whose window FlashInfer's `window_left` counts exactly."""
+        options: dict[str, Any] = {}
+        if kind.window is not None and not masked:
+            options["window_left"] = kind.window - 1
+        if kind.softcap is not None:
+            options["logits_soft_cap"] = kind.softcap
         wrapper.plan(
             plan.qo_indptr,
             plan.kv_indptr,
@@ -210,6 +240,7 @@ class FlashInferBackend(AttentionBackend):
             sm_scale=self.sm_scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            **options,
         )
 
     def forward(
@@ -222,7 +253,8 @@ class FlashInferBackend(AttentionBackend):
         self.k_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, k.transpose(0, 1).to(self.dtype))  # [T, Hkv, D]
         self.v_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, v.transpose(0, 1).to(self.dtype))
         qt = q.transpose(0, 1).contiguous().to(self.dtype)  # [T, Hq, D]
-        out = metadata.wrapper.run(qt, (self.k_cache[layer_idx], self.v_cache[layer_idx]))  # [T, Hq, D]
+        wrapper = metadata.wrappers[self.layer(layer_idx)]  # planned for this kind of layer
+        out = wrapper.run(qt, (self.k_cache[layer_idx], self.v_cache[layer_idx]))  # [T, Hq, D]
         return out.to(q.dtype)  # [T, Hq, D]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -56,6 +56,8 @@ class InvariantMetadata:
     groups: tuple[Group, ...]
     num_tokens: int
     in_order: bool  # one group whose real rows are the step's rows in order: its output is the step's
+    # The same groups for each sliding window of the model's layers: only which keys are hidden differs.
+    windowed: dict[int, tuple[Group, ...]] = dataclasses.field(default_factory=dict)
 
 
 class InvariantBackend(AttentionBackend):
@@ -97,7 +99,8 @@ class InvariantBackend(AttentionBackend):
         self.pools = [LayerPool.of(k, v, self.group, self.granule) for k, v in zip(self.k_cache, self.v_cache)]
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
-        plans = [self._group(step, m) for m in group_requests(step.q_len, step.kv_len)]
+        members = group_requests(step.q_len, step.kv_len)
+        plans = [self._group(step, m) for m in members]
         pool = self.pools[0]
         storage = scratch_storage(plans, pool, self.scratch_bytes)
         if storage is not None:
@@ -105,7 +108,22 @@ class InvariantBackend(AttentionBackend):
         groups = tuple(plans)
         t = step.num_tokens
         in_order = len(groups) == 1 and torch.equal(groups[0].out_rows.cpu(), torch.arange(t))
-        return InvariantMetadata(self, slot_mapping.to(self.device), groups, t, in_order)
+        windowed = {w: tuple(self._windowed(step, g, m, w) for g, m in zip(groups, members)) for w in self.windows}
+        return InvariantMetadata(self, slot_mapping.to(self.device), groups, t, in_order, windowed)
+
+    def _windowed(self, step: StepLayout, g: Group, members: list[int], window: int) -> Group:
+        """Group g with the keys outside each row's sliding window hidden too (zero weight, as a
+        sibling branch's: the sums stay those of the row's own keys)."""
+        b, _, lk = g.hidden.shape
+        hidden = g.hidden.clone()
+        shown = torch.zeros(b, g.num_rows, lk, dtype=torch.bool)
+        for j, i in enumerate(members):
+            inside = step.in_window(i, window)
+            if inside is not None:
+                shown[j, : inside.shape[0], : inside.shape[1]] = ~torch.from_numpy(inside)
+        outside = torch.from_numpy(product_rows(shown.numpy(), self.group, self.row_block)).to(self.device)
+        hidden.masked_fill_(outside, float("-inf"))
+        return dataclasses.replace(g, hidden=hidden)
 
     def _group(self, step: StepLayout, members: list[int]) -> Group:
         b, g = len(members), self.granule
@@ -190,11 +208,13 @@ class InvariantBackend(AttentionBackend):
         pool = self.pools[layer_idx]
         pool.keys.index_copy_(1, metadata.slot_mapping, k)  # k: [Hkv, T, D]
         pool.new_values.index_copy_(1, metadata.slot_mapping, v)
+        spec = self.layer(layer_idx)
+        groups = metadata.groups if spec.window is None else metadata.windowed[spec.window]
         if metadata.in_order:  # one group, the step's rows in order (decode steps): no scatter
-            out = attend(q, pool, metadata.groups[0], scale)
+            out = attend(q, pool, groups[0], scale, spec.softcap)
         else:
             out = q.new_empty(metadata.num_tokens, q.shape[0], q.shape[2])  # [T, Hq, D]
-            for g in metadata.groups:
-                out[g.out_rows] = attend(q, pool, g, scale)
+            for g in groups:
+                out[g.out_rows] = attend(q, pool, g, scale, spec.softcap)
         self.seconds += time.perf_counter() - t0
         return out  # [T, Hq, D], contiguous

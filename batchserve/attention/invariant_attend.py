@@ -244,9 +244,11 @@ def make_scratch(g: Group, storage: dict[str, torch.Tensor], pool: LayerPool) ->
     )
 
 
-def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float, softcap: float | None = None) -> torch.Tensor:
     """[n, Hq, D]: the group's real rows of q [Hq, T, D] attended over its keys in one layer's
-    pool, into the group's scratch (see `Scratch`; the products write into it)."""
+    pool, into the group's scratch (see `Scratch`; the products write into it). `softcap`: each
+    scaled score s becomes softcap * tanh(s / softcap) before the mask (elementwise: a score's
+    bits are its own)."""
     kv_heads, group, d = pool.num_kv_heads, pool.group, pool.head_dim
     b, r = g.hidden.shape[0], g.num_rows
     sc = g.scratch
@@ -261,10 +263,16 @@ def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float) -> torch.Te
     torch.index_select(pool.key_granules, 1, g.key_granules, out=sc.keys)
     torch.bmm(sc.q, sc.keys_t, out=sc.scores)  # [Hkv*B, P, Lk]
     # In place from here (each new tensor costs as much as the arithmetic); padding rows see key 0.
-    weights = sc.weights.add_(g.hidden)  # [Hkv, B, P, Lk]
-    if not exact_scale:
-        weights.mul_(scale)
-    with rows_whole(kv_heads * b * weights.shape[2], weights.shape[3]):  # exp: each row on one thread
+    weights = sc.weights  # [Hkv, B, P, Lk]
+    with rows_whole(kv_heads * b * weights.shape[2], weights.shape[3]):  # tanh, exp: each row on one thread
+        if softcap is not None:  # scaled, capped, then masked, as the model's own attention does
+            if not exact_scale:
+                weights.mul_(scale)
+            weights.div_(softcap).tanh_().mul_(softcap).add_(g.hidden)
+        else:
+            weights.add_(g.hidden)
+            if not exact_scale:
+                weights.mul_(scale)
         weights.sub_(weights.amax(-1, keepdim=True)).exp_()
     if sc.by_granule is not None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
         t = sc.by_granule

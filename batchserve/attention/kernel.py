@@ -10,6 +10,7 @@ pool and attends in one call per layer: no gathered copies of the keys, no padde
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -32,10 +33,17 @@ class KernelMetadata:
     tail_at: torch.Tensor  # [T] int32
     tail_len: torch.Tensor  # [T] int32
     num_tokens: int
+    # The same step's rows for each sliding window of the model's layers (`plan_rows`' window).
+    windowed: dict[int, KernelMetadata] = dataclasses.field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> KernelMetadata:
+        return self if window is None else self.windowed[window]
 
 
-def plan_rows(step: StepLayout, block_size: int) -> tuple[np.ndarray, ...]:
-    """(slots, prefix_at, prefix_len, tails, tail_at, tail_len) of a step (`KernelMetadata`)."""
+def plan_rows(step: StepLayout, block_size: int, window: int | None = None) -> tuple[np.ndarray, ...]:
+    """(slots, prefix_at, prefix_len, tails, tail_at, tail_len) of a step (`KernelMetadata`). A row's
+    keys are its positions 0..p in order, so a sliding `window` drops the leading ones (p - window
+    and before): its prefix starts later, and a deep draft node's tail too."""
     t = step.num_tokens
     prefix_at, prefix_len = np.zeros(t, np.int32), np.zeros(t, np.int32)
     tail_at, tail_len = np.zeros(t, np.int32), np.zeros(t, np.int32)
@@ -62,6 +70,16 @@ def plan_rows(step: StepLayout, block_size: int) -> tuple[np.ndarray, ...]:
             tail_at[start + chunk : start + q] = tail_base + np.concatenate(([0], np.cumsum(counts)[:-1]))
             tails.append(own[cached + chunk + order[col]])
             tail_base += int(counts.sum())
+        if window is not None:
+            cut = np.maximum(step.row_positions(i) - window + 1, 0)  # [q]: the first position each row sees
+            dropped = np.minimum(cut, prefix_len[rows])
+            prefix_at[rows] += dropped.astype(np.int32)
+            prefix_len[rows] -= dropped.astype(np.int32)
+            if q > chunk_rows:
+                tail_pos = step.row_positions(i)[chunk + order[col]]  # each tail key's position, in order
+                gone = np.bincount(row, weights=tail_pos < cut[chunk + row], minlength=q - chunk).astype(np.int32)
+                tail_at[start + chunk : start + q] += gone
+                tail_len[start + chunk : start + q] -= gone
         base += kv
     flat = np.concatenate(slots) if slots else np.zeros(0, np.int64)
     tail = np.concatenate(tails) if tails else np.zeros(1, np.int64)  # never empty: a valid pointer
@@ -93,21 +111,30 @@ class KernelBackend(AttentionBackend):
         self.v_cache = torch.zeros(num_layers, num_kv_heads, slots, head_dim)
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> KernelMetadata:
-        planned = plan_rows(step, self.block_size)
         mapping = slot_mapping.to(torch.int64).contiguous()
+        plain = self._metadata(plan_rows(step, self.block_size), mapping, step.num_tokens)
+        for window in self.windows:  # the slots are the same; only where each row's keys start differs
+            rows = plan_rows(step, self.block_size, window)
+            plain.windowed[window] = self._metadata(rows, mapping, step.num_tokens)
+        return plain
+
+    def _metadata(self, planned: tuple[np.ndarray, ...], mapping: torch.Tensor, num_tokens: int) -> KernelMetadata:
         # The kernel indexes the pool with these unchecked: a slot outside it fails here, loudly.
         size = self.k_cache.shape[2]
         for slots in (planned[0], planned[3], mapping.numpy()):
             if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= size):
                 raise ValueError(f"a K/V slot outside the pool of {size} slots")
         arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in planned]
-        return KernelMetadata(self, mapping, *arrays, num_tokens=step.num_tokens)
+        return KernelMetadata(self, mapping, *arrays, num_tokens=num_tokens)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: KernelMetadata, scale: float
     ) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = kernels.attention(q, k, v, metadata, self.k_cache[layer_idx], self.v_cache[layer_idx], scale)
+        spec = self.layer(layer_idx)
+        plan = metadata.for_window(spec.window)
+        pool = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        out = kernels.attention(q, k, v, plan, *pool, scale, spec.softcap or 0.0)
         self.seconds += time.perf_counter() - t0
         return out  # [T, Hq, D]
 

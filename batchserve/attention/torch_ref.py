@@ -49,6 +49,7 @@ class TorchMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     seqs: tuple[_Seq, ...]
     num_tokens: int
+    windowed: dict[int, tuple[_Seq, ...]]  # the same requests under each sliding window of the layers
 
 
 def slot_runs(blocks: np.ndarray, kv_len: int, block_size: int) -> list[tuple[int, int]]:
@@ -84,23 +85,28 @@ class TorchReferenceBackend(AttentionBackend):
         self.timed = self.device.type == "cpu"  # on CUDA the host clock sees only launches
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> TorchMetadata:
-        seqs = tuple(self._seq(step, i) for i in range(len(step.q_len)))
-        return TorchMetadata(self, slot_mapping.to(self.device), seqs, step.num_tokens)
+        requests = range(len(step.q_len))
+        seqs = tuple(self._seq(step, i) for i in requests)
+        windowed = {w: tuple(self._seq(step, i, w) for i in requests) for w in self.windows}
+        return TorchMetadata(self, slot_mapping.to(self.device), seqs, step.num_tokens, windowed)
 
-    def _seq(self, step: StepLayout, i: int) -> _Seq:
+    def _seq(self, step: StepLayout, i: int, window: int | None = None) -> _Seq:
         start, stop = int(step.qo_indptr[i]), int(step.qo_indptr[i + 1])
         q_len, kv_len = stop - start, int(step.kv_len[i])
         runs = slot_runs(step.block_table[i], kv_len, self.block_size)
         mask = step_mask = None
+        full = np.ones((q_len, kv_len), dtype=bool)
         if q_len > 1:
             own = step.step_mask(i)  # [q_len, q_len]
             if not own.all():
-                full = np.ones((q_len, kv_len), dtype=bool)
                 full[:, kv_len - q_len :] = own
                 mask = torch.from_numpy(full).to(self.device)
                 step_mask = torch.from_numpy(own).to(self.device)
+        inside = step.in_window(i, window)
+        if inside is not None:  # the whole mask: a row's window may end anywhere in the prefix
+            mask, step_mask = torch.from_numpy(full & inside).to(self.device), None
         gather = None
-        if len(runs) > MAX_RUNS or (len(runs) > 1 and q_len > MAX_RUN_ROWS):
+        if inside is not None or len(runs) > MAX_RUNS or (len(runs) > 1 and q_len > MAX_RUN_ROWS):
             slots = np.concatenate([np.arange(s, s + n) for s, n in runs])
             gather = torch.from_numpy(slots).to(self.device)
         return _Seq(start, stop, tuple(runs), gather, mask, step_mask)
@@ -114,8 +120,14 @@ class TorchReferenceBackend(AttentionBackend):
         v_cache.index_copy_(1, metadata.slot_mapping, v)
         num_heads, head_dim = q.shape[0], q.shape[2]
         out = q.new_empty(num_heads, metadata.num_tokens, head_dim)  # [Hq, T, D]
-        for s in metadata.seqs:
+        spec = self.layer(layer_idx)
+        for s in metadata.seqs if spec.window is None else metadata.windowed[spec.window]:
             qs = q[:, s.start : s.stop]  # [Hq, q_len, D]
+            if spec.softcap is not None:  # SDPA has no soft-cap: the scores written out
+                slots = s.gather if s.gather is not None else _run_slots(s.runs, self.device)
+                ks, vs = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
+                out[:, s.start : s.stop] = _attend_capped(qs, ks, vs, s.mask, scale, spec.softcap)
+                continue
             if s.gather is not None:
                 ks, vs = k_cache.index_select(1, s.gather), v_cache.index_select(1, s.gather)  # [Hkv, kv_len, D]
             elif len(s.runs) == 1:
@@ -133,6 +145,24 @@ class TorchReferenceBackend(AttentionBackend):
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_pool_slots((self.k_cache, self.v_cache), src, dst)
+
+
+def _run_slots(runs: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in runs])).to(device)
+
+
+def _attend_capped(
+    qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """[Hq, q_len, D]: one request's rows over its keys and values [Hkv, kv_len, D], each scaled
+    score s capped to softcap * tanh(s / softcap) before the mask (Gemma 2's attention)."""
+    group = qs.shape[0] // ks.shape[0]
+    ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)  # [Hq, kv_len, D]
+    scores = torch.bmm(qs, ks.transpose(1, 2)) * scale  # [Hq, q_len, kv_len]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), vs)
 
 
 def copy_pool_slots(caches: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:

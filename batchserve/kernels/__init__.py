@@ -29,7 +29,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 3  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 4  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -176,10 +176,12 @@ def attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write k, v [Hkv, T, D] (float32, unit stride in a row) to the layer's pool keys and values
     [Hkv, S, D] at `plan.slot_mapping`, then attend q [Hq, T, D] (likewise) over each row's keys
-    as `plan` lists them (`attention.kernel.KernelMetadata`) -> [T, Hq, D] float32."""
+    as `plan` lists them (`attention.kernel.KernelMetadata`) -> [T, Hq, D] float32. `softcap` > 0:
+    each scaled score s becomes softcap * tanh(s / softcap) first."""
     hq, t, d = q.shape
     hkv, s = keys.shape[0], keys.shape[1]
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not keys.is_contiguous():
@@ -191,7 +193,7 @@ def attention(
         plan.slot_mapping.data_ptr(), keys.data_ptr(), values.data_ptr(), s,
         plan.slots.data_ptr(), plan.prefix_at.data_ptr(), plan.prefix_len.data_ptr(),
         plan.tails.data_ptr(), plan.tail_at.data_ptr(), plan.tail_len.data_ptr(),
-        scale, out.data_ptr(), torch.get_num_threads(),
+        scale, softcap, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -86,17 +86,22 @@ class KernelDecoderLayers(nn.Module):
 
     @staticmethod
     def runs(metadata: Any) -> bool:
-        """Whether this step's attention is the kernel backend's (the pool and plan it reads)."""
-        return isinstance(metadata, KernelMetadata)
+        """Whether this step's attention is the kernel backend's (the pool and plan it reads), with
+        one kind of attention in every layer (a window the plan holds, no soft-cap)."""
+        if not isinstance(metadata, KernelMetadata):
+            return False
+        kinds = set(metadata.backend.layers)
+        return len(kinds) <= 1 and all(kind.softcap is None for kind in kinds)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: KernelMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] (the embeddings) -> (the last layer's output, the residual beside it), [T, H] each."""
         backend = metadata.backend
+        plan = metadata.for_window(backend.layer(0).window)  # every layer's (`runs`)
         out, residual, seconds = kernels.decoder_layers(
             self.table, x.float().contiguous(), self.shape, self.eps, cos.contiguous(), sin.contiguous(),
-            metadata, backend.k_cache, backend.v_cache, self.scale,
+            plan, backend.k_cache, backend.v_cache, self.scale,
         )  # fmt: skip
         backend.seconds += seconds
         return out, residual

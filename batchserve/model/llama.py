@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from batchserve.attention.base import LayerAttention
 from batchserve.model.layer_kernels import TORCH_LAYERS, LayerKernels, choose_layer_kernels
 from batchserve.model.layers import MergedLinear
 
@@ -53,25 +54,24 @@ def supports(config: Any) -> str | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE:
         return f"rope type {rope_type}"
-    window = attention_window(config)
-    if window is not None and window < config.max_position_embeddings:
-        return f"sliding-window attention ({window} tokens)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act}"
     return None
 
 
-def attention_window(config: Any) -> int | None:
-    """The sliding window of the model's attention if any layer has one (a query at position p
-    sees keys p - W + 1 .. p), else None. Neither forward applies one yet: a sequence no longer
-    than W never meets it, so the engine caps its context at W (`runner.build`)."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    types = getattr(config, "layer_types", None)  # transformers' per-layer kinds, where it has them
+def layer_attention(config: Any) -> tuple[LayerAttention, ...]:
+    """Each layer's sliding window (a query at position p sees keys p - W + 1 .. p) and attention
+    soft-cap, as transformers applies them: by its per-layer kinds where the config lists them
+    (Gemma's interleaved layers, Qwen2's `max_window_layers`), else one window for every layer
+    (Mistral's). Every backend applies them (`AttentionBackend.set_layers`)."""
+    window = getattr(config, "sliding_window", None) or None
+    softcap = getattr(config, "attn_logit_softcapping", None) or None
+    types = getattr(config, "layer_types", None)
     if types is not None:
-        return int(window) if "sliding_attention" in types else None
-    return int(window) if getattr(config, "use_sliding_window", True) else None
+        windows = [window if kind == "sliding_attention" else None for kind in types]
+    else:
+        windows = [window if getattr(config, "use_sliding_window", True) else None] * config.num_hidden_layers
+    return tuple(LayerAttention(None if w is None else int(w), softcap) for w in windows)
 
 
 class Output(NamedTuple):

@@ -13,7 +13,7 @@ import torch
 from batchserve.attention import INVARIANT_BACKENDS, make_backend
 from batchserve.config import EngineConfig
 from batchserve.model import has_invariant_linears
-from batchserve.model.llama import attention_window
+from batchserve.model.llama import layer_attention
 from batchserve.runner.check_cache import cached_check, check_key, store_check
 from batchserve.runner.forward import ForwardChoice
 from batchserve.runner.graphs import CaptureReport, StepGraphs
@@ -125,23 +125,6 @@ def check_contract(runner: ModelRunner, facts: ModelFacts, config: EngineConfig,
     return CheckResult(True, model.rows, seconds, what, layers.layers)
 
 
-def context_length(mc: Any, asked: int | None) -> int:
-    """The engine's context: `asked`, else the model's positions, never past a sliding window
-    (no forward applies one, and a sequence within it never meets it: exact); asking for more
-    than the window is refused."""
-    length = asked or mc.max_position_embeddings
-    window = attention_window(mc)
-    if window is None or length <= window:
-        return int(length)
-    if asked:
-        raise ValueError(
-            f"max_model_len {asked} is past the model's {window}-token sliding window, which this engine does not"
-            f" apply yet (a longer sequence would not be the model's output): at most {window}"
-        )
-    logger.warning("context capped at the model's %d-token sliding window (not applied yet; within it, exact)", window)
-    return int(window)
-
-
 def build_runner(
     model: Any, tokenizer: Any, config: EngineConfig, forward: ForwardChoice
 ) -> tuple[ModelRunner, ModelFacts]:
@@ -159,7 +142,7 @@ def build_runner(
         head_dim,
         param.dtype,
     )
-    max_model_len = context_length(mc, config.model.max_model_len)
+    max_model_len = config.model.max_model_len or mc.max_position_embeddings
     backend = make_backend(
         forward.attention.choice,
         num_layers=mc.num_hidden_layers,
@@ -174,6 +157,7 @@ def build_runner(
         device=param.device,
         sm_scale=attention_scale(model),
         max_model_len=max_model_len,
+        layers=layer_attention(mc),
     )
     mode = forward.graphs.choice
     graphs = step_graphs(model, backend, config, scratch_block=num_blocks + 1) if mode != "off" else None

@@ -72,6 +72,8 @@ class _Plan:
     sm_scale: float
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
+    window_left: int  # -1: none; else a row at position p (kv_len - q_len + its index) sees keys p - window_left ..
+    logits_soft_cap: float  # 0: none; else each scaled score s -> cap * tanh(s / cap)
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
@@ -140,6 +142,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         sm_scale: float | None = None,
         q_data_type: torch.dtype = torch.float16,
         kv_data_type: torch.dtype | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
         **unmodelled: Any,
     ) -> None:
         _require(not unmodelled, f"the double does not model {sorted(unmodelled)}")
@@ -208,7 +212,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._plan = _Plan(
             qo, kv_ptr, indices, last, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
             custom_mask is not None, sm_scale if sm_scale is not None else head_dim_qk**-0.5,
-            q_data_type, kv_data_type or q_data_type,
+            q_data_type, kv_data_type or q_data_type, window_left, logits_soft_cap or 0.0,
         )  # fmt: skip
         self._runs = 0
 
@@ -244,11 +248,19 @@ class BatchPrefillWithPagedKVCacheWrapper:
             kv_len = (len(pages) - 1) * plan.page_size + int(last[i])
             k = k_pages[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()  # [kv, Hkv, D]
             v = v_pages[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()
-            mask = self._mask(i, q1 - q0, kv_len) if plan.masked else None
-            o = F.scaled_dot_product_attention(
-                q[q0:q1].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                attn_mask=mask, scale=plan.sm_scale, enable_gqa=True,
-            )  # fmt: skip
+            mask = self._mask(i, q1 - q0, kv_len) if plan.masked else torch.ones(q1 - q0, kv_len, dtype=torch.bool)
+            if plan.window_left >= 0:  # by the row's place in the KV, as the kernel counts it
+                pos = kv_len - (q1 - q0) + torch.arange(q1 - q0)
+                mask &= torch.arange(kv_len)[None, :] >= (pos - plan.window_left)[:, None]
+            qh, kh, vh = q[q0:q1].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, D]
+            if plan.logits_soft_cap:
+                group = qh.shape[0] // kh.shape[0]
+                kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+                scores = torch.tanh(qh @ kh.transpose(1, 2) * plan.sm_scale / plan.logits_soft_cap)
+                scores = (scores * plan.logits_soft_cap).masked_fill(~mask, float("-inf"))
+                o = torch.softmax(scores, -1) @ vh
+            else:
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=plan.sm_scale, enable_gqa=True)
             out[q0:q1] = o.transpose(0, 1)
         return out.to(q.dtype)  # [T, Hq, D]
 

@@ -19,7 +19,7 @@ import torch
 
 from batchserve import SamplingParams
 from batchserve.admission import Submission
-from batchserve.attention import StepLayout, TorchReferenceBackend
+from batchserve.attention import LayerAttention, StepLayout, TorchReferenceBackend
 from batchserve.attention.base import StepBucket
 from batchserve.attention.flashinfer_backend import FlashInferBackend, MaskUpload, build_plan
 from tests.attention import flashinfer_double as fi
@@ -79,6 +79,52 @@ def test_an_eager_step_through_the_double_attends_as_the_reference(block_size, s
     torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
     with pytest.raises(fi.ContractError, match="more runs than layers"):  # the next step must plan first
         backend.forward(1, q, k, v, metadata, scale)
+
+
+def _paired(num_blocks: int, block_size: int, layers: tuple[LayerAttention, ...]) -> tuple[Any, Any]:
+    """The backend over the double and the float32 reference on the same bf16 pool, both told `layers`."""
+    backend = _backend(num_blocks, block_size, max_model_len=1024)
+    ref = TorchReferenceBackend(2, num_blocks, block_size, 2, HEAD_DIM)
+    backend.k_cache.normal_()
+    backend.v_cache.normal_()
+    pages = (num_blocks, block_size, 2, HEAD_DIM)
+    for r, b in ((ref.k_cache, backend.k_cache), (ref.v_cache, backend.v_cache)):
+        r.copy_(b.float().reshape(2, *pages).reshape(2, -1, 2, HEAD_DIM).transpose(1, 2))
+    backend.set_layers(layers)
+    ref.set_layers(layers)
+    return backend, ref
+
+
+def test_windowed_and_capped_layers_plan_their_own_wrappers_eager_and_in_a_bucket():
+    """Layer 0 a 9-key window with a soft-cap, layer 1 plain: a tree step's window is in its mask
+    (by each row's position), a decode bucket's is FlashInfer's `window_left`; each layer reads
+    its own wrapper, and attends as the reference does."""
+    layers = (LayerAttention(window=9, softcap=1.0), LayerAttention())
+    backend, ref = _paired(400, 4, layers)
+    seqs = random_step(random.Random(5), 4, 400, cached=(0, 7, 33, 200))
+    step, slots = StepLayout.from_seqs(seqs), slot_mapping(seqs, 4)
+    total = sum(s.q_len for s in seqs)
+    q, k, v = (torch.randn(h, total, HEAD_DIM).bfloat16() for h in (4, 2, 2))
+    scale = HEAD_DIM**-0.5
+    metadata = backend.build_metadata(step, slots)
+    assert set(metadata.wrappers) == set(layers)
+    ref_meta = ref.build_metadata(step, slots)
+    for layer in (0, 1):
+        got = backend.forward(layer, q, k, v, metadata, scale)
+        expected = ref.forward(layer, q.float(), k.float(), v.float(), ref_meta, scale)
+        torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
+    decode = _decode_step([tuple(range(10)), tuple(range(20, 40))], [30, 70])
+    slots = torch.tensor([30, 4 * 20 + 70], dtype=torch.long)
+    q, k, v = (torch.randn(h, 2, HEAD_DIM).bfloat16() for h in (4, 2, 2))
+    metadata = backend.plan(decode, slots, StepBucket(2, 2, tree=False))
+    assert {w.use_cuda_graph for w in metadata.wrappers.values()} == {True}
+    assert metadata.wrappers[layers[0]]._plan.window_left == 8
+    ref_meta = ref.build_metadata(decode, slots)
+    got = backend.forward(0, q, k, v, metadata, scale)
+    expected = ref.forward(0, q.float(), k.float(), v.float(), ref_meta, scale)
+    torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
+    plain = ref.forward(1, q.float(), k.float(), v.float(), ref_meta, scale)
+    assert (plain - expected).abs().max() > 1e-2  # the window and cap made a difference
 
 
 def test_a_host_mask_handed_to_plan_is_caught(monkeypatch):
@@ -194,7 +240,10 @@ def _core(monkeypatch: pytest.MonkeyPatch, graphs: str) -> Any:
     def make_backend(name: str, **kw: Any) -> Any:
         assert name == "flashinfer"
         kw["device"] = torch.device(kw["device"])
-        return FlashInferBackend(**kw, library=fi)
+        layers = kw.pop("layers")
+        backend = FlashInferBackend(**kw, library=fi)
+        backend.set_layers(layers)
+        return backend
 
     monkeypatch.setattr(forward, "backend_choice", lambda *a, **k: ("flashinfer", "the test double"))
     monkeypatch.setattr(build, "make_backend", make_backend)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from batchserve import LLM, SamplingParams
+from batchserve.attention import LayerAttention
 from batchserve.engine import EngineCore
 from batchserve.model import NativeLlamaForCausalLM, choose_impl, native_from_hf, supports
-from batchserve.model.llama import attention_window
+from batchserve.model.llama import layer_attention
 from batchserve.records import ScheduledRequest
 from batchserve.runner.batch import pack
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_tokenizer
@@ -56,6 +57,12 @@ def _model(kind: str) -> Any:
         config = tf.MistralConfig(**SMALL, head_dim=16, sliding_window=None, tie_word_embeddings=False)
     elif kind == "qwen2":
         config = tf.Qwen2Config(**SMALL, tie_word_embeddings=True, use_sliding_window=False)
+    elif kind == "mistral-window":  # every layer windowed, prompts and outputs well past it
+        config = tf.MistralConfig(**SMALL, head_dim=16, sliding_window=8, tie_word_embeddings=False)
+    elif kind == "qwen2-window":  # the first layer full, the second windowed
+        config = tf.Qwen2Config(
+            **SMALL, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=1
+        )
     elif kind == "qwen3":
         config = tf.Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False, use_sliding_window=False)
     else:
@@ -73,7 +80,7 @@ def _model(kind: str) -> Any:
     return model
 
 
-KINDS = ["llama", "llama3-rope-bias-tied", "mistral", "qwen2", "qwen3"]
+KINDS = ["llama", "llama3-rope-bias-tied", "mistral", "qwen2", "qwen3", "mistral-window", "qwen2-window"]
 
 
 def _core(model: Any, impl: str) -> EngineCore:
@@ -152,8 +159,6 @@ def test_native_greedy_with_drafts_equals_hf_generate(kind):
 def test_what_the_native_forward_does_not_run_exactly_is_refused_by_name():
     import transformers as tf
 
-    windowed = tf.MistralConfig(**{**SMALL, "max_position_embeddings": 4096}, sliding_window=128)
-    assert "sliding-window" in (supports(windowed) or "")
     dynamic = tf.LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert "rope type dynamic" in (supports(dynamic) or "")
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
@@ -232,30 +237,14 @@ def test_each_forward_has_its_own_cost_profile():
     assert "-native-" in profile_key(native.runner) and "-hf-" in profile_key(hf.runner)
 
 
-def test_a_sliding_window_caps_the_context_so_every_output_is_the_models():
-    """No forward applies a sliding window yet: a model with one is served with its context
-    capped at the window, where the window never excludes a key, so its output is its own (a
-    random Mistral with a 24-token window left transformers' greedy output past it before)."""
+def test_each_layer_gets_the_window_and_cap_transformers_applies():
     import transformers as tf
 
-    config = tf.MistralConfig(**{**SMALL, "max_position_embeddings": 4096}, head_dim=16, sliding_window=24)
-
-    def model() -> Any:
-        torch.manual_seed(0)
-        built = tf.AutoModelForCausalLM.from_config(config).float().eval()
-        built.generation_config.eos_token_id, built.generation_config.pad_token_id = None, 0
-        return built
-
-    assert attention_window(config) == 24
-    assert attention_window(_model("qwen3").config) is None  # use_sliding_window=False
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, TINY_VOCAB, n).tolist() for n in (5, 13)]
-    expected = [hf_greedy(model(), p, 24 - 13, ignore_eos=True) for p in prompts]
-    llm = LLM(hf_model=model(), tokenizer=make_tiny_tokenizer(), adaptive=False)
-    assert llm.engine.facts.max_model_len == 24
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=24 - 13, ignore_eos=True))
-    assert [o.token_ids for o in outs] == expected
-    (longer,) = llm.generate([prompts[1]], SamplingParams(max_new_tokens=24, ignore_eos=True))
-    assert longer.token_ids == expected[1]  # stopped at the context, before the window could matter
-    with pytest.raises(ValueError, match="24-token sliding window"):
-        LLM(hf_model=model(), tokenizer=make_tiny_tokenizer(), max_model_len=100)
+    assert layer_attention(_model("mistral-window").config) == (LayerAttention(8),) * 2
+    assert layer_attention(_model("qwen2-window").config) == (LayerAttention(), LayerAttention(8))  # max_window_layers
+    assert layer_attention(_model("qwen3").config) == (LayerAttention(),) * 2  # use_sliding_window=False
+    gemma2 = tf.Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, sliding_window=16)
+    assert layer_attention(gemma2) == (LayerAttention(16, 50.0), LayerAttention(None, 50.0), LayerAttention(16, 50.0))
+    # The context is the model's, not the window's: a window is applied, not avoided.
+    llm = LLM(hf_model=_model("mistral-window"), tokenizer=make_tiny_tokenizer(), adaptive=False)
+    assert llm.engine.facts.max_model_len == 1024

@@ -43,6 +43,7 @@ struct Step {
     const int32_t* tail_at;      // [T]
     const int32_t* tail_len;     // [T]
     float scale;
+    float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's)
     float* out;  // [T, Hq, D]
 };
 
@@ -111,6 +112,10 @@ void attend_heads(const Step& s, int64_t t, int64_t qh0, std::vector<float>& scr
     for (; j < n; ++j) {
         for (int g = 0; g < NG; ++g) w[g][j] = dot(q[g], kh + at[j], D) * s.scale;
     }
+    if (s.softcap > 0.0f) {  // elementwise, scalar libm: a score's bits depend on it alone
+        for (int g = 0; g < NG; ++g)
+            for (j = 0; j < n; ++j) w[g][j] = s.softcap * std::tanh(w[g][j] / s.softcap);
+    }
     // The max and the denominator head by head in key order, the heads' chains interleaved.
     float mx[NG], den[NG];
     for (int g = 0; g < NG; ++g) mx[g] = -INFINITY, den[g] = 0.0f;
@@ -163,8 +168,9 @@ void bs_attention(const float* q, int64_t q_head, int64_t q_row, int64_t T, int6
                   int64_t k_row, const float* v, int64_t v_head, int64_t v_row, const int64_t* slot_mapping,
                   float* keys, float* values, int64_t S, const int32_t* slots, const int32_t* prefix_at,
                   const int32_t* prefix_len, const int32_t* tails, const int32_t* tail_at, const int32_t* tail_len,
-                  float scale, float* out, int threads) {
-    const Step s{q, q_head, q_row, T, Hq, Hkv, D, keys, values, S, slots, prefix_at, prefix_len, tails, tail_at, tail_len, scale, out};
+                  float scale, float softcap, float* out, int threads) {
+    const Step s{q,     q_head,     q_row, T,       Hq,      Hkv,      D,     keys,    values, S,
+                 slots, prefix_at, prefix_len, tails, tail_at, tail_len, scale, softcap, out};
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)

@@ -93,7 +93,7 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
         const auto t0 = std::chrono::steady_clock::now();
         bs_attention(qk, T * D, D, T, Hq, Hkv, D, qk + Hq * T * D, T * D, D, qkv + (Hq + Hkv) * D, D, qkv_width,
                      slot_mapping, keys + pool, values + pool, S, slots, prefix_at, prefix_len, tails, tail_at,
-                     tail_len, scale, attn, threads);
+                     tail_len, scale, 0.0f, attn, threads);
         attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         product(row, kOKind, attn, T, Hq * D, H, o, threads);
         bs_rms_norm(o, residual, at<float>(row, kPostNorm), T, H, eps, h, residual, threads);
