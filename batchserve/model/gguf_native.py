@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from batchserve import kernels
+from batchserve.model.family import hf_rotaries
 from batchserve.model.gguf_file import LLAMA_CPP_ARCHS, PERMUTED_ARCHS, GGUFTensors, TensorView, read_meta
 from batchserve.model.llama import NativeLlamaForCausalLM, product_out_dtype, supports
 
@@ -172,13 +173,26 @@ def rotary_for(config: Any, factors: np.ndarray | None) -> nn.Module:
     `rope_freqs` factors where the file stores them (its Llama 3.1 scaling)."""
     from batchserve.model.layer_kernels import TORCH_LAYERS
 
-    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    rotary_class = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
-    rope = rotary_class(config=config)
-    inv_freq = rope.inv_freq.detach().float().clone()  # [D/2]
+    (inv_freq, scaling), _ = hf_rotaries(_hf_rope(config))  # [D/2]
     if factors is not None:
         inv_freq = inv_freq / torch.from_numpy(factors.reshape(-1))
-    return TORCH_LAYERS.rotary(inv_freq, float(getattr(rope, "attention_scaling", 1.0)))
+    return TORCH_LAYERS.rotary(inv_freq, scaling)
+
+
+def local_rotary_for(config: Any) -> nn.Module | None:
+    """The sliding-window layers' own rotary where the model has one (Gemma 3), else None."""
+    from batchserve.model.layer_kernels import TORCH_LAYERS
+
+    _, local = hf_rotaries(_hf_rope(config))
+    return None if local is None else TORCH_LAYERS.rotary(*local)
+
+
+def _hf_rope(config: Any) -> nn.Module:
+    """transformers' rotary module for `config` (its frequencies as transformers computes them)."""
+    name = config.model_type.removesuffix("_text")  # gemma3_text lives in gemma3's module
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    rotary_class = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+    return rotary_class(config=config)
 
 
 class _Builder:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchserve.model.family import stored_norm
 from batchserve.model.llama import PACKED_MODULES, NativeLlamaForCausalLM, product_out_dtype, supports
 
 logger = logging.getLogger("batchserve")
@@ -113,7 +114,7 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from batchserve.model.bf16 import KernelBf16Linear
-    from batchserve.model.gguf_native import rotary_for
+    from batchserve.model.gguf_native import local_rotary_for, rotary_for
     from batchserve.model.layer_kernels import TORCH_LAYERS
 
     t0 = time.perf_counter()
@@ -154,10 +155,11 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
                 bias = f.get(bias_key) if bias_key in f.entries else None
                 _set(model, module, _bf16(KernelBf16Linear, tensor, bias, module))
             elif not (leaf == "bias" and module.endswith(("o_proj", "down_proj"))):  # a bias: read with its weight
-                _set(model, name, nn.Parameter(tensor.float().clone(), requires_grad=False))  # norms
+                norm = stored_norm(config, name, tensor.float()).clone()  # Gemma's (1 + w) folded in
+                _set(model, name, nn.Parameter(norm, requires_grad=False))
             del tensor
             f.release(key)
-    model.rotary = rotary_for(config, None)
+    model.rotary, model.rotary_local = rotary_for(config, None), local_rotary_for(config)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left or merged:
         raise ValueError(f"the checkpoint has no weights for {(left or sorted(merged))[:4]}")

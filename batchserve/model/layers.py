@@ -16,7 +16,7 @@ from torch import nn
 
 from batchserve import kernels
 from batchserve.model.row_check import rows_variance
-from batchserve.threads import rows_whole
+from batchserve.threads import rows_whole, torch_threads
 
 
 class RMSNorm(nn.Module):
@@ -209,6 +209,20 @@ class SiluAndMul(nn.Module):
             return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up over a merged [T, 2I] gate|up output -> [T, I] (Gemma's
+    GeGLU). torch's GELU splits its work into one chunk per thread (numel / threads, not its
+    usual grain), so a chunk may start inside a row and give that row's first values the scalar
+    tanh instead of the vector one: it runs on a thread count that divides the rows, so every
+    chunk is whole rows, each computed as one thread computes it (the start-up check holds it)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] views: strided, so each row is its own inner loop
+        rows, threads = gate.shape[0], torch.get_num_threads()
+        with torch_threads(max(t for t in range(1, threads + 1) if rows % t == 0)):
+            return F.gelu(gate, approximate="tanh") * up
+
+
 class KernelSiluAndMul(SiluAndMul):
     """silu(gate) * up in one call of our kernel (its own exp: not torch's bits; beside our
     quantized products only). Row-wise, batch-invariant by construction."""
@@ -302,6 +316,10 @@ class RotaryStep(NamedTuple):
         [heads, T, D] (the backends' layout)."""
         t, hq, hkv = qkv.shape[0], num_heads, num_kv_heads
         qk, v = qkv.view(t, hq + 2 * hkv, head_dim).transpose(0, 1).split((hq + hkv, hkv))  # [heads, T, D] views
-        qk = Rotary.apply(qk, self.cos, self.sin)  # [Hq + Hkv, T, D] contiguous: q and k in one rotation
+        r = self.cos.shape[-1]
+        if r < head_dim:  # a partial rotary (Phi's): the first r dims of each head rotate, the rest pass
+            qk = torch.cat((Rotary.apply(qk[..., :r], self.cos, self.sin), qk[..., r:]), dim=-1)
+        else:
+            qk = Rotary.apply(qk, self.cos, self.sin)  # [Hq + Hkv, T, D] contiguous: q and k in one rotation
         q, k = qk.split((hq, hkv))
         return q, k, v

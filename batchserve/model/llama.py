@@ -1,8 +1,9 @@
-"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3): fused q|k|v and
-gate|up projections, the residual add fused into RMSNorm, rotary at each packed row's own
-position, attention through the step's backend, and the LM head only for the rows kept. The
-norms, silu*up and rotary are layers of the kernels chosen when the model is built
-(`LayerKernels`: torch's ops, or FlashInfer's fused kernels on CUDA).
+"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 and 3): fused
+q|k|v and gate|up projections, the residual add fused into RMSNorm, rotary at each packed row's own
+position, attention through the step's backend (with each layer's sliding window and soft-cap:
+`layer_attention`), and the LM head only for the rows kept. What sets a family apart is a
+`Family` option (`model.family`). The norms, silu*up and rotary are layers of the kernels chosen
+when the model is built (`LayerKernels`: torch's ops, or FlashInfer's fused kernels on CUDA).
 
 Shape of one step: ids [T] -> embeddings [T, H] -> layers -> the kept rows [K, H] -> logits
 [K, V]. No Python decision inside depends on the step's data (only on the model's shape).
@@ -19,13 +20,24 @@ import torch
 from torch import nn
 
 from batchserve.attention.base import LayerAttention
+from batchserve.model.family import (
+    GEMMA_ARCHITECTURES,
+    Family,
+    activation,
+    head_dim,
+    hf_rotaries,
+    rope_types,
+    stored_norm,
+)
 from batchserve.model.layer_kernels import TORCH_LAYERS, LayerKernels, choose_layer_kernels
-from batchserve.model.layers import MergedLinear
+from batchserve.model.layers import GeluTanhAndMul, MergedLinear
+from batchserve.threads import rows_whole
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # transformers' model_type
-QK_NORM_ARCHITECTURES = ("qwen3",)  # an RMSNorm over each head of q and of k, before rotary
-# Rope types whose frequencies are fixed at load (dynamic and longrope change with length).
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+# transformers' model_type
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
+# Rope types whose frequencies are fixed at load (dynamic changes with length). LongRoPE's are
+# fixed within its original context (its short factors), to which the engine caps it (`rope_limit`).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 # transformers' parameter names -> (our merged module, its part): one product instead of several.
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", 0),
@@ -50,13 +62,27 @@ def supports(config: Any) -> str | None:
     arch = getattr(config, "model_type", None)
     if arch not in SUPPORTED_ARCHITECTURES:
         return f"model type {arch} (native: {', '.join(SUPPORTED_ARCHITECTURES)})"
-    rope = getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in STATIC_ROPE:
-        return f"rope type {rope_type}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act}"
+    for rope_type in rope_types(config):
+        if rope_type not in STATIC_ROPE:
+            return f"rope type {rope_type}"
+    if Family.of(config).act == "unsupported":
+        return f"activation {activation(config)}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     return None
+
+
+def rope_limit(config: Any) -> int | None:
+    """The context past which the model's rotary is not one fixed table, else None. LongRoPE
+    (Phi-3/4) switches from its short to its long factors once a forward's longest position passes
+    its original context: in transformers by the whole forward, so the factors a token gets would
+    depend on the draft tree and the other requests beside it. Within that context every token
+    gets the short factors in any step: exact."""
+    if "longrope" not in rope_types(config):
+        return None
+    rope = getattr(config, "rope_scaling", None) or {}
+    limit = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return int(limit or config.max_position_embeddings)
 
 
 def layer_attention(config: Any) -> tuple[LayerAttention, ...]:
@@ -78,27 +104,24 @@ class Output(NamedTuple):
     logits: torch.Tensor  # [1, K, V]: the kept rows' logits (the runner's contract with any model)
 
 
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class Attention(nn.Module):
     """q|k|v in one product, rotary (the step's, `Rotary.for_step`), the backend's paged attention
     over the request's KV."""
 
     def __init__(self, config: Any, layer_idx: int, kernels: LayerKernels = TORCH_LAYERS) -> None:
         super().__init__()
+        family = Family.of(config)
         self.layer_idx = layer_idx  # the backend's KV layer
-        self.head_dim = d = _head_dim(config)
+        self.head_dim = d = head_dim(config)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.scaling = d**-0.5  # what the backend is told (FlashInfer plans with it)
+        self.scaling = family.scaling  # what the backend is told (FlashInfer plans with it)
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         kv = self.num_kv_heads * d
         self.qkv_proj = MergedLinear(config.hidden_size, (self.num_heads * d, kv, kv), bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
-        if config.model_type in QK_NORM_ARCHITECTURES:
+        if family.qk_norm:
             self.q_norm, self.k_norm = kernels.norm(d, config.rms_norm_eps), kernels.norm(d, config.rms_norm_eps)
 
     def _normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -127,7 +150,7 @@ class MLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         i = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, (i, i), bias=bias)
-        self.act = kernels.act()
+        self.act = GeluTanhAndMul() if Family.of(config).act == "gelu_tanh" else kernels.act()
         self.down_proj = nn.Linear(i, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +164,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, kernels)
         self.input_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
+        family = Family.of(config)
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:  # Gemma: the attention's output normed on its own, the MLP's input and output too
+            self.pre_feedforward_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
+        types = getattr(config, "layer_types", None)
+        # Which of the step's rotations this layer takes (Gemma 3's sliding-window layers have their own).
+        self.local_rope = family.local_rope and types is not None and types[layer_idx] == "sliding_attention"
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Any, metadata: Any
@@ -152,6 +183,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward(x, residual)
         h = self.self_attn.forward(h, rotary, metadata)
+        if self.sandwich:  # residual + norm(attn), then norm(mlp(norm(that))) for the next add
+            h, residual = self.pre_feedforward_layernorm.forward(self.post_attention_layernorm.forward(h), residual)
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(h)), residual
         h, residual = self.post_attention_layernorm.forward(h, residual)
         return self.mlp.forward(h), residual
 
@@ -167,11 +201,16 @@ class NativeLlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.family = family = Family.of(config)
         self.layer_kernels = kernels  # what the norms, silu*up and rotary run on, and why
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Gemma's scale as its embedding applies it, rounded to float32 (not a buffer: the loaders
+        # build the model on the meta device).
+        self.embed_scale = float(torch.tensor(family.embed_scale or 1.0, dtype=torch.float32, device="cpu"))
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
         self.norm = kernels.norm(config.hidden_size, config.rms_norm_eps)
         self.rotary = kernels.rotary(inv_freq, rope_scaling)
+        self.rotary_local: nn.Module | None = None  # the sliding-window layers' own (Gemma 3); set by the loader
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
@@ -187,17 +226,25 @@ class NativeLlamaForCausalLM(nn.Module):
         use_cache: bool = False,
     ) -> Output:
         x = self.embed_tokens.forward(input_ids[0])  # [T, H]
+        if self.family.embed_scale is not None:
+            x = x * self.embed_scale
         rotary = self.rotary.for_step(position_ids[0], x.dtype)  # once per step, for every layer
+        local = rotary if self.rotary_local is None else self.rotary_local.for_step(position_ids[0], x.dtype)
         fused = self.fused_layers
         residual: torch.Tensor | None = None
         if fused is not None and fused.runs(attn_metadata):
             x, residual = fused.forward(x, rotary.cos, rotary.sin, attn_metadata)  # torch's `Rotary` beside it
         else:
             for layer in self.layers:
-                x, residual = layer.forward(x, residual, rotary, attn_metadata)
+                x, residual = layer.forward(x, residual, local if layer.local_rope else rotary, attn_metadata)
         x, residual = x[logits_to_keep], residual[logits_to_keep]  # [K, H]: only the rows that sample
         h, _ = self.norm.forward(x, residual)
-        return Output(self.lm_head.forward(h)[None])  # [1, K, V]
+        logits = self.lm_head.forward(h)  # [K, V]
+        cap = self.family.final_softcap
+        if cap is not None:  # elementwise, each row on one thread (`rows_whole`)
+            with rows_whole(logits.shape[0], logits.shape[1]):
+                logits = torch.tanh(logits / cap) * cap
+        return Output(logits[None])  # [1, K, V]
 
 
 @torch.no_grad()
@@ -212,17 +259,22 @@ def native_from_hf(hf_model: Any, layer_kernels: LayerKernels | None = None) -> 
     if why is not None:
         raise ValueError(f"the native forward does not support {why}")
     param = next(hf_model.parameters())
-    rotary = hf_model.model.rotary_emb
+    (inv_freq, scaling), local = hf_rotaries(hf_model.model.rotary_emb)
     if layer_kernels is None:
-        layer_kernels = choose_layer_kernels(param.device, param.dtype, _head_dim(config), config.intermediate_size)
+        layer_kernels = choose_layer_kernels(param.device, param.dtype, head_dim(config), config.intermediate_size)
+    # A partial rotary (Phi's: the first dims of each head) runs on torch's ops.
+    rotaries = layer_kernels if 2 * inv_freq.numel() == head_dim(config) else TORCH_LAYERS
     with torch.device("meta"):
         model = NativeLlamaForCausalLM(config, torch.empty(0), 1.0, layer_kernels)
     model = model.to_empty(device=param.device).to(param.dtype)
-    scaling = float(getattr(rotary, "attention_scaling", 1.0))
-    model.rotary = layer_kernels.rotary(rotary.inv_freq.detach().clone(), scaling)  # float32 tables: after .to
-    model.rotary.to(param.device)
-    if param.device.type != "cpu":
-        model.rotary.reserve(config.max_position_embeddings)
+    model.rotary = rotaries.rotary(inv_freq, scaling)  # float32 tables: after .to
+    if local is not None:
+        model.rotary_local = rotaries.rotary(*local)
+    for rotary in (model.rotary, model.rotary_local):
+        if rotary is not None:
+            rotary.to(param.device)
+            if param.device.type != "cpu":
+                rotary.reserve(config.max_position_embeddings)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
     ours = dict(model.named_parameters())
@@ -238,7 +290,7 @@ def native_from_hf(hf_model: Any, layer_kernels: LayerKernels | None = None) -> 
             model.get_submodule(f"{parent}.{merged}").load_part(part, leaf, tensor)
             loaded.add(f"{parent}.{merged}.{leaf}")
         else:
-            ours[name].copy_(tensor)
+            ours[name].copy_(stored_norm(config, name, tensor))
             loaded.add(name)
     missing = set(ours) - loaded - ({"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set())
     if missing:

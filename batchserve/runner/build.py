@@ -13,7 +13,7 @@ import torch
 from batchserve.attention import INVARIANT_BACKENDS, make_backend
 from batchserve.config import EngineConfig
 from batchserve.model import has_invariant_linears
-from batchserve.model.llama import layer_attention
+from batchserve.model.llama import layer_attention, rope_limit
 from batchserve.runner.check_cache import cached_check, check_key, store_check
 from batchserve.runner.forward import ForwardChoice
 from batchserve.runner.graphs import CaptureReport, StepGraphs
@@ -125,6 +125,23 @@ def check_contract(runner: ModelRunner, facts: ModelFacts, config: EngineConfig,
     return CheckResult(True, model.rows, seconds, what, layers.layers)
 
 
+def context_length(mc: Any, asked: int | None) -> int:
+    """The engine's context: `asked`, else the model's positions, never past where its rotary stops
+    being one fixed table (`rope_limit`: LongRoPE's original context). Asking for more is refused."""
+    length = int(asked or mc.max_position_embeddings)
+    limit = rope_limit(mc)
+    if limit is None or length <= limit:
+        return length
+    if asked:
+        raise ValueError(
+            f"max_model_len {asked} is past the model's {limit}-token original context, where LongRoPE switches"
+            " factors by the longest position in a forward (batching and draft trees would change a token's"
+            f" rotation, so a longer sequence would not be the model's output): at most {limit}"
+        )
+    logger.warning("context capped at %d tokens, LongRoPE's original context (its short factors: exact)", limit)
+    return limit
+
+
 def build_runner(
     model: Any, tokenizer: Any, config: EngineConfig, forward: ForwardChoice
 ) -> tuple[ModelRunner, ModelFacts]:
@@ -142,7 +159,7 @@ def build_runner(
         head_dim,
         param.dtype,
     )
-    max_model_len = config.model.max_model_len or mc.max_position_embeddings
+    max_model_len = context_length(mc, config.model.max_model_len)
     backend = make_backend(
         forward.attention.choice,
         num_layers=mc.num_hidden_layers,

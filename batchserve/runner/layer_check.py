@@ -2,7 +2,7 @@
 
 A toy-shape probe of a kernel (`packed_products_invariant`) can pass while the same kernel at
 the model's shapes does not, and a whole-model comparison can only say that some row moved. So
-every row-wise layer of the model (its products, norms and silu*up) is called on its own, at its
+every row-wise layer of the model (its products, norms and silu*up or gelu*up) is called on its own, at its
 real widths and the configured thread count, with every row count the engine calls it with (the
 row buckets up to the step's token budget, prompt-chunk sizes between them; the LM head up to the
 most rows a step keeps) at the first, middle and last offsets, and every row compared with the
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchserve.model.layers import ROW_BUCKETS, RMSNorm, SiluAndMul
+from batchserve.model.layers import ROW_BUCKETS, GeluTanhAndMul, RMSNorm, SiluAndMul
 from batchserve.model.row_check import rows_variance
 
 # Prompt-chunk sizes between the buckets: a chunk is as long as what is left of its prompt, so any
@@ -76,7 +76,7 @@ def row_layers(model: nn.Module, intermediate: int | None = None) -> Iterator[Ro
         if isinstance(m, RMSNorm):
             width = int(m.weight.shape[0])
             yield RowLayer(name, (type(m).__name__, width, width, "float32"), width, _norm_call(m), False)
-        elif isinstance(m, SiluAndMul) and intermediate is not None:
+        elif isinstance(m, (SiluAndMul, GeluTanhAndMul)) and intermediate is not None:
             kind = (type(m).__name__, 2 * intermediate, intermediate, "float32")
             yield RowLayer(name, kind, 2 * intermediate, m, False)
         elif isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int):

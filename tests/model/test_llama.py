@@ -14,7 +14,7 @@ from batchserve import LLM, SamplingParams
 from batchserve.attention import LayerAttention
 from batchserve.engine import EngineCore
 from batchserve.model import NativeLlamaForCausalLM, choose_impl, native_from_hf, supports
-from batchserve.model.llama import layer_attention
+from batchserve.model.llama import layer_attention, rope_limit
 from batchserve.records import ScheduledRequest
 from batchserve.runner.batch import pack
 from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_tokenizer
@@ -65,6 +65,22 @@ def _model(kind: str) -> Any:
         )
     elif kind == "qwen3":
         config = tf.Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False, use_sliding_window=False)
+    elif kind == "gemma2":  # windowed and global layers, both soft-caps small enough to bite
+        config = tf.Gemma2Config(
+            **{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+        )  # fmt: skip
+    elif kind == "gemma3":  # q/k norms, and the windowed layers' own rotary (theta 1e4 against 1e6)
+        config = tf.Gemma3TextConfig(
+            **{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
+        )  # fmt: skip
+    elif kind == "phi3":  # fused q|k|v and gate|up in the checkpoint, half the head rotated, LongRoPE, a window
+        longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [8.0] * 4}
+        config = tf.Phi3Config(
+            **SMALL, partial_rotary_factor=0.5, original_max_position_embeddings=64, rope_scaling=longrope,
+            sliding_window=16, tie_word_embeddings=False,
+        )  # fmt: skip
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
@@ -73,6 +89,8 @@ def _model(kind: str) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.3)
+            elif kind.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w): zero would hide a lost 1
+                p.uniform_(-0.5, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # not ones: a dropped norm shows
                 p.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = None
@@ -80,7 +98,18 @@ def _model(kind: str) -> Any:
     return model
 
 
-KINDS = ["llama", "llama3-rope-bias-tied", "mistral", "qwen2", "qwen3", "mistral-window", "qwen2-window"]
+KINDS = [
+    "llama",
+    "llama3-rope-bias-tied",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mistral-window",
+    "qwen2-window",
+    "gemma2",
+    "gemma3",
+    "phi3",
+]
 
 
 def _core(model: Any, impl: str) -> EngineCore:
@@ -248,3 +277,13 @@ def test_each_layer_gets_the_window_and_cap_transformers_applies():
     # The context is the model's, not the window's: a window is applied, not avoided.
     llm = LLM(hf_model=_model("mistral-window"), tokenizer=make_tiny_tokenizer(), adaptive=False)
     assert llm.engine.facts.max_model_len == 1024
+
+
+def test_longrope_runs_within_its_original_context_and_no_further():
+    """Past its original context LongRoPE's factors follow a forward's longest position (a batch's,
+    a draft tree's): the context is capped there, where every token gets the short factors."""
+    assert rope_limit(_model("phi3").config) == 64 and rope_limit(_model("llama").config) is None
+    llm = LLM(hf_model=_model("phi3"), tokenizer=make_tiny_tokenizer(), adaptive=False)
+    assert llm.engine.facts.max_model_len == 64
+    with pytest.raises(ValueError, match="LongRoPE switches factors"):
+        LLM(hf_model=_model("phi3"), tokenizer=make_tiny_tokenizer(), max_model_len=100)
