@@ -68,6 +68,7 @@ def hf_direct_refusal(directory: Path, config: Any) -> str | None:
     return None
 
 
+FUSED_IN_FILE = ("qkv_proj", "gate_up_proj")  # products a checkpoint may store merged as ours are (Phi-3)
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -150,6 +151,9 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
                 model.embed_tokens = FileEmbedding(tensor.clone())  # its own copy: the map's pages go
                 if tied:
                     model.lm_head = _bf16(KernelBf16Linear, tensor, None, "lm_head")
+            elif leaf == "weight" and module.endswith(FUSED_IN_FILE):  # Phi's q|k|v and gate|up: already one
+                sizes = model.get_submodule(module).sizes
+                _set(model, module, _bf16(KernelBf16Linear, tensor, None, module, sizes))
             elif leaf == "weight" and module.endswith(("o_proj", "down_proj", "lm_head")):
                 bias_key = key.removesuffix("weight") + "bias"
                 bias = f.get(bias_key) if bias_key in f.entries else None

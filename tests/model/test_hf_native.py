@@ -11,7 +11,7 @@ from batchserve.engine import EngineCore
 from batchserve.model.bf16 import KernelBf16Linear, our_bf16_here
 from batchserve.model.hf_native import FileEmbedding, load_hf_native
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
-from tests.model.test_llama import _all_logits
+from tests.model.test_llama import _all_logits, _model
 
 pytestmark = pytest.mark.skipif(not our_bf16_here(), reason="our bfloat16 kernel does not run here")
 
@@ -26,12 +26,22 @@ def _config(path: str, weights: str = "bfloat16", impl: str = "auto") -> EngineC
 
 
 @pytest.mark.parametrize(
-    ("kind", "dtype"), [("llama", torch.bfloat16), ("qwen2", torch.float32), ("qwen3", torch.float32)]
+    ("kind", "dtype"),
+    [
+        ("llama", torch.bfloat16),
+        ("qwen2", torch.float32),
+        ("qwen3", torch.float32),
+        ("gemma2", torch.float32),  # (1 + w) norms folded as they are read
+        ("gemma3", torch.float32),  # and the windowed layers' own rotary
+        ("phi3", torch.float32),  # q|k|v and gate|up stored merged
+    ],
 )
 def test_a_directory_read_tensor_by_tensor_gives_the_transformers_path_bits(tmp_path, dtype, kind):
     extra = {"attention_bias": True} if kind == "llama" else {}
     model = make_tiny_model(seed=3, dtype=dtype, **extra)
-    if kind in ("qwen2", "qwen3"):
+    if kind.startswith(("gemma", "phi")):
+        model = _model(kind)
+    elif kind in ("qwen2", "qwen3"):
         import transformers
 
         config_class = getattr(transformers, f"{kind.capitalize()}Config")
