@@ -100,6 +100,7 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
     s, q = _as_shape(shape), _get_quant(quant)
     h, n, d = s.hidden_size, s.num_hidden_layers, s.head_dim
     q_out, kv_out = s.num_attention_heads * d, s.num_key_value_heads * d
+    gemma = s.arch in ("gemma2", "gemma3")
 
     def weight(name: str, rows: int, ne0: int, layer: int = 0, is_output: bool = False) -> PlannedTensor:
         return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output))
@@ -112,15 +113,19 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
             tensors.append(weight(f"{b}.attn_{proj}.weight", rows, h, i))
             if s.qkv_bias:
                 tensors.append(PlannedTensor(f"{b}.attn_{proj}.bias", (rows,), Q.F32))
-            if s.arch == "qwen3" and proj in "qk":  # Qwen3's RMSNorm over each head of q and k
+            if s.arch in ("qwen3", "gemma3") and proj in "qk":  # an RMSNorm over each head of q and k
                 tensors.append(PlannedTensor(f"{b}.attn_{proj}_norm.weight", (d,), Q.F32))
+        tensors.append(weight(f"{b}.attn_output.weight", h, q_out, i))
+        if gemma:  # Gemma's norm of the attention's output, before the residual add
+            tensors.append(PlannedTensor(f"{b}.post_attention_norm.weight", (h,), Q.F32))
         tensors += [
-            weight(f"{b}.attn_output.weight", h, q_out, i),
             PlannedTensor(f"{b}.ffn_norm.weight", (h,), Q.F32),
             weight(f"{b}.ffn_gate.weight", s.intermediate_size, h, i),
             weight(f"{b}.ffn_up.weight", s.intermediate_size, h, i),
             weight(f"{b}.ffn_down.weight", h, s.intermediate_size, i),
         ]
+        if gemma:  # and of the MLP's output
+            tensors.append(PlannedTensor(f"{b}.post_ffw_norm.weight", (h,), Q.F32))
     tensors.append(PlannedTensor("output_norm.weight", (h,), Q.F32))
     if not s.tied_embeddings:
         tensors.append(weight("output.weight", s.vocab_size, h, is_output=True))

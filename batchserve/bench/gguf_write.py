@@ -218,9 +218,11 @@ def _add_metadata(writer: GGUFWriter, s: ModelShape, quant: str, source: Path) -
     writer.add_head_count(s.num_attention_heads)
     writer.add_head_count_kv(s.num_key_value_heads)
     writer.add_rope_dimension_count(s.head_dim)
-    if s.head_dim * s.num_attention_heads != s.hidden_size or s.arch == "qwen3":
+    if s.head_dim * s.num_attention_heads != s.hidden_size or s.arch in ("qwen3", "gemma2", "gemma3"):
         writer.add_key_length(s.head_dim)
         writer.add_value_length(s.head_dim)
+    if s.sliding_window is not None:
+        writer.add_sliding_window(s.sliding_window)
     writer.add_rope_freq_base(s.rope_theta)
     writer.add_layer_norm_rms_eps(s.rms_norm_eps)
     if QUANTS[quant].default not in FLOAT_TYPES:

@@ -49,6 +49,7 @@ class ModelShape:
     arch: str = "llama"
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    sliding_window: int | None = None  # written for the windowed layers of gemma2/gemma3 files
 
     def __post_init__(self) -> None:
         sizes = (self.hidden_size, self.num_hidden_layers, self.num_attention_heads, self.head_dim)
@@ -107,6 +108,14 @@ def _qwen25(name: str, hidden: int, layers: int, heads: int, kv_heads: int, head
     )  # fmt: skip
 
 
+def _qwen3_17b(name: str, arch: str) -> ModelShape:
+    """Qwen3-1.7B's sizes, rope theta, context and norm epsilon, tied, written as `arch`."""
+    return ModelShape(
+        name, 2048, 28, 16, 8, 128, 6144, 151936, rope_theta=1e6, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, arch=arch, tied_embeddings=True,
+    )  # fmt: skip
+
+
 SHAPES = {
     s.name: s
     for s in (
@@ -119,6 +128,10 @@ SHAPES = {
         ModelShape(
             "llama3.2-3b", 3072, 28, 24, 8, 128, 8192, 128256, max_position_embeddings=131072, tied_embeddings=True
         ),
+        # Qwen3-1.7B's config.json (per-head q/k norms, tied, no biases), and the same sizes as a
+        # Llama file: what the q/k norms cost a step is the difference between the two.
+        _qwen3_17b("qwen3-1.7b", "qwen3"),
+        _qwen3_17b("qwen3-1.7b-as-llama", "llama"),
         # The same proportions (GQA 4:1, MLP 3.5x hidden, rope theta 500000) at a CPU test's size,
         # with FlashInfer's smallest head dim (64) so that it runs on a GPU too; wider weights than
         # 8B's spread the random logits (no near-ties between two forwards).

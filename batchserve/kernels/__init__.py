@@ -29,7 +29,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 4  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 5  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 

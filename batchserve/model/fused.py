@@ -39,8 +39,9 @@ def why_not_fused(layers: nn.ModuleList) -> str | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(type(n) is not KernelRMSNorm for n in norms) or type(layer.mlp.act) is not KernelSiluAndMul:
             return f"layer {i}'s norms or activation are not our kernels'"
-        if layer.self_attn.q_norm is not None:
-            return f"layer {i} norms each head of q and k (the one-call kernel does not)"
+        head_norms = (layer.self_attn.q_norm, layer.self_attn.k_norm)
+        if head_norms[0] is not None and any(type(n) is not KernelRMSNorm or n.eps != norms[0].eps for n in head_norms):
+            return f"layer {i}'s q/k norms are not our kernel's at the layer's eps"
         if layer.self_attn.head_dim % 16 or norms[0].eps != layers[0].input_layernorm.eps:
             return f"layer {i}: head dim {layer.self_attn.head_dim} (rotary takes multiples of 16) or its own eps"
     return None
@@ -75,6 +76,8 @@ class KernelDecoderLayers(nn.Module):
             else:
                 row += [Q4_1_KIND, *(self._address(t) for t in (product.weight, product.scales, product.mins))]
             row.append(0 if product.bias is None else self._address(product.bias))
+        attn = layer.self_attn  # Qwen3's per-head norms of q and k, or none
+        row += [0, 0] if attn.q_norm is None else [self._address(attn.q_norm.weight), self._address(attn.k_norm.weight)]
         return row
 
     def _address(self, t: torch.Tensor) -> int:

@@ -29,7 +29,7 @@ logger = logging.getLogger("batchserve")
 META_FORMAT = 1
 META_MARKER = "batchserve-gguf-meta.json"  # written last: an entry without it is incomplete
 # general.architecture -> what our forward runs
-LLAMA_CPP_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+LLAMA_CPP_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes attn_q/attn_k rows for these (rotary pairs)
 
 

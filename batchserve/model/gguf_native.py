@@ -221,6 +221,7 @@ class _Builder:
         model.lm_head = self._product("lm_head", [head], None)
         factors = self.tensors.get("rope_freqs.weight")
         model.rotary = rotary_for(c, None if factors is None else np.array(factors.data, dtype=np.float32))
+        model.rotary_local = local_rotary_for(c)  # Gemma 3's windowed layers' own
         use_kernel_layers(model)  # norms and silu*up on our kernels, beside our products
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if left:
@@ -264,8 +265,14 @@ class _Builder:
         gate, up = self.tensors[f"{blk}ffn_gate.weight"], self.tensors[f"{blk}ffn_up.weight"]
         mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [gate, up], None)
         mlp.down_proj = self._product(f"layers.{i}.mlp.down_proj", [self.tensors[f"{blk}ffn_down.weight"]], None)
+        # Norms as the file stores them: llama.cpp's converter has already added Gemma's 1 to its weights.
         layer.input_layernorm.weight = self._vector(f"{blk}attn_norm.weight")
-        layer.post_attention_layernorm.weight = self._vector(f"{blk}ffn_norm.weight")
+        if layer.sandwich:  # Gemma: the attention's output normed, the MLP's input and output
+            layer.post_attention_layernorm.weight = self._vector(f"{blk}post_attention_norm.weight")
+            layer.pre_feedforward_layernorm.weight = self._vector(f"{blk}ffn_norm.weight")
+            layer.post_feedforward_layernorm.weight = self._vector(f"{blk}post_ffw_norm.weight")
+        else:
+            layer.post_attention_layernorm.weight = self._vector(f"{blk}ffn_norm.weight")
 
     def _unpermuted(self, view: TensorView, heads: int) -> TensorView:
         """llama.cpp's converter interleaves each head's rotary halves in attn_q/attn_k; the rows

@@ -17,6 +17,7 @@ from batchserve.attention.kernel import KernelBackend
 from batchserve.model import native_from_hf
 from batchserve.model.fused import KernelDecoderLayers, why_not_fused
 from batchserve.model.layers import use_kernel_layers
+from batchserve.model.llama import layer_attention
 from batchserve.model.quant import Q4Linear, random_q4_1
 from tests.attention.layouts import blocks_needed, random_step, slot_mapping
 from tests.conftest import TINY_VOCAB
@@ -25,17 +26,25 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unava
 LAYERS, BS = 3, 16
 
 
-def _q4_model(bias: bool, seed: int = 0) -> Any:
-    """A tiny Llama whose products are random Q4_1 blocks on our kernel, norms and silu*up ours."""
+def _q4_model(bias: bool, seed: int = 0, kind: str = "llama") -> Any:
+    """A tiny Llama (or Qwen3 with its per-head q/k norms, or Mistral with a 8-key window in every
+    layer) whose products are random Q4_1 blocks on our kernel, norms and silu*up ours."""
     import transformers as tf
 
-    config = tf.LlamaConfig(
+    config_class = {"llama": tf.LlamaConfig, "qwen3": tf.Qwen3Config, "mistral-window": tf.MistralConfig}[kind]
+    extra = {"sliding_window": 8} if kind == "mistral-window" else {}
+    config = config_class(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-        attention_bias=bias, mlp_bias=bias, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        attention_bias=bias, mlp_bias=bias, bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
-    native = native_from_hf(tf.AutoModelForCausalLM.from_config(config).float().eval())
+    hf = tf.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # not ones: a skipped norm shows
+                p.uniform_(0.5, 1.5)
+    native = native_from_hf(hf)
     gen = torch.Generator().manual_seed(seed)
     for layer in native.layers:
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
@@ -57,8 +66,11 @@ def _forward(model: Any, backend: Any, seqs: list, ids: torch.Tensor) -> torch.T
         return model(ids[None], positions[None], torch.arange(ids.shape[0]), meta).logits[0]
 
 
-def _pools(num_blocks: int, gen: torch.Generator) -> tuple[KernelBackend, KernelBackend]:
+def _pools(num_blocks: int, gen: torch.Generator, config: Any = None) -> tuple[KernelBackend, KernelBackend]:
     a, b = (KernelBackend(LAYERS, num_blocks, BS, 2, 16) for _ in range(2))
+    if config is not None:  # each layer's window, as the engine gives them
+        a.set_layers(layer_attention(config))
+        b.set_layers(layer_attention(config))
     torch.randn(a.k_cache.shape, generator=gen, out=a.k_cache)
     torch.randn(a.v_cache.shape, generator=gen, out=a.v_cache)
     b.k_cache.copy_(a.k_cache)
@@ -66,9 +78,14 @@ def _pools(num_blocks: int, gen: torch.Generator) -> tuple[KernelBackend, Kernel
     return a, b
 
 
-@pytest.mark.parametrize(("bias", "seed"), [(False, 0), (True, 1), (False, 2)])
-def test_the_fused_layers_give_every_row_the_bits_of_the_layers_one_by_one(bias, seed):
-    together = check_fused_against_one_by_one(_q4_model(bias, seed), seed, (1, 3))
+@pytest.mark.parametrize(
+    ("bias", "seed", "kind"),
+    [(False, 0, "llama"), (True, 1, "llama"), (False, 2, "qwen3"), (False, 3, "mistral-window")],
+)
+def test_the_fused_layers_give_every_row_the_bits_of_the_layers_one_by_one(bias, seed, kind):
+    model = _q4_model(bias, seed, kind)
+    assert why_not_fused(model.layers) is None
+    together = check_fused_against_one_by_one(model, seed, (1, 3))
     assert together.seconds > 0  # attention's time is still reported apart
 
 
@@ -80,7 +97,7 @@ def check_fused_against_one_by_one(model: Any, seed: int, thread_counts: tuple[i
     num_blocks = blocks_needed((0, 1, 7, 33, 200), BS)
     seqs = random_step(rng, BS, num_blocks, cached=(0, 1, 7, 33, 200))
     ids = torch.randint(0, TINY_VOCAB, (seqs[-1].q_start + seqs[-1].q_len,), generator=gen)
-    one_by_one, together = _pools(num_blocks, gen)
+    one_by_one, together = _pools(num_blocks, gen, model.config)
     model.fused_layers = None
     want = _forward(model, one_by_one, seqs, ids)
     model.fused_layers = fused

@@ -31,6 +31,14 @@ TINY_QWEN = ModelShape(
 )
 # Head dim 128, as every Qwen3 has (transformers reads a qwen3 file's head dim as its default, 128).
 TINY_QWEN3 = ModelShape("tiny-qwen3", 256, 2, 4, 2, 128, 512, 49152, init_std=0.05, arch="qwen3")
+# Gemma: tied, windowed layers (a 16-key window: the prompts below run past it), sandwich norms
+# (the file's values already hold Gemma's + 1), Gemma 3's q/k norms and local rotary.
+TINY_GEMMA2 = ModelShape(
+    "tiny-gemma2", 256, 3, 4, 2, 64, 512, 49152, init_std=0.05, arch="gemma2", tied_embeddings=True, sliding_window=16
+)
+TINY_GEMMA3 = ModelShape(
+    "tiny-gemma3", 256, 7, 4, 2, 64, 512, 49152, init_std=0.05, arch="gemma3", tied_embeddings=True, sliding_window=16
+)
 
 
 def _config(path: str | Path, weights: str = "auto", **model: object) -> EngineConfig:
@@ -65,10 +73,12 @@ def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     files = {f"llama-{q}": write_gguf(root / f"llama-{q}.gguf", TINY, q) for q in ("Q4_K_M", "Q6_K", "Q4_0")}
     files["qwen-Q5_K_M"] = write_gguf(root / "qwen-Q5_K_M.gguf", TINY_QWEN, "Q5_K_M")
     files["qwen3-Q4_K_M"] = write_gguf(root / "qwen3-Q4_K_M.gguf", TINY_QWEN3, "Q4_K_M")
+    files["gemma2-Q4_K_M"] = write_gguf(root / "gemma2-Q4_K_M.gguf", TINY_GEMMA2, "Q4_K_M")
+    files["gemma3-Q4_K_M"] = write_gguf(root / "gemma3-Q4_K_M.gguf", TINY_GEMMA3, "Q4_K_M")
     return files
 
 
-@pytest.mark.parametrize("name", ["llama-Q4_K_M", "qwen-Q5_K_M", "qwen3-Q4_K_M"])
+@pytest.mark.parametrize("name", ["llama-Q4_K_M", "qwen-Q5_K_M", "qwen3-Q4_K_M", "gemma2-Q4_K_M", "gemma3-Q4_K_M"])
 def test_the_mapping_equals_transformers_load_of_the_same_file(tiny_files, monkeypatch, name):
     """With exact products, the native model read from the blocks (q/k rows un-permuted for
     llama, biases, tied head, norms, rope) computes transformers' float32 model of the file."""

@@ -23,6 +23,7 @@ enum Field : int64_t {
     kOKind, kOQ, kOD, kOM, kOBias,
     kGateUpKind, kGateUpQ, kGateUpD, kGateUpM, kGateUpBias,
     kDownKind, kDownQ, kDownD, kDownM, kDownBias,
+    kQNorm, kKNorm,  // RMSNorm weights over each head of q and of k (Qwen3's), 0 for none
     kFields,
 };
 enum Kind : int64_t { kQ4_1 = 0, kBlocks = 1 };
@@ -45,6 +46,17 @@ void product(const int64_t* row, Field kind, const float* x, int64_t T, int64_t 
     if (bias != nullptr)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t n = 0; n < N; ++n) y[t * N + n] += bias[n];
+}
+
+// Each of `heads` heads from head `first` of every row of qkv [T, width] RMS-normed over its D values
+// in place, by `bs_rms_norm` one head at a time: the bits of the per-layer forward's norm of those rows.
+void norm_heads(float* qkv, int64_t T, int64_t width, int64_t first, int64_t heads, int64_t D, const float* weight,
+                float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T * heads > 1)
+    for (int64_t i = 0; i < T * heads; ++i) {
+        float* head = qkv + (i / heads) * width + (first + i % heads) * D;
+        bs_rms_norm(head, nullptr, weight, 1, D, eps, head, nullptr, 1);
+    }
 }
 
 }  // namespace
@@ -87,6 +99,10 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
             bs_rms_norm(out, residual, at<float>(row, kInputNorm), T, H, eps, h, residual, threads);
         }
         product(row, kQkvKind, h, T, H, qkv_width, qkv, threads);
+        if (row[kQNorm] != 0) {
+            norm_heads(qkv, T, qkv_width, 0, Hq, D, at<float>(row, kQNorm), eps, threads);
+            norm_heads(qkv, T, qkv_width, Hq, Hkv, D, at<float>(row, kKNorm), eps, threads);
+        }
         // q and k heads of each row ([T, heads, D] inside qkv) rotated into head-major [Hq + Hkv, T, D]
         bs_rotary(qkv, Hq + Hkv, T, D, D, qkv_width, cos, sin, qk, threads);
         const int64_t pool = l * Hkv * S * D;

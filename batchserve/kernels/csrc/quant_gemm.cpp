@@ -346,6 +346,6 @@ void bs_q8_0_linear(const float* x, int64_t T, int64_t K, const int8_t* wq, cons
     linear<Q80, WIDE(Q80)>(x, T, K, Weights{reinterpret_cast<const uint8_t*>(wq), wd, nullptr}, N, y, threads);
 }
 
-int bs_abi_version() { return 4; }
+int bs_abi_version() { return 5; }
 
 }  // extern "C"
