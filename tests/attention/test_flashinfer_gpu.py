@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 
@@ -82,3 +83,51 @@ def test_copy_slots_moves_every_layer():
         after = cache.view(3, -1, 2, 64)
         torch.testing.assert_close(after[:, [1, 2]], old[:, [5, 6]])
         torch.testing.assert_close(after[:, 3:], old[:, 3:])
+
+
+# In the GPU check's `-k "bf16 and hd64"`: FlashInfer's window (a tree step's in its mask, a
+# decode bucket's as `window_left`) and `logits_soft_cap`, one wrapper per kind of layer.
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_windows_and_soft_caps_match_the_reference_bf16_hd64(block_size):
+    from batchserve.attention import LayerAttention
+    from batchserve.attention.base import StepBucket
+    from batchserve.attention.flashinfer_backend import FlashInferBackend
+
+    rng, dtype, head_dim, dev = random.Random(block_size), torch.bfloat16, 64, torch.device("cuda")
+    torch.manual_seed(1)
+    layers = (LayerAttention(window=37, softcap=30.0), LayerAttention(), LayerAttention(window=300))
+    num_blocks = blocks_needed(CACHED, block_size)
+    ref = TorchReferenceBackend(3, num_blocks, block_size, 4, head_dim, torch.float32, dev)
+    fi = FlashInferBackend(3, num_blocks, block_size, 12, 4, head_dim, dtype, dev, max_model_len=8192)
+    ref.set_layers(layers)
+    fi.set_layers(layers)
+    ref.k_cache.normal_()
+    ref.v_cache.normal_()
+    ref.k_cache.copy_(ref.k_cache.to(dtype))
+    ref.v_cache.copy_(ref.v_cache.to(dtype))
+    fi.k_cache.copy_(ref.k_cache.transpose(1, 2).reshape(fi.k_cache.shape))
+    fi.v_cache.copy_(ref.v_cache.transpose(1, 2).reshape(fi.v_cache.shape))
+    seqs = random_step(rng, block_size, num_blocks, CACHED)
+    step, slots, total = StepLayout.from_seqs(seqs), slot_mapping(seqs, block_size), sum(s.q_len for s in seqs)
+    q, k, v = (torch.randn(h, total, head_dim, device=dev).to(dtype) for h in (12, 4, 4))
+    ref_meta, fi_meta = ref.build_metadata(step, slots), fi.build_metadata(step, slots)
+    for layer in range(3):
+        want = ref.forward(layer, q.float(), k.float(), v.float(), ref_meta, head_dim**-0.5)
+        got = fi.forward(layer, q, k, v, fi_meta, head_dim**-0.5)
+        _close_rows(got, want)
+    # A decode bucket (one row a request, no mask): the window is FlashInfer's window_left.
+    roots = [dataclasses.replace(s, q_start=j) for j, s in enumerate(x for x in seqs if x.q_len == 1)]
+    assert roots, "random_step always holds a lone root"
+    decode, rows = StepLayout.from_seqs(roots), slot_mapping(roots, block_size)
+    qd, kd, vd = (torch.randn(h, len(roots), head_dim, device=dev).to(dtype) for h in (12, 4, 4))
+    fi_meta = fi.plan(decode, rows.to(dev), StepBucket(len(roots), len(roots), tree=False))
+    ref_meta = ref.build_metadata(decode, rows)
+    want = ref.forward(0, qd.float(), kd.float(), vd.float(), ref_meta, head_dim**-0.5)
+    got = fi.forward(0, qd, kd, vd, fi_meta, head_dim**-0.5)
+    _close_rows(got, want)
+
+
+def _close_rows(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 attention against float32's, [T, Hq, D]: as close as the plain test holds it, row by row."""
+    err = (got.float() - want).flatten(1).norm(dim=-1) / want.flatten(1).norm(dim=-1)
+    assert err.max().item() < 5e-2, err.max().item()
