@@ -147,20 +147,7 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
                     for done in waiting.pop(f"{parent}.{target}"):
                         f.release(done)
                 continue
-            if name == "embed_tokens.weight":
-                model.embed_tokens = FileEmbedding(tensor.clone())  # its own copy: the map's pages go
-                if tied:
-                    model.lm_head = _bf16(KernelBf16Linear, tensor, None, "lm_head")
-            elif leaf == "weight" and module.endswith(FUSED_IN_FILE):  # Phi's q|k|v and gate|up: already one
-                sizes = model.get_submodule(module).sizes
-                _set(model, module, _bf16(KernelBf16Linear, tensor, None, module, sizes))
-            elif leaf == "weight" and module.endswith(("o_proj", "down_proj", "lm_head")):
-                bias_key = key.removesuffix("weight") + "bias"
-                bias = f.get(bias_key) if bias_key in f.entries else None
-                _set(model, module, _bf16(KernelBf16Linear, tensor, bias, module))
-            elif not (leaf == "bias" and module.endswith(("o_proj", "down_proj"))):  # a bias: read with its weight
-                norm = stored_norm(config, name, tensor.float()).clone()  # Gemma's (1 + w) folded in
-                _set(model, name, nn.Parameter(norm, requires_grad=False))
+            _read_single(model, f, key, tensor, tied)
             del tensor
             f.release(key)
     model.rotary, model.rotary_local = rotary_for(config, None), local_rotary_for(config)
@@ -174,6 +161,29 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
     config._name_or_path = str(directory)
     logger.info("read %s in %.1f s: %s", directory, time.perf_counter() - t0, model.cpu_weights_reason)
     return model.eval(), tokenizer
+
+
+def _read_single(model: NativeLlamaForCausalLM, f: SafetensorsMap, key: str, tensor: torch.Tensor, tied: bool) -> None:
+    """A tensor that is not part of a product we merge: the embedding, a product the file stores
+    whole (o, down, the head; Phi's merged q|k|v and gate|up), or a norm."""
+    from batchserve.model.bf16 import KernelBf16Linear
+
+    name = key.removeprefix("model.")
+    module, _, leaf = name.rpartition(".")
+    if name == "embed_tokens.weight":
+        model.embed_tokens = FileEmbedding(tensor.clone())  # its own copy: the map's pages go
+        if tied:
+            model.lm_head = _bf16(KernelBf16Linear, tensor, None, "lm_head")
+    elif leaf == "weight" and module.endswith(FUSED_IN_FILE):  # Phi's q|k|v and gate|up: already one
+        sizes = model.get_submodule(module).sizes
+        _set(model, module, _bf16(KernelBf16Linear, tensor, None, module, sizes))
+    elif leaf == "weight" and module.endswith(("o_proj", "down_proj", "lm_head")):
+        bias_key = key.removesuffix("weight") + "bias"
+        bias = f.get(bias_key) if bias_key in f.entries else None
+        _set(model, module, _bf16(KernelBf16Linear, tensor, bias, module))
+    elif not (leaf == "bias" and module.endswith(("o_proj", "down_proj"))):  # a bias: read with its weight
+        norm = stored_norm(model.config, name, tensor.float()).clone()  # Gemma's (1 + w) folded in
+        _set(model, name, nn.Parameter(norm, requires_grad=False))
 
 
 def _bf16(layer_class: type, weight: torch.Tensor, bias: torch.Tensor | None, name: str,
