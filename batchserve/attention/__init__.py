@@ -120,42 +120,19 @@ def make_backend(
     """The backend `name` names, resolved already (`resolve_backend`, which the runner calls once
     with what it knows of the model); `auto` alone is resolved here, as for a model that
     claims no invariant products. `layers`: each layer's sliding window and soft-cap, if any."""
-    backend = _make_backend(
-        name, num_layers, num_blocks, block_size, num_qo_heads, num_kv_heads, head_dim, dtype, device, sm_scale,
-        max_model_len,
-    )  # fmt: skip
-    if layers:
-        if len(layers) != num_layers:
-            raise ValueError(f"{len(layers)} layers' attention kinds for {num_layers} layers")
-        backend.set_layers(layers)
-    return backend
-
-
-def _make_backend(
-    name: str,
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    sm_scale: float | None,
-    max_model_len: int,
-) -> AttentionBackend:
     if name == "auto":
         name = resolve_backend(name, device, dtype, head_dim=head_dim)
+    backend: AttentionBackend
     if name == "kernel":  # query heads per KV head come from q's shape each step
-        return KernelBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    if name == "invariant":
-        return checked_backend(
+        backend = KernelBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    elif name == "invariant":
+        backend = checked_backend(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_qo_heads=num_qo_heads
         )
-    if name == "flashinfer":
+    elif name == "flashinfer":
         from batchserve.attention.flashinfer_backend import FlashInferBackend  # imports flashinfer
 
-        return FlashInferBackend(
+        backend = FlashInferBackend(
             num_layers,
             num_blocks,
             block_size,
@@ -167,4 +144,10 @@ def _make_backend(
             sm_scale,
             max_model_len,
         )
-    return TorchReferenceBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    else:
+        backend = TorchReferenceBackend(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    if layers:
+        if len(layers) != num_layers:
+            raise ValueError(f"{len(layers)} layers' attention kinds for {num_layers} layers")
+        backend.set_layers(layers)
+    return backend

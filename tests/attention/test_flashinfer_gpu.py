@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -38,14 +39,7 @@ def test_flashinfer_matches_the_reference(block_size, num_heads, num_kv_heads, h
     num_blocks = blocks_needed(CACHED, block_size)
     ref = TorchReferenceBackend(2, num_blocks, block_size, num_kv_heads, head_dim, torch.float32, dev)
     fi = FlashInferBackend(2, num_blocks, block_size, num_heads, num_kv_heads, head_dim, dtype, dev)
-    # Same pool contents, rounded to the kernel's dtype so only the kernel's arithmetic differs.
-    ref.k_cache.normal_()
-    ref.v_cache.normal_()
-    ref.k_cache.copy_(ref.k_cache.to(dtype))
-    ref.v_cache.copy_(ref.v_cache.to(dtype))
-    # The reference is head-major [L, Hkv, slots, D]; FlashInfer's pages are [L, pages, page, Hkv, D].
-    fi.k_cache.copy_(ref.k_cache.transpose(1, 2).reshape(fi.k_cache.shape))
-    fi.v_cache.copy_(ref.v_cache.transpose(1, 2).reshape(fi.v_cache.shape))
+    _same_pools(ref, fi, dtype)
 
     seqs = random_step(rng, block_size, num_blocks, CACHED)
     total = sum(s.q_len for s in seqs)
@@ -101,12 +95,7 @@ def test_windows_and_soft_caps_match_the_reference_bf16_hd64(block_size):
     fi = FlashInferBackend(3, num_blocks, block_size, 12, 4, head_dim, dtype, dev, max_model_len=8192)
     ref.set_layers(layers)
     fi.set_layers(layers)
-    ref.k_cache.normal_()
-    ref.v_cache.normal_()
-    ref.k_cache.copy_(ref.k_cache.to(dtype))
-    ref.v_cache.copy_(ref.v_cache.to(dtype))
-    fi.k_cache.copy_(ref.k_cache.transpose(1, 2).reshape(fi.k_cache.shape))
-    fi.v_cache.copy_(ref.v_cache.transpose(1, 2).reshape(fi.v_cache.shape))
+    _same_pools(ref, fi, dtype)
     seqs = random_step(rng, block_size, num_blocks, CACHED)
     step, slots, total = StepLayout.from_seqs(seqs), slot_mapping(seqs, block_size), sum(s.q_len for s in seqs)
     q, k, v = (torch.randn(h, total, head_dim, device=dev).to(dtype) for h in (12, 4, 4))
@@ -125,6 +114,17 @@ def test_windows_and_soft_caps_match_the_reference_bf16_hd64(block_size):
     want = ref.forward(0, qd.float(), kd.float(), vd.float(), ref_meta, head_dim**-0.5)
     got = fi.forward(0, qd, kd, vd, fi_meta, head_dim**-0.5)
     _close_rows(got, want)
+
+
+def _same_pools(ref: TorchReferenceBackend, fi: Any, dtype: torch.dtype) -> None:
+    """Random pool contents, rounded to the kernel's dtype so only the kernel's arithmetic differs.
+    The reference is head-major [L, Hkv, slots, D]; FlashInfer's pages are [L, pages, page, Hkv, D]."""
+    ref.k_cache.normal_()
+    ref.v_cache.normal_()
+    ref.k_cache.copy_(ref.k_cache.to(dtype))
+    ref.v_cache.copy_(ref.v_cache.to(dtype))
+    fi.k_cache.copy_(ref.k_cache.transpose(1, 2).reshape(fi.k_cache.shape))
+    fi.v_cache.copy_(ref.v_cache.transpose(1, 2).reshape(fi.v_cache.shape))
 
 
 def _close_rows(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from batchserve.attention import (
 from batchserve.attention.base import AttentionBackend
 from batchserve.attention.invariant_check import checked_backend
 from tests.attention.layouts import BlockPicker
-from tests.engine.drafters import random_tree
+from tests.attention.test_invariant import _step
 
 HEADS, KV_HEADS, D, BS = 6, 2, 64, 16
 KINDS = {
@@ -53,17 +53,6 @@ def _backend(name: str, kind: LayerAttention, num_blocks: int, gen: torch.Genera
     backend.k_cache[..., :D].copy_(pool[0])
     backend.v_cache[..., :D].copy_(pool[1])  # the invariant pool keeps a column of ones past D
     return backend
-
-
-def _step(rng: random.Random, picker: BlockPicker, kinds: list[tuple[int, int, int]]) -> list[SeqLayout]:
-    """Requests of (cached, chunk, draft nodes), packed back to back."""
-    seqs, start = [], 0
-    for cached, chunk, nodes in kinds:
-        parents = random_tree(rng, nodes, 50).parents if nodes else ()
-        q_len = chunk + nodes
-        seqs.append(SeqLayout(start, q_len, cached, chunk, parents, picker.take(-(-(cached + q_len) // BS))))
-        start += q_len
-    return seqs
 
 
 def _run(backend: AttentionBackend, seqs: list[SeqLayout], q, k, v, scale: float = D**-0.5) -> torch.Tensor:
