@@ -35,9 +35,10 @@ from batchserve.threads import rows_whole
 
 # transformers' model_type
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
-# Rope types whose frequencies are fixed at load (dynamic changes with length). LongRoPE's are
-# fixed within its original context (its short factors), to which the engine caps it (`rope_limit`).
-STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
+# Rope types whose frequencies are fixed at load. Dynamic NTK's and LongRoPE's are fixed within
+# their original context (the plain frequencies, the short factors), where the engine caps them
+# (`rope_limit`).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # transformers' parameter names -> (our merged module, its part): one product instead of several.
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", 0),
@@ -75,10 +76,10 @@ def supports(config: Any) -> str | None:
 def rope_limit(config: Any) -> int | None:
     """The context past which the model's rotary is not one fixed table, else None. LongRoPE
     (Phi-3/4) switches from its short to its long factors once a forward's longest position passes
-    its original context: in transformers by the whole forward, so the factors a token gets would
-    depend on the draft tree and the other requests beside it. Within that context every token
-    gets the short factors in any step: exact."""
-    if "longrope" not in rope_types(config):
+    its original context, and dynamic NTK raises its base there: in transformers by the whole
+    forward, so the rotation a token gets would depend on the draft tree and the other requests
+    beside it. Within that context every token gets the same table in any step: exact."""
+    if not {"longrope", "dynamic"} & set(rope_types(config)):
         return None
     rope = getattr(config, "rope_scaling", None) or {}
     limit = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)

@@ -188,8 +188,8 @@ def test_native_greedy_with_drafts_equals_hf_generate(kind):
 def test_what_the_native_forward_does_not_run_exactly_is_refused_by_name():
     import transformers as tf
 
-    dynamic = tf.LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    assert "rope type dynamic" in (supports(dynamic) or "")
+    proportional = tf.LlamaConfig(**SMALL, rope_scaling={"rope_type": "proportional", "factor": 2.0})
+    assert "rope type proportional" in (supports(proportional) or "")
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(ValueError, match="model type gpt2"):
         native_from_hf(gpt2)
@@ -280,9 +280,14 @@ def test_each_layer_gets_the_window_and_cap_transformers_applies():
 
 
 def test_longrope_runs_within_its_original_context_and_no_further():
-    """Past its original context LongRoPE's factors follow a forward's longest position (a batch's,
-    a draft tree's): the context is capped there, where every token gets the short factors."""
+    """Past its original context LongRoPE's factors (and dynamic NTK's base) follow a forward's
+    longest position (a batch's, a draft tree's): the context is capped there, where every token
+    gets the short factors."""
     assert rope_limit(_model("phi3").config) == 64 and rope_limit(_model("llama").config) is None
+    import transformers as tf
+
+    dynamic = tf.LlamaConfig(**SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert supports(dynamic) is None and rope_limit(dynamic) == 1024  # dynamic NTK: plain rope until then
     llm = LLM(hf_model=_model("phi3"), tokenizer=make_tiny_tokenizer(), adaptive=False)
     assert llm.engine.facts.max_model_len == 64
     with pytest.raises(ValueError, match="LongRoPE switches factors"):
