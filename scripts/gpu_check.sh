@@ -284,5 +284,5 @@ if ((failed)); then SUMMARY+=("gpu_check: some steps failed"); else SUMMARY+=("g
 SUMMARY=("== summary ($((SECONDS)) s of ${TOTAL} s)" "${SUMMARY[@]}")
 pack
 cat "$OUT/summary.txt"
-if ((OWN_WORK)); then rm -rf "$WORK"; fi  # packed into $OUT/logs.tgz
+if ((OWN_WORK)); then rm -rf "$WORK" "$(dirname "$WORK")/.$(basename "$WORK").pack"; fi  # packed into $OUT/logs.tgz
 exit "$failed"

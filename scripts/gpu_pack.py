@@ -4,7 +4,8 @@ time limit still returns everything the steps before it wrote.
 
     python scripts/gpu_pack.py WORK OUT
 
-Writes into OUT, each file whole (written beside, then renamed):
+Writes into OUT, each file whole (written beside WORK where that is on OUT's filesystem, else in
+OUT, then renamed: a pack killed mid-write leaves nothing partial in OUT):
     results.json  every bench step's rows (WORK/<step>/results.json), each with its "step"
     report.md     the summary so far, then each step's report.md under its name
     logs.tgz      everything in WORK: logs, junit xml, curves, the reports
@@ -22,8 +23,22 @@ from pathlib import Path
 PACKED = ("results.json", "report.md", "logs.tgz", "summary.txt")
 
 
-def _write(out: Path, name: str, data: bytes) -> None:
-    tmp = out / f".{name}.tmp"
+def _staging(work: Path, out: Path) -> Path:
+    """Where a file is written before it is renamed into OUT: a folder beside WORK when it is on
+    OUT's filesystem (a rename across filesystems is a copy), else OUT itself."""
+    stage = work.parent / f".{work.name}.pack"
+    try:
+        stage.mkdir(exist_ok=True)
+        if os.stat(stage).st_dev == os.stat(out).st_dev:
+            return stage
+        stage.rmdir()
+    except OSError:
+        pass
+    return out
+
+
+def _write(stage: Path, out: Path, name: str, data: bytes) -> None:
+    tmp = stage / f".{name}.tmp"
     tmp.write_bytes(data)
     os.replace(tmp, out / name)
 
@@ -48,13 +63,16 @@ def pack(work: Path, out: Path) -> None:
     summary = _text(work / "summary.txt") + (
         "\n" + _text(work / "device.txt") if (work / "device.txt").exists() else ""
     )
-    _write(out, "results.json", json.dumps(rows, indent=1).encode())
-    _write(out, "report.md", ("```\n" + summary.strip() + "\n```\n\n" + "\n".join(reports)).encode())
-    _write(out, "summary.txt", summary.encode())
-    tmp = out / ".logs.tgz.tmp"
+    stage = _staging(work, out)
+    _write(stage, out, "results.json", json.dumps(rows, indent=1).encode())
+    _write(stage, out, "report.md", ("```\n" + summary.strip() + "\n```\n\n" + "\n".join(reports)).encode())
+    _write(stage, out, "summary.txt", summary.encode())
+    tmp = stage / ".logs.tgz.tmp"
     with tarfile.open(tmp, "w:gz") as tar:
         tar.add(work, arcname="gpu_check")
     os.replace(tmp, out / "logs.tgz")
+    if stage != out:
+        stage.rmdir()  # empty again: every file renamed into OUT
     for stray in out.iterdir():  # only the packed files come back: nothing else may take a place
         if stray.name not in PACKED:
             if stray.is_dir():
