@@ -91,6 +91,9 @@ def _generate_parser(sub: Any) -> None:
         help="how calls spread over the target's replicas (UNAVAILABLE is retried on another)",
     )
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    gen.add_argument(
+        "--api-key", default=None, help="sent as `Authorization: Bearer KEY` (default: $BATCHSERVE_API_KEY)"
+    )
     gen.add_argument("--max-new-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
@@ -250,7 +253,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     # gRPC stays inside batchserve/server/.
-    from batchserve.server.client import generate_command
+    from batchserve.server.client_cli import generate_command
 
     return generate_command(args)
 

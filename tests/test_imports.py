@@ -151,7 +151,7 @@ def test_speculation_and_the_drafters_have_one_owner_each() -> None:
 def test_the_servers_wings_stand_apart() -> None:
     """server/: the gRPC wing and the OpenAI wing never import each other (they meet in the
     shared core: `frontend`, `samples`, `metrics`, and `app`, which assembles both); gRPC is known
-    to the gRPC wing, the client and `app` alone, FastAPI to the OpenAI wing alone."""
+    to the gRPC wing, the client (and its command) and `app` alone, FastAPI to the OpenAI wing alone."""
     graph = _graph()
     wings = ("batchserve.server.grpc", "batchserve.server.openai")
     crossing = [
@@ -172,6 +172,7 @@ def test_the_servers_wings_stand_apart() -> None:
         if "grpc" in roots:
             assert module.startswith("batchserve.server.grpc") or module in {
                 "batchserve.server.client",
+                "batchserve.server.client_cli",
                 "batchserve.server.app",
             }, module
         if roots & {"fastapi", "starlette"}:

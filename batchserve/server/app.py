@@ -22,6 +22,7 @@ from batchserve.engine import EngineCore
 from batchserve.server.frontend import Frontend, ServiceInfo
 from batchserve.server.grpc.servicer import TextGenerationServicer
 from batchserve.server.http import HttpServer, listen
+from batchserve.server.keys import ApiKeys
 from batchserve.server.metrics import Metrics
 from batchserve.server.openai.api import OpenAIServer
 from batchserve.v1 import generation_pb2 as pb
@@ -63,6 +64,11 @@ class ServerConfig:
         "where a request's tenant key comes from: header (x-batchserve-tenant, set by a trusted gateway), "
         "request (gRPC's tenant field; HTTP's user field, hashed), or both (the header wins)",
         choices=TENANT_SOURCES,
+    )
+    api_key_file: str | None = setting(
+        None,
+        "a file of `TENANT KEY` lines (KEY plain or sha256:<hex>), re-read on SIGHUP: every call then needs"
+        " `Authorization: Bearer KEY`, and its tenant is the key's (tenant headers and fields are ignored)",
     )
     served_model_name: str | None = setting(
         None, "the model id of the HTTP API (default: the model file's or directory's name)"
@@ -155,7 +161,9 @@ class BatchServer:
         self.model_name = model_name
         info = ServiceInfo(model_name, dtype, config.max_waiting_requests, config.admin_token)
         self.frontend = Frontend(engine, self.metrics, info)
-        self.servicer = TextGenerationServicer(self.frontend, config.tenant_source)
+        # The key file is read here: one that does not parse stops the server before it listens.
+        self.keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+        self.servicer = TextGenerationServicer(self.frontend, config.tenant_source, self.keys)
         self._http_socket = http_socket
         self._http: HttpServer | None = None
         self.http_port: int | None = None  # where the OpenAI API listens, once started
@@ -192,7 +200,7 @@ class BatchServer:
             await server.start()
             if http_socket is not None:
                 served = c.served_model_name or Path(self.model_name).stem or "model"
-                api = OpenAIServer(self.frontend, served, self.max_message_bytes, c.tenant_source)
+                api = OpenAIServer(self.frontend, served, self.max_message_bytes, c.tenant_source, self.keys)
                 tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
                 self._http = HttpServer(api.app, http_socket, tls, limit_concurrency=self.max_calls)
                 self.http_port = http_socket.getsockname()[1]
@@ -298,6 +306,8 @@ async def serve_forever(server: BatchServer, started: float | None = None) -> in
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    if server.keys is not None:  # SIGHUP: the key file re-read (a file that does not parse keeps the keys)
+        loop.add_signal_handler(signal.SIGHUP, server.keys.reload)
     port = await server.start()
     since = f" {time.monotonic() - started:.1f} s after start" if started is not None else ""
     captured = server.engine.core.facts.capture

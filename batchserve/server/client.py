@@ -195,6 +195,9 @@ class Client:
     one stream, no token twice or missing; for greedy and seeded requests the very stream the
     first replica would have sent (bit for bit on CPU).
 
+    `api_key` goes as `authorization: Bearer KEY` on every call (a server with --api-key-file
+    refuses calls without one).
+
     Raises grpc.RpcError only (`code()`, `details()`): the last attempt's error as grpc gave it,
     or ReplicaShutDown; build_request's TypeError or ValueError for an option protobuf cannot
     hold; after `close()`, grpc's ValueError."""
@@ -207,6 +210,7 @@ class Client:
         failover: int = 3,
         keepalive: tuple[float, float] | None = KEEPALIVE_S,
         retry_budget: RetryBudget | None = None,
+        api_key: str | None = None,
     ) -> None:
         if failover < 0:
             raise ValueError(f"failover must be >= 0, got {failover}")
@@ -219,6 +223,7 @@ class Client:
         self.failovers = 0  # calls sent again or streams resumed, since this client was made
         self.refused = 0  # failovers the retry budget refused
         self._rng = random.Random()
+        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def generate(self, prompt: Any, **kwargs: Any) -> pb.GenerateResponse:
         """`kwargs`: build_request's; a `tenant` goes in the field and the metadata, so the
@@ -227,7 +232,7 @@ class Client:
         self.budget.deposit()
         for attempt in range(self.failover + 1):
             try:
-                reply = self.stub.Generate(req, timeout=_left(deadline), metadata=_tenant(kwargs))
+                reply = self.stub.Generate(req, timeout=_left(deadline), metadata=self._auth + _tenant(kwargs))
             except grpc.RpcError as e:
                 self._may_fail_over(e, attempt, deadline)
                 continue
@@ -244,7 +249,7 @@ class Client:
         ended = False  # the last message came (a replica that died before its status cost nothing)
         self.budget.deposit()
         for attempt in range(self.failover + 1):
-            call = self.stub.StreamGenerate(req, timeout=_left(deadline), metadata=_tenant(kwargs))
+            call = self.stub.StreamGenerate(req, timeout=_left(deadline), metadata=self._auth + _tenant(kwargs))
             try:
                 for msg in call:
                     broken = msg.finish_reason == pb.FINISH_REASON_CANCELLED
@@ -285,7 +290,8 @@ class Client:
         time.sleep(pause if left is None else min(pause, left))
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.info_timeout).token_ids)
+        request = pb.TokenizeRequest(text=text)
+        return list(self.stub.Tokenize(request, timeout=self.info_timeout, metadata=self._auth).token_ids)
 
     def add_corpus(
         self,
@@ -300,7 +306,7 @@ class Client:
         return self.stub.AddCorpus(req, timeout=self.timeout, metadata=metadata).sequences
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.info_timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.info_timeout, metadata=self._auth)
 
     def close(self) -> None:
         self.channel.close()
@@ -314,37 +320,3 @@ class Client:
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def generate_command(args: Any) -> int:
-    """`batchserve generate`: one request to a running server, printed as text or JSON."""
-    import sys
-
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    kwargs = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
-    with Client(args.target, timeout=args.timeout, load_balancing=args.load_balancing) as client:
-        try:
-            if args.stream and not args.json:
-                for chunk in client.stream(prompt, **kwargs):
-                    print(chunk.text, end="", flush=True)
-                print()
-                return 0
-            r = client.generate(prompt, **kwargs)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    print(_reply_json(r) if args.json else r.text)
-    return 0
-
-
-def _reply_json(r: pb.GenerateResponse) -> str:
-    stats = {k: getattr(r.stats, k) for k in ("steps", "draft_tokens_proposed", "draft_tokens_accepted")}
-    out = {
-        "request_id": r.request_id,
-        "text": r.text,
-        "token_ids": list(r.token_ids),
-        "finish_reason": FINISH_REASON_NAMES[r.finish_reason],
-        "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens},
-        "stats": stats | {"tokens_per_step": round(r.stats.tokens_per_step, 3)},
-    }
-    return json.dumps(out, ensure_ascii=False)

@@ -257,16 +257,6 @@ class Frontend:
         return waiting >= self.info.max_waiting_requests
 
 
-def choose_tenant(source: str, header: str | None, field: str | None) -> str:
-    """A request's tenant key under `source` (ServerConfig.tenant_source): the header a
-    gateway sets, the request's own field, or both with the header winning ("" for none)."""
-    if source == "header":
-        return header or ""
-    if source == "request":
-        return field or ""
-    return header or field or ""
-
-
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
     """`fn` on `loop`'s thread, from any thread; nothing once the loop is closed (shutdown)."""
     try:

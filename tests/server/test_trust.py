@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from batchserve.request import FinishReason
 from batchserve.server.app import PortInUse, ServerConfig
 from batchserve.server.client import build_request
-from batchserve.server.openai.api import user_tenant
+from batchserve.server.openai.auth import user_tenant
 from batchserve.v1 import generation_pb2 as pb
 from tests.server.conftest import start_server, tiny_core
 from tests.server.test_openai_api import _post_and_keep_open, _raw

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from batchserve.request import RequestOutput, TokenLogprob
-from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
+from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
 from batchserve.server.grpc import convert
+from batchserve.server.keys import TENANT_HEADER, ApiKeys, BadTenantHeader, Unauthenticated, request_tenant
 from batchserve.v1 import generation_pb2 as pb
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 
-TENANT_METADATA = "x-batchserve-tenant"
+TENANT_METADATA = TENANT_HEADER
+AUTHORIZATION = "authorization"
 ADMIN_METADATA = "x-batchserve-admin-token"
 MAX_CORPUS_SEQUENCES = 10_000  # per AddCorpus call (the message size bounds their length)
 STATUS = {
@@ -25,18 +27,40 @@ STATUS = {
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
-    for k, value in context.invocation_metadata() or ():
-        if k == key:
-            return value if isinstance(value, str) else value.decode("utf-8", "replace")
-    return None
+    values = _all_metadata(context, key)
+    return values[0] if values else None
+
+
+def _all_metadata(context: grpc.aio.ServicerContext, key: str) -> list[str]:
+    return [
+        value if isinstance(value, str) else value.decode("utf-8", "replace")
+        for k, value in context.invocation_metadata() or ()
+        if k == key
+    ]
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
-    def __init__(self, frontend: Frontend, tenant_source: str = "header") -> None:
-        """`tenant_source`: where a request's tenant key comes from (ServerConfig.tenant_source)."""
+    def __init__(self, frontend: Frontend, tenant_source: str = "header", keys: ApiKeys | None = None) -> None:
+        """`tenant_source`: where a request's tenant key comes from (ServerConfig.tenant_source)
+        without API keys; `keys`: the key file's keys, which every call but AddCorpus (the
+        admin token's) must then present as `authorization: Bearer KEY`."""
         self.frontend = frontend
         self.engine = frontend.engine
         self.tenant_source = tenant_source
+        self.keys = keys
+
+    async def _tenant(self, context: grpc.aio.ServicerContext, field: str = "") -> str:
+        """The call's tenant (`keys.request_tenant`); the call aborted where it has none."""
+        try:
+            return request_tenant(
+                self.keys, _all_metadata(context, AUTHORIZATION), _all_metadata(context, TENANT_METADATA), field,
+                self.tenant_source,
+            )  # fmt: skip
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except BadTenantHeader as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise AssertionError("unreachable: abort raises")
 
     # ---- RPCs ----------------------------------------------------------------------------
 
@@ -71,6 +95,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 yield convert.stream_chunk(out)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._tenant(context)
         try:  # admitted like a generation: tokenizing is the same work
             ids = await self.frontend.prepare(convert.prompt_of, request, self.engine.core.text)
         except Refused as e:
@@ -80,6 +105,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         return pb.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._tenant(context)
         core = self.engine.core
         cfg = core.config
         return pb.ModelInfo(
@@ -136,11 +162,12 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     ) -> AsyncIterator[RequestOutput]:
         """One request through the shared front end; its refusals and failures as gRPC statuses."""
         limits, max_model_len = self.engine.core.config.limits, self.engine.core.facts.max_model_len
+        tenant = await self._tenant(context, request.tenant)
         outputs = self.frontend.generate(
             lambda text: convert.prompt_of(request, text),
             lambda: convert.sampling_params(request, limits, max_model_len),
             request.request_id,
-            choose_tenant(self.tenant_source, _metadata(context, TENANT_METADATA), request.tenant),
+            tenant,
             references=lambda text: convert.references_of(request, text),
         )
         try:

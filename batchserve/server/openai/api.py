@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -21,9 +20,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchserve.request import RequestOutput
-from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused, choose_tenant
+from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
 from batchserve.server.http import BodyLimit
+from batchserve.server.keys import ApiKeys
 from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best
+from batchserve.server.openai.auth import KeyCheck, http_tenant
 from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai.errors import ApiError, error_response, param_of
 from batchserve.server.openai.logprobs import TokenText
@@ -33,14 +34,7 @@ from batchserve.server.openai.tools import parse_tool_request
 from batchserve.text import TextCodec
 
 T = TypeVar("T")
-TENANT_HEADER = "x-batchserve-tenant"
 STATUS = {Refusal.INVALID: 400, Refusal.QUEUE_FULL: 429, Refusal.DRAINING: 503, Refusal.ENGINE_DEAD: 503}
-
-
-def user_tenant(user: str | None) -> str | None:
-    """OpenAI's `user` as a tenant key (tenant_source request or both): hashed, so that any
-    string is a valid key and the key shows nothing of the user id."""
-    return "u-" + hashlib.sha256(user.encode()).hexdigest()[:32] if user else None
 
 
 async def _disconnected(request: Request) -> None:
@@ -70,9 +64,19 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | 
 class OpenAIServer:
     """Builds the FastAPI app over a `Frontend`; `max_body_bytes` bounds a request body."""
 
-    def __init__(self, frontend: Frontend, model_name: str, max_body_bytes: int, tenant_source: str = "header") -> None:
-        """`tenant_source`: where a request's tenant key comes from (ServerConfig.tenant_source)."""
+    def __init__(
+        self,
+        frontend: Frontend,
+        model_name: str,
+        max_body_bytes: int,
+        tenant_source: str = "header",
+        keys: ApiKeys | None = None,
+    ) -> None:
+        """`tenant_source`: where a request's tenant key comes from (ServerConfig.tenant_source)
+        without API keys; `keys`: the key file's keys, which every /v1 call must then present
+        (`KeyCheck`)."""
         self.frontend = frontend
+        self.keys = keys
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
         self.tenant_source = tenant_source
@@ -104,6 +108,8 @@ class OpenAIServer:
             return error_response(400, message, param)
 
         app.add_middleware(BodyLimit, limit=self.max_body_bytes, on_refuse=self._count_too_large)
+        if self.keys is not None:  # added last, so it runs first: an unknown key is refused unread
+            app.add_middleware(KeyCheck, keys=self.keys, on_refuse=self._count_unauthenticated)
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -193,6 +199,16 @@ class OpenAIServer:
         assert samples is not None and samples[0].last is not None
         return await self.frontend.render(lambda: JSONResponse(answer.whole(samples[0].text, samples[0].last)))
 
+    def _tenant(self, request: Request, user: str | None) -> str:
+        try:
+            return http_tenant(request, user, self.keys, self.tenant_source)
+        except ApiError:
+            self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
+            raise
+
+    def _count_unauthenticated(self) -> None:
+        self.frontend.metrics.rejected.labels("UNAUTHENTICATED").inc()
+
     def _count_too_large(self) -> None:
         self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()  # gRPC says RESOURCE_EXHAUSTED
 
@@ -262,8 +278,7 @@ class OpenAIServer:
         to stream (`body.stream`), or every sample collected; None where the client left, which
         aborts its requests at once (waiting, during its prefill, or decoding). Refusals and engine
         failures before the first output are ApiErrors."""
-        header = request.headers.get(TENANT_HEADER)
-        tenant = choose_tenant(self.tenant_source, header, user_tenant(body.user))
+        tenant = self._tenant(request, body.user)
         core = self.frontend.engine.core
         outputs = self.frontend.generate_n(
             prepare,

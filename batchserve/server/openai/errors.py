@@ -20,6 +20,7 @@ class ApiError(HTTPException):
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",

@@ -1,0 +1,54 @@
+"""API keys at the OpenAI API's door: the key check as ASGI middleware (`keys` has the rules)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from batchserve.server.keys import TENANT_HEADER, ApiKeys, BadTenantHeader, Unauthenticated, request_tenant
+from batchserve.server.openai.errors import ApiError
+
+
+def user_tenant(user: str | None) -> str | None:
+    """OpenAI's `user` as a tenant key (tenant_source request or both): hashed, so that any
+    string is a valid key and the key shows nothing of the user id."""
+    return "u-" + hashlib.sha256(user.encode()).hexdigest()[:32] if user else None
+
+
+def http_tenant(request: Request, user: str | None, keys: ApiKeys | None, source: str) -> str:
+    """A call's tenant: its key's (`KeyCheck` found it) where keys are on, else the one tenant
+    header or the hashed `user` (`keys.request_tenant`); a header sent twice is a 400."""
+    if keys is not None:
+        return str(request.state.tenant)
+    try:
+        return request_tenant(None, [], request.headers.getlist(TENANT_HEADER), user_tenant(user), source)
+    except BadTenantHeader as e:
+        raise ApiError(400, str(e)) from None
+
+
+class KeyCheck:
+    """ASGI middleware: every /v1 call presents an API key (`Authorization: Bearer KEY`) or gets a
+    401 OpenAI error object before its body is read; the key's tenant is left in the request's
+    state (`request.state.tenant`). Pure ASGI, as `BodyLimit`. /health and other paths are open."""
+
+    def __init__(self, app: Any, keys: ApiKeys, on_refuse: Any) -> None:
+        self.app, self.keys, self.on_refuse = app, keys, on_refuse
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        values = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+        try:
+            tenant = self.keys.authenticate(values)
+        except Unauthenticated as e:
+            self.on_refuse()
+            error = {"message": str(e), "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+            response = JSONResponse({"error": error}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
