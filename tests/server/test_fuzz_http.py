@@ -18,6 +18,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from tests.server.conftest import Running
@@ -134,3 +135,42 @@ def test_a_top_p_that_is_zero_in_float32_samples_the_top_token(base_url: str) ->
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     greedy = requests.post(f"{base_url}/v1/completions", json=body | {"temperature": 0}, timeout=60).json()
     assert response.json()["choices"][0]["text"] == greedy["choices"][0]["text"]  # only the top token is kept
+
+
+# Text with surrogates (hypothesis's text strategies never draw them, nor schemathesis's): in every
+# field a tokenizer reads, a lone one must be a 400 naming the field, anything else not a 5xx.
+SURROGATES = st.text(
+    st.one_of(st.characters(categories=["Cs"]), st.characters(exclude_categories=[])), min_size=1, max_size=6
+)
+TEXT_FIELDS = [
+    ("/v1/completions", "prompt", lambda t: {"prompt": t}),
+    ("/v1/chat/completions", "messages[0].content", lambda t: {"messages": [{"role": "user", "content": t}]}),
+    (
+        "/v1/chat/completions",
+        "prediction.content",
+        lambda t: {"messages": [{"role": "user", "content": "x"}], "prediction": {"type": "content", "content": t}},
+    ),
+    ("/v1/responses", "input", lambda t: {"input": t}),
+    ("/v1/chat/completions", "stop", lambda t: {"messages": [{"role": "user", "content": "x"}], "stop": t}),
+]
+
+
+@seed(SEED)
+@settings(FUZZ, max_examples=40 * SCALE)
+@given(place=st.sampled_from(TEXT_FIELDS), text=SURROGATES)
+def test_text_with_surrogates_in_any_field_is_a_400_naming_it_or_served(base_url: str, place: Any, text: str) -> None:
+    path, param, body = place
+    data = json.dumps({"model": "tiny", "max_tokens": 2, **body(text)})  # escapes: \ud800 as JSON has it
+    response = requests.post(f"{base_url}{path}", data=data, headers={"Content-Type": "application/json"}, timeout=60)
+    if not _encodes(json.loads(data)):  # what the server reads (an escaped pair is one character)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    else:
+        assert response.status_code < 500, response.text
+
+
+def _encodes(value: Any) -> bool:
+    if isinstance(value, str):
+        return not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, dict):
+        return all(_encodes(k) and _encodes(v) for k, v in value.items())
+    return all(_encodes(v) for v in value) if isinstance(value, list) else True

@@ -6,15 +6,14 @@ bodies and the OpenAPI schema comes for free (/openapi.json, /docs)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,6 +25,7 @@ from batchserve.server.keys import ApiKeys
 from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best
 from batchserve.server.openai.auth import KeyCheck, http_tenant
 from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
+from batchserve.server.openai.calls import check_utf8, unless_gone
 from batchserve.server.openai.errors import ApiError, error_response, param_of
 from batchserve.server.openai.logprobs import TokenText
 from batchserve.server.openai.responses import ResponseAnswer
@@ -33,32 +33,8 @@ from batchserve.server.openai.responses_bodies import ResponsesRequest
 from batchserve.server.openai.tools import parse_tool_request
 from batchserve.text import TextCodec
 
-T = TypeVar("T")
+logger = logging.getLogger("batchserve")
 STATUS = {Refusal.INVALID: 400, Refusal.QUEUE_FULL: 429, Refusal.DRAINING: 503, Refusal.ENGINE_DEAD: 503}
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client goes away. The body has been read by then, so the next ASGI
-    message is the disconnect."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
-    """(True, result of `work`), or (False, None) as soon as the client disconnects; `work` is
-    then cancelled, which aborts its request (waiting, prefilling or decoding) at once."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    return False, None
 
 
 class OpenAIServer:
@@ -85,7 +61,15 @@ class OpenAIServer:
         self.app = self._build()
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="batchserve", summary="OpenAI-compatible API of the batchserve engine")
+        # Every body's strings are UTF-8 before any field is read (a lone surrogate is a 400 naming it).
+        summary = "OpenAI-compatible API of the batchserve engine"
+        app = FastAPI(title="batchserve", summary=summary, dependencies=[Depends(check_utf8)])
+
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+            # Whatever escaped every other handler: an OpenAI error object, never a bare 500 page.
+            logger.exception("unexpected error in %s %s", request.method, request.url.path)
+            return error_response(500, f"internal error ({type(e).__name__}); the server goes on")
 
         @app.exception_handler(ApiError)
         async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -294,9 +278,9 @@ class OpenAIServer:
         try:
             if body.stream:
                 # Refusals surface with the first output, before any byte is sent.
-                here, first = await _unless_gone(request, anext(outputs))
+                here, first = await unless_gone(request, anext(outputs))
             else:
-                here, samples = await _unless_gone(request, _collect(outputs, total * num_prompts))
+                here, samples = await unless_gone(request, _collect(outputs, total * num_prompts))
         except Refused as e:
             raise ApiError(STATUS[e.kind], e.message, param_of(e.message, type(body).model_fields)) from None
         except ApiError:  # a preparation's own refusal (the scoring bound), counted like the others

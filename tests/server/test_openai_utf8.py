@@ -1,0 +1,80 @@
+"""The last 500s at the HTTP door: a lone surrogate in any text field (JSON lets `\\ud800` through,
+no tokenizer takes it) is a 400 naming the field, and anything that escapes every handler is an
+OpenAI error object, the server going on."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve.server.openai.api import OpenAIServer
+from batchserve.server.openai.calls import _first_bad
+from tests.server.conftest import start_server
+from tests.server.test_openai_api import _raw
+
+LONE = '"\\ud800"'  # a JSON string of one unpaired surrogate escape
+TOOL = '{"type": "function", "function": {"name": "f", "description": %s, "parameters": {"type": "object"}}}'
+CASES = [
+    ("/v1/completions", '{"model": "tiny", "prompt": %s}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", %s]}', "prompt[1]"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": %s}]}', "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "prediction": {"type": "content",'
+        ' "content": %s}}',
+        "prediction.content",
+    ),
+    ("/v1/responses", '{"model": "tiny", "input": %s}', "input"),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [' + TOOL + "]}",
+        "tools[0].function.description",
+    ),
+]
+
+
+def test_the_first_bad_string_is_named_by_its_path():
+    assert _first_bad({"a": [1, "ok", {"b": "\ud800"}]}, "") == "a[2].b"
+    assert _first_bad({"a": "ok", "\udc00": 1}, "") == "\udc00" and _first_bad("fine \U0001f600", "") is None
+
+
+async def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it():
+    r = await start_server(http=True)
+    try:
+        for path, template, param in CASES:
+            code, reply = await _raw(r, "POST", path, (template % LONE).encode())
+            assert code == 400, (path, param, reply)
+            assert reply["error"]["param"] == param and "UTF-8" in reply["error"]["message"], reply
+        paired = '{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 2}'  # a pair is one character
+        assert (await _raw(r, "POST", "/v1/completions", paired.encode()))[0] == 200
+        assert r.server.engine.dead is None
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+async def test_an_unexpected_error_is_an_openai_error_object_and_the_server_goes_on(monkeypatch):
+    r = await start_server(http=True)
+
+    def broken(self):
+        raise RuntimeError("a bug")
+
+    try:
+        monkeypatch.setattr(OpenAIServer, "_model_card", broken)
+        code, reply = await _raw(r, "GET", "/v1/models")
+        assert code == 500 and reply["error"]["type"] == "server_error" and "RuntimeError" in reply["error"]["message"]
+        monkeypatch.undo()
+        assert (await _raw(r, "GET", "/v1/models"))[0] == 200
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+@pytest.mark.parametrize("body", [b"", b"not json \\ud800", b'{"prompt": "\\ud800"'])
+async def test_a_body_that_is_not_json_is_the_routes_own_400(body):
+    r = await start_server(http=True)
+    try:
+        code, reply = await _raw(r, "POST", "/v1/completions", body)
+        assert code == 400 and "error" in reply, reply
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
