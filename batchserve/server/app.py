@@ -20,6 +20,7 @@ from batchserve.async_engine import AsyncEngine
 from batchserve.config import setting
 from batchserve.engine import EngineCore
 from batchserve.server.frontend import Frontend, ServiceInfo
+from batchserve.server.grpc.decode import GuardedRegistration
 from batchserve.server.grpc.servicer import TextGenerationServicer
 from batchserve.server.http import HttpServer, listen
 from batchserve.server.keys import ApiKeys
@@ -242,7 +243,7 @@ class BatchServer:
                 ("grpc.http2.max_pings_without_data", 0),
             ],
         )
-        pb_grpc.add_TextGenerationServicer_to_server(self.servicer, server)
+        pb_grpc.add_TextGenerationServicer_to_server(self.servicer, GuardedRegistration(server))  # bad bytes: 400s
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if c.reflection:
             reflection.enable_server_reflection(

@@ -443,3 +443,29 @@ def test_serve_reports_a_port_in_use_in_one_line_before_loading_the_model(capsys
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1
     assert err.startswith(f"batchserve serve: HTTP port {port} on 127.0.0.1 is in use (set another with --http-port")
+
+
+@pytest.mark.parametrize(
+    ("method", "raw"),
+    [
+        ("Generate", b"\x12\x04a\xed\xa0\x80"),  # text: a UTF-8-encoded lone surrogate
+        ("StreamGenerate", b"\x12\x02\xff\xfe"),  # text: bytes that are no UTF-8 at all
+        ("Tokenize", b"\x0a\x05abc"),  # a length past the message's end
+    ],
+)
+async def test_a_grpc_request_that_does_not_parse_is_invalid_argument_naming_why(method, raw):
+    r = await start_server()
+    try:
+        if method == "StreamGenerate":
+            call = r.channel.unary_stream(f"/batchserve.v1.TextGeneration/{method}", lambda b: b, lambda b: b)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call(raw):
+                    pass
+        else:
+            call = r.channel.unary_unary(f"/batchserve.v1.TextGeneration/{method}", lambda b: b, lambda b: b)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call(raw)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in e.value.details()
+        assert (await r.stub.Generate(build_request([1, 2], max_new_tokens=2))).token_ids  # the server goes on
+    finally:
+        await _stop(r)
