@@ -14,9 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
@@ -25,7 +23,7 @@ from batchserve.server.keys import ApiKeys
 from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best
 from batchserve.server.openai.auth import KeyCheck, http_tenant
 from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
-from batchserve.server.openai.calls import check_utf8, unless_gone
+from batchserve.server.openai.calls import check_utf8, install_error_handlers, unless_gone
 from batchserve.server.openai.errors import ApiError, error_response, param_of
 from batchserve.server.openai.logprobs import TokenText
 from batchserve.server.openai.responses import ResponseAnswer
@@ -65,31 +63,9 @@ class OpenAIServer:
         summary = "OpenAI-compatible API of the batchserve engine"
         app = FastAPI(title="batchserve", summary=summary, dependencies=[Depends(check_utf8)])
 
-        @app.exception_handler(Exception)
-        async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-            # Whatever escaped every other handler: an OpenAI error object, never a bare 500 page.
-            logger.exception("unexpected error in %s %s", request.method, request.url.path)
-            return error_response(500, f"internal error ({type(e).__name__}); the server goes on")
-
-        @app.exception_handler(ApiError)
-        async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-            return error_response(e.status, e.message, e.param)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-            # Routing's own errors (404 unknown path, 405 wrong method) as OpenAI error objects.
-            response = error_response(e.status_code, str(e.detail))
-            response.headers.update(e.headers or {})
-            return response
-
-        @app.exception_handler(RequestValidationError)
-        async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-            err = e.errors()[0] if e.errors() else {}
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            param = ".".join(loc) or None
-            message = f"{param}: {err.get('msg', 'invalid')}" if param else str(err.get("msg", "invalid body"))
-            self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
-            return error_response(400, message, param)
+        install_error_handlers(
+            app, on_invalid=lambda: self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
+        )
 
         app.add_middleware(BodyLimit, limit=self.max_body_bytes, on_refuse=self._count_too_large)
         if self.keys is not None:  # added last, so it runs first: an unknown key is refused unread
@@ -189,6 +165,9 @@ class OpenAIServer:
         except ApiError:
             self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
             raise
+
+    def _count_invalid(self) -> None:
+        self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
 
     def _count_unauthenticated(self) -> None:
         self.frontend.metrics.rejected.labels("UNAUTHENTICATED").inc()

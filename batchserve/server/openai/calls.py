@@ -1,18 +1,24 @@
 """A call's life at the HTTP door: its body's strings checked as UTF-8 before any field is read,
-and its work cancelled the moment its client leaves."""
+its work cancelled the moment its client leaves, and every error an OpenAI error object."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import re
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchserve.server.openai.errors import ApiError
+from batchserve.server.openai.errors import ApiError, error_response
+
+logger = logging.getLogger("batchserve")
 
 T = TypeVar("T")
 # A JSON escape of a UTF-16 surrogate: valid JSON, but a lone one is no Unicode character.
@@ -75,3 +81,34 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | N
     with contextlib.suppress(BaseException):
         await task
     return False, None
+
+
+def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None]) -> None:
+    """Every error as an OpenAI error object: ours (`ApiError`), routing's (404, 405), a body that
+    fails its schema (a 400 naming the field; `on_invalid` counts it), and whatever escaped them."""
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        # Whatever escaped every other handler: an OpenAI error object, never a bare 500 page.
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error ({type(e).__name__}); the server goes on")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Routing's own errors (404 unknown path, 405 wrong method) as OpenAI error objects.
+        response = error_response(e.status_code, str(e.detail))
+        response.headers.update(e.headers or {})
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {err.get('msg', 'invalid')}" if param else str(err.get("msg", "invalid body"))
+        on_invalid()
+        return error_response(400, message, param)
