@@ -78,3 +78,22 @@ async def test_a_body_that_is_not_json_is_the_routes_own_400(body):
     finally:
         await r.channel.close()
         await r.server.shutdown()
+
+
+async def test_asking_for_padded_stream_events_is_refused_not_ignored():
+    """No padding is added, so a client asking for it is told so (a 400), not left to believe it."""
+    r = await start_server(http=True)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
+    try:
+        for path, body, param in [
+            ("/v1/chat/completions", {**chat, "stream_options": {"include_obfuscation": True}}, "stream_options"),
+            ("/v1/responses", {"model": "tiny", "input": "x", "stream_options": {"include_obfuscation": True}}, None),
+        ]:
+            code, reply = await _raw(r, "POST", path, body)
+            assert code == 400 and "no padding" in reply["error"]["message"], reply
+            assert param is None or reply["error"]["param"].startswith(param)
+        body = {**chat, "stream": False, "stream_options": {"include_obfuscation": False}}
+        assert (await _raw(r, "POST", "/v1/chat/completions", body))[0] == 200
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()

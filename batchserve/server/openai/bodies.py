@@ -24,7 +24,14 @@ from batchserve.request import (
 from batchserve.server.mapping import check_stop_token_count, lookahead_fields
 from batchserve.server.openai.errors import ApiError
 from batchserve.server.openai.fields import ChatOnlyFields
-from batchserve.server.openai.options import LookaheadOptions, Prediction, ResponseFormat, StreamOptions, count_field
+from batchserve.server.openai.options import (
+    OBFUSCATION_REFUSED,
+    LookaheadOptions,
+    Prediction,
+    ResponseFormat,
+    StreamOptions,
+    count_field,
+)
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 # Echo with logprobs holds each scored prompt position's alternatives (about 0.2 KB of objects and
@@ -69,6 +76,8 @@ class CommonFields(BaseModel):
         self.num_logprobs()
         self.bias()
         self.predicted()
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise ApiError(400, f"stream_options.include_obfuscation: {OBFUSCATION_REFUSED}", "stream_options")
 
     def num_logprobs(self) -> int | None:
         """Top alternatives each output token's logprobs list; None: no logprobs (per endpoint)."""

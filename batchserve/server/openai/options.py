@@ -51,8 +51,14 @@ class LookaheadOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    # OpenAI pads its chunks against length side channels; none is added here (ignored either way).
+    # OpenAI pads its chunks against length side channels. None is added here, so asking for it
+    # is refused rather than ignored: a client must not believe its stream is padded.
     include_obfuscation: bool | None = None
+
+
+OBFUSCATION_REFUSED = (
+    "no padding is added to stream events here (their count and sizes show the output's pace): send false or omit it"
+)
 
 
 class Prediction(BaseModel):

@@ -15,6 +15,7 @@ from batchserve.request import MAX_INT32, MAX_TEMPERATURE, SEED_RANGE
 from batchserve.server.openai.bodies import ChatRequest
 from batchserve.server.openai.errors import ApiError
 from batchserve.server.openai.fields import NeutralFields
+from batchserve.server.openai.options import OBFUSCATION_REFUSED
 
 # Fields of OpenAI's request that ask for nothing at these values (else a 400 saying why).
 _NONE_ONLY = {
@@ -80,6 +81,7 @@ class ResponsesRequest(NeutralFields):
             ("reasoning", not self.reasoning or self.reasoning.get("effort") in (None, "none"), "no reasoning here"),
             ("top_logprobs", not self.top_logprobs, "logprobs are on the chat and completions endpoints"),
             ("stream_options", set(self.stream_options or {}) <= {"include_obfuscation"}, "include_obfuscation only"),
+            ("stream_options", not (self.stream_options or {}).get("include_obfuscation"), OBFUSCATION_REFUSED),
         )
         for name, ok, why in checks:
             if not ok:
