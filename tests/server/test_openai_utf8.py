@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from batchserve.server.openai.api import OpenAIServer
+from batchserve.server.openai.bodies import MAX_OUTPUT_LOGPROBS
 from batchserve.server.openai.calls import _first_bad
 from tests.server.conftest import start_server
 from tests.server.test_openai_api import _raw
@@ -94,6 +95,25 @@ async def test_asking_for_padded_stream_events_is_refused_not_ignored():
             assert param is None or reply["error"]["param"].startswith(param)
         body = {**chat, "stream": False, "stream_options": {"include_obfuscation": False}}
         assert (await _raw(r, "POST", "/v1/chat/completions", body))[0] == 200
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+async def test_output_logprobs_are_bounded_per_call_before_anything_is_queued():
+    r = await start_server(http=True)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20}
+    try:
+        # 8 samples x the whole context x 21: far past the bound, and nothing runs for it.
+        code, reply = await _raw(r, "POST", "/v1/chat/completions", {**chat, "n": 8, "max_tokens": 100_000})
+        assert code == 400 and reply["error"]["param"] == "max_tokens" and "logprobs" in reply["error"]["message"]
+        # Without max_tokens the bound counts the whole context.
+        body = {"model": "tiny", "prompt": "x", "logprobs": 5, "n": 8}
+        code, reply = await _raw(r, "POST", "/v1/completions", body)
+        over = 8 * r.core.facts.max_model_len * 6 > MAX_OUTPUT_LOGPROBS
+        assert code == (400 if over else 200), reply
+        code, _ = await _raw(r, "POST", "/v1/chat/completions", {**chat, "n": 2, "max_tokens": 3})
+        assert code == 200
     finally:
         await r.channel.close()
         await r.server.shutdown()

@@ -37,6 +37,9 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 # Echo with logprobs holds each scored prompt position's alternatives (about 0.2 KB of objects and
 # 35 bytes of JSON apiece); a call scores at most this many: prompt tokens x (logprobs + 1) x samples.
 MAX_PROMPT_SCORES = 1 << 19
+# Output logprobs a call may ask for: samples x max_tokens x (top logprobs + 1), each a rendered
+# object (about 400 bytes and microseconds of the one render thread): about 200 MB at most.
+MAX_OUTPUT_LOGPROBS = 1 << 19
 
 
 class CommonFields(BaseModel):
@@ -113,6 +116,21 @@ class CommonFields(BaseModel):
             out[int(key)] = value
         return out
 
+    def _check_output_logprobs(self, max_tokens: int, limits: LimitsConfig) -> None:
+        """400 where the call could render more than MAX_OUTPUT_LOGPROBS output logprobs."""
+        k = self.logprob_params()["logprobs"]
+        if k is None:
+            return
+        total = self.samples(limits)[1]
+        entries = total * max_tokens * (k + 1)
+        if entries > MAX_OUTPUT_LOGPROBS:
+            raise ApiError(
+                400,
+                f"max_tokens: {total} samples x {max_tokens} tokens x ({k} top logprobs + 1) = {entries} logprobs,"
+                f" at most {MAX_OUTPUT_LOGPROBS} a call; set a smaller max_tokens, n or top logprobs",
+                "max_tokens",
+            )
+
     def predicted(self) -> list[str]:
         """The request's references: its prediction's text, if it sent one."""
         return [self.prediction.text()] if self.prediction is not None else []
@@ -120,6 +138,7 @@ class CommonFields(BaseModel):
     def sampling_params(self, max_tokens: int | None, max_model_len: int, limits: LimitsConfig) -> SamplingParams:
         """`max_tokens` omitted: up to the end of the context (as OpenAI and vLLM)."""
         check_stop_token_count(len(self.stop_token_ids or ()), limits)
+        self._check_output_logprobs(max_model_len if max_tokens is None else max_tokens, limits)
         kwargs: dict[str, Any] = {
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "max_new_tokens": max_model_len if max_tokens is None else max_tokens,
