@@ -33,6 +33,12 @@ class TokenIds(list[int]):
     (a length) but never id by id; the front end did that off the event loop."""
 
 
+# Text longer than this many characters a token of context is tokenized head first (`_encode`).
+PROBE_CHARS_PER_TOKEN = 4
+# Tokens the cut of the head may add (a word split in two) beyond what the whole text has there.
+HEAD_SLACK = 64
+
+
 class TextCodec:
     """One tokenizer's input handling for the engine, with every input bounded before it is tokenized."""
 
@@ -44,13 +50,20 @@ class TextCodec:
 
     # ---- input -----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> TokenIds:
-        """Token ids of a text prompt, or a checked copy of a token-id prompt."""
+    def tokenize(self, prompt: Prompt, field: str = "prompt") -> TokenIds:
+        """Token ids of a text prompt, or a checked copy of a token-id prompt (`field`: the name a
+        refusal gives it)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            self.check_text_size(len(prompt), "prompt")
-            return self._made(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+            self.check_text_size(len(prompt), field)
+            ids = self._encode(prompt, True, field)
+            if len(ids) >= self.max_model_len:
+                raise ValueError(
+                    f"{field}: {len(ids)} tokens; the model's context is {self.max_model_len}, "
+                    "which must also hold at least one new token"
+                )
+            return ids
         # The length first: no per-id work (on whichever thread) for a prompt that cannot fit.
         if len(prompt) >= self.max_model_len:
             raise ValueError(
@@ -65,6 +78,22 @@ class TextCodec:
             bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab)
             raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {vocab})")
         return ids
+
+    def _encode(self, text: str, special: bool, field: str) -> TokenIds:
+        """The tokenizer's ids of `text`, bounded in tokens, not characters: a text that may not fit
+        (over PROBE_CHARS_PER_TOKEN characters a token of context) has its head tokenized first,
+        and one whose head alone is past the context (HEAD_SLACK for the tokens the cut may split)
+        is refused there, its tail never tokenized: dense text (CJK, ~1 token a character) costs
+        the tokenize thread a context's worth of work, not the whole body's."""
+        probe = self.max_model_len * PROBE_CHARS_PER_TOKEN
+        if len(text) > probe:
+            head = len(self.tokenizer(text[:probe], add_special_tokens=special).input_ids)
+            if head > self.max_model_len + HEAD_SLACK:
+                raise ValueError(
+                    f"{field}: its first {probe} characters alone are {head} tokens; the model's context is "
+                    f"{self.max_model_len}"
+                )
+        return self._made(self.tokenizer(text, add_special_tokens=special).input_ids)
 
     def _made(self, ids: Sequence[int]) -> TokenIds:
         """The tokenizer's ids, refused where a tokenizer larger than the model made one past its vocabulary."""
@@ -146,7 +175,7 @@ class TextCodec:
         except Exception as e:  # the template's own checks (jinja raise_exception, bad fields)
             raise ValueError(f"input.chat: the model's chat template refused the messages: {e}") from None
         self.check_text_size(len(text), "input.chat (rendered)")
-        return self._made(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._encode(text, False, "input.chat")
 
     def check_stop(self, stop: Sequence[str], stop_token_ids: Sequence[int] = ()) -> None:
         """Bound the stop strings (each one is searched for after every token) and stop ids."""

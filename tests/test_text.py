@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchserve.config import LimitsConfig
-from batchserve.text import TextCodec, TokenIds
+from batchserve.text import PROBE_CHARS_PER_TOKEN, TextCodec, TokenIds
 from tests.conftest import make_tiny_tokenizer
 
 
@@ -99,3 +99,28 @@ def test_tool_call_arguments_nested_too_deep_to_parse_are_kept_as_sent():
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
     out = _checked_message(0, {"role": "assistant", "content": None, "tool_calls": [call]})
     assert out["tool_calls"][0]["function"]["arguments"] == deep
+
+
+def test_dense_text_is_refused_after_its_head_is_tokenized_not_the_whole_body(monkeypatch):
+    """A text of about one token a character (CJK in a real vocabulary; here characters the tiny
+    tokenizer takes one by one) past the context: only its first PROBE_CHARS_PER_TOKEN x context
+    characters are tokenized before the refusal, which names the field."""
+    codec = _codec()
+    tokenized: list[int] = []
+    real = codec.tokenizer.__class__.__call__
+
+    def counting(self, text, *args, **kwargs):
+        tokenized.append(len(text))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(codec.tokenizer.__class__, "__call__", counting)
+    body = "\u4e00" * (30 * codec.max_model_len)  # within the character bound (32 a token), far past the context
+    with pytest.raises(ValueError, match=r"^prompt: its first 256 characters alone are"):
+        codec.tokenize(body)
+    assert tokenized == [PROBE_CHARS_PER_TOKEN * codec.max_model_len]
+    tokenized.clear()
+    with pytest.raises(ValueError, match=r"^prompt: 6[0-9] tokens; the model's context is 64"):
+        codec.tokenize("a" * 65)  # short enough to tokenize whole, one token too many: named too
+    tokenized.clear()
+    short = "hello " * 5
+    assert len(codec.tokenize(short)) < 64 and tokenized == [len(short)]

@@ -33,9 +33,9 @@ async def test_tokenizing_never_stalls_other_streams(running, monkeypatch):
     core = running.core
     real = core.text.tokenize
 
-    def slow(prompt):
+    def slow(prompt, *field):
         time.sleep(1.0)  # a huge input's tokenization, in the tokenizer thread
-        return real(prompt)
+        return real(prompt, *field)
 
     monkeypatch.setattr(core.text, "tokenize", slow)
     stream = running.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=400, ignore_eos=True))

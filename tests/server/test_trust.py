@@ -204,9 +204,9 @@ async def test_requests_being_prepared_hold_places_in_the_queue(monkeypatch):
     text = r.core.text
     real = text.tokenize
 
-    def slow(prompt):
+    def slow(prompt, *field):
         gate.wait(10)
-        return real(prompt)
+        return real(prompt, *field)
 
     monkeypatch.setattr(text, "tokenize", slow)
     try:
@@ -233,7 +233,7 @@ async def test_a_caller_that_leaves_keeps_its_place_until_its_tokenizing_ends(mo
     r = await start_server(tiny_core(max_num_seqs=1), max_waiting_requests=1)
     gate = threading.Event()
     real = r.core.text.tokenize
-    monkeypatch.setattr(r.core.text, "tokenize", lambda prompt: (gate.wait(10), real(prompt))[1])
+    monkeypatch.setattr(r.core.text, "tokenize", lambda prompt, *field: (gate.wait(10), real(prompt, *field))[1])
     try:
         call = r.stub.Generate(build_request("abc", max_new_tokens=2))
         task = asyncio.ensure_future(call)
@@ -354,7 +354,7 @@ async def test_a_request_prepared_while_shutdown_began_is_unavailable_not_cancel
     r = await start_server()
     gate = threading.Event()
     real = r.core.text.tokenize
-    monkeypatch.setattr(r.core.text, "tokenize", lambda prompt: (gate.wait(10), real(prompt))[1])
+    monkeypatch.setattr(r.core.text, "tokenize", lambda prompt, *field: (gate.wait(10), real(prompt, *field))[1])
     try:
         task = asyncio.ensure_future(r.stub.Generate(build_request("abc", max_new_tokens=2)))
         while r.server.frontend._preparing < 1:

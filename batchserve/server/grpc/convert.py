@@ -54,7 +54,7 @@ def prompt_of(request: Any, text: TextCodec) -> list[int]:
         if not request.text:
             raise ValueError("input.text: prompt is empty")
         text.check_text_size(len(request.text), "input.text")
-        return _within_context(text.tokenize(request.text), "input.text", text)
+        return _within_context(text.tokenize(request.text, "input.text"), "input.text", text)
     if kind == "token_ids":
         if not request.token_ids.ids:
             raise ValueError("input.token_ids: prompt is empty")
