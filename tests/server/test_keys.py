@@ -18,6 +18,7 @@ from batchserve.server.client import build_request
 from batchserve.server.keys import ApiKeys, BadTenantHeader, KeyRing, Unauthenticated, request_tenant
 from batchserve.v1 import generation_pb2 as pb
 from tests.server.conftest import start_server
+from tests.server.test_trust import _tenants
 
 ALICE, BOB = "alice-key-0123456789abcdef", "bob-key-0123456789abcdef"
 
@@ -90,21 +91,9 @@ def _http(port: int, path: str, body: object | None, headers: list[tuple[str, st
     return resp.status, json.loads(raw) if raw else {}, dict(resp.getheaders())
 
 
-async def _spy_tenants(r, monkeypatch) -> list[str]:
-    seen: list[str] = []
-    real = r.core.add_request
-
-    def spy(sub):
-        seen.append(sub.tenant)
-        return real(sub)
-
-    monkeypatch.setattr(r.core, "add_request", spy)
-    return seen
-
-
 async def test_with_keys_no_call_without_a_valid_key_reaches_the_engine(tmp_path, monkeypatch):
     r = await start_server(http=True, api_key_file=str(_key_file(tmp_path)), tenant_source="both")
-    seen = await _spy_tenants(r, monkeypatch)
+    seen = await _tenants(r, monkeypatch)
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "bob"}
     port = r.server.http_port
 
@@ -142,7 +131,7 @@ async def test_with_keys_no_call_without_a_valid_key_reaches_the_engine(tmp_path
 
 async def test_without_keys_a_tenant_header_sent_twice_is_refused(monkeypatch):
     r = await start_server(http=True)
-    seen = await _spy_tenants(r, monkeypatch)
+    seen = await _tenants(r, monkeypatch)
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
     twice = [("x-batchserve-tenant", "client"), ("x-batchserve-tenant", "gateway")]
     try:
