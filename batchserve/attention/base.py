@@ -217,19 +217,18 @@ class AttentionBackend(ABC):
     graph_safe: bool = False
     # Per layer, what its attention applies beyond the mask (`set_layers`); empty: plain everywhere.
     layers: tuple[LayerAttention, ...] = ()
+    windows: tuple[int, ...] = ()  # the layers' distinct sliding windows (a step is planned for each)
+    unwindowed: bool = True  # whether some layer has no window (the step's plain plan is read)
 
     def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
         """Give each layer its sliding window and soft-cap (before the first step is planned). A
         backend that cannot apply them raises ValueError with the reason."""
         self.layers = tuple(layers)
+        self.windows = tuple(sorted({spec.window for spec in self.layers if spec.window is not None}))
+        self.unwindowed = not self.layers or any(spec.window is None for spec in self.layers)
 
     def layer(self, layer_idx: int) -> LayerAttention:
         return self.layers[layer_idx] if self.layers else PLAIN
-
-    @property
-    def windows(self) -> tuple[int, ...]:
-        """The distinct sliding windows of the layers (a step is planned once for each)."""
-        return tuple(sorted({spec.window for spec in self.layers if spec.window is not None}))
 
     @abstractmethod
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> Any:

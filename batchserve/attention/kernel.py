@@ -33,11 +33,12 @@ class KernelMetadata:
     tail_at: torch.Tensor  # [T] int32
     tail_len: torch.Tensor  # [T] int32
     num_tokens: int
-    # The same step's rows for each sliding window of the model's layers (`plan_rows`' window).
-    windowed: dict[int, KernelMetadata] = dataclasses.field(default_factory=dict)
+    window: int | None = None  # the sliding window these rows were planned for (`plan_rows`)
+    # The same step's rows for the model's other layers' windows (None: plain), each planned once.
+    windowed: dict[int | None, KernelMetadata] = dataclasses.field(default_factory=dict)
 
     def for_window(self, window: int | None) -> KernelMetadata:
-        return self if window is None else self.windowed[window]
+        return self if window == self.window else self.windowed[window]
 
 
 def plan_rows(step: StepLayout, block_size: int, window: int | None = None) -> tuple[np.ndarray, ...]:
@@ -71,12 +72,13 @@ def plan_rows(step: StepLayout, block_size: int, window: int | None = None) -> t
             tails.append(own[cached + chunk + order[col]])
             tail_base += int(counts.sum())
         if window is not None:
-            cut = np.maximum(step.row_positions(i) - window + 1, 0)  # [q]: the first position each row sees
+            positions = step.row_positions(i)
+            cut = np.maximum(positions - window + 1, 0)  # [q]: the first position each row sees
             dropped = np.minimum(cut, prefix_len[rows])
             prefix_at[rows] += dropped.astype(np.int32)
             prefix_len[rows] -= dropped.astype(np.int32)
             if q > chunk_rows:
-                tail_pos = step.row_positions(i)[chunk + order[col]]  # each tail key's position, in order
+                tail_pos = positions[chunk + order[col]]  # each tail key's position, in order
                 gone = np.bincount(row, weights=tail_pos < cut[chunk + row], minlength=q - chunk).astype(np.int32)
                 tail_at[start + chunk : start + q] += gone
                 tail_len[start + chunk : start + q] -= gone
@@ -112,20 +114,22 @@ class KernelBackend(AttentionBackend):
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> KernelMetadata:
         mapping = slot_mapping.to(torch.int64).contiguous()
-        plain = self._metadata(plan_rows(step, self.block_size), mapping, step.num_tokens)
-        for window in self.windows:  # the slots are the same; only where each row's keys start differs
-            rows = plan_rows(step, self.block_size, window)
-            plain.windowed[window] = self._metadata(rows, mapping, step.num_tokens)
-        return plain
+        # Planned only for the windows some layer reads (a Mistral's every layer has one: no plain plan).
+        needed: list[int | None] = [None] if self.unwindowed else []
+        plans = [self._metadata(step, mapping, w) for w in (*needed, *self.windows)]
+        first = plans[0]
+        first.windowed.update((p.window, p) for p in plans[1:])
+        return first
 
-    def _metadata(self, planned: tuple[np.ndarray, ...], mapping: torch.Tensor, num_tokens: int) -> KernelMetadata:
+    def _metadata(self, step: StepLayout, mapping: torch.Tensor, window: int | None) -> KernelMetadata:
+        planned = plan_rows(step, self.block_size, window)
         # The kernel indexes the pool with these unchecked: a slot outside it fails here, loudly.
         size = self.k_cache.shape[2]
         for slots in (planned[0], planned[3], mapping.numpy()):
             if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= size):
                 raise ValueError(f"a K/V slot outside the pool of {size} slots")
         arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in planned]
-        return KernelMetadata(self, mapping, *arrays, num_tokens=num_tokens)
+        return KernelMetadata(self, mapping, *arrays, num_tokens=step.num_tokens, window=window)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: KernelMetadata, scale: float
