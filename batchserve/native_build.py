@@ -31,6 +31,14 @@ def cache_root(folder: str) -> Path:
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR") or Path.home() / ".cache" / "batchserve") / folder
 
 
+def build_root(folder: str) -> Path:
+    """Where built modules live: $BATCHSERVE_BUILD_DIR, else the cache. A build is named by the hash
+    of everything it depends on, so one folder serves every process that builds the same thing
+    (a test session's private cache need not rebuild what `make setup` built)."""
+    root = os.environ.get("BATCHSERVE_BUILD_DIR")
+    return Path(root) / folder if root else cache_root(folder)
+
+
 def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
@@ -44,7 +52,7 @@ def library_path(
     for part in (*(f.read_bytes() for f in files), version.encode(), " ".join(flags).encode()):
         key.update(part)
     key.update(platform.machine().encode() + sys.version.encode() + extra)  # an extension module per Python
-    return cache_root(folder) / f"{stem}-{key.hexdigest()[:16]}.so"
+    return build_root(folder) / f"{stem}-{key.hexdigest()[:16]}.so"
 
 
 def build(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,6 +132,10 @@ def _private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     the default model's conversion, shared by every test of the session (servers started as
     subprocesses inherit it) while tests that want a fresh profile cache point theirs elsewhere."""
     mp = pytest.MonkeyPatch()
+    # Built modules are named by what they are built from: the user's build folder serves every
+    # session and every server a test starts (a private one would rebuild them for each).
+    build_dir = os.environ.get("BATCHSERVE_BUILD_DIR") or os.environ.get("BATCHSERVE_CACHE_DIR")
+    mp.setenv("BATCHSERVE_BUILD_DIR", build_dir or str(Path.home() / ".cache" / "batchserve"))
     mp.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("profile-cache")))
     models = tmp_path_factory.mktemp("model-cache")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # one conversion for all workers: their shared temp root

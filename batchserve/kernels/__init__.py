@@ -4,9 +4,9 @@ bfloat16 weights (bf16_gemm.cpp) and paged attention (attention.cpp), compiled f
 first use and loaded as an extension module (bindings.cpp).
 
 The library is built once per source, compiler and CPU with `g++ -O3 -march=native -fopenmp`
-($CXX overrides the compiler) into $BATCHSERVE_CACHE_DIR/kernels (else ~/.cache/batchserve/
-kernels), which takes a few seconds; `make setup` builds it ahead. Its OpenMP calls resolve to
-the runtime torch already loaded (the same soname), so its threads are torch's threads. Where it
+($CXX overrides the compiler) into $BATCHSERVE_BUILD_DIR/kernels (else $BATCHSERVE_CACHE_DIR, else
+~/.cache/batchserve), which takes a few seconds; `make setup` builds it ahead. Its OpenMP calls
+resolve to the runtime torch already loaded (the same soname), so its threads are torch's threads. Where it
 cannot be built (no compiler, a CPU without AVX2, FMA and F16C), `available()` is False and
 `unavailable_reason()` says why: the Q4_1 weights then run on torch's int4 kernel, bfloat16
 products on oneDNN's (where its check passes), and attention on the torch-op backends."""
@@ -38,7 +38,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_root() -> Path:
-    return native_build.cache_root("kernels")
+    return native_build.build_root("kernels")
 
 
 def compiler() -> str | None:

@@ -29,6 +29,7 @@ from batchserve.scheduler.chunks import committed_chunk, with_drafts
 from batchserve.scheduler.commit import StepCommit, TokenHook, commit_request
 from batchserve.scheduler.fairness import PromptSlack, background_tenants, background_victim, victim_for_blocks
 from batchserve.scheduler.prefix_cache import PrefixCache
+from batchserve.scheduler.seats import SeatShares
 
 logger = logging.getLogger("batchserve")
 
@@ -65,6 +66,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
         self._failed: list[Request] = []  # ended by schedule() itself: their final outputs are owed
+        self._seats = SeatShares(config.max_num_seqs, config.max_num_seqs)  # this step's, from schedule()
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -125,6 +127,9 @@ class Scheduler:
         drafts come after, as data (`reserve`), within the budget left (`draft_budget`)."""
         self.grammar.reset()
         background = background_tenants(self.requests.values(), self.config.max_num_batched_tokens, self.slack.recent())
+        self._seats = SeatShares.of(self.running, self.waiting, self.config.max_num_seqs, background)
+        for victim in self._seats.victims(self.running):  # a tenant over its seats while others wait
+            self._preempt(victim)
         scheduled: list[ScheduledRequest] = []
         # Running requests first, oldest first; background tenants' prompt chunks wait for last.
         budget, held = self._schedule_running(scheduled, self.config.max_num_batched_tokens, background)
@@ -209,6 +214,8 @@ class Scheduler:
         for req in candidates:
             if budget <= 0:
                 break
+            if not self._seats.may_take(req):
+                continue  # its tenant holds its share of the seats while another waits for one
             if len(self.running) >= self.config.max_num_seqs:
                 victim = background_victim(self.running, req, taken, background, in_prompt=True)
                 if victim is None:
@@ -233,6 +240,7 @@ class Scheduler:
             if req.stats.queue_seconds is None:
                 req.stats.queue_seconds = time.monotonic() - req.arrival_time
             req.status = RequestStatus.RUNNING
+            self._seats.took(req)
             bisect.insort(self.running, req, key=_by_arrival)  # running stays in arrival order
             scheduled.append(item)
             taken.add(req.request_id)
@@ -326,6 +334,7 @@ class Scheduler:
         """Drop all of `req`'s K/V; it recomputes prompt and output when readmitted (from its
         cached blocks, if they are still cached then)."""
         self.running.remove(req)
+        self._seats.gave_up(req)
         self._drop_blocks(req)
         req.status = RequestStatus.WAITING
         req.stats.num_preemptions += 1

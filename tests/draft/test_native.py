@@ -19,7 +19,7 @@ from tests.conftest import make_tiny_model, make_tiny_tokenizer
 def test_a_build_that_cannot_run_says_why_and_a_build_is_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHSERVE_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     with pytest.raises(native.DrafterUnavailable, match=r"failed to build the native drafter.*--draft none"):
         native.build()
@@ -29,7 +29,7 @@ def test_a_build_that_cannot_run_says_why_and_a_build_is_reused(
     with pytest.raises(native.DrafterUnavailable, match=r"no C\+\+ compiler"):
         native.build()
     monkeypatch.undo()
-    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHSERVE_BUILD_DIR", str(tmp_path))
     built = native.build()
     assert built.parent == tmp_path / "draft" and built.stat().st_size > 0
     stamp = built.stat().st_mtime_ns

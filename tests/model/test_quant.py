@@ -131,12 +131,12 @@ def test_the_layout_keeps_the_files_values_scales_and_mins():
 
 
 def test_a_build_that_cannot_run_says_why(tmp_path, monkeypatch):
-    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHSERVE_BUILD_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx", "sse4_2"})
     with pytest.raises(kernels.KernelUnavailable, match="lacks avx2, fma, f16c"):
         kernels.build()
     monkeypatch.undo()
-    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHSERVE_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     with pytest.raises(kernels.KernelUnavailable, match="failed to build"):
         kernels.build()
