@@ -117,7 +117,9 @@ def test_the_analysis_sees_what_it_must() -> None:
 
 
 # What `scheduler/` may hold: batching (admission, chunks, preemption, blocks, the prefix cache).
-SCHEDULER_MODULES = {"__init__", "scheduler", "chunks", "commit", "fairness", "seats", "block_allocator", "prefix_cache"}
+SCHEDULER_MODULES = {
+    "__init__", "scheduler", "chunks", "commit", "fairness", "seats", "block_allocator", "prefix_cache"
+}  # fmt: skip
 
 
 def test_the_scheduler_only_batches_and_sees_drafts_as_data() -> None:

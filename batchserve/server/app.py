@@ -75,6 +75,11 @@ class ServerConfig:
         None, "the model id of the HTTP API (default: the model file's or directory's name)"
     )
     max_waiting_requests: int = setting(256, "waiting requests before RESOURCE_EXHAUSTED", flags=("--max-waiting",))
+    max_waiting_per_tenant: int | None = setting(
+        None,
+        "waiting requests one tenant may hold (default: any number while the queue has room; once it is full,"
+        " a tenant over its share gives its places to one within its share)",
+    )
     grace_seconds: float = setting(30.0, "seconds in-flight requests get to finish at shutdown", flags=("--grace",))
     drain_seconds: float = setting(
         0.0, "at shutdown, report NOT_SERVING this long (still serving) before refusing new calls"
@@ -100,6 +105,8 @@ class ServerConfig:
             raise ValueError(f"tenant_source must be one of {TENANT_SOURCES}, got {self.tenant_source!r}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_waiting_per_tenant is not None and self.max_waiting_per_tenant < 1:
+            raise ValueError(f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
         if self.max_message_bytes is not None and self.max_message_bytes < 1024:
@@ -160,7 +167,9 @@ class BatchServer:
         self.config = config
         self.metrics = Metrics(engine)
         self.model_name = model_name
-        info = ServiceInfo(model_name, dtype, config.max_waiting_requests, config.admin_token)
+        info = ServiceInfo(
+            model_name, dtype, config.max_waiting_requests, config.admin_token, config.max_waiting_per_tenant
+        )
         self.frontend = Frontend(engine, self.metrics, info)
         # The key file is read here: one that does not parse stops the server before it listens.
         self.keys = ApiKeys(config.api_key_file) if config.api_key_file else None

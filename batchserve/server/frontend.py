@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,12 +15,13 @@ from typing import Any, TypeVar
 from batchserve.admission import Admission, Submission
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.grammar import CompiledGrammar
-from batchserve.request import RequestOutput, SamplingParams
-from batchserve.server.metrics import Metrics
+from batchserve.request import RequestOutput, RequestStatus, SamplingParams
+from batchserve.server.metrics import Metrics, log_end
+from batchserve.server.queue_shares import QueuedCall, TenantQueues
 from batchserve.server.samples import merged_outputs, samples_of, share_prompt_scores
 from batchserve.text import TextCodec
 
-logger = logging.getLogger("batchserve.server")
+FULL = "waiting queue is full"
 T = TypeVar("T")
 
 
@@ -54,6 +54,7 @@ class ServiceInfo:
     dtype: str
     max_waiting_requests: int
     admin_token: str | None = None  # operator calls (AddCorpus) need it; None: they are off
+    max_waiting_per_tenant: int | None = None  # None: a tenant's share when the queue is full
 
 
 class Frontend:
@@ -69,6 +70,7 @@ class Frontend:
         self.draining = False
         self.admin_token = info.admin_token
         self._preparing = 0  # admitted requests still being tokenized or templated
+        self.queues = TenantQueues(info.max_waiting_requests, info.max_waiting_per_tenant)
         # Tokenizing and chat templates run here, never on the event loop (an input at the size
         # limit takes tens of ms to tokenize; every other stream would stall meanwhile). Its
         # queue is bounded by admission: each job holds a place in the waiting queue.
@@ -103,23 +105,49 @@ class Frontend:
         self.metrics.rejected.labels(kind.value).inc()
         return Refused(kind, message)
 
-    def admit(self, count: int = 1) -> None:
-        """Raise Refused if `count` new requests may not come in now (draining, or the queue is full)."""
+    def admit(self, count: int = 1, tenant: str = "") -> QueuedCall:
+        """The places in the waiting queue of `count` new requests of `tenant`, held until their
+        call starts (`queues.release`); raises Refused where they may not come in now (draining,
+        the tenant's cap, or the queue full with the tenant at its share: `queue_shares.py`)."""
         if self.draining:
             raise self.refuse(Refusal.DRAINING, "server is shutting down")
         if self.engine.dead is not None:
             raise self.refuse(Refusal.ENGINE_DEAD, f"engine stopped: {self.engine.dead}")
-        if self._queue_full(count):
-            raise self.refuse(
-                Refusal.QUEUE_FULL, f"waiting queue is full ({self.info.max_waiting_requests} requests); retry later"
-            )
+        if self.queues.over_cap(tenant, count):
+            cap = self.info.max_waiting_per_tenant
+            raise self.refuse(Refusal.QUEUE_FULL, f"this tenant holds {cap} waiting requests; retry later")
+        need = self._queue_excess(count)
+        if need > 0 and not self._make_room(tenant, count, need):
+            raise self.refuse(Refusal.QUEUE_FULL, f"{FULL} ({self.info.max_waiting_requests} requests); retry later")
+        return self.queues.hold(tenant, count)
 
-    async def prepare(self, fn: Callable[..., T], *args: Any, count: int = 1) -> T:
-        """Admission (of `count` requests), then `fn(*args)` in the preparation thread (tokenizing,
-        templating). The job holds their places in the waiting queue from admission until it ends,
-        even when its caller leaves first, so the work queued before the engine is bounded like the queue."""
-        self.admit(count)
-        return await self._held(self._prepare, count, fn, *args)
+    def _make_room(self, tenant: str, count: int, need: int) -> bool:
+        """Free `need` places for `tenant` from calls of tenants over their share that never ran
+        (each ends refused, see `_watch`); False where that cannot be done."""
+        requests = self.engine.core.scheduler.requests
+
+        def waiting(rid: str) -> bool:
+            req = requests.get(rid)
+            return req is not None and req.status is RequestStatus.WAITING and not req.output_token_ids
+
+        victims = self.queues.displaceable(tenant, count, need, waiting)
+        for call in victims or ():
+            call.displaced = True
+            self.queues.release(call)
+            for rid in call.request_ids:
+                self.engine.abort(rid)
+        return victims is not None
+
+    async def prepare(self, fn: Callable[..., T], *args: Any, count: int = 1, tenant: str = "") -> T:
+        """Admission (of `count` requests of `tenant`), then `fn(*args)` in the preparation thread
+        (tokenizing, templating). The job holds their places in the waiting queue from admission
+        until it ends, even when its caller leaves first, so the work queued before the engine is
+        bounded like the queue."""
+        call = self.admit(count, tenant)
+        try:
+            return await self._held(self._prepare, count, fn, *args)
+        finally:
+            self.queues.release(call)
 
     async def _held(self, executor: ThreadPoolExecutor, count: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in `executor`, `count` places in the waiting queue held until it ends."""
@@ -185,10 +213,21 @@ class Frontend:
         is given) compute its KV blocks once between them. Yields (p * n + i, output) as they come.
         Leaving early aborts every sample; EngineFailed comes after the last output of all.
         `num_prompts`: how many prompts `prepare` returns (admission counts every request)."""
+        call = self.admit(n * num_prompts, tenant)
+        try:
+            job = (prepare, params, references, tenant)
+            async for item in self._generate_n(call, job, request_id, fit_context, n):
+                yield item
+        finally:
+            self.queues.release(call)
+
+    async def _generate_n(
+        self, call: QueuedCall, job: tuple[Any, ...], request_id: str, fit_context: bool, n: int
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`generate_n` once its places are held (`call`): prepare, compile, submit, watch."""
         request_id, core = request_id or uuid.uuid4().hex, self.engine.core
         try:
-            job = (_prepare, prepare, params, references, tenant, core.text, core.admission)
-            sampling, subs = await self.prepare(*job, count=n * num_prompts)
+            sampling, subs = await self._held(self._prepare, call.count, _prepare, *job, core.text, core.admission)
             compiled = await self.compile(sampling, n * len(subs))  # held until every sample is in
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
@@ -216,7 +255,8 @@ class Frontend:
             kind = Refusal.INVALID if isinstance(e, ValueError) else Refusal.ENGINE_DEAD
             raise self.refuse(kind, str(e) if kind is Refusal.INVALID else f"engine stopped: {e}") from None
         del compiled  # every sample has its copy: the cache alone decides how long it stays
-        watched = self._watch(streams, n if n > 1 and sampling.prompt_logprobs is not None else 0)
+        call.request_ids = [stream.request_id for stream in streams]
+        watched = self._watch(streams, n if n > 1 and sampling.prompt_logprobs is not None else 0, call)
         try:
             async for item in watched:
                 yield item
@@ -224,10 +264,11 @@ class Frontend:
             await watched.aclose()  # aborts what is still running, now
 
     async def _watch(
-        self, streams: list[RequestStream], share_scores: int = 0
+        self, streams: list[RequestStream], share_scores: int, call: QueuedCall
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The streams' outputs as (index, output), with per-request metrics and logs; closing it
-        closes (aborts) every stream still open."""
+        closes (aborts) every stream still open. The first output releases the call's places in
+        the queue, or, where another tenant's call took them (`_make_room`), refuses it."""
         trackers = [self.metrics.track() for _ in streams]
         last: list[RequestOutput | None] = [None] * len(streams)
         start = time.monotonic()
@@ -236,6 +277,9 @@ class Frontend:
             merged = share_prompt_scores(merged, share_scores)
         try:
             async for i, out in merged:
+                if call.displaced:
+                    raise self.refuse(Refusal.QUEUE_FULL, f"{FULL} and this tenant holds over its share; retry later")
+                self.queues.release(call)
                 trackers[i].observe(out)
                 last[i] = out
                 yield i, out
@@ -243,18 +287,18 @@ class Frontend:
             await merged.aclose()  # its tasks end now, not when the collector finds it
             for stream, out in zip(streams, last):
                 stream.close()
-                _log_end(self.metrics, stream.request_id, out, time.monotonic() - start)
+                log_end(self.metrics, stream.request_id, out, time.monotonic() - start)
         errors = [out.error for out in last if out is not None and out.error is not None]
         if errors:
             raise EngineFailed(f"engine error: {errors[0]}")
 
-    def _queue_full(self, count: int = 1) -> bool:
-        """Whether `count` new requests would wait beyond the limit: the seats free at the next
-        step take waiting requests first, so only those beyond them count. Requests still being
-        prepared count as waiting."""
+    def _queue_excess(self, count: int = 1) -> int:
+        """How many places `count` new requests would wait beyond the limit (0: none): the seats
+        free at the next step take waiting requests first, so only those beyond them count.
+        Requests still being prepared count as waiting."""
         load = self.engine.load()
-        waiting = load.num_waiting + self._preparing + count - 1 - load.free_seats
-        return waiting >= self.info.max_waiting_requests
+        waiting = load.num_waiting + self._preparing + count - load.free_seats
+        return max(0, waiting - self.info.max_waiting_requests)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
@@ -283,20 +327,3 @@ def _prepare(
     prompts = prepare(text)
     refs = references(text) if references is not None else []
     return sampling, [Submission(ids, sampling, tenant=tenant, references=refs) for ids in prompts]
-
-
-def _log_end(metrics: Metrics, request_id: str, last: RequestOutput | None, seconds: float) -> None:
-    if last is None or not last.finished:
-        metrics.finished.labels("cancelled").inc()
-        logger.info("request %s cancelled by the client after %.2fs", request_id, seconds)
-    else:
-        logger.info(
-            "request %s finished: %d prompt + %d resumed + %d generated tokens, %s, %.2fs, %.2f tokens/step",
-            request_id,
-            last.num_prompt_tokens,
-            last.stats.resumed_tokens,
-            last.num_output_tokens - last.stats.resumed_tokens,
-            last.finish_reason.value if last.finish_reason else "?",
-            seconds,
-            last.tokens_per_step,
-        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
@@ -12,6 +13,7 @@ from batchserve.async_engine import AsyncEngine
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import RequestOutput
 
+request_log = logging.getLogger("batchserve.server")  # the front ends' log, one line a request
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 DECODING_LENGTH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -182,3 +184,21 @@ class RequestTracker:
             if out.stats.steps:
                 m.tokens_per_step.observe(out.tokens_per_step)
             m.finished.labels(out.finish_reason.value if out.finish_reason else "unknown").inc()
+
+
+def log_end(metrics: Metrics, request_id: str, last: RequestOutput | None, seconds: float) -> None:
+    """Count a call its client left as cancelled, and log how each request ended."""
+    if last is None or not last.finished:
+        metrics.finished.labels("cancelled").inc()
+        request_log.info("request %s cancelled by the client after %.2fs", request_id, seconds)
+    else:
+        request_log.info(
+            "request %s finished: %d prompt + %d resumed + %d generated tokens, %s, %.2fs, %.2f tokens/step",
+            request_id,
+            last.num_prompt_tokens,
+            last.stats.resumed_tokens,
+            last.num_output_tokens - last.stats.resumed_tokens,
+            last.finish_reason.value if last.finish_reason else "?",
+            seconds,
+            last.tokens_per_step,
+        )

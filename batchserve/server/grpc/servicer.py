@@ -95,9 +95,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 yield convert.stream_chunk(out)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        await self._tenant(context)
+        tenant = await self._tenant(context)
         try:  # admitted like a generation: tokenizing is the same work
-            ids = await self.frontend.prepare(convert.prompt_of, request, self.engine.core.text)
+            ids = await self.frontend.prepare(convert.prompt_of, request, self.engine.core.text, tenant=tenant)
         except Refused as e:
             await context.abort(STATUS[e.kind], e.message)
         except ValueError as e:
