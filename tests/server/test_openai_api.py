@@ -233,7 +233,7 @@ async def test_too_large_body_is_413_and_malformed_json_is_400(api):
 async def test_full_queue_is_429_and_draining_is_503(monkeypatch):
     r = await start_server(tiny_core(max_num_seqs=1), http=True, max_waiting_requests=1)
     try:
-        monkeypatch.setattr(r.server.frontend, "_queue_full", lambda count=1: True)
+        monkeypatch.setattr(r.server.frontend, "_queue_excess", lambda count=1: count)
         code, reply = await _raw(r, "POST", "/v1/completions", {"model": "tiny", "prompt": "x"})
         assert code == 429 and reply["error"]["type"] == "rate_limit_error"
         monkeypatch.undo()
