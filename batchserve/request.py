@@ -15,6 +15,7 @@ class FinishReason(enum.Enum):
     STOP_SEQUENCE = "stop_sequence"  # a stop string or a stop token id
     CANCELLED = "cancelled"  # aborted by the caller
     ERROR = "error"  # the step that ran this request failed
+    CONSTRAINT_FAILED = "constraint_failed"  # its structured output's grammar admits no continuation
 
 
 class RequestStatus(enum.Enum):

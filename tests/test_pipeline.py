@@ -133,7 +133,7 @@ def test_a_request_whose_schedule_fails_gets_its_final_output(monkeypatch) -> No
     monkeypatch.setattr(core.scheduler.grammar, "row_masks", broken)
     seen = _drive(core, True, params, {})
     final = [o for o in seen if o[0] == "r0" and o[3]]
-    assert len(final) == 1 and final[0][4] is FinishReason.ERROR and "injected" in final[0][5]
+    assert len(final) == 1 and final[0][4] is FinishReason.CONSTRAINT_FAILED and "injected" in final[0][5]
 
 
 async def test_the_async_engine_streams_beside_the_forward_with_the_same_outputs() -> None:

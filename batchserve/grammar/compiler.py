@@ -23,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from batchserve.request import Constraint
 
 # JSON as json.dumps writes it (", " and ": "), no other whitespace: what models emit by habit,
@@ -133,9 +135,28 @@ class GrammarCompiler:
         pristine = LLMatcher(self.lltokenizer, grammar, log_level=0)
         if pristine.is_error():
             raise ConstraintError(f"invalid {c.kind}: {(pristine.get_error() or 'refused by llguidance').strip()}")
+        self._probe(c, pristine.deep_copy())
         with self._lock:
             self.num_builds += 1
         return CompiledGrammar(c, grammar, pristine)
+
+    def _probe(self, c: Constraint, probe: Any) -> None:
+        """Raise ConstraintError for a grammar whose first step fails (on `probe`, a copy): its first
+        mask fails, allows no token but the end of a text not complete, or its first allowed token
+        is refused (a schema that requires itself without end). Such a grammar would fail at the
+        request's first step; the client hears it now, before anything is queued."""
+        from batchserve.grammar.matcher import matcher_error
+
+        first = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8).copy()  # bit t of byte t // 8
+        eos = self.eos_token_id
+        if eos // 8 < len(first):
+            first[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
+        allowed = np.flatnonzero(np.unpackbits(first, bitorder="little"))
+        if not probe.is_error() and len(allowed):
+            probe.consume_token(int(allowed[0]))
+        if probe.is_error() or (not len(allowed) and not probe.is_accepting()):
+            reason = matcher_error(probe) if probe.is_error() else "no token can begin its text"
+            raise ConstraintError(f"the {c.kind} admits no text: {reason}")
 
     def _grammar(self, c: Constraint) -> str:
         from llguidance import LLMatcher

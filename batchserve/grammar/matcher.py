@@ -22,6 +22,14 @@ class GrammarError(RuntimeError):
     """The matcher refused a token its own mask allowed (an llguidance fault): the request ends."""
 
 
+def matcher_error(matcher: Any) -> str:
+    """The first line of a failed matcher's error, bounded: llguidance appends its parser's state,
+    which is internals, not a reason a client can act on."""
+    lines = (matcher.get_error() or "").strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    return f"the grammar admits no continuation here ({first[:160] or 'no reason given'})"
+
+
 def allows(mask: np.ndarray, token: int) -> bool:
     """Whether one row's bitmask ([W] int32, bit t % 32 of word t // 32) allows `token`."""
     word = token >> 5
@@ -42,7 +50,7 @@ class RequestGrammar:
 
     def _check(self) -> None:
         if self._m.is_error():
-            raise GrammarError(self._m.get_error() or "the grammar matcher failed")
+            raise GrammarError(matcher_error(self._m))
 
     def prune(self, tree: DraftTree | None) -> tuple[DraftTree | None, np.ndarray]:
         """(the nodes of `tree` the grammar allows, in their order; the masks of the root's row

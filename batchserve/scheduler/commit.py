@@ -65,7 +65,7 @@ def commit_request(
                 break
             error = sched.grammar.advance(req, tok)
             if error is not None:  # the grammar refused what its own mask allowed
-                sched.fail([req.request_id], error)
+                sched.fail([req.request_id], error, FinishReason.CONSTRAINT_FAILED)
                 done.events.append((req, appended))
                 return
         req.output_token_ids.append(tok)

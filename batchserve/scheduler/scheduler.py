@@ -165,7 +165,7 @@ class Scheduler:
                 item = replace(item, token_mask=mask)
             items.append(item)
         for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
-            self._failed += self.fail([rid], error)
+            self._failed += self.fail([rid], error, FinishReason.CONSTRAINT_FAILED)
         return replace(out, requests=tuple(items))
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
@@ -292,14 +292,14 @@ class Scheduler:
         failed, self._failed = self._failed, []
         return failed
 
-    def fail(self, request_ids: Iterable[str], error: str) -> list[Request]:
-        """Finish these requests with ERROR and `error` as their message (the others go on)."""
+    def fail(self, request_ids: Iterable[str], error: str, reason: FinishReason = FinishReason.ERROR) -> list[Request]:
+        """Finish these requests with `reason` and `error` as their message (the others go on)."""
         failed = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
                 req.error = error
-                self.finish(req, FinishReason.ERROR)
+                self.finish(req, reason)
                 failed.append(req)
         return failed
 

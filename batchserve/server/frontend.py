@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from batchserve.admission import Admission, Submission
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.grammar import CompiledGrammar
-from batchserve.request import RequestOutput, RequestStatus, SamplingParams
+from batchserve.request import FinishReason, RequestOutput, RequestStatus, SamplingParams
 from batchserve.server.metrics import Metrics, log_end
 from batchserve.server.queue_shares import QueuedCall, TenantQueues
 from batchserve.server.samples import merged_outputs, samples_of, share_prompt_scores
@@ -288,7 +288,9 @@ class Frontend:
             for stream, out in zip(streams, last):
                 stream.close()
                 log_end(self.metrics, stream.request_id, out, time.monotonic() - start)
-        errors = [out.error for out in last if out is not None and out.error is not None]
+        # A failed step is the server's fault; a grammar with no continuation is the request's own
+        # end (CONSTRAINT_FAILED, its text so far delivered), never an engine error.
+        errors = [out.error or "the step failed" for out in last if out and out.finish_reason is FinishReason.ERROR]
         if errors:
             raise EngineFailed(f"engine error: {errors[0]}")
 

@@ -7,10 +7,13 @@ import json
 import re
 
 import grpc
+import httpx
 import pytest
 
+from batchserve.grammar.steps import GrammarSteps
 from batchserve.request import Constraint
 from batchserve.server.client import build_request
+from batchserve.v1 import generation_pb2 as pb
 from tests.server.test_openai_api import _client, _raw
 
 MESSAGES = [{"role": "user", "content": "give me a record"}]
@@ -23,6 +26,12 @@ SCHEMA = {
     },
     "required": ["id", "kind", "title"],
     "additionalProperties": False,
+}
+
+# An object that must hold itself: no finite document matches.
+ENDLESS = {
+    "$ref": "#/$defs/a",
+    "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
 }
 
 
@@ -76,6 +85,10 @@ async def test_the_official_client_gets_documents_that_match_its_schema(api):
         ({"type": "grammar", "grammar": "start: nowhere"}, "nowhere"),
         ({"type": "regex", "regex": "a" * 70000}, "limit is 65536"),
         ({"type": "xml"}, "type"),
+        # Grammars that compile but can never be satisfied: refused before anything is queued.
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}, "admits no text"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}, "admits no text"),
+        ({"type": "regex", "regex": "[^\\x00-\\U0010FFFF]"}, "admits no text"),
     ],
 )
 async def test_a_bad_response_format_is_a_400_naming_the_problem(api, fmt, message):
@@ -109,4 +122,41 @@ async def test_grpc_constraints_and_their_refusals(api):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await api.stub.Generate(request)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "non-empty" in err.value.details()
+    assert not api.core.has_work()
+
+
+async def test_a_grammar_failing_mid_answer_ends_it_with_an_error_finish_not_a_500(api, monkeypatch):
+    """A grammar that admits no continuation after some tokens (an llguidance limit met mid-text)
+    ends that request with its text so far and an error finish: never a 500 or parser internals."""
+    real, calls = GrammarSteps.advance, {"n": 0}
+
+    def failing(self, req, token):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            return "structured output failed: the grammar admits no continuation here (injected)"
+        return real(self, req, token)
+
+    monkeypatch.setattr(GrammarSteps, "advance", failing)
+    fmt = {"type": "regex", "regex": "[a-z]{8}"}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 20, "response_format": fmt}
+    code, reply = await _raw(api, "POST", "/v1/chat/completions", body)
+    assert code == 400 and reply["error"]["param"] == "response_format", reply
+    assert "injected" in reply["error"]["message"] and "<state>" not in reply["error"]["message"]
+    # Streamed: the text so far, then an error event (no finish reason strict clients would refuse).
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{api.server.http_port}", timeout=30) as http:
+        got = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in got.text.splitlines() if line.startswith("data: {")]
+        assert got.status_code == 200 and "injected" in events[-1]["error"]["message"]
+        assert all(c["finish_reason"] is None for e in events[:-1] for c in e["choices"])
+        assert "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"])
+        assert got.text.endswith("data: [DONE]\n\n")
+        got = await http.post(
+            "/v1/responses",
+            json={"model": "tiny", "input": "x", "stream": True, "text": {"format": {"type": "json_object"}}},
+        )
+    kinds = [line[7:] for line in got.text.splitlines() if line.startswith("event: ")]
+    assert kinds[-1] == "error" and "response.completed" not in kinds and "injected" in got.text
+    # gRPC has an error finish of its own: the text so far and FINISH_REASON_ERROR.
+    got = await api.stub.Generate(build_request("x", max_new_tokens=20, constraint=Constraint("regex", "[a-z]{8}")))
+    assert got.finish_reason == pb.FINISH_REASON_ERROR and len(got.token_ids) == 2
     assert not api.core.has_work()

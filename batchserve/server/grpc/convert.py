@@ -26,6 +26,7 @@ FINISH_REASONS = {
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.CONSTRAINT_FAILED: pb.FINISH_REASON_ERROR,
 }
 # SamplingOptions' `optional` scalars, passed to SamplingParams under the same names when set.
 SCALAR_OPTIONS = (

@@ -21,7 +21,21 @@ FINISH = {
     FinishReason.STOP_SEQUENCE: "stop",
     FinishReason.CANCELLED: "abort",
     FinishReason.ERROR: "error",
+    FinishReason.CONSTRAINT_FAILED: None,  # no finish: the answer ends in an error (`constraint_failure`)
 }
+
+
+def constraint_failure(out: RequestOutput) -> str | None:
+    """Why `out` ended where its grammar admitted no continuation (None: it did not). Not an OpenAI
+    finish reason (strict clients refuse any other): whole answers are a 400 naming
+    `response_format`, streams end with an error event after the text so far."""
+    if out.finished and out.finish_reason is FinishReason.CONSTRAINT_FAILED:
+        return out.error or "structured output failed"
+    return None
+
+
+def constraint_error_event(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": "response_format", "code": None}}
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -203,6 +217,9 @@ class Answer:
                         yield event
                 for event in self._events(i, out, states[i]):
                     yield event
+                if (failure := constraint_failure(out)) is not None:
+                    yield _sse(constraint_error_event(failure))
+                    break
                 item = await anext(outputs, None)
             if include_usage:
                 lasts = [(i, s.last) for i, s in sorted(states.items()) if s.last is not None]

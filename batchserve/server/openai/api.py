@@ -20,7 +20,7 @@ from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
 from batchserve.server.http import BodyLimit
 from batchserve.server.keys import ApiKeys
-from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best
+from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best, constraint_failure
 from batchserve.server.openai.auth import KeyCheck, http_tenant
 from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai.calls import check_utf8, install_error_handlers, unless_gone
@@ -304,5 +304,7 @@ async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], total: int
     """Every sample's outputs, in index order."""
     samples = [Sample(i) for i in range(total)]
     async for i, out in outputs:
+        if (failure := constraint_failure(out)) is not None:
+            raise ApiError(400, failure, "response_format")
         samples[i].add(out)
     return samples

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchserve.request import FinishReason, RequestOutput
 from batchserve.server.frontend import EngineFailed
-from batchserve.server.openai.answers import usage
+from batchserve.server.openai.answers import constraint_failure, usage
 from batchserve.server.openai.responses_bodies import ResponsesRequest
 from batchserve.server.openai.tools import ChatTools, ToolParse
 
@@ -111,6 +111,9 @@ class ResponseAnswer:
                 delta = parser.feed(out.new_text) if parser is not None else out.new_text
                 for event in state.text(self, delta):
                     yield event
+                if (failure := constraint_failure(out)) is not None:
+                    yield self._event("error", code="invalid_request_error", message=failure, param="text.format")
+                    return
                 item = await anext(outputs, None)
                 out = item[1] if item is not None else None
         except EngineFailed as e:
