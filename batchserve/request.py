@@ -305,7 +305,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
     stats: RequestStats
-    error: str | None = None  # set when finish_reason is ERROR
+    error: str | None = None  # set when finish_reason is ERROR or CONSTRAINT_FAILED
     # With `params.logprobs`: one entry per new token, in order.
     new_logprobs: list[TokenLogprob] | None = None
     # With `params.prompt_logprobs`, on the first output only: prompt tokens 1.. in order.

@@ -34,6 +34,44 @@ async def test_completion_logprobs_plain_and_streamed_equal_the_engines(api):
     assert [o for c in chunks for o in c.text_offset] == lp.text_offset  # counted as the whole completion does
 
 
+async def test_streamed_logprobs_are_rendered_beside_the_loop(api, monkeypatch):
+    """A chunk with logprobs (up to 21 entries a token, n samples) is built in the render thread;
+    plain text chunks stay on the loop (no thread hop for them)."""
+    import threading
+
+    from batchserve.server.openai.answers import Answer
+
+    where: list[tuple[bool, str]] = []
+    real = Answer._events
+
+    def spy(self, i, out, state):
+        where.append((bool(out.new_logprobs), threading.current_thread().name))
+        return real(self, i, out, state)
+
+    monkeypatch.setattr(Answer, "_events", spy)
+    for logprobs in (3, None):
+        stream = await _client(api, strict=False).completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=logprobs, stream=True
+        )
+        assert [c async for c in stream]
+    assert {name.startswith("batchserve-render") for lp, name in where if lp} == {True}
+    assert {name for lp, name in where if not lp} == {threading.current_thread().name}
+
+
+def test_a_samples_logprobs_are_appended_in_place_and_outputs_untouched():
+    from batchserve.request import RequestOutput, RequestStats, TokenLogprob
+    from batchserve.server.openai.answers import Sample
+
+    outs = [
+        RequestOutput("r", [t], "x", False, None, 1, 1, RequestStats(), new_logprobs=[TokenLogprob(t, -0.5)])
+        for t in range(3)
+    ]
+    sample = Sample(0)
+    for out in outs:
+        sample.add(out)
+    assert [e.token_id for e in sample.logprobs] == [0, 1, 2] and all(len(o.new_logprobs) == 1 for o in outs)
+
+
 async def test_a_sampled_token_outside_the_top_is_among_its_alternatives(ascii_api):
     """As OpenAI and vLLM: `logprobs: k` gives up to k + 1 alternatives, the chosen token always one."""
     from batchserve.llm import LLM

@@ -3,9 +3,10 @@ counts the prompt once, and the finish reasons; the HTTP plumbing is `api`'s."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,9 @@ from batchserve.server.frontend import EngineFailed
 from batchserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchserve.server.openai.tools import ChatTools, ToolStream
 from batchserve.text import TextCodec
+
+# Runs a rendering beside the event loop (`Frontend.render`).
+Render = Callable[[Callable[[], list[str]]], Awaitable[list[str]]]
 
 FINISH = {
     FinishReason.LENGTH: "length",
@@ -55,8 +59,10 @@ class Sample:
 
     def add(self, out: RequestOutput) -> None:
         self.texts.append(out.new_text)
-        if out.new_logprobs is not None:
-            self.logprobs = (self.logprobs or []) + out.new_logprobs
+        if out.new_logprobs is not None:  # appended in place: a long answer's logprobs are not copied per output
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(out.new_logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.last = out
@@ -200,22 +206,25 @@ class Answer:
         return self._envelope(self.kind[0], choices) | {"usage": usage(outputs, self.view.per_prompt)}
 
     async def stream(
-        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool
+        self,
+        first: tuple[int, RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        include_usage: bool,
+        render: Render | None = None,
     ) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format (each choice's chunks carry its `index`),
         then `data: [DONE]`. A client that disconnects cancels this generator, and closing
-        `outputs` aborts the requests."""
+        `outputs` aborts the requests. `render`: where chunks with logprobs are rendered (the
+        front end's render thread: up to 21 entries a token, n samples, never on the event loop)."""
         self.include_usage = include_usage
         states: dict[int, _Streamed] = {}
         try:
             item: tuple[int, RequestOutput] | None = first
             while item is not None:
                 i, out = item
-                if i not in states:
-                    states[i] = _Streamed(tools=self.view.tools.stream() if self.view.tools is not None else None)
-                    for event in self._opening(i, out, states[i]):
-                        yield event
-                for event in self._events(i, out, states[i]):
+                step = functools.partial(self._step, i, out, states)
+                heavy = render is not None and (out.new_logprobs or (i not in states and out.prompt_logprobs))
+                for event in await render(step) if heavy and render is not None else step():
                     yield event
                 if (failure := constraint_failure(out)) is not None:
                     yield _sse(constraint_error_event(failure))
@@ -229,6 +238,14 @@ class Answer:
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
+
+    def _step(self, i: int, out: RequestOutput, states: dict[int, _Streamed]) -> list[str]:
+        """The chunks of one output of choice `i`: its opening chunks if it is the first."""
+        events = []
+        if i not in states:
+            states[i] = _Streamed(tools=self.view.tools.stream() if self.view.tools is not None else None)
+            events = self._opening(i, out, states[i])
+        return events + self._events(i, out, states[i])
 
     def _opening(self, i: int, out: RequestOutput, state: _Streamed) -> list[str]:
         """A choice's first chunks: chat's role; completions' echoed prompt (and its logprobs)."""

@@ -219,7 +219,7 @@ class OpenAIServer:
                 outputs = _copies(first, outputs, n)
                 first = await anext(outputs)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse_response(answer.stream(first, outputs, include_usage))
+            return _sse_response(answer.stream(first, outputs, include_usage, self.frontend.render))
         assert samples is not None
         if shared:  # the copies share their sample's lists: its prompt's scores are held once
             samples = [replace(s, index=p * n + c) for p, s in enumerate(samples) for c in range(n)]
