@@ -7,6 +7,7 @@ far. Every refusal is a ValueError that names the field."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 import time
@@ -23,6 +24,17 @@ from batchserve.text import Prompt, TextCodec
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
 
 
+def id_namespace(tenant: str) -> str:
+    """The namespace of a tenant's request ids (`Submission.namespace`): 12 hex digits of its
+    SHA-256, so ids are unique per tenant and one tenant can neither see nor take another's."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:12]
+
+
+def client_id(engine_id: str) -> str:
+    """The id a client chose, from a namespaced engine id (`Submission.engine_id`)."""
+    return engine_id.rpartition(".")[0] or engine_id
+
+
 @dataclass(frozen=True, slots=True)
 class Submission:
     """One request as it is submitted, carried whole from the front end to `EngineCore.add_request`.
@@ -34,7 +46,8 @@ class Submission:
     token ids its output is expected to repeat, drafted from privately; `group`: a key the samples
     of one call share (they compute the prompt's blocks once); `grammar`: `params.constraint`
     compiled ahead, off the event loop (the front end does): admission copies it instead of
-    compiling (or finding) it on the loop."""
+    compiling (or finding) it on the loop. `namespace`: where `request_id` is unique (the server
+    gives each tenant its own, `id_namespace`): the engine's id is then `<request_id>.<namespace>`."""
 
     prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -43,6 +56,14 @@ class Submission:
     references: Sequence[Prompt] = ()
     group: str = ""
     grammar: CompiledGrammar | None = None
+    namespace: str = ""
+
+    @property
+    def engine_id(self) -> str | None:
+        """The request's id in the engine: its `request_id` within its namespace."""
+        if self.request_id is None or not self.namespace:
+            return self.request_id
+        return f"{self.request_id}.{self.namespace}"
 
 
 class Admission:
@@ -66,7 +87,7 @@ class Admission:
             if any(t >= facts.vocab_size for t in ids):
                 raise ValueError(f"{name}: {max(ids)} is not a token id in [0, {facts.vocab_size})")
         req = Request(
-            request_id=sub.request_id if sub.request_id is not None else f"req-{next(self._ids)}",
+            request_id=sub.engine_id if sub.request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=token_ids,
             params=params,
             eos_token_ids=facts.eos_token_ids,

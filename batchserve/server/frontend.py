@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from batchserve.admission import Admission, Submission
+from batchserve.admission import Admission, Submission, id_namespace
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.grammar import CompiledGrammar
 from batchserve.request import FinishReason, RequestOutput, RequestStatus, SamplingParams
@@ -242,12 +242,13 @@ class Frontend:
                     f"model's context of {context} tokens",
                 )
         streams: list[RequestStream] = []
+        space = id_namespace(subs[0].tenant if subs else "")  # ids are unique per tenant, never across them
         try:
             for p, sub in enumerate(subs):
                 rid_p = request_id if len(subs) == 1 else f"{request_id}-{p}"
                 group = rid_p if n > 1 else ""
                 for rid, sample in samples_of(rid_p, sampling, n):
-                    one = replace(sub, params=sample, request_id=rid, group=group, grammar=compiled)
+                    one = replace(sub, params=sample, request_id=rid, group=group, grammar=compiled, namespace=space)
                     streams.append(self.engine.generate(one))
         except (ValueError, EngineDeadError) as e:
             for stream in streams:

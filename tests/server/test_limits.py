@@ -71,6 +71,26 @@ async def test_a_live_request_id_cannot_be_reused_or_disturbed(running):
     assert again.request_id == "job-1" and again.usage.completion_tokens == 5
 
 
+async def test_request_ids_are_per_tenant_so_none_can_be_probed_or_taken(running):
+    """Another tenant's live id is invisible: the same id from a second tenant runs beside it
+    (no "already in use" that would confirm it), and both answers carry the id each client chose."""
+    first = running.stub.StreamGenerate(
+        build_request([1, 2, 3], request_id="job-7", max_new_tokens=40), metadata=(("x-batchserve-tenant", "a"),)
+    )
+    await first.read()
+    other = await running.stub.Generate(
+        build_request([4, 5], request_id="job-7", max_new_tokens=5), metadata=(("x-batchserve-tenant", "b"),)
+    )
+    assert other.request_id == "job-7" and other.usage.completion_tokens == 5
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # the same tenant's own id is still taken
+        await running.stub.Generate(
+            build_request([4, 5], request_id="job-7", max_new_tokens=5), metadata=(("x-batchserve-tenant", "a"),)
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    rest = await _collect(first)
+    assert {c.request_id for c in rest} == {"job-7"} and rest[-1].usage.completion_tokens == 40
+
+
 async def test_a_tiny_temperature_is_greedy(running):
     greedy = await running.stub.Generate(build_request([7, 8, 9], max_new_tokens=12))
     tiny = await running.stub.Generate(build_request([7, 8, 9], max_new_tokens=12, temperature=1e-38, seed=1))

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchserve import SamplingParams
+from batchserve.admission import client_id
 from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.cli import main as cli_main
 from batchserve.llm import LLM
@@ -33,7 +34,8 @@ async def _stream(stub, req):
 
 class _StepLog:
     """Per request, from the scheduler's own step plans (not from the requests' stats): the steps
-    that sampled it (each emits tokens), and the draft tokens those steps verified."""
+    that sampled it (each emits tokens), and the draft tokens those steps verified; by the id its
+    client chose (the engine's is namespaced per tenant)."""
 
     def __init__(self, core) -> None:
         self.steps: collections.Counter[str] = collections.Counter()
@@ -43,8 +45,9 @@ class _StepLog:
     def __call__(self, out, phases) -> None:
         for item in out.requests:
             if item.sample:
-                self.steps[item.request_id] += 1
-                self.drafted[item.request_id] += len(item.draft) if item.draft is not None else 0
+                rid = client_id(item.request_id)
+                self.steps[rid] += 1
+                self.drafted[rid] += len(item.draft) if item.draft is not None else 0
 
 
 def _sample(server, name: str, **labels: str) -> float | None:
@@ -121,7 +124,7 @@ async def test_preemptions_are_counted_once_each(monkeypatch):
 
     def count(out, phases) -> None:
         for item in out.requests:
-            fresh_starts[item.request_id] += item.num_computed_tokens == 0
+            fresh_starts[client_id(item.request_id)] += item.num_computed_tokens == 0
 
     r.core.step_listeners.append(count)
     real = r.core.runner.launch

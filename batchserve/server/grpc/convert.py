@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from batchserve.admission import client_id
 from batchserve.config import LimitsConfig
 from batchserve.request import (
     MAX_LOGIT_BIAS,
@@ -178,7 +179,7 @@ def logprobs_pb(entries: Sequence[TokenLogprob] | None) -> list[pb.TokenLogprob]
 
 def stream_chunk(out: RequestOutput) -> pb.GenerateStreamResponse:
     return pb.GenerateStreamResponse(
-        request_id=out.request_id,
+        request_id=client_id(out.request_id),
         text=out.new_text,
         token_ids=out.new_token_ids,
         finish_reason=FINISH_REASONS[out.finish_reason] if out.finish_reason else pb.FINISH_REASON_UNSPECIFIED,

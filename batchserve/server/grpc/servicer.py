@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from batchserve.admission import client_id
 from batchserve.request import RequestOutput, TokenLogprob
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
 from batchserve.server.grpc import convert
@@ -76,7 +77,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             last = out
         assert last is not None and last.finish_reason is not None
         return pb.GenerateResponse(
-            request_id=last.request_id,
+            request_id=client_id(last.request_id),
             text="".join(text),
             token_ids=token_ids,
             finish_reason=convert.FINISH_REASONS[last.finish_reason],
