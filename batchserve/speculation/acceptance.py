@@ -5,6 +5,7 @@ Pure Python and numpy. The budget policy (`budget.py`) turns these estimates int
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -14,10 +15,24 @@ from batchserve.speculation.fits import ScoreCalibration, non_increasing
 from batchserve.trees import MATCH_CAP
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
+# Draft scopes whose pooled prior is kept (least recently used out first; a scope let go starts
+# again from the first guess). A prior is a few hundred bytes.
+MAX_SCOPE_PRIORS = 4096
+
+
+def _isolated(request_id: str) -> str:
+    """The prior key of a request that shares nothing (its scope is None): its own."""
+    return "\0" + request_id
 
 
 class AcceptanceTracker:
-    """EMA per request and draft rank of "this node was on the accepted path"."""
+    """EMA per request and draft rank of "this node was on the accepted path".
+
+    New requests start from a prior pooled over their draft scope (`begin`; the default scope ""
+    for requests never begun): one tenant's requests never move where another's start, so its
+    draft lengths tell nothing of another tenant's traffic, and a tenant whose drafts fail on
+    purpose slows only its own. The score calibration stays pooled: it fits the model's
+    confidence, not any tenant's text."""
 
     def __init__(
         self,
@@ -37,7 +52,9 @@ class AcceptanceTracker:
         self.pool_rate = pool_rate  # how fast the pool moves, relative to one request
         # Before any evidence: a geometric guess, optimistic enough that drafting starts.
         self.initial = [initial * falloff**j for j in range(max_rank)]
-        self.prior = list(self.initial)  # pooled over requests: where new requests start
+        # Pooled over each scope's requests: where its new requests start.
+        self._priors: OrderedDict[str, list[float]] = OrderedDict({"": list(self.initial)})
+        self._scopes: dict[str, str] = {}  # request id -> its prior's key
         self.calibration = calibration or ScoreCalibration()  # for drafts whose nodes carry scores
         self._est: dict[str, list[float]] = {}
         self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
@@ -46,10 +63,31 @@ class AcceptanceTracker:
         self._upper: dict[str, list[float]] = {}
         self.revision = 0  # counts the changes to any estimate: what reads them may cache until it moves
 
+    @property
+    def prior(self) -> list[float]:
+        """The default scope's prior (requests never begun in a scope)."""
+        return self._priors[""]
+
+    def begin(self, request_id: str, scope: str | None) -> None:
+        """`request_id` drafts in `scope` (None: alone): it starts from, and teaches, that scope's prior."""
+        self._scopes[request_id] = _isolated(request_id) if scope is None else scope
+
+    def _prior(self, request_id: str) -> list[float]:
+        key = self._scopes.get(request_id, "")
+        prior = self._priors.get(key)
+        if prior is None:
+            prior = self._priors[key] = list(self.initial)
+            while len(self._priors) > MAX_SCOPE_PRIORS:
+                oldest = next(k for k in self._priors if k)  # the default scope stays
+                del self._priors[oldest]
+        else:
+            self._priors.move_to_end(key)
+        return prior
+
     def _monotone(self, request_id: str) -> list[float]:
         est = self._est.get(request_id)
         if est is None:
-            return non_increasing(self.prior)  # the pool moves with every observation: not cached
+            return non_increasing(self._prior(request_id))  # the pool moves with every observation: not cached
         gains = self._gains.get(request_id)
         if gains is None:
             gains = self._gains[request_id] = non_increasing(est)
@@ -57,7 +95,7 @@ class AcceptanceTracker:
 
     @property
     def max_rank(self) -> int:
-        return len(self.prior)
+        return len(self.initial)
 
     def gains(self, request_id: str, n: int, scores: Sequence[float] = (), match: int = 0) -> list[float]:
         """Expected extra tokens of the request's first `n` draft nodes, non-increasing.
@@ -65,14 +103,14 @@ class AcceptanceTracker:
         the tree's `match` length."""
         if not scores:
             return self._monotone(request_id)[:n]
-        ests = self._est.get(request_id, self.prior)[: min(n, len(scores))]
+        ests = (self._est.get(request_id) or self._prior(request_id))[: min(n, len(scores))]
         return non_increasing(self.calibration.probs_each(ests, scores[: len(ests)], match))
 
     def gains_many(self, candidates: Sequence[tuple[str, int, Sequence[float], int]]) -> list[list[float]]:
         """`gains` of each (request id, n, scores, match): a step's trees in one set of array
         operations (the same numbers as one call each)."""
         scored = [c for c in candidates if c[2]]  # the rest: their rank estimates alone (`gains`)
-        ests = [self._est.get(rid, self.prior)[: min(n, len(scores))] for rid, n, scores, _ in scored]
+        ests = [(self._est.get(rid) or self._prior(rid))[: min(n, len(scores))] for rid, n, scores, _ in scored]
         probs = self.calibration.probs_of_trees(
             ests, [scores[: len(e)] for (_, _, scores, _), e in zip(scored, ests)], [m for *_, m in scored]
         )
@@ -105,7 +143,7 @@ class AcceptanceTracker:
         # The fit is monotone in the score and in log2(1 + match): the best case is at one end.
         best_score = 1.0 if cal.weights[1] >= 0 else 0.0
         match = MATCH_CAP if cal.weights[3] >= 0 else 1
-        ests = np.array([self._est.get(rid, self.prior) for rid in missing])  # [requests, max_rank]
+        ests = np.array([self._est.get(rid) or self._prior(rid) for rid in missing])  # [requests, max_rank]
         probs = cal.prob_array(ests, best_score, match)
         upper = np.maximum(np.array([self._monotone(rid) for rid in missing]), probs).tolist()
         self._upper.update(zip(missing, upper))
@@ -127,8 +165,9 @@ class AcceptanceTracker:
         # request for good (no drafts, so no evidence that drafts would pay again). As slices:
         # the same arithmetic as a loop over the ranks, at a third of its cost.
         n, a, b = num_offered, self.explore, self.explore * self.pool_rate  # n past the ranks: no-ops
-        est[n:] = [e + a * (p - e) for e, p in zip(est[n:], self.prior[n:])]
-        self.prior[n:] = [p + b * (i - p) for p, i in zip(self.prior[n:], self.initial[n:])]
+        prior = self._prior(request_id)
+        est[n:] = [e + a * (p - e) for e, p in zip(est[n:], prior[n:])]
+        prior[n:] = [p + b * (i - p) for p, i in zip(prior[n:], self.initial[n:])]
 
     def observe_late(
         self,
@@ -155,7 +194,8 @@ class AcceptanceTracker:
     ) -> list[float]:
         """The EMA step of ranks [start, stop) (the request's and, slower, the pool's) and the
         score calibration's; the request's estimates."""
-        est = self._est.setdefault(request_id, list(self.prior))
+        prior = self._prior(request_id)
+        est = self._est.setdefault(request_id, list(prior))
         self._gains.pop(request_id, None)
         self._upper.clear()  # every request's: the pool and the calibration move too
         self.revision += 1
@@ -170,7 +210,7 @@ class AcceptanceTracker:
         for j in range(start, stop):
             x = 1.0 if j in hits else 0.0
             est[j] += a * (x - est[j])
-            self.prior[j] += a * self.pool_rate * (x - self.prior[j])  # slower than one request
+            prior[j] += a * self.pool_rate * (x - prior[j])  # slower than one request
         return est
 
     def skipped(self, request_id: str) -> None:
@@ -181,6 +221,8 @@ class AcceptanceTracker:
         self._est.pop(request_id, None)
         self._gains.pop(request_id, None)
         self._upper.pop(request_id, None)
+        self._priors.pop(_isolated(request_id), None)
+        self._scopes.pop(request_id, None)
         self.revision += 1
 
 
@@ -199,27 +241,49 @@ class WindowTracker:
         pool_rate: float = _DEFAULTS.acceptance_pool_rate,
     ) -> None:
         self.initial = initial
-        self.prior = initial
         self.decay = decay
         self.explore = explore
         self.pool_rate = pool_rate
         self._est: dict[str, float] = {}
+        self._priors: OrderedDict[str, float] = OrderedDict({"": initial})  # per scope, as the acceptance's
+        self._scopes: dict[str, str] = {}
+
+    @property
+    def prior(self) -> float:
+        return self._priors[""]
+
+    def begin(self, request_id: str, scope: str | None) -> None:
+        self._scopes[request_id] = _isolated(request_id) if scope is None else scope
+
+    def _key(self, request_id: str) -> str:
+        key = self._scopes.get(request_id, "")
+        if key in self._priors:
+            self._priors.move_to_end(key)
+        else:
+            self._priors[key] = self.initial
+            while len(self._priors) > MAX_SCOPE_PRIORS:
+                del self._priors[next(k for k in self._priors if k)]
+        return key
 
     def gain(self, request_id: str) -> float:
-        return self._est.get(request_id, self.prior)
+        return self._est.get(request_id, self._priors[self._key(request_id)])
 
     def observe(self, request_id: str, pooled_tokens: int) -> None:
         """A step with the window on: `pooled_tokens` accepted tokens came from the pool alone."""
-        est = self._est.get(request_id, self.prior)
+        key = self._key(request_id)
+        est = self._est.get(request_id, self._priors[key])
         self._est[request_id] = est + self.decay * (pooled_tokens - est)
-        self.prior += self.decay * self.pool_rate * (pooled_tokens - self.prior)
+        self._priors[key] += self.decay * self.pool_rate * (pooled_tokens - self._priors[key])
 
     def idle(self, request_id: str) -> None:
         """A step with the window off: drift toward the pool's estimate, and it toward the first guess."""
+        key = self._key(request_id)
         est = self._est.get(request_id)
         if est is not None:
-            self._est[request_id] = est + self.explore * (self.prior - est)
-        self.prior += self.explore * self.pool_rate * (self.initial - self.prior)
+            self._est[request_id] = est + self.explore * (self._priors[key] - est)
+        self._priors[key] += self.explore * self.pool_rate * (self.initial - self._priors[key])
 
     def forget(self, request_id: str) -> None:
         self._est.pop(request_id, None)
+        self._priors.pop(_isolated(request_id), None)
+        self._scopes.pop(request_id, None)

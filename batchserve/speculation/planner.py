@@ -79,6 +79,9 @@ class Speculation:
         if req.request_id in self._started:
             return  # readmitted after a preemption: its index stands
         self._started[req.request_id] = None
+        if self.policy is not None:  # its draft lengths start from its scope's experience, no one else's
+            self.policy.tracker.begin(req.request_id, self._scope(req))
+            self.policy.windows.begin(req.request_id, self._scope(req))
         try:
             self.drafter.on_request_start(
                 req.request_id,
