@@ -114,7 +114,11 @@ class DraftConfig:
     )
     # One scope per tenant key: apps that send a key per end-user would otherwise grow without
     # bound. The drafter's shared state is at most trie_max_scopes x trie_scope_bytes (16 GiB).
-    trie_max_scopes: int = setting(1024, "lookahead: output tries (tenant scopes) kept; least recently used idle go")
+    trie_max_scopes: int = setting(
+        1024,
+        "lookahead: output tries (tenant scopes) kept: a quarter for new scopes, the rest for proven ones"
+        " (a second request ended); least recently used idle of each go",
+    )
     warmup_path: str | None = setting(
         None,
         'lookahead: JSONL of earlier outputs ({"text"} or {"token_ids"}) to warm the trie with',

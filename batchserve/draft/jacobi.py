@@ -59,7 +59,10 @@ class NgramPool:
 
     When the pool is full, the scope holding the most n-grams gives up its least recently
     produced one: a scope that floods the pool evicts its own n-grams, never those of a scope
-    that holds fewer. Each first token keeps at most `per_key` continuations.
+    that holds fewer. Scopes not `proven` (no request of theirs that started once they held
+    n-grams has ended: one-off tenants) give up theirs first, so a flood of fresh keys, each
+    small, evicts only its own kind, never a tenant that came back. Each first token keeps at
+    most `per_key` continuations.
     """
 
     def __init__(self, capacity: int, per_key: int) -> None:
@@ -70,6 +73,7 @@ class NgramPool:
             Hashable, OrderedDict[tuple[int, tuple[int, ...]], None]
         ] = {}  # scope -> its n-grams, oldest first
         self._size = 0
+        self.proven: set[Hashable] = set()  # scopes holding n-grams that a returning request proved
 
     def __len__(self) -> int:
         return self._size
@@ -87,8 +91,17 @@ class NgramPool:
         if len(entries) > self.per_key:
             self._remove(scope, first, next(iter(entries)))
         while self._size > self.capacity:
-            largest = max(self._lru, key=lambda s: len(self._lru[s]))
+            unproven = [s for s in self._lru if s not in self.proven]
+            largest = max(unproven or self._lru, key=lambda s: len(self._lru[s]))
             self._remove(largest, *next(iter(self._lru[largest])))
+
+    def holds(self, scope: Hashable) -> bool:
+        return scope in self._lru
+
+    def prove(self, scope: Hashable) -> None:
+        """A request of `scope` that started while it held n-grams ended: it came back."""
+        if scope in self._lru:
+            self.proven.add(scope)
 
     def candidates(self, scope: Hashable, first: int, limit: int) -> list[tuple[tuple[int, ...], int]]:
         """Up to `limit` (continuation, times seen) after `first`, most recent first."""
@@ -114,6 +127,7 @@ class NgramPool:
         self._size -= 1
         if not lru:
             del self._lru[scope]
+            self.proven.discard(scope)  # bounded by the scopes holding n-grams
         entries = self._lists[(scope, first)]
         entries.pop(rest, None)
         if not entries:
@@ -124,6 +138,7 @@ class NgramPool:
 class _Window:
     shape: JacobiShape
     pool_scope: Hashable
+    proves: bool = False  # its scope held n-grams when it started: its ending proves the scope
     levels: list[list[int]] = field(default_factory=list)  # oldest first; grows to N-1 levels
 
 
@@ -162,7 +177,7 @@ class JacobiDrafter:
         shape = self.shape.asked(window)
         self.references.start(request_id, references)
         pool_scope: Hashable = ("scope", scope) if scope is not None else ("request", request_id)
-        state = _Window(shape, pool_scope)
+        state = _Window(shape, pool_scope, proves=self.pool.holds(pool_scope))
         state.levels.append(_seeded_guesses(prompt_token_ids, shape.window))
         self._windows[request_id] = state
 
@@ -174,6 +189,8 @@ class JacobiDrafter:
         state = self._windows.pop(request_id, None)
         if state is not None and state.pool_scope == ("request", request_id):
             self.pool.drop_scope(state.pool_scope)
+        elif state is not None and state.proves:
+            self.pool.prove(state.pool_scope)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> DraftTree | None:
         state = self._windows.get(request_id)

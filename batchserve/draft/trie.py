@@ -25,8 +25,13 @@ path, so pruning a node prunes a subtree of nodes at least as rare. Each scope i
 own, so no tenant's traffic ever trims another's state: over `trie_capacity` nodes, or
 `trie_scope_bytes` bytes of trie and recent outputs, a scope decays its own trie (and its arrays
 are rebuilt to size, so the memory goes back) or drops its own oldest outputs. Only the count of
-scopes is shared: at most `trie_max_scopes`, and a new one evicts the least recently used idle
-scope (no running request), so the drafter holds at most `trie_max_scopes` x `trie_scope_bytes`.
+scopes is shared: at most `trie_max_scopes`, counted 2Q's way. A new scope is on probation,
+and the scopes on probation share a quarter of the count: past it, the least recently used idle
+one of them goes. A scope is proven when a request that started after it was made ends (its
+tenant came back; a corpus warm-up proves it at once); the proven hold the rest, and past that
+the least recently used idle proven scope goes. So a flood of one-off tenants (fresh keys, one
+request each) evicts only its own kind, never a tenant that came back, and the drafter holds at
+most `trie_max_scopes` x `trie_scope_bytes`.
 
 A tree is built from, in order: a *copy chain* (what followed the most recent occurrence of
 the longest run the request's text ends with, in its own text or its scope's recent outputs,

@@ -22,6 +22,7 @@ class Request:
     scope: str | None
     layout: int
     pending: int = 0
+    proves: bool = False  # its scope existed when it started
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Model:
         self.layout = LIB.LAYOUTS[s.layout]
         self.tries: dict[str, Trie] = {}  # least recently used first
         self.live: dict[str, int] = {}
+        self.proven: set[str] = set()  # scopes a second request ended in (2Q's protected part)
         self.requests: dict[str, Request] = {}
         self.pending: list[str] = []
         self.deferred = False
@@ -87,7 +89,7 @@ class Model:
 
     def start(self, rid: str, prompt: list[int], scope: str | None, layout: int) -> None:
         self.finish(rid)
-        self.requests[rid] = Request(list(prompt), len(prompt), scope, layout)
+        self.requests[rid] = Request(list(prompt), len(prompt), scope, layout, proves=scope in self.tries)
         self.recent.begin(rid, scope, prompt)
         if scope is not None:
             self.live[scope] = self.live.get(scope, 0) + 1
@@ -138,6 +140,9 @@ class Model:
             out = r.local[r.num_prompt :]
             if out and r.scope not in self.tries:
                 self.output(r.scope)
+            if r.proves and r.scope in self.tries and r.scope not in self.proven:  # it came back: 2Q's protected part
+                self.proven.add(r.scope)
+                self.make_room(r.scope)
             self.recent.end(rid, out)
             self.keep_bounds(r.scope)
             self.live[r.scope] -= 1
@@ -149,6 +154,9 @@ class Model:
 
     def warm(self, scope: str, seq: list[int]) -> None:
         trie = self.output(scope)
+        if scope not in self.proven:
+            self.proven.add(scope)
+            self.make_room(scope)
         for s in range(len(seq)):
             trie.walk(seq[s : s + self.s.branch_length], count_each=True)
         self.keep_bounds(scope)
@@ -166,12 +174,30 @@ class Model:
     def output(self, scope: str) -> Trie:
         trie = self.tries.pop(scope, None)
         self.tries[scope] = trie or Trie()  # the most recently used
-        if trie is None and len(self.tries) > self.s.trie_max_scopes:
-            idle = next((s for s in self.tries if s != scope and s not in self.live), None)
-            if idle is not None:
-                del self.tries[idle]
-                self.recent.drop(idle)
+        if trie is None:
+            self.make_room(scope)
         return self.tries[scope]
+
+    def make_room(self, keep: str) -> None:
+        """2Q over the scope count: probation holds a quarter of it, the proven the rest."""
+        cap = self.s.trie_max_scopes
+        probation_cap = max(1, cap // 4)
+        protected_cap = cap - probation_cap if cap > probation_cap else 1
+        if len(self.tries) - len(self.proven) > probation_cap:
+            self.evict_idle(keep, proven=False)
+        if len(self.proven) > protected_cap:
+            self.evict_idle(keep, proven=True)
+        if len(self.tries) > cap and not self.evict_idle(keep, proven=False):
+            self.evict_idle(keep, proven=True)
+
+    def evict_idle(self, keep: str, proven: bool) -> bool:
+        idle = next((s for s in self.tries if s != keep and s not in self.live and (s in self.proven) == proven), None)
+        if idle is None:
+            return False
+        del self.tries[idle]
+        self.proven.discard(idle)
+        self.recent.drop(idle)
+        return True
 
     def keep_bounds(self, scope: str) -> None:
         trie = self.tries.get(scope)

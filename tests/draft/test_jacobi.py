@@ -162,3 +162,17 @@ def test_hybrid_is_a_trie_drafter_with_a_window():
     assert {token_path(tree, i) for i in tree.pooled} == {(7,)}
     d.on_request_finish("r")
     assert d.window("r", 100) is None
+
+
+def test_a_flood_of_one_off_scopes_never_evicts_a_tenant_that_came_back():
+    d = _drafter(window_size=3, ngram_size=3, pool_capacity=12)
+    for first in range(6):
+        d.pool.add(("scope", "acme"), [first, 1, 2])
+    d.on_request_start("again", [5, 6, 7], scope="acme")  # it comes back while its n-grams are pooled
+    d.on_request_finish("again")
+    assert d.pool.proven == {("scope", "acme")}
+    for key in range(500):  # one-off scopes, each smaller than acme (it held the most: the old victim)
+        for first in range(2):
+            d.pool.add(("scope", f"key{key}"), [100 + first, key % 7, 3])
+    assert len(d.pool) == 12
+    assert [d.pool.candidates(("scope", "acme"), f, 1) for f in range(6)] == [[((1, 2), 1)]] * 6

@@ -76,11 +76,14 @@ def test_bad_input_is_refused_without_harm() -> None:
 
 def test_deferred_learning_lags_one_step_and_loses_nothing() -> None:
     d = TrieDrafter(DraftConfig(method="lookahead", branch_length=3))
+    d.on_request_start("z", [9], scope="s")  # a scope exists once a request of it ended
+    d.on_tokens_accepted("z", [4])
+    d.on_request_finish("z")
     d.defer_learning()
     d.on_request_start("a", [9], scope="s")
     d.on_tokens_accepted("a", [1, 2, 3])
     d.on_tokens_accepted("a", [1, 2])
-    assert d.trie_counts("s") is None and d.stats()["pending"] == 1  # nothing inserted yet
+    assert d.trie_counts("s") == {(4,): 1} and d.stats()["pending"] == 1  # nothing inserted yet
     assert d.propose("a", [9, 1, 2, 3, 1, 2], 4).tokens[0] == 3  # its own text never waits
     d.learn()
     assert d.stats()["pending"] == 0

@@ -117,7 +117,7 @@ def test_a_copy_stops_at_the_end_of_an_output() -> None:
 
 
 def test_recent_outputs_are_bounded_per_scope_oldest_first() -> None:
-    d = _copier(recent_output_tokens=100, trie_max_scopes=2)
+    d = _copier(recent_output_tokens=100, trie_max_scopes=3)
     for i in range(10):
         _finish(d, "r", [0], list(range(1000 + 10 * i, 1009 + 10 * i)), scope="old")  # 9 tokens each
     old = d.recent_text("old")
@@ -134,13 +134,18 @@ def test_recent_outputs_are_bounded_per_scope_oldest_first() -> None:
     _finish(d, "r", [0], list(range(500)), scope="new")  # longer than the bound: its last tokens are kept
     assert d.recent_text("new") == [*range(401, 500), SEP] and d.recent_text("old") == old
     assert _copy(d, "new", [496, 497, 498]) == (3, [(499, 1.0)])
-    # The count of scopes is the one shared bound: a third output trie evicts the least
-    # recently used idle one, its recent outputs with it.
-    _finish(d, "r", [0], [1], scope="x")  # "old" goes
-    _finish(d, "r", [0], [2], scope="y")  # then "new"
-    assert d.stats()["scopes"] == ["x", "y"] and d.recent_text("new") is None and d.recent_text("old") is None
-    assert d.stats()["recent_tokens"] == 4 and d.stats()["recent_scopes"] == ["x", "y"]
-    assert _copy(d, "new", [496, 497, 498]) == (0, [])
+    # The count of scopes is the one shared bound, counted 2Q's way (3 scopes: 1 on probation,
+    # 2 proven). One-off scopes churn the probation place and never evict a scope that came back:
+    _finish(d, "r", [0], [1], scope="x")
+    _finish(d, "r", [0], [2], scope="y")  # "x" goes
+    assert d.stats()["scopes"] == ["old", "new", "y"] and d.recent_text("x") is None
+    assert d.recent_text("old") == old and d.recent_text("new") == [*range(401, 500), SEP]
+    # A third scope that comes back (a second request ends in it) evicts the least recently used
+    # proven one, its recent outputs with it.
+    _finish(d, "r", [0], [3], scope="y")
+    assert d.stats()["scopes"] == ["new", "y"] and d.recent_text("old") is None
+    assert d.stats()["recent_tokens"] == 100 + 4 and d.stats()["recent_scopes"] == ["new", "y"]
+    assert _copy(d, "old", list(range(1000, 1005))) == (0, [])
     none = _copier(recent_output_tokens=0)
     _finish(none, "r", [0], ANSWER)
     assert none.stats()["recent_tokens"] == 0 and none.stats()["recent_scopes"] == []

@@ -122,3 +122,23 @@ def test_resumed_tokens_are_the_requests_own_text_and_no_scopes() -> None:
         d.on_request_start("probe", probe, scope="")
         assert d.propose("probe", probe, 64) is None
         d.on_request_finish("probe")
+
+
+def test_a_flood_of_one_off_tenants_never_evicts_an_idle_tenant_that_came_back() -> None:
+    """1,024 one-token requests under fresh keys (issue 89): new scopes share the probation
+    quarter of the scope count and evict one another; a tenant whose second request ended is
+    proven, and its trie and recent outputs survive the flood while it is idle."""
+    d = TrieDrafter(DraftConfig(method="lookahead", branch_length=4, trie_max_scopes=16, recent_output_tokens=200))
+    for i in range(2):  # the tenant comes back once: proven
+        d.on_request_start(f"acme{i}", PROMPT, scope="acme")
+        d.on_tokens_accepted(f"acme{i}", ANSWER)
+        d.on_request_finish(f"acme{i}")
+    trie, recent = d.trie_counts("acme"), d.recent_text("acme")
+    for i in range(1024):
+        d.on_request_start(f"f{i}", [1, 2], scope=f"key{i}")
+        d.on_tokens_accepted(f"f{i}", [i % 97])
+        d.on_request_finish(f"f{i}")
+        assert len(d.stats()["scopes"]) <= 16
+    assert d.trie_counts("acme") == trie and d.recent_text("acme") == recent
+    assert sum(s.startswith("key") for s in d.stats()["scopes"]) == 4  # the probation quarter
+    assert _tokens_a_step(d, "again", "acme", PROMPT, ANSWER) > 5  # its repeated prompt still drafts

@@ -156,10 +156,11 @@ def test_100k_scopes_stay_capped_and_counted() -> None:
     for i in range(100_000):
         d.warm_up([[i % 997, 1, 2]], scope=f"t{i}")
     scopes = d.stats()["scopes"]
-    # The live scope survives (least recently used); the idle ones go oldest first.
-    assert scopes == ["busy"] + [f"t{i}" for i in range(99_001, 100_000)]
+    # The live scope survives (least recently used); the idle ones go oldest first. A warmed-up
+    # scope is an operator's corpus, proven at once: they hold the cap less probation's quarter.
+    assert scopes == ["busy"] + [f"t{i}" for i in range(99_250, 100_000)]
     assert d.trie_counts("busy") == {(5,): 1, (5, 6): 1, (5, 6, 7): 1, (6,): 1, (6, 7): 1, (7,): 1}
-    assert d.trie_counts("t99000") is None and d.trie_counts("t99001") is not None
+    assert d.trie_counts("t99249") is None and d.trie_counts("t99250") is not None
     _counted(d)
 
 
@@ -249,29 +250,35 @@ def _prune(node: _Node) -> None:
 
 class _Model:
     """Output tries per scope, each run ending at an accepted token walked from the root; a scope
-    over its capacity decays its own trie, and a new scope past the cap evicts an idle one."""
+    over its capacity decays its own trie, and scopes are counted 2Q's way: made on probation,
+    proven by the end of a request that started after they were made, and past either part's
+    bound (a quarter of the cap for probation) an idle one of that part goes."""
 
     def __init__(self, branch: int, capacity: int, max_scopes: int) -> None:
         self.branch, self.capacity, self.max_scopes = branch, capacity, max_scopes
         self.tries: dict[str, _Node] = {}  # least recently used first
         self.live: dict[str, int] = {}  # running requests per scope, in the order scopes became live
         self.requests: dict[str, tuple[str, list[int], int]] = {}  # scope, text, prompt length
+        self.proven: set[str] = set()
         self.prunes = self.over_scopes = 0  # prunes; idle scopes evicted for the scope cap
 
     def start(self, rid: str, prompt: list[int], scope: str) -> None:
-        self.requests[rid] = (scope, list(prompt), len(prompt))
+        self.requests[rid] = (scope, list(prompt), len(prompt), scope in self.tries)
         self.live[scope] = self.live.get(scope, 0) + 1
 
     def finish(self, rid: str) -> None:
-        scope, text, num_prompt = self.requests.pop(rid)
+        scope, text, num_prompt, proves = self.requests.pop(rid)
         if len(text) > num_prompt and scope not in self.tries:  # its recent outputs need their scope
             self._use(scope)
+        if proves and scope in self.tries and scope not in self.proven:
+            self.proven.add(scope)
+            self._scope_room(scope)
         self.live[scope] -= 1
         if not self.live[scope]:
             del self.live[scope]
 
     def accept(self, rid: str, tokens: list[int]) -> None:
-        scope, text, num_prompt = self.requests[rid]
+        scope, text, num_prompt, _ = self.requests[rid]
         text.extend(tokens)
         root = self._use(scope)
         for i in range(len(text) - len(tokens), len(text)):
@@ -285,14 +292,25 @@ class _Model:
     def _use(self, scope: str) -> _Node:
         root = self.tries.pop(scope, None)
         self.tries[scope] = root if root is not None else _Node()  # now the most recently used
-        if root is None and len(self.tries) > self.max_scopes:
-            self.over_scopes += self._evict_idle(keep=scope)
+        if root is None:
+            self._scope_room(scope)
         return self.tries[scope]
 
-    def _evict_idle(self, keep: str) -> bool:
+    def _scope_room(self, keep: str) -> None:
+        probation_cap = max(1, self.max_scopes // 4)
+        protected_cap = self.max_scopes - probation_cap if self.max_scopes > probation_cap else 1
+        if len(self.tries) - len(self.proven) > probation_cap:
+            self.over_scopes += self._evict_idle(keep, proven=False)
+        if len(self.proven) > protected_cap:
+            self.over_scopes += self._evict_idle(keep, proven=True)
+        if len(self.tries) > self.max_scopes:
+            self.over_scopes += self._evict_idle(keep, proven=False) or self._evict_idle(keep, proven=True)
+
+    def _evict_idle(self, keep: str, proven: bool) -> bool:
         for scope in self.tries:  # least recently used first
-            if scope != keep and scope not in self.live:
+            if scope != keep and scope not in self.live and (scope in self.proven) == proven:
                 del self.tries[scope]
+                self.proven.discard(scope)
                 return True
         return False
 

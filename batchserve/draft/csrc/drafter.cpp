@@ -20,6 +20,7 @@ void Drafter::start(const std::string& id, const int32_t* prompt, size_t n, cons
     if (scope != nullptr) {
         r.scoped = true;
         r.scope = *scope;
+        r.proves = outputs_.find(*scope) != nullptr;
         ++live_[*scope];
     }
 }
@@ -85,6 +86,7 @@ void Drafter::finish(const std::string& id) {
 
 void Drafter::warm(const std::string& scope, const int32_t* t, size_t n, size_t first, size_t last) {
     Trie& trie = output(scope);
+    if (proven_.insert(scope).second) make_room(scope);  // an operator's corpus is no one-off
     {
         Tally tally(trie, nodes_);
         trie.insert_sequence(t, n, s_.branch_length, first, last);
@@ -119,17 +121,34 @@ Trie& Drafter::output(const std::string& scope) {
         return *trie;
     }
     Trie& made = outputs_.add(scope, ++serial_);
-    if (outputs_.size() > s_.trie_max_scopes) evict_idle(scope);
+    make_room(scope);
     return made;
 }
 
-// Its scope learns the rest of its output (the trie, then its recent outputs) as it ends.
+// 2Q over the scope count: scopes on probation hold at most a quarter of it (at least one), and
+// past either bound an idle one of the same part goes, least recently used first; a proven
+// scope gives way only to proven ones (or, failing any idle probation scope, past the total).
+// So a flood of one-off tenants churns the probation bucket and never evicts a tenant that
+// came back.
+void Drafter::make_room(const std::string& keep) {
+    const size_t cap = s_.trie_max_scopes;
+    const size_t probation_cap = std::max<size_t>(1, cap / 4);
+    const size_t protected_cap = cap > probation_cap ? cap - probation_cap : 1;
+    if (outputs_.size() - proven_.size() > probation_cap) evict_idle(keep, false);
+    if (proven_.size() > protected_cap) evict_idle(keep, true);
+    if (outputs_.size() > cap && !evict_idle(keep, false)) evict_idle(keep, true);
+}
+
+// Its scope learns the rest of its output (the trie, then its recent outputs) as it ends. A
+// scope is made on probation (by its first output); a request that started after it was made
+// proves it by ending: a tenant that came back, which a flood of one-off tenants never is.
 void Drafter::teach_output(const std::string& id, Request& r) {
     if (r.pending > 0) insert(r, r.pending);
     if (!r.scoped) return;
     const size_t out = r.local.size() - r.num_prompt;
     // Recent outputs live and go with their scope's trie: the scope count bounds both.
     if (out > 0 && outputs_.find(r.scope) == nullptr) output(r.scope);
+    if (r.proves && outputs_.find(r.scope) != nullptr && proven_.insert(r.scope).second) make_room(r.scope);
     recent_.end(id, r.local.data() + r.num_prompt, out);
     keep_bounds(r.scope);
 }
@@ -188,9 +207,9 @@ void Drafter::keep_bounds(const std::string& scope) {
     }
 }
 
-bool Drafter::evict_idle(const std::string& keep) {
+bool Drafter::evict_idle(const std::string& keep, bool proven) {
     for (const auto& item : outputs_.items()) {
-        if (item.first != keep && live_.find(item.first) == live_.end()) {
+        if (item.first != keep && live_.find(item.first) == live_.end() && (proven_.count(item.first) > 0) == proven) {
             drop_scope(std::string(item.first));
             return true;
         }
@@ -203,6 +222,7 @@ void Drafter::drop_scope(const std::string& scope) {
     if (trie == nullptr) return;
     nodes_ -= trie->num_nodes;
     outputs_.erase(scope);
+    proven_.erase(scope);
     recent_.drop(scope);
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -42,6 +43,7 @@ struct Request {
     Text local;  // prompt + resumed tokens + accepted output
     size_t num_prompt;  // the prompt and resumed tokens: its own text, which no scope ever learns
     bool scoped = false;  // false: reads and feeds no output trie
+    bool proves = false;  // its scope existed when it started: its ending proves the scope (2Q)
     std::string scope;
     int layout = -1;  // -1: the drafter's
     // The output trie's nodes of the runs of its output ending at its last inserted token
@@ -138,7 +140,8 @@ private:
     void throw_injected();
     void run_ends(Request& r, Trie& trie, size_t num_new);
     void keep_bounds(const std::string& scope);
-    bool evict_idle(const std::string& keep);
+    bool evict_idle(const std::string& keep, bool proven);
+    void make_room(const std::string& keep);
     void drop_scope(const std::string& scope);
 
     // retrieve.cpp: the proposal.
@@ -155,6 +158,9 @@ private:
     int64_t nodes_ = 0;     // in every output trie, kept as they change
     uint64_t serial_ = 0;
     std::unordered_map<std::string, int> live_;  // running requests per scope
+    // Scopes a second request has ended in (2Q's protected part); the others are on probation:
+    // created when a first request ended, they share one bucket of the scope count and go first.
+    std::unordered_set<std::string> proven_;
     std::unordered_map<std::string, Request> requests_;
     std::vector<std::string> pending_;  // requests with deferred tokens, in acceptance order
     bool deferred_ = false;  // accept() queues trie insertion until flush()
