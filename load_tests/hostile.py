@@ -7,7 +7,10 @@ floods in bursts of concurrent calls:
 - resume floods: thousands of random `resume_token_ids`, and more than the context holds;
 - echo + logprobs 20 with `max_tokens` 0 on long prompts, n up to 8 (completions);
 - huge bodies: just under the server's body limit, and over it (HTTP and gRPC);
-- slow readers: a long stream read a little at a time; cancels: streams dropped at once.
+- slow readers: a long stream read a little at a time; cancels: streams dropped at once;
+- key rotation (issue 89): a burst of calls each under a fresh tenant string, one-token answers
+  on prompts of a few hundred tokens: never "background", and each a new draft scope;
+- a seat hog (issue 89): as many long decodes at once as the server has seats, read to their end.
 
 Hostile calls are expected to be refused or limited: none is a Locust failure. Every call's
 outcome ("http 413", "grpc INVALID_ARGUMENT", "error ReadTimeout") goes to the call log, where
@@ -102,7 +105,8 @@ class HostileUser(HttpUser):
         self.body_limit = BODY_LIMIT or self.max_len * 32 * 4 + 64 * 1024
         self.model = self.client.get("/v1/models", name="hostile models").json()["data"][0]["id"]
         attacks = [self.grammar_flood, self.resume_flood, self.echo_logprobs, self.huge_body, self.slow_reader]
-        attacks.append(self.cancel)
+        attacks += [self.cancel, self.key_rotation, self.seat_hog]
+        self.seats = info.max_batch_size or 8
         self.rng.shuffle(attacks)
         self.plan = itertools.cycle(attacks)
 
@@ -260,3 +264,28 @@ class HostileUser(HttpUser):
                 return "http", f"http {r.status_code} dropped"
 
         self._burst("cancel", call, BURST)
+
+    def key_rotation(self) -> None:
+        """A fresh tenant string a call (no keys: a client may send any): short answers on
+        prompts of a few hundred tokens, each under a key never seen before."""
+
+        def call() -> tuple[str, str]:
+            tenant = f"rot-{self.rng.getrandbits(48):012x}"
+            prompt = self._ids(self.rng.randrange(200, 500))
+            request = build_request(prompt, max_new_tokens=self.rng.choice((1, 4, 16)))
+            try:
+                self.stub.Generate(request, timeout=TIMEOUT, metadata=(("x-batchserve-tenant", tenant),))
+            except grpc.RpcError as e:
+                return "grpc", _grpc_outcome(e)
+            return "grpc", "grpc OK"
+
+        self._burst("key-rotation", call, 4 * BURST)
+
+    def seat_hog(self) -> None:
+        """Long decodes, as many at once as the server has seats, each read to its end."""
+
+        def call() -> tuple[str, str]:
+            prompt = self.rng.choice(base.PROMPTS)[0]
+            return self._generate(build_request(prompt, max_new_tokens=384, ignore_eos=True))
+
+        self._burst("seat-hog", call, self.seats)
