@@ -64,7 +64,8 @@ soak-faults: bench-setup
 
 # The same well-behaved load (8 users, tenant `good`, gRPC and HTTP) twice on a fresh server:
 # alone, then beside 2 hostile users (tenant `hostile`: grammar and resume floods, echo + logprobs
-# on long prompts, huge bodies, slow readers, cancels). Targets: their p99 TTFT and TPOT within
+# on long prompts, huge bodies, slow readers, cancels, key rotation: a fresh tenant string a call,
+# and a seat hog: long decodes on every seat). Targets: their p99 TTFT and TPOT within
 # 1.25x, none of their calls failed, tokens a step on repeated prompts kept, peak RSS under +10%
 # (load_tests/soak_hostile.py; report in soak_hostile_out/ and load_tests/results/hostile-report.md).
 # The front door on loopback: the real HAProxy (deploy/haproxy) before three replicas: keys refused

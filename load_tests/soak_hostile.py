@@ -1,6 +1,7 @@
 """The hostile-tenant soak (`make soak-hostile`): the same well-behaved load twice, each time on a
 fresh server, alone and then beside a hostile tenant (load_tests/hostile.py: grammar and resume
-floods, echo + logprobs on long prompts, huge bodies, slow readers, cancels).
+floods, echo + logprobs on long prompts, huge bodies, slow readers, cancels, key rotation and a
+seat hog).
 
     .venv/bin/python load_tests/soak_hostile.py [--duration 120] [--users 8] [--hostile 2] [--burst 4]
         [--out soak_hostile_out] [--report load_tests/results/hostile-report.md] [-- SERVER_ARGS...]
