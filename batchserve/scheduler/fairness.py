@@ -68,18 +68,34 @@ def prompt_backlog(requests: Iterable[Request]) -> Counter[str]:
     return backlog
 
 
-def background_tenants(requests: Iterable[Request], step_tokens: int, recent: Iterable[str] = ()) -> frozenset[str]:
+def background_tenants(
+    requests: Iterable[Request], step_tokens: int, recent: Iterable[str] = (), seats: int | None = None
+) -> frozenset[str]:
     """The tenants whose prompt backlog is more than a step's `step_tokens` and more than twice
     the lightest tenant's (one alone is nobody's background; tenants of comparable loads, two
     bursts of ordinary prompts, share first come, first served; a flood is background beside
-    either). `recent`: tenants without requests now that count as present (nothing to compute)."""
+    either). `recent`: tenants without requests now that count as present (nothing to compute).
+
+    With `seats` (the batch size): a tenant whose requests fit its even share of the seats and
+    whose prompts each fit a step is no flood, whatever its total: a few ordinary prompts beside
+    a tenant that only decodes (a seat hog's backlog is 0) are not held to the slack."""
+    requests = list(requests)
     backlog = prompt_backlog(requests)
     for tenant in recent:
         backlog[tenant] += 0
     if len(backlog) < 2:
         return frozenset()
     lightest = min(backlog.values())
-    return frozenset(t for t, tokens in backlog.items() if tokens > max(step_tokens, 2 * lightest))
+    heavy = {t for t, tokens in backlog.items() if tokens > max(step_tokens, 2 * lightest)}
+    if seats is None or not heavy:
+        return frozenset(heavy)
+    fair = max(1, seats // len(backlog))
+    count: Counter[str] = Counter(r.tenant for r in requests if r.tenant in heavy)
+    longest: Counter[str] = Counter()
+    for r in requests:
+        if r.tenant in heavy:
+            longest[r.tenant] = max(longest[r.tenant], r.num_tokens - r.num_computed_tokens)
+    return frozenset(t for t in heavy if count[t] > fair or longest[t] > step_tokens)
 
 
 @dataclass(slots=True)

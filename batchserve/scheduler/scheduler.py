@@ -126,8 +126,9 @@ class Scheduler:
         """This step's committed tokens: running requests' chunks, admissions, background prompts;
         drafts come after, as data (`reserve`), within the budget left (`draft_budget`)."""
         self.grammar.reset()
-        background = background_tenants(self.requests.values(), self.config.max_num_batched_tokens, self.slack.recent())
-        self._seats = SeatShares.of(self.running, self.waiting, self.config.max_num_seqs, background)
+        cfg, recent = self.config, self.slack.recent()
+        background = background_tenants(self.requests.values(), cfg.max_num_batched_tokens, recent, cfg.max_num_seqs)
+        self._seats = SeatShares.of(self.running, self.waiting, cfg.max_num_seqs, background)
         for victim in self._seats.victims(self.running):  # a tenant over its seats while others wait
             self._preempt(victim)
         scheduled: list[ScheduledRequest] = []

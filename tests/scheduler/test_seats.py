@@ -88,3 +88,25 @@ def test_shares_count_what_each_tenant_holds_and_wants() -> None:
     assert [r.request_id for r in seats.victims(running)] == ["a4", "a3"]
     assert not seats.may_take(running[0]) and seats.may_take(waiting[0])
     assert SeatShares.of(running, waiting, 6, frozenset({"b", "c"})).victims(running) == []
+
+
+def test_a_few_ordinary_prompts_beside_a_decoding_hog_are_not_background() -> None:
+    """A seat hog's backlog is 0 (it only decodes): a tenant's 8 prompts of 110 tokens are 880,
+    more than a step and twice the hog's; but they fit its share of the seats and a step each:
+    no flood. They take their seats and are computed at once, not in the slack."""
+    from batchserve.scheduler.fairness import background_tenants
+
+    s = _sched(budget=512, max_num_seqs=16)
+    for i in range(16):
+        s.add_request(_req(f"hog{i}", 12, "hog"))
+    _run(s)
+    for i in range(8):
+        s.add_request(_req(f"good{i}", 110, "good", max_new=8))
+    assert background_tenants(s.requests.values(), 512, seats=16) == frozenset()
+    assert background_tenants(s.requests.values(), 512) == {"good"}  # without the seats' view: held back
+    sampled: set[str] = set()
+    for _ in range(3):
+        sampled |= {r.request_id for r in _run(s).requests if r.sample and r.request_id.startswith("good")}
+    assert sampled == {f"good{i}" for i in range(8)}  # all eight first tokens within three steps
+    flood = [_req(f"f{i}", 110, "flood") for i in range(20)] + [_req("d", 5, "decoder")]
+    assert background_tenants(flood, 512, seats=16) == {"flood"}  # more requests than its share: a flood
