@@ -19,7 +19,8 @@ the driver counts them by kind. `log_call` writes the well-behaved users' rows t
 Environment: BATCHSERVE_GRPC_HOST, BATCHSERVE_HTTP_HOST, BATCHSERVE_CALL_LOG (set by the driver),
 BATCHSERVE_HOSTILE_USERS (0: no hostile user), BATCHSERVE_HOSTILE_BURST (calls of a flood, 4),
 BATCHSERVE_HOSTILE_PROMPT_TOKENS (echo prompts, 2048), BATCHSERVE_SLOW_READ_S (20),
-BATCHSERVE_BODY_LIMIT (bytes; default: what the server computes for its model).
+BATCHSERVE_BODY_LIMIT (bytes; default: what the server computes for its model),
+BATCHSERVE_HOSTILE_ATTACKS (method names, comma-separated: only those, in that order).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ BURST = int(os.environ.get("BATCHSERVE_HOSTILE_BURST", "4"))
 PROMPT_TOKENS = int(os.environ.get("BATCHSERVE_HOSTILE_PROMPT_TOKENS", "2048"))
 SLOW_READ_S = float(os.environ.get("BATCHSERVE_SLOW_READ_S", "20"))
 BODY_LIMIT = int(os.environ.get("BATCHSERVE_BODY_LIMIT", "0"))
+ATTACKS = os.environ.get("BATCHSERVE_HOSTILE_ATTACKS", "")  # e.g. "seat_hog,key_rotation": only these, in turn
 TIMEOUT = 120.0
 FIRST_PLAIN_ID = 256  # random ids above the special tokens (an EOS among resumed ids is refused)
 HEADERS = {"x-batchserve-tenant": TENANT}
@@ -106,8 +108,11 @@ class HostileUser(HttpUser):
         self.model = self.client.get("/v1/models", name="hostile models").json()["data"][0]["id"]
         attacks = [self.grammar_flood, self.resume_flood, self.echo_logprobs, self.huge_body, self.slow_reader]
         attacks += [self.cancel, self.key_rotation, self.seat_hog]
+        if ATTACKS:  # only these, in this order (a run that looks at one attack)
+            attacks = [getattr(self, name) for name in ATTACKS.split(",")]
         self.seats = info.max_batch_size or 8
-        self.rng.shuffle(attacks)
+        if not ATTACKS:
+            self.rng.shuffle(attacks)
         self.plan = itertools.cycle(attacks)
 
     def on_stop(self) -> None:

@@ -138,7 +138,8 @@ def _send_repeated(environment: Any, kind: str) -> None:
 def teach(environment: Any, **kwargs: Any) -> None:
     """Before any user starts: the tenant's drafter learns each repeated prompt's answer, so that
     both runs begin with the same state, whatever the load then gets through."""
-    _send_repeated(environment, "teach")
+    if GOOD_USERS:  # the hostile tenant's own Locust process has none to teach
+        _send_repeated(environment, "teach")
 
 
 @events.test_stop.add_listener
@@ -146,8 +147,9 @@ def probe(environment: Any, **kwargs: Any) -> None:
     """Once the load is over (every user stopped), each repeated prompt once more on the idle
     server: the call log's "probe" rows, whose tokens a step show the drafter state its tenant kept
     (during the load, the batch around a call shares the draft budget and lowers it too)."""
-    _wait_idle()
-    _send_repeated(environment, "probe")
+    if GOOD_USERS:
+        _wait_idle()
+        _send_repeated(environment, "probe")
 
 
 class GoodGrpcUser(User):
