@@ -163,7 +163,7 @@ class AsyncEngine:
         engine has stopped for good."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if sub.engine_id is not None and sub.engine_id in self._queues:
+        if (rid := self.core.engine_id(sub)) is not None and rid in self._queues:
             # Still streaming (or finished but not yet read): never let a second caller touch it.
             raise ValueError(f"request_id {sub.request_id!r} is already in use")
         self.start()

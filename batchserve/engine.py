@@ -122,6 +122,10 @@ class EngineCore:
             raise
         return req
 
+    def engine_id(self, sub: Submission) -> str | None:
+        """The id `sub` gets here: its request id within its namespace (None: one is made)."""
+        return sub.engine_id
+
     def check_tenant(self, tenant: str) -> None:
         """Raise ValueError unless `tenant` is "" (none) or a valid key."""
         self.admission.check_tenant(tenant)
