@@ -162,6 +162,8 @@ def test_locust_over_two_replicas(model_dir, tmp_path):
             "BATCHSERVE_MAX_PROMPT_CHARS": "600",
             "PATH": "/usr/bin:/bin",
             "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
+            # Built modules are shared (named by what they are built from): no rebuild per server.
+            "BATCHSERVE_BUILD_DIR": os.environ["BATCHSERVE_BUILD_DIR"],
         },
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr + server_logs(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,8 @@ def test_short_locust_run(tmp_path, protocol):
             "BATCHSERVE_MAX_PROMPT_CHARS": "600",
             "PATH": "/usr/bin:/bin",
             "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
+            # Built modules are shared (named by what they are built from): no rebuild per server.
+            "BATCHSERVE_BUILD_DIR": os.environ["BATCHSERVE_BUILD_DIR"],
         },
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr + server_logs(out)
