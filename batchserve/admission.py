@@ -22,6 +22,7 @@ from batchserve.runner.build import ModelFacts
 from batchserve.text import Prompt, TextCodec
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")  # nothing that could forge a log line or a header
+NAMESPACE = re.compile(r"[0-9a-f]{12}")  # `id_namespace`'s
 
 
 def id_namespace(tenant: str) -> str:
@@ -31,8 +32,10 @@ def id_namespace(tenant: str) -> str:
 
 
 def client_id(engine_id: str) -> str:
-    """The id a client chose, from a namespaced engine id (`Submission.engine_id`)."""
-    return engine_id.rpartition(".")[0] or engine_id
+    """The id a client chose, from a namespaced engine id (`Submission.engine_id`); an id without
+    a namespace as it is."""
+    head, dot, tail = engine_id.rpartition(".")
+    return head if dot and head and NAMESPACE.fullmatch(tail) else engine_id
 
 
 @dataclass(frozen=True, slots=True)

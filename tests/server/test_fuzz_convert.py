@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from batchserve.admission import Submission, client_id, id_namespace
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from batchserve.engine import EngineCore
 from batchserve.request import FinishReason, RequestOutput, RequestStats, TokenLogprob
@@ -222,7 +223,12 @@ def outputs(draw: st.DrawFn) -> RequestOutput:
 @given(out=outputs())
 def test_any_engine_output_converts_to_its_proto(out: RequestOutput) -> None:
     chunk = convert.stream_chunk(out)
-    assert (chunk.request_id, chunk.text, list(chunk.token_ids)) == (out.request_id, out.new_text, out.new_token_ids)
+    # The engine's id is namespaced per tenant; the client reads back the id it chose.
+    assert (chunk.request_id, chunk.text, list(chunk.token_ids)) == (
+        client_id(out.request_id),
+        out.new_text,
+        out.new_token_ids,
+    )
     assert chunk.usage.prompt_tokens == out.num_prompt_tokens and chunk.stats.steps == out.stats.steps
     assert len(chunk.logprobs) == len(out.new_logprobs or ())
     assert math.isfinite(chunk.stats.tokens_per_step) or out.stats.steps == 0
@@ -286,3 +292,10 @@ def test_a_repetition_penalty_too_small_for_float32_is_refused(stub: pb_grpc.Tex
         stub.Generate(pb.GenerateRequest(text="hello", sampling=sampling), timeout=30)
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert e.value.details().startswith("sampling: repetition_penalty must be"), e.value.details()  # type: ignore[attr-defined]
+
+
+def test_a_namespaced_id_comes_back_as_the_one_the_client_chose() -> None:
+    for rid in ("job-7", "a.b", "0.", "0", "x." + "f" * 12):
+        engine = Submission([1], request_id=rid, namespace=id_namespace("acme")).engine_id
+        assert engine is not None and engine != rid and client_id(engine) == rid
+    assert client_id("req-3") == "req-3" and client_id("a.b") == "a.b" and client_id("0.") == "0."
