@@ -91,6 +91,9 @@ import json, os, resource, signal, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODE, NO_REPACK = {mode!r}, "--no-repack" in sys.argv
+# SIGINT stops it, as llama-server's own handler does, even where the parent ignores SIGINT (a
+# pytest-xdist worker does, and an ignored signal stays ignored in the child's Python).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with open({starts!r}, "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\\n")
 
