@@ -13,9 +13,9 @@ from batchserve.admission import Submission
 from batchserve.config import EngineConfig
 from batchserve.cost_profile import CostProfile
 from batchserve.engine import EngineCore
-from batchserve.pipeline import AdvancedStep
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import FinishReason, RequestOutput, RequestStats
+from batchserve.serving_loop import StepPipeline
 
 logger = logging.getLogger("batchserve")
 
@@ -58,10 +58,20 @@ class AsyncEngine:
         self._executor = step_thread or step_executor()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # Streaming and new requests wait for the next launch (the loop's `await` on the forward)
-        # where the forward runs on another device than the host's cores.
-        self.stream_beside_forward = core.runner.device.type != "cpu"
-        self._advanced: AdvancedStep | None = None  # a step whose outputs are still to build
+        # The loop that serves (pipeline.py): where the forward runs on another device than the
+        # host's cores, a step's outputs are built and streamed, and new requests let in, while
+        # the next step's forward runs.
+        self._pipe = StepPipeline(core, core.outputs_beside_forward)
+        self._pipe.failed = self._failed_step
+
+    @property
+    def stream_beside_forward(self) -> bool:
+        """Whether a step's outputs are built and streamed while the next forward runs."""
+        return self._pipe.beside_forward
+
+    @stream_beside_forward.setter
+    def stream_beside_forward(self, beside: bool) -> None:
+        self._pipe.beside_forward = beside
 
     @property
     def num_steps(self) -> int:
@@ -194,8 +204,7 @@ class AsyncEngine:
                 q.put_nowait(o)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        core = self.core
+        loop, core, pipe = asyncio.get_running_loop(), self.core, self._pipe
         try:
             while True:
                 if not core.has_work():
@@ -204,44 +213,40 @@ class AsyncEngine:
                     await self._wakeup.wait()
                     continue
                 step = core.schedule()
-                forward = loop.run_in_executor(self._executor, core.execute, step)
-                self._flush()  # the last step's outputs, beside this step's forward
-                core.learn()  # beside the forward: the drafter's insertion waits for no step
-                await forward
-                try:
-                    self._advanced = core.advance(step)
-                except Exception as e:  # a bug outside the step: count it and keep the loop alive
-                    logger.exception("engine loop error")
-                    core.consecutive_failed_steps += 1
-                    self._dispatch(core.fail_all(e))
+                if pipe.beside_forward:
+                    # A device: the step thread launches, then is idle while the forward runs and
+                    # this thread builds the last step's outputs (nothing competes with the launch
+                    # for the GIL); the same thread then collects, while new requests come in.
+                    await loop.run_in_executor(self._executor, core.launch, step)
+                    self._dispatch(pipe.between())
+                    await loop.run_in_executor(self._executor, core.collect, step)
+                else:
+                    # A CPU: the forward takes the host's cores, so the outputs wait for it. Built
+                    # beside it (streaming in the worker first) measured 0.97x at 1 and 0.93x at 16
+                    # in flight on 2 cores (benchmarks/results/served).
+                    forward = loop.run_in_executor(self._executor, core.execute, step)
+                    self._dispatch(pipe.between())
+                    await forward
+                self._dispatch(pipe.after(step))
                 if core.consecutive_failed_steps >= self.max_failed_steps:
                     self._flush()
                     failed = core.consecutive_failed_steps
                     self._die(f"{failed} engine steps in a row failed; the engine needs a restart")
                     return
-                # On a CPU the front ends stream this step's outputs before the next step: handing it
-                # to the worker first (streaming beside the forward) measured 0.97x at 1 and 0.93x at
-                # 16 in flight on 2 cores (benchmarks/results/served), the front ends' work taking the
-                # forward's cores. On a GPU the device computes while the host is free: the next step
-                # goes first, and this step's outputs are built and streamed, and new requests let in,
-                # while it runs (the outputs are the same either way: pipeline.py).
-                if not self.stream_beside_forward:
-                    self._flush()
+                if not pipe.beside_forward:
                     await asyncio.sleep(0)  # let new requests and aborts in before the next step
         finally:
             self._flush()  # stopped between a step's advance and its outputs: they are owed
 
     def _flush(self) -> None:
-        """Build and hand out the outputs of the step advanced last, if they are still owed."""
-        advanced, self._advanced = self._advanced, None
-        if advanced is None:
-            return
-        try:
-            self._dispatch(self.core.finish(advanced))
-        except Exception as e:  # a bug building outputs: end every stream rather than leave one waiting
-            logger.exception("building a step's outputs failed")
-            self.core.consecutive_failed_steps += 1
-            self._dispatch(self.core.fail_all(e))
+        """Hand out the outputs of the step advanced last, if they are still owed."""
+        self._dispatch(self._pipe.flush())
+
+    def _failed_step(self, error: Exception) -> list[RequestOutput]:
+        """A bug outside the step's requests (advancing it, building its outputs): every stream
+        ends rather than wait forever, and it counts towards stopping the engine."""
+        self.core.consecutive_failed_steps += 1
+        return self.core.fail_all(error)
 
     def _die(self, reason: str) -> None:
         logger.critical(reason)

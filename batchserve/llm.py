@@ -20,6 +20,7 @@ from batchserve.request import (
     TokenLogprob,
     tokens_per_step,
 )
+from batchserve.serving_loop import StepPipeline
 from batchserve.text import Prompt
 
 # A prompt's references (predicted outputs): one text, one token-id list, a list of either, or None.
@@ -76,12 +77,14 @@ class LLM:
             settings["model"] = model
         config = (config or EngineConfig()).with_settings(**settings)
         self.engine = EngineCore(config, hf_model, tokenizer, drafter, cost_profile)
+        self.loop = StepPipeline(self.engine, self.engine.outputs_beside_forward)  # the loop that serves
 
     @classmethod
     def from_core(cls, core: EngineCore) -> LLM:
         """An offline front end over an already built engine."""
         llm = cls.__new__(cls)
         llm.engine = core
+        llm.loop = StepPipeline(core, core.outputs_beside_forward)
         return llm
 
     @property
@@ -116,7 +119,7 @@ class LLM:
         bar = _progress(len(requests), use_tqdm)
         try:
             while pending:
-                for o in self.engine.step():
+                for o in self.loop.step():
                     now = time.monotonic()
                     pending[o.request_id].add(o, now)
                     if o.finished:
@@ -124,7 +127,8 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
         finally:
-            for rid in list(pending):  # interrupted: free what is left
+            self.loop.flush()  # interrupted: outputs still owed go nowhere, and what is left is freed
+            for rid in list(pending):
                 self.engine.abort(rid)
             if bar is not None:
                 bar.close()

@@ -1,5 +1,5 @@
-"""A step's records between its phases, its outputs (the one place that decodes their text and
-answers the stop hook), and the pipelined loop: step N's outputs beside N+1's forward.
+"""A step's records between its phases, and its outputs (the one place that decodes their text and
+answers the stop hook). The loop that runs the phases is `serving_loop.py`'s.
 
 A step is schedule -> launch -> collect -> advance -> finish (`EngineCore`). `advance` applies
 what the next schedule needs (accepted tokens, stops, finishes, block trims, the policy's
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from batchserve.detokenize import Detokenizer
 from batchserve.records import RunnerOutput, ScheduledRequest, SchedulerOutput, StepPhases
@@ -121,52 +121,3 @@ def build_outputs(
             outputs.append(failed(req, e))
     advanced.step.phases.tokens = sum(len(o.new_token_ids) for o in outputs)
     return outputs
-
-
-class SteppingCore(Protocol):
-    """What the pipelined loop drives: an EngineCore's step phases."""
-
-    def has_work(self) -> bool: ...
-    def schedule(self) -> PendingStep: ...
-    def launch(self, step: PendingStep) -> None: ...
-    def learn(self) -> None: ...
-    def collect(self, step: PendingStep) -> None: ...
-    def advance(self, step: PendingStep) -> AdvancedStep: ...
-    def finish(self, advanced: AdvancedStep) -> list[RequestOutput]: ...
-    def abort(self, request_id: str) -> RequestOutput | None: ...
-
-
-class StepPipeline:
-    """The pipelined loop over one EngineCore: each `step()` schedules and launches step N, builds
-    step N-1's outputs while N's forward runs, then collects and advances N. It returns N-1's
-    outputs (the last step's come from `flush`, or the next call once there is no work)."""
-
-    def __init__(self, core: SteppingCore) -> None:
-        self.core = core
-        self._advanced: AdvancedStep | None = None  # the step whose outputs are still to build
-
-    def has_work(self) -> bool:
-        return self.core.has_work() or self._advanced is not None
-
-    def step(self) -> list[RequestOutput]:
-        core = self.core
-        if not core.has_work():
-            return self.flush()
-        step = core.schedule()
-        core.launch(step)
-        outputs = self.flush()  # beside the forward
-        core.learn()
-        core.collect(step)
-        self._advanced = core.advance(step)
-        return outputs
-
-    def flush(self) -> list[RequestOutput]:
-        """The outputs of the step advanced last, built now (none if they were)."""
-        advanced, self._advanced = self._advanced, None
-        return self.core.finish(advanced) if advanced is not None else []
-
-    def abort(self, request_id: str) -> list[RequestOutput]:
-        """Cancel a request: the outputs still owed (the last step's), then its final one."""
-        outputs = self.flush()
-        final = self.core.abort(request_id)
-        return outputs + ([final] if final is not None else [])

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scheduler", "attention"),
     ("model",),
     ("runner",),
-    ("resume", "admission", "pipeline", "engine", "async_engine", "llm"),
+    ("resume", "admission", "pipeline", "engine", "serving_loop", "async_engine", "llm"),
     ("server",),
     ("bench", "tune", "cli", "__init__"),
 )

@@ -15,8 +15,8 @@ from batchserve import AsyncEngine, FinishReason, SamplingParams
 from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
-from batchserve.pipeline import StepPipeline
 from batchserve.request import Constraint, RequestOutput
+from batchserve.serving_loop import StepPipeline
 from tests.conftest import TINY_VOCAB, make_ascii_model, make_tiny_tokenizer
 from tests.engine.drafters import RandomTreeDrafter
 
@@ -157,3 +157,52 @@ async def test_the_async_engine_streams_beside_the_forward_with_the_same_outputs
     beside, after = await run(True), await run(False)
     assert joined(beside) == joined(after)
     assert all(outs[-1][2] for outs in beside.values())
+
+
+async def test_on_a_device_one_thread_launches_and_collects_and_outputs_are_built_between() -> None:
+    # The step thread launches, then sits idle while the loop thread builds the last step's
+    # outputs (nothing competes with the launch for the GIL), then collects.
+    import threading
+
+    core = _core()
+    engine = AsyncEngine(core)
+    engine.stream_beside_forward = True
+    calls: list[tuple[str, str]] = []
+    for name in ("launch", "collect", "finish"):
+        real = getattr(core, name)
+
+        def traced(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append((_name, threading.current_thread().name))
+            return _real(*args)
+
+        setattr(core, name, traced)
+    streams = [engine.generate(Submission(p, sp)) for p, sp in zip(PROMPTS, _params())]
+    for s in streams:
+        assert [o async for o in s][-1].finished
+    await engine.stop()
+    loop_thread = threading.current_thread().name
+    threads = {name: {t for n, t in calls if n == name} for name in ("launch", "collect", "finish")}
+    assert len(threads["launch"]) == 1 and threads["launch"] == threads["collect"] != {loop_thread}
+    assert threads["finish"] == {loop_thread}
+    order = [n for n, _ in calls]
+    starts = [i for i, n in enumerate(order) if n == "launch"]
+    assert len(starts) > 3
+    for i in starts[1:]:  # every later step: launch, the last step's outputs, then collect
+        assert order[i : i + 3] == ["launch", "finish", "collect"]
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_llm_runs_the_loop_that_serves_with_the_sequential_loops_outputs(beside: bool, monkeypatch) -> None:
+    from batchserve import LLM
+
+    monkeypatch.setattr(EngineCore, "outputs_beside_forward", property(lambda self: beside))
+    core = _core()
+    llm = LLM.from_core(core)
+    assert llm.loop.beside_forward is beside
+    served = llm.generate(PROMPTS, _params())
+    expected = _drive(_core(), False, _params(), {})
+    assert [r.token_ids for r in served] == [
+        [t for o in expected if o[0] == f"r{i}" for t in o[1]] for i in range(len(PROMPTS))
+    ]
+    assert [r.text for r in served] == ["".join(o[2] for o in expected if o[0] == f"r{i}") for i in range(len(PROMPTS))]
+    assert not llm.loop.has_work() and core.detok.num_active == 0

@@ -32,8 +32,8 @@ from torch import nn
 from batchserve.attention.base import AttentionBackend, StepLayout
 from batchserve.attention.flashinfer_backend import PagedPlan, build_plan
 from batchserve.cost_profile import CostProfile
-from batchserve.pipeline import StepPipeline
 from batchserve.records import SchedulerOutput
+from batchserve.serving_loop import StepPipeline
 
 
 class StandInModel(nn.Module):

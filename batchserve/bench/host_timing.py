@@ -16,9 +16,8 @@ from typing import Any, NamedTuple
 
 from batchserve import SamplingParams, Submission, heap
 from batchserve.bench.host import device_seconds, pipeline, seated, stand_in_engine
+from batchserve.bench.served_loop import HOST_PHASES
 from batchserve.records import SchedulerOutput, StepPhases
-
-HOST_PHASES = ("schedule", "prepare", "verify", "commit")
 
 
 class HostStats(NamedTuple):

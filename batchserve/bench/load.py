@@ -65,7 +65,7 @@ def open_loop(
     has come is added; an idle engine sleeps until the next arrival."""
     if len(arrivals) != len(prompts):
         raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
-    core = llm.engine
+    core, loop = llm.engine, llm.loop  # the loop that serves
     start = time.monotonic()
     due = [start + a for a in arrivals]
     pending: dict[str, Arrived] = {}
@@ -82,15 +82,16 @@ def open_loop(
                 pending[req.request_id] = Arrived(req)
                 ids.append(req.request_id)
                 nxt += 1
-            if not core.has_work():
+            if not loop.has_work():
                 time.sleep(max(0.0, due[nxt] - time.monotonic()))
                 continue
-            for out in core.step():
+            for out in loop.step():
                 pending[out.request_id].add(out, time.monotonic())
                 if out.finished:
                     results[out.request_id] = pending.pop(out.request_id)
     finally:
-        for rid in pending:  # interrupted: free what is left
+        loop.flush()  # interrupted: outputs still owed go nowhere, and what is left is freed
+        for rid in pending:
             core.abort(rid)
     ordered = [results[i] for i in ids]
     return ordered, due, max(r.finish_time for r in ordered) - start

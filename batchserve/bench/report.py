@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from batchserve.bench.host_timing import HOST_PHASES
 from batchserve.bench.methods import FIXED_LENGTHS, KERNEL_SUFFIXES, SINGLE, Row, load_point, method_rank, none_of
 from batchserve.bench.near_ties import divergence_lines, lossless_cell
 from batchserve.bench.served import served_table
+from batchserve.bench.served_loop import HOST_PHASES, loop_table
 from batchserve.cost_profile import CostProfile
 from batchserve.records import StepPhases
 
@@ -170,6 +170,7 @@ def write_report(
         for suffix in ("", *KERNEL_SUFFIXES):
             lines.extend(adaptive_summary(rs, suffix))
         lines.extend(phase_table(rs))
+        lines.extend(loop_table(rs))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
 
 

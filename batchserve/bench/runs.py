@@ -13,6 +13,7 @@ from batchserve.bench.datasets import REPEAT, Sample, load_samples, split, split
 from batchserve.bench.load import open_loop, open_loop_latencies
 from batchserve.bench.methods import Method, Row, batchserve_method
 from batchserve.bench.samples import encode
+from batchserve.bench.served_loop import ServedSteps
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import tokens_per_step
 
@@ -36,10 +37,13 @@ class PhaseTotals:
     # happen to finish moves the tail (equal-length requests without drafts finish together).
     seated_wall: float = 0.0
     seated_tokens: int = 0
+    served: ServedSteps | None = None  # the loop that serves, per full step
 
     def add(self, out: SchedulerOutput, phases: StepPhases) -> None:
         if not out.requests:
             return
+        if self.served is not None:
+            self.served.add(out, phases)
         self.steps += 1
         for name, t in phases.items():
             self.seconds[name] += t
@@ -69,6 +73,8 @@ class PhaseTotals:
             row.decode_step_ms = round(self.decode_wall * 1e3 / self.decode_steps, 3)
         if self.seated_wall > 0:
             row.seated_tokens_per_s = round(self.seated_tokens / self.seated_wall, 3)
+        if self.served is not None:
+            row.served_step = self.served.summary()
 
 
 @dataclass(slots=True)
@@ -118,7 +124,7 @@ def run_batchserve(
             pass
     if earlier:  # the conversations so far reach the server first (one token each: their KV is what counts)
         llm.generate(earlier, SamplingParams(max_new_tokens=1))
-    phases = PhaseTotals(b)
+    phases = PhaseTotals(b, served=ServedSteps(b, llm.engine.outputs_beside_forward))
     llm.engine.step_listeners.append(phases.add)
     params = _params(m, max_new, constraints)
     refs = [p or None for p in predictions] if m.predicted and predictions else None

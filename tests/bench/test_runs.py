@@ -28,6 +28,12 @@ def test_a_sweeps_engines_share_one_forward_per_kernel_set(tiny_tokenizer: Any) 
     plain = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, none, [], 8)
     drafted = run_batchserve(model, tiny_tokenizer, prompts, 12, 3, lookahead, [], 8)
     assert drafted.outputs == plain.outputs and all(len(o) == 12 for o in plain.outputs)
+    # The run measured the loop that serves: on a CPU its outputs are built after the forward.
+    for run in (plain, drafted):
+        assert run.phases.served is not None
+        served = run.phases.served.summary()
+        assert served is not None and served["loop"] == "in series" and served["steps"] >= 1
+        assert served["host_ms"] > 0 and served["device_ms"] > 0 and served["tokens"] >= 3  # 3 requests
 
 
 def test_seated_throughput_leaves_out_the_steps_with_a_seat_empty() -> None:
@@ -99,3 +105,25 @@ def test_a_plain_method_name_runs_the_weights_make_serve_runs():
     assert batchserve_method("none-f32").cpu_weights == "float32"  # type: ignore[union-attr]
     assert batchserve_method("none-hf-q4") is None  # the transformers forward runs its own float32
     assert none_of("llma-q4") == "none-q4" and none_of("lookahead-adaptive-f32+nocache") == "none-f32"
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_the_loop_table_counts_full_steps_and_the_outputs_where_they_are_in_series(beside: bool) -> None:
+    from batchserve import SamplingParams
+    from batchserve.bench.methods import Row
+    from batchserve.bench.served_loop import ServedSteps, loop_table
+    from batchserve.records import ScheduledRequest, SchedulerOutput, StepPhases
+
+    served = ServedSteps(batch_size=2, beside_forward=beside)
+    for requests, tokens in ((2, 4), (2, 6), (1, 1)):  # the last step has a seat empty
+        reqs = tuple(ScheduledRequest(f"r{i}", (1,), 9, (0,), None, True, SamplingParams()) for i in range(requests))
+        phases = StepPhases(schedule=1e-3, prepare=1e-3, forward=5e-3, verify=1e-3, commit=1e-3, outputs=2e-3)
+        phases.tokens = tokens
+        served.add(SchedulerOutput(requests=reqs, finished_request_ids=()), phases)
+    summary = served.summary()
+    assert summary is not None and summary["steps"] == 2 and summary["tokens"] == 5.0
+    assert summary["host_ms"] == (4.0 if beside else 6.0) and summary["device_ms"] == 5.0
+    row = Row("lookahead", "humaneval", 2, 4, 11, 1.0, 11.0, 1.0, 0.1, 0.1, 0.01, 0.01, True)
+    row.served_step = summary
+    table = "\n".join(loop_table([row]))
+    assert ("| pipelined |" if beside else "| in series |") in table and "| 5.00 |" in table
