@@ -8,6 +8,10 @@ The wrapper is planned once per step and created with `backend="fa2"`: custom ma
 on the FA2 kernels. RoPE stays in the HF model (positions from tree depth), so the kernel
 runs with `pos_encoding_mode="NONE"`.
 
+Planning never waits for the device: the mask is bit-packed on the host (`build_plan`), and the
+plan's arrays reach plan() as pinned host indptrs and device page indices and packed mask, filled
+by non-blocking copies (`flashinfer_staging`, which says what plan() does with each).
+
 `flashinfer` is imported only when this backend is built (the `gpu` extra); `build_plan` is
 plain torch so that the index and mask construction is tested on any machine.
 """
@@ -21,6 +25,7 @@ import numpy as np
 import torch
 
 from batchserve.attention.base import PLAIN, AttentionBackend, LayerAttention, StepBucket, StepLayout, fa2_head_dim
+from batchserve.attention.flashinfer_staging import PlanStaging, pack_masks
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
 
@@ -34,6 +39,8 @@ class PagedPlan:
     kv_indices: torch.Tensor  # [num pages used] int32: physical page ids, in logical order
     kv_last_page_len: torch.Tensor  # [B] int32 in [1, page_size]: valid slots of each request's last page
     custom_mask: torch.Tensor  # [sum q_len_i * kv_len_i] bool: each request's [q_len, kv_len] mask, row-major
+    packed_mask: torch.Tensor  # [sum ceil(q_len_i * kv_len_i / 8)] uint8: custom_mask per request, bits little-endian
+    mask_indptr: torch.Tensor  # [B + 1] int32: request i's mask is packed_mask[mask_indptr[i]:mask_indptr[i + 1]]
 
 
 def _int32(a: np.ndarray) -> torch.Tensor:
@@ -41,12 +48,13 @@ def _int32(a: np.ndarray) -> torch.Tensor:
 
 
 def build_plan(
-    step: StepLayout, page_size: int, num_requests: int | None = None, window: int | None = None
+    step: StepLayout, page_size: int, num_requests: int | None = None, window: int | None = None, masked: bool = True
 ) -> PagedPlan:
     """The page table and flattened masks of a packed step, in a few array operations.
     `num_requests`: pad with requests of no rows (one key on page 0, never read) up to this many:
     a graph's plan has a fixed batch size. `window`: a sliding window the masks apply by each
-    row's own position (a draft node's is its depth's, which FlashInfer's `window_left` cannot know)."""
+    row's own position (a draft node's is its depth's, which FlashInfer's `window_left` cannot know).
+    `masked=False`: a plan for a wrapper that reads no mask (its three mask arrays empty)."""
     if num_requests is not None and num_requests > len(step.num_cached):
         step = pad_requests(step, num_requests)
     kv_len = step.kv_len
@@ -56,12 +64,19 @@ def build_plan(
         i = int(short[0])
         raise ValueError(f"{kv_len[i]} KV slots need {num_pages[i]} pages, the block table has {step.num_blocks[i]}")
     used = np.arange(step.block_table.shape[1])[None, :] < num_pages[:, None]  # [B, W]
+    if masked:
+        mask = step.flat_masks(window)  # [sum q_len * kv_len] bool
+        packed, mask_indptr = pack_masks(mask, step.q_len * kv_len)
+    else:
+        mask, packed, mask_indptr = np.zeros(0, bool), np.zeros(0, np.uint8), np.zeros(0, np.int32)
     return PagedPlan(
         qo_indptr=_int32(step.qo_indptr),
         kv_indptr=_int32(np.concatenate(([0], np.cumsum(num_pages)))),
         kv_indices=_int32(step.block_table[used]),  # row-major: each request's pages in logical order
         kv_last_page_len=_int32(kv_len - (num_pages - 1) * page_size),
-        custom_mask=torch.from_numpy(step.flat_masks(window)),
+        custom_mask=torch.from_numpy(mask),
+        packed_mask=torch.from_numpy(packed),
+        mask_indptr=torch.from_numpy(mask_indptr),
     )
 
 
@@ -149,7 +164,7 @@ class FlashInferBackend(AttentionBackend):
         # workspace: one step runs at a time).
         self._buckets: dict[StepBucket, FlashInferMetadata] = {}
         self.max_model_len = max_model_len
-        self._mask = MaskUpload(device)
+        self._staging: dict[Any, PlanStaging] = {}  # per wrapper: its inputs' host and device buffers
 
     def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
         """One wrapper per kind of layer: FlashInfer plans the window and the soft-cap with the step."""
@@ -178,7 +193,7 @@ class FlashInferBackend(AttentionBackend):
             metadata = self._buckets[bucket] = self._bucket_metadata(bucket, slot_mapping)
         # Requests past the step's own (and the padding request) have no rows: a fixed batch size.
         for kind, wrapper in metadata.wrappers.items():
-            plan = build_plan(step, self.block_size, bucket.requests + 1, window=kind.window)
+            plan = build_plan(step, self.block_size, bucket.requests + 1, window=kind.window, masked=bucket.tree)
             self._plan(wrapper, plan, masked=bucket.tree, kind=kind)
         return metadata
 
@@ -215,33 +230,41 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferMetadata(self, wrappers[self._kinds[0]], slot_mapping, bucket.rows, wrappers)
 
     def _plan(self, wrapper: Any, plan: PagedPlan, masked: bool, kind: LayerAttention = PLAIN) -> None:
-        """Plan from host (CPU) index arrays: FlashInfer reads them on the host anyway and copies
-        what its kernels need to the device itself. The mask is the exception: plan() bit-packs it
-        with a CUDA kernel, so it goes to the device first. A sliding window is in the mask where
-        there is one (`build_plan`); without one every request has a single row, the last of its
-        keys, whose window FlashInfer's `window_left` counts exactly."""
+        """Plan without a host sync: pinned host indptrs (plan() reads them on the host), page indices
+        and the packed mask on the device, then the mask's byte offsets over plan()'s bit offsets
+        (`flashinfer_staging`). A sliding window is in the mask where there is one (`build_plan`);
+        without one every request has a single row, the last of its keys, whose window FlashInfer's
+        `window_left` counts exactly."""
         options: dict[str, Any] = {}
         if kind.window is not None and not masked:
             options["window_left"] = kind.window - 1
         if kind.softcap is not None:
             options["logits_soft_cap"] = kind.softcap
+        staging = self._staging.get(wrapper)
+        if staging is None:
+            staging = self._staging[wrapper] = PlanStaging(self.device)
+        staged = staging.stage(plan, masked)
         wrapper.plan(
-            plan.qo_indptr,
-            plan.kv_indptr,
-            plan.kv_indices,
-            plan.kv_last_page_len,
+            staged["qo_indptr"],
+            staged["kv_indptr"],
+            staged["kv_indices"],
+            staged["kv_last_page_len"],
             self.num_qo_heads,
             self.num_kv_heads,
             self.head_dim,
             self.block_size,
-            custom_mask=self._mask.upload(plan.custom_mask) if masked else None,
+            packed_custom_mask=staged["packed_mask"] if masked else None,
             causal=False,
             pos_encoding_mode="NONE",
             sm_scale=self.sm_scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            non_blocking=True,
             **options,
         )
+        if masked:
+            staging.fix_mask_offsets(wrapper)
+        staging.done()
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, scale: float
@@ -262,29 +285,3 @@ class FlashInferBackend(AttentionBackend):
         for cache in (self.k_cache, self.v_cache):
             flat = cache.view(cache.shape[0], -1, self.num_kv_heads, self.head_dim)  # [L, slots, Hkv, D]
             flat[:, dst] = flat[:, src]
-
-
-class MaskUpload:
-    """The step's boolean mask copied to the device through one reused host staging buffer (pinned
-    on CUDA) and one reused device buffer, each grown as needed.
-
-    NOTE: plan() packs the mask on the device and reads the packed length back to the host, so the
-    copy has completed when plan() returns; the next step may overwrite both buffers."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._host = torch.zeros(0, dtype=torch.bool)
-        self._device = torch.zeros(0, dtype=torch.bool, device=device)
-
-    def upload(self, mask: torch.Tensor) -> torch.Tensor:
-        """[N] bool on the host -> the same [N] bool on the device (never the host tensor itself)."""
-        n = mask.numel()
-        if len(self._device) < n:
-            size = max(n, 2 * len(self._device))
-            host = torch.zeros(size, dtype=torch.bool)
-            self._host = host.pin_memory() if self.device.type == "cuda" else host
-            self._device = torch.zeros(size, dtype=torch.bool, device=self.device)
-        self._host[:n].copy_(mask)
-        out = self._device[:n]
-        out.copy_(self._host[:n], non_blocking=True)
-        return out

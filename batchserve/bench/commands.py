@@ -71,10 +71,7 @@ def add_bench_parser(sub: Any) -> None:
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--decoding-length", type=int, default=16, help="draft tokens per step of the fixed methods")
-    bench.add_argument("--repeats", type=int, default=1, help="runs per batchserve method and batch, in rounds")
-    bench.add_argument(
-        "--keep", default="fastest", choices=["fastest", "median"], help="which of the repeated runs is reported"
-    )
+    _add_repeat_flags(bench)
     bench.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     bench.add_argument(
         "--allow-mismatch", action="store_true", help="fp16/bf16: report outputs that differ from HF, do not fail"
@@ -83,6 +80,21 @@ def add_bench_parser(sub: Any) -> None:
     _add_replay_flags(bench)
     add_curve_flags(bench)
     _add_gguf_flags(bench)
+
+
+def _add_repeat_flags(bench: argparse.ArgumentParser) -> None:
+    """How often each row runs, which run it reports, and what proves the hf-static peer fast."""
+    bench.add_argument("--repeats", type=int, default=1, help="runs per batchserve method and batch, in rounds")
+    bench.add_argument(
+        "--keep", default="fastest", choices=["fastest", "median"], help="which of the repeated runs is reported"
+    )
+    bench.add_argument("--peer-repeats", type=int, default=1, help="runs of hf-static (its row: the --keep one)")
+    bench.add_argument(
+        "--hf-static-max-ms",
+        type=float,
+        default=None,
+        help="hf-static's row fails above this decode ms a token (default: 10 on CUDA, none on a CPU)",
+    )
 
 
 def _add_gguf_flags(bench: argparse.ArgumentParser) -> None:
@@ -140,12 +152,14 @@ def _bench_problem(args: argparse.Namespace, methods: list[str]) -> str | None:
     bad = [m for m in methods if not known_method(m)]
     if bad or not methods:
         return f"unknown method(s) {bad}; choose from {', '.join(METHODS)}"
-    counts = (args.num_prompts, args.max_new_tokens, args.repeats, *args.batch_sizes)
+    counts = (args.num_prompts, args.max_new_tokens, args.repeats, args.peer_repeats, *args.batch_sizes)
     if min(counts) < 1 or args.waves < 0 or not args.batch_sizes or any(r <= 0 for r in args.request_rates):
         return (
-            "--num-prompts, --max-new-tokens, --repeats and --batch-sizes must be >= 1, --waves >= 0, "
-            "--request-rates > 0"
+            "--num-prompts, --max-new-tokens, --repeats, --peer-repeats and --batch-sizes must be >= 1, "
+            "--waves >= 0, --request-rates > 0"
         )
+    if args.hf_static_max_ms is not None and not args.hf_static_max_ms > 0:
+        return "--hf-static-max-ms must be > 0"
     return None
 
 
@@ -229,6 +243,7 @@ def bench_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from batchserve.bench import run, summary_table
+    from batchserve.bench.compiled import StaticPeer
 
     out = Path(args.out)
     rows = run(
@@ -245,6 +260,7 @@ def bench_command(args: argparse.Namespace) -> int:
         args.keep,
         args.waves,
         args.request_rates,
+        StaticPeer(args.peer_repeats, args.hf_static_max_ms),
     )
     print(summary_table(rows))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput.png'}")

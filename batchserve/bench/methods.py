@@ -206,6 +206,7 @@ class Row:
     attention_share: float | None = None  # attention backend / step wall (CPU: where it is timed)
     decode_step_ms: float | None = None  # mean wall of the full-batch steps without a prompt chunk
     seated_tokens_per_s: float | None = None  # tokens/s over the steps with every seat taken
+    served_step: dict[str, Any] | None = None  # the loop that serves per full step (`served_loop.py`)
     # a peer on other kernels (llamacpp: the GGUF's quantized weights): prompts whose output equals
     # HF greedy, which says how alike the outputs are, not losslessness
     reference_matches: int | None = None
@@ -224,8 +225,10 @@ class Row:
     # at a near-tie (`Divergence.near_tie`), with `lossless` None; `lossless` False: one beyond it.
     near_ties: int | None = None
     divergences: list[dict[str, float]] | None = None  # each differing prompt's `Divergence`, as a dict
-    # a llama.cpp peer that ran on llama.cpp's fallback kernels: why (its default ones crashed here)
+    # a llama.cpp peer that ran on llama.cpp's fallback kernels: why (its default ones crashed here);
+    # hf-static: what torch.compile did, as `compile_stats` (`CompileStats`, bench/compiled.py) in a line
     note: str | None = None
+    compile_stats: dict[str, int] | None = None
 
 
 def load_point(r: Row) -> str:

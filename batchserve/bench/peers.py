@@ -3,17 +3,17 @@
 `generate` runs one prompt at a time (plain, with a static cache, or with prompt lookup);
 `generate_batch` is transformers' continuous batching; `llamacpp` is llama.cpp through the
 optional llama-cpp-python, one prompt at a time on the engine's own GGUF file (in a child
-process: `llamacpp_child.py` runs `run_llamacpp` there). Each runner
-returns a `PeerRun`: the generated token ids per prompt, the run's wall time, every request's
-time to first token and decode-only time per later token, and where recorded, when each token
-arrived.
+process: `llamacpp_child.py` runs `run_llamacpp` there). Each runner returns a `PeerRun`: the
+generated token ids per prompt, the run's wall time, every request's time to first token and
+decode-only time per later token, and where recorded, when each token arrived; a compiled
+`hf-static` run also the proof that it compiled, without which it fails (`compiled.py`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,14 @@ import torch
 from tqdm import tqdm
 
 from batchserve import heap
+from batchserve.bench.compiled import (
+    CompileStats,
+    PeerNotCompiled,
+    check_compiled,
+    count_compiled_calls,
+    watch_compiles,
+)
+from batchserve.bench.methods import Row, make_row
 
 LLAMACPP_MISSING = "llamacpp: not installed (pip install 'batchserve[llamacpp]')"
 
@@ -36,6 +44,7 @@ class PeerRun:
     tpots: list[float]  # per request with 2+ tokens: seconds from its first token to its last / later tokens
     # per request: when each generated token arrived, in seconds from the request's start (None: not recorded)
     token_times: list[list[float]] | None = None
+    compile: CompileStats | None = None  # a compiled peer's: what torch.compile did (bench/compiled.py)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.outputs, self.seconds, self.ttfts, self.tpots))
@@ -46,6 +55,20 @@ class PeerRun:
         if self.token_times is None:
             return None
         return [(len(ts) - 1, ts[-1] - ts[0]) for ts in self.token_times if len(ts) > 1]
+
+
+def peer_row(
+    method: str, dataset: str, b: int, run: PeerRun, tokens_per_step: float | None, lossless: bool | None
+) -> Row:
+    """A peer's row from its run (a bare (outputs, seconds, ttfts, tpots) tuple, as test doubles
+    return, has no token times: no decode-only rate); a compiled run's `compile` goes in as its
+    `compile_stats`, and in a line as its `note` (the report lists notes)."""
+    outs, secs, ttfts, tpots = run
+    decode = getattr(run, "decode", None)
+    row = make_row(method, dataset, b, outs, secs, ttfts, tpots, tokens_per_step, lossless, decode)
+    if (stats := getattr(run, "compile", None)) is not None:
+        row.compile_stats, row.note = asdict(stats), stats.note()
+    return row
 
 
 def _timed(outputs: list[list[int]], seconds: float, token_times: list[list[float]], walls: list[float]) -> PeerRun:
@@ -104,7 +127,11 @@ def static_cache_kwargs(
     return kwargs
 
 
-def _warm_up(generate: Callable[[list[int]], Any], prompts: list[list[int]], desc: str) -> None:
+# one prompt's generation: (the tokens, when each arrived, the call's seconds)
+Generate = Callable[[list[int]], tuple[list[int], list[float], float]]
+
+
+def _warm_up(generate: Generate, prompts: list[list[int]], desc: str) -> None:
     """Run `generate` (the timed call itself: streamer, mask, cache) once per distinct prompt
     length, outside the timing. The static cache fixes the decode graph's shapes, so it compiles
     (and on CUDA is captured) in the first call; the prefill runs eager, and its first call at a
@@ -129,11 +156,13 @@ def run_hf(
     desc: str,
     static: bool = False,
     compile_forward: bool = True,
+    max_decode_ms: float | None = None,
 ) -> PeerRun:
     """HF `generate`, greedy, one prompt at a time; `lookup`: prompt lookup decoding with that
     many tokens; `static`: one static cache for the run and, with `compile_forward`, a compiled
-    forward (`static_cache_kwargs`), warmed up first on every prompt length (`_warm_up`). Each
-    token's arrival is timed: TTFT is the first's, TPOT runs from the first to the last."""
+    forward (`static_cache_kwargs`), warmed up first on every prompt length (`_warm_up`) and proven
+    compiled (`_compiled_run`; `max_decode_ms`: its limit on decode ms a token). Each token's arrival
+    is timed: TTFT is the first's, TPOT runs from the first to the last."""
     kwargs: dict[str, Any] = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     cache = None
     if static:
@@ -160,13 +189,44 @@ def run_hf(
         end = time.perf_counter()
         return out[0, len(ids) :].tolist(), [t - start for t in timer.times], end - start
 
+    if static and compile_forward:
+        return _compiled_run(model, generate, prompts, desc, max_decode_ms)
     if static:
         _warm_up(generate, prompts, desc)
+    return _timed_run(generate, prompts, desc)
+
+
+def _timed_run(generate: Generate, prompts: list[list[int]], desc: str) -> PeerRun:
+    """`generate` over the prompts, timed."""
     with heap.settled():  # after the compile: its objects frozen too, no full collections while timed
         t0 = time.perf_counter()
         done = [generate(ids) for ids in tqdm(prompts, desc=desc, leave=False)]
         seconds = time.perf_counter() - t0
     return _timed([d[0] for d in done], seconds, [d[1] for d in done], [d[2] for d in done])
+
+
+def _compiled_run(
+    model: Any, generate: Generate, prompts: list[list[int]], desc: str, max_decode_ms: float | None
+) -> PeerRun:
+    """The warm-up and the timed run of a compiled static peer, watched (bench/compiled.py): a run
+    that does not prove its forward compiled, or decodes slower than `max_decode_ms` a token,
+    raises PeerNotCompiled. Its `compile` says what torch.compile did."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
+    stats, compiled_before = CompileStats(), hasattr(model, "_compiled_call")
+    try:
+        with watch_compiles(stats):
+            _warm_up(generate, prompts, desc)
+        with watch_compiles(stats, timed=True), count_compiled_calls(model, stats):
+            run = _timed_run(generate, prompts, desc)
+    except (TorchDynamoException, FailOnRecompileLimitHit) as e:  # its message can run to pages
+        raise PeerNotCompiled(f"hf-static: torch.compile failed ({type(e).__name__}: {str(e)[:300]})") from e
+    run.compile = stats
+    try:
+        check_compiled(stats, run.decode, max_decode_ms, compiled_before)
+    finally:
+        tqdm.write(f"{desc}: {stats.note()}")
+    return run
 
 
 HF_BATCH_TOKENS = 512  # tokens per step: our engine's default `max_num_batched_tokens`

@@ -1,25 +1,30 @@
 """A stand-in for `flashinfer` that enforces what its paged prefill wrapper requires, on the CPU.
 
 `BatchPrefillWithPagedKVCacheWrapper` here checks every rule the real wrapper (FlashInfer
-0.7.2.post1, `prefill.py` and `attention/scheduler.cuh`) enforces or silently relies on, raising
-`ContractError` where the real one raises, fails in a CUDA kernel, or computes garbage, and then
-attends densely from what it was planned with, read back from the same buffers the real kernels
-read (in graph mode the constructor's fixed buffers, and the mask bit-packed into
-`custom_mask_buf`). So a plan that only works by accident, say a buffer too small or a mask
-offset wrong, gives wrong output here as it would there.
+0.7.2.post1: `prefill.py`, `attention/variants.cuh`, `attention/scheduler.cuh`) enforces or
+silently relies on, raising `ContractError` where the real one raises, fails in a CUDA kernel, or
+computes garbage, then attends densely from the buffers the real kernels read (graph mode: the
+constructor's; eager: what plan() kept, the very device tensors it was handed). So a plan that
+works only by accident, say a buffer too small or a mask offset wrong, gives wrong output here too.
 
-Where the double and the real library can disagree:
-- "On the device": on a CPU run every tensor is on the CPU. The real `plan()` packs the custom
-  mask with a CUDA kernel (`segment_packbits`, which checks its input is a CUDA tensor); here a
-  mask counts as on the device unless it shares memory with a tensor registered in `HOST` (the
-  tests register the host-side plan the backend builds), so a backend that hands the host mask to
-  `plan()` is caught, while a copy made for the device passes.
-- Head dims: the real FA2 kernels fail below 64 ("Invalid configuration") after a JIT build; the
-  double refuses them at `plan()`. Whether a dim such as 80 or 96 builds is not modelled.
-- Numerics: the double attends in float32 and rounds once; FlashInfer's kernels round differently
-  (split KV, bf16 products). Tests compare the double with the reference in float32, not with a GPU.
-- Planning cost, split-KV chunking and the query-tile choice are not modelled, only their
-  preconditions (a fixed batch size, rows within the first plan's).
+The mask as 0.7.2 takes it: a bool `custom_mask` is packed by `segment_packbits` (per request,
+little bit order, whole bytes) with that function's byte offsets; a `packed_custom_mask` is kept
+as it is, with the offsets of `_compute_page_mask_indptr`: running sums of q_len * kv_len, in bits.
+The kernel reads request i's mask from byte `_mask_indptr_buf[i]` on: past the first request, the
+packed path is wrong unless the caller writes byte offsets there after plan() (the backend does).
+
+`SYNCS` collects what each plan() would block the host on in the real one: a bool mask (packed on
+the device, read back with `.item()`), an indptr array on the device (`.to("cpu")`), page indices
+or a packed mask on the host in graph mode (a `non_blocking=False` copy), pageable host memory
+(a `cudaMemcpyAsync` that may block). It does not raise: the real plan() works, only slower.
+"On the device": on a CPU run every tensor is on the CPU; one counts as host memory when it shares
+memory with one given to `mark_host` (`pinned=True`: page-locked), as the tests do with the
+backend's host-side plan and staging buffers.
+
+Not modelled: head dims that build or not above 64 (below, FA2 fails "Invalid configuration" and
+so does the double), numerics (float32 here, rounded once; tests compare with the reference in
+float32), planning cost, split-KV chunking, the query-tile choice and stream order (a copy here
+is complete when made); only their preconditions (a fixed batch size, rows within the first plan's).
 """
 
 from __future__ import annotations
@@ -31,15 +36,31 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-HOST: set[int] = set()  # data pointers of host-side tensors (never valid as device inputs)
+# Storage data pointers of host tensors, each kept alive so that no later "device" tensor takes its
+# address; PINNED: those of them in page-locked memory.
+HOST: dict[int, torch.Tensor] = {}
+PINNED: set[int] = set()
+SYNCS: list[str] = []  # what the real plan() calls made so far would have blocked the host on
 
 
 class ContractError(Exception):
     """What the real FlashInfer would refuse, or get wrong without saying so."""
 
 
-def mark_host(*tensors: torch.Tensor) -> None:
-    HOST.update(t.untyped_storage().data_ptr() for t in tensors)
+def mark_host(*tensors: torch.Tensor, pinned: bool = False) -> None:
+    HOST.update((t.untyped_storage().data_ptr(), t) for t in tensors)
+    PINNED.update(t.untyped_storage().data_ptr() for t in tensors if pinned)
+
+
+def forget_host() -> None:
+    HOST.clear()
+    PINNED.clear()
+    SYNCS.clear()
+
+
+def _where(t: torch.Tensor) -> str:
+    ptr = t.untyped_storage().data_ptr()
+    return "device" if ptr not in HOST else "pinned" if ptr in PINNED else "pageable"
 
 
 # The runs one plan may serve: a step plans once, then every layer runs. The contract tests set it
@@ -61,14 +82,10 @@ def _int32_vector(name: str, t: Any) -> None:
 @dataclass(slots=True)
 class _Plan:
     qo_indptr: np.ndarray
-    kv_indptr: np.ndarray
-    kv_indices: np.ndarray
-    last_page_len: np.ndarray
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     page_size: int
-    masked: bool
     sm_scale: float
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
@@ -113,17 +130,17 @@ class BatchPrefillWithPagedKVCacheWrapper:
             self.fixed_batch_size = len(qo_indptr_buf) - 1
             _require(len(paged_kv_indptr_buf) == self.fixed_batch_size + 1, "paged_kv_indptr_buf: batch_size + 1")
             _require(len(paged_kv_last_page_len_buf) == self.fixed_batch_size, "paged_kv_last_page_len_buf: batch_size")
-            if custom_mask_buf is not None:
-                _require(custom_mask_buf.dtype == torch.uint8, "custom_mask_buf holds packed bits: uint8")
+            _require(custom_mask_buf is None or custom_mask_buf.dtype == torch.uint8, "custom_mask_buf: packed, uint8")
             if mask_indptr_buf is not None:
                 _int32_vector("mask_indptr_buf", mask_indptr_buf)
                 _require(len(mask_indptr_buf) == self.fixed_batch_size + 1, "mask_indptr_buf: batch_size + 1")
-        self.qo_indptr_buf = qo_indptr_buf
-        self.kv_indptr_buf = paged_kv_indptr_buf
-        self.kv_indices_buf = paged_kv_indices_buf
-        self.last_page_len_buf = paged_kv_last_page_len_buf
-        self.custom_mask_buf = custom_mask_buf
-        self.mask_indptr_buf = mask_indptr_buf
+        # The real wrapper's attribute names: the backend writes the mask offsets into the last.
+        self._qo_indptr_buf = qo_indptr_buf
+        self._paged_kv_indptr_buf = paged_kv_indptr_buf
+        self._paged_kv_indices_buf = paged_kv_indices_buf
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buf
+        self._custom_mask_buf = custom_mask_buf
+        self._mask_indptr_buf = mask_indptr_buf
 
     def plan(
         self,
@@ -144,23 +161,18 @@ class BatchPrefillWithPagedKVCacheWrapper:
         kv_data_type: torch.dtype | None = None,
         window_left: int = -1,
         logits_soft_cap: float | None = None,
+        non_blocking: bool = True,
         **unmodelled: Any,
     ) -> None:
         _require(not unmodelled, f"the double does not model {sorted(unmodelled)}")
-        # The real packed-mask path computes mask offsets in bits where the kernel reads bytes.
-        _require(packed_custom_mask is None, "pass custom_mask (bool); packed_custom_mask's offsets are per bit")
-        for name, t in (
-            ("qo_indptr", qo_indptr),
-            ("paged_kv_indptr", paged_kv_indptr),
-            ("paged_kv_indices", paged_kv_indices),
-            ("paged_kv_last_page_len", paged_kv_last_page_len),
-        ):
+        arrays = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        for name, t in zip(("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"), arrays):
             _int32_vector(name, t)
         _require(head_dim_qk >= 64 and head_dim_qk % 16 == 0, f"FA2: Invalid configuration for head dim {head_dim_qk}")
         _require(num_qo_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads")
         _require(pos_encoding_mode == "NONE", "RoPE is applied by the model: pos_encoding_mode must be NONE")
-        qo, kv_ptr = qo_indptr.cpu().numpy(), paged_kv_indptr.cpu().numpy()
-        indices, last = paged_kv_indices.cpu().numpy(), paged_kv_last_page_len.cpu().numpy()
+        SYNCS.extend(self._syncs(*arrays, custom=custom_mask, packed=packed_custom_mask, non_blocking=non_blocking))
+        qo, kv_ptr, indices, last = (t.cpu().numpy() for t in arrays)
         batch = len(qo) - 1
         _require(len(kv_ptr) == batch + 1, "qo_indptr and paged_kv_indptr must have the same length")
         _require(len(last) == batch, "paged_kv_last_page_len: one per request")
@@ -168,53 +180,93 @@ class BatchPrefillWithPagedKVCacheWrapper:
         _require(kv_ptr[0] == 0 and (np.diff(kv_ptr) >= 1).all(), "every request needs at least one page")
         _require(len(indices) == kv_ptr[-1], "paged_kv_indices must hold exactly paged_kv_indptr[-1] pages")
         _require(((last >= 1) & (last <= page_size)).all(), "last page lengths must be in [1, page_size]")
-        kv_len = (np.diff(kv_ptr) - 1) * page_size + last
-        mask_bits = np.diff(qo) * kv_len  # [B]
-        if custom_mask is not None:
-            # A custom mask runs on FA2 only; `auto` picks FA3 on Hopper, where a masked plan fails.
-            _require(self.backend == "fa2", f"a custom mask needs backend='fa2', the wrapper has {self.backend!r}")
-            _require(custom_mask.dtype == torch.bool, "custom_mask must be bool")
-            _require(custom_mask.device == self.device, "custom_mask must be on the device (segment_packbits)")
-            _require(
-                custom_mask.untyped_storage().data_ptr() not in HOST,
-                "custom_mask is host memory: plan() packs it with a CUDA kernel (CHECK_INPUT: must be a CUDA tensor)",
-            )
-            bits = int(mask_bits.sum())
-            _require(custom_mask.numel() == bits, "custom_mask must hold q_len * kv_len bits per request")
-        rows = int(qo[-1])
+        mask_bits = np.diff(qo) * ((np.diff(kv_ptr) - 1) * page_size + last)  # [B]: q_len * kv_len
+        packed, mask_indptr = self._packed_mask(custom_mask, packed_custom_mask, mask_bits)
         if self.use_cuda_graph:
-            _require(batch == self.fixed_batch_size, f"batch size {batch} != the graph's fixed {self.fixed_batch_size}")
-            if self._max_rows is None:
-                self._max_rows = rows  # the first plan (the capture's) fixes the most rows
-            _require(rows <= self._max_rows, f"{rows} rows exceed the {self._max_rows} planned at capture")
-            assert self.kv_indices_buf is not None
-            _require(len(indices) <= len(self.kv_indices_buf), "paged_kv_indices exceeds the allocated buffer size")
-            assert self.qo_indptr_buf is not None and self.kv_indptr_buf is not None
-            assert self.last_page_len_buf is not None
-            self.qo_indptr_buf.copy_(qo_indptr)
-            self.kv_indptr_buf.copy_(paged_kv_indptr)
-            self.last_page_len_buf.copy_(paged_kv_last_page_len)
-            self.kv_indices_buf[: len(indices)].copy_(paged_kv_indices)
-            if custom_mask is not None:
-                _require(self.custom_mask_buf is not None, "custom_mask_buf must be given in graph mode to use a mask")
-                _require(self.mask_indptr_buf is not None, "mask_indptr_buf must be given in graph mode to use a mask")
-                packed, byte_ptr = _pack(custom_mask, mask_bits)
-                assert self.custom_mask_buf is not None and self.mask_indptr_buf is not None
-                _require(len(packed) <= len(self.custom_mask_buf), "the packed mask exceeds custom_mask_buf")
-                self.custom_mask_buf[: len(packed)].copy_(packed)
-                self.mask_indptr_buf.copy_(byte_ptr)
-        else:
-            self.qo_indptr_buf, self.kv_indptr_buf = qo_indptr.clone(), paged_kv_indptr.clone()
-            self.kv_indices_buf, self.last_page_len_buf = paged_kv_indices.clone(), paged_kv_last_page_len.clone()
-            self.custom_mask_buf, self.mask_indptr_buf = (
-                _pack(custom_mask, mask_bits) if custom_mask is not None else (None, None)
-            )
+            self._fill_buffers(*arrays, packed, mask_indptr)
+        else:  # `.to(self.device)`: a device tensor is kept as it is, a host one copied
+            kept = [_to_device(t) for t in (*arrays, packed, mask_indptr)]
+            self._qo_indptr_buf, self._paged_kv_indptr_buf, self._paged_kv_indices_buf = kept[:3]
+            self._paged_kv_last_page_len_buf, self._custom_mask_buf, self._mask_indptr_buf = kept[3:]
         self._plan = _Plan(
-            qo, kv_ptr, indices, last, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
-            custom_mask is not None, sm_scale if sm_scale is not None else head_dim_qk**-0.5,
-            q_data_type, kv_data_type or q_data_type, window_left, logits_soft_cap or 0.0,
+            qo, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
+            sm_scale if sm_scale is not None else head_dim_qk**-0.5, q_data_type, kv_data_type or q_data_type,
+            window_left, logits_soft_cap or 0.0,
         )  # fmt: skip
         self._runs = 0
+
+    def _syncs(self, *arrays: torch.Tensor, custom: Any, packed: Any, non_blocking: bool) -> list[str]:
+        """What the real plan() would block the host on, given where its inputs are."""
+        syncs = [] if non_blocking else ["non_blocking=False: every copy plan() makes is a blocking one"]
+        named = dict(zip(("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"), arrays))
+        if packed is not None:
+            named["packed_custom_mask"] = packed
+        elif custom is not None:
+            syncs.append("custom_mask: plan() packs it with segment_packbits, which reads indptr_new[-1].item()")
+        for name, t in named.items():
+            where, copied_by_graph = _where(t), name in ("paged_kv_indices", "packed_custom_mask")
+            if where == "device" and not copied_by_graph:
+                syncs.append(f"{name} on the device: plan() reads it back with .to('cpu'), a blocking copy")
+            elif where != "device" and copied_by_graph and self.use_cuda_graph:
+                syncs.append(f"{name} on the host: graph-mode plan() copies it with non_blocking=False")
+            elif where == "pageable":
+                syncs.append(f"{name} in pageable memory: plan()'s cudaMemcpyAsync from it may block")
+        return syncs
+
+    def _packed_mask(
+        self, custom_mask: torch.Tensor | None, packed_custom_mask: torch.Tensor | None, mask_bits: np.ndarray
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The packed mask plan() keeps, and its offsets: segment_packbits' bytes for a bool mask,
+        `_compute_page_mask_indptr`'s bits for a packed one (0.7.2)."""
+        if custom_mask is None and packed_custom_mask is None:
+            return None, None
+        # A custom mask runs on FA2 only; `auto` picks FA3 on Hopper, where a masked plan fails.
+        _require(self.backend == "fa2", f"a custom mask needs backend='fa2', the wrapper has {self.backend!r}")
+        if packed_custom_mask is not None:
+            _require(packed_custom_mask.dtype == torch.uint8, "packed_custom_mask holds packed bits: uint8")
+            _require(packed_custom_mask.dim() == 1, "packed_custom_mask must be 1-D")
+            bit_indptr = np.concatenate(([0], np.cumsum(mask_bits))).astype(np.int32)
+            return packed_custom_mask, torch.from_numpy(bit_indptr)
+        assert custom_mask is not None
+        _require(custom_mask.dtype == torch.bool, "custom_mask must be bool")
+        _require(custom_mask.device == self.device, "custom_mask must be on the device (segment_packbits)")
+        _require(_where(custom_mask) == "device", "custom_mask is host memory: segment_packbits needs a CUDA tensor")
+        _require(custom_mask.numel() == int(mask_bits.sum()), "custom_mask must hold q_len * kv_len bits per request")
+        return segment_packbits(custom_mask, mask_bits)
+
+    def _fill_buffers(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        packed: torch.Tensor | None,
+        mask_indptr: torch.Tensor | None,
+    ) -> None:
+        """Graph mode: the plan copied into the constructor's buffers, the kernels' fixed inputs."""
+        batch, rows = len(qo_indptr) - 1, int(qo_indptr[-1])
+        _require(batch == self.fixed_batch_size, f"batch size {batch} != the graph's fixed {self.fixed_batch_size}")
+        if self._max_rows is None:
+            self._max_rows = rows  # the first plan (the capture's) fixes the most rows
+        _require(rows <= self._max_rows, f"{rows} rows exceed the {self._max_rows} planned at capture")
+        buffers = self._index_buffers()
+        _require(len(paged_kv_indices) <= len(buffers[2]), "paged_kv_indices exceeds the allocated buffer size")
+        for buf, t in zip(buffers, (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)):
+            buf[: len(t)].copy_(t)
+        if packed is not None:
+            for name, buf in (("custom_mask_buf", self._custom_mask_buf), ("mask_indptr_buf", self._mask_indptr_buf)):
+                _require(torch.is_tensor(buf), f"{name} must be given in graph mode to use a mask")
+            assert self._custom_mask_buf is not None and self._mask_indptr_buf is not None
+            _require(len(packed) <= len(self._custom_mask_buf), "the packed mask exceeds custom_mask_buf")
+            self._custom_mask_buf[: len(packed)].copy_(packed)
+            self._mask_indptr_buf.copy_(mask_indptr)
+
+    def _index_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The kernels' qo_indptr, kv_indptr, kv_indices and last_page_len buffers."""
+        buffers = (self._qo_indptr_buf, self._paged_kv_indptr_buf, self._paged_kv_indices_buf)
+        buffers += (self._paged_kv_last_page_len_buf,)
+        assert all(b is not None for b in buffers)
+        return buffers  # type: ignore[return-value]
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         plan = self._plan
@@ -233,11 +285,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         _require(k_pages.dim() == 4 and tuple(k_pages.shape[1:]) == shape, "the cache is [pages, page_size, Hkv, D]")
         _require(k_pages.shape == v_pages.shape, "K and V pages must have one shape")
         # Read the plan back from the buffers the kernels read (in graph mode, the fixed ones).
-        assert self.qo_indptr_buf is not None and self.kv_indptr_buf is not None
-        assert self.kv_indices_buf is not None and self.last_page_len_buf is not None
-        qo = self.qo_indptr_buf.cpu().numpy()
-        kv_ptr, last = self.kv_indptr_buf.cpu().numpy(), self.last_page_len_buf.cpu().numpy()
-        indices = self.kv_indices_buf[: kv_ptr[-1]].cpu().numpy().astype(np.int64)
+        qo, kv_ptr, all_indices, last = (b.cpu().numpy() for b in self._index_buffers())
+        indices = all_indices[: kv_ptr[-1]].astype(np.int64)
         _require(((indices >= 0) & (indices < k_pages.shape[0])).all(), "a page index is outside the cache")
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for i in range(len(qo) - 1):
@@ -248,39 +297,53 @@ class BatchPrefillWithPagedKVCacheWrapper:
             kv_len = (len(pages) - 1) * plan.page_size + int(last[i])
             k = k_pages[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()  # [kv, Hkv, D]
             v = v_pages[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()
-            mask = self._mask(i, q1 - q0, kv_len) if plan.masked else torch.ones(q1 - q0, kv_len, dtype=torch.bool)
-            if plan.window_left >= 0:  # by the row's place in the KV, as the kernel counts it
-                pos = kv_len - (q1 - q0) + torch.arange(q1 - q0)
-                mask &= torch.arange(kv_len)[None, :] >= (pos - plan.window_left)[:, None]
-            qh, kh, vh = q[q0:q1].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, D]
-            if plan.logits_soft_cap:
-                group = qh.shape[0] // kh.shape[0]
-                kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-                scores = torch.tanh(qh @ kh.transpose(1, 2) * plan.sm_scale / plan.logits_soft_cap)
-                scores = (scores * plan.logits_soft_cap).masked_fill(~mask, float("-inf"))
-                o = torch.softmax(scores, -1) @ vh
-            else:
-                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=plan.sm_scale, enable_gqa=True)
-            out[q0:q1] = o.transpose(0, 1)
+            out[q0:q1] = self._attend(plan, q[q0:q1], k, v, i).transpose(0, 1)
         return out.to(q.dtype)  # [T, Hq, D]
 
-    def _mask(self, i: int, q_len: int, kv_len: int) -> torch.Tensor:
-        """Request i's [q_len, kv_len] mask unpacked from the packed bytes, as the kernel reads it."""
-        assert self.custom_mask_buf is not None and self.mask_indptr_buf is not None
-        start = int(self.mask_indptr_buf[i])
-        nbytes = -(-q_len * kv_len // 8)
-        _require(start + nbytes <= len(self.custom_mask_buf), "the mask offsets run past custom_mask_buf")
-        raw = self.custom_mask_buf[start : start + nbytes].cpu().numpy()
-        bits = np.unpackbits(raw, bitorder="little")[: q_len * kv_len]
+    def _attend(self, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int) -> torch.Tensor:
+        """Request i: q [q_len, Hq, D], k and v [kv_len, Hkv, D] float32 -> [Hq, q_len, D] float32."""
+        q_len, kv_len = len(q), len(k)
+        # MaskMode.CUSTOM whenever the wrapper holds a mask buffer (a graph wrapper always does).
+        mask = self.mask(i, q_len, kv_len) if self._custom_mask_buf is not None else torch.ones(q_len, kv_len).bool()
+        if plan.window_left >= 0:  # by the row's place in the KV, as the kernel counts it
+            pos = kv_len - q_len + torch.arange(q_len)
+            mask &= torch.arange(kv_len)[None, :] >= (pos - plan.window_left)[:, None]
+        qh, kh, vh = q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, D]
+        if plan.logits_soft_cap:
+            group = qh.shape[0] // kh.shape[0]
+            kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+            scores = torch.tanh(qh @ kh.transpose(1, 2) * plan.sm_scale / plan.logits_soft_cap)
+            scores = (scores * plan.logits_soft_cap).masked_fill(~mask, float("-inf"))
+            return torch.softmax(scores, -1) @ vh
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=plan.sm_scale, enable_gqa=True)
+
+    def mask(self, i: int, q_len: int, kv_len: int) -> torch.Tensor:
+        """Request i's [q_len, kv_len] mask as the kernel reads it (`variants.cuh`): element (r, c) is bit
+        o % 8 of byte `_mask_indptr_buf[i]` + o // 8 of `_custom_mask_buf`, o = r * kv_len + c."""
+        assert self._custom_mask_buf is not None and self._mask_indptr_buf is not None
+        start, nbytes = int(self._mask_indptr_buf[i]), -(-q_len * kv_len // 8)
+        _require(start + nbytes <= len(self._custom_mask_buf), "the mask offsets run past custom_mask_buf")
+        raw = self._custom_mask_buf[start : start + nbytes].cpu().numpy()  # [nbytes] uint8
+        offset = np.arange(q_len * kv_len)
+        bits = (raw[offset // 8] >> (offset % 8)) & 1
         return torch.from_numpy(bits.astype(bool).reshape(q_len, kv_len))
 
 
-def _pack(mask: torch.Tensor, bits: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """segment_packbits(bitorder="little"): each request's bits packed to whole bytes, and the byte
-    offsets of the segments."""
-    flat = mask.cpu().numpy()
-    ends = np.cumsum(bits)
-    segments = [np.packbits(flat[e - n : e], bitorder="little") for n, e in zip(bits, ends)]
-    byte_ptr = np.concatenate(([0], np.cumsum([len(s) for s in segments]))).astype(np.int32)
-    packed = np.concatenate(segments) if segments else np.zeros(0, np.uint8)
-    return torch.from_numpy(packed).to(mask.device), torch.from_numpy(byte_ptr).to(mask.device)
+def _to_device(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t.to(device)`: the tensor itself when it is on the device already, else a device copy."""
+    return t if t is None or _where(t) == "device" else t.clone()
+
+
+def segment_packbits(mask: torch.Tensor, bits: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's `segment_packbits(mask, indptr, bitorder="little")` (SegmentPackBitsKernel): request i's
+    `bits[i]` elements 8 at a time, missing ones 0, byte value sum(element[8k + j] << j), at byte offsets
+    new_indptr[i] = sum((bits[:i] + 7) // 8). Returns (packed [new_indptr[-1]] uint8, new_indptr [B + 1] int32)."""
+    flat, starts = mask.cpu().numpy().astype(np.uint8), np.concatenate(([0], np.cumsum(bits)))
+    new_indptr = np.concatenate(([0], np.cumsum((bits + 7) // 8))).astype(np.int32)
+    packed = np.zeros(int(new_indptr[-1]), np.uint8)
+    weights = (1 << np.arange(8)).astype(np.uint8)  # little: element j of a group is bit j
+    for i, n in enumerate(bits.tolist()):
+        segment = np.zeros(-(-n // 8) * 8, np.uint8)
+        segment[:n] = flat[starts[i] : starts[i] + n]
+        packed[new_indptr[i] : new_indptr[i + 1]] = segment.reshape(-1, 8) @ weights
+    return torch.from_numpy(packed).to(mask.device), torch.from_numpy(new_indptr).to(mask.device)

@@ -2,7 +2,8 @@
 
 `flashinfer_double` refuses what the real wrapper refuses (a host mask where plan() packs it with
 a CUDA kernel, index arrays that are not int32, graph buffers too small for a plan, a batch size
-that changes in graph mode, a run without a plan) and attends from what the kernels would read.
+that changes in graph mode, a run without a plan), records what would block the host in plan(), and
+attends from what the kernels would read.
 The backend's eager steps and its bucketed (graph) steps run through it here, down to the engine
 with `cuda_graphs=eager`, so none of these can come back unnoticed without a GPU. Where the
 double and the real library can disagree is written in the double's docstring.
@@ -20,8 +21,9 @@ import torch
 from batchserve import SamplingParams
 from batchserve.admission import Submission
 from batchserve.attention import LayerAttention, StepLayout, TorchReferenceBackend
+from batchserve.attention import flashinfer_staging as staging
 from batchserve.attention.base import StepBucket
-from batchserve.attention.flashinfer_backend import FlashInferBackend, MaskUpload, build_plan
+from batchserve.attention.flashinfer_backend import FlashInferBackend, PagedPlan, build_plan
 from tests.attention import flashinfer_double as fi
 from tests.attention.layouts import blocks_needed, random_step, slot_mapping
 from tests.conftest import TINY_VOCAB, make_tiny_fa2_model, make_tiny_tokenizer
@@ -32,17 +34,27 @@ HEAD_DIM = 64  # FA2's smallest
 
 @pytest.fixture(autouse=True)
 def _host_plans(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Every plan the backend builds on the host is registered as host memory with the double."""
+    """Every plan the backend builds on the host is registered as host memory with the double, its
+    staging buffers as pinned host memory (what they are on CUDA)."""
     import batchserve.attention.flashinfer_backend as backend_module
 
     def registered(*args: Any, **kwargs: Any) -> Any:
         plan = build_plan(*args, **kwargs)
-        fi.mark_host(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, plan.custom_mask)
+        fi.mark_host(*(getattr(plan, f) for f in PagedPlan.__dataclass_fields__))
         return plan
 
+    allocate = staging.host_buffer
+
+    def pinned(*args: Any) -> torch.Tensor:
+        buf = allocate(*args)
+        fi.mark_host(buf, pinned=True)
+        return buf
+
     monkeypatch.setattr(backend_module, "build_plan", registered)
+    monkeypatch.setattr(staging, "host_buffer", pinned)
+    fi.forget_host()
     yield
-    fi.HOST.clear()
+    fi.forget_host()
     fi.RUNS_PER_PLAN[0] = 1 << 30
 
 
@@ -127,17 +139,6 @@ def test_windowed_and_capped_layers_plan_their_own_wrappers_eager_and_in_a_bucke
     assert (plain - expected).abs().max() > 1e-2  # the window and cap made a difference
 
 
-def test_a_host_mask_handed_to_plan_is_caught(monkeypatch):
-    """The first GPU run would fail here: plan() bit-packs the mask with a CUDA kernel."""
-    s = random_step(random.Random(3), 4, 400)
-    step, slots = StepLayout.from_seqs(s), slot_mapping(s, 4)
-    backend = _backend(400, 4)
-    backend.build_metadata(step, slots)  # the mask goes to the device first: accepted
-    monkeypatch.setattr(MaskUpload, "upload", lambda self, mask: mask)
-    with pytest.raises(fi.ContractError, match="host memory"):
-        backend.build_metadata(step, slots)
-
-
 def _decode_step(tables: list[tuple[int, ...]], num_cached: list[int]) -> StepLayout:
     n = len(tables)
     width = max(map(len, tables))
@@ -163,8 +164,8 @@ def test_a_bucket_holds_requests_that_share_every_prefix_block():
     slots = torch.zeros(8, dtype=torch.long)
     metadata = backend.plan(step, slots, StepBucket(8, 8, tree=False))
     wrapper = metadata.wrapper
-    assert len(wrapper.kv_indices_buf) >= 8 * 60
-    assert wrapper.kv_indices_buf[:480].tolist() == list(shared) * 8
+    assert len(wrapper._paged_kv_indices_buf) >= 8 * 60
+    assert wrapper._paged_kv_indices_buf[:480].tolist() == list(shared) * 8
 
 
 def test_graph_mode_keeps_a_fixed_batch_and_the_captured_rows():
@@ -196,8 +197,12 @@ def test_the_double_refuses_what_flashinfer_refuses():
         eager.plan(qo, kv, idx, last, *args, custom_mask=torch.ones(3, dtype=torch.bool))
     with pytest.raises(fi.ContractError, match="fa2"):
         fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD").plan(qo, kv, idx, last, *args, custom_mask=mask)
-    with pytest.raises(fi.ContractError, match="per bit"):
-        eager.plan(qo, kv, idx, last, *args, packed_custom_mask=torch.ones(1, dtype=torch.uint8))
+    with pytest.raises(fi.ContractError, match="uint8"):
+        eager.plan(qo, kv, idx, last, *args, packed_custom_mask=torch.ones(1, dtype=torch.bool))
+    fi.mark_host(mask)
+    with pytest.raises(fi.ContractError, match="host memory"):  # segment_packbits runs on the device
+        eager.plan(qo, kv, idx, last, *args, custom_mask=mask)
+    mask = mask.clone()
     with pytest.raises(fi.ContractError, match="before plan"):
         eager.run(torch.zeros(2, 4, HEAD_DIM), (torch.zeros(8, 4, 2, HEAD_DIM),) * 2)
 
@@ -289,6 +294,7 @@ def test_the_engine_runs_the_graph_path_through_the_double(monkeypatch):
     expected, _ = _generate(plain)
     got, used = _generate(bucketed)
     assert got == expected
+    assert fi.SYNCS == []  # no plan() of either engine would have blocked the host
     buckets = [b for b in used if b is not None]
     assert len(buckets) >= 20 and any(b.tree for b in buckets) and any(not b.tree for b in buckets)
     assert any(b is None for b in used)  # prompt chunks ran eagerly in between

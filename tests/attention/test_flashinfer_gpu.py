@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -131,3 +133,69 @@ def _close_rows(got: torch.Tensor, want: torch.Tensor) -> None:
     """bf16 attention against float32's, [T, Hq, D]: as close as the plain test holds it, row by row."""
     err = (got.float() - want).flatten(1).norm(dim=-1) / want.flatten(1).norm(dim=-1)
     assert err.max().item() < 5e-2, err.max().item()
+
+
+@contextlib.contextmanager
+def _syncs_raise() -> Iterator[None]:
+    """torch's sync debug mode: a stream sync made through torch (`.item()`, a blocking copy between
+    host and device) raises "called a synchronizing CUDA operation". Not seen: syncs inside
+    FlashInfer's C++ and `Event.synchronize` (the staging's deliberate wait, normally long done)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# In the GPU check's `-k "bf16 and hd64"`: the mask packed on the host against FlashInfer's own
+# packing, the byte offsets each wrapper's kernels read, plan() without a host sync, and attention.
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_plans_pack_as_flashinfer_and_never_sync_bf16_hd64(block_size):
+    from flashinfer.quantization import segment_packbits
+
+    from batchserve.attention import LayerAttention
+    from batchserve.attention.base import StepBucket
+    from batchserve.attention.flashinfer_backend import FlashInferBackend, build_plan
+
+    rng, dtype, head_dim, dev = random.Random(10 + block_size), torch.bfloat16, 64, torch.device("cuda")
+    torch.manual_seed(2)
+    layers = (LayerAttention(window=37), LayerAttention())
+    num_blocks = blocks_needed(CACHED, block_size)
+    ref = TorchReferenceBackend(2, num_blocks, block_size, 4, head_dim, torch.float32, dev)
+    fi = FlashInferBackend(2, num_blocks, block_size, 12, 4, head_dim, dtype, dev, max_model_len=8192)
+    ref.set_layers(layers)
+    fi.set_layers(layers)
+    _same_pools(ref, fi, dtype)
+    seqs = random_step(rng, block_size, num_blocks, CACHED)
+    step, slots = StepLayout.from_seqs(seqs), slot_mapping(seqs, block_size)
+    bucket = StepBucket(step.num_tokens, len(seqs) + 2, tree=True)  # 2 requests of no rows + the bucket's own
+    with _syncs_raise(), pytest.raises(RuntimeError, match="synchronizing"):  # the check sees a blocking copy
+        torch.zeros(4, device=dev).copy_(torch.ones(4))
+    for _ in range(2):  # the first plans build modules and allocate; later ones reuse them
+        fi.build_metadata(step, slots.to(dev))
+        fi.plan(step, slots.to(dev), bucket)
+    torch.cuda.synchronize()
+    device_slots = slots.to(dev)
+    with _syncs_raise():
+        eager, graphed = fi.build_metadata(step, device_slots), fi.plan(step, device_slots, bucket)
+    torch.cuda.synchronize()
+    for kind in layers:
+        for metadata, requests in ((eager, None), (graphed, bucket.requests + 1)):
+            plan = build_plan(step, block_size, requests, window=kind.window)
+            kv_len = (plan.kv_indptr.diff() - 1) * block_size + plan.kv_last_page_len  # [B]
+            bits = torch.zeros(len(kv_len) + 1, dtype=torch.int32)
+            bits[1:] = torch.cumsum(plan.qo_indptr.diff() * kv_len, 0)
+            mask = plan.custom_mask.to(dev)
+            with _syncs_raise(), pytest.raises(RuntimeError, match="synchronizing"):  # its indptr_new[-1].item()
+                segment_packbits(mask, bits.to(dev), bitorder="little")
+            theirs, offsets = segment_packbits(mask, bits.to(dev), bitorder="little")
+            assert torch.equal(plan.packed_mask.to(dev), theirs) and torch.equal(plan.mask_indptr.to(dev), offsets)
+            wrapper = metadata.wrappers[kind]  # what its kernels read: the same bytes, at byte offsets
+            assert torch.equal(wrapper._mask_indptr_buf, offsets)
+            assert torch.equal(wrapper._custom_mask_buf[: len(theirs)], theirs)
+    q, k, v = (torch.randn(h, step.num_tokens, head_dim, device=dev).to(dtype) for h in (12, 4, 4))
+    ref_meta = ref.build_metadata(step, slots)
+    for layer in range(2):
+        want = ref.forward(layer, q.float(), k.float(), v.float(), ref_meta, head_dim**-0.5)
+        for metadata in (eager, graphed):
+            _close_rows(fi.forward(layer, q, k, v, metadata, head_dim**-0.5), want)

@@ -90,6 +90,11 @@ def test_plan_of_one_request_spells_out_its_pages_and_mask():
         [1, 1, 1, 1, 1, 1, 1, 0],  # node 0: prefix, root, itself
         [1, 1, 1, 1, 1, 1, 1, 1],  # node 1: ... and its parent
     ]
+    # Packed as FlashInfer's segment_packbits(bitorder="little") packs it: element j of a byte is bit j.
+    assert plan.packed_mask.tolist() == [0b00111111, 0b01111111, 0b11111111]
+    assert plan.mask_indptr.tolist() == [0, 3] and plan.mask_indptr.dtype == torch.int32
+    bare = build_plan(StepLayout.from_seqs([s]), page_size=3, masked=False)  # for a wrapper that reads no mask
+    assert bare.kv_indices.tolist() == [9, 4, 7] and bare.custom_mask.numel() == bare.packed_mask.numel() == 0
 
 
 def test_plan_refuses_unpacked_rows_and_short_block_tables():
