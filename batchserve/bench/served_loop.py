@@ -38,7 +38,7 @@ class ServedSteps:
 
     def summary(self) -> dict[str, Any] | None:
         """Medians over the full steps (None if none ran): `loop`, `host_ms`, `device_ms`, and
-        `tokens`, the mean tokens a full step emitted."""
+        `tokens`, the mean tokens a request emitted in a full step."""
         if not self.host_ms:
             return None
         return {
@@ -46,7 +46,7 @@ class ServedSteps:
             "steps": len(self.host_ms),
             "host_ms": round(statistics.median(self.host_ms), 3),
             "device_ms": round(statistics.median(self.device_ms), 3),
-            "tokens": round(statistics.fmean(self.tokens), 3),
+            "tokens": round(statistics.fmean(self.tokens) / self.batch_size, 3),
         }
 
 
@@ -58,7 +58,8 @@ def loop_table(rows: list[Any]) -> list[str]:
     out = [
         "\nThe loop that serves, per full step (every seat taken; medians): the host's ms on the critical "
         "path (schedule + prepare + verify + commit, and building the outputs where the loop builds them "
-        "after the forward), the device's ms (the forward, to its results back on the host), tokens a step:\n",
+        "after the forward), the device's ms (the forward, to its results back on the host), and the tokens "
+        "a request emitted a step:\n",
         "| method | batch | loop | full steps | host ms | device ms | tokens a step |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -33,7 +33,7 @@ def test_a_sweeps_engines_share_one_forward_per_kernel_set(tiny_tokenizer: Any) 
         assert run.phases.served is not None
         served = run.phases.served.summary()
         assert served is not None and served["loop"] == "in series" and served["steps"] >= 1
-        assert served["host_ms"] > 0 and served["device_ms"] > 0 and served["tokens"] >= 3  # 3 requests
+        assert served["host_ms"] > 0 and served["device_ms"] > 0 and served["tokens"] >= 1
 
 
 def test_seated_throughput_leaves_out_the_steps_with_a_seat_empty() -> None:
@@ -121,7 +121,7 @@ def test_the_loop_table_counts_full_steps_and_the_outputs_where_they_are_in_seri
         phases.tokens = tokens
         served.add(SchedulerOutput(requests=reqs, finished_request_ids=()), phases)
     summary = served.summary()
-    assert summary is not None and summary["steps"] == 2 and summary["tokens"] == 5.0
+    assert summary is not None and summary["steps"] == 2 and summary["tokens"] == 2.5  # 10 tokens, 2 requests, 2 steps
     assert summary["host_ms"] == (4.0 if beside else 6.0) and summary["device_ms"] == 5.0
     row = Row("lookahead", "humaneval", 2, 4, 11, 1.0, 11.0, 1.0, 0.1, 0.1, 0.01, 0.01, True)
     row.served_step = summary
