@@ -142,6 +142,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def outputs_where(self, beside_forward: bool) -> None:
+        """Where the loop running this core builds its outputs: beside the next forward, or in
+        series with the steps, where judging drafts there delays the next step (drafting pays it)."""
+        self.speculation.judged_in_series = not beside_forward
+
     @property
     def outputs_beside_forward(self) -> bool:
         """Where the loop that serves builds a step's outputs (`pipeline.StepPipeline`): beside

@@ -24,6 +24,7 @@ class SteppingCore(Protocol):
     """What the pipelined loop drives: an EngineCore's step phases."""
 
     def has_work(self) -> bool: ...
+    def outputs_where(self, beside_forward: bool) -> None: ...
     def schedule(self) -> PendingStep: ...
     def launch(self, step: PendingStep) -> None: ...
     def learn(self) -> None: ...
@@ -45,9 +46,19 @@ class StepPipeline:
 
     def __init__(self, core: SteppingCore, beside_forward: bool = True) -> None:
         self.core = core
-        self.beside_forward = beside_forward
+        self._beside_forward = beside_forward
+        core.outputs_where(beside_forward)
         self._advanced: AdvancedStep | None = None  # the step whose outputs are still to build
         self.failed: Callable[[Exception], list[RequestOutput]] | None = None  # see `after`
+
+    @property
+    def beside_forward(self) -> bool:
+        return self._beside_forward
+
+    @beside_forward.setter
+    def beside_forward(self, beside: bool) -> None:
+        self._beside_forward = beside
+        self.core.outputs_where(beside)
 
     def has_work(self) -> bool:
         return self.core.has_work() or self._advanced is not None

@@ -199,6 +199,7 @@ def test_llm_runs_the_loop_that_serves_with_the_sequential_loops_outputs(beside:
     core = _core()
     llm = LLM.from_core(core)
     assert llm.loop.beside_forward is beside
+    assert core.speculation.judged_in_series is not beside  # judging in series delays the next step
     served = llm.generate(PROMPTS, _params())
     expected = _drive(_core(), False, _params(), {})
     assert [r.token_ids for r in served] == [

@@ -84,6 +84,12 @@ class StepLayout:
         return np.diff(self.qo_indptr)
 
     @property
+    def causal(self) -> bool:
+        """Every row is a committed token (no draft or window rows): each request's rows are causal
+        over its keys, aligned to their end, so the step needs no mask."""
+        return all(m is None for m in self.spec_masks)
+
+    @property
     def kv_len(self) -> np.ndarray:  # [B]: keys each request's rows may see (prefix + this step)
         return self.num_cached + self.q_len
 

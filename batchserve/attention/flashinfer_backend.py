@@ -3,7 +3,8 @@
 Same slot numbering and semantics as the torch reference (the pool here is NHD pages, the
 reference's is head-major): K/V of the step are written by slot mapping, then every request's
 rows attend to its pages under its own boolean mask (prompt chunks causal, drafts as trees) in
-one `BatchPrefillWithPagedKVCacheWrapper` call per layer.
+one `BatchPrefillWithPagedKVCacheWrapper` call per layer; a step without drafts (prompt chunks and
+decodes) runs FlashInfer's causal mode and no mask.
 The wrapper is planned once per step and created with `backend="fa2"`: custom masks run only
 on the FA2 kernels. RoPE stays in the HF model (positions from tree depth), so the kernel
 runs with `pos_encoding_mode="NONE"`.
@@ -176,8 +177,12 @@ class FlashInferBackend(AttentionBackend):
         self._wrappers = {kind: make(self._workspace, "NHD", backend="fa2") for kind in self._kinds}
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> FlashInferMetadata:
+        # A step without drafts (prompt chunks and decodes: `none`'s step) is causal and needs no
+        # mask: none built, packed or read.
+        masked = not step.causal
         for kind, wrapper in self._wrappers.items():
-            self._plan(wrapper, build_plan(step, self.block_size, window=kind.window), masked=True, kind=kind)
+            plan = build_plan(step, self.block_size, window=kind.window, masked=masked)
+            self._plan(wrapper, plan, masked=masked, kind=kind)
         first = self._wrappers[self._kinds[0]]
         return FlashInferMetadata(self, first, slot_mapping.to(self.device), step.num_tokens, self._wrappers)
 
@@ -233,8 +238,8 @@ class FlashInferBackend(AttentionBackend):
         """Plan without a host sync: pinned host indptrs (plan() reads them on the host), page indices
         and the packed mask on the device, then the mask's byte offsets over plan()'s bit offsets
         (`flashinfer_staging`). A sliding window is in the mask where there is one (`build_plan`);
-        without one every request has a single row, the last of its keys, whose window FlashInfer's
-        `window_left` counts exactly."""
+        without one the rows are causal (chunks, or one row a request), and FlashInfer's causal mode
+        with `window_left` counts each row's window from its own position exactly."""
         options: dict[str, Any] = {}
         if kind.window is not None and not masked:
             options["window_left"] = kind.window - 1
@@ -254,7 +259,7 @@ class FlashInferBackend(AttentionBackend):
             self.head_dim,
             self.block_size,
             packed_custom_mask=staged["packed_mask"] if masked else None,
-            causal=False,
+            causal=not masked,  # bottom-right aligned: a chunk's row i sees keys up to i + kv_len - q_len
             pos_encoding_mode="NONE",
             sm_scale=self.sm_scale,
             q_data_type=self.dtype,

@@ -109,7 +109,7 @@ class PlanOnlyBackend(AttentionBackend):
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> PagedPlan:
-        return build_plan(step, self.block_size)
+        return build_plan(step, self.block_size, masked=not step.causal)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, scale: float

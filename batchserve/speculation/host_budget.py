@@ -19,7 +19,9 @@ device. This module keeps that time in proportion, from measurements of it:
   after a streak of misses, and at batch 1 limiting them cost 10-12% more steps for the same
   tokens;
 - the step's speculation time (`spent_ms`) goes to the speed guard, whose baseline is then a
-  step without speculation at all, what a server without drafts would run.
+  step without speculation at all, what a server without drafts would run; so does the time
+  spent judging and settling after a step where nothing runs beside it (`after_s`: a CPU's loop,
+  whose forward takes the host's cores), which delays the next step as much.
 
 Pure Python.
 """
@@ -67,6 +69,9 @@ class HostBudget:
         self._pauses: dict[int, int] = {}  # by batch-size bucket: steps planning still pauses
         self._idle: dict[int, int] = {}  # by batch-size bucket: steps since a plan drafted
         self.spent_s = 0.0  # this step's speculation host time so far
+        # Speculation's host time after a step's wall and before the next step (judging and settling
+        # in a loop that builds outputs in series): the next observed step's to pay.
+        self.after_s = 0.0
 
     @property
     def search_ms(self) -> float:
@@ -83,6 +88,16 @@ class HostBudget:
     def clock(self, since: float) -> None:
         """Add the time since `since` (a `time.perf_counter()`) to this step's."""
         self.spent_s += time.perf_counter() - since
+
+    def clock_after(self, since: float, in_series: bool) -> None:
+        """Speculation's time since `since`, spent after a step's wall: beside the next forward
+        (free), or in series with the steps (`after_s`)."""
+        if in_series:
+            self.after_s += time.perf_counter() - since
+
+    def take_after_ms(self) -> float:
+        ms, self.after_s = self.after_s * 1e3, 0.0
+        return ms
 
     def searched(self, seconds: float, shadow: bool) -> None:
         """One tree search took `seconds`; `shadow`: a shadow draft's."""

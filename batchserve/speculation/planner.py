@@ -64,6 +64,7 @@ class Speculation:
         # With `judge_later` they wait for `judge` (the engine's, after the step's outputs are
         # built); else each is judged as it is committed.
         self.judge_later = False
+        self.judged_in_series = True  # later judging delays the next step (no forward beside it): charged
         self._to_judge: list[tuple[ScheduledRequest, list[int], list[int], DraftTree | None]] = []
         self._emitted = 0  # tokens this step's requests emitted (the speed guard's measure)
         self._plain = False  # this step is the speed guard's baseline: no policy drafts
@@ -271,7 +272,10 @@ class Speculation:
                     self._judge(item, accepted, emitted, proposal)
         except Exception:  # the policy's estimates: a bug there costs drafts, never outputs
             logger.exception("the draft policy failed to judge a step's drafts")
-        self.host.clock(start)
+        if self.judge_later:  # after the step's wall
+            self.host.clock_after(start, self.judged_in_series)
+        else:
+            self.host.clock(start)
 
     def settle(self, requests: dict[str, Request]) -> None:
         """After `judge`: the policy fits what it was taught and builds the estimates the next
@@ -289,7 +293,7 @@ class Speculation:
             self.policy.settle([(rid, limit) for rid, limit in wanted if limit > 0])
         except Exception:  # the policy's estimates: a bug there costs drafts, never outputs
             logger.exception("the draft policy failed to settle its estimates")
-        self.host.clock(start)
+        self.host.clock_after(start, self.judged_in_series)
 
     def _judge(
         self, item: ScheduledRequest, accepted: list[int], emitted: list[int], proposal: DraftTree | None
@@ -325,8 +329,9 @@ class Speculation:
         if self.policy.guard is not None:
             drafted = any(r.draft is not None or r.window is not None for r in out.requests)
             self.policy.guard.observe(
-                len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only, self.host.spent_ms
-            )
+                len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only, self.host.spent_ms,
+                self.host.take_after_ms(),
+            )  # fmt: skip
 
     def _accepted(self, request_id: str, tokens: list[int]) -> None:
         """The drafter learns the request's new tokens (its trie, its text), on the step's clock."""

@@ -156,23 +156,26 @@ class SpeedGuard:
         drafted: bool,
         chunked: bool = False,
         speculation_ms: float = 0.0,
+        after_ms: float = 0.0,
     ) -> None:
         """A step of `num_seqs` requests emitted `tokens` in `elapsed_ms`; `drafted`: it verified
         draft rows (a step without any is the baseline); `chunked`: it carried a prompt chunk;
-        `speculation_ms`: of its time, what speculation's own bookkeeping took. The baseline is
-        a step as a server without speculation would run it: without that time, which the next
+        `speculation_ms`: of its time, what speculation's own bookkeeping took; `after_ms`: its
+        bookkeeping outside `elapsed_ms` that delayed the step all the same. The baseline is a
+        step as a server without speculation would run it: without either, which the next
         drafted step pays."""
         if num_seqs < 1 or tokens < 1 or elapsed_ms <= 0:
             return
         state = self._state(num_seqs, chunked)
         if not drafted:
             state.plain.add(max(elapsed_ms - speculation_ms, _MIN_MS), tokens, self.keep)
-            state.unpaid_ms += speculation_ms
+            state.unpaid_ms += speculation_ms + after_ms
             state.since_plain = 0
             # Back off: after each failed probe past the first, drafting is retried half as soon.
             relax = self.relax / 2 ** min(_MAX_BACKOFF, max(0, state.failed_probes - 1))
             state.hedge = 1.0 + (state.hedge - 1.0) * (1.0 - relax)
             return
+        elapsed_ms += after_ms
         elapsed_ms += min(state.unpaid_ms, elapsed_ms)
         state.unpaid_ms = 0.0
         plain = state.plain.ms_per_token

@@ -15,17 +15,13 @@ packed path is wrong unless the caller writes byte offsets there after plan() (t
 
 `SYNCS` collects what each plan() would block the host on in the real one: a bool mask (packed on
 the device, read back with `.item()`), an indptr array on the device (`.to("cpu")`), page indices
-or a packed mask on the host in graph mode (a `non_blocking=False` copy), pageable host memory
-(a `cudaMemcpyAsync` that may block). It does not raise: the real plan() works, only slower.
+or a packed mask on the host in graph mode (a blocking copy), pageable host memory. It does not raise.
 "On the device": on a CPU run every tensor is on the CPU; one counts as host memory when it shares
 memory with one given to `mark_host` (`pinned=True`: page-locked), as the tests do with the
 backend's host-side plan and staging buffers.
 
-Not modelled: head dims that build or not above 64 (below, FA2 fails "Invalid configuration" and
-so does the double), numerics (float32 here, rounded once; tests compare with the reference in
-float32), planning cost, split-KV chunking, the query-tile choice and stream order (a copy here
-is complete when made); only their preconditions (a fixed batch size, rows within the first plan's).
-"""
+Not modelled: head dims above 64 (below, FA2 fails "Invalid configuration", as here), numerics
+(float32), planning cost, split-KV chunking, tiles, stream order; only their preconditions."""
 
 from __future__ import annotations
 
@@ -91,6 +87,7 @@ class _Plan:
     kv_dtype: torch.dtype
     window_left: int  # -1: none; else a row at position p (kv_len - q_len + its index) sees keys p - window_left ..
     logits_soft_cap: float  # 0: none; else each scaled score s -> cap * tanh(s / cap)
+    causal: bool  # without a mask: row r sees keys up to its place kv_len - q_len + r (CAUSAL), else all
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
@@ -191,7 +188,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._plan = _Plan(
             qo, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
             sm_scale if sm_scale is not None else head_dim_qk**-0.5, q_data_type, kv_data_type or q_data_type,
-            window_left, logits_soft_cap or 0.0,
+            window_left, logits_soft_cap or 0.0, causal,
         )  # fmt: skip
         self._runs = 0
 
@@ -303,11 +300,15 @@ class BatchPrefillWithPagedKVCacheWrapper:
     def _attend(self, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int) -> torch.Tensor:
         """Request i: q [q_len, Hq, D], k and v [kv_len, Hkv, D] float32 -> [Hq, q_len, D] float32."""
         q_len, kv_len = len(q), len(k)
-        # MaskMode.CUSTOM whenever the wrapper holds a mask buffer (a graph wrapper always does).
-        mask = self.mask(i, q_len, kv_len) if self._custom_mask_buf is not None else torch.ones(q_len, kv_len).bool()
+        pos, keys = kv_len - q_len + torch.arange(q_len), torch.arange(kv_len)[None, :]  # rows' places in the KV
+        # MaskMode.CUSTOM whenever the wrapper holds a mask buffer (a graph wrapper's always does), a mask
+        # given or not; else CAUSAL (aligned to the keys' end) or NON_CAUSAL.
+        if self._custom_mask_buf is not None:
+            mask = self.mask(i, q_len, kv_len)
+        else:
+            mask = keys <= pos[:, None] if plan.causal else torch.ones(q_len, kv_len).bool()
         if plan.window_left >= 0:  # by the row's place in the KV, as the kernel counts it
-            pos = kv_len - q_len + torch.arange(q_len)
-            mask &= torch.arange(kv_len)[None, :] >= (pos - plan.window_left)[:, None]
+            mask &= keys >= (pos - plan.window_left)[:, None]
         qh, kh, vh = q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, D]
         if plan.logits_soft_cap:
             group = qh.shape[0] // kh.shape[0]

@@ -139,6 +139,29 @@ def test_windowed_and_capped_layers_plan_their_own_wrappers_eager_and_in_a_bucke
     assert (plain - expected).abs().max() > 1e-2  # the window and cap made a difference
 
 
+def test_a_step_without_drafts_plans_causal_and_hands_no_mask():
+    """Prompt chunks beside decodes (`none`'s step): FlashInfer's causal mode, aligned to the keys'
+    end, with the window as `window_left`: no mask built, packed or copied, the reference's output."""
+    from batchserve.attention.base import SeqLayout
+
+    layers = (LayerAttention(window=9), LayerAttention())
+    backend, ref = _paired(400, 4, layers)
+    shapes, seqs, start, block = ((70, 33), (1, 200), (5, 0), (1, 7)), [], 0, 0  # (rows, cached)
+    for rows, cached in shapes:
+        n = -(-(rows + cached) // 4)
+        seqs.append(SeqLayout(start, rows, cached, rows, (), tuple(range(block, block + n))))
+        start, block = start + rows, block + n
+    step, slots = StepLayout.from_seqs(seqs), slot_mapping(seqs, 4)
+    assert step.causal
+    q, k, v = (torch.randn(h, start, HEAD_DIM).bfloat16() for h in (4, 2, 2))
+    metadata, ref_meta = backend.build_metadata(step, slots), ref.build_metadata(step, slots)
+    for layer, wrapper in enumerate(metadata.wrappers.values()):
+        assert wrapper._plan.causal and wrapper._custom_mask_buf is None
+        got = backend.forward(layer, q, k, v, metadata, HEAD_DIM**-0.5)
+        expected = ref.forward(layer, q.float(), k.float(), v.float(), ref_meta, HEAD_DIM**-0.5)
+        torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
+
+
 def _decode_step(tables: list[tuple[int, ...]], num_cached: list[int]) -> StepLayout:
     n = len(tables)
     width = max(map(len, tables))

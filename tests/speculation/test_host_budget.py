@@ -164,3 +164,16 @@ def test_a_batch_size_where_the_guards_tries_keep_losing_is_dormant():
     guard.observe(16, 16, 30.0, drafted=False)
     guard.observe(16, 32, 40.0, drafted=True)  # a try that wins
     assert not guard.failing(16) and not b.dormant(16)
+
+
+def test_judging_after_a_step_in_series_is_charged_to_drafting_and_beside_the_forward_is_free():
+    g = SpeedGuard(keep=0.0)
+    g.observe(2, 2, 10.0, drafted=False, after_ms=3.0)  # plain: the baseline keeps its wall, the 3 ms go unpaid
+    assert g.loads[2].plain.ms_per_token == pytest.approx(5.0)
+    g.observe(2, 4, 12.0, drafted=True, after_ms=2.0)  # its own judging and the plain step's
+    assert g.loads[2].drafted.ms_per_token == pytest.approx((12.0 + 2.0 + 3.0) / 4)
+    host, since = HostBudget(), time.perf_counter() - 0.002
+    host.clock_after(since, in_series=False)
+    assert host.take_after_ms() == 0.0
+    host.clock_after(since, in_series=True)
+    assert host.take_after_ms() >= 2.0 and host.take_after_ms() == 0.0  # taken once
