@@ -57,6 +57,9 @@ class AcceptanceTracker:
         self._scopes: dict[str, str] = {}  # request id -> its prior's key
         self.calibration = calibration or ScoreCalibration()  # for drafts whose nodes carry scores
         self._est: dict[str, list[float]] = {}
+        # Steps without a draft not yet applied (`skipped`): by request, and by prior key for the pool.
+        self._skips: dict[str, int] = {}
+        self._pool_skips: dict[str, int] = {}
         self._gains: dict[str, list[float]] = {}  # non_increasing(_est[rid]), until the next observe
         # upper_gains at every rank by request, until the next observation changes any estimate
         # (the pool's and the calibration's move with each): built beside the forward (`settle`).
@@ -80,12 +83,26 @@ class AcceptanceTracker:
             while len(self._priors) > MAX_SCOPE_PRIORS:
                 oldest = next(k for k in self._priors if k)  # the default scope stays
                 del self._priors[oldest]
+                self._pool_skips.pop(oldest, None)
         else:
             self._priors.move_to_end(key)
+        owed = self._pool_skips.pop(key, 0)
+        if owed:  # the pool's drift toward the first guess, `owed` times over
+            f = (1.0 - self.explore * self.pool_rate) ** owed
+            prior[:] = [i + f * (q - i) for q, i in zip(prior, self.initial)]
         return prior
 
-    def _monotone(self, request_id: str) -> list[float]:
+    def _estimates(self, request_id: str) -> list[float] | None:
+        """The request's estimates with its skipped steps' drift toward its prior applied."""
         est = self._est.get(request_id)
+        owed = self._skips.pop(request_id, 0)
+        if est is not None and owed:
+            f = (1.0 - self.explore) ** owed
+            est[:] = [q + f * (e - q) for e, q in zip(est, self._prior(request_id))]
+        return est
+
+    def _monotone(self, request_id: str) -> list[float]:
+        est = self._estimates(request_id)
         if est is None:
             return non_increasing(self._prior(request_id))  # the pool moves with every observation: not cached
         gains = self._gains.get(request_id)
@@ -103,14 +120,14 @@ class AcceptanceTracker:
         the tree's `match` length."""
         if not scores:
             return self._monotone(request_id)[:n]
-        ests = (self._est.get(request_id) or self._prior(request_id))[: min(n, len(scores))]
+        ests = (self._estimates(request_id) or self._prior(request_id))[: min(n, len(scores))]
         return non_increasing(self.calibration.probs_each(ests, scores[: len(ests)], match))
 
     def gains_many(self, candidates: Sequence[tuple[str, int, Sequence[float], int]]) -> list[list[float]]:
         """`gains` of each (request id, n, scores, match): a step's trees in one set of array
         operations (the same numbers as one call each)."""
         scored = [c for c in candidates if c[2]]  # the rest: their rank estimates alone (`gains`)
-        ests = [(self._est.get(rid) or self._prior(rid))[: min(n, len(scores))] for rid, n, scores, _ in scored]
+        ests = [(self._estimates(rid) or self._prior(rid))[: min(n, len(scores))] for rid, n, scores, _ in scored]
         probs = self.calibration.probs_of_trees(
             ests, [scores[: len(e)] for (_, _, scores, _), e in zip(scored, ests)], [m for *_, m in scored]
         )
@@ -143,7 +160,7 @@ class AcceptanceTracker:
         # The fit is monotone in the score and in log2(1 + match): the best case is at one end.
         best_score = 1.0 if cal.weights[1] >= 0 else 0.0
         match = MATCH_CAP if cal.weights[3] >= 0 else 1
-        ests = np.array([self._est.get(rid) or self._prior(rid) for rid in missing])  # [requests, max_rank]
+        ests = np.array([self._estimates(rid) or self._prior(rid) for rid in missing])  # [requests, max_rank]
         probs = cal.prob_array(ests, best_score, match)
         upper = np.maximum(np.array([self._monotone(rid) for rid in missing]), probs).tolist()
         self._upper.update(zip(missing, upper))
@@ -194,8 +211,8 @@ class AcceptanceTracker:
     ) -> list[float]:
         """The EMA step of ranks [start, stop) (the request's and, slower, the pool's) and the
         score calibration's; the request's estimates."""
-        prior = self._prior(request_id)
-        est = self._est.setdefault(request_id, list(prior))
+        prior, est = self._prior(request_id), self._estimates(request_id)
+        est = est if est is not None else self._est.setdefault(request_id, list(prior))
         self._gains.pop(request_id, None)
         self._upper.clear()  # every request's: the pool and the calibration move too
         self.revision += 1
@@ -214,11 +231,22 @@ class AcceptanceTracker:
         return est
 
     def skipped(self, request_id: str) -> None:
-        """The request sampled without a draft this step: drift toward the prior."""
-        self.observe(request_id, 0, ())
+        """The request sampled without a draft this step: its estimates drift toward its prior, and
+        the prior toward the first guess. Counted here and applied when next read, in closed form
+        against the prior as it is then: a batch where drafts are dormant skips every request
+        every step, and paid for it every step (a request that never drafted reads the prior)."""
+        key = self._scopes.get(request_id, "")
+        self._pool_skips[key] = self._pool_skips.get(key, 0) + 1
+        if request_id in self._est:
+            self._skips[request_id] = self._skips.get(request_id, 0) + 1
+        self._gains.pop(request_id, None)
+        self._upper.clear()  # every request's: the pool moved
+        self.revision += 1
 
     def forget(self, request_id: str) -> None:
         self._est.pop(request_id, None)
+        self._skips.pop(request_id, None)
+        self._pool_skips.pop(_isolated(request_id), None)
         self._gains.pop(request_id, None)
         self._upper.pop(request_id, None)
         self._priors.pop(_isolated(request_id), None)

@@ -129,6 +129,10 @@ class HostBudget:
             return True
         return self._idle.get(SpeedGuard.bucket(num_seqs), 0) >= self.max_skip
 
+    def paused(self, num_seqs: int) -> bool:
+        """Whether the next step at this batch size skips planning (`may_plan`, without counting)."""
+        return self._pauses.get(SpeedGuard.bucket(num_seqs), 0) > 0
+
     def may_plan(self, num_seqs: int) -> bool:
         """Whether this step asks the policy for drafts at this batch size (counts a paused step)."""
         key = SpeedGuard.bucket(num_seqs)

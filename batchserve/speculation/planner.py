@@ -290,7 +290,8 @@ class Speculation:
                 for rid, req in requests.items()
                 if rid in self._started and req.params.decoding_length is None
             ]
-            self.policy.settle([(rid, limit) for rid, limit in wanted if limit > 0])
+            if not self.host.paused(len(wanted)):  # else no plan reads them next step: built when read
+                self.policy.settle([(rid, limit) for rid, limit in wanted if limit > 0])
         except Exception:  # the policy's estimates: a bug there costs drafts, never outputs
             logger.exception("the draft policy failed to settle its estimates")
         self.host.clock_after(start, self.judged_in_series)

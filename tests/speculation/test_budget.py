@@ -445,3 +445,21 @@ def test_upper_gains_of_a_step_are_each_requests_own():
     many = t.upper_gains_many([("a", 16), ("b", 5), ("new", 3)])
     assert many == [t.upper_gains("a", 16), t.upper_gains("b", 5), t.upper_gains("new", 3)]
     assert [len(g) for g in many] == [16, 5, 3] and t.upper_gains_many([]) == []
+
+
+def test_steps_without_a_draft_are_counted_and_paid_in_closed_form_when_read():
+    t = AcceptanceTracker(4, decay=0.5, explore=0.1, pool_rate=0.0)  # a pool that stays put
+    t.observe("r", 4, [])  # every rank missed
+    before, prior = list(t._est["r"]), list(t._prior("r"))
+    assert before != prior
+    for _ in range(7):
+        t.skipped("r")
+    assert t._est["r"] == before  # counted, not paid: a dormant step costs nothing per request
+    t.gains("r", 4)
+    assert t._est["r"] == pytest.approx([q + 0.9**7 * (e - q) for e, q in zip(before, prior)])
+    pooled = AcceptanceTracker(4, explore=0.5, pool_rate=0.5)
+    pooled.observe("a", 4, [])  # the pool moved away from the first guess
+    moved = list(pooled._prior("a"))
+    for _ in range(3):
+        pooled.skipped("never drafted")  # the pool drifts back, a quarter of the way a skip
+    assert pooled._prior("a") == pytest.approx([i + 0.75**3 * (m - i) for m, i in zip(moved, pooled.initial)])
