@@ -65,6 +65,7 @@ class HostBudget:
         self._search = _Average()  # ms of one tree search for a request the policy may draft for
         self._shadow = _Average()  # ms of one shadow search
         self._step = _Average()  # ms of a whole step
+        self._after = _Average()  # ms a step's judging and settling took after it, in series
         self._credit = 0.0  # shadow searches the allowance has paid for and not yet spent
         self._pauses: dict[int, int] = {}  # by batch-size bucket: steps planning still pauses
         self._idle: dict[int, int] = {}  # by batch-size bucket: steps since a plan drafted
@@ -97,6 +98,7 @@ class HostBudget:
 
     def take_after_ms(self) -> float:
         ms, self.after_s = self.after_s * 1e3, 0.0
+        self._after.add(ms)
         return ms
 
     def searched(self, seconds: float, shadow: bool) -> None:
@@ -145,9 +147,12 @@ class HostBudget:
 
     def planned(self, num_seqs: int, drafted: bool, seconds: float, chunked: bool = False) -> None:
         """A plan at this batch size took `seconds` and drafted something, or nothing: then,
-        where drafts are dormant, planning pauses until the allowance has paid for it."""
+        where drafts are dormant, planning pauses until the allowance has paid for it (and for
+        the judging and settling after a step, where they delay the next one)."""
         key, step = SpeedGuard.bucket(num_seqs), self._step.value
         if drafted:
             self._idle[key] = 0
         elif step and self.share > 0 and self.dormant(num_seqs, chunked):
-            self._pauses[key] = min(self.max_skip, int(seconds * 1e3 / (self.share * step)))
+            # A plan's price includes the judging and settling that serve it where they run in series.
+            cost_ms = seconds * 1e3 + (self._after.value or 0.0)
+            self._pauses[key] = min(self.max_skip, int(cost_ms / (self.share * step)))

@@ -177,3 +177,22 @@ def test_judging_after_a_step_in_series_is_charged_to_drafting_and_beside_the_fo
     assert host.take_after_ms() == 0.0
     host.clock_after(since, in_series=True)
     assert host.take_after_ms() >= 2.0 and host.take_after_ms() == 0.0  # taken once
+
+
+def test_a_dormant_plan_pauses_planning_for_the_judging_and_settling_it_costs_in_series_too():
+    def pauses(after_ms: float) -> int:
+        host = HostBudget(share=0.1, max_skip=16)
+        for _ in range(20):
+            host.observe_step(10.0)  # 10 ms steps: an allowance of 1 ms a step
+        while host.may_plan(4) and not host.dormant(4):  # steps whose plans drafted nothing
+            pass
+        host.clock_after(time.perf_counter() - after_ms / 1e3, in_series=True)
+        host.take_after_ms()
+        host.planned(4, False, 0.0005)  # a 0.5 ms plan that drafted nothing
+        paused = 0
+        while host.paused(4) and not host.may_plan(4):
+            paused += 1
+        return paused
+
+    assert pauses(0.0) == 0  # the plan alone fits the allowance
+    assert pauses(3.0) == 3  # with 3 ms of judging and settling after the step: 3.5 steps' allowance
