@@ -20,14 +20,20 @@
 #   parity-kernels  pytest: FlashInfer against the torch reference, bf16, head dim 64 (the only
 #                   module the engine and the bench need: SmolLM2's heads are 64 wide).
 #   bench           HumanEval, none / lookahead-adaptive at batch 1 (8 prompts) and 16 in flight
-#                   (48 prompts: three waves, the steady state), 128 new tokens, bf16; each drafts
+#                   (48 prompts: three waves, the steady state), 128 new tokens, bf16, in the loop
+#                   that serves (serving_loop.py: outputs beside the next forward), 3 runs each in
+#                   rounds, the median kept; per full step the host's critical ms, the device's ms
+#                   and tokens a request a step (the report's last table); each drafts
 #                   row judged against the same engine's `none`: every difference is listed with
 #                   `none`'s top-2 margin at its first differing token, and one beyond the
 #                   near-tie bound fails the step; decode-only tokens/s and phase means beside the
 #                   overall ones; results.json and report.md rewritten as each row finishes.
 #   peer            hf-static (HF `generate`, one static cache reset per prompt, a compiled
 #                   forward warmed up on every prompt length it times) at batch 1 over the same 8
-#                   prompts, into peer/: TTFT, decode-only TPOT, tokens/s with and without the first.
+#                   prompts, 2 runs, the median kept, into peer/: TTFT, decode-only TPOT, tokens/s
+#                   with and without the first. Its row fails unless every timed decode step ran
+#                   the compiled forward and decoding stays under 10 ms a token (bench/compiled.py:
+#                   graphs, recompiles and CUDA-graph records in its note).
 #   parity-engine   pytest: SmolLM2 on FlashInfer against the torch backend and HF greedy, bf16
 #                   (mismatch rates printed; the torch backend runs eagerly, HF twice).
 #   sharegpt        ShareGPT at 16 in flight, three waves (none, lookahead-adaptive), only where
@@ -77,7 +83,7 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # nothing is downloaded: the model a
 deadline=$((SECONDS + TOTAL))
 
 ORDER=(kernels graphs parity-kernels bench peer parity-engine sharegpt shape versions)
-declare -A CAP=([kernels]=60 [graphs]=130 [parity-kernels]=30 [bench]=130 [peer]=110 [parity-engine]=60
+declare -A CAP=([kernels]=60 [graphs]=130 [parity-kernels]=30 [bench]=150 [peer]=120 [parity-engine]=60
   [sharegpt]=60 [shape]=120 [versions]=20)
 # What a step holds back for itself while an earlier one runs: the peer's whole minimum (a peer
 # killed mid-run writes no row, and every ratio loses its denominator); the steps after it take
@@ -219,11 +225,11 @@ for d in humaneval sharegpt peer shape; do  # no report of an earlier run passes
   rm -f "$WORK/$d/results.json" "$WORK/$d/report.md" "$WORK/$d/throughput.png" "$WORK/$d/curve.json"
 done
 run_step bench bench.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 3 --batch-sizes 1,16 \
-  --methods none,lookahead-adaptive --out "$WORK/humaneval"
+  --methods none,lookahead-adaptive --repeats 3 --keep median --out "$WORK/humaneval"
 head_of_report bench "$WORK/humaneval/report.md"
 
 run_step peer peer.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 0 --batch-sizes 1 \
-  --methods hf-static --out "$WORK/peer"
+  --methods hf-static --peer-repeats 2 --keep median --out "$WORK/peer"
 head_of_report peer "$WORK/peer/report.md"
 
 pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16

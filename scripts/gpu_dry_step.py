@@ -2,7 +2,8 @@
 scripts/gpu_check.sh` on any machine): it writes what the step would write, where the step's own
 arguments say (`--junitxml=PATH`: one passing test; `--out DIR` or `--curve-out DIR`: a results.json
 row and a report.md), and one line of log, so the walk through the steps, their time shares and the
-packing (`scripts/gpu_pack.py`) are exercised without a device.
+packing (`scripts/gpu_pack.py`) are exercised without a device. A `batchserve.cli` command's
+arguments are parsed by the CLI's own parser first: a flag the real run would refuse fails here too.
 
     python scripts/gpu_dry_step.py COMMAND ARGS...   # the step's command, as the real run would run it"""
 
@@ -19,6 +20,10 @@ JUNIT = '<testsuites><testsuite name="pytest" tests="1" failures="0" errors="0" 
 
 def main(argv: list[str]) -> int:
     time.sleep(float(os.environ.get("GPU_CHECK_DRY_SECONDS", "0")))
+    if "batchserve.cli" in argv:
+        from batchserve.cli import build_parser
+
+        build_parser().parse_args(argv[argv.index("batchserve.cli") + 1 :])  # exits 2 on a bad flag
     for arg in argv:
         if arg.startswith("--junitxml="):
             Path(arg.partition("=")[2]).write_text(JUNIT)

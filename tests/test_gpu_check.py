@@ -73,3 +73,11 @@ def test_a_run_killed_mid_step_leaves_the_steps_before_it_packed(tmp_path: Path)
     assert steps[0] == "humaneval" and "shape" not in steps  # killed a few steps before the shape's
     summary = (out / "summary.txt").read_text()
     assert "bench" in summary and "shape" not in summary
+
+
+def test_the_dry_run_refuses_a_flag_the_real_run_would_refuse() -> None:
+    step = [sys.executable, "scripts/gpu_dry_step.py", sys.executable, "-m", "batchserve.cli", "bench"]
+    good = subprocess.run([*step, "--peer-repeats", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0, good.stderr
+    bad = subprocess.run([*step, "--peers-repeats", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments: --peers-repeats" in bad.stderr
