@@ -11,13 +11,23 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from batchserve.config import DraftConfig
-from batchserve.speculation.fits import ScoreCalibration, non_increasing
+from batchserve.speculation.fits import ScoreCalibration, non_increasing, non_increasing_rows
 from batchserve.trees import MATCH_CAP
 
 _DEFAULTS = DraftConfig()  # the plain constructors' defaults are the settings'
 # Draft scopes whose pooled prior is kept (least recently used out first; a scope let go starts
 # again from the first guess). A prior is a few hundred bytes.
 MAX_SCOPE_PRIORS = 4096
+
+
+def _monotone_rows(rows: Sequence[Sequence[float]]) -> list[list[float]]:
+    """`non_increasing` of each row (lengths may differ), in one call: the same bits."""
+    width = max(map(len, rows), default=0)
+    padded = np.full((len(rows), width), -1.0)  # below every probability: the padding never pools
+    for k, row in enumerate(rows):
+        padded[k, : len(row)] = row
+    fitted = non_increasing_rows(padded).tolist()
+    return [fit[: len(row)] for fit, row in zip(fitted, rows)]
 
 
 def _isolated(request_id: str) -> str:
@@ -131,8 +141,8 @@ class AcceptanceTracker:
         probs = self.calibration.probs_of_trees(
             ests, [scores[: len(e)] for (_, _, scores, _), e in zip(scored, ests)], [m for *_, m in scored]
         )
-        trees = iter(probs)
-        return [non_increasing(next(trees)) if scores else self._monotone(rid)[:n] for rid, n, scores, _ in candidates]
+        trees = iter(_monotone_rows(probs))
+        return [next(trees) if scores else self._monotone(rid)[:n] for rid, n, scores, _ in candidates]
 
     def upper_gains(self, request_id: str, n: int) -> list[float]:
         """The most the first `n` nodes could be worth whatever the drafter's scores and match
@@ -162,7 +172,7 @@ class AcceptanceTracker:
         match = MATCH_CAP if cal.weights[3] >= 0 else 1
         ests = np.array([self._estimates(rid) or self._prior(rid) for rid in missing])  # [requests, max_rank]
         probs = cal.prob_array(ests, best_score, match)
-        upper = np.maximum(np.array([self._monotone(rid) for rid in missing]), probs).tolist()
+        upper = np.maximum(non_increasing_rows(ests), probs).tolist()  # `_monotone` of each row, to the bit
         self._upper.update(zip(missing, upper))
 
     def observe(

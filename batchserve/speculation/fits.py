@@ -220,19 +220,30 @@ class ScoreCalibration:
 
 def non_increasing(xs: Sequence[float]) -> list[float]:
     """The closest non-increasing sequence (pool adjacent violators): keeps the total gain of
-    every prefix honest while letting the greedy take nodes in order."""
+    every prefix honest while letting the greedy take nodes in order. The same numbers as
+    `non_increasing_rows` gives the row, to the bit."""
     if all(map(operator.ge, xs, xs[1:])):  # (map over a slice: a C loop, not a generator's)
         return list(xs)  # already in order: the common case, every step for every request
-    means: list[float] = []  # the blocks so far: their means and sizes
-    sizes: list[int] = []
-    for x in xs:
-        m, n = x, 1
-        while means and means[-1] < m:  # pool with the block before while it is lower
-            m1, n1 = means.pop(), sizes.pop()
-            m, n = (m1 * n1 + m * n) / (n1 + n), n1 + n
-        means.append(m)
-        sizes.append(n)
-    out: list[float] = []
-    for m, n in zip(means, sizes):
-        out += [m] * n
-    return out
+    return non_increasing_rows(np.array([xs], dtype=np.float64))[0].tolist()
+
+
+def non_increasing_rows(x: np.ndarray) -> np.ndarray:
+    """`non_increasing` of every row of x [R, n] at once. Adjacent violators pooled in any order
+    reach the same fit, so each pass pools every run of them in every row, and a block's value
+    is always its elements' sum over their count (one row's bits never depend on the others').
+    A row may end in padding below every value (-1 for probabilities): it never pools."""
+    rows, n = x.shape
+    if rows == 0 or n == 0:
+        return x.astype(np.float64, copy=True)
+    flat = np.ascontiguousarray(x, dtype=np.float64).ravel()  # [R * n]
+    starts = np.ones(rows * n, dtype=bool)  # where a block starts: every element alone at first
+    row_start = np.zeros(rows * n, dtype=bool)
+    row_start[::n] = True
+    while True:
+        idx = np.flatnonzero(starts)  # [blocks]
+        counts = np.diff(np.append(idx, rows * n))
+        means = np.add.reduceat(flat, idx) / counts  # [blocks]
+        up = (means[1:] > means[:-1]) & ~row_start[idx[1:]]  # a block above the one before it, same row
+        if not up.any():
+            return np.repeat(means, counts).reshape(rows, n)
+        starts[idx[1:][up]] = False

@@ -13,6 +13,7 @@ from batchserve.speculation.fits import (
     _nonnegative_ridge,
     match_features,
     non_increasing,
+    non_increasing_rows,
 )
 from tests.speculation.workloads import feed
 
@@ -102,3 +103,29 @@ def test_decayed_ridge_forgets_old_observations():
         x = (1.0 + i % 7, 1.0)
         beta = fit.observe(x, 2 * x[0] + 1 if i < 150 else 5 * x[0])
     assert beta == pytest.approx([5.0, 0.0], abs=1e-4)
+
+
+def test_rows_pool_as_one_row_at_a_time_to_the_bit_and_as_the_classic_algorithm():
+    def classic(xs: list[float]) -> list[float]:  # pool adjacent violators, one element at a time
+        means: list[float] = []
+        sizes: list[int] = []
+        for x in xs:
+            m, n = x, 1
+            while means and means[-1] < m:
+                m1, n1 = means.pop(), sizes.pop()
+                m, n = (m1 * n1 + m * n) / (n1 + n), n1 + n
+            means.append(m)
+            sizes.append(n)
+        return [m for m, n in zip(means, sizes) for _ in range(n)]
+
+    rng = np.random.default_rng(0)
+    x = rng.random((50, 24)) ** rng.integers(1, 4, (50, 1))  # [50, 24]: some rows near monotone
+    x[3] = np.sort(x[3])[::-1]  # already in order: kept as it is
+    rows = non_increasing_rows(x)
+    for row, xs in zip(rows.tolist(), x.tolist()):
+        assert row == non_increasing(xs)  # one row alone: the same bits
+        assert row == pytest.approx(classic(xs), abs=1e-12)
+    assert rows[3].tolist() == x[3].tolist()
+    padded = np.concatenate([x[:2], np.full((2, 5), -1.0)], axis=1)  # padding below every value
+    assert non_increasing_rows(padded)[:, :24].tolist() == rows[:2].tolist()
+    assert non_increasing_rows(np.zeros((0, 4))).shape == (0, 4)
