@@ -87,18 +87,10 @@ def test_copy_slots_moves_every_layer():
 def test_windows_and_soft_caps_match_the_reference_bf16_hd64(block_size):
     from batchserve.attention import LayerAttention
     from batchserve.attention.base import StepBucket
-    from batchserve.attention.flashinfer_backend import FlashInferBackend
 
-    rng, dtype, head_dim, dev = random.Random(block_size), torch.bfloat16, 64, torch.device("cuda")
-    torch.manual_seed(1)
+    dtype, head_dim, dev = torch.bfloat16, 64, torch.device("cuda")
     layers = (LayerAttention(window=37, softcap=30.0), LayerAttention(), LayerAttention(window=300))
-    num_blocks = blocks_needed(CACHED, block_size)
-    ref = TorchReferenceBackend(3, num_blocks, block_size, 4, head_dim, torch.float32, dev)
-    fi = FlashInferBackend(3, num_blocks, block_size, 12, 4, head_dim, dtype, dev, max_model_len=8192)
-    ref.set_layers(layers)
-    fi.set_layers(layers)
-    _same_pools(ref, fi, dtype)
-    seqs = random_step(rng, block_size, num_blocks, CACHED)
+    ref, fi, seqs = _cuda_pair(block_size, 1, block_size, layers)
     step, slots, total = StepLayout.from_seqs(seqs), slot_mapping(seqs, block_size), sum(s.q_len for s in seqs)
     q, k, v = (torch.randn(h, total, head_dim, device=dev).to(dtype) for h in (12, 4, 4))
     ref_meta, fi_meta = ref.build_metadata(step, slots), fi.build_metadata(step, slots)
@@ -116,6 +108,36 @@ def test_windows_and_soft_caps_match_the_reference_bf16_hd64(block_size):
     want = ref.forward(0, qd.float(), kd.float(), vd.float(), ref_meta, head_dim**-0.5)
     got = fi.forward(0, qd, kd, vd, fi_meta, head_dim**-0.5)
     _close_rows(got, want)
+    # A step without drafts, eager (prompt chunks beside decodes): FlashInfer's causal mode, no mask.
+    plain, start = [], 0
+    for s in seqs:
+        if s.draft_parents or s.window != (0, 0):
+            continue
+        plain.append(dataclasses.replace(s, q_start=start))
+        start += s.q_len
+    causal, rows = StepLayout.from_seqs(plain), slot_mapping(plain, block_size)
+    assert causal.causal and max(s.q_len for s in plain) > 1, "random_step always holds a chunk and a root"
+    qc, kc, vc = (torch.randn(h, start, head_dim, device=dev).to(dtype) for h in (12, 4, 4))
+    fi_meta, ref_meta = fi.build_metadata(causal, rows.to(dev)), ref.build_metadata(causal, rows)
+    for layer in range(3):
+        want = ref.forward(layer, qc.float(), kc.float(), vc.float(), ref_meta, head_dim**-0.5)
+        _close_rows(fi.forward(layer, qc, kc, vc, fi_meta, head_dim**-0.5), want)
+
+
+def _cuda_pair(seed: int, torch_seed: int, block_size: int, layers: tuple[Any, ...]) -> tuple[Any, Any, list[Any]]:
+    """The float32 reference and FlashInfer (bf16, head dim 64, 12/4 heads) on the same random pool,
+    both told `layers`, and a random step's requests over it."""
+    from batchserve.attention.flashinfer_backend import FlashInferBackend
+
+    rng, dtype, dev = random.Random(seed), torch.bfloat16, torch.device("cuda")
+    torch.manual_seed(torch_seed)
+    num_blocks = blocks_needed(CACHED, block_size)
+    ref = TorchReferenceBackend(len(layers), num_blocks, block_size, 4, 64, torch.float32, dev)
+    fi = FlashInferBackend(len(layers), num_blocks, block_size, 12, 4, 64, dtype, dev, max_model_len=8192)
+    ref.set_layers(layers)
+    fi.set_layers(layers)
+    _same_pools(ref, fi, dtype)
+    return ref, fi, random_step(rng, block_size, num_blocks, CACHED)
 
 
 def _same_pools(ref: TorchReferenceBackend, fi: Any, dtype: torch.dtype) -> None:
@@ -155,18 +177,11 @@ def test_plans_pack_as_flashinfer_and_never_sync_bf16_hd64(block_size):
 
     from batchserve.attention import LayerAttention
     from batchserve.attention.base import StepBucket
-    from batchserve.attention.flashinfer_backend import FlashInferBackend, build_plan
+    from batchserve.attention.flashinfer_backend import build_plan
 
-    rng, dtype, head_dim, dev = random.Random(10 + block_size), torch.bfloat16, 64, torch.device("cuda")
-    torch.manual_seed(2)
+    dtype, head_dim, dev = torch.bfloat16, 64, torch.device("cuda")
     layers = (LayerAttention(window=37), LayerAttention())
-    num_blocks = blocks_needed(CACHED, block_size)
-    ref = TorchReferenceBackend(2, num_blocks, block_size, 4, head_dim, torch.float32, dev)
-    fi = FlashInferBackend(2, num_blocks, block_size, 12, 4, head_dim, dtype, dev, max_model_len=8192)
-    ref.set_layers(layers)
-    fi.set_layers(layers)
-    _same_pools(ref, fi, dtype)
-    seqs = random_step(rng, block_size, num_blocks, CACHED)
+    ref, fi, seqs = _cuda_pair(10 + block_size, 2, block_size, layers)
     step, slots = StepLayout.from_seqs(seqs), slot_mapping(seqs, block_size)
     bucket = StepBucket(step.num_tokens, len(seqs) + 2, tree=True)  # 2 requests of no rows + the bucket's own
     with _syncs_raise(), pytest.raises(RuntimeError, match="synchronizing"):  # the check sees a blocking copy
