@@ -170,10 +170,23 @@ class AcceptanceTracker:
         # The fit is monotone in the score and in log2(1 + match): the best case is at one end.
         best_score = 1.0 if cal.weights[1] >= 0 else 0.0
         match = MATCH_CAP if cal.weights[3] >= 0 else 1
-        ests = np.array([self._estimates(rid) or self._prior(rid) for rid in missing])  # [requests, max_rank]
+        ests = self._estimate_rows(missing)  # [requests, max_rank]
         probs = cal.prob_array(ests, best_score, match)
         upper = np.maximum(non_increasing_rows(ests), probs).tolist()  # `_monotone` of each row, to the bit
         self._upper.update(zip(missing, upper))
+
+    def _estimate_rows(self, request_ids: list[str]) -> np.ndarray:
+        """[requests, max_rank]: what `_estimates` (or the prior) would give each, the skipped steps'
+        drift computed for all rows at once and left owed (the same arithmetic: the same bits)."""
+        priors = [self._prior(rid) for rid in request_ids]
+        ests = np.array([self._est.get(rid) or prior for rid, prior in zip(request_ids, priors)])
+        owed = [self._skips.get(rid, 0) if rid in self._est else 0 for rid in request_ids]
+        due = [k for k, n in enumerate(owed) if n]
+        if due:
+            p = np.array([priors[k] for k in due])  # [due, max_rank]
+            f = np.array([(1.0 - self.explore) ** owed[k] for k in due])[:, None]
+            ests[due] = p + f * (ests[due] - p)
+        return ests
 
     def observe(
         self,

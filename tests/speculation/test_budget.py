@@ -463,3 +463,16 @@ def test_steps_without_a_draft_are_counted_and_paid_in_closed_form_when_read():
     for _ in range(3):
         pooled.skipped("never drafted")  # the pool drifts back, a quarter of the way a skip
     assert pooled._prior("a") == pytest.approx([i + 0.75**3 * (m - i) for m, i in zip(moved, pooled.initial)])
+
+
+def test_settling_computes_the_owed_drift_of_every_row_as_reading_each_would_to_the_bit():
+    t = AcceptanceTracker(16, pool_rate=0.3)
+    for rid, hits in (("a", [0, 1, 5]), ("b", [2]), ("c", [])):
+        t.observe(rid, 12, hits, [0.9] * 12, 3)
+    for k in range(9):
+        for rid in ("a", "b", "c", "fresh")[: 1 + k % 4]:
+            t.skipped(rid)
+    rows = t._estimate_rows(["a", "b", "c", "fresh"]).tolist()  # the owed drift left owed
+    assert t._skips["a"] == 9
+    assert rows[:3] == [t._estimates(rid) for rid in ("a", "b", "c")]  # paid now: the same bits
+    assert rows[3] == t._prior("fresh")  # never drafted: the prior
