@@ -183,7 +183,9 @@ class AcceptanceTracker:
         owed = [self._skips.get(rid, 0) if rid in self._est else 0 for rid in request_ids]
         due = [k for k, n in enumerate(owed) if n]
         if due:
-            p = np.array([priors[k] for k in due])  # [due, max_rank]
+            unique = {id(priors[k]): priors[k] for k in due}  # a scope's requests share its prior
+            row_of = {key: j for j, key in enumerate(unique)}
+            p = np.array(list(unique.values()))[[row_of[id(priors[k])] for k in due]]  # [due, max_rank]
             f = np.array([(1.0 - self.explore) ** owed[k] for k in due])[:, None]
             ests[due] = p + f * (ests[due] - p)
         return ests
