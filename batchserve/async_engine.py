@@ -61,8 +61,7 @@ class AsyncEngine:
         # The loop that serves (pipeline.py): where the forward runs on another device than the
         # host's cores, a step's outputs are built and streamed, and new requests let in, while
         # the next step's forward runs.
-        self._pipe = StepPipeline(core, core.outputs_beside_forward)
-        self._pipe.failed = self._failed_step
+        self._pipe = StepPipeline(core, core.outputs_beside_forward, self._failed_step)
 
     @property
     def stream_beside_forward(self) -> bool:

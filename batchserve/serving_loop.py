@@ -44,12 +44,19 @@ class StepPipeline:
     outputs (the last step's come from `flush`, or the next call once there is no work). Without
     it (a CPU, whose forward takes the host's cores): N's own, built after it is advanced."""
 
-    def __init__(self, core: SteppingCore, beside_forward: bool = True) -> None:
+    def __init__(
+        self,
+        core: SteppingCore,
+        beside_forward: bool = True,
+        failed: Callable[[Exception], list[RequestOutput]] | None = None,
+    ) -> None:
+        """`failed`: what ends every request after a bug outside them (`after`, `flush`); None:
+        the bug raises to the caller."""
         self.core = core
         self._beside_forward = beside_forward
         core.outputs_where(beside_forward)
         self._advanced: AdvancedStep | None = None  # the step whose outputs are still to build
-        self.failed: Callable[[Exception], list[RequestOutput]] | None = None  # see `after`
+        self.failed = failed
 
     @property
     def beside_forward(self) -> bool:
