@@ -58,7 +58,7 @@ class AsyncEngine:
         self._executor = step_thread or step_executor()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # The loop that serves (pipeline.py): where the forward runs on another device than the
+        # The loop that serves (serving_loop.py): where the forward runs on another device than the
         # host's cores, a step's outputs are built and streamed, and new requests let in, while
         # the next step's forward runs.
         self._pipe = StepPipeline(core, core.outputs_beside_forward, self._failed_step)

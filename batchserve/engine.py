@@ -149,13 +149,13 @@ class EngineCore:
 
     @property
     def outputs_beside_forward(self) -> bool:
-        """Where the loop that serves builds a step's outputs (`pipeline.StepPipeline`): beside
+        """Where the loop that serves builds a step's outputs (`serving_loop.StepPipeline`): beside
         the next forward on a device, which leaves the host free; on a CPU after the forward,
         which takes the host's cores."""
         return self.runner.device.type != "cpu"
 
     # ---- one step: schedule -> launch -> collect -> advance -> finish ----------------------
-    # `step()` runs them in a row. The loop that serves is StepPipeline's (pipeline.py), which
+    # `step()` runs them in a row. The loop that serves is StepPipeline's (serving_loop.py), which
     # builds one step's outputs (`finish`) while the next one's forward runs on a device;
     # AsyncEngine runs it with launch and collect in its step thread, LLM and the benchmarks as
     # it is. The PendingStep is handed from one phase to the next, never shared while two run.

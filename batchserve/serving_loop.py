@@ -21,7 +21,7 @@ logger = logging.getLogger("batchserve")
 
 
 class SteppingCore(Protocol):
-    """What the pipelined loop drives: an EngineCore's step phases."""
+    """What the loop that serves drives: an EngineCore's step phases."""
 
     def has_work(self) -> bool: ...
     def outputs_where(self, beside_forward: bool) -> None: ...

@@ -9,7 +9,8 @@ table built from the prompts (the next token after a row's input is the one that
 last in the prompts), so outputs copy prompt text and the drafts are accepted as on real
 copy-heavy workloads: the tree walks, compactions and trie updates all run. The same engine runs
 on an emulated asynchronous device (`EmulatedDevice`), where the forward takes a GPU's time, and
-in the pipelined loop (`pipeline`), which builds one step's outputs while the next forward runs.
+in the loop that serves on a device (`pipeline`: `serving_loop.StepPipeline`), which builds one
+step's outputs while the next forward runs.
 
 The model side the public API does not give (each a handle the bench would take from `LLM` or
 `EngineCore` if they offered it): a forward built once and handed to many engines

@@ -1,4 +1,4 @@
-"""What the loop that serves (`pipeline.StepPipeline`) spends a full step, from a bench run's
+"""What the loop that serves (`serving_loop.StepPipeline`) spends a full step, from a bench run's
 step listener: the host's time on the critical path, the device's, and the tokens it bought.
 
 A full step has every seat taken. Its critical path is schedule + prepare + verify + commit, and

@@ -327,12 +327,12 @@ class Speculation:
             context = sum(r.num_computed_tokens + len(r.token_ids) for r in out.requests) / len(out.requests)
             self.policy.observe_step(out.num_tokens, context, len(out.requests), seconds * 1e3)
         self.host.observe_step(seconds * 1e3)
+        after_ms = self.host.take_after_ms()  # judging and settling after the last step, in series
         if self.policy.guard is not None:
             drafted = any(r.draft is not None or r.window is not None for r in out.requests)
             self.policy.guard.observe(
-                len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only, self.host.spent_ms,
-                self.host.take_after_ms(),
-            )  # fmt: skip
+                len(out.requests), self._emitted, seconds * 1e3, drafted, not decode_only, self.host.spent_ms, after_ms
+            )
 
     def _accepted(self, request_id: str, tokens: list[int]) -> None:
         """The drafter learns the request's new tokens (its trie, its text), on the step's clock."""
