@@ -90,10 +90,11 @@ def background_tenants(
     if seats is None or not heavy:
         return frozenset(heavy)
     fair = max(1, seats // len(backlog))
-    count: Counter[str] = Counter(r.tenant for r in requests if r.tenant in heavy)
+    count: Counter[str] = Counter()
     longest: Counter[str] = Counter()
     for r in requests:
         if r.tenant in heavy:
+            count[r.tenant] += 1
             longest[r.tenant] = max(longest[r.tenant], r.num_tokens - r.num_computed_tokens)
     return frozenset(t for t in heavy if count[t] > fair or longest[t] > step_tokens)
 
