@@ -1,5 +1,6 @@
 """Products over a GGUF file's own weight blocks of the types llama.cpp's usual files store
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), on our kernels (csrc/block_gemm.cpp).
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), on our kernels
+(csrc/block_gemm.cpp).
 
 `BlockLinear` takes one or more parts (the file's bytes of a tensor each, any of those types, the
 same in_features) and computes them as one product: the activations are quantized once per call
@@ -29,8 +30,14 @@ from batchserve.model.layers import in_checked_rows
 from batchserve.model.row_check import rows_variance
 
 NATIVE_TYPES: frozenset[int] = frozenset(
-    int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+    int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
 )
+# Where a type's fp16 scale d (and min dmin, m) sit in its block, and a scale that keeps random
+# blocks' weights about the size of a real model's (random_blocks).
+D_FIELD = {T.Q6_K: 208, T.Q3_K: 108, T.Q2_K: 80}
+MIN_FIELD = {T.Q4_1: 2, T.Q5_1: 2, T.Q4_K: 2, T.Q5_K: 2, T.Q2_K: 82}
+RANDOM_SCALE = {T.Q8_0: 1 / 256, T.Q6_K: 1 / 512, T.Q4_K: 1 / 256, T.Q5_K: 1 / 512, T.Q3_K: 1 / 512,
+                T.Q2_K: 1 / 128, T.IQ4_NL: 1 / 2048, T.IQ4_XS: 1 / 32768}  # fmt: skip
 ALIGN = 64  # each part's packed weights start on a cache line
 HUGE_PAGE = 2 << 20
 
@@ -158,11 +165,11 @@ def random_blocks(qtype: int, rows: int, cols: int, gen: torch.Generator) -> np.
     def put(offset: int, field: torch.Tensor) -> None:  # field [rows, blocks] float32
         raw[:, :, offset : offset + 2] = field.half().view(torch.uint8).view(rows, blocks, 2)
 
-    scale = {T.Q8_0: 1 / 256, T.Q6_K: 1 / 512, T.Q4_K: 1 / 256, T.Q5_K: 1 / 512}.get(T(qtype), 1 / 32)
+    scale = RANDOM_SCALE.get(T(qtype), 1 / 32)
     d = (torch.rand(rows, blocks, generator=gen) + 0.05) * scale
-    put(208 if qtype == T.Q6_K else 0, d)
-    if qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K):
-        put(2, -torch.rand(rows, blocks, generator=gen) * scale * 8)
+    put(D_FIELD.get(T(qtype), 0), d)
+    if qtype in MIN_FIELD:
+        put(MIN_FIELD[T(qtype)], -torch.rand(rows, blocks, generator=gen) * scale * 8)
     return raw.view(rows, blocks * size).numpy()
 
 

@@ -11,8 +11,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
-from batchserve import kernels
+from batchserve import kernels, native_build
 from batchserve.model.blocks import (
+    MIN_FIELD,
     NATIVE_TYPES,
     BlockLinear,
     BlockPart,
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unava
 
 TYPES = sorted(NATIVE_TYPES)
 SMALL = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # 32-value blocks; gguf-py quantizes these
-MIN_FIELDS = {T.Q4_1: 2, T.Q5_1: 2, T.Q4_K: 2, T.Q5_K: 2}  # byte offset of m / dmin in a block
+MIN_FIELDS = MIN_FIELD  # byte offset of m / dmin in a block
+QUANTIZED_MINS = (T.Q2_K,)  # its mins (one a 16 values) multiply the quantized activations' int sums
 
 
 def _cols(qtype: int) -> int:
@@ -53,7 +55,9 @@ def _bound(x: torch.Tensor, raw: np.ndarray, qtype: int) -> torch.Tensor:
     a float32 rounding term for the sums."""
     xb = x.double().view(x.shape[0], -1, 32)  # [T, K/32, 32]
     dx = xb.abs().amax(-1) / 127  # [T, K/32]
-    a = _scaled_part(raw, qtype).abs().view(raw.shape[0], -1, 32).sum(-1)  # [N, K/32]
+    # The weights that multiply quantized activations: all of Q2_K's, its mins included.
+    w = _dequantized(raw, qtype) if qtype in QUANTIZED_MINS else _scaled_part(raw, qtype)
+    a = w.abs().view(raw.shape[0], -1, 32).sum(-1)  # [N, K/32]
     rounding = 1e-5 * (x.double().abs() @ _dequantized(raw, qtype).abs().T) + 1e-6
     return 1.01 * (dx / 2) @ a.T + rounding
 
@@ -61,16 +65,18 @@ def _bound(x: torch.Tensor, raw: np.ndarray, qtype: int) -> torch.Tensor:
 def _emulated(x: torch.Tensor, raw: np.ndarray, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the kernel's arithmetic in float64, its float32 rounding allowance) [T, N]: the activations
     quantized as the kernel does (per row and block of 32, d = max|x| / 127, q = round(x * 127 /
-    max|x|) in float32, ties to even) times the scaled weights, plus the mins times x's float sums.
+    max|x|) in float32, ties to even) times the scaled weights, plus the mins times x's float sums
+    (Q2_K's times the quantized activations' sums).
     Tight enough that one value decoded a step off fails it, where the bound above may not."""
     blocks = x.view(x.shape[0], -1, 32)
     mx = blocks.abs().amax(-1, keepdim=True)  # [T, K/32, 1] float32
     q = torch.round(blocks * torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros(())))
     xq = (q.double() * (mx / 127.0).double()).view(x.shape)  # [T, K]
     a = _scaled_part(raw, qtype)  # [N, K]
-    mins = _dequantized(raw, qtype) - a  # [N, K]: the min of each block of 32, repeated
-    emulated = xq @ a.T + x.double() @ mins.T
-    return emulated, 1e-5 * (xq.abs() @ a.abs().T + x.double().abs() @ mins.abs().T) + 1e-7
+    mins = _dequantized(raw, qtype) - a  # [N, K]: the min of each block of 32 (or 16), repeated
+    xm = xq if qtype in QUANTIZED_MINS else x.double()
+    emulated = xq @ a.T + xm @ mins.T
+    return emulated, 1e-5 * (xq.abs() @ a.abs().T + xm.abs() @ mins.abs().T) + 1e-7
 
 
 def _check(layer: BlockLinear, parts: list[tuple[np.ndarray, int]], x: torch.Tensor) -> None:
@@ -142,6 +148,26 @@ def test_a_row_has_the_same_bits_whatever_the_calls_rows_its_place_and_the_threa
     assert block_products_invariant()
 
 
+def test_the_avx2_path_gives_every_type_the_bits_of_this_cpus_path(monkeypatch):
+    """Built without AVX-512 (so without VNNI: vpmaddubsw, and Q8_0's and the IQ4 tables' values
+    signed), every type's product has the same bits: every integer sum is exact either way."""
+    if "avx512f" not in kernels.cpu_flags():
+        pytest.skip("this CPU runs the AVX2 path already")
+    flags, cpu = (*kernels.FLAGS, "-mno-avx512f"), " ".join(sorted(kernels.cpu_flags())).encode()
+    lib = native_build.build("our kernels (avx2)", "kernels", "batchserve_cpu_avx2", kernels.SOURCES,
+                             kernels.HEADERS, flags, cpu)  # fmt: skip
+    gen = torch.Generator().manual_seed(9)
+    k = 768
+    layers = [BlockLinear([BlockPart(random_blocks(q, 43, k, gen), q, k)]) for q in TYPES]
+    x = torch.randn(13, k, generator=gen) * 3
+    here = [layer(x) for layer in layers]
+    monkeypatch.setattr(kernels, "_load", lambda: native_build.load(kernels.MODULE, lib))
+    assert not kernels.block_wide()
+    for layer, want in zip(layers, here, strict=True):
+        layer._desc_base = -1
+        assert torch.equal(layer(x), want), layer
+
+
 def test_q4_1_and_q8_0_give_the_bits_of_the_existing_kernels():
     gen = torch.Generator().manual_seed(9)
     k, n = 160, 40
@@ -190,8 +216,8 @@ def test_a_tensor_read_from_a_gguf_file(tmp_path):
 def test_parts_our_kernels_do_not_take_are_refused():
     gen = torch.Generator().manual_seed(13)
     raw = random_blocks(T.Q4_K, 8, 256, gen)
-    with pytest.raises(ValueError, match="Q2_K"):
-        BlockLinear([BlockPart(np.zeros((8, 84), np.uint8), T.Q2_K, 256)])
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        BlockLinear([BlockPart(np.zeros((8, 66), np.uint8), T.IQ2_XXS, 256)])
     with pytest.raises(ValueError, match="whole blocks of 256"):
         BlockLinear([BlockPart(raw, T.Q4_K, 224)])
     with pytest.raises(ValueError, match=r"uint8 \[rows >= 1, 288\]"):

@@ -1,4 +1,4 @@
-// Products over GGUF weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in the kernel
+// Products over GGUF weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K .. Q6_K, IQ4_XS) in the kernel
 // layout of blocks.h, for 1 to a few hundred rows, each weight byte read once per call and row tile.
 // One call may hold several parts of different types (q|k|v, gate|up): the activations are
 // quantized once per call, per row and block of 32 to int8 (d = max|x| / 127, round half to even,
@@ -12,8 +12,12 @@
 //   Q4_1, Q5_1:       acc = fma(float(isum), d_w * d_x, acc); acc = fma(m_w, s_x, acc)
 //   Q4_K, Q5_K:       dw = d * sc_j, mw = dmin * mn_j (both exact in float32);
 //                     acc = fma(float(isum), dw * d_x, acc); acc = fnma(mw, s_x, acc)
-//   Q6_K:             c = sc_a (S_a - 32 X_a) + sc_b (S_b - 32 X_b) over its two sub-blocks of 16;
-//                     acc = fma(float(c), d * d_x, acc)
+//   Q6_K, Q3_K:       c = sc_a (S_a - o X_a) + sc_b (S_b - o X_b) over its two sub-blocks of 16
+//                     (o 32, 4: the values' offset); acc = fma(float(c), d * d_x, acc)
+//   Q2_K:             c = sc_a S_a + sc_b S_b; mi = mn_a X_a + mn_b X_b;
+//                     acc = fma(float(c), d * d_x, acc); acc = fnma(float(mi), dmin * d_x, acc)
+//   IQ4_NL, IQ4_XS:   the values from the table, then as Q8_0: c = isum - 128 X32 (VNNI; AVX2 takes
+//                     them signed); acc = fma(float(c), d_w * d_x, acc), IQ4_XS's d_w = d * (ls - 32)
 // Batch invariance: an output element is computed by one thread in this order from its row's
 // activations and its column's weights only; row count, row position, tile and thread count
 // decide which thread and tile computes it, never how. Float contraction is off (flags).
@@ -97,8 +101,11 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
     using I = typename V::I;
     using F = typename V::F;
     constexpr bool kq = kquant(Q), five = Q == Q5_0 || Q == Q5_1 || Q == Q5_K;
+    constexpr bool table = Q == IQ4_NL || Q == IQ4_XS, crumbed = Q == Q2_K || Q == Q3_K;
+    [[maybe_unused]] constexpr bool halves = Q == Q6_K || crumbed;  // a scale for each 16 values
     constexpr int per = kq ? 8 : 1;  // blocks of 32 a record
-    const I low = V::bytes(0x0F), sixteen = V::bytes(16), top = V::bytes(0x30);
+    const I low = V::bytes(0x0F), sixteen = V::bytes(16), top = V::bytes(0x30), three = V::bytes(3);
+    [[maybe_unused]] const I values = V::table(kIQ4Values);
     F acc[MT];
     for (int t = 0; t < MT; ++t) acc[t] = V::fzero();
     const int64_t units = x.nb / per;
@@ -107,8 +114,8 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
         [[maybe_unused]] F dsup, dmin;
         [[maybe_unused]] alignas(32) uint8_t scm[V::kCols / 8 * 128];
         if constexpr (kq) dsup = V::half(r + kD, gs);
-        if constexpr (Q == Q4_K || Q == Q5_K) {
-            dmin = V::half(r + kDmin, gs);
+        if constexpr (Q == Q4_K || Q == Q5_K || Q == Q2_K) dmin = V::half(r + kDmin, gs);
+        if constexpr (Q == Q4_K || Q == Q5_K || Q == Q3_K) {
             for (int g = 0; g < V::kCols / 8; ++g) scales_k(r + g * gs, scm + 128 * g);
         }
         for (int jb = 0; jb < per; ++jb) {
@@ -123,6 +130,23 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
                     for (int t = 0; t < MT; ++t) {
                         const int32_t* xr = reinterpret_cast<const int32_t*>(xb + t * 32);
                         is[t] = V::dotm_q8(is[t], wv, xr + st);
+                    }
+                }
+            } else if constexpr (crumbed) {  // 2-bit planes (+ Q3_K's third bit as a mask)
+                const uint8_t* planes = r + (Q == Q2_K ? kCrumbs2 : kCrumbs3) + 64 * jb;
+                #pragma GCC unroll 4
+                for (int p = 0; p < 4; ++p) {  // steps 2p, 2p + 1: bit pairs 2p % 4, 2p % 4 + 1 of vector p / 2
+                    const I hv = V::load(planes + 32 * (p / 2), gs);
+                    I w0 = V::and_(V::srl16(hv, 4 * (p % 2)), three), w1 = V::and_(V::srl16(hv, 4 * (p % 2) + 2), three);
+                    if constexpr (Q == Q3_K) {
+                        const uint8_t* m = r + kMasks3 + 32 * jb + 8 * p;
+                        w0 = V::add_masked(w0, m, gs, V::bytes(4));
+                        w1 = V::add_masked(w1, m + 4, gs, V::bytes(4));
+                    }
+                    for (int t = 0; t < MT; ++t) {
+                        const int32_t* xr = reinterpret_cast<const int32_t*>(xb + t * 32 + 8 * p);
+                        if (p >= 2) is2[t] = V::dotm(V::dotm(is2[t], w0, xr), w1, xr + 1);
+                        else is[t] = V::dotm(V::dotm(is[t], w0, xr), w1, xr + 1);
                     }
                 }
             } else {
@@ -147,16 +171,23 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
                             w1 = V::or_(w1, V::and_(V::srl16(hv, 2), top));
                         }
                     }
+                    if constexpr (table) {  // the indices' int8 values, stored as Q8_0's (q ^ 0x80)
+                        w0 = V::lookup(values, w0);
+                        w1 = V::lookup(values, w1);
+                    }
                     for (int t = 0; t < MT; ++t) {
                         const int32_t* xr = reinterpret_cast<const int32_t*>(xb + t * 32 + 8 * p);
-                        if (Q == Q6_K && p >= 2) is2[t] = V::dotm(V::dotm(is2[t], w0, xr), w1, xr + 1);
+                        if constexpr (table) is[t] = V::dotm_q8(V::dotm_q8(is[t], w0, xr), w1, xr + 1);
+                        else if (Q == Q6_K && p >= 2) is2[t] = V::dotm(V::dotm(is2[t], w0, xr), w1, xr + 1);
                         else is[t] = V::dotm(V::dotm(is[t], w0, xr), w1, xr + 1);
                     }
                 }
             }
-            if constexpr (Q == Q4_0 || Q == Q5_0 || Q == Q8_0) {
+            if constexpr (Q == Q4_0 || Q == Q5_0 || Q == Q8_0 || table) {
                 constexpr int32_t off = Q == Q4_0 ? 8 : Q == Q5_0 ? 16 : V::kQ8Offset;
-                const F dw = V::half(r + d32(Q), gs);
+                F dw;
+                if constexpr (Q == IQ4_XS) dw = V::mul(dsup, V::cvt(V::i8i(r + kScalesXS + 8 * jb, gs)));
+                else dw = V::half(r + d32(Q), gs);
                 for (int t = 0; t < MT; ++t) {
                     const int64_t row = rb + t;
                     const I c = off ? V::sub32(is[t], off * (x.x16[2 * row] + x.x16[2 * row + 1])) : is[t];
@@ -176,12 +207,29 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
                     acc[t] = V::fma(V::cvt(is[t]), V::mul(dw, V::splat(x.d[row])), acc[t]);
                     acc[t] = V::fnma(mw, V::splat(x.s[row]), acc[t]);
                 }
-            } else {  // Q6_K
-                const I sa = V::i8i(r + kScales6 + 16 * jb, gs), sb = V::i8i(r + kScales6 + 16 * jb + 8, gs);
+            } else if constexpr (Q == Q2_K) {
+                const I sa = V::u8i(r + kScMn2 + 16 * jb, gs), sb = V::u8i(r + kScMn2 + 16 * jb + 8, gs);
+                const I ca = V::and32(sa, 15), cb = V::and32(sb, 15), ma = V::srl32(sa, 4), mb = V::srl32(sb, 4);
                 for (int t = 0; t < MT; ++t) {
                     const int64_t row = rb + t;
-                    const I c = V::add32(V::mul32(sa, V::sub32(is[t], 32 * x.x16[2 * row])),
-                                         V::mul32(sb, V::sub32(is2[t], 32 * x.x16[2 * row + 1])));
+                    const I c = V::add32(V::mul32(ca, is[t]), V::mul32(cb, is2[t]));
+                    const I mi = V::add32(V::mul32(ma, V::x4(x.x16[2 * row])), V::mul32(mb, V::x4(x.x16[2 * row + 1])));
+                    acc[t] = V::fma(V::cvt(c), V::mul(dsup, V::splat(x.d[row])), acc[t]);
+                    acc[t] = V::fnma(V::cvt(mi), V::mul(dmin, V::splat(x.d[row])), acc[t]);
+                }
+            } else {  // Q6_K, Q3_K
+                static_assert(halves);
+                constexpr int32_t off = Q == Q6_K ? 32 : 4;
+                I sa, sb;
+                if constexpr (Q == Q6_K) {
+                    sa = V::i8i(r + kScales6 + 16 * jb, gs), sb = V::i8i(r + kScales6 + 16 * jb + 8, gs);
+                } else {  // the 6-bit scales unpacked per super-block, less their bias
+                    sa = V::sub32(V::u8i(scm + 16 * jb, 128), 32), sb = V::sub32(V::u8i(scm + 16 * jb + 8, 128), 32);
+                }
+                for (int t = 0; t < MT; ++t) {
+                    const int64_t row = rb + t;
+                    const I c = V::add32(V::mul32(sa, V::sub32(is[t], off * x.x16[2 * row])),
+                                         V::mul32(sb, V::sub32(is2[t], off * x.x16[2 * row + 1])));
                     acc[t] = V::fma(V::cvt(c), V::mul(dsup, V::splat(x.d[row])), acc[t]);
                 }
             }
@@ -236,6 +284,10 @@ void run_part(int64_t t, const Acts& x, int64_t T, const uint8_t* w, int64_t row
         case Q4_K: part<Q4_K>(x, T, w, rows, y, ys); break;
         case Q5_K: part<Q5_K>(x, T, w, rows, y, ys); break;
         case Q6_K: part<Q6_K>(x, T, w, rows, y, ys); break;
+        case Q2_K: part<Q2_K>(x, T, w, rows, y, ys); break;
+        case Q3_K: part<Q3_K>(x, T, w, rows, y, ys); break;
+        case IQ4_NL: part<IQ4_NL>(x, T, w, rows, y, ys); break;
+        case IQ4_XS: part<IQ4_XS>(x, T, w, rows, y, ys); break;
         default: break;
     }
 }

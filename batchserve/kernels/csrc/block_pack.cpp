@@ -68,6 +68,52 @@ inline void scale_min(const uint8_t* S, int j, uint8_t* sc, uint8_t* mn) {
     }
 }
 
+// Column j's 2-bit plane of one block of 32 values v(l) = (Q[l] >> 2s) & 3 (l < 32): steps 4v + i
+// (v < 2, i < 4) in bits 2i, 2i + 1 of bytes 4j..4j+3 of high2's vector v.
+inline void crumbs(const uint8_t* Q, int s, uint8_t* high2, int j) {
+    for (int v = 0; v < 2; ++v) {
+        uint32_t w = 0;
+        for (int i = 0; i < 4; ++i) w |= ((u32(Q + 16 * v + 4 * i) >> (2 * s)) & 0x03030303u) << (2 * i);
+        put32(high2 + 32 * v + 4 * j, w);
+    }
+}
+
+// Sub-block i's 6-bit scale (with its bias of 32) from a Q3_K super-block's 12 scale bytes S.
+inline uint8_t scale3(const uint8_t* S, int i) {
+    const int low = i < 8 ? S[i] & 0xF : S[i - 8] >> 4;
+    return static_cast<uint8_t>(low | ((S[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+}
+
+// Q2_K and Q3_K: value n = 128h + 32s + l of a super-block is (qs[32h + l] >> 2s) & 3, in block
+// 4h + s; Q3_K's third bit is bit 4h + s of hmask[l] (its stored value then is 0..7, offset 4).
+void pack_low_bits(int64_t t, const uint8_t* const* src, uint8_t* rec) {
+    const int64_t qs = t == Q2_K ? 16 : 32, planes = t == Q2_K ? kCrumbs2 : kCrumbs3;
+    if (t == Q3_K) memset(rec + kScHigh, 0, 32);  // or-ed into below
+    for (int j = 0; j < 8; ++j) {
+        if (t == Q2_K) {
+            memcpy(rec + kD + 2 * j, src[j] + 80, 2);
+            memcpy(rec + kDmin + 2 * j, src[j] + 82, 2);
+            for (int i = 0; i < 16; ++i) rec[kScMn2 + 8 * i + j] = src[j][i];
+        } else {
+            memcpy(rec + kD + 2 * j, src[j] + 108, 2);
+            for (int i = 0; i < 8; ++i) {  // as Q4_K's sc (scales 0..7) and mn (scales 8..15)
+                const uint8_t sc = scale3(src[j] + 96, i), mn = scale3(src[j] + 96, i + 8);
+                rec[kScLow + 8 * i + j] = static_cast<uint8_t>((sc & 15) | (mn & 15) << 4);
+                rec[kScHigh + 8 * (i % 4) + j] |= static_cast<uint8_t>(((sc >> 4) | (mn >> 4) << 2) << (4 * (i / 4)));
+            }
+        }
+    }
+    for (int b = 0; b < 8; ++b) {
+        const int h = b / 4, s = b % 4;
+        uint32_t H[8];
+        for (int j = 0; j < 8; ++j) {
+            crumbs(src[j] + qs + 32 * h, s, rec + planes + 64 * b, j);
+            if (t == Q3_K) H[j] = bit_plane(src[j], 4 * h + s);
+        }
+        if (t == Q3_K) masks(H, rec + kMasks3 + 32 * b);
+    }
+}
+
 // Group g's record of unit u; rows past N (the padding) are zero blocks.
 void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int64_t g, int64_t u, uint8_t* rec) {
     static const uint8_t zero[256] = {0};
@@ -85,10 +131,26 @@ void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int
                 for (int s = 0; s < 8; ++s) put32(rec + 32 * s + 4 * j, u32(src[j] + 2 + 4 * s) ^ 0x80808080u);
                 continue;
             }
-            chunks_32(src[j] + (t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8), rec + kNibbles, j);
+            chunks_32(src[j] + (t == Q4_0 || t == IQ4_NL ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8), rec + kNibbles, j);
             if (t == Q5_0 || t == Q5_1) H[j] = u32(src[j] + (t == Q5_0 ? 2 : 4));
         }
         if (t == Q5_0 || t == Q5_1) masks(H, rec + kMasks32);
+        return;
+    }
+    if (t == Q2_K || t == Q3_K) {
+        pack_low_bits(t, src, rec);
+        return;
+    }
+    if (t == IQ4_XS) {
+        for (int j = 0; j < 8; ++j) {
+            memcpy(rec + kD + 2 * j, src[j], 2);
+            const uint16_t sh = static_cast<uint16_t>(src[j][2] | src[j][3] << 8);
+            for (int i = 0; i < 8; ++i) {  // the 6-bit scale of sub-block i, less its bias of 32
+                const int ls = ((src[j][4 + i / 2] >> (4 * (i % 2))) & 0xF) | (((sh >> (2 * i)) & 3) << 4);
+                rec[kScalesXS + 8 * i + j] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+            }
+            for (int b = 0; b < 8; ++b) chunks_32(src[j] + 8 + 16 * b, rec + nibblesK(t) + 128 * b, j);
+        }
         return;
     }
     if (t != Q6_K) memset(rec + kScHigh, 0, 32);  // or-ed into below
@@ -114,12 +176,7 @@ void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int
             uint8_t* high2 = rec + kHigh2 + 64 * b;
             for (int j = 0; j < 8; ++j) {
                 chunks_k(src[j] + 64 * h + 32 * (s & 1), s >= 2, nib, j);
-                const uint8_t* qh = src[j] + 128 + 32 * h;  // value l's top bits: (qh[l] >> 2s) & 3
-                for (int v = 0; v < 2; ++v) {               // steps 4v + i, i < 4, in bits 2i, 2i + 1
-                    uint32_t w = 0;
-                    for (int i = 0; i < 4; ++i) w |= ((u32(qh + 16 * v + 4 * i) >> (2 * s)) & 0x03030303u) << (2 * i);
-                    put32(high2 + 32 * v + 4 * j, w);
-                }
+                crumbs(src[j] + 128 + 32 * h, s, high2, j);  // value l's top bits: (qh[l] >> 2s) & 3
             }
             continue;
         }

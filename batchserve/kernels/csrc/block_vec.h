@@ -44,7 +44,17 @@ struct V8 {
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     }
     static I i8i(const uint8_t* p, int64_t) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+    static I u8i(const uint8_t* p, int64_t) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
     static I bytes(char v) { return _mm256_set1_epi8(v); }
+    // A 16-entry int8 table as Q8_0 stores values (v ^ 0x80), in both 128-bit lanes, and its lookup
+    // of 4-bit indices (vpshufb reads each lane's own copy).
+    static I table(const int8_t* v) {
+        const __m128i t = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)), _mm_set1_epi8(static_cast<char>(0x80)));
+        return _mm256_broadcastsi128_si256(t);
+    }
+    static I lookup(I table, I idx) { return _mm256_shuffle_epi8(table, idx); }
+    static I and32(I a, int32_t b) { return _mm256_and_si256(a, _mm256_set1_epi32(b)); }
+    static I srl32(I a, int n) { return _mm256_srli_epi32(a, n); }
     static I and_(I a, I b) { return _mm256_and_si256(a, b); }
     static I or_(I a, I b) { return _mm256_or_si256(a, b); }
     static I srl16(I a, int n) { return _mm256_srli_epi16(a, n); }
@@ -123,7 +133,15 @@ struct V16 {
     }
     static F u8f(const uint8_t* p, int64_t gs) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two8(p, gs))); }
     static I i8i(const uint8_t* p, int64_t gs) { return _mm512_cvtepi8_epi32(two8(p, gs)); }
+    static I u8i(const uint8_t* p, int64_t gs) { return _mm512_cvtepu8_epi32(two8(p, gs)); }
     static I bytes(char v) { return _mm512_set1_epi8(v); }
+    static I table(const int8_t* v) {
+        const __m128i t = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)), _mm_set1_epi8(static_cast<char>(0x80)));
+        return _mm512_broadcast_i32x4(t);
+    }
+    static I lookup(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }
+    static I and32(I a, int32_t b) { return _mm512_and_si512(a, _mm512_set1_epi32(b)); }
+    static I srl32(I a, int n) { return _mm512_srli_epi32(a, static_cast<unsigned>(n)); }
     static I and_(I a, I b) { return _mm512_and_si512(a, b); }
     static I or_(I a, I b) { return _mm512_or_si512(a, b); }
     static I srl16(I a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }

@@ -1,70 +1,70 @@
 // The kernel layout of GGUF weight blocks (block_pack.cpp writes it, block_gemm.cpp reads it).
 //
 // A weight [N, K] is cut into groups of 8 output columns (N padded with zero columns) and, along K,
-// into units: a block of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or a super-block of 256 (Q4_K,
-// Q5_K, Q6_K). A group's units are consecutive records of kRecord[type] bytes: [N/8, K/unit, record].
+// into units: a block of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) or a super-block of 256
+// (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS). A group's units are consecutive records of kRecord[type] bytes: [N/8, K/unit, record].
 // Inside a record every block of 32 values is 8 "steps" of 4 values, and a step is 32 bytes, byte
 // 4j + r holding column j's value 4s + r: the operand layout of vpdpbusd / vpmaddubsw against
 // 4 bytes of one activation row broadcast to every lane, so a column's sums stay in its lane.
 //   nibbles  (4-bit planes): 4 chunks of 32 bytes a block, chunk p = step 2p | step 2p+1 << 4.
 //   masks    (5th bits): a uint32 a step, bit 4j + r = the 5th bit of column j's value 4s + r.
-//   high2    (Q6_K's top 2 bits): 2 vectors of 32 bytes a block, vector h holding steps 4h + i
-//            in bits 2i, 2i + 1 of byte 4j + r.
+//   high2    (2-bit planes: Q6_K's top 2 bits, Q2_K's and Q3_K's low 2): 2 vectors of 32 bytes a
+//            block, vector h holding steps 4h + i in bits 2i, 2i + 1 of byte 4j + r.
 //   fp16 fields (d, m, dmin) as the file's bits, 8 a group (one a column).
 //   sc/mn (Q4_K, Q5_K: sub-block i's 6-bit scale and min, as many bits as the file's):
 //            low[8 sub][8] byte (i, j) = sc low 4 bits | mn low 4 bits << 4;
 //            high[4][8] byte (i % 4, j), nibble i / 4 = sc top 2 bits | mn top 2 bits << 2
-//            (so 32 bytes of low and 32 of high decode 4 sub-blocks in byte lanes).
+//            (so 32 bytes of low and 32 of high decode 4 sub-blocks in byte lanes). Q3_K's 16 6-bit
+//            scales take the same bytes: scale i < 8 in sc's place i, scale i >= 8 in mn's i - 8.
+// IQ4_NL and IQ4_XS keep the file's 4-bit indices in nibbles; the kernel looks each up in the
+// 16-entry table of int8 values (a byte shuffle) and takes it as Q8_0 takes its values.
 // Record layouts (byte offsets), per group and unit:
 //   Q4_0: nibbles[128] d[8]                                   144 (18 B per 32 values, the file's)
 //   Q4_1: nibbles[128] d[8] m[8]                              160 (20)
 //   Q5_0: nibbles[128] masks[8] d[8]                          176 (22)
 //   Q5_1: nibbles[128] masks[8] d[8] m[8]                     192 (24)
 //   Q8_0: values[8 steps][32] (q ^ 0x80, so unsigned) d[8]    272 (34)
+//   IQ4_NL: as Q4_0                                           144 (18)
 //   Q4_K: d[8] dmin[8] low[8][8] high[4][8] nibbles[8 blocks][128]                   1152 (144 per 256, the file's)
 //   Q5_K: d[8] dmin[8] low[8][8] high[4][8] masks[8 blocks][8] nibbles[8][128]       1408 (176, the file's)
 //   Q6_K: d[8] sc[16 sub][8] (int8) high2[8 blocks][64] nibbles[8][128]              1680 (210, the file's)
+//   Q2_K: d[8] dmin[8] scmn[16 sub][8] (the file's byte: sc | mn << 4) high2[8][64]  672 (84, the file's)
+//   Q3_K: d[8] (16 unused) low[8][8] high[4][8] high2[8][64] masks[8][32]            896 (112; the file's 110)
+//   IQ4_XS: d[8] sc[8 sub][8] (int8, the 6-bit scale - 32) nibbles[8][128]           1104 (138; the file's 136)
 #pragma once
 #include <stdint.h>
 
 namespace blocks {
 
 // GGMLQuantizationType values.
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int64_t {
+    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ4_NL = 20, IQ4_XS = 23,
+};
 
-constexpr bool known(int64_t t) {
-    return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
+// One row per type: its unit of values, its bytes a unit in the file and in a group's record.
+struct Traits {
+    int64_t type, values, file, record;
+};
+constexpr Traits kTraits[] = {
+    {Q4_0, 32, 18, 144},     {Q4_1, 32, 20, 160},     {Q5_0, 32, 22, 176},   {Q5_1, 32, 24, 192},
+    {Q8_0, 32, 34, 272},     {IQ4_NL, 32, 18, 144},   {Q2_K, 256, 84, 672},  {Q3_K, 256, 110, 896},
+    {Q4_K, 256, 144, 1152},  {Q5_K, 256, 176, 1408},  {Q6_K, 256, 210, 1680}, {IQ4_XS, 256, 136, 1104},
+};
+constexpr Traits traits(int64_t t) {
+    for (const Traits& r : kTraits)
+        if (r.type == t) return r;
+    return {t, 0, 0, 0};
 }
-constexpr bool kquant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
-constexpr int64_t unit_values(int64_t t) { return kquant(t) ? 256 : 32; }
+constexpr bool known(int64_t t) { return traits(t).values != 0; }
+constexpr bool kquant(int64_t t) { return traits(t).values == 256; }
+constexpr int64_t unit_values(int64_t t) { return traits(t).values; }
 // Bytes of one unit of one row in the file.
-constexpr int64_t file_bytes(int64_t t) {
-    switch (t) {
-        case Q4_0: return 18;
-        case Q4_1: return 20;
-        case Q5_0: return 22;
-        case Q5_1: return 24;
-        case Q8_0: return 34;
-        case Q4_K: return 144;
-        case Q5_K: return 176;
-        case Q6_K: return 210;
-        default: return 0;
-    }
-}
+constexpr int64_t file_bytes(int64_t t) { return traits(t).file; }
 // Bytes of one group's record of one unit in the kernel layout.
-constexpr int64_t record_bytes(int64_t t) {
-    switch (t) {
-        case Q4_0: return 144;
-        case Q4_1: return 160;
-        case Q5_0: return 176;
-        case Q5_1: return 192;
-        case Q8_0: return 272;
-        case Q4_K: return 1152;
-        case Q5_K: return 1408;
-        case Q6_K: return 1680;
-        default: return 0;
-    }
-}
+constexpr int64_t record_bytes(int64_t t) { return traits(t).record; }
+// The 4-bit index -> int8 value table of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // Offsets inside a 32-value record.
 constexpr int64_t kNibbles = 0, kMasks32 = 128;
@@ -73,8 +73,11 @@ constexpr int64_t m32(int64_t t) { return d32(t) + 16; }
 // Offsets inside a super-block record.
 constexpr int64_t kD = 0, kDmin = 16, kScLow = 32, kScHigh = 96;
 constexpr int64_t kMasksK = 128;                                // Q5_K
-constexpr int64_t nibblesK(int64_t t) { return t == Q5_K ? 384 : t == Q4_K ? 128 : 656; }
+constexpr int64_t nibblesK(int64_t t) { return t == Q5_K ? 384 : t == Q4_K ? 128 : t == IQ4_XS ? 80 : 656; }
 constexpr int64_t kScales6 = 16, kHigh2 = 144;                  // Q6_K
+constexpr int64_t kScMn2 = 32, kCrumbs2 = 160;                  // Q2_K
+constexpr int64_t kCrumbs3 = 128, kMasks3 = 640;                // Q3_K (its scales at kScLow, kScHigh)
+constexpr int64_t kScalesXS = 16;                               // IQ4_XS
 
 }  // namespace blocks
 
