@@ -33,6 +33,10 @@ QUANTS: dict[str, Quant] = {
     "Q8_0": Quant(Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "Q4_0": Quant(Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     "Q4_1": Quant(Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "Q3_K_M": Quant(Q.Q3_K, LlamaFileType.MOSTLY_Q3_K_M),
+    "Q2_K": Quant(Q.Q2_K, LlamaFileType.MOSTLY_Q2_K),
+    "IQ4_XS": Quant(Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+    "IQ4_NL": Quant(Q.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
     "Q5_0": Quant(Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
     "Q5_1": Quant(Q.Q5_1, LlamaFileType.MOSTLY_Q5_1),
     # No llama.cpp file type is one K-quant throughout: these are `--pure` Q4_K_S / Q5_K_S.
@@ -44,7 +48,8 @@ QUANTS: dict[str, Quant] = {
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # llama-quantize's `tensor_type_fallback` for a row that is not a multiple of 256.
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.IQ4_XS: Q.IQ4_NL}
+F = LlamaFileType
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +81,47 @@ def _as_shape(shape: ModelShape | str) -> ModelShape:
     return get_shape(shape) if isinstance(shape, str) else shape
 
 
-def _weight_type(q: Quant, name: str, ne0: int, layer: int, n_layer: int, is_output: bool) -> GGMLQuantizationType:
-    """The type llama-quantize gives the 2-D weight `name` with rows of `ne0` values."""
+def _bumped(ft: LlamaFileType, name: str, layer: int, n_layer: int, gqa: int) -> GGMLQuantizationType | None:
+    """llama-quantize's type for attn_v, ffn_down or attn_output under file type `ft` where it is
+    not the default (`llama_tensor_get_type_impl`, a dense model without an imatrix), else None."""
+    iq4 = ft in (F.MOSTLY_IQ4_XS, F.MOSTLY_IQ4_NL)
+    if name.endswith("attn_v.weight"):
+        if ft == F.MOSTLY_Q2_K:
+            return Q.Q4_K if gqa >= 4 else Q.Q3_K
+        if ft == F.MOSTLY_Q3_K_M:
+            return Q.Q5_K if layer < 2 else Q.Q4_K
+        if iq4 and gqa >= 4:
+            return Q.Q5_K
+        if ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layer):
+            return Q.Q6_K
+    elif name.endswith("ffn_down.weight"):
+        if ft == F.MOSTLY_Q2_K:
+            return Q.Q3_K
+        if ft == F.MOSTLY_Q3_K_M:
+            return Q.Q5_K if layer < n_layer // 16 else Q.Q4_K
+        if ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layer):
+            return Q.Q6_K
+        if iq4 and layer < n_layer // 8:
+            return Q.Q5_K
+    elif name.endswith("attn_output.weight"):
+        return {F.MOSTLY_Q2_K: Q.Q3_K, F.MOSTLY_Q3_K_M: Q.Q4_K}.get(ft)
+    return None
+
+
+def _weight_type(
+    q: Quant, name: str, ne0: int, layer: int, n_layer: int, is_output: bool, gqa: int = 1
+) -> GGMLQuantizationType:
+    """The type llama-quantize gives the 2-D weight `name` with rows of `ne0` values (`gqa`: query
+    heads per KV head)."""
     t = q.default
     if q.mix and t not in FLOAT_TYPES:
         block = GGML_QUANT_SIZES[t][0]
-        bump = q.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
         if is_output and ne0 % block:  # output.weight, or token_embd when tied
             t = Q.Q8_0
         elif is_output and t != Q.Q8_0:
             t = Q.Q6_K
-        elif name.endswith(("attn_v.weight", "ffn_down.weight")) and bump and use_more_bits(layer, n_layer):
-            t = Q.Q6_K
+        elif not is_output:
+            t = _bumped(q.file_type, name, layer, n_layer, gqa) or t
     if t not in FLOAT_TYPES and ne0 % GGML_QUANT_SIZES[t][0]:
         t = FALLBACK.get(t, t)
         if ne0 % GGML_QUANT_SIZES[t][0]:
@@ -103,7 +137,8 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
     gemma = s.arch in ("gemma2", "gemma3")
 
     def weight(name: str, rows: int, ne0: int, layer: int = 0, is_output: bool = False) -> PlannedTensor:
-        return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output))
+        gqa = s.num_attention_heads // s.num_key_value_heads
+        return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output, gqa))
 
     tensors = [weight("token_embd.weight", s.vocab_size, h, is_output=s.tied_embeddings)]
     for i in range(n):

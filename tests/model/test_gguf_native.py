@@ -70,7 +70,7 @@ class ExactBlockLinear(nn.Module):
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf")
-    files = {f"llama-{q}": write_gguf(root / f"llama-{q}.gguf", TINY, q) for q in ("Q4_K_M", "Q6_K", "Q4_0")}
+    files = {f"llama-{q}": write_gguf(root / f"llama-{q}.gguf", TINY, q) for q in ("Q4_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q2_K")}
     files["qwen-Q5_K_M"] = write_gguf(root / "qwen-Q5_K_M.gguf", TINY_QWEN, "Q5_K_M")
     files["qwen3-Q4_K_M"] = write_gguf(root / "qwen3-Q4_K_M.gguf", TINY_QWEN3, "Q4_K_M")
     files["gemma2-Q4_K_M"] = write_gguf(root / "gemma2-Q4_K_M.gguf", TINY_GEMMA2, "Q4_K_M")
@@ -98,7 +98,9 @@ def test_the_mapping_equals_transformers_load_of_the_same_file(tiny_files, monke
         assert not torch.allclose(_all_logits(core, prompts), want, rtol=0, atol=1e-2 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("name", ["llama-Q4_K_M", "llama-Q6_K", "llama-Q4_0", "qwen-Q5_K_M"])
+@pytest.mark.parametrize(
+    "name", ["llama-Q4_K_M", "llama-Q6_K", "llama-Q4_0", "llama-IQ4_XS", "llama-IQ4_NL", "llama-Q2_K", "qwen-Q5_K_M"]
+)
 def test_each_mix_runs_every_tensor_on_its_own_type(tiny_files, name):
     core = EngineCore(_config(tiny_files[name]))
     model = core.runner.model
