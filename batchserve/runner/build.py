@@ -24,6 +24,11 @@ from batchserve.runner.self_check import CheckResult, check_invariance
 logger = logging.getLogger("batchserve")
 
 
+class StartupCheckFailed(ValueError):
+    """The start-up check found NaN or Inf, or a claimed batch invariance that does not hold: the
+    engine is not built, and the message names the layer (or rows) and the file's fallback tensors."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """What the rest of the engine needs to know about the loaded model."""
@@ -68,9 +73,10 @@ def build_checked_runner(
 ) -> tuple[ModelRunner, ModelFacts]:
     """`build_runner`, then the contract checked on the native CPU model (`check_contract`) where
     the invariant attention claims it, or where auto chose no invariant attention because the
-    products' probe failed (the check then names the layer). A failed check keeps the forward as
-    chosen (no other forward here is known to be invariant) and the server says
-    `batch_invariant: false` with the reason. `cache_check`: the engine read the model from its file
+    products' probe failed (the check then names the layer). A failed check never serves: where the
+    forward claims invariance, or where any output was NaN or Inf, `StartupCheckFailed` says what
+    broke. Where nothing was claimed (the probe had failed) the server says `batch_invariant: false`
+    with the layer to blame. `cache_check`: the engine read the model from its file
     itself, so the check's verdict may be cached by file and CPU (`check_cache`); a model handed in
     may be any object, and is checked every time."""
     runner, facts = build_runner(model, tokenizer, config, forward)
@@ -85,10 +91,12 @@ def build_checked_runner(
     key = check_key(runner, config, facts) if cache_check else None
     check = cached_check(key)
     if check is not None:
+        refuse(model, check, claimed)
         logger.info("batch invariance: %s (%.2f s when checked; cached by file and CPU)", check.detail, check.seconds)
         return runner, dataclasses.replace(facts, check=check)
     check = check_contract(runner, facts, config, claimed)
     store_check(key, check)
+    refuse(model, check, claimed)
     if check.invariant:
         logger.info("batch invariance: %s (%.2f s)", check.detail, check.seconds)
     else:
@@ -100,6 +108,23 @@ def build_checked_runner(
     return runner, dataclasses.replace(facts, check=check)
 
 
+def refuse(model: Any, check: CheckResult, claimed: bool) -> None:
+    """Raise StartupCheckFailed where `check` forbids serving: any output NaN or Inf, or a claimed
+    invariance that did not hold (a check that could not run, with no rows, is only reported)."""
+    unchecked = check.rows == 0 and check.detail.startswith("not checked")
+    if check.finite and (check.invariant or not claimed or unchecked):
+        return
+    what = "NaN or Inf outputs" if not check.finite else "batch invariance does not hold"
+    report = getattr(model, "gguf_report", None)
+    fallback = list(getattr(report, "dequantized", []) or [])
+    names = f"; the file's tensors without a kernel of ours: {', '.join(fallback[:8])}" if fallback else ""
+    more = f" and {len(fallback) - 8} more" if len(fallback) > 8 else ""
+    raise StartupCheckFailed(
+        f"the start-up check failed at {torch.get_num_threads()} threads ({what}): {check.detail}{names}{more}."
+        " Not serving: a request's output would not be the model's"
+    )
+
+
 def check_contract(runner: ModelRunner, facts: ModelFacts, config: EngineConfig, claimed: bool) -> CheckResult:
     """Every row-wise layer at the row counts this engine calls it with (`layer_check`), then, where
     the attention claims invariance, the model's logits alone and among others (`self_check`)."""
@@ -107,13 +132,15 @@ def check_contract(runner: ModelRunner, facts: ModelFacts, config: EngineConfig,
     kept = graph_rows(sc.max_num_seqs, sc.max_num_batched_tokens, config)
     layers = check_layers(runner.model, sc.max_num_batched_tokens, kept)
     if not layers.invariant:
-        return CheckResult(False, 0, layers.seconds, layers.detail, layers.layers)
-    if not claimed:
-        why = f"every layer passed, but the {facts.attention_backend} attention is not batch-invariant"
-        return CheckResult(False, 0, layers.seconds, why, layers.layers)
-    model = check_invariance(runner, facts.num_blocks)
+        return CheckResult(False, 0, layers.seconds, layers.detail, layers.layers, layers.finite)
+    model = check_invariance(runner, facts.num_blocks)  # unclaimed: for its finiteness
     seconds = layers.seconds + model.seconds
+    if not claimed and model.finite:
+        why = f"every layer passed, but the {facts.attention_backend} attention is not batch-invariant"
+        return CheckResult(False, 0, seconds, why, layers.layers)
     if model.rows == 0:
+        return model._replace(seconds=seconds, layers=layers.layers)
+    if not model.finite:
         return model._replace(seconds=seconds, layers=layers.layers)
     if not model.invariant:
         why = f"every layer passed, but the model's logits alone and among others differ: {model.detail}"

@@ -22,7 +22,7 @@ from batchserve import native_build
 from batchserve.runner.self_check import CheckResult
 
 logger = logging.getLogger("batchserve")
-FORMAT = 1
+FORMAT = 2  # 2: verdicts carry `finite`
 
 
 def check_key(runner: Any, config: Any, facts: Any) -> dict[str, Any] | None:

@@ -44,6 +44,7 @@ class LayerVerdict:
     counts: int  # row counts the first layer of each kind was checked at
     seconds: float
     detail: str  # the first layer that broke and how ("" when none did)
+    finite: bool = True  # every layer's outputs were finite (False: the first that was not is named)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +114,14 @@ def check_layers(model: nn.Module, max_rows: int, max_kept_rows: int, seed: int 
         rows = most if full else min(most, SPOT_ROWS)
         wanted = row_counts(most) if full else tuple(c for c in SPOT_COUNTS if c <= rows)
         x = torch.randn(rows, layer.width, generator=gen)  # [rows, width]
-        where = rows_variance(layer.call, x, wanted)
         layers += 1
         counts = max(counts, len(wanted))
+        with torch.no_grad():
+            finite = bool(torch.isfinite(layer.call(x)).all())
+        if not finite:  # a dequantized fallback gone wrong, say: never served
+            detail = f"layer {layer.name or '(the model)'} ({layer.kind[0]}): NaN or Inf outputs from finite inputs"
+            return LayerVerdict(False, layers, counts, time.perf_counter() - t0, detail, finite=False)
+        where = rows_variance(layer.call, x, wanted)
         if where is not None:
             kind = f"{layer.kind[0]}, {layer.kind[1]} -> {layer.kind[2]}, {layer.kind[3]} out"
             detail = f"layer {layer.name or '(the model)'} ({kind}): {where}"

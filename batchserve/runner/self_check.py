@@ -31,6 +31,7 @@ class CheckResult(NamedTuple):
     seconds: float
     detail: str  # what was compared, or what differed (the log, GetModelInfo)
     layers: int = 0  # row-wise layers checked before (`layer_check`)
+    finite: bool = True  # every checked output was finite (False: NaN or Inf somewhere, never served)
 
 
 def _tokens(n: int, seed: int, vocab: int) -> tuple[int, ...]:
@@ -84,6 +85,12 @@ def check_invariance(runner: ModelRunner, num_blocks: int) -> CheckResult:
         runner.release([f"{CHECK_ID}-{n}" for n in "abxy"])
     start = 1 + len(chain)  # after x's root and its draft rows
     mine = mixed[start : start + 1 + len(TREE)]
+    seconds = time.perf_counter() - t0
+    bad = [i for i, row in enumerate(torch.cat((alone, mixed))) if not bool(torch.isfinite(row).all())]
+    if bad:  # NaN != NaN: said as what it is, not as rows that differ
+        rows = alone.shape[0] + mixed.shape[0]
+        detail = f"the model's logits are not finite (NaN or Inf) in {len(bad)} of {rows} rows"
+        return CheckResult(False, len(mine), seconds, detail, finite=False)
     same = [torch.equal(a, b) for a, b in zip(alone, mine)]
     detail = "" if all(same) else f"rows {[i for i, s in enumerate(same) if not s]} of {len(same)} differ"
-    return CheckResult(all(same), len(same), time.perf_counter() - t0, detail)
+    return CheckResult(all(same), len(same), seconds, detail)

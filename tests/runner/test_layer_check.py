@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
+from torch import nn
 
 from batchserve import SamplingParams
 from batchserve.admission import Submission
 from batchserve.model.layers import ROW_BUCKETS
+from batchserve.runner.build import StartupCheckFailed
 from batchserve.runner.layer_check import CHUNK_SIZES, check_layers, row_counts, row_layers
-from tests.runner.products import TILE, PerRow, core_of, native, per_row, tiling
+from tests.runner.products import TILE, PerRow, core_of, native, per_row, swap, tiling
 
 
 def test_row_counts_are_the_buckets_and_chunk_sizes_up_to_the_budget():
@@ -52,17 +52,56 @@ def test_a_head_that_tiles_rows_is_checked_up_to_the_kept_rows_only():
     assert not verdict.invariant and verdict.detail.startswith("layer lm_head (TilesRows")
 
 
-def test_the_engine_says_which_layer_broke_and_serves_on(caplog):
-    with caplog.at_level(logging.WARNING, logger="batchserve"):
-        core = core_of(tiling(per_row(), "layers.0.self_attn.o_proj"))
-    assert not core.facts.batch_invariant and not core.facts.check.invariant
-    assert core.facts.invariance_why.startswith("layer layers.0.self_attn.o_proj (TilesRows")
-    assert "batch invariance: FAILED" in caplog.text and "layers.0.self_attn.o_proj" in caplog.text
-    # No other forward here is known to be invariant: the chosen one stays, and says so.
-    assert core.facts.forward.attention.choice == core_of(per_row()).facts.forward.attention.choice
+def test_a_failed_check_of_a_claimed_invariance_never_serves():
+    """The invariant attention claims it: a layer that breaks it stops the engine, named."""
+    with pytest.raises(StartupCheckFailed, match=r"batch invariance does not hold\): layer layers.0.self_attn.o_proj"):
+        core_of(tiling(per_row(), "layers.0.self_attn.o_proj"))
+    core = core_of(per_row())  # the same model with that layer invariant serves
     core.add_request(Submission([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)))
     while core.has_work():
         core.step()
+
+
+class NaNAfter(nn.Module):
+    """A product whose outputs turn NaN from row `first` of a call on (a dequantized fallback gone
+    wrong on some activations): finite for the first rows, as a one-row probe would see it."""
+
+    def __init__(self, linear: nn.Module, first: int = 0) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.inner, self.first = linear, first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([self.inner(row) for row in x.split(1)])  # [T, out]
+        y[self.first :] = float("nan")
+        return y
+
+
+def test_a_layer_with_nan_outputs_is_named_and_never_serves():
+    model = per_row()
+    swap(model, "layers.1.mlp.gate_up_proj", NaNAfter)
+    verdict = check_layers(model, max_rows=64, max_kept_rows=40)
+    assert not verdict.invariant and not verdict.finite
+    assert verdict.detail.startswith("layer layers.1.mlp.gate_up_proj (NaNAfter): NaN or Inf")
+    with pytest.raises(StartupCheckFailed, match=r"NaN or Inf outputs\): layer layers.1.mlp.gate_up_proj"):
+        core_of(model)
+
+
+def test_nan_logits_never_serve_claimed_or_not():
+    """Every row-wise layer finite on random inputs, but the model's logits NaN on real tokens (an
+    embedding row gone wrong): refused where invariance is claimed and where auto claims nothing
+    (the products' probe failed, the torch attention runs), though a variant layer is only reported
+    there."""
+    model = tiling(per_row(), "layers.1.self_attn.qkv_proj")
+    model.batch_invariant_linears = False
+    assert core_of(model).facts.attention_backend == "torch"  # reported, served
+    for claimed in (True, False):
+        model = per_row()
+        model.batch_invariant_linears = claimed
+        with torch.no_grad():
+            model.embed_tokens.weight[:] = float("nan")
+        with pytest.raises(StartupCheckFailed, match=r"NaN or Inf outputs\): the model's logits are not finite"):
+            core_of(model)
 
 
 def test_the_check_runs_where_auto_chose_no_invariant_attention_and_names_the_layer(monkeypatch):

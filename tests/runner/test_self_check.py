@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from batchserve import SamplingParams
-from batchserve.admission import Submission
+import pytest
+
 from batchserve.attention import INVARIANT_BACKENDS
 from batchserve.config import DraftConfig, EngineConfig, ModelConfig
+from batchserve.runner.build import StartupCheckFailed
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 from tests.runner.products import core_of, native, per_row
 
@@ -43,20 +43,13 @@ def test_the_shipped_model_is_invariant_only_where_its_check_says_so():
     assert core.facts.invariance_why
 
 
-def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_says_so(caplog):
+def test_a_model_whose_rows_move_with_the_batch_fails_the_check_and_never_serves():
     model = _row_count_leaks(per_row())
-    with caplog.at_level(logging.WARNING, logger="batchserve"):
-        core = core_of(model)
-    check = core.facts.check
-    assert not check.invariant and not core.facts.batch_invariant
+    with pytest.raises(StartupCheckFailed) as failed:
+        core_of(model)
     # Every layer passed (the leak is past them): the model-level comparison caught it.
-    assert check.layers == 16 and check.detail.startswith("every layer passed, but the model's logits")
-    assert "batch invariance: FAILED" in caplog.text
-    # No other attention here is known to be invariant: the forward stays as chosen, and says so.
-    assert core.facts.forward.attention.choice == "kernel" and core.facts.forward.impl.choice == "native"
-    core.add_request(Submission([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)))
-    while core.has_work():  # and the engine serves
-        core.step()
+    assert "every layer passed, but the model's logits alone and among others differ: rows" in str(failed.value)
+    assert "Not serving" in str(failed.value)
 
 
 def test_a_pool_too_small_to_check_keeps_the_backend_and_claims_nothing():
