@@ -262,7 +262,13 @@ def kv_blocks_for_memory(
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """Every end-of-sequence id the model's configs and the tokenizer name."""
+    """Every end-of-sequence id the model's configs and the tokenizer name, and for a model read
+    from a GGUF file every id that ends a generation in llama.cpp (`gguf_vocab`: eot, eom, the chat
+    template's end tokens)."""
+    from pathlib import Path
+
+    from batchserve.model.gguf_vocab import file_end_of_generation_ids
+
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None)
@@ -270,6 +276,10 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
             ids.update([eos] if isinstance(eos, int) else eos)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
+    source = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    if source.suffix == ".gguf" and source.is_file():
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        ids.update(i for i in file_end_of_generation_ids(source) if not vocab or i < vocab)
     return frozenset(ids)
 
 

@@ -115,6 +115,7 @@ def test_each_mix_runs_every_tensor_on_its_own_type(tiny_files, name):
     for product in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(product, blocks.BlockLinear)
     assert model.batch_invariant_linears and core.facts.batch_invariant
+    assert core.facts.eos_token_ids == {0, 2}  # its vocabulary's <|endoftext|> ends generation too, as in llama.cpp
 
 
 def test_a_type_without_our_kernel_runs_as_bfloat16_and_says_so(tmp_path, caplog):
