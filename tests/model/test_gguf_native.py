@@ -70,7 +70,8 @@ class ExactBlockLinear(nn.Module):
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf")
-    files = {f"llama-{q}": write_gguf(root / f"llama-{q}.gguf", TINY, q) for q in ("Q4_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q2_K")}
+    quants = ("Q4_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q2_K")
+    files = {f"llama-{q}": write_gguf(root / f"llama-{q}.gguf", TINY, q) for q in quants}
     files["qwen-Q5_K_M"] = write_gguf(root / "qwen-Q5_K_M.gguf", TINY_QWEN, "Q5_K_M")
     files["qwen3-Q4_K_M"] = write_gguf(root / "qwen3-Q4_K_M.gguf", TINY_QWEN3, "Q4_K_M")
     files["gemma2-Q4_K_M"] = write_gguf(root / "gemma2-Q4_K_M.gguf", TINY_GEMMA2, "Q4_K_M")
