@@ -1,4 +1,4 @@
-"""The `batchserve` command line: serve, calibrate, generate, bench, tune and plot."""
+"""The `batchserve` command line: serve, calibrate, generate, bench, tune, plot and perplexity."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from batchserve.bench.commands import (
     int_list,
     plot_command,
 )
+from batchserve.bench.perplexity import add_perplexity_parser, perplexity_command
 from batchserve.config import SETTINGS, EngineConfig, Setting, settings_of
 
 SECTION_TITLES = {
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     _tune_parser(sub)
     add_plot_parser(sub)
+    add_perplexity_parser(sub)
     return parser
 
 
@@ -265,6 +267,7 @@ COMMANDS = {
     "bench": bench_command,
     "tune": _tune,
     "plot": plot_command,
+    "perplexity": perplexity_command,
 }
 
 

@@ -27,7 +27,6 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unava
 TYPES = sorted(NATIVE_TYPES)
 SMALL = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # 32-value blocks; gguf-py quantizes these
 MIN_FIELDS = MIN_FIELD  # byte offset of m / dmin in a block
-QUANTIZED_MINS = (T.Q2_K,)  # its mins (one a 16 values) multiply the quantized activations' int sums
 
 
 def _cols(qtype: int) -> int:
@@ -55,9 +54,8 @@ def _bound(x: torch.Tensor, raw: np.ndarray, qtype: int) -> torch.Tensor:
     a float32 rounding term for the sums."""
     xb = x.double().view(x.shape[0], -1, 32)  # [T, K/32, 32]
     dx = xb.abs().amax(-1) / 127  # [T, K/32]
-    # The weights that multiply quantized activations: all of Q2_K's, its mins included.
-    w = _dequantized(raw, qtype) if qtype in QUANTIZED_MINS else _scaled_part(raw, qtype)
-    a = w.abs().view(raw.shape[0], -1, 32).sum(-1)  # [N, K/32]
+    # Every weight multiplies quantized activations, its min included (d_x * sum(q_x), as llama.cpp).
+    a = _dequantized(raw, qtype).abs().view(raw.shape[0], -1, 32).sum(-1)  # [N, K/32]
     rounding = 1e-5 * (x.double().abs() @ _dequantized(raw, qtype).abs().T) + 1e-6
     return 1.01 * (dx / 2) @ a.T + rounding
 
@@ -65,8 +63,8 @@ def _bound(x: torch.Tensor, raw: np.ndarray, qtype: int) -> torch.Tensor:
 def _emulated(x: torch.Tensor, raw: np.ndarray, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the kernel's arithmetic in float64, its float32 rounding allowance) [T, N]: the activations
     quantized as the kernel does (per row and block of 32, d = max|x| / 127, q = round(x * 127 /
-    max|x|) in float32, ties to even) times the scaled weights, plus the mins times x's float sums
-    (Q2_K's times the quantized activations' sums).
+    max|x|) in float32, ties to even) times the scaled weights, plus the mins times the quantized
+    activations' sums (d_x * sum(q_x), as llama.cpp's Q8_1 and Q8_K carry them).
     Tight enough that one value decoded a step off fails it, where the bound above may not."""
     blocks = x.view(x.shape[0], -1, 32)
     mx = blocks.abs().amax(-1, keepdim=True)  # [T, K/32, 1] float32
@@ -74,9 +72,8 @@ def _emulated(x: torch.Tensor, raw: np.ndarray, qtype: int) -> tuple[torch.Tenso
     xq = (q.double() * (mx / 127.0).double()).view(x.shape)  # [T, K]
     a = _scaled_part(raw, qtype)  # [N, K]
     mins = _dequantized(raw, qtype) - a  # [N, K]: the min of each block of 32 (or 16), repeated
-    xm = xq if qtype in QUANTIZED_MINS else x.double()
-    emulated = xq @ a.T + xm @ mins.T
-    return emulated, 1e-5 * (xq.abs() @ a.abs().T + xm.abs() @ mins.abs().T) + 1e-7
+    emulated = xq @ a.T + xq @ mins.T
+    return emulated, 1e-5 * (xq.abs() @ a.abs().T + xq.abs() @ mins.abs().T) + 1e-7
 
 
 def _check(layer: BlockLinear, parts: list[tuple[np.ndarray, int]], x: torch.Tensor) -> None:

@@ -25,12 +25,13 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unava
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The activations as the kernel quantizes them, computed independently in torch: per row and
     block of 32, d = max|x| / 127 and q = round(x * (127 / max|x|)) (float32, ties to even), and
-    the float64 sum of the block's values -> q [T, K/32, 32], d, s [T, K/32] (float64)."""
+    the block's quantized sum d * sum(q) -> q [T, K/32, 32], d, s [T, K/32] (float64)."""
     blocks = x.view(x.shape[0], -1, 32)
     mx = blocks.abs().amax(-1)  # [T, K/32] float32
     mul = torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros(()))
     q = torch.round(blocks * mul[..., None])
-    return q.double(), (mx / 127.0).double(), blocks.double().sum(-1)
+    d = (mx / 127.0).double()
+    return q.double(), d, d * q.double().sum(-1)
 
 
 def _q4_reference(x: torch.Tensor, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 // One call may hold several parts of different types (q|k|v, gate|up): the activations are
 // quantized once per call, per row and block of 32 to int8 (d = max|x| / 127, round half to even,
 // as quantize.h's quantize_block (quant_gemm.cpp's too), so Q4_1 and Q8_0 give the bits of bs_q4_1_linear and
-// bs_q8_0_linear), with the block's float sum and the exact int sums of each 16 values.
+// bs_q8_0_linear), with the block's quantized sum s_x = d_x * sum(q_x) and the exact int sums of each 16 values.
 //
 // Per block of 32, per row and column, the integer sum isum = sum(q_w * q_x) over the stored
 // (unsigned) weight values is exact, then a fixed float sequence:
@@ -42,12 +42,12 @@ namespace {
 struct Acts {           // a call's activations, quantized
     const int8_t* q;    // [K/32, T, 32]
     const float* d;     // [K/32, T] scales
-    const float* s;     // [K/32, T] float sums
+    const float* s;     // [K/32, T] quantized sums d * sum(q)
     const int32_t* x16; // [K/32, T, 2] int sums of each 16 quantized values
     int64_t T, nb;
 };
 
-// One row's block of 32 floats -> quantize_block's int8 q, d and float sum, and the int sums of
+// One row's block of 32 floats -> quantize_block's int8 q, d and d * sum(q), and the int sums of
 // each 16 values (the offset types' correction).
 inline void quantize_block16(const float* p, int8_t* q, float* d, float* s, int32_t* x16) {
     quantize_block(p, q, d, s);

@@ -51,7 +51,7 @@ constexpr int kGroups = 1;   // column groups (of 8) a tile computes at once
 struct Rows {         // a call's activations, quantized
     const int8_t* q;  // [T, K]
     const float* d;   // [T, K/32] scales
-    const float* s;   // [T, K/32] float sums (Q4_1's min term)
+    const float* s;   // [T, K/32] quantized sums d * sum(q) (Q4_1's min term)
     int64_t K;
 };
 
