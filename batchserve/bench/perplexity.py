@@ -188,8 +188,10 @@ def add_perplexity_parser(sub: Any) -> None:
     p.add_argument("--text", required=True, help="a UTF-8 text file to score")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half is scored (default: 512)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
-    p.add_argument("--kl-divergence", dest="reference", default=None, metavar="BASE",
-                   help="a reference model file of the same vocabulary: KL divergence and top-1 agreement against it")  # fmt: skip
+    p.add_argument(
+        "--kl-divergence", dest="reference", default=None, metavar="BASE",
+        help="a reference model file of the same vocabulary: the KL divergence from it, top-1 agreement",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the server's choice)")
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
 
