@@ -78,8 +78,14 @@ def hf_rotaries(rope: Any) -> tuple[tuple[torch.Tensor, float], tuple[torch.Tens
     transformers' rotary module of the model."""
     if hasattr(rope, "inv_freq"):
         return (rope.inv_freq.detach().float().clone(), float(getattr(rope, "attention_scaling", 1.0))), None
-    pair = []
-    for kind in ("full_attention", "sliding_attention"):
-        inv = getattr(rope, f"{kind}_inv_freq").detach().float().clone()
-        pair.append((inv, float(getattr(rope, f"{kind}_attention_scaling", 1.0))))
-    return pair[0], pair[1]
+    found = {
+        kind: (getattr(rope, f"{kind}_inv_freq").detach().float().clone(),
+               float(getattr(rope, f"{kind}_attention_scaling", 1.0)))
+        for kind in ("full_attention", "sliding_attention")
+        if hasattr(rope, f"{kind}_inv_freq")
+    }  # fmt: skip
+    if not found:
+        raise ValueError(f"{type(rope).__name__} has no inv_freq for any layer type")
+    # transformers makes only the kinds the model's layers have: a Gemma 3 of fewer than 6 layers
+    # is all windowed (its global rotary then serves no layer, and is the windowed one's).
+    return found.get("full_attention") or found["sliding_attention"], found.get("sliding_attention")
