@@ -197,6 +197,9 @@ def add_perplexity_parser(sub: Any) -> None:
 
 
 def perplexity_command(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # the load's report
     try:
         text = Path(args.text).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
