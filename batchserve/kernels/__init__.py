@@ -1,5 +1,6 @@
 """Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp: Q4_1
-and Q8_0 in numpy-grouped layouts; block_gemm.cpp: Q4_0 .. Q6_K repacked by block_pack.cpp), over
+and Q8_0 in numpy-grouped layouts; block_gemm.cpp: Q4_0 .. Q8_0, IQ4_NL, Q2_K .. Q6_K and IQ4_XS
+repacked by block_pack.cpp), over
 bfloat16 weights (bf16_gemm.cpp) and paged attention (attention.cpp), compiled for this CPU on
 first use and loaded as an extension module (bindings.cpp).
 

@@ -3,7 +3,7 @@ copy, no conversion cache. Each product is a `BlockLinear` over the tensors' own
 type each tensor has (a llama.cpp mix varies by layer and falls back per tensor); the token
 embedding looks its rows up in the mapped file; norms and biases are the file's float32 values.
 
-A tensor whose type has no kernel of ours (IQ quants, Q2_K, Q3_K, float matrices) is dequantized
+A tensor whose type has no kernel of ours (IQ1-IQ3, TQ, MXFP4, float matrices) is dequantized
 to bfloat16 for our bfloat16 kernel, and the start-up log names each such tensor and its cost. A
 file that cannot fit in memory beside the KV pool is refused before anything is read."""
 
