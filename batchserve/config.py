@@ -77,11 +77,11 @@ class ModelConfig:
     cpu_weights: str = setting(
         "auto",
         "native model on CPU: gguf: a GGUF file read straight from its blocks, each tensor at its own type (Q4_0,"
-        " Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K-Q6_K, IQ4_XS) on our kernels, memory-mapped, no float32 copy (a type without"
-        " a kernel of ours runs as bfloat16, named at start-up); float32; bfloat16: bfloat16 copies of the products'"
-        " weights on our kernels (an HF directory is read tensor by tensor); q4_1: the file's Q4_1 layers through"
-        " transformers' load (the earlier path). auto: gguf for a GGUF file where our kernels build; else bfloat16"
-        " where it runs fast (AVX-512), else float32 (the log says which, why)",
+        " Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K-Q6_K, IQ4_XS) on our kernels, memory-mapped, no float32 copy (a type"
+        " without a kernel of ours runs as bfloat16, named at start-up); float32; bfloat16: bfloat16 copies of the"
+        " products' weights on our kernels (an HF directory is read tensor by tensor); q4_1: the file's Q4_1 layers"
+        " through transformers' load (the earlier path). auto: gguf for a GGUF file where our kernels build; else"
+        " bfloat16 where it runs fast (AVX-512), else float32 (the log says which, why)",
         choices=CPU_WEIGHTS,
     )
     num_threads: int | None = setting(None, THREADS_HELP)

@@ -101,7 +101,7 @@ def engine_scorer(path: str, ctx: int, threads: int | None) -> tuple[Scorer, Any
     import torch
 
     from batchserve.config import EngineConfig
-    from batchserve.engine import EngineCore
+    from batchserve import EngineCore
     from batchserve.records import ScheduledRequest, SchedulerOutput
     from batchserve.request import SamplingParams
 

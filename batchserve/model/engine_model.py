@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchserve.model.loader import load_model, resolve_device_dtype, resolve_model_path
@@ -56,7 +57,33 @@ def load_engine_model(model_config: Any, kv_bytes: Callable[[Any], int] | None =
             logger.warning("reading %s through transformers instead of its own blocks: %s", gguf_file, e)
     elif mc.cpu_weights == "gguf":
         raise ValueError(f"cpu_weights=gguf reads a GGUF file's blocks on the CPU: {why}")
+    check_conversion_fits(directory / str(gguf_file), mc, kv_bytes)
     return load_model(mc.path, mc.dtype, mc.device)
+
+
+def check_conversion_fits(path: Path, mc: Any, kv_bytes: Callable[[Any], int] | None) -> None:
+    """Raise GGUFTooLarge where transformers' load of the GGUF at `path` (every weight dequantized to
+    `dtype`, twice at its peak: the file's dequantized arrays and the model) and the KV pool do not
+    fit in the memory available, with the bytes it needs (on the CPU; a device holds its own)."""
+    from batchserve.model.gguf_file import GGUFTensors
+    from batchserve.model.gguf_native import MARGIN_BYTES, GGUFTooLarge, available_bytes
+
+    device, dtype = resolve_device_dtype(mc.device, mc.dtype)
+    if torch.device(device).type != "cpu":
+        return
+    values = sum(int(np.prod(v.shape)) for v in GGUFTensors(path).tensors.values())
+    width = 4 if dtype == "float32" else 2
+    need, have = 2 * width * values + MARGIN_BYTES, available_bytes()
+    if kv_bytes is not None:
+        from transformers import AutoConfig
+
+        need += kv_bytes(AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True))
+    if have is not None and need > have:
+        raise GGUFTooLarge(
+            f"{path.name} is not read from its own blocks here, and transformers' load of it dequantizes every"
+            f" weight to {dtype}: it needs {need:,} bytes ({need / 2**30:.1f} GiB with the KV pool) and {have:,}"
+            " are available; use a smaller file, or one of the types and architectures read from their blocks"
+        )
 
 
 def _load_directory(directory: Path, mc: Any) -> tuple[Any, Any]:

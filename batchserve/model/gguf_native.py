@@ -111,19 +111,23 @@ def refusal(tensors: GGUFTensors) -> str | None:
 
 
 def bytes_needed(tensors: GGUFTensors) -> int:
-    """Resident bytes the layers will hold: the blocks of every native type as packed (about the
-    file's), bfloat16 for the rest; the embedding's rows stay in the file."""
+    """Bytes the load needs at its peak: the blocks of every native type as packed (about the
+    file's), bfloat16 for the rest, and while such a product is built its float32 weights twice
+    (the dequantized parts joined, then the layer's own; at most two parts' worth of the largest
+    such tensor); the embedding's rows stay in the file."""
     from batchserve.model.blocks import NATIVE_TYPES
 
-    total = 0
+    total = largest = 0
     for view in tensors.tensors.values():
         if view.name == "token_embd.weight" and "output.weight" in tensors.tensors:
             continue
         if view.qtype in NATIVE_TYPES or len(view.shape) < 2:
             total += view.nbytes
         else:
-            total += 2 * int(np.prod(view.shape))
-    return total
+            values = int(np.prod(view.shape))
+            total += 2 * values
+            largest = max(largest, values)
+    return total + 2 * 2 * 4 * largest
 
 
 def available_bytes() -> int | None:

@@ -134,6 +134,13 @@ def _write_entry(gguf_path: Path, dtype: str, model: Any, tokenizer: Any) -> Non
     entry = _entry_path(gguf_path, dtype)
     if entry is None:
         return
+    size = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+    if size > gguf_path.stat().st_size:  # never a cache larger than the file
+        logger.info(
+            "%s converted to %s takes %.1f GiB, more than the file's %.1f GiB: not cached",
+            gguf_path.name, dtype, size / 2**30, gguf_path.stat().st_size / 2**30,
+        )  # fmt: skip
+        return
     from safetensors.torch import save_model
 
     def fill(tmp: Path) -> None:

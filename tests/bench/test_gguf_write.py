@@ -5,6 +5,7 @@ Tiny shapes only (the real ones: their planned sizes)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,14 @@ MIX_TABLE = {
 }
 
 
-@pytest.mark.parametrize("quant", list(QUANTS))
+LOW_BIT = ("Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")  # their own bumps (attn_v, ffn_down, attn_output)
+
+
+def test_every_mix_is_tested() -> None:
+    assert set(QUANTS) == set(MIX_TABLE) | set(LOW_BIT)
+
+
+@pytest.mark.parametrize("quant", list(MIX_TABLE))
 def test_each_mix_types_each_tensor_as_llama_quantize(quant: str) -> None:
     default, output, bumped = MIX_TABLE[quant]
     types = tensor_types(LLAMA, quant)
@@ -74,6 +82,40 @@ def test_each_mix_types_each_tensor_as_llama_quantize(quant: str) -> None:
     assert types == expected
     assert list(types)[:2] == ["token_embd.weight", "blk.0.attn_norm.weight"]
     assert list(types)[-2:] == ["output_norm.weight", "output.weight"]
+
+
+def test_the_low_bit_mixes_bump_as_llama_quantize() -> None:
+    """llama-quantize's rules (src/llama-quant.cpp) on the 8-layer shape (2 query heads a KV head)."""
+    for quant, v, down, out_proj in (
+        ("Q2_K", [Q.Q3_K] * 8, [Q.Q3_K] * 8, Q.Q3_K),
+        ("Q3_K_M", [Q.Q5_K] * 2 + [Q.Q4_K] * 6, [Q.Q4_K] * 8, Q.Q4_K),  # no layer below 8 / 16
+        ("IQ4_XS", [Q.IQ4_XS] * 8, [Q.Q5_K] + [Q.IQ4_XS] * 7, Q.IQ4_XS),  # the first eighth's ffn_down
+    ):
+        types = tensor_types(LLAMA, quant)
+        assert [types[f"blk.{i}.attn_v.weight"] for i in range(8)] == v, quant
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(8)] == down, quant
+        assert {types[f"blk.{i}.attn_output.weight"] for i in range(8)} == {out_proj}, quant
+        assert types["output.weight"] == Q.Q6_K and types["blk.5.attn_q.weight"] == QUANTS[quant].default
+    wide = ModelShape("gqa4", 256, 8, 8, 2, 32, 512, SMOL_VOCAB + 64)  # 4 query heads a KV head
+    assert tensor_types(wide, "Q2_K")["blk.4.attn_v.weight"] == Q.Q4_K
+    assert tensor_types(wide, "IQ4_NL")["blk.4.attn_v.weight"] == Q.Q5_K
+
+
+# What llama-quantize (llama.cpp 11434, `--allow-requantize` from the shipped Q4_1 file) wrote for
+# SmolLM2-135M in each mix: its 2-D tensors by type. The plan matched those files tensor by tensor.
+SMOL_WRITTEN = {
+    "Q3_K_M": {"Q8_0": 1, "Q4_0": 120, "Q5_0": 58, "Q5_1": 2, "Q5_K": 1, "Q4_K": 29},
+    "Q2_K": {"Q8_0": 1, "Q4_0": 180, "Q3_K": 30},
+    "IQ4_XS": {"Q8_0": 1, "IQ4_NL": 180, "Q5_K": 3, "IQ4_XS": 27},
+    "IQ4_NL": {"Q8_0": 1, "IQ4_NL": 207, "Q5_K": 3},
+    "Q4_K_M": {"Q8_0": 15, "Q5_0": 166, "Q6_K": 14, "Q4_K": 16},
+}
+
+
+@pytest.mark.parametrize("quant", list(SMOL_WRITTEN))
+def test_smollm2s_plan_has_the_types_llama_quantize_wrote(quant: str) -> None:
+    written = Counter(t.qtype.name for t in plan(SMOL, quant) if len(t.shape) == 2)
+    assert written == SMOL_WRITTEN[quant]
 
 
 def test_the_576_wide_smollm2_falls_back_as_the_notes_say() -> None:
@@ -244,5 +286,5 @@ def test_the_cli_writes_a_named_shape(
     assert {t.qtype for t in read_gguf(out).tensors} == {Q.Q8_0, Q.Q6_K, Q.F32}
     # A vocabulary smaller than the tokenizer's, an unknown mix: refused.
     assert main(["bench", "--write-gguf", str(tmp_path / "t.gguf"), "--shape", "llama3-tiny"]) == 2
-    assert main(["bench", "--write-gguf", str(out), "--shape", QWEN.name, "--quant", "Q3_K_M"]) == 2
+    assert main(["bench", "--write-gguf", str(out), "--shape", QWEN.name, "--quant", "Q1_X"]) == 2
     assert "unknown quantization" in capsys.readouterr().err

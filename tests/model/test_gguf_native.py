@@ -140,6 +140,24 @@ def test_a_file_that_cannot_fit_is_refused_with_the_bytes_it_needs(tiny_files, m
         EngineCore(_config(tiny_files["llama-Q4_0"]))
 
 
+def test_a_file_read_through_transformers_is_checked_for_memory_and_caches_nothing_larger(tmp_path, monkeypatch):
+    """An architecture not read from its blocks (here: our kernels said unavailable) goes through
+    transformers' float32 load: refused before loading where it cannot fit, and its float32
+    conversion (larger than the Q4_0 file) is not written to the cache."""
+    from batchserve.model import engine_model, loader
+
+    path = write_gguf(tmp_path / "q4.gguf", TINY, "Q4_0")
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_native, "refusal", lambda tensors: "not read from blocks here (a test)")
+    monkeypatch.setattr(gguf_native, "available_bytes", lambda: 1 << 20)
+    with pytest.raises(GGUFTooLarge, match=r"transformers' load of it dequantizes every weight to float32: it needs"):
+        engine_model.load_engine_model(ModelConfig(path=str(path)))
+    monkeypatch.setattr(gguf_native, "available_bytes", lambda: None)
+    model, _ = engine_model.load_engine_model(ModelConfig(path=str(path)))
+    assert next(model.parameters()).dtype == torch.float32
+    assert loader._cached_entry(path, "float32") is None  # 4x the file: not cached
+
+
 def test_not_a_gguf_file_is_refused_by_name(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
