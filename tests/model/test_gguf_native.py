@@ -19,6 +19,8 @@ from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfi
 from batchserve.engine import EngineCore
 from batchserve.model import blocks, gguf_file, gguf_native
 from batchserve.model.gguf_native import GGUFEmbedding, GGUFTooLarge, load_gguf_native
+from batchserve.model.gguf_read import read_gguf
+from batchserve.model.gguf_tokenizer import match_llama_cpp
 from batchserve.model.loader import default_model_path, load_model
 from tests.model.test_llama import _all_logits
 
@@ -194,13 +196,15 @@ def test_a_first_read_parses_the_config_once_and_builds_autotokenizers_tokenizer
     tiny_files, monkeypatch, tmp_path, name
 ):
     """The file's metadata is parsed once on a first start (each parse reads every field: 6 s on
-    an 8B), and the tokenizer is the one `AutoTokenizer` builds from the file."""
+    an 8B), and the tokenizer is the one `AutoTokenizer` builds from the file, with llama.cpp's
+    splitting rules for its vocabulary (`match_llama_cpp`)."""
     monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
     from transformers import AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     path = tiny_files[name]
     want = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    assert match_llama_cpp(want, read_gguf(path).metadata).startswith("pre-tokenizer smollm")
     parses: list[str] = []
     real = gguf_utils.load_gguf_checkpoint
 
