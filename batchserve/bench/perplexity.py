@@ -100,8 +100,8 @@ def engine_scorer(path: str, ctx: int, threads: int | None) -> tuple[Scorer, Any
     is one prompt of its own on KV blocks no request holds, its scored rows' logits kept."""
     import torch
 
-    from batchserve.config import EngineConfig
     from batchserve import EngineCore
+    from batchserve.config import EngineConfig
     from batchserve.records import ScheduledRequest, SchedulerOutput
     from batchserve.request import SamplingParams
 
