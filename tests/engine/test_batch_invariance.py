@@ -177,6 +177,7 @@ MIXES = {
     "Q4_K_M": {"Q4_K", "Q6_K", "Q5_0", "Q8_0"},  # 576-wide rows fall back from Q4_K to Q5_0
     "Q5_K_M": {"Q5_K", "Q6_K", "Q5_1", "Q8_0"},
     "Q4_0": {"Q4_0", "Q8_0"},
+    "IQ4_XS": {"IQ4_XS", "IQ4_NL", "Q5_K", "Q8_0"},  # 576-wide rows fall back to IQ4_NL, as llama-quantize's
     "default": {"Q4_1", "Q8_0"},
 }
 
