@@ -32,7 +32,7 @@ def end_of_generation_ids(metadata: Mapping[str, Any]) -> frozenset[int]:
         return getattr(entry, "value", entry)
 
     tokens = value("tokenizer.ggml.tokens") or []
-    ids = {int(v) for v in map(value, EOG_KEYS) if v is not None and 0 <= int(v) < max(len(tokens), 1 << 31)}
+    ids = {int(v) for v in map(value, EOG_KEYS) if v is not None and int(v) >= 0}
     by_text = {text: i for i, text in enumerate(tokens) if text in EOG_TEXTS}
     ids.update(by_text.values())
     present = set(by_text)
