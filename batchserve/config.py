@@ -36,7 +36,12 @@ __all__ = [
 
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")  # batchserve.model.choose_impl
-CPU_WEIGHTS: tuple[str, ...] = ("auto", "gguf", "float32", "bfloat16", "q4_1")  # batchserve.model.choose_impl
+CPU_WEIGHTS: tuple[str, ...] = ("auto", "gguf", "float32", "bfloat16")  # batchserve.model.choose_impl
+# Choices that were removed -> what to ask for instead (a config naming one fails saying so).
+RETIRED_CPU_WEIGHTS = {
+    "q4_1": "a GGUF file's Q4_1 blocks (and every other type's) are read straight from the file with cpu_weights=gguf,"
+    " which auto takes wherever our kernels run",
+}
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "kernel", "invariant", "torch")  # resolve_backend's
 CPU_LINEAR: tuple[str, ...] = ("auto", "torch", "onednn")  # batchserve.runner.cpu_linear's
 CUDA_GRAPHS: tuple[str, ...] = ("auto", "on", "off", "eager")  # batchserve.runner.forward.graphs_choice
@@ -70,8 +75,8 @@ class ModelConfig:
     # few buckets its memory stays bounded (a 10-minute soak: +2.2%; see runner/cpu_linear.py).
     cpu_linear: str = setting(
         "auto",
-        "CPU products: oneDNN's float32 and bfloat16 kernels and ours for Q4_1 (auto: where they run) or torch's own"
-        " (its int4 kernel for Q4_1)",
+        "CPU products: oneDNN's float32 and bfloat16 kernels and ours over a GGUF file's blocks (auto: where they"
+        " run) or torch's own (a GGUF file then loads through transformers)",
         choices=CPU_LINEAR,
     )
     cpu_weights: str = setting(
@@ -79,9 +84,8 @@ class ModelConfig:
         "native model on CPU: gguf: a GGUF file read straight from its blocks, each tensor at its own type (Q4_0,"
         " Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K-Q6_K, IQ4_XS) on our kernels, memory-mapped, no float32 copy (a type"
         " without a kernel of ours runs as bfloat16, named at start-up); float32; bfloat16: bfloat16 copies of the"
-        " products' weights on our kernels (an HF directory is read tensor by tensor); q4_1: the file's Q4_1 layers"
-        " through transformers' load (the earlier path). auto: gguf for a GGUF file where our kernels build; else"
-        " bfloat16 where it runs fast (AVX-512), else float32 (the log says which, why)",
+        " products' weights on our kernels (an HF directory is read tensor by tensor). auto: gguf for a GGUF file"
+        " where our kernels build; else bfloat16 where it runs fast (AVX-512), else float32 (the log says which, why)",
         choices=CPU_WEIGHTS,
     )
     num_threads: int | None = setting(None, THREADS_HELP)
@@ -95,6 +99,9 @@ class ModelConfig:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEAR)
         check_choice("model_impl", self.model_impl, MODEL_IMPLS)
+        if self.cpu_weights in RETIRED_CPU_WEIGHTS:
+            retired = RETIRED_CPU_WEIGHTS[self.cpu_weights]
+            raise ValueError(f"cpu_weights={self.cpu_weights} is no longer a choice: {retired}; one of {CPU_WEIGHTS}")
         check_choice("cpu_weights", self.cpu_weights, CPU_WEIGHTS)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -57,9 +57,9 @@ class CostProfile:
     # [context] extra cost of each further request in a step: its own attention batch row,
     # the padding and gather of its KV, its metadata. Grows with context. Empty: none.
     per_seq_ms: tuple[float, ...] = ()
-    # Rows the forward's products take in blocks of (measured by `calibrate`; 1: none): torch's
-    # int4 kernel on an AVX2 CPU reads every weight again for each 4 rows, so past the first
-    # block a step costs what its rows rounded up to a whole block cost, not a linear share.
+    # Rows the forward's products take in blocks of (measured by `calibrate`; 1: none): where a
+    # kernel reads every weight again for each block (torch's int4 kernel on AVX2: 4 rows), a step
+    # past the first block costs what its rows rounded up to a whole block cost, not a linear share.
     row_block: int = 1
     # [context] extra cost of each draft row in a step of several requests, beyond what the
     # one-request curve says for a row: requests carry drafts of different sizes and shapes

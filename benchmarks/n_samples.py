@@ -4,7 +4,7 @@
         --out benchmarks/results/openai-features/n_samples
 
 For each HumanEval test prompt (the bench's loader and chat template), four modes on the default
-model (SmolLM2, its GGUF's Q4_1 layers: the bench's `-q4` methods; drafts: `lookahead-adaptive`,
+model (SmolLM2, its GGUF read from its blocks: the bench's `-gguf` methods; drafts: `lookahead-adaptive`,
 the server's default, with a cold trie), each on a fresh engine with `--n` seats, so that no mode
 finds the prompt in a cache an earlier run filled:
 
@@ -40,7 +40,7 @@ from typing import Any
 MODES = ("n", "split", "nocache", "n-nocache")
 GROUPED = ("n", "n-nocache")  # the samples are one call's (a `group`)
 CACHE_OFF = ("nocache", "n-nocache")  # the engine runs with prefix caching off
-METHOD = "lookahead-adaptive-q4"  # the bench method whose engine settings every mode runs
+METHOD = "lookahead-adaptive-gguf"  # the bench method whose engine settings every mode runs
 
 
 @dataclass(slots=True)

@@ -1,12 +1,12 @@
 """The CPU product kernels on SmolLM2's shapes, by rows per call: ms for one step's products.
 
-    .venv/bin/python benchmarks/quant_products.py [--rows 1,2,4,8,16,32,64] [--repeats 5] [--kernels bf16,bfloat16]
+    .venv/bin/python benchmarks/quant_products.py [--rows 1,2,4,8,16,32,64] [--repeats 5] [--kernels q4_1,bf16]
 
 Layers: 30 x (q|k|v 960x576, o 576x576, gate|up 3072x576, down 576x1536) on random weights of
 each format; head: the 49152x576 LM head. Each kernel runs every layer once per repeat (the
 weights do not fit the caches, as in a real step); the median is printed. Kernels:
-- `int4` torch's `_weight_int4pack_mm_for_cpu` on the Q4_1 blocks (bfloat16 activations);
-- `q4_1` ours (batchserve/kernels/csrc/quant_gemm.cpp), int8 activations; `q8_0` ours for the head;
+- `q4_1`, `q8_0` ours over random blocks of that GGUF type (`BlockLinear`,
+  batchserve/kernels/csrc/block_gemm.cpp), int8 activations;
 - `int8pack` torch's `_weight_int8pack_mm` (int8 per output channel: not the file's blocks, a
   reference point only);
 - `float32` oneDNN prepacked, and `bfloat16` oneDNN prepacked where this CPU has it;
@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from batchserve import kernels
 from batchserve.model.bf16 import KernelBf16Linear
-from batchserve.model.int4 import Int4Linear
+from batchserve.model.blocks import BlockLinear, BlockPart, random_blocks
 from batchserve.model.layers import Bf16Linear, PackedLinear, bf16_prepack_available
-from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Linear, random_q4_1
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in)
 HEAD = (49152, 576)
@@ -52,20 +52,17 @@ def _linear(n: int, k: int, gen: torch.Generator) -> nn.Linear:
     return layer
 
 
-def _q8(n: int, k: int, gen: torch.Generator) -> Q8Linear:
-    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).numpy()
-    return Q8Linear(Q8Blocks(q, (torch.rand(n, k // 32, generator=gen) / 64).half().float().numpy()))
+def _blocks(qtype: T) -> Callable[[int, int, torch.Generator], nn.Module]:
+    return lambda n, k, gen: BlockLinear([BlockPart(random_blocks(qtype, n, k, gen), qtype, k)])
 
 
 def builders() -> dict[str, Callable[[int, int, torch.Generator], nn.Module]]:
     made: dict[str, Callable[[int, int, torch.Generator], nn.Module]] = {
-        "int4": lambda n, k, g: Int4Linear(*random_q4_1(n, k, g), None, (n,)),
         "int8pack": Int8Pack,
         "float32": lambda n, k, g: PackedLinear(_linear(n, k, g)),
     }
     if kernels.available():
-        made["q4_1"] = lambda n, k, g: Q4Linear(*random_q4_1(n, k, g), None, (n,))
-        made["q8_0"] = _q8
+        made["q4_1"], made["q8_0"] = _blocks(T.Q4_1), _blocks(T.Q8_0)
         made["bf16"] = lambda n, k, g: KernelBf16Linear(_linear(n, k, g))
     if bf16_prepack_available():
         made["bfloat16"] = lambda n, k, g: Bf16Linear(_linear(n, k, g))
@@ -98,9 +95,7 @@ def main() -> None:
     for name, build in builders().items():
         if chosen and name not in chosen:
             continue
-        parts = {"head": [build(*HEAD, gen)]}
-        if name != "q8_0":  # ours for the head only
-            parts = {"layers": [build(n, k, gen) for _ in range(30) for n, k in LAYER_SHAPES], **parts}
+        parts = {"layers": [build(n, k, gen) for _ in range(30) for n, k in LAYER_SHAPES], "head": [build(*HEAD, gen)]}
         for part, layers in parts.items():
             cells = [f"{time_layers(layers, r, args.repeats):.1f}" for r in rows]
             print(f"| {name} | {part} | " + " | ".join(cells) + " |", flush=True)

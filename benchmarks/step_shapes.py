@@ -2,11 +2,11 @@
 
     python benchmarks/step_shapes.py
 
-Two questions, on the shipped CPU forward (SmolLM2's Q4_1 layers, the invariant attention):
+Two questions, on the default CPU forward (SmolLM2 as `LLM()` loads it, the invariant attention):
 - what a few draft trees among many decode roots cost with the attention grouping requests by
   row count (today's) and with one group per key count (each root padded to a tree's rows);
-- how the step grows past 16 rows (the int4 kernel works in 16-row blocks), which is why the
-  cost profile measures 17, 33 and 65 rows.
+- how the step grows past 16 rows (torch's int4 kernel, the earlier Q4_1 path, worked in 16-row
+  blocks), which is why the cost profile measures 17, 33 and 65 rows.
 Each request has a 220-token context; draft trees are random, rooted at the request's token.
 """
 

@@ -106,17 +106,90 @@ def make_ascii_model() -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (`make test` runs one worker per core) each worker's torch gets its share
     of the cores: two workers of two threads each on two cores spend more time waiting on each
-    other's threads than computing."""
+    other's threads than computing. So do the servers a test starts (`batchserve serve` reads
+    $BATCHSERVE_NUM_THREADS, as a pod's CPU limit sets it): three replicas of two threads each on
+    two busy cores spent 10x the CPU time of one thread each, OpenMP's idle threads spinning."""
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist is installed
+        # `--dist loadfile` hands out the files in our order (pytest_collection_modifyitems), not
+        # xdist's by number of tests (`--no-loadscope-reorder`), which left the files of one or two
+        # long tests (the replicas', Locust's) for last: the run's tail.
+        config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("BATCHSERVE_NUM_THREADS", str(threads))
+
+
+# Seconds of one `make test` worker the longest files take (CPU seconds, servers' included, file
+# by file with `pytest -n 0` and PYTEST_XDIST_WORKER_COUNT=2 set: one torch thread, as a worker).
+# Refresh it when a file grows past ~10 s: a long file left for last is the run's tail.
+FILE_SECONDS = {
+    "tests/engine/test_lossless_smollm2.py": 270,
+    "tests/engine/test_batch_invariance.py": 160,
+    "tests/bench/test_datasets_and_simulate.py": 130,
+    "tests/model/test_gguf_native.py": 120,
+    "tests/engine/test_thread_invariance.py": 50,
+    "tests/engine/test_prefix_cache.py": 50,
+    "tests/deploy/test_replicas.py": 50,
+    "tests/load_tests/test_locust.py": 50,
+    "tests/model/test_families.py": 31,
+    "tests/bench/test_gguf_write.py": 31,
+    "tests/model/test_bf16.py": 28,
+    "tests/model/test_gguf_tokenizer.py": 26,
+    "tests/model/test_cpu_weights.py": 25,
+    "tests/bench/test_perplexity.py": 24,
+    "tests/server/test_openai_utf8.py": 23,
+    "tests/engine/test_jacobi.py": 22,
+    "tests/test_resume.py": 22,
+    "tests/deploy/test_front_door.py": 21,
+    "tests/tune/test_tune.py": 21,
+    "tests/draft/test_native.py": 17,
+    "tests/engine/test_verification.py": 17,
+    "tests/test_gpu_check.py": 17,
+    "tests/model/test_loader.py": 16,
+    "tests/engine/test_sampling.py": 16,
+    "tests/bench/test_llamacpp_child.py": 14,
+    "tests/server/test_fuzz_http.py": 14,
+    "tests/draft/test_native_oracle.py": 14,
+    "tests/engine/test_groups.py": 14,
+    "tests/server/test_sigterm.py": 13,
+    "tests/bench/test_llamacpp_peer.py": 12,
+    "tests/runner/test_layer_check.py": 12,
+    "tests/engine/test_references.py": 10,
+    "tests/model/test_llama.py": 10,
+    "tests/engine/test_structured.py": 10,
+    "tests/kernels/test_build.py": 9,
+    "tests/bench/test_grounded.py": 8,
+    "tests/engine/test_batching.py": 8,
+    "tests/runner/test_penalties.py": 8,
+    "tests/bench/test_peers.py": 8,  # `slow` files under SLOW_FILE_SECONDS
+    "tests/engine/test_flashinfer_engine.py": 0,  # CUDA only
+}
+SLOW_FILE_SECONDS = 60  # a file of `slow` tests not in the table yet (they load SmolLM2)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules that load SmolLM2 (the longest) first, the rest in their order: spread over
-    xdist's workers file by file, the long ones then start early and the workers end together."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    """The longest files first (FILE_SECONDS, then files of `slow` tests), the rest by their number
+    of tests, most first. `make test` (`--dist loadfile`) hands files to xdist's workers in this
+    order (see pytest_configure): the long ones start early and the workers end together, on short
+    files."""
+    root = config.rootpath
+    tests: dict[Path, int] = {}
+    slow: set[Path] = set()
+    for item in items:
+        tests[item.path] = tests.get(item.path, 0) + 1
+        if item.get_closest_marker("slow"):
+            slow.add(item.path)
+
+    def seconds(path: Path) -> float:
+        try:
+            known = FILE_SECONDS.get(path.relative_to(root).as_posix())
+        except ValueError:  # a path outside the rootdir
+            known = None
+        return known if known is not None else SLOW_FILE_SECONDS if path in slow else 0.0
+
+    items.sort(key=lambda item: (-seconds(item.path), -tests[item.path]))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -190,6 +263,15 @@ def smollm2() -> tuple[Any, Any]:
         return load_model(None, "float32")
     except FileNotFoundError as e:  # pragma: no cover - make test installs it
         pytest.fail(str(e))
+
+
+def smollm2_copy(smollm2: tuple[Any, Any]) -> tuple[Any, Any]:
+    """A private copy of the session's SmolLM2 (model and tokenizer), for engines to build on (they
+    replace its attention; the session's copy keeps HF's): the weights of a second
+    `load_model(None, "float32")`, without converting the file again (about 15 s of a core)."""
+    import copy
+
+    return copy.deepcopy(smollm2)
 
 
 def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:

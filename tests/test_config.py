@@ -89,6 +89,20 @@ def test_unknown_or_invalid_settings_are_refused():
         LLM(hf_model=make_tiny_model(), tokenizer=make_tiny_tokenizer(), speculate=True)
 
 
+def test_a_removed_cpu_weights_choice_is_refused_saying_what_replaced_it(capsys):
+    from batchserve.config import CPU_WEIGHTS, ModelConfig
+
+    with pytest.raises(ValueError, match=r"cpu_weights=q4_1 is no longer a choice: .*read straight from the file with"
+                       r" cpu_weights=gguf, which auto takes .*\('auto', 'gguf', 'float32', 'bfloat16'\)"):  # fmt: skip
+        EngineConfig().with_settings(cpu_weights="q4_1")
+    with pytest.raises(ValueError, match=r"cpu_weights must be one of \('auto', 'gguf', 'float32', 'bfloat16'\)"):
+        ModelConfig(cpu_weights="q8")
+    with pytest.raises(SystemExit):  # the CLI: argparse's own message, with every valid choice
+        _serve_args("--cpu-weights", "q4_1")
+    err = capsys.readouterr().err
+    assert "invalid choice: 'q4_1'" in err and all(choice in err for choice in CPU_WEIGHTS)
+
+
 def test_serve_refuses_a_bad_setting_before_loading_anything(capsys):
     assert main(["serve", "--max-num-seqs", "0"]) == 2
     assert "max_num_seqs must be >= 1" in capsys.readouterr().err

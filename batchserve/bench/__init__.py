@@ -11,7 +11,8 @@ from batchserve only the public API (`tests/bench/test_public_api.py` holds them
   `StepPhases`); `batchserve.cost_profile`: `CostProfile`, what `batchserve calibrate` writes;
 - `batchserve.server.client`: `Client`;
 - `batchserve.model.loader`: what `--model` names (its file, weights and tokenizer), for peers that
-  run the same model;
+  run the same model; `batchserve.model.gguf_read` and `gguf_file`: a GGUF's header and its tensors
+  as mapped views, for the files the bench writes and requantizes;
 - `batchserve.heap`, `batchserve.jsonl`: the process heap as `serve` settles it, JSONL reading.
 
 Two modules reach past it, and only they: `host.py`, the engine below its public API (the

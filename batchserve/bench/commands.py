@@ -65,7 +65,7 @@ def add_bench_parser(sub: Any) -> None:
         "transformers forward / ours even where auto would not take it), "
         "jacobi, hybrid (and jacobi-W-N / hybrid-W-N: that window, G = W; "
         "jacobi-4|16|64 / hybrid-4|16|64: the window every step); "
-        "a batchserve method without -q4 / -bf16 / -f32 runs the weights `make serve` runs here (printed); "
+        "a batchserve method without -gguf / -bf16 / -f32 runs the weights `make serve` runs here (printed); "
         "a batchserve method with the suffix +nocache runs with prefix caching off, with +logprobs each "
         "request asks for its tokens' logprobs (top 5), with +prediction each sends its sample's prediction",
     )
@@ -193,15 +193,14 @@ def _shape_commands(args: argparse.Namespace) -> int:
 
 
 def _as_served(methods: list[str], model: str | None) -> list[str]:
-    """Plain method names on the weights `make serve` runs here (cpu_weights=auto at its seats),
-    the weights named in each (`none` -> `none-q4`), and the choice printed with its reason."""
+    """Plain method names on the weights `make serve` runs here (cpu_weights=auto's choice),
+    the weights named in each (`none` -> `none-gguf`), and the choice printed with its reason."""
     import torch
 
     from batchserve.bench.host import served_weights
     from batchserve.bench.methods import as_served
-    from batchserve.config import SchedulerConfig
 
-    weights, why = served_weights(not torch.cuda.is_available(), model, SchedulerConfig().max_num_seqs)
+    weights, why = served_weights(not torch.cuda.is_available(), model)
     served = as_served(methods, weights)
     if served != methods:
         print(f"batchserve bench: plain methods run make serve's {weights} weights here ({why}): "

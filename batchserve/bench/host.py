@@ -236,31 +236,22 @@ def pipeline(core: Any) -> Any:
     return StepPipeline(core)
 
 
-def build_forward(
-    model: Any,
-    impl: str,
-    cpu_linear: str,
-    cpu_weights: str,
-    path: str | None = None,
-    loaded_from_path: bool = False,
-    max_num_seqs: int | None = None,
-) -> Any:
+def build_forward(model: Any, impl: str, cpu_linear: str, cpu_weights: str) -> Any:
     """What an engine with these settings runs over `model` (transformers', as loaded), built
-    once: `LLM(hf_model=...)` takes a built forward back as it is, so many engines share one."""
+    once: `LLM(hf_model=...)` takes a built forward back as it is, so many engines share one.
+    `gguf` reads the file the model came from again, from its blocks, as the server does."""
     from batchserve.model import choose_impl
 
-    return choose_impl(model, impl, cpu_linear, cpu_weights, path, loaded_from_path, max_num_seqs)
+    return choose_impl(model, impl, cpu_linear, cpu_weights)
 
 
-def served_weights(on_cpu: bool, model_path: str | None, seats: int | None) -> tuple[str, str]:
-    """(the CPU weights `cpu_weights=auto` takes for `batchserve serve` of `seats` seats on the
-    model at `model_path` here, why): known before any model loads. The bench's in-process engines
-    share one transformers-loaded model, so a GGUF the server reads from its blocks (`gguf`) runs
-    here on the weights transformers' load gives (a Q4_1 file's `q4_1`: the same kernels over the
-    same blocks, the same bits: tests/model/test_gguf_native.py)."""
+def served_weights(on_cpu: bool, model_path: str | None) -> tuple[str, str]:
+    """(the CPU weights `cpu_weights=auto` takes for `batchserve serve` of the model at
+    `model_path` here, why): known before any model loads. The bench's in-process engines run
+    the same (`gguf`: the file read from its blocks, not transformers' copy: `build_forward`)."""
     from batchserve.model import cpu_weights_choice
 
-    choice = cpu_weights_choice(on_cpu, model_path, seats, direct=False)
+    choice = cpu_weights_choice(on_cpu, model_path)
     return choice.weights, choice.why
 
 

@@ -34,7 +34,7 @@ class Method:
     prefix_caching: bool = True  # the `+nocache` suffix turns it off
     jacobi: tuple[int, int, int] | None = None  # jacobi/hybrid (W, N, G); None: the engine's defaults
     model_impl: str = "auto"  # the server's default forward; "transformers": the HF model's own
-    cpu_weights: str = "float32"  # "q4_1": the GGUF's Q4_1 layers (lossless against its own `none-q4`)
+    cpu_weights: str = "float32"  # "gguf": the file read from its blocks (lossless against its own `none-gguf`)
     predicted: bool = False  # the `+prediction` suffix: each request sends its sample's prediction
     logprobs: int | None = None  # the `+logprobs` suffix: each request asks for this many top logprobs
 
@@ -76,14 +76,13 @@ BATCHSERVE = {
 }
 METHODS = PEERS + tuple(BATCHSERVE)
 # --cpu-weights -> the suffix of the methods that run on those weights: any method on our forward
-# takes one (`none-q4`: the GGUF's Q4_1 layers, checked against its own `none-q4`; `-gguf`: the file read
-# from its blocks, on a model the engine read so (the bench's shared model is transformers'); `-bf16`: bfloat16
-# copies on oneDNN's prepacked kernel, AVX-512 CPUs). A name without one runs float32 in `run`; the
-# bench command first gives it the suffix of the weights `make serve` runs here (`as_served`),
-# so `-f32` asks for float32 there.
-WEIGHTS_SUFFIX = {"float32": "", "bfloat16": "-bf16", "q4_1": "-q4", "gguf": "-gguf"}
+# takes one (`none-gguf`: the GGUF file read from its blocks, as the server reads it, checked against
+# its own `none-gguf`; `-bf16`: bfloat16 copies on our kernel or oneDNN's). A name without one runs
+# float32 in `run`; the bench command first gives it the suffix of the weights `make serve` runs here
+# (`as_served`), so `-f32` asks for float32 there.
+WEIGHTS_SUFFIX = {"float32": "", "bfloat16": "-bf16", "gguf": "-gguf"}
 F32 = "-f32"
-SUFFIX_WEIGHTS = {"-bf16": "bfloat16", "-q4": "q4_1", "-gguf": "gguf", F32: "float32"}
+SUFFIX_WEIGHTS = {"-bf16": "bfloat16", "-gguf": "gguf", F32: "float32"}
 NOCACHE = "+nocache"  # any batchserve method with this suffix runs with prefix caching off
 # ... with this one, each request sends its sample's expected output as a predicted output (code-edit:
 # the code being edited; a JSONL line's "prediction"), as an OpenAI client does
@@ -134,7 +133,7 @@ def _weights(base: str) -> tuple[str, str | None]:
 def as_served(methods: list[str], weights: str) -> list[str]:
     """The bench command's method names: a batchserve method that names no weights runs the
     weights `make serve` runs here (`weights`, cpu_weights=auto's choice), and says so in its
-    name (`none` -> `none-q4`); peers, and methods that name their weights or kernels (`-f32`,
+    name (`none` -> `none-gguf`); peers, and methods that name their weights or kernels (`-f32`,
     `-blas`, `-hf`, `-native`), stay as they are."""
     out = []
     for name in methods:
@@ -253,9 +252,9 @@ def expected_outputs(
     constrained: bool = False,
     on_device: bool = False,
 ) -> list[list[int]] | None:
-    """What a run's outputs must equal: HF greedy; for other weights (q4_1, bfloat16), under a
+    """What a run's outputs must equal: HF greedy; for other weights (gguf, bfloat16), under a
     constraint HF does not apply, or on a GPU (`on_device`: HF's kernels round otherwise), the same
-    weights' plain decoding (`none` / `none-q4` / `none-bf16`, run first at that batch size; `own`,
+    weights' plain decoding (`none` / `none-gguf` / `none-bf16`, run first at that batch size; `own`,
     keyed by `key`); None: nothing to compare."""
     if weights == "float32" and not constrained and not on_device:
         return hf

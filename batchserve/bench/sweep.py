@@ -66,7 +66,7 @@ class _Sweep:
     llamacpp: tuple[LlamaCppChild, frozenset[int]] | None = None
     llamacpp_rounds: bool = False
     on_device: bool = False  # the engine runs on a GPU: each method is judged against its own `none`
-    own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-q4`'s
+    own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-gguf`'s
     rows: list[Row] = field(default_factory=list)  # the finished rows, in the order they finished
     write: Callable[[list[Row]], None] | None = None  # results.json and report.md of the rows so far
     served: ServedPeers | None = None  # the served rows' servers (bench/served.py)

@@ -46,7 +46,7 @@ def served_peers(
         return None
     seats = max(16, *batch_sizes)
     on_cpu = engine_model is None or engine_model.device.type == "cpu"
-    weights, _ = served_weights(on_cpu, model_path, seats)
+    weights, _ = served_weights(on_cpu, model_path)
     return ServedPeers(model_path, weights, seats, logs, llama_server)
 
 

@@ -1,16 +1,16 @@
-"""Our CPU kernels (csrc/): products over the GGUF file's quantized blocks (quant_gemm.cpp: Q4_1
-and Q8_0 in numpy-grouped layouts; block_gemm.cpp: Q4_0 .. Q8_0, IQ4_NL, Q2_K .. Q6_K and IQ4_XS
-repacked by block_pack.cpp), over
-bfloat16 weights (bf16_gemm.cpp) and paged attention (attention.cpp), compiled for this CPU on
-first use and loaded as an extension module (bindings.cpp).
+"""Our CPU kernels (csrc/): products over a GGUF file's quantized blocks (block_gemm.cpp: Q4_0 ..
+Q8_0, IQ4_NL, Q2_K .. Q6_K and IQ4_XS repacked by block_pack.cpp), over bfloat16 weights
+(bf16_gemm.cpp), paged attention (attention.cpp) and a model's decoder layers in one call
+(layers.cpp), compiled for this CPU on first use and loaded as an extension module (bindings.cpp).
 
 The library is built once per source, compiler and CPU with `g++ -O3 -march=native -fopenmp`
 ($CXX overrides the compiler) into $BATCHSERVE_BUILD_DIR/kernels (else $BATCHSERVE_CACHE_DIR, else
 ~/.cache/batchserve), which takes a few seconds; `make setup` builds it ahead. Its OpenMP calls
 resolve to the runtime torch already loaded (the same soname), so its threads are torch's threads. Where it
 cannot be built (no compiler, a CPU without AVX2, FMA and F16C), `available()` is False and
-`unavailable_reason()` says why: the Q4_1 weights then run on torch's int4 kernel, bfloat16
-products on oneDNN's (where its check passes), and attention on the torch-op backends."""
+`unavailable_reason()` says why: a GGUF file is then loaded through transformers (bfloat16 or
+float32 products), bfloat16 products run on oneDNN's (where its check passes), and attention on
+the torch-op backends."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 5  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 6  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -111,26 +111,6 @@ def unavailable_reason() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-def q4_1_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [T, K] float32 (contiguous) times Q4_1 weights (`group_q4_1`'s layout) -> [T, N] float32."""
-    rows, k = x.shape
-    n = q.shape[0] * 8
-    y = torch.empty(rows, n)
-    threads = torch.get_num_threads()
-    library().q4_1_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), n, y.data_ptr(), threads)
-    return y
-
-
-def q8_0_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [T, K] float32 (contiguous) times Q8_0 weights (`group_q8_0`'s layout) -> [T, N] float32."""
-    rows, k = x.shape
-    n = q.shape[0] * 8
-    y = torch.empty(rows, n)
-    threads = torch.get_num_threads()
-    library().q8_0_linear(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), threads)
-    return y
-
-
 def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
     """A weight [N, K] (any float dtype: rounded to bfloat16) -> `bf16_linear`'s layout, 1-D
     bfloat16 (opaque: the column grouping follows the kernel this CPU compiled, csrc/bf16_gemm.cpp)."""
@@ -166,7 +146,7 @@ def main() -> None:
     try:
         print(f"our CPU kernels: {build(verbose=True)}")
     except KernelUnavailable as e:
-        print(f"our CPU kernels unavailable (Q4_1 runs on torch's int4 kernel, attention on torch ops): {e}")
+        print(f"our CPU kernels unavailable (GGUF files load through transformers, attention on torch ops): {e}")
 
 
 def attention(

@@ -1,6 +1,8 @@
 """The native forward for the Llama family: our packed rows, our attention backends, fused
 projections. transformers stays for configs, tokenizers, chat templates and weight loading."""
 
+import logging
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -8,24 +10,12 @@ from torch import nn
 
 from batchserve import kernels
 from batchserve.model.bf16 import KernelBf16Linear, kernel_bf16_variance, our_bf16_here
-from batchserve.model.fused import KernelDecoderLayers, why_not_fused
-from batchserve.model.int4 import (
-    Int4Linear,
-    gguf_has_q4_1,
-    int4_available,
-    int4_fast_here,
-    int4_products_invariant,
-    load_gguf_embedding,
-    load_gguf_head,
-    load_gguf_int4,
-)
 from batchserve.model.layers import (
     Bf16Linear,
     PackedLinear,
     bf16_prepack_available,
     packed_products_invariant,
     prepack_available,
-    use_kernel_layers,
 )
 from batchserve.model.llama import (
     SUPPORTED_ARCHITECTURES,
@@ -34,10 +24,8 @@ from batchserve.model.llama import (
     product_out_dtype,
     supports,
 )
-from batchserve.model.quant import Q4Linear, Q8Linear, quant_products_invariant
 
 __all__ = [
-    "Q4_1_MAX_SEATS",
     "SUPPORTED_ARCHITECTURES",
     "Bf16Linear",
     "KernelBf16Linear",
@@ -51,12 +39,13 @@ __all__ = [
     "cpu_weights_choice",
     "has_invariant_linears",
     "native_from_hf",
-    "our_q4_here",
+    "our_blocks_here",
     "pack_linears",
     "supports",
     "uses_our_kernels",
 ]
 
+logger = logging.getLogger("batchserve")
 
 NATIVE_DEVICES = ("cpu", "cuda")  # where `auto` takes the native forward (tested on both)
 
@@ -68,26 +57,24 @@ def choose_impl(
     cpu_weights: str = "auto",
     path: str | None = None,
     loaded_from_path: bool = False,
-    max_num_seqs: int | None = None,
 ) -> Any:
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
     transformers elsewhere. On CPU the native model's linear layers are `PackedLinear`
-    (batch-invariant) unless `cpu_linear` is `torch` (torch's own kernels: its int4 one for
-    `q4_1`); with `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel),
-    or where ours cannot be built oneDNN's `Bf16Linear`; with `q4_1` the layers' products are the
-    GGUF file at `path`'s own Q4_1 blocks on our kernel (`Q4Linear`, the head a `Q8Linear` over
-    the file's Q8_0 blocks), or where it cannot run on torch's int4 kernel (`Int4Linear`, the head
-    in bfloat16 where that runs invariantly and fast: `bf16_fast_here`); `auto`
-    takes what `choose_cpu_weights` says for a server of `max_num_seqs` seats. The native model's
-    `cpu_weights` names what was chosen.
+    (batch-invariant) unless `cpu_linear` is `torch` (torch's own kernels); with
+    `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel), or where ours
+    cannot be built oneDNN's `Bf16Linear`, the token embedding read row by row from the GGUF file
+    the model came from; with `gguf` the model is the same file read from its own blocks
+    (`gguf_native`: what the engine serves; the bench shares one transformers-loaded model among
+    its engines); `auto` takes what `cpu_weights_choice` says. The native model's `cpu_weights`
+    names what was chosen.
     A native model handed in (one engine's, reused by another: the bench and `tune` build many
     engines on one model) is returned as it is."""
     if getattr(model, "native", False):
         held = getattr(model, "cpu_weights", "float32")
         # Off the CPU ("-") cpu_weights means what it means for a model built there: auto and
-        # float32 keep the model's dtype; q4_1 and bfloat16 are CPU weights.
+        # float32 keep the model's dtype; gguf and bfloat16 are CPU weights.
         compatible = ("auto", held) if held != "-" else ("auto", "float32")
         if impl == "transformers" or cpu_weights not in compatible:
             raise ValueError(f"this native {model.cpu_weights} model cannot run as {impl}/{cpu_weights}")
@@ -95,104 +82,36 @@ def choose_impl(
     device = next(model.parameters()).device.type
     on_cpu = device == "cpu"
     unsupported = supports(model.config)
-    if cpu_weights == "q4_1":
-        _check_q4_1(on_cpu, impl, unsupported)
+    if cpu_weights == "gguf":
+        return _read_from_blocks(model, on_cpu, impl, cpu_linear)
     if cpu_weights == "bfloat16":
         _check_bf16(on_cpu, impl, unsupported, cpu_linear, next(model.parameters()).dtype)
     if impl == "native" or (impl == "auto" and device in NATIVE_DEVICES and unsupported is None):
         native = native_from_hf(model)
-        weights = cpu_weights
-        weights, native.cpu_weights_reason = _weights_for(weights, on_cpu, path, max_num_seqs, loaded_from_path)
-        if weights == "q4_1":
-            _load_q4_1(native, path, ours=cpu_linear != "torch" and our_q4_here())
+        weights, native.cpu_weights_reason = _weights_for(cpu_weights, on_cpu, path, loaded_from_path)
         native.cpu_weights = weights if on_cpu else "-"
         if weights == "bfloat16":
             pack_linears(native, KernelBf16Linear if our_bf16_here() else Bf16Linear)
-            if loaded_from_path:
-                _load_q8_embedding(native, path)
+            _file_embedding(native, getattr(model, "gguf_source", None))
         elif on_cpu and cpu_linear != "torch" and prepack_available():
-            # Beside Q4_1 layers, the LM head (and any product the file does not store as Q4_1)
-            # in bfloat16 where it runs invariantly: half float32's bytes, 2x its speed.
-            bf16 = bf16_layer_class() if weights == "q4_1" and bf16_fast_here() else None
-            pack_linears(native, bf16 or PackedLinear)
-        if weights == "q4_1" and why_not_fused(native.layers) is None:  # last: it holds the weights' addresses
-            native.fused_layers = KernelDecoderLayers(native.layers)
+            pack_linears(native, PackedLinear)
         return native
     return model
 
 
-# The most seats a server of a Q4_1 file may have for `auto` to keep Q4_1 on torch's int4 kernel
-# where bfloat16 products run: its cost grows by 4-row blocks, so past 2 seats bfloat16 wins.
-Q4_1_MAX_SEATS = 2
+def _read_from_blocks(model: Any, on_cpu: bool, impl: str, cpu_linear: str) -> Any:
+    """cpu_weights=gguf over a model transformers loaded: the GGUF file it came from, read again
+    straight from its blocks (raises ValueError where it cannot be, saying why)."""
+    from batchserve.model.gguf_native import load_gguf_native
 
-
-def our_q4_here() -> bool:
-    """Whether our kernels (`Q4Linear`, `Q8Linear`) build and run batch-invariantly here."""
-    return kernels.available() and quant_products_invariant()
-
-
-class WeightsChoice(NamedTuple):
-    weights: str  # float32, bfloat16 or q4_1
-    why: str  # for the start-up log and GetModelInfo
-
-
-def _weights_for(
-    asked: str, on_cpu: bool, path: str | None, max_num_seqs: int | None, loaded_from_path: bool
-) -> WeightsChoice:
-    """The weights `cpu_weights=asked` means here, and why."""
-    if asked != "auto":
-        return WeightsChoice(asked, f"cpu_weights={asked} was asked for")
-    if not loaded_from_path:  # a model handed in keeps the weights it came with: only the engine knows its file
-        return WeightsChoice("float32", "a model handed in keeps its float32 weights (only a file has others)")
-    return cpu_weights_choice(on_cpu, path, max_num_seqs, direct=False)
-
-
-def choose_cpu_weights(on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None) -> str:
-    """What `cpu_weights=auto` takes (`cpu_weights_choice`, without the reason)."""
-    return cpu_weights_choice(on_cpu, gguf_path, max_num_seqs).weights
-
-
-def cpu_weights_choice(
-    on_cpu: bool, gguf_path: str | None, max_num_seqs: int | None = None, direct: bool = True
-) -> WeightsChoice:
-    """What `cpu_weights=auto` takes for a native model the engine loaded itself from `gguf_path`
-    (None: the default model) to serve `max_num_seqs` requests at once (None: unknown), and why.
-    A GGUF file is read straight from its blocks (`gguf`) wherever our block kernels run
-    invariantly (`direct`: the engine reads the file itself; a model transformers loaded from it,
-    where the file could not be read so, takes the choices below). Else, for a GGUF whose layers
-    are Q4_1:
-    - `q4_1` on our kernels wherever they build, at every seat count: they read each weight block
-      once per step, and beat bfloat16 and float32 at 1 to 64 rows on AVX2-only and AVX-512 CPUs
-      alike (measured on both: benchmarks/README.md);
-    - where only torch's int4 kernel runs (vectorized and invariant), `q4_1` up to
-      Q4_1_MAX_SEATS seats, or at any count where bfloat16 products do not run: its cost grows by
-      4-row blocks, so past 2 seats bfloat16 wins where it runs fast.
-    Otherwise `bfloat16` where it runs invariantly and fast (`bf16_fast_here`), else `float32`."""
-    if not on_cpu:
-        return WeightsChoice("float32", "not on the CPU: the model keeps its dtype")
-    if direct and _is_gguf(gguf_path) and our_blocks_here():
-        return WeightsChoice("gguf", "the file's own blocks, each tensor at its own type, on our kernels")
-    q4_file = _is_q4_1_gguf(gguf_path)
-    bf16 = bf16_fast_here()
-    if q4_file and our_q4_here():
-        return WeightsChoice(
-            "q4_1", "the file's Q4_1 blocks on our kernels: the fastest format at every seat count on AVX2 and AVX-512"
+    source = getattr(model, "gguf_source", None)
+    if not on_cpu or impl == "transformers" or cpu_linear == "torch" or source is None:
+        raise ValueError(
+            "cpu_weights=gguf reads a GGUF file's own blocks, for the native forward on CPU with our kernels:"
+            f" this model ({'from ' + source if source else 'not loaded from a GGUF file'}) runs {impl} on"
+            f" {'cpu' if on_cpu else 'a device'} with cpu_linear={cpu_linear}"
         )
-    few_seats = max_num_seqs is not None and max_num_seqs <= Q4_1_MAX_SEATS
-    if q4_file and int4_fast_here() and (few_seats or not bf16):
-        why = f"{max_num_seqs} seats" if few_seats else "no bfloat16 products here"
-        not_ours = kernels.unavailable_reason() or "not batch-invariant"
-        return WeightsChoice("q4_1", f"our kernels do not run here ({not_ours}): torch's int4, {why}")
-    if bf16:
-        if not q4_file:
-            why = "the file has no Q4_1 layers"
-        elif not int4_fast_here():
-            why = "no fast Q4_1 kernel here"
-        else:
-            why = f"torch's int4 kernel loses to them past {Q4_1_MAX_SEATS} seats"
-        kernel = "our kernel" if bf16_layer_class() is KernelBf16Linear else "oneDNN's"
-        return WeightsChoice("bfloat16", f"bfloat16 products run invariantly and fast here ({kernel}); {why}")
-    return WeightsChoice("float32", "no Q4_1 kernel and no invariant bfloat16 products faster than float32 here")
+    return load_gguf_native(Path(source))[0]
 
 
 def our_blocks_here() -> bool:
@@ -203,6 +122,52 @@ def our_blocks_here() -> bool:
     return kernels.available() and block_products_invariant()
 
 
+class WeightsChoice(NamedTuple):
+    weights: str  # gguf, float32 or bfloat16
+    why: str  # for the start-up log and GetModelInfo
+
+
+def _weights_for(asked: str, on_cpu: bool, path: str | None, loaded_from_path: bool) -> WeightsChoice:
+    """The weights `cpu_weights=asked` means for a model transformers loaded, and why."""
+    if asked != "auto":
+        return WeightsChoice(asked, f"cpu_weights={asked} was asked for")
+    if not loaded_from_path:  # a model handed in keeps the weights it came with: only the engine knows its file
+        return WeightsChoice("float32", "a model handed in keeps its float32 weights (only a file has others)")
+    return cpu_weights_choice(on_cpu, path, direct=False)
+
+
+def choose_cpu_weights(on_cpu: bool, gguf_path: str | None) -> str:
+    """What `cpu_weights=auto` takes (`cpu_weights_choice`, without the reason)."""
+    return cpu_weights_choice(on_cpu, gguf_path).weights
+
+
+def cpu_weights_choice(on_cpu: bool, gguf_path: str | None, direct: bool = True) -> WeightsChoice:
+    """What `cpu_weights=auto` takes for a native model the engine loads itself from `gguf_path`
+    (None: the default model), and why, whatever the server's seat count:
+    - `gguf`: a GGUF file read straight from its blocks, each tensor at its own type, wherever our
+      block kernels run invariantly (`direct`: the engine reads the file itself; a model
+      transformers loaded, where the file could not be read so, takes the choices below): they
+      read each weight block once per step, and beat bfloat16 and float32 at 1 to 64 rows on
+      AVX2-only and AVX-512 CPUs alike (benchmarks/README.md);
+    - else `bfloat16` where bfloat16 products run invariantly and fast (`bf16_fast_here`);
+    - else `float32`."""
+    if not on_cpu:
+        return WeightsChoice("float32", "not on the CPU: the model keeps its dtype")
+    gguf = _is_gguf(gguf_path)
+    if direct and gguf and our_blocks_here():
+        return WeightsChoice("gguf", "the file's own blocks, each tensor at its own type, on our kernels")
+    if not gguf:
+        why = "a model directory has no blocks to read"
+    elif not direct:
+        why = "the file was loaded through transformers, not from its blocks"
+    else:
+        why = f"our block kernels do not run here ({kernels.unavailable_reason() or 'not batch-invariant'})"
+    if bf16_fast_here():
+        kernel = "our kernel" if bf16_layer_class() is KernelBf16Linear else "oneDNN's"
+        return WeightsChoice("bfloat16", f"bfloat16 products run invariantly and fast here ({kernel}); {why}")
+    return WeightsChoice("float32", f"no invariant bfloat16 products faster than float32 here; {why}")
+
+
 def _is_gguf(path: str | None) -> bool:
     from batchserve.model.loader import resolve_model_path
 
@@ -210,16 +175,6 @@ def _is_gguf(path: str | None) -> bool:
         return resolve_model_path(path)[1] is not None
     except (OSError, ValueError):
         return False
-
-
-def _is_q4_1_gguf(gguf_path: str | None) -> bool:
-    from batchserve.model.loader import resolve_model_path
-
-    try:
-        directory, gguf_file = resolve_model_path(gguf_path)
-    except (OSError, ValueError):
-        return False
-    return gguf_file is not None and gguf_has_q4_1(directory / gguf_file)
 
 
 def bf16_layer_class() -> type[KernelBf16Linear] | type[Bf16Linear] | None:
@@ -260,39 +215,27 @@ def _check_bf16(on_cpu: bool, impl: str, unsupported: str | None, cpu_linear: st
         )
 
 
-def _load_q8_embedding(native: nn.Module, path: str | None) -> None:
-    """The token embedding on the GGUF file's own Q8_0 blocks where the model came from such a file
-    (exact: the values transformers loaded), a quarter of float32's bytes."""
-    from batchserve.model.loader import resolve_model_path
+@torch.no_grad()
+def _file_embedding(native: nn.Module, source: str | None) -> None:
+    """The token embedding read row by row from the GGUF file the model came from (`GGUFEmbedding`:
+    the file's blocks, not a float32 copy), where every row equals what transformers loaded."""
+    if source is None:
+        return
+    from batchserve.model.gguf_file import GGUFTensors
+    from batchserve.model.gguf_native import GGUFEmbedding
 
-    directory, gguf_file = resolve_model_path(path)
-    if gguf_file is not None:
-        load_gguf_embedding(native, directory / gguf_file)
-
-
-def _check_q4_1(on_cpu: bool, impl: str, unsupported: str | None) -> None:
-    if not on_cpu or impl == "transformers" or unsupported is not None:
-        raise ValueError("cpu_weights=q4_1 needs the native model on CPU")
-    if not int4_available() and not our_q4_here():
-        reason = kernels.unavailable_reason() or "they are not batch-invariant here"
-        raise ValueError(f"cpu_weights=q4_1 needs our kernels ({reason}) or torch's int4 kernel")
-
-
-def _load_q4_1(native: nn.Module, path: str | None, ours: bool) -> None:
-    """The file's Q4_1 layers on our kernel (and its Q8_0 head, where it stores one, tied or
-    not), else (`cpu_linear=torch`, or ours cannot run) on torch's int4 kernel; the Q8_0 token
-    embedding either way."""
-    from batchserve.model.loader import resolve_model_path
-
-    directory, gguf_file = resolve_model_path(path)
-    if gguf_file is None:
-        raise ValueError("cpu_weights=q4_1 reads a GGUF model file; this model is a directory")
-    if load_gguf_int4(native, directory / gguf_file, Q4Linear if ours else Int4Linear) == 0:
-        raise ValueError(f"{gguf_file} has no Q4_1 layers")
-    embedding = load_gguf_embedding(native, directory / gguf_file)  # its Q8_0 blocks, where the file has them
-    if ours:
-        load_gguf_head(native, directory / gguf_file, embedding)
-        use_kernel_layers(native)  # norms and silu*up in one call each: beside our products only
+    view = GGUFTensors(Path(source)).get("token_embd.weight")
+    if view is None:
+        return
+    embedding, weight = GGUFEmbedding(view), native.embed_tokens.weight  # type: ignore[union-attr]
+    chunks = torch.arange(weight.shape[0]).split(4096)  # compared a bounded copy at a time
+    same = (embedding.num_embeddings, embedding.embedding_dim) == tuple(weight.shape) and all(
+        torch.equal(embedding(ids), weight[ids].float()) for ids in chunks
+    )
+    if not same:  # transformers changed the values on loading: keep its copy, the rest of the model is its too
+        logger.warning("%s's token embedding differs from transformers' load of it: kept as loaded", source)
+        return
+    native.embed_tokens = embedding
 
 
 def pack_linears(model: nn.Module, layer_class: type[PackedLinear] | type[KernelBf16Linear] = PackedLinear) -> bool:
@@ -308,8 +251,6 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] | type[Kernel
             packed = {name: layer_class(m) for name, m in linears}
     except RuntimeError:
         return False
-    int4 = any(isinstance(m, Int4Linear) for m in model.modules())
-    ours = any(isinstance(m, (Q4Linear, Q8Linear)) for m in model.modules())
     for name, layer in packed.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
@@ -320,21 +261,16 @@ def pack_linears(model: nn.Module, layer_class: type[PackedLinear] | type[Kernel
     # residual add alone, which widens it exactly).
     dtype = next(model.parameters()).dtype
     ours_bf16 = issubclass(layer_class, KernelBf16Linear)
-    model.batch_invariant_linears = (
-        dtype == torch.float32
-        and (our_bf16_here() if ours_bf16 else packed_products_invariant(layer_class))
-        and (not int4 or int4_products_invariant())
-        and (not ours or quant_products_invariant())
+    model.batch_invariant_linears = dtype == torch.float32 and (
+        our_bf16_here() if ours_bf16 else packed_products_invariant(layer_class)
     )
     return True
 
 
 def uses_our_kernels(model: Any) -> bool:
-    """Whether the model's products run on our kernels (`BlockLinear`, `Q4Linear`, `Q8Linear`,
-    `KernelBf16Linear`): its costs, and so its cost profile, differ from the same weights on
-    torch's int4 kernel or oneDNN's."""
-    ours = (Q4Linear, Q8Linear, KernelBf16Linear)
-    return any(isinstance(m, ours) or type(m).__name__ == "BlockLinear" for m in model.modules())
+    """Whether the model's products run on our kernels (`BlockLinear`, `KernelBf16Linear`): its
+    costs, and so its cost profile, differ from oneDNN's or torch's over the same weights."""
+    return any(isinstance(m, KernelBf16Linear) or type(m).__name__ == "BlockLinear" for m in model.modules())
 
 
 def has_invariant_linears(model: Any) -> bool:

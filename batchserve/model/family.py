@@ -9,10 +9,13 @@ rotary of its own for the sliding-window layers."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3_text")  # an RMSNorm over each head of q and of k, before rotary
@@ -89,3 +92,30 @@ def hf_rotaries(rope: Any) -> tuple[tuple[torch.Tensor, float], tuple[torch.Tens
     # transformers makes only the kinds the model's layers have: a Gemma 3 of fewer than 6 layers
     # is all windowed (its global rotary then serves no layer, and is the windowed one's).
     return found.get("full_attention") or found["sliding_attention"], found.get("sliding_attention")
+
+
+def rotary_for(config: Any, factors: np.ndarray | None) -> nn.Module:
+    """The rope frequencies as transformers computes them for `config`, divided by llama.cpp's
+    `rope_freqs` factors where the file stores them (its Llama 3.1 scaling)."""
+    from batchserve.model.layer_kernels import TORCH_LAYERS
+
+    (inv_freq, scaling), _ = hf_rotaries(_hf_rope(config))  # [D/2]
+    if factors is not None:
+        inv_freq = inv_freq / torch.from_numpy(factors.reshape(-1))
+    return TORCH_LAYERS.rotary(inv_freq, scaling)
+
+
+def local_rotary_for(config: Any) -> nn.Module | None:
+    """The sliding-window layers' own rotary where the model has one (Gemma 3), else None."""
+    from batchserve.model.layer_kernels import TORCH_LAYERS
+
+    _, local = hf_rotaries(_hf_rope(config))
+    return None if local is None else TORCH_LAYERS.rotary(*local)
+
+
+def _hf_rope(config: Any) -> nn.Module:
+    """transformers' rotary module for `config` (its frequencies as transformers computes them)."""
+    name = config.model_type.removesuffix("_text")  # gemma3_text lives in gemma3's module
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    rotary_class = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+    return rotary_class(config=config)

@@ -3,10 +3,10 @@ same kernels, in the same order, as the layers' own forwards, so the same bits, 
 Python-level calls and fresh tensors a layer otherwise costs a step (most of a one-row step's
 time outside the products, benchmarks/README.md).
 
-It runs where every layer is ours end to end: products over the file's blocks (`Q4Linear`, or
-`BlockLinear` of any native GGUF types, a product's parts in several types), our RMSNorm and
-silu*up, rotary on our kernel, and the step's attention on the kernel backend; anywhere else
-(another backend's step, a layer the file stores in another format) the model runs its layers
+It runs where every layer is ours end to end: products over the file's blocks (`BlockLinear` of
+any native GGUF types, a product's parts in several types), our RMSNorm and silu*up, rotary on
+our kernel, and the step's attention on the kernel backend; anywhere else (another backend's
+step, a product the file stores in a type without a kernel of ours) the model runs its layers
 one by one. The layer table holds the weights' addresses, so the layers' tensors are kept here
 too: they must not be replaced after it is built (the loader builds it last)."""
 
@@ -21,11 +21,9 @@ from batchserve import kernels
 from batchserve.attention.kernel import KernelMetadata
 from batchserve.model.blocks import BlockLinear
 from batchserve.model.layers import KernelRMSNorm, KernelSiluAndMul
-from batchserve.model.quant import Q4Linear
 
-# The products of a layer in the table's order (csrc/layers.cpp's Field), and their kinds there.
+# The products of a layer in the table's order (csrc/layers.cpp's Field).
 PRODUCTS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-Q4_1_KIND, BLOCKS_KIND = 0, 1
 
 
 def why_not_fused(layers: nn.ModuleList) -> str | None:
@@ -34,7 +32,7 @@ def why_not_fused(layers: nn.ModuleList) -> str | None:
         return kernels.unavailable_reason()
     for i, layer in enumerate(layers):
         for name in PRODUCTS:
-            if type(layer.get_submodule(name)) not in (Q4Linear, BlockLinear):
+            if type(layer.get_submodule(name)) is not BlockLinear:
                 return f"layer {i}'s {name} is not a product over GGUF blocks on our kernels"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(type(n) is not KernelRMSNorm for n in norms) or type(layer.mlp.act) is not KernelSiluAndMul:
@@ -70,12 +68,8 @@ class KernelDecoderLayers(nn.Module):
         row = [self._address(layer.input_layernorm.weight), self._address(layer.post_attention_layernorm.weight)]
         for name in PRODUCTS:
             product = layer.get_submodule(name)
-            if isinstance(product, BlockLinear):  # its descriptor holds the parts' types, rows and weights
-                self.kept.append(product.packed)
-                row += [BLOCKS_KIND, self._address(product.desc), 0, 0]
-            else:
-                row += [Q4_1_KIND, *(self._address(t) for t in (product.weight, product.scales, product.mins))]
-            row.append(0 if product.bias is None else self._address(product.bias))
+            self.kept.append(product.packed)  # its descriptor holds the parts' types, rows and weights' address
+            row += [self._address(product.desc), 0 if product.bias is None else self._address(product.bias)]
         attn = layer.self_attn  # Qwen3's per-head norms of q and k, or none
         row += [0, 0] if attn.q_norm is None else [self._address(attn.q_norm.weight), self._address(attn.k_norm.weight)]
         return row

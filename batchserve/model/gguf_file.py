@@ -1,6 +1,6 @@
-"""A GGUF file read as it is: memory-mapped by gguf-py's `GGUFReader`, its config and tokenizer
-from its metadata (through transformers, cached by the file's identity: a second start parses
-no vocabulary), its tensors as the file's own bytes.
+"""A GGUF file read as it is: its header by our reader (`gguf_read`), its config and tokenizer
+from that metadata (`gguf_config`, cached by the file's identity: a second start builds no
+vocabulary), its tensors as memory-mapped views of the file's own bytes.
 
 Nothing here copies a weight: `GGUFTensors` hands out read-only views of the mapping, and
 `release` drops a range's pages from this process once a layer has made its own copy, so a
@@ -24,15 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.model.gguf_read import read_gguf
+from batchserve.model.gguf_read import GGUFContents, read_gguf
 from batchserve.model.gguf_tokenizer import match_llama_cpp
 
 logger = logging.getLogger("batchserve")
 
-META_FORMAT = 2  # 2: the tokenizer splits as llama.cpp does (gguf_tokenizer)
+META_FORMAT = 3  # 2: the tokenizer splits as llama.cpp does (gguf_tokenizer); 3: config and tokenizer from our reader
 META_MARKER = "batchserve-gguf-meta.json"  # written last: an entry without it is incomplete
-# general.architecture -> what our forward runs
-LLAMA_CPP_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes attn_q/attn_k rows for these (rotary pairs)
 
 
@@ -78,8 +76,12 @@ def cached_meta(path: Path) -> Path | None:
 
 def read_meta(path: Path) -> tuple[Any, Any]:
     """(config, tokenizer) of a GGUF file from its metadata: from the cache entry where there is
-    one, else parsed by transformers (its reader: seconds for a large vocabulary) and cached."""
+    one, else built from the header our reader parses (`gguf_config`; transformers' own reader
+    only for architectures the native forward does not run, whose load is transformers' anyway)
+    and cached."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from batchserve.model.gguf_config import LLAMA_CPP_ARCHS, gguf_config
 
     entry = cached_meta(path)
     if entry is not None:
@@ -93,30 +95,29 @@ def read_meta(path: Path) -> tuple[Any, Any]:
         except Exception as e:  # a damaged entry, whatever the damage: parse the file again
             logger.warning("ignoring the cached metadata in %s: %s", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
-    kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": path.name}
-    config = AutoConfig.from_pretrained(path.parent, **kwargs)
-    tokenizer = _gguf_tokenizer(path, config.model_type, kwargs)
+    contents = read_gguf(path)
+    arch = contents.metadata.get("general.architecture")
+    if arch is not None and arch.value in LLAMA_CPP_ARCHS:
+        config = gguf_config(contents)
+    else:
+        config = AutoConfig.from_pretrained(path.parent, local_files_only=True, gguf_file=path.name)
+    tokenizer = _gguf_tokenizer(contents, config.model_type)
     _write_meta(path, config, tokenizer)
     config._name_or_path = str(path)
     return config, tokenizer
 
 
-def _gguf_tokenizer(path: Path, model_type: str, kwargs: dict[str, Any]) -> Any:
-    """The tokenizer `AutoTokenizer` builds from the file, through the class it would pick for
-    `model_type`: `AutoTokenizer` first parses the file's config again (transformers' reader of
-    every metadata field: 6 s of an 8B's first start, whose tokenizer itself takes 0.7). Where the
-    class cannot be named here (another transformers), `AutoTokenizer` as it is."""
-    from transformers import AutoTokenizer
+def _gguf_tokenizer(contents: GGUFContents, model_type: str) -> Any:
+    """The tokenizer the file describes (`gguf_config.gguf_tokenizer`), as the class `AutoTokenizer`
+    would pick for `model_type` (TokenizersBackend where it names none), splitting as llama.cpp does."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
-    try:
-        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from batchserve.model.gguf_config import gguf_tokenizer
 
-        name = TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend"
-        cls = tokenizer_class_from_name(name if isinstance(name, str) else "")
-    except (ImportError, AttributeError, ValueError):
-        cls = None
-    tokenizer = (AutoTokenizer if cls is None else cls).from_pretrained(path.parent, **kwargs)
-    logger.info("tokenizer of %s: %s", path.name, match_llama_cpp(tokenizer, read_gguf(path).metadata))
+    name = TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend"
+    cls = tokenizer_class_from_name(name if isinstance(name, str) else "TokenizersBackend")
+    tokenizer = gguf_tokenizer(contents, cls)
+    logger.info("tokenizer of %s: %s", contents.path, match_llama_cpp(tokenizer, contents.metadata))
     return tokenizer
 
 

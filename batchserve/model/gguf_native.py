@@ -1,5 +1,6 @@
-"""The native model built straight over a GGUF file's blocks: no transformers model, no float32
-copy, no conversion cache. Each product is a `BlockLinear` over the tensors' own blocks, whatever
+"""The native model built straight over a GGUF file's blocks (Llama, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3/4 with its merged q|k|v and gate|up): no transformers model, no float32 copy, no conversion
+cache. Each product is a `BlockLinear` over the tensors' own blocks, whatever
 type each tensor has (a llama.cpp mix varies by layer and falls back per tensor); the token
 embedding looks its rows up in the mapped file; norms and biases are the file's float32 values.
 
@@ -9,7 +10,6 @@ file that cannot fit in memory beside the KV pool is refused before anything is 
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections import Counter
@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from batchserve import kernels
-from batchserve.model.family import hf_rotaries
-from batchserve.model.gguf_file import LLAMA_CPP_ARCHS, PERMUTED_ARCHS, GGUFTensors, TensorView, read_meta
+from batchserve.model.family import local_rotary_for, rotary_for
+from batchserve.model.gguf_config import LLAMA_CPP_ARCHS
+from batchserve.model.gguf_file import PERMUTED_ARCHS, GGUFTensors, TensorView, read_meta
 from batchserve.model.llama import NativeLlamaForCausalLM, product_out_dtype, supports
 
 logger = logging.getLogger("batchserve")
@@ -101,6 +102,9 @@ def refusal(tensors: GGUFTensors) -> str | None:
     """Why this file's layers cannot be built from its blocks here; None where they can."""
     if tensors.architecture not in LLAMA_CPP_ARCHS:
         return f"architecture {tensors.architecture or '(none)'} (read from blocks: {', '.join(LLAMA_CPP_ARCHS)})"
+    experts = next((name for name in tensors.tensors if "_exps." in name), None)
+    if experts is not None:  # a Mixtral is a `llama` file with routed experts
+        return f"mixture-of-experts layers ({experts}) are not read from blocks yet"
     if not kernels.available():
         return f"our kernels do not run here: {kernels.unavailable_reason()}"
     from batchserve.model.blocks import block_products_invariant
@@ -172,33 +176,6 @@ def load_gguf_native(path: Path, kv_bytes: Callable[[Any], int] | None = None) -
     return model, tokenizer
 
 
-def rotary_for(config: Any, factors: np.ndarray | None) -> nn.Module:
-    """The rope frequencies as transformers computes them for `config`, divided by llama.cpp's
-    `rope_freqs` factors where the file stores them (its Llama 3.1 scaling)."""
-    from batchserve.model.layer_kernels import TORCH_LAYERS
-
-    (inv_freq, scaling), _ = hf_rotaries(_hf_rope(config))  # [D/2]
-    if factors is not None:
-        inv_freq = inv_freq / torch.from_numpy(factors.reshape(-1))
-    return TORCH_LAYERS.rotary(inv_freq, scaling)
-
-
-def local_rotary_for(config: Any) -> nn.Module | None:
-    """The sliding-window layers' own rotary where the model has one (Gemma 3), else None."""
-    from batchserve.model.layer_kernels import TORCH_LAYERS
-
-    _, local = hf_rotaries(_hf_rope(config))
-    return None if local is None else TORCH_LAYERS.rotary(*local)
-
-
-def _hf_rope(config: Any) -> nn.Module:
-    """transformers' rotary module for `config` (its frequencies as transformers computes them)."""
-    name = config.model_type.removesuffix("_text")  # gemma3_text lives in gemma3's module
-    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    rotary_class = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
-    return rotary_class(config=config)
-
-
 class _Builder:
     """Fills a native model's modules from the file, one tensor at a time."""
 
@@ -245,19 +222,27 @@ class _Builder:
         model.gguf_report = self.report
         model.batch_invariant_linears = block_products_invariant() and (not self.report.dequantized or our_bf16_here())
         model.generation_config = GenerationConfig.from_model_config(self.config)
-        if why_not_fused(model.layers) is None:  # last: it holds the weights' addresses
+        # The fused layers rotate whole heads: a partial rotary (Phi's) stays on the layers' own path.
+        whole_heads = 2 * model.rotary.inv_freq.numel() == model.layers[0].self_attn.head_dim
+        if whole_heads and why_not_fused(model.layers) is None:  # last: it holds the weights' addresses
             model.fused_layers = KernelDecoderLayers(model.layers)
 
     def _layer(self, layer: nn.Module, i: int) -> None:
         c, blk = self.config, f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = (self.tensors[f"{blk}attn_{p}.weight"] for p in "qkv")
-        if self.permuted:
-            q, k = self._unpermuted(q, c.num_attention_heads), self._unpermuted(k, c.num_key_value_heads)
+        d, kv = attn.head_dim, c.num_key_value_heads
+        merged = self.tensors.get(f"{blk}attn_qkv.weight")
+        if merged is not None:  # Phi-3: q|k|v stored as one tensor, our merged product's own order
+            qkv, sizes = [merged], (c.num_attention_heads * d, kv * d, kv * d)
+        else:
+            q, k, v = (self.tensors[f"{blk}attn_{p}.weight"] for p in "qkv")
+            if self.permuted:
+                q, k = self._unpermuted(q, c.num_attention_heads), self._unpermuted(k, kv)
+            qkv, sizes = [q, k, v], None
         bias = None
         if self.tensors.get(f"{blk}attn_q.bias") is not None:
             bias = torch.cat([self._vector(f"{blk}attn_{p}.bias").data for p in "qkv"])
-        attn.qkv_proj = self._product(f"layers.{i}.self_attn.qkv_proj", [q, k, v], bias)
+        attn.qkv_proj = self._product(f"layers.{i}.self_attn.qkv_proj", qkv, bias, sizes)
         if attn.q_norm is not None and attn.k_norm is not None:  # per-head q/k norms (qwen3)
             attn.q_norm.weight = self._vector(f"{blk}attn_q_norm.weight")
             attn.k_norm.weight = self._vector(f"{blk}attn_k_norm.weight")
@@ -266,8 +251,15 @@ class _Builder:
                     f"{blk}attn_q_norm has {attn.q_norm.weight.numel()} values, the head dim is {attn.head_dim}"
                 )
         attn.o_proj = self._product(f"layers.{i}.self_attn.o_proj", [self.tensors[f"{blk}attn_output.weight"]], None)
-        gate, up = self.tensors[f"{blk}ffn_gate.weight"], self.tensors[f"{blk}ffn_up.weight"]
-        mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [gate, up], None)
+        up = self.tensors[f"{blk}ffn_up.weight"]
+        gate = self.tensors.get(f"{blk}ffn_gate.weight")
+        if gate is None:  # Phi-3: gate|up stored as one tensor (ffn_up), the gate's rows first
+            ff = c.intermediate_size
+            if up.shape[0] != 2 * ff:
+                raise GGUFRefused(f"{blk}ffn_up has {up.shape[0]} rows and no ffn_gate: expected gate|up, 2 x {ff}")
+            mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [up], None, (ff, ff))
+        else:
+            mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [gate, up], None)
         mlp.down_proj = self._product(f"layers.{i}.mlp.down_proj", [self.tensors[f"{blk}ffn_down.weight"]], None)
         # Norms as the file stores them: llama.cpp's converter has already added Gemma's 1 to its weights.
         layer.input_layernorm.weight = self._vector(f"{blk}attn_norm.weight")
@@ -290,10 +282,15 @@ class _Builder:
         values = view.data if view.qtype == 0 else dequantized(view)
         return nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1)), requires_grad=False)
 
-    def _product(self, name: str, views: list[TensorView], bias: torch.Tensor | None) -> nn.Module:
+    def _product(
+        self, name: str, views: list[TensorView], bias: torch.Tensor | None, sizes: tuple[int, ...] | None = None
+    ) -> nn.Module:
+        """One product over `views`' rows joined; `sizes`: its parts' rows where a view holds several."""
         from batchserve.model.blocks import NATIVE_TYPES, BlockLinear, BlockPart
 
-        sizes = tuple(v.shape[0] for v in views)
+        sizes = sizes or tuple(v.shape[0] for v in views)
+        if sum(sizes) != sum(v.shape[0] for v in views):
+            raise GGUFRefused(f"{name}: the file's {sum(v.shape[0] for v in views)} rows are not the model's {sizes}")
         if all(v.qtype in NATIVE_TYPES for v in views):
             layer: nn.Module = BlockLinear([BlockPart(v.data, v.qtype, v.shape[1]) for v in views], bias, sizes)
             self.report.native.update(type_name(v.qtype) for v in views)

@@ -48,6 +48,7 @@ class TensorEntry:
 class GGUFContents:
     metadata: dict[str, MetaValue]
     tensors: list[TensorEntry]
+    path: Path | None = None  # the file read
 
 
 class _Cursor:
@@ -100,4 +101,4 @@ def read_gguf(path: str | Path) -> GGUFContents:
             infos.append((name, ne, GGMLQuantizationType(c.unpack("<I")), c.unpack("<Q")))
         align = metadata["general.alignment"].value if "general.alignment" in metadata else GGUF_DEFAULT_ALIGNMENT
         start = _padded(c.pos, align)
-    return GGUFContents(metadata, [TensorEntry(name, ne, t, start + off) for name, ne, t, off in infos])
+    return GGUFContents(metadata, [TensorEntry(name, ne, t, start + off) for name, ne, t, off in infos], Path(path))

@@ -115,7 +115,7 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from batchserve.model.bf16 import KernelBf16Linear
-    from batchserve.model.gguf_native import local_rotary_for, rotary_for
+    from batchserve.model.family import local_rotary_for, rotary_for
     from batchserve.model.layer_kernels import TORCH_LAYERS
 
     t0 = time.perf_counter()

@@ -176,6 +176,8 @@ def load_model(
     logger.info("loading %s (%s on %s)", directory / gguf_file if gguf_file else directory, dtype, device)
     with _converting(directory / gguf_file if gguf_file is not None else None, dtype):
         model, tokenizer = _load(path, directory, gguf_file, dtype)
+    if gguf_file is not None:  # the file itself, for what reads its blocks again (cpu_weights gguf, bfloat16)
+        model.gguf_source = str(directory / gguf_file)
     model.to(device).eval()
     logger.info("model loaded in %.1f s", time.perf_counter() - t0)
     return model, tokenizer

@@ -24,13 +24,12 @@ from batchserve.trees import DraftTree
 logger = logging.getLogger("batchserve")
 
 # Dense where drafts live: on CPU the curve is not monotone there (a matmul with 2 or 3 rows
-# can be slower than one with 8), and the policy should see the dips it can use. The curve also
-# steps up right after each multiple of 16 rows (torch's int4 kernel reads every weight again
-# for each 16-row block: a 17-row step costs far more than a 16-row one, not the 1/16 of the
-# way to 32 rows interpolation would say), so 17, 33 and 65 are measured: at
-# 16 or 32 requests the first draft row is the most expensive one. On an AVX2 CPU the same
-# kernel reads the weights again for every 4 rows (5 rows cost what 8 do): 5 and 9 are measured
-# to find such a block (`row_block_of`).
+# can be slower than one with 8), and the policy should see the dips it can use. A kernel that
+# works in row blocks steps up right after each block (torch's int4 kernel, the earlier Q4_1
+# path, read every weight again for each 16-row block: a 17-row step cost far more than a 16-row
+# one, not the 1/16 of the way to 32 rows interpolation would say), so 17, 33 and 65 are
+# measured: at 16 or 32 requests the first draft row may be the most expensive one. Blocks of 4
+# rows (on AVX2 that kernel's 5 rows cost what 8 did) are found from 5 and 9 (`row_block_of`).
 TOKEN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 17, 20, 24, 32, 33, 48, 64, 65, 96, 128, 192, 256, 384, 512)
 CONTEXTS = (64, 512, 2048)
 # What a server measures at its first start, in seconds rather than minutes: the shape of the

@@ -5,8 +5,9 @@ attention_backend, cuda_graphs) and the machine (its device, what our kernels an
 here, whether flashinfer is installed) into one frozen `ForwardChoice`:
 
     impl       native (our layers over packed rows) or transformers (the model as loaded)
-    weights    float32, bfloat16 or q4_1 on the CPU; off it ("-") the model keeps its dtype
-    linear     the kernels the products run on (our Q4_1/Q8_0, torch's int4, oneDNN, torch)
+    weights    gguf (the file's own blocks), float32 or bfloat16 on the CPU; off it ("-") the model
+               keeps its dtype
+    linear     the kernels the products run on (ours over the file's blocks or bfloat16, oneDNN, torch)
     attention  kernel, invariant, torch or flashinfer
     graphs     on (replayed CUDA graphs), eager (the same bucketed steps uncaptured) or off
     fused      whether every decoder layer runs in one kernel call (CPU), or its norms, silu*up and
@@ -39,9 +40,6 @@ PARTS = ("impl", "weights", "linear", "attention", "graphs", "fused")
 # What each kind of product layer runs on, by class name (the `linear` part names the classes).
 _PRODUCTS = {
     "BlockLinear": "the file's own blocks, each tensor at its own type, on our kernels",
-    "Q4Linear": "the file's Q4_1 blocks on our kernels",
-    "Q8Linear": "Q8_0 blocks on our kernels",
-    "Int4Linear": "the file's Q4_1 blocks on torch's int4 kernel",
     "KernelBf16Linear": "bfloat16 copies on our kernel",
     "Bf16Linear": "bfloat16 copies on oneDNN's prepacked kernel",
     "PackedLinear": "float32 on oneDNN's prepacked kernel",
@@ -72,12 +70,12 @@ class ForwardChoice:
 
     @property
     def name(self) -> str:
-        """What runs a step, short: `native q4_1 weights on our kernels, kernel attention`."""
+        """What runs a step, short: `native gguf weights on our kernels, kernel attention`."""
         attention = f"{self.attention.choice} attention"
         if self.impl.choice != "native":
             return f"transformers {self.weights.choice}, {attention}"
         kinds = self.linear.choice.split("+")
-        ours = " on our kernels" if {"BlockLinear", "Q4Linear", "Q8Linear", "KernelBf16Linear"} & set(kinds) else ""
+        ours = " on our kernels" if {"BlockLinear", "KernelBf16Linear"} & set(kinds) else ""
         return f"native {self.weights.choice} weights{ours}, {attention}"
 
     def parts(self) -> dict[str, Part]:
@@ -100,9 +98,7 @@ def choose_forward(model: Any, config: EngineConfig, loaded_from_path: bool) -> 
     `config.model.path` (only then may `cpu_weights=auto` read the file's other formats)."""
     mc = config.model
     handed_native = getattr(model, "native", False)
-    model = choose_impl(
-        model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_from_path, config.scheduler.max_num_seqs
-    )
+    model = choose_impl(model, mc.model_impl, mc.cpu_linear, mc.cpu_weights, mc.path, loaded_from_path)
     param = next(model.parameters())
     native = getattr(model, "native", False)
     use_onednn_linear(model, mc.cpu_linear)  # the runner's own swap finds it done

@@ -49,7 +49,7 @@ def profile_key(runner: ModelRunner) -> str:
     backend = type(runner.backend).__name__.removesuffix("Backend") + ("-onednn" if runner.onednn_linear else "")
     impl = "native" if getattr(model, "native", False) else "hf"  # draft rows cost differently on each
     weights = getattr(model, "cpu_weights", "float32")
-    if weights in ("q4_1", "bfloat16", "gguf"):
+    if weights in ("bfloat16", "gguf"):
         impl += f"-{weights}" + ("-ours" if uses_our_kernels(model) else "")  # whose kernels, too
     if uses_our_kernels(model) or backend.startswith("Kernel"):  # their timings change with their source
         backend += f"-{kernels.build_id()}"

@@ -37,7 +37,7 @@ class _Runner:
     num_prompts: int
     waves: int
     max_new: int
-    weights: str  # "q4_1", "bfloat16" or "float32": what the server would run
+    weights: str  # "gguf", "bfloat16" or "float32": what the server would run
     cost_profile: Any
     bar: Any
     repeats: int = 1  # runs per point; the median by tokens/s stands for it
@@ -120,10 +120,10 @@ def tune(
     import torch
 
     on_cpu = not torch.cuda.is_available()
-    # Each point runs the weights a server with its seats would take, loaded as the server loads
-    # them (a GGUF from its blocks; transformers' model for the rest): one forward per kind,
-    # reused by every run.
-    weights_at = {c: choose_cpu_weights(on_cpu, model_path, c) for c in concurrency}
+    # Each point runs the weights a server would take (the same at every seat count), loaded as
+    # the server loads them (a GGUF from its blocks; transformers' model for the rest): one
+    # forward per kind, reused by every run.
+    weights_at = dict.fromkeys(concurrency, choose_cpu_weights(on_cpu, model_path))
     loaded = set(weights_at.values()) - {"gguf"}
     hf_model, tokenizer = load_model(model_path, "float32") if loaded else (None, load_tokenizer(model_path))
     work = load_dataset(dataset, max(num_prompts, waves * concurrency[-1]), tokenizer)

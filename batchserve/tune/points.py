@@ -46,7 +46,7 @@ class Point:
     tokens_per_step: float
     lossless: bool | None = None  # with drafts: outputs equal `none`'s at the same concurrency
     missed: str = ""  # the goals it misses
-    weights: str = ""  # the CPU weights it ran ("q4_1", "bfloat16", "float32"; "": not recorded)
+    weights: str = ""  # the CPU weights it ran ("gguf", "bfloat16", "float32"; "": not recorded)
 
     @property
     def meets(self) -> bool:

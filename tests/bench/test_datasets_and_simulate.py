@@ -11,6 +11,7 @@ import pytest
 
 from batchserve.bench.datasets import humaneval, sharegpt, sharegpt_multiturn, split, system_prompt
 from batchserve.cli import main
+from tests.conftest import smollm2_copy
 
 
 def test_humaneval_has_all_problems_with_solutions() -> None:
@@ -190,6 +191,22 @@ def _quick_calibration(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
     monkeypatch.setattr(cal, "calibrate", quick)
 
 
+def _copies_of_the_session_load(monkeypatch: pytest.MonkeyPatch, smollm2: tuple[Any, Any]) -> None:
+    """The sweep loads SmolLM2 in float32 twice, HF's reference and the engines' model: each a copy
+    of the session's `load_model(None, "float32")` of the same file, not two more conversions of
+    it (about 15 s of a core each; that load is the `smollm2` fixture's, checked in test_loader)."""
+    from batchserve.model import loader
+
+    real = loader.load_model
+
+    def load_model(path: Any = None, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
+        if path is None and dtype == "float32" and device == "auto":
+            return smollm2_copy(smollm2)
+        return real(path, dtype, device)
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+
+
 def _check_rows(rows: list[dict[str, Any]]) -> None:
     assert all(ROW_KEYS <= set(r) for r in rows)
     by = {(r["method"], r["batch_size"]): r for r in rows}
@@ -214,8 +231,11 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_bench_against_peers_writes_results_report_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_against_peers_writes_results_report_and_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2: tuple[Any, Any]
+) -> None:
     _quick_calibration(monkeypatch, tmp_path / "cache")
+    _copies_of_the_session_load(monkeypatch, smollm2)
     out = tmp_path / "bench"
     assert main([*SWEEP_ARGV, "--out", str(out)]) == 0
     _check_rows(json.loads((out / "results.json").read_text()))

@@ -197,7 +197,7 @@ def test_prediction_methods_send_each_samples_prediction(tiny_tokenizer: Any) ->
     assert m is not None and m.predicted and m.prefix_caching and not batchserve_method("lookahead").predicted
     both = batchserve_method("none+prediction+nocache")
     assert both is not None and both.predicted and not both.prefix_caching
-    assert known_method("none-q4+prediction") and not known_method("hf+prediction")
+    assert known_method("none-gguf+prediction") and not known_method("hf+prediction")
     assert method_rank("lookahead") < method_rank("lookahead+prediction") < method_rank("lookahead-4")
     # A prediction that is the greedy output itself: fewer steps, the same tokens.
     prompts = [[5 + (i * 7 + j) % 60 for j in range(10)] for i in range(2)]

@@ -257,7 +257,7 @@ def test_sweep_reports_llama_server_restarted_with_no_repack_or_failed_and_goes_
     monkeypatch.setenv("LLAMA_SERVER", str(binary))
     # our server's weights choice reads the GGUF: this one is empty, and only llama-server is served
     monkeypatch.setattr(
-        sweep, "served_peers", lambda m, path, e, b, logs, peer: ServedPeers(path, "q4_1", 16, logs, peer)
+        sweep, "served_peers", lambda m, path, e, b, logs, peer: ServedPeers(path, "gguf", 16, logs, peer)
     )
     rows = {
         r["method"]: r for r in _tiny_sweep(monkeypatch, tmp_path, tiny_model, tiny_tokenizer, ("hf", "llama-server"))

@@ -91,8 +91,8 @@ def test_open_loop_table_compares_with_none_at_the_same_rate() -> None:
 def test_each_method_is_compared_with_none_on_its_own_weights() -> None:
     from batchserve.bench.report import _method_table, none_of
 
-    assert none_of("lookahead-adaptive-q4+prediction") == "none-q4" and none_of("lookahead") == "none"
-    rows = [_row("none", 1, 10.0), _row("none-q4", 1, 20.0), _row("lookahead-adaptive-q4", 1, 50.0)]
+    assert none_of("lookahead-adaptive-gguf+prediction") == "none-gguf" and none_of("lookahead") == "none"
+    rows = [_row("none", 1, 10.0), _row("none-gguf", 1, 20.0), _row("lookahead-adaptive-gguf", 1, 50.0)]
     table = "\n".join(_method_table(rows))
-    assert "| 2.50x |" in table  # 50 over none-q4's 20, not none's 10
-    assert "lowest 2.50x (b=1)" in "".join(never_slower(rows, "lookahead-adaptive-q4", "none-q4"))
+    assert "| 2.50x |" in table  # 50 over none-gguf's 20, not none's 10
+    assert "lowest 2.50x (b=1)" in "".join(never_slower(rows, "lookahead-adaptive-gguf", "none-gguf"))

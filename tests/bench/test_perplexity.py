@@ -40,19 +40,19 @@ def test_a_uniform_distribution_has_the_vocabularys_perplexity_and_no_error():
     assert totals.kl() == (pytest.approx(0.0), 0.0) and totals.same_top == 7
 
 
-def test_the_served_forward_scores_as_the_exact_model_of_the_file(text, tmp_path, monkeypatch):
+def test_the_served_forward_scores_as_the_exact_model_of_the_file(text, tmp_path, monkeypatch, smollm2):
     """Our products quantize activations (as llama.cpp's do): within 2% of the float32 model's
     perplexity on the same chunks and positions (0.3% apart on 2,040 tokens of this text); a
     position scored off by one is far outside."""
     from batchserve.bench.perplexity import bos_of
-    from batchserve.model.loader import load_model
 
     monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path))
     path = str(default_gguf())
     ctx, first, chunks = 128, 64, 4
     ours = perplexity(path, text, ctx, chunks)
     assert ours.chunks == chunks and ours.tokens_scored == chunks * (ctx - 1 - first) and ours.ppl_error > 0
-    model, tokenizer = load_model(path, "float32")
+    model, tokenizer = smollm2  # the session's `load_model(None, "float32")`: transformers' load of this file
+    assert model.gguf_source == path
     bos = bos_of(path)
     tokens = tokenizer.encode(text, add_special_tokens=False)
     tokens = tokens if bos is None else [bos, *tokens]

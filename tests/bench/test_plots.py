@@ -64,11 +64,11 @@ def test_the_speedup_panel_divides_by_none_on_the_same_weights() -> None:
     rows = [
         _row("none-bf16", 1, 20.0),
         _row("none-bf16", 4, 50.0),
-        _row("none-q4", 1, 40.0),
+        _row("none-gguf", 1, 40.0),
         _row("lookahead-adaptive-bf16", 1, 50.0),
         _row("lookahead-adaptive-bf16", 4, 48.0),
-        _row("lookahead-adaptive-q4", 1, 60.0),
-        _row("lookahead-adaptive-q4", 4, 99.0),  # no none-q4 at 4: no point
+        _row("lookahead-adaptive-gguf", 1, 60.0),
+        _row("lookahead-adaptive-gguf", 4, 99.0),  # no none-gguf at 4: no point
         _row("lookahead-adaptive-bf16", 1, 1.0, dataset="doc-qa"),  # another dataset's panel
     ]
     fig, ax = plt.subplots()
@@ -76,7 +76,7 @@ def test_the_speedup_panel_divides_by_none_on_the_same_weights() -> None:
     curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
     plt.close(fig)
     assert curves["lookahead-adaptive-bf16 / none-bf16"] == ([1, 4], [2.5, 0.96])
-    assert curves["lookahead-adaptive-q4 / none-q4"] == ([1], [1.5])
+    assert curves["lookahead-adaptive-gguf / none-gguf"] == ([1], [1.5])
     assert "0.97x" in curves  # the line drafting must stay above
 
 

@@ -8,7 +8,8 @@ The public API, module by module (`batchserve/bench/__init__.py` says the same):
   stats), `batchserve.records` (what `EngineCore.step_listeners` are told), `batchserve.cost_profile`
   (`CostProfile`, what `batchserve calibrate` writes);
 - `batchserve.server.client` (`Client`);
-- `batchserve.model.loader` (what `--model` names: its file, weights and tokenizer);
+- `batchserve.model.loader` (what `--model` names: its file, weights and tokenizer), and
+  `batchserve.model.gguf_read` / `gguf_file` (a GGUF's header and its tensors as mapped views);
 - `batchserve.heap`, `batchserve.jsonl` (the heap as `serve` settles it; JSONL reading).
 
 Two bench modules may reach past it, and no other: `bench/host.py` (the engine below its public
@@ -32,6 +33,7 @@ PUBLIC = frozenset(
         "batchserve.server.client",
         "batchserve.model.loader",
         "batchserve.model.gguf_read",  # the GGUF header reader: real-shaped files are written and read back with it
+        "batchserve.model.gguf_file",  # a GGUF's tensors as mapped views: a file is requantized from them
         "batchserve.heap",
         "batchserve.jsonl",
     }

@@ -62,16 +62,16 @@ def test_logprobs_methods_ask_for_top_logprobs_and_emit_the_same_tokens(
     import batchserve.bench.runs as runs
     from batchserve.bench.methods import LOGPROBS, known_method, method_rank, none_of
 
-    m = batchserve_method("lookahead-adaptive-q4+logprobs")
-    assert m is not None and m.logprobs == LOGPROBS and m.cpu_weights == "q4_1" and m.adaptive
-    assert batchserve_method("lookahead-adaptive-q4").logprobs is None  # type: ignore[union-attr]
+    m = batchserve_method("lookahead-adaptive-gguf+logprobs")
+    assert m is not None and m.logprobs == LOGPROBS and m.cpu_weights == "gguf" and m.adaptive
+    assert batchserve_method("lookahead-adaptive-gguf").logprobs is None  # type: ignore[union-attr]
     for name in ("none+logprobs+nocache+prediction", "none+prediction+logprobs+nocache", "none+nocache+logprobs"):
         both = batchserve_method(name)
         assert both is not None and both.logprobs == LOGPROBS and not both.prefix_caching
         assert both.predicted == ("prediction" in name)
     assert known_method("jacobi-4-3+logprobs") and not known_method("hf+logprobs")
     assert method_rank("lookahead") < method_rank("lookahead+logprobs") < method_rank("lookahead-4")
-    assert none_of("lookahead-adaptive-q4+logprobs") == "none-q4"
+    assert none_of("lookahead-adaptive-gguf+logprobs") == "none-gguf"
     # Each request asks for them; the tokens are those without (the lossless check still holds).
     model = make_ascii_model()
     prompts = [[5 + (i * 7 + j) % 60 for j in range(10)] for i in range(3)]
@@ -95,16 +95,17 @@ def test_a_plain_method_name_runs_the_weights_make_serve_runs():
     from batchserve.bench.methods import as_served, none_of
 
     methods = ["hf", "none", "lookahead-adaptive+nocache", "none-f32", "none-bf16", "none-blas", "none-hf", "llma"]
-    assert as_served(methods, "q4_1") == [
-        "hf", "none-q4", "lookahead-adaptive-q4+nocache", "none-f32", "none-bf16", "none-blas", "none-hf", "llma-q4",
+    assert as_served(methods, "gguf") == [
+        "hf", "none-gguf", "lookahead-adaptive-gguf+nocache", "none-f32", "none-bf16", "none-blas", "none-hf",
+        "llma-gguf",
     ]  # fmt: skip
     assert as_served(methods, "float32") == methods
     # Any method on our forward takes a weights suffix, and says which plain decoding it is checked with.
-    q4 = batchserve_method("llma-q4")
-    assert q4 is not None and q4.cpu_weights == "q4_1" and q4.draft == "llma"
+    blocks = batchserve_method("llma-gguf")
+    assert blocks is not None and blocks.cpu_weights == "gguf" and blocks.draft == "llma"
     assert batchserve_method("none-f32").cpu_weights == "float32"  # type: ignore[union-attr]
-    assert batchserve_method("none-hf-q4") is None  # the transformers forward runs its own float32
-    assert none_of("llma-q4") == "none-q4" and none_of("lookahead-adaptive-f32+nocache") == "none-f32"
+    assert batchserve_method("none-hf-gguf") is None  # the transformers forward runs its own float32
+    assert none_of("llma-gguf") == "none-gguf" and none_of("lookahead-adaptive-f32+nocache") == "none-f32"
 
 
 @pytest.mark.parametrize("beside", [False, True])

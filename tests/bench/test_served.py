@@ -85,10 +85,10 @@ def test_served_methods_are_peers_checked_against_the_plain_decoding_as_served()
     from batchserve.bench.sweep import _needs_hf
 
     names = ["served-http", "served-grpc-none", "llama-server-ngram"]
-    assert all(known_method(n) for n in names) and as_served(names, "q4_1") == names
+    assert all(known_method(n) for n in names) and as_served(names, "gguf") == names
     # Their reference is the in-process `none` on make serve's weights, not HF greedy.
-    assert not _needs_hf(["none-q4", "lookahead-adaptive-q4", *names])
-    assert _needs_hf(["none-q4", "llamacpp"]) and _needs_hf(["none"])
+    assert not _needs_hf(["none-gguf", "lookahead-adaptive-gguf", *names])
+    assert _needs_hf(["none-gguf", "llamacpp"]) and _needs_hf(["none"])
 
 
 def test_the_report_sets_served_rows_against_the_same_settings_in_process():
@@ -99,15 +99,15 @@ def test_the_report_sets_served_rows_against_the_same_settings_in_process():
         return Row(method, "humaneval", b, 8, 100, 1.0, tps, None, 0.1, 0.2, 0.01, 0.02, None, versus=versus)
 
     rows = [
-        row("none-q4", 1, 150.0), row("lookahead-adaptive-q4", 1, 200.0),
-        row("served-http", 1, 180.0, "lookahead-adaptive-q4"), row("served-grpc-none", 1, 120.0, "none-q4"),
-        row("llama-server", 1, 90.0, "none-q4"), row("served-http", 16, 300.0, "lookahead-adaptive-q4"),
+        row("none-gguf", 1, 150.0), row("lookahead-adaptive-gguf", 1, 200.0),
+        row("served-http", 1, 180.0, "lookahead-adaptive-gguf"), row("served-grpc-none", 1, 120.0, "none-gguf"),
+        row("llama-server", 1, 90.0, "none-gguf"), row("served-http", 16, 300.0, "lookahead-adaptive-gguf"),
     ]  # fmt: skip
     lines = served_table(rows)
     body = [line for line in lines if line.startswith("| served") or line.startswith("| llama")]
     assert body == [
-        "| served-http | 1 | 180.0 | lookahead-adaptive-q4 | 200.0 | 0.90x | 0.100 | 0.100 | 10.0 | 10.0 |",
-        "| served-grpc-none | 1 | 120.0 | none-q4 | 150.0 | 0.80x | 0.100 | 0.100 | 10.0 | 10.0 |",
+        "| served-http | 1 | 180.0 | lookahead-adaptive-gguf | 200.0 | 0.90x | 0.100 | 0.100 | 10.0 | 10.0 |",
+        "| served-grpc-none | 1 | 120.0 | none-gguf | 150.0 | 0.80x | 0.100 | 0.100 | 10.0 | 10.0 |",
         "| llama-server | 1 | 90.0 | served-http | 180.0 | 0.50x | 0.100 | 0.100 | 10.0 | 10.0 |",
     ]  # served-http at 16 has no in-process row to stand against: left out
 

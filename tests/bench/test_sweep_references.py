@@ -47,8 +47,8 @@ def test_on_a_gpu_our_methods_need_no_hf_run(monkeypatch: pytest.MonkeyPatch) ->
 def test_on_a_cpu_float32_methods_are_judged_by_hf_greedy_on_every_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
     reference, runs = _peer_rows(monkeypatch, ["none", "lookahead-adaptive"], on_device=False)
     assert runs == ["d hf", "d reference"] and len(reference) == 4 and all(reference)
-    # Q4_1 methods are judged by their own `none`: the `hf` row runs, only over its prompts.
-    reference, runs = _peer_rows(monkeypatch, ["hf", "none-q4"], on_device=False)
+    # Methods on the file's blocks are judged by their own `none`: the `hf` row runs, only over its prompts.
+    reference, runs = _peer_rows(monkeypatch, ["hf", "none-gguf"], on_device=False)
     assert runs == ["d hf"] and reference == [[9] * 3] * 2
 
 

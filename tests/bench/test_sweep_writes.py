@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import make_tiny_model
+
 
 class Stopped(Exception):
     """Stands for the time limit's interrupt."""
@@ -20,9 +22,13 @@ def test_a_stopped_sweep_leaves_every_finished_row_in_results_and_report(
     from batchserve import runner
     from batchserve.bench import sweep
     from batchserve.bench.methods import make_row
+    from batchserve.model import loader
 
     reference = [[10, 11, 12, 13], [5, 6, 7, 8]]
     monkeypatch.setattr(runner, "load_model", lambda path, dtype: (tiny_model, tiny_tokenizer))
+    # The rows are faked: no run needs SmolLM2, which the sweep loads through `loader` (twice; the
+    # engines' copy gets its attention replaced, so a fresh tiny model, never the shared one).
+    monkeypatch.setattr(loader, "load_model", lambda path, dtype: (make_tiny_model(), tiny_tokenizer))
     monkeypatch.setattr(sweep, "load_dataset", lambda name, n, tok: sweep.Workload([[1, 2], [3, 4, 5]], []))
     monkeypatch.setattr(sweep, "run_hf", lambda m, prompts, *a, **k: (reference[: len(prompts)], 1.0, [0.1], [0.1]))
     out = tmp_path / "out"

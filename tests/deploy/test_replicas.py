@@ -18,7 +18,7 @@ import pytest
 from batchserve.server.client import Client
 from batchserve.v1 import generation_pb2 as pb
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
-from tests.server.conftest import CHAT_TEMPLATE, free_port_block, server_logs
+from tests.server.conftest import CHAT_TEMPLATE, free_port_block, server_logs, worker_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,6 +164,7 @@ def test_locust_over_two_replicas(model_dir, tmp_path):
             "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
             # Built modules are shared (named by what they are built from): no rebuild per server.
             "BATCHSERVE_BUILD_DIR": os.environ["BATCHSERVE_BUILD_DIR"],
+            **worker_threads(),
         },
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr + server_logs(out)

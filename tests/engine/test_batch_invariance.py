@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,42 +120,33 @@ def _compare(model: Any, tokenizer: Any, prompts: list[list[int]], **kernels: An
 
 
 @pytest.mark.parametrize(
-    ("weights", "attention"),
-    [("float32", "kernel"), ("q4_1", "kernel"), ("q4_1-int4", "kernel"), ("bfloat16", "kernel"), ("q4_1", "invariant")],
+    ("weights", "attention"), [("float32", "kernel"), ("bfloat16", "kernel"), ("gguf", "invariant")]
 )
-def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights, attention, monkeypatch):
-    """The native model on each of its CPU weights: float32 (PackedLinear products), the GGUF's
-    Q4_1 blocks on our kernels (Q4Linear, the head a Q8Linear) or on torch's int4 kernel
-    (Int4Linear), and bfloat16 copies (on our kernel, KernelBf16Linear, else oneDNN's Bf16Linear);
-    with our attention kernel, and with the torch-op invariant attention."""
+def test_logits_are_bitwise_the_same_alone_and_in_any_batch(engine_model, prompts, weights, attention):
+    """The native model on each of its CPU weights: float32 (PackedLinear products), bfloat16
+    copies (on our kernel, KernelBf16Linear, else oneDNN's Bf16Linear), and the file read again
+    from its blocks (BlockLinear) from the transformers model handed in, as the bench runs it;
+    with our attention kernel, and with the torch-op invariant attention (the blocks on our
+    kernel attention: test_every_block_type_is_bitwise_the_same_alone_and_in_any_batch)."""
     from batchserve import kernels
 
     if attention == "kernel" and not kernels.available():
         pytest.skip(f"our kernels cannot run here: {kernels.unavailable_reason()}")
-    from batchserve.model import our_q4_here
+    from batchserve.model import our_blocks_here
     from batchserve.model.bf16 import our_bf16_here
-    from batchserve.model.int4 import Int4Linear, int4_available
+    from batchserve.model.blocks import BlockLinear
     from batchserve.model.layers import bf16_prepack_available
-    from batchserve.model.quant import Q4Linear, Q8Linear
 
-    if weights == "q4_1" and not our_q4_here():
-        pytest.skip("our kernels cannot run here")
-    if weights == "q4_1-int4":
-        if not int4_available():
-            pytest.skip("this torch has no CPU int4 kernel")
-        monkeypatch.setattr("batchserve.model.our_q4_here", lambda: False)  # as without a compiler
+    if weights == "gguf" and not our_blocks_here():
+        pytest.skip("our block kernels cannot run here")
     if weights == "bfloat16" and not (our_bf16_here() or bf16_prepack_available()):
         pytest.skip("neither our bfloat16 kernel nor oneDNN's runs on this CPU")
-    kernel, weights = weights, weights.removesuffix("-int4")
     llm = _llm(*engine_model, "none", cpu_weights=weights, attention_backend=attention)
     layers = {type(m) for m in llm.engine.runner.model.modules()}
-    if kernel == "q4_1":
-        assert Q4Linear in layers and Q8Linear in layers and Int4Linear not in layers
-    if kernel == "q4_1-int4":
-        assert Int4Linear in layers and Q4Linear not in layers
+    assert (BlockLinear in layers) == (weights == "gguf")
     if attention == "kernel":  # invariant by construction: its start-up check must pass, no fallback
         assert llm.engine.facts.attention_backend == "kernel"
-    ours = weights == "q4_1" or (weights == "bfloat16" and our_bf16_here())
+    ours = weights == "gguf" or (weights == "bfloat16" and our_bf16_here())
     if ours and attention == "kernel":  # ours throughout: invariant by construction, on every CPU
         assert llm.engine.facts.batch_invariant, llm.engine.facts.invariance_why
     if not llm.engine.facts.batch_invariant:  # a third-party kernel: asserted through the start-up check only
@@ -176,20 +169,35 @@ def test_the_check_catches_kernels_that_are_not_batch_invariant(engine_model, pr
 MIXES = {
     "Q4_K_M": {"Q4_K", "Q6_K", "Q5_0", "Q8_0"},  # 576-wide rows fall back from Q4_K to Q5_0
     "Q5_K_M": {"Q5_K", "Q6_K", "Q5_1", "Q8_0"},
-    "Q4_0": {"Q4_0", "Q8_0"},
     "IQ4_XS": {"IQ4_XS", "IQ4_NL", "Q5_K", "Q8_0"},  # 576-wide rows fall back to IQ4_NL, as llama-quantize's
+    "Q2_K": {"Q2_K", "Q3_K", "Q4_0", "Q8_0"},  # with TENSOR_TYPES' Q2_K; its 576-wide rows are Q4_0
     "default": {"Q4_1", "Q8_0"},
 }
+# The Q2_K mix gives SmolLM2's only rows that are a multiple of 256 (ffn_down's 1536) Q3_K and
+# Q3_K_M gives them Q4_K/Q5_K: as llama-quantize's --tensor-type, the odd layers' ffn_down back
+# to Q2_K puts both types in one file.
+TENSOR_TYPES = {"Q2_K": {r"blk\.\d*[13579]\.ffn_down": "Q2_K"}}
 
 
 @pytest.fixture(scope="module")
-def requantized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def requantized(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The mix's file, written when a test first asks for it (its time in that test's, and a
+    `-k` run of one mix writes one file)."""
+    from gguf import GGMLQuantizationType
+
     from batchserve.bench.gguf_requant import write_requantized
     from batchserve.model.loader import default_model_path
 
     root = tmp_path_factory.mktemp("requantized")
-    files = {q: write_requantized(default_model_path(), root / f"smollm2-{q}.gguf", q) for q in MIXES if q != "default"}
-    return {**files, "default": default_model_path()}
+
+    @functools.cache
+    def get(mix: str) -> Path:
+        if mix == "default":
+            return default_model_path()
+        overrides = {p: GGMLQuantizationType[t] for p, t in TENSOR_TYPES.get(mix, {}).items()}
+        return write_requantized(default_model_path(), root / f"smollm2-{mix}.gguf", mix, overrides)
+
+    return get
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -200,9 +208,10 @@ def test_every_block_type_is_bitwise_the_same_alone_and_in_any_batch(requantized
 
     if not our_blocks_here():
         pytest.skip("our block kernels cannot run here")
-    llm = _llm(requantized[mix], None, "none")
+    path = requantized(mix)
+    llm = _llm(path, None, "none")
     model = llm.engine.runner.model
     assert model.cpu_weights == "gguf" and set(model.gguf_report.native) == MIXES[mix]
     assert llm.engine.facts.batch_invariant, llm.engine.facts.invariance_why
-    rows, tokens, problems = _compare(requantized[mix], None, prompts)
+    rows, tokens, problems = _compare(path, None, prompts)
     assert rows == tokens and not problems, problems

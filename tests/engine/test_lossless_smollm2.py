@@ -11,7 +11,7 @@ from batchserve import LLM, AsyncEngine, SamplingParams
 from batchserve.admission import Submission
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
 from batchserve.engine import EngineCore
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, smollm2_copy
 from tests.prompts import all_prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -33,11 +33,9 @@ def reference(smollm2, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine_model():
-    """A second copy of SmolLM2 whose attention the engines replace."""
-    from batchserve.runner import load_model
-
-    return load_model(None, "float32")
+def engine_model(smollm2):
+    """A second copy of SmolLM2 whose attention the engines replace (the reference keeps HF's)."""
+    return smollm2_copy(smollm2)
 
 
 def _config(method: str, layout: str = "hierarchical", **cache) -> EngineConfig:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
-from tests.server.conftest import CHAT_TEMPLATE, free_port_block, server_logs
+from tests.server.conftest import CHAT_TEMPLATE, free_port_block, server_logs, worker_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +57,7 @@ def test_short_locust_run(tmp_path, protocol):
             "BATCHSERVE_CACHE_DIR": str(tmp_path / "cache"),
             # Built modules are shared (named by what they are built from): no rebuild per server.
             "BATCHSERVE_BUILD_DIR": os.environ["BATCHSERVE_BUILD_DIR"],
+            **worker_threads(),
         },
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr + server_logs(out)

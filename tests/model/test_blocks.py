@@ -1,7 +1,8 @@
 """Our kernels over GGUF blocks of every native type (BlockLinear): the product against float64
 products of gguf-py's dequantized weights within the activations' quantization error, mixed-part
-products, bit-identical rows whatever the call's rows, their place and the thread count, the bits
-of the Q4_1/Q8_0 kernels, and a tensor read from a GGUF file."""
+products, bit-identical rows whatever the call's rows, their place and the thread count, Q4_1's
+and Q8_0's bits against an exact emulation of their float32 arithmetic, and a tensor read from a
+GGUF file."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from batchserve.model.blocks import (
     block_products_invariant,
     random_blocks,
 )
-from batchserve.model.quant import Q4Linear, Q8Blocks, Q8Linear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
 
@@ -165,22 +165,79 @@ def test_the_avx2_path_gives_every_type_the_bits_of_this_cpus_path(monkeypatch):
         assert torch.equal(layer(x), want), layer
 
 
-def test_q4_1_and_q8_0_give_the_bits_of_the_existing_kernels():
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fma(a, b, c), rounded once, as the kernels' FMA instructions do: a * b is exact in
+    float64 and TwoSum gives the float64 sum's error, which decides the one case where rounding
+    the float64 sum to float32 rounds twice (the sum lands exactly halfway between two floats)."""
+    p, c64 = a.double() * b.double(), c.double()
+    s = p + c64
+    bp = s - p
+    err = (p - (s - bp)) + (c64 - bp)  # s + err == p + c exactly
+    f = s.float()
+    other = torch.nextafter(f, torch.where(f.double() > s, -torch.inf, torch.inf).float())  # the float past s
+    halfway = (f.double() + other.double()) / 2 == s
+    exact_beyond = (err != 0) & ((err > 0) == (other.double() > f.double()))  # p + c lies on other's side of s
+    return torch.where(halfway & exact_beyond, other, f)
+
+
+def _exact(x: torch.Tensor, raw: np.ndarray, qtype: int) -> torch.Tensor:
+    """A Q4_1 or Q8_0 product bit for bit, as block_gemm.cpp's header states its float32
+    arithmetic: per row and block of 32, d_x = max|x| / 127, q_x = round(x * (127 / max|x|)) (ties
+    to even), s_x = d_x * sum(q_x); per column, block by block in order, acc = fma(isum, d_w * d_x,
+    acc) with isum the exact integer dot product of the stored values and q_x, then for Q4_1
+    acc = fma(m_w, s_x, acc)."""
+    rows, k = x.shape
+    size = GGML_QUANT_SIZES[T(qtype)][1]
+    blocks = raw.reshape(raw.shape[0], k // 32, size)
+    d_w = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    if qtype == T.Q4_1:
+        m_w = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        nibbles = blocks[:, :, 4:]  # value j in the low nibble of byte j, value j + 16 in its high one
+        q_w = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int64))
+    else:
+        q_w = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8).astype(np.int64))  # [N, K/32, 32]
+    xb = x.view(rows, k // 32, 32)
+    mx = xb.abs().amax(-1)  # [T, K/32] float32
+    d_x = mx / 127.0
+    q_x = torch.round(xb * torch.where(mx > 0, 127.0 / mx, torch.zeros(()))[..., None]).long()
+    s_x = d_x * q_x.sum(-1).float()
+    acc = torch.zeros(rows, raw.shape[0])
+    for b in range(k // 32):
+        isum = (q_x[:, b] @ q_w[:, b].T).float()  # [T, N], exact: |isum| < 2^24
+        acc = _fma32(isum, d_w[None, :, b] * d_x[:, b, None], acc)
+        if qtype == T.Q4_1:
+            acc = _fma32(m_w[None, :, b].expand_as(acc), s_x[:, b, None].expand_as(acc), acc)
+    return acc
+
+
+def test_the_emulated_fma_rounds_once():
+    one = torch.tensor([1.0])
+    # (2^-24 + 2^-47)(1 - 2^-23) + (1 + 2^-23) = 1 + 3 * 2^-24 - 2^-70: just below halfway between
+    # 1 + 2^-23 and 1 + 2^-22. Rounded to float64 first it lands on the midpoint and goes to even.
+    a, b, c = torch.tensor([2.0**-24 + 2.0**-47]), torch.tensor([1 - 2.0**-23]), torch.tensor([1 + 2.0**-23])
+    assert (a.double() * b.double() + c.double()).float().item() == 1 + 2.0**-22  # rounded twice
+    assert _fma32(a, b, c).item() == 1 + 2.0**-23
+    assert _fma32(-a, b, -c).item() == -(1 + 2.0**-23)
+    assert _fma32(torch.tensor([2.0**-24]), one, one).item() == 1.0  # exactly halfway: to even
+    assert _fma32(torch.tensor([3.0]), torch.tensor([5.0]), torch.tensor([-2.0])).item() == 13.0
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda q: T(q).name)
+def test_q4_1_and_q8_0_give_the_bits_of_their_stated_arithmetic(qtype):
+    """The GGUF types the default model stores, against an exact emulation of the kernels' float32
+    arithmetic: every output bit, for tiles of every size (8, 4, 2 and 1 rows) and a part beside
+    another type in one call."""
     gen = torch.Generator().manual_seed(9)
     k, n = 160, 40
-    raw41 = random_blocks(T.Q4_1, n, k, gen).reshape(n, k // 32, 20)
-    d = raw41[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
-    m = raw41[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = raw41[:, :, 4:]  # [N, K/32, 16]: element j low nibble, j + 16 high
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
-    raw80 = random_blocks(T.Q8_0, n, k, gen).reshape(n, k // 32, 34)
-    d8 = raw80[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q8 = raw80[:, :, 2:].view(np.int8).reshape(n, k)
-    x = torch.randn(19, k, generator=gen)
-    ours = BlockLinear([BlockPart(raw41.reshape(n, -1), T.Q4_1, k), BlockPart(raw80.reshape(n, -1), T.Q8_0, k)])
-    y = ours(x)
-    assert torch.equal(y[:, :n], Q4Linear(q, d, m, None, (n,))(x))
-    assert torch.equal(y[:, n:], Q8Linear(Q8Blocks(q8, d8))(x))
+    raw = random_blocks(qtype, n, k, gen)
+    layer = BlockLinear([BlockPart(raw, qtype, k)])
+    mixed = BlockLinear([BlockPart(random_blocks(T.Q5_0, 8, k, gen), T.Q5_0, k), BlockPart(raw, qtype, k)])
+    for rows in (1, 3, 8, 19):
+        x = torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 4  # uneven channels
+        x[0, :32] = 0  # a block of zeros: d_x = 0
+        want = _exact(x, raw, qtype)
+        assert torch.equal(layer(x), want)
+        assert torch.equal(mixed(x)[:, 8:], want)
 
 
 def test_the_packed_weights_stay_within_three_percent_of_the_files_bytes():

@@ -1,5 +1,5 @@
 """Decoder layers whose products are `BlockLinear`s (any GGUF types, q|k|v and gate|up in several
-types, beside `Q4Linear` layers) in one call of our kernels: the bits of the layers one by one."""
+types, beside a layer of one type) in one call of our kernels: the bits of the layers one by one."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ from batchserve.model import native_from_hf
 from batchserve.model.blocks import BlockLinear, BlockPart, random_blocks
 from batchserve.model.fused import why_not_fused
 from batchserve.model.layers import use_kernel_layers
-from batchserve.model.quant import Q4Linear, random_q4_1
 from tests.conftest import TINY_VOCAB
 from tests.model.test_fused import LAYERS, check_fused_against_one_by_one
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
 
-# Per layer, each product's parts' types (None: a Q4Linear), as llama.cpp's mixes store them:
-# Q4_K_M with attn_v and ffn_down in Q6_K, a file of 32-value types, and a Q4_1 layer.
+# Per layer, each product's parts' types, as llama.cpp's mixes store them: Q4_K_M with attn_v and
+# ffn_down in Q6_K, a file of 32-value types, and a Q4_1 layer (SmolLM2's), each product one part.
 MIXES = (
     {"qkv": (T.Q4_K, T.Q4_K, T.Q6_K), "o": (T.Q4_K,), "gate_up": (T.Q4_K, T.Q5_K), "down": (T.Q6_K,)},
     {"qkv": (T.Q4_0, T.Q5_1, T.Q8_0), "o": (T.Q5_0,), "gate_up": (T.Q4_1, T.Q8_0), "down": (T.Q5_K,)},
-    None,
+    {"qkv": (T.Q4_1,), "o": (T.Q4_1,), "gate_up": (T.Q4_1,), "down": (T.Q4_1,)},
 )
 
 
@@ -51,9 +50,6 @@ def _block_model(bias: bool, seed: int) -> Any:
             b = None if old.bias is None else torch.randn(old.out_features, generator=gen)
             sizes = getattr(old, "sizes", (old.out_features,))
             k = old.in_features
-            if mix is None:
-                setattr(parent, name, Q4Linear(*random_q4_1(old.out_features, k, gen), b, sizes))
-                continue
             widths = sizes if len(sizes) == len(mix[key]) else (old.out_features,)
             parts = [BlockPart(random_blocks(q, n, k, gen), q, k) for q, n in zip(mix[key], widths, strict=True)]
             setattr(parent, name, BlockLinear(parts, b, sizes))

@@ -10,15 +10,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
 from batchserve import kernels
 from batchserve.attention import StepLayout, TorchReferenceBackend
 from batchserve.attention.kernel import KernelBackend
 from batchserve.model import native_from_hf
+from batchserve.model.blocks import BlockLinear, BlockPart, random_blocks
 from batchserve.model.fused import KernelDecoderLayers, why_not_fused
 from batchserve.model.layers import use_kernel_layers
 from batchserve.model.llama import layer_attention
-from batchserve.model.quant import Q4Linear, random_q4_1
 from tests.attention.layouts import blocks_needed, random_step, slot_mapping
 from tests.conftest import TINY_VOCAB
 
@@ -52,7 +53,8 @@ def _q4_model(bias: bool, seed: int = 0, kind: str = "llama") -> Any:
             old = getattr(parent, name)
             b = None if old.bias is None else torch.randn(old.out_features, generator=gen)
             sizes = getattr(old, "sizes", (old.out_features,))
-            setattr(parent, name, Q4Linear(*random_q4_1(old.out_features, old.in_features, gen), b, sizes))
+            raw = random_blocks(T.Q4_1, old.out_features, old.in_features, gen)
+            setattr(parent, name, BlockLinear([BlockPart(raw, T.Q4_1, old.in_features)], b, sizes))
     use_kernel_layers(native)
     return native
 

@@ -169,52 +169,55 @@ def test_not_a_gguf_file_is_refused_by_name(tmp_path):
 
 def test_the_config_and_tokenizer_are_read_from_the_cache_on_a_second_start(tiny_files, monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
-    import transformers
+    from batchserve.model import gguf_config
 
-    parsed: list[str] = []
-    real = transformers.AutoConfig.from_pretrained
+    built: list[str] = []
+    real = gguf_config.gguf_config
 
-    def counting(directory, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if "gguf_file" in kwargs:
-            parsed.append(kwargs["gguf_file"])
-        return real(directory, *args, **kwargs)
+    def counting(contents):  # type: ignore[no-untyped-def]
+        built.append(contents.path.name)
+        return real(contents)
 
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counting)
+    monkeypatch.setattr(gguf_config, "gguf_config", counting)
     path = tiny_files["llama-Q4_0"]
     first = gguf_file.read_meta(path)
     second = gguf_file.read_meta(path)
-    assert parsed == [path.name]  # once, the first time
+    assert built == [path.name]  # once, the first time
     assert first[0].to_dict() == second[0].to_dict()
     assert first[1]("hello world")["input_ids"] == second[1]("hello world")["input_ids"]
     path.touch()  # a changed file is read again
     gguf_file.read_meta(path)
-    assert parsed == [path.name, path.name]
+    assert built == [path.name, path.name]
 
 
-@pytest.mark.parametrize("name", ["llama-Q4_0", "qwen-Q5_K_M"])
-def test_a_first_read_parses_the_config_once_and_builds_autotokenizers_tokenizer(
+@pytest.mark.parametrize("name", ["llama-Q4_0", "qwen-Q5_K_M", "qwen3-Q4_K_M", "gemma2-Q4_K_M", "gemma3-Q4_K_M"])
+def test_our_reader_builds_the_config_and_tokenizer_transformers_builds_from_the_file(
     tiny_files, monkeypatch, tmp_path, name
 ):
-    """The file's metadata is parsed once on a first start (each parse reads every field: 6 s on
-    an 8B), and the tokenizer is the one `AutoTokenizer` builds from the file, with llama.cpp's
-    splitting rules for its vocabulary (`match_llama_cpp`)."""
+    """One header reader: the config and tokenizer come from the header `gguf_read` parsed (no
+    transformers reader runs: an 8B's first start spent 6 s in it), and equal what transformers
+    builds from the same file, its tokenizer with llama.cpp's splitting rules (`match_llama_cpp`)."""
     monkeypatch.setenv("BATCHSERVE_MODEL_CACHE_DIR", str(tmp_path / "cache"))
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.integrations.gguf import gguf_tokenizer_mapping, reader
 
     path = tiny_files[name]
+    want_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     want = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     assert match_llama_cpp(want, read_gguf(path).metadata).startswith("pre-tokenizer smollm")
-    parses: list[str] = []
-    real = gguf_utils.load_gguf_checkpoint
 
-    def counting(file, *args, **kwargs):  # type: ignore[no-untyped-def]
-        parses.append(str(file))
-        return real(file, *args, **kwargs)
+    def no_reader(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("transformers read the file")
 
-    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counting)
-    _, got = gguf_file.read_meta(path)
-    assert parses == [str(path)]
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_reader)
+    monkeypatch.setattr(reader, "read_gguf_metadata", no_reader)
+    monkeypatch.setattr(gguf_tokenizer_mapping, "read_gguf_metadata", no_reader, raising=False)
+    config, got = gguf_file.read_meta(path)
+    mine, theirs = config.to_dict(), want_config.to_dict()
+    for key in ("_name_or_path", "_model_name_or_path", "transformers_version"):
+        mine.pop(key, None), theirs.pop(key, None)
+    assert mine == theirs
     assert type(got) is type(want)
     assert got.backend_tokenizer.to_str() == want.backend_tokenizer.to_str()
     assert (got.special_tokens_map, got.chat_template) == (want.special_tokens_map, want.chat_template)
@@ -222,14 +225,16 @@ def test_a_first_read_parses_the_config_once_and_builds_autotokenizers_tokenizer
     assert got(text)["input_ids"] == want(text)["input_ids"]
 
 
-def test_the_default_model_reads_its_blocks_with_the_q4_1_paths_bits():
-    """SmolLM2's Q4_1 file read from its blocks computes what the transformers-loaded q4_1 path
-    computes, bit for bit (the same kernels over the same blocks)."""
+def test_a_transformers_loaded_default_model_asked_for_gguf_weights_reads_the_same_blocks():
+    """SmolLM2's Q4_1 file read from its blocks by the engine, and the same file's transformers
+    model handed in with cpu_weights=gguf (the bench's engines share one such model), compute the
+    same logits bit for bit: the handed-in model is the file read again from its blocks."""
     path = default_model_path()
     direct = EngineCore(_config(path))
     assert direct.runner.model.cpu_weights == "gguf"
     hf, tokenizer = load_model(path, "float32")
-    legacy = EngineCore(_config(path, weights="q4_1"), hf, tokenizer)
+    legacy = EngineCore(_config(path, weights="gguf"), hf, tokenizer)
+    assert legacy.runner.model.cpu_weights == "gguf" and legacy.runner.model is not hf
     prompts = [tokenizer("def fibonacci(n):")["input_ids"], tokenizer("The capital of France is")["input_ids"]]
     assert torch.equal(_all_logits(direct, prompts), _all_logits(legacy, prompts))
 
@@ -259,3 +264,115 @@ def test_a_second_start_reuses_the_invariance_verdict_for_the_same_file_and_cpu(
     for _ in range(2):  # a model handed in, though read from the same file, is checked every time
         EngineCore(_config(path), *load_gguf_native(path))
     assert len(checked) == 5
+
+
+def _phi3(vocab_size: int) -> nn.Module:
+    """A tiny Phi-3 of transformers: half of each head rotated, LongRoPE past a 64-token original
+    context, a 16-key window, untied; biases none (Phi-3 has none)."""
+    import transformers as tf
+
+    longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [8.0] * 4}
+    config = tf.Phi3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=64,
+        partial_rotary_factor=0.5, rope_scaling=longrope, sliding_window=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _write_phi3(model: nn.Module, path: Path) -> Path:
+    """`model` as llama.cpp's converter writes a Phi-3 (`Phi3MiniModel`): q|k|v and gate|up kept
+    merged (attn_qkv, ffn_up), the rotated dims and LongRoPE's factors and attention factor in the
+    metadata and `rope_factors_*` tensors; matrices in Q8_0. The model's weights become the values
+    the file's blocks hold, so that it is the file's exact float32 model."""
+    import math
+
+    from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+
+    from batchserve.bench.gguf_write import _copy_tokenizer, default_gguf
+
+    c, q8 = model.config, GGMLQuantizationType.Q8_0
+    rope = c.rope_parameters
+    heads, original = c.num_attention_heads, c.original_max_position_embeddings
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_dimension_count(int(c.partial_rotary_factor * c.hidden_size) // heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_scaling_orig_ctx_len(original)
+    scale = c.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    writer.add_sliding_window(c.sliding_window or 0)
+    _copy_tokenizer(writer, default_gguf(), c.vocab_size)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "self_attn.qkv_proj": "attn_qkv",
+             "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            stem = name.removesuffix(".weight").removeprefix("model.")
+            parts = stem.split(".")
+            gguf_name = "output" if stem == "lm_head" else names.get(stem)
+            if parts[0] == "layers":
+                gguf_name = f"blk.{parts[1]}.{names['.'.join(parts[2:])]}"
+            values = p.detach().numpy().astype(np.float32)
+            if values.ndim == 1:
+                writer.add_tensor(f"{gguf_name}.weight", values)
+                continue
+            blocks_ = quantize(values, q8)
+            writer.add_tensor(f"{gguf_name}.weight", blocks_, raw_shape=blocks_.shape, raw_dtype=q8)
+            p.copy_(torch.from_numpy(np.asarray(dequantize(blocks_, q8), np.float32).reshape(values.shape)))
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def phi3_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
+    model = _phi3(len(read_gguf(default_model_path()).metadata["tokenizer.ggml.tokens"].value))
+    return _write_phi3(model, tmp_path_factory.mktemp("phi3") / "phi3-Q8_0.gguf"), model
+
+
+def test_a_phi3_file_reads_its_rotary_and_longrope_from_the_file(phi3_file):
+    path, _ = phi3_file
+    config, _ = gguf_file.read_meta(path)
+    assert config.model_type == "phi3" and config.partial_rotary_factor == 0.5
+    rope = config.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 64
+    assert rope["short_factor"] == [1.0, 1.5, 2.0, 4.0] and rope["long_factor"] == [8.0] * 4
+    assert config.sliding_window == 16 and not config.tie_word_embeddings
+
+
+def test_a_phi3_file_computes_its_transformers_model(phi3_file, monkeypatch):
+    """Merged q|k|v and gate|up, half of each head rotated, LongRoPE's short factors, the window:
+    with exact products the model read from the blocks computes transformers' Phi-3 of the same
+    values; on our kernels every product runs on the file's blocks, batch-invariant."""
+    path, hf = phi3_file
+    prompts = [[5, 9, 33, 1, 200, 17], [7], list(range(40, 70))]  # past the 16-key window, within 64
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "BlockLinear", ExactBlockLinear)
+        native, tokenizer = load_gguf_native(path)
+    exact = {"model_impl": "native", "attention_backend": "torch"}
+    got = _all_logits(EngineCore(_config(path, **exact), native, tokenizer), prompts)
+    want = _all_logits(EngineCore(_config(path, model_impl="transformers"), hf, tokenizer), prompts)
+    assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    core = EngineCore(_config(path))
+    model = core.runner.model
+    assert model.cpu_weights == "gguf" and set(model.gguf_report.native) == {"Q8_0"}
+    layer = model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, blocks.BlockLinear) and layer.self_attn.qkv_proj.sizes == (64, 32, 32)
+    assert isinstance(layer.mlp.gate_up_proj, blocks.BlockLinear) and layer.mlp.gate_up_proj.sizes == (96, 96)
+    assert core.facts.batch_invariant, core.facts.invariance_why
+    # Our products quantize the activations to 8 bits (about 0.4% a product): 0.8% of the logits'
+    # scale measured over the two layers, within 3%; a wrong mapping is off by the logits' size.
+    ours = _all_logits(core, prompts)
+    assert torch.allclose(ours, want, rtol=0, atol=0.03 * float(want.abs().max()))

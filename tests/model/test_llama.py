@@ -204,19 +204,26 @@ def test_a_native_model_handed_in_is_reused_as_it_is():
     assert choose_impl(native, "auto") is native and choose_impl(native, "native", cpu_weights="float32") is native
     with pytest.raises(ValueError, match="cannot run as transformers"):
         choose_impl(native, "transformers")
-    with pytest.raises(ValueError, match="cannot run as auto/q4_1"):
-        choose_impl(native, "auto", cpu_weights="q4_1")
+    with pytest.raises(ValueError, match="cannot run as auto/gguf"):
+        choose_impl(native, "auto", cpu_weights="gguf")
+
+
+def test_gguf_weights_over_a_model_not_loaded_from_a_gguf_file_are_refused_saying_why():
+    # (Over one that was, they read the file again from its blocks: tests/model/test_cpu_weights.py.)
+    for impl in ("auto", "transformers"):
+        with pytest.raises(ValueError, match=r"reads a GGUF file's own blocks.*not loaded from a GGUF file"):
+            choose_impl(_model("llama"), impl, cpu_weights="gguf")
 
 
 def test_a_native_model_built_on_a_gpu_is_reused_with_the_default_weights():
     # Off the CPU a native model's weights are its dtype ("-"): the bench reuses such a model with
-    # cpu_weights=float32 (the CLI default), which must not refuse it; q4_1 still must.
+    # cpu_weights=float32 (the CLI default), which must not refuse it; CPU weights still must.
     native = choose_impl(_model("llama"), "native")
     native.cpu_weights = "-"
     assert choose_impl(native, "native", cpu_weights="float32") is native
     assert choose_impl(native, "auto", cpu_weights="auto") is native
-    with pytest.raises(ValueError, match="cannot run as native/q4_1"):
-        choose_impl(native, "native", cpu_weights="q4_1")
+    with pytest.raises(ValueError, match="cannot run as native/gguf"):
+        choose_impl(native, "native", cpu_weights="gguf")
 
 
 def test_bf16_weights_make_every_product_a_bf16_layer_of_a_float32_model():

@@ -70,7 +70,7 @@ def test_a_packed_product_layer_that_depends_on_its_row_count_is_refused():
 def test_a_verdict_of_invariant_holds_for_every_row(layer_class):
     # A third-party kernel is asserted only through the check's verdict: where it says invariant,
     # every row of a real-width product has its bits in calls of every bucket at any offset; where
-    # it says not, the engine does not use the kernel (tests/model/test_layers.py, test_int4.py).
+    # it says not, the engine does not use the kernel (tests/model/test_layers.py, test_cpu_weights.py).
     from batchserve.model.layers import bf16_prepack_available, prepack_available
 
     if not prepack_available() or (layer_class is Bf16Linear and not bf16_prepack_available()):

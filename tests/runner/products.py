@@ -16,7 +16,7 @@ from tests.conftest import make_tiny_model, make_tiny_tokenizer
 def native() -> Any:
     from batchserve.model import choose_impl
 
-    return choose_impl(make_tiny_model(), "auto", max_num_seqs=16)
+    return choose_impl(make_tiny_model(), "auto")
 
 
 def core_of(model: Any, num_blocks: int = 256) -> Any:

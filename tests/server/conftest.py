@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -63,6 +64,12 @@ def free_port_block(count: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError(f"no block of {count} free ports found")
+
+
+def worker_threads() -> dict[str, str]:
+    """$BATCHSERVE_NUM_THREADS where the session set it (a worker's share of the cores under
+    pytest-xdist, tests/conftest.py), for a server started with an environment of its own."""
+    return {k: v for k, v in os.environ.items() if k == "BATCHSERVE_NUM_THREADS"}
 
 
 def server_logs(out: Path, tail: int = 4000) -> str:

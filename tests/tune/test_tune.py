@@ -40,8 +40,8 @@ def test_the_recommendation_is_the_fastest_point_within_the_goals() -> None:
     best = recommend(points)
     assert best is points[3]  # ties on tokens/s go to the point with fewer seats? equal seats: first
     assert best.serve_flags() == "--max-num-seqs 4 --max-num-batched-tokens 512 --draft lookahead --adaptive"
-    best.weights = "q4_1"  # what it ran is what the server is told to run
-    assert best.serve_flags().endswith("--adaptive --cpu-weights q4_1")
+    best.weights = "bfloat16"  # what it ran is what the server is told to run
+    assert best.serve_flags().endswith("--adaptive --cpu-weights bfloat16")
     assert recommend([_point("none", 2, 50, 1, 1, g), _point("none", 1, 50, 1, 1, g)]).max_num_seqs == 1
     result = TuneResult(g, points, best, confirmed_tokens_per_s=52.0)
     text = "\n".join(answer_lines(result))
@@ -73,7 +73,7 @@ def test_a_point_of_repeated_runs_is_their_median() -> None:
             tps = next(speeds)
             return _point(draft, c, tps, 1.0, tps, Goals()), [[int(tps)]]
 
-    r = Timed(None, None, None, Goals(), 1, 1, 4, "q4_1", None, None, repeats=3)
+    r = Timed(None, None, None, Goals(), 1, 1, 4, "gguf", None, None, repeats=3)
     point, outputs = r.run("none", 2, 512)
     assert point.tokens_per_s == 50.0 and outputs == [[50]]  # not the lucky 90 nor the slow 30
 
@@ -116,10 +116,10 @@ def test_tune_on_smollm2_recommends_flags_it_measured(
     assert len(points) == 5 and points[4]["max_num_batched_tokens"] == 256
     assert all(p["tokens_per_s"] > 0 and p["missed"] == "" for p in points)
     assert all(p["lossless"] is True for p in points if p["draft"] != "none" and p["max_num_batched_tokens"] == 512)
-    # Each point ran the weights a server with its seats takes (the file read from its blocks where our kernels run).
+    # Each point ran the weights a server takes (the file read from its blocks where our kernels run).
     from batchserve.model import choose_cpu_weights
 
-    assert all(p["weights"] == choose_cpu_weights(True, None, p["max_num_seqs"]) for p in points)
+    assert all(p["weights"] == choose_cpu_weights(True, None) for p in points)
     best = data["best"]
     assert best["tokens_per_s"] == max(p["tokens_per_s"] for p in points)
     assert data["confirmed_tokens_per_s"] > 0

@@ -37,12 +37,6 @@ T* p(int64_t v) { return reinterpret_cast<T*>(static_cast<intptr_t>(v)); }
         Py_END_ALLOW_THREADS Py_RETURN_NONE;                                      \
     }
 
-KERNEL(q4_1_linear, "iiiiiiiii",
-       bs_q4_1_linear(p<const float>(a[0]), a[1], a[2], p<const uint8_t>(a[3]), p<const uint16_t>(a[4]),
-                      p<const uint16_t>(a[5]), a[6], p<float>(a[7]), static_cast<int>(a[8])))
-KERNEL(q8_0_linear, "iiiiiiii",
-       bs_q8_0_linear(p<const float>(a[0]), a[1], a[2], p<const int8_t>(a[3]), p<const uint16_t>(a[4]), a[5],
-                      p<float>(a[6]), static_cast<int>(a[7])))
 KERNEL(block_pack, "iiiiiii",
        bs_block_pack(a[0], p<const uint8_t>(a[1]), a[2], a[3], a[4], p<uint8_t>(a[5]), static_cast<int>(a[6])))
 KERNEL(block_linear, "iiiii",
@@ -109,7 +103,7 @@ PyObject* py_abi_version(PyObject*, PyObject*) { return PyLong_FromLong(bs_abi_v
 
 #define METHOD(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_##name)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
-    METHOD(q4_1_linear), METHOD(q8_0_linear), METHOD(bf16_pack), METHOD(bf16_linear),
+    METHOD(bf16_pack), METHOD(bf16_linear),
     METHOD(bf16_packed_size), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(rotary),
     METHOD(decoder_layers), METHOD(block_pack), METHOD(block_linear), METHOD(block_packed_size),
     {"block_wide", py_block_wide, METH_NOARGS, nullptr}, METHOD(layers_workspace), {"layer_fields", py_layer_fields, METH_NOARGS, nullptr},

@@ -189,6 +189,18 @@ void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int
     }
 }
 
+// A paired type's (blocks.h) record of pair j, unit u: groups 2j and 2j + 1's records as pack_unit
+// writes them, interleaved 32 bytes at a time, then their d.
+void pack_pair(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int64_t j, int64_t u, uint8_t* rec) {
+    alignas(64) uint8_t group[2][272];  // an 8-column record: vectors then d (Q8_0's the longest)
+    const int64_t vectors = d32(t) / 32;
+    for (int h = 0; h < 2; ++h) {
+        pack_unit(t, raw, N, row_stride, 2 * j + h, u, group[h]);
+        for (int64_t i = 0; i < vectors; ++i) memcpy(rec + 64 * i + 32 * h, group[h] + 32 * i, 32);
+        memcpy(rec + 2 * d32(t) + 16 * h, group[h] + d32(t), 16);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -196,16 +208,20 @@ extern "C" {
 // Bytes of the kernel layout of a [N, K] weight of type t (0 where t or K does not fit).
 int64_t bs_block_packed_size(int64_t t, int64_t N, int64_t K) {
     if (!known(t) || K <= 0 || K % unit_values(t) || N <= 0) return 0;
-    return (N + 7) / 8 * (K / unit_values(t)) * record_bytes(t);
+    return (N + record_cols(t) - 1) / record_cols(t) * (K / unit_values(t)) * record_bytes(t);
 }
 
 // raw: the file's [N, K] blocks of type t, row n at raw + n * row_stride -> out (bs_block_packed_size bytes).
 void bs_block_pack(int64_t t, const uint8_t* raw, int64_t N, int64_t K, int64_t row_stride, uint8_t* out,
                    int threads) {
-    const int64_t groups = (N + 7) / 8, units = K / unit_values(t), rec = record_bytes(t);
+    const int64_t groups = (N + record_cols(t) - 1) / record_cols(t), units = K / unit_values(t), rec = record_bytes(t);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; ++g)
-        for (int64_t u = 0; u < units; ++u) pack_unit(t, raw, N, row_stride, g, u, out + (g * units + u) * rec);
+        for (int64_t u = 0; u < units; ++u) {
+            uint8_t* r = out + (g * units + u) * rec;
+            if (paired(t)) pack_pair(t, raw, N, row_stride, g, u, r);
+            else pack_unit(t, raw, N, row_stride, g, u, r);
+        }
 }
 
 }  // extern "C"

@@ -3,6 +3,10 @@
 // A weight [N, K] is cut into groups of 8 output columns (N padded with zero columns) and, along K,
 // into units: a block of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) or a super-block of 256
 // (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS). A group's units are consecutive records of kRecord[type] bytes: [N/8, K/unit, record].
+// Paired types (Q4_0, Q8_0, IQ4_NL) take groups two at a time (N padded to 16): a pair's record
+// holds both groups' 8-column records interleaved, each 32-byte vector of group 2i followed by the
+// same vector of group 2i + 1, then the two groups' d (8 each): [N/16, K/32, 2 x record]. A 512-bit
+// register loads both groups' vector at once, and a thread's groups are one stream.
 // Inside a record every block of 32 values is 8 "steps" of 4 values, and a step is 32 bytes, byte
 // 4j + r holding column j's value 4s + r: the operand layout of vpdpbusd / vpmaddubsw against
 // 4 bytes of one activation row broadcast to every lane, so a column's sums stay in its lane.
@@ -25,6 +29,7 @@
 //   Q5_1: nibbles[128] masks[8] d[8] m[8]                     192 (24)
 //   Q8_0: values[8 steps][32] (q ^ 0x80, so unsigned) d[8]    272 (34)
 //   IQ4_NL: as Q4_0                                           144 (18)
+//   paired (Q4_0, Q8_0, IQ4_NL): vectors[4 or 8][2 groups][32] d[2 groups][8]  288, 544
 //   Q4_K: d[8] dmin[8] low[8][8] high[4][8] nibbles[8 blocks][128]                   1152 (144 per 256, the file's)
 //   Q5_K: d[8] dmin[8] low[8][8] high[4][8] masks[8 blocks][8] nibbles[8][128]       1408 (176, the file's)
 //   Q6_K: d[8] sc[16 sub][8] (int8) high2[8 blocks][64] nibbles[8][128]              1680 (210, the file's)
@@ -42,31 +47,36 @@ enum Type : int64_t {
     IQ4_NL = 20, IQ4_XS = 23,
 };
 
-// One row per type: its unit of values, its bytes a unit in the file and in a group's record.
+// One row per type: its unit of values, its bytes a unit in the file and in a group's record, and
+// the columns a record holds (16: a paired type's two groups).
 struct Traits {
-    int64_t type, values, file, record;
+    int64_t type, values, file, record, cols;
 };
 constexpr Traits kTraits[] = {
-    {Q4_0, 32, 18, 144},     {Q4_1, 32, 20, 160},     {Q5_0, 32, 22, 176},   {Q5_1, 32, 24, 192},
-    {Q8_0, 32, 34, 272},     {IQ4_NL, 32, 18, 144},   {Q2_K, 256, 84, 672},  {Q3_K, 256, 110, 896},
-    {Q4_K, 256, 144, 1152},  {Q5_K, 256, 176, 1408},  {Q6_K, 256, 210, 1680}, {IQ4_XS, 256, 136, 1104},
+    {Q4_0, 32, 18, 288, 16},    {Q4_1, 32, 20, 160, 8},     {Q5_0, 32, 22, 176, 8},    {Q5_1, 32, 24, 192, 8},
+    {Q8_0, 32, 34, 544, 16},    {IQ4_NL, 32, 18, 288, 16},  {Q2_K, 256, 84, 672, 8},   {Q3_K, 256, 110, 896, 8},
+    {Q4_K, 256, 144, 1152, 8},  {Q5_K, 256, 176, 1408, 8},  {Q6_K, 256, 210, 1680, 8}, {IQ4_XS, 256, 136, 1104, 8},
 };
 constexpr Traits traits(int64_t t) {
     for (const Traits& r : kTraits)
         if (r.type == t) return r;
-    return {t, 0, 0, 0};
+    return {t, 0, 0, 0, 8};
 }
 constexpr bool known(int64_t t) { return traits(t).values != 0; }
 constexpr bool kquant(int64_t t) { return traits(t).values == 256; }
 constexpr int64_t unit_values(int64_t t) { return traits(t).values; }
 // Bytes of one unit of one row in the file.
 constexpr int64_t file_bytes(int64_t t) { return traits(t).file; }
-// Bytes of one group's record of one unit in the kernel layout.
+// Bytes of one group's (a paired type's: one pair's) record of one unit in the kernel layout.
 constexpr int64_t record_bytes(int64_t t) { return traits(t).record; }
+// Output columns a record holds: 8, or 16 for a paired type.
+constexpr int64_t record_cols(int64_t t) { return traits(t).cols; }
+constexpr bool paired(int64_t t) { return record_cols(t) == 16; }
 // The 4-bit index -> int8 value table of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// Offsets inside a 32-value record.
+// Offsets inside a 32-value group's record (a paired type's: in each group's record before the
+// interleaving; in the pair's, vector i of group h is at 64 i + 32 h and its d at 2 d32 + 16 h).
 constexpr int64_t kNibbles = 0, kMasks32 = 128;
 constexpr int64_t d32(int64_t t) { return t == Q8_0 ? 256 : (t == Q5_0 || t == Q5_1) ? 160 : 128; }
 constexpr int64_t m32(int64_t t) { return d32(t) + 16; }

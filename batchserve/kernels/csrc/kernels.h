@@ -3,9 +3,6 @@
 #include <stdint.h>
 
 extern "C" {
-void bs_q4_1_linear(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, int64_t, float*,
-                    int);
-void bs_q8_0_linear(const float*, int64_t, int64_t, const int8_t*, const uint16_t*, int64_t, float*, int);
 void bs_attention(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
                   const float*, int64_t, int64_t, const int64_t*, float*, float*, int64_t, const int32_t*,
                   const int32_t*, const int32_t*, const int32_t*, const int32_t*, const int32_t*, float, float, float*, int);

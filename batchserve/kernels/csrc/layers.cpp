@@ -14,35 +14,27 @@
 namespace {
 
 // One layer's row of the table (int64 each; pointers as integers, 0 for a missing bias). Each
-// product is 5 fields: its kind, then for a Q4_1 product (kQ4_1, `Q4Linear`) its q, d, m and bias,
-// for a block product (kBlocks, `BlockLinear`, any GGUF types, several parts) its descriptor
-// (csrc/blocks.h), 0, 0 and bias.
+// product (a `BlockLinear`: any GGUF types, several parts) is 2 fields: its descriptor
+// (csrc/blocks.h) and its bias.
 enum Field : int64_t {
     kInputNorm, kPostNorm,
-    kQkvKind, kQkvQ, kQkvD, kQkvM, kQkvBias,
-    kOKind, kOQ, kOD, kOM, kOBias,
-    kGateUpKind, kGateUpQ, kGateUpD, kGateUpM, kGateUpBias,
-    kDownKind, kDownQ, kDownD, kDownM, kDownBias,
+    kQkv, kQkvBias,
+    kO, kOBias,
+    kGateUp, kGateUpBias,
+    kDown, kDownBias,
     kQNorm, kKNorm,  // RMSNorm weights over each head of q and of k (Qwen3's), 0 for none
     kFields,
 };
-enum Kind : int64_t { kQ4_1 = 0, kBlocks = 1 };
 
 template <class T>
 const T* at(const int64_t* row, Field f) { return reinterpret_cast<const T*>(static_cast<intptr_t>(row[f])); }
 
-// y [T, N] = x [T, K] times the layer's product whose fields start at `kind`, plus its bias if
-// any: the bias added after the product, as `Q4Linear.forward` and `BlockLinear.forward` do (one
-// float add: the same bits).
-void product(const int64_t* row, Field kind, const float* x, int64_t T, int64_t K, int64_t N, float* y,
-             int threads) {
-    const Field q = Field(kind + 1);
-    if (row[kind] == kBlocks)
-        bs_block_linear(x, T, at<int64_t>(row, q), y, threads);
-    else
-        bs_q4_1_linear(x, T, K, at<uint8_t>(row, q), at<uint16_t>(row, Field(q + 1)), at<uint16_t>(row, Field(q + 2)),
-                       N, y, threads);
-    const float* bias = at<float>(row, Field(q + 3));
+// y [T, N] = x [T, K] times the layer's product whose descriptor is at `desc`, plus its bias (the
+// next field) if any: added after the product, as `BlockLinear.forward` does (one float add: the
+// same bits).
+void product(const int64_t* row, Field desc, const float* x, int64_t T, int64_t N, float* y, int threads) {
+    bs_block_linear(x, T, at<int64_t>(row, desc), y, threads);
+    const float* bias = at<float>(row, Field(desc + 1));
     if (bias != nullptr)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t n = 0; n < N; ++n) y[t * N + n] += bias[n];
@@ -64,6 +56,9 @@ void norm_heads(float* qkv, int64_t T, int64_t width, int64_t first, int64_t hea
 extern "C" {
 
 int64_t bs_layer_fields() { return kFields; }
+
+// What batchserve/kernels/__init__.py's ABI_VERSION must match: bumped when a signature or the layer table changes.
+int bs_abi_version() { return 6; }
 
 // Floats of workspace a step of T rows needs.
 int64_t bs_layers_workspace(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
@@ -98,7 +93,7 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
         } else {
             bs_rms_norm(out, residual, at<float>(row, kInputNorm), T, H, eps, h, residual, threads);
         }
-        product(row, kQkvKind, h, T, H, qkv_width, qkv, threads);
+        product(row, kQkv, h, T, qkv_width, qkv, threads);
         if (row[kQNorm] != 0) {
             norm_heads(qkv, T, qkv_width, 0, Hq, D, at<float>(row, kQNorm), eps, threads);
             norm_heads(qkv, T, qkv_width, Hq, Hkv, D, at<float>(row, kKNorm), eps, threads);
@@ -111,11 +106,11 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
                      slot_mapping, keys + pool, values + pool, S, slots, prefix_at, prefix_len, tails, tail_at,
                      tail_len, scale, 0.0f, attn, threads);
         attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        product(row, kOKind, attn, T, Hq * D, H, o, threads);
+        product(row, kO, attn, T, H, o, threads);
         bs_rms_norm(o, residual, at<float>(row, kPostNorm), T, H, eps, h, residual, threads);
-        product(row, kGateUpKind, h, T, H, 2 * I, gate_up, threads);
+        product(row, kGateUp, h, T, 2 * I, gate_up, threads);
         bs_silu_mul(gate_up, T, I, act, threads);
-        product(row, kDownKind, act, T, I, H, out, threads);
+        product(row, kDown, act, T, H, out, threads);
     }
     return attention_s;
 }

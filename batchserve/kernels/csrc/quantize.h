@@ -4,8 +4,8 @@
 // bsums): a weight's min then multiplies the same activations its scaled values do, so the
 // quantization errors of a centred block cancel (with the float sum of x instead, a Q4_1 file's
 // perplexity was 1.8% above its exact products', llama.cpp's 0.3%). One fixed sequence of
-// operations: a block's bits depend on its values alone, so every product (quant_gemm.cpp,
-// block_gemm.cpp) sees the same.
+// operations: a block's bits depend on its values alone, so every part of a product (block_gemm.cpp)
+// sees the same.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
