@@ -257,7 +257,8 @@ def block_packed_size(qtype: int, rows: int, cols: int) -> int:
 def block_pack(raw: Any, qtype: int, rows: int, cols: int, out: torch.Tensor) -> None:
     """The file's blocks `raw` (a numpy uint8 array [rows, row bytes], unit stride in a row: read
     only) of GGML type `qtype` -> the kernel layout (csrc/blocks.h) into `out`, a contiguous uint8
-    tensor of `block_packed_size` bytes (or more), rows padded with zeros to whole groups (16 for the paired Q4_0, Q8_0 and IQ4_NL records, else 8)."""
+    tensor of `block_packed_size` bytes (or more), rows padded with zeros to whole groups (16 for
+    the paired Q4_0, Q8_0 and IQ4_NL records, else 8)."""
     if raw.dtype.itemsize != 1 or raw.ndim != 2 or raw.shape[0] != rows or raw.strides[1] != 1:
         raise ValueError(f"block_pack reads uint8 rows with unit stride, got {raw.dtype} {raw.shape} {raw.strides}")
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < block_packed_size(qtype, rows, cols):
