@@ -5,6 +5,7 @@ tensors of a file and its size (../shared notes: gguf-blocks.md, section 3)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ F = LlamaFileType
 
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
-    """One tensor of the file: its llama.cpp name, numpy shape (rows, row length) or (n,), type."""
+    """One tensor of the file: its llama.cpp name, numpy shape ((experts,) rows, row length) or (n,), type."""
 
     name: str
     shape: tuple[int, ...]
@@ -81,20 +82,29 @@ def _as_shape(shape: ModelShape | str) -> ModelShape:
     return get_shape(shape) if isinstance(shape, str) else shape
 
 
-def _bumped(ft: LlamaFileType, name: str, layer: int, n_layer: int, gqa: int) -> GGMLQuantizationType | None:
-    """llama-quantize's type for attn_v, ffn_down or attn_output under file type `ft` where it is
-    not the default (`llama_tensor_get_type_impl`, a dense model without an imatrix), else None."""
+# File types whose attn_output llama-quantize raises to Q5_K in a model of 8 experts (Mixtral).
+EIGHT_EXPERT_OUTPUT = (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_M, F.MOSTLY_IQ4_NL, F.MOSTLY_Q4_K_M, F.MOSTLY_IQ4_XS)
+
+
+def _bumped(
+    ft: LlamaFileType, name: str, layer: int, n_layer: int, gqa: int, experts: int = 0
+) -> GGMLQuantizationType | None:
+    """llama-quantize's type for attn_v, attn_k, ffn_down (an expert's and a shared expert's
+    too: any name holding `ffn_down`) or attn_output under file type `ft` where it is not the
+    default (`llama_tensor_get_type_impl`, without an imatrix), else None."""
     iq4 = ft in (F.MOSTLY_IQ4_XS, F.MOSTLY_IQ4_NL)
+    if experts == 8 and name.endswith(("attn_v.weight", "attn_k.weight")):
+        return Q.Q8_0  # "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
     if name.endswith("attn_v.weight"):
         if ft == F.MOSTLY_Q2_K:
-            return Q.Q4_K if gqa >= 4 else Q.Q3_K
+            return Q.Q4_K if gqa >= 4 or experts >= 4 else Q.Q3_K
         if ft == F.MOSTLY_Q3_K_M:
             return Q.Q5_K if layer < 2 else Q.Q4_K
         if iq4 and gqa >= 4:
             return Q.Q5_K
         if ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layer):
             return Q.Q6_K
-    elif name.endswith("ffn_down.weight"):
+    elif "ffn_down" in name:
         if ft == F.MOSTLY_Q2_K:
             return Q.Q3_K
         if ft == F.MOSTLY_Q3_K_M:
@@ -104,15 +114,17 @@ def _bumped(ft: LlamaFileType, name: str, layer: int, n_layer: int, gqa: int) ->
         if iq4 and layer < n_layer // 8:
             return Q.Q5_K
     elif name.endswith("attn_output.weight"):
+        if experts == 8:
+            return Q.Q5_K if ft in EIGHT_EXPERT_OUTPUT else None
         return {F.MOSTLY_Q2_K: Q.Q3_K, F.MOSTLY_Q3_K_M: Q.Q4_K}.get(ft)
     return None
 
 
 def _weight_type(
-    q: Quant, name: str, ne0: int, layer: int, n_layer: int, is_output: bool, gqa: int = 1
+    q: Quant, name: str, ne0: int, layer: int, n_layer: int, is_output: bool, gqa: int = 1, experts: int = 0
 ) -> GGMLQuantizationType:
-    """The type llama-quantize gives the 2-D weight `name` with rows of `ne0` values (`gqa`: query
-    heads per KV head)."""
+    """The type llama-quantize gives the weight `name` with rows of `ne0` values (`gqa`: query
+    heads per KV head; `experts`: the model's routed experts, 0 for a dense model)."""
     t = q.default
     if q.mix and t not in FLOAT_TYPES:
         block = GGML_QUANT_SIZES[t][0]
@@ -121,7 +133,7 @@ def _weight_type(
         elif is_output and t != Q.Q8_0:
             t = Q.Q6_K
         elif not is_output:
-            t = _bumped(q.file_type, name, layer, n_layer, gqa) or t
+            t = _bumped(q.file_type, name, layer, n_layer, gqa, experts) or t
     if t not in FLOAT_TYPES and ne0 % GGML_QUANT_SIZES[t][0]:
         t = FALLBACK.get(t, t)
         if ne0 % GGML_QUANT_SIZES[t][0]:
@@ -138,7 +150,10 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
 
     def weight(name: str, rows: int, ne0: int, layer: int = 0, is_output: bool = False) -> PlannedTensor:
         gqa = s.num_attention_heads // s.num_key_value_heads
-        return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output, gqa))
+        return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output, gqa, s.experts))
+
+    def experts(name: str, rows: int, ne0: int, layer: int) -> PlannedTensor:  # every expert's, stacked
+        return dataclasses.replace(weight(name, rows, ne0, layer), shape=(s.experts, rows, ne0))
 
     tensors = [weight("token_embd.weight", s.vocab_size, h, is_output=s.tied_embeddings)]
     for i in range(n):
@@ -148,17 +163,36 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
             tensors.append(weight(f"{b}.attn_{proj}.weight", rows, h, i))
             if s.qkv_bias:
                 tensors.append(PlannedTensor(f"{b}.attn_{proj}.bias", (rows,), Q.F32))
-            if s.arch in ("qwen3", "gemma3") and proj in "qk":  # an RMSNorm over each head of q and k
+            if s.arch in ("qwen3", "qwen3moe", "gemma3") and proj in "qk":  # an RMSNorm over each head of q and k
                 tensors.append(PlannedTensor(f"{b}.attn_{proj}_norm.weight", (d,), Q.F32))
+            if s.arch == "olmoe" and proj in "qk":  # an RMSNorm over all of q and all of k
+                tensors.append(PlannedTensor(f"{b}.attn_{proj}_norm.weight", (rows,), Q.F32))
         tensors.append(weight(f"{b}.attn_output.weight", h, q_out, i))
         if gemma:  # Gemma's norm of the attention's output, before the residual add
             tensors.append(PlannedTensor(f"{b}.post_attention_norm.weight", (h,), Q.F32))
-        tensors += [
-            PlannedTensor(f"{b}.ffn_norm.weight", (h,), Q.F32),
-            weight(f"{b}.ffn_gate.weight", s.intermediate_size, h, i),
-            weight(f"{b}.ffn_up.weight", s.intermediate_size, h, i),
-            weight(f"{b}.ffn_down.weight", h, s.intermediate_size, i),
-        ]
+        tensors.append(PlannedTensor(f"{b}.ffn_norm.weight", (h,), Q.F32))
+        if s.experts:  # the router (llama-quantize keeps it as the converter wrote it: F32), the experts
+            e = s.expert_intermediate
+            tensors += [
+                PlannedTensor(f"{b}.ffn_gate_inp.weight", (s.experts, h), Q.F32),
+                experts(f"{b}.ffn_gate_exps.weight", e, h, i),
+                experts(f"{b}.ffn_up_exps.weight", e, h, i),
+                experts(f"{b}.ffn_down_exps.weight", h, e, i),
+            ]
+        if s.shared_expert_intermediate:  # Qwen2-MoE's shared expert and its one-logit gate
+            e = s.shared_expert_intermediate
+            tensors += [
+                PlannedTensor(f"{b}.ffn_gate_inp_shexp.weight", (h,), Q.F32),
+                weight(f"{b}.ffn_gate_shexp.weight", e, h, i),
+                weight(f"{b}.ffn_up_shexp.weight", e, h, i),
+                weight(f"{b}.ffn_down_shexp.weight", h, e, i),
+            ]
+        if not s.experts:
+            tensors += [
+                weight(f"{b}.ffn_gate.weight", s.intermediate_size, h, i),
+                weight(f"{b}.ffn_up.weight", s.intermediate_size, h, i),
+                weight(f"{b}.ffn_down.weight", h, s.intermediate_size, i),
+            ]
         if gemma:  # and of the MLP's output
             tensors.append(PlannedTensor(f"{b}.post_ffw_norm.weight", (h,), Q.F32))
     tensors.append(PlannedTensor("output_norm.weight", (h,), Q.F32))

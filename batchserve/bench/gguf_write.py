@@ -67,6 +67,7 @@ Q = GGMLQuantizationType
 PAD_TOKEN = "[PAD{}]"
 TOKEN_TYPE_UNUSED = 5
 CHUNK_BYTES = 32 << 20  # rows generated and written at a time
+EXPERTS_AS_FFN = ("llama", "olmoe")  # architectures whose experts' width is `feed_forward_length`
 
 
 def _put_f16(blocks: np.ndarray, at: int, values: np.ndarray) -> None:
@@ -191,7 +192,7 @@ def _chunks(t: PlannedTensor, rng: np.random.Generator, std: float) -> Iterator[
         values = rng.standard_normal(t.shape[0], dtype=np.float32)
         yield (1.0 + 0.02 * values if t.name.endswith("norm.weight") else std * values).astype("<f4")
         return
-    rows, ne0 = t.shape
+    rows, ne0 = int(np.prod(t.shape[:-1])), t.shape[-1]  # an `_exps` tensor's experts, row after row
     block, size = GGML_QUANT_SIZES[t.qtype]
     row_bytes = ne0 // block * size
     step = max(1, CHUNK_BYTES // row_bytes)
@@ -247,15 +248,24 @@ def _add_metadata(writer: GGUFWriter, s: ModelShape, quant: str, source: Path) -
     writer.add_context_length(s.max_position_embeddings)
     writer.add_embedding_length(s.hidden_size)
     writer.add_block_count(s.num_hidden_layers)
-    writer.add_feed_forward_length(s.intermediate_size)
+    # Mixtral's and OLMoE's experts are `feed_forward_length` wide; Qwen's have a key of their own.
+    experts_as_ffn = bool(s.experts) and s.arch in EXPERTS_AS_FFN
+    writer.add_feed_forward_length(s.expert_intermediate if experts_as_ffn else s.intermediate_size)
     writer.add_head_count(s.num_attention_heads)
     writer.add_head_count_kv(s.num_key_value_heads)
     writer.add_rope_dimension_count(s.head_dim)
-    if s.head_dim * s.num_attention_heads != s.hidden_size or s.arch in ("qwen3", "gemma2", "gemma3"):
+    if s.head_dim * s.num_attention_heads != s.hidden_size or s.arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         writer.add_key_length(s.head_dim)
         writer.add_value_length(s.head_dim)
     if s.sliding_window is not None:
         writer.add_sliding_window(s.sliding_window)
+    if s.experts:
+        writer.add_expert_count(s.experts)
+        writer.add_expert_used_count(s.experts_used)
+        if not experts_as_ffn:
+            writer.add_expert_feed_forward_length(s.expert_intermediate)
+        if s.shared_expert_intermediate:
+            writer.add_expert_shared_feed_forward_length(s.shared_expert_intermediate)
     writer.add_rope_freq_base(s.rope_theta)
     writer.add_layer_norm_rms_eps(s.rms_norm_eps)
     if QUANTS[quant].default not in FLOAT_TYPES:
@@ -289,7 +299,7 @@ def write_gguf(path: str | Path, shape: ModelShape | str, quant: str, seed: int 
                 fout.write(chunk.data)  # C-contiguous: no copy
             writer.write_padding(fout, t.nbytes)
             done += _padded(t.nbytes)
-            if progress and (t.name.endswith("ffn_down.weight") or index == len(tensors) - 1):
+            if progress and (t.name.endswith(("ffn_down.weight", "ffn_down_exps.weight")) or index == len(tensors) - 1):
                 elapsed = time.perf_counter() - start
                 print(f"  {t.name.rpartition('.ffn_down')[0] or 'done'}: {done / 1e9:.2f}/{total / 1e9:.2f} GB, "
                       f"{elapsed:.1f} s", file=sys.stderr, flush=True)  # fmt: skip

@@ -50,6 +50,13 @@ class ModelShape:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     sliding_window: int | None = None  # written for the windowed layers of gemma2/gemma3 files
+    # Routed experts (written only: `build_model` builds dense models): every layer's MLP is
+    # `experts` MLPs of `expert_intermediate` features, `experts_used` of them per token, plus a
+    # shared expert of `shared_expert_intermediate` features where it is not 0 (Qwen2-MoE).
+    experts: int = 0
+    experts_used: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
 
     def __post_init__(self) -> None:
         sizes = (self.hidden_size, self.num_hidden_layers, self.num_attention_heads, self.head_dim)
@@ -57,12 +64,17 @@ class ModelShape:
             raise ValueError(f"shape {self.name}: every size must be >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"shape {self.name}: query heads must be a multiple of KV heads")
+        if self.experts and not (0 < self.experts_used <= self.experts and self.expert_intermediate > 0):
+            raise ValueError(f"shape {self.name}: experts need 1..experts used per token and an expert size")
 
     @property
     def num_params(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attention = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
-        layer = attention + 3 * h * self.intermediate_size + 2 * h  # q|k|v, o, gate|up, down, two norms
+        mlp = 3 * h * self.intermediate_size
+        if self.experts:  # every expert's gate|up and down, the router, the shared expert and its gate
+            mlp = self.experts * (3 * h * self.expert_intermediate + h) + 3 * h * self.shared_expert_intermediate
+        layer = attention + mlp + 2 * h  # q|k|v, o, the MLP, two norms
         return self.num_hidden_layers * layer + 2 * self.vocab_size * h + h  # embedding, head (untied), final norm
 
     @property
@@ -108,6 +120,16 @@ def _qwen25(name: str, hidden: int, layers: int, heads: int, kv_heads: int, head
     )  # fmt: skip
 
 
+def _qwen3_moe(
+    name: str, hidden: int, layers: int, heads: int, kv: int, experts: int, used: int, inter: int
+) -> ModelShape:
+    """A Qwen3-MoE shape: head dim 128, its vocabulary, rope theta, context and norm epsilon, untied."""
+    return ModelShape(
+        name, hidden, layers, heads, kv, 128, 6144, 151936, rope_theta=1e6, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, arch="qwen3moe", experts=experts, experts_used=used, expert_intermediate=inter,
+    )  # fmt: skip
+
+
 def _qwen3_17b(name: str, arch: str) -> ModelShape:
     """Qwen3-1.7B's sizes, rope theta, context and norm epsilon, tied, written as `arch`."""
     return ModelShape(
@@ -136,6 +158,9 @@ SHAPES = {
         # with FlashInfer's smallest head dim (64) so that it runs on a GPU too; wider weights than
         # 8B's spread the random logits (no near-ties between two forwards).
         ModelShape("llama3-tiny", 128, 2, 4, 1, 64, 448, 512, max_position_embeddings=1024, init_std=0.2),
+        # Qwen3-30B-A3B's config.json (and Qwen3-Coder-30B-A3B's): 128 experts of 768, 8 per token,
+        # 30.5B parameters of which 3.3B are read per token.
+        _qwen3_moe("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 8, 768),
     )
 }
 
@@ -167,6 +192,9 @@ def build_model(
     import torch
 
     from batchserve.bench.host import native_model
+
+    if shape.experts:
+        raise ValueError(f"shape {shape.name} has routed experts: write it as a file (--write-gguf), bench that file")
 
     device = torch.device(device)
     dtype = dtype or default_dtype(device)

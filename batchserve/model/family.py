@@ -5,7 +5,9 @@ Llama, Mistral, Qwen2 and Qwen3 differ by biases and Qwen3's per-head q/k norms.
 (1 + w) RMSNorms (folded into the weight at load: the same product, `x * (1 + w)`), a norm after
 attention and around the MLP, GeGLU with tanh GELU, an embedding scale of sqrt(hidden), a softmax
 scale from `query_pre_attn_scalar`, logit soft-caps (Gemma 2) and, in Gemma 3, q/k norms and a
-rotary of its own for the sliding-window layers."""
+rotary of its own for the sliding-window layers. The routed-expert families (Qwen3-MoE, Qwen2-MoE,
+Mixtral, OLMoE) add their `Routing` (`model.moe`); OLMoE norms q and k over the whole projection
+and may clip q, k and v."""
 
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from batchserve.model.moe import Routing
+
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
-QK_NORM_ARCHITECTURES = ("qwen3", "gemma3_text")  # an RMSNorm over each head of q and of k, before rotary
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")  # an RMSNorm over each head of q and of k, before rotary
+WHOLE_QK_NORM_ARCHITECTURES = ("olmoe",)  # an RMSNorm over all of q and over all of k, before rotary
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> our layer's
 
 
@@ -34,6 +39,9 @@ class Family:
     final_softcap: float | None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     local_rope: bool  # the sliding-window layers rotate by a rotary of their own (Gemma 3)
     scaling: float  # the softmax scale
+    qk_norm_whole: bool = False  # the q/k norms span the whole projection, not each head (OLMoE)
+    clip_qkv: float | None = None  # q, k (after their norms) and v clamped to +-this (OLMoE)
+    moe: Routing | None = None  # routed experts in the sparse layers' MLPs
 
     @classmethod
     def of(cls, config: Any) -> Family:
@@ -41,7 +49,7 @@ class Family:
         d = head_dim(config)
         scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
         return cls(
-            qk_norm=config.model_type in QK_NORM_ARCHITECTURES,
+            qk_norm=config.model_type in (*QK_NORM_ARCHITECTURES, *WHOLE_QK_NORM_ARCHITECTURES),
             unit_offset_norms=gemma,
             sandwich_norms=gemma,
             act=ACTIVATIONS.get(activation(config), "unsupported"),
@@ -49,6 +57,9 @@ class Family:
             final_softcap=(getattr(config, "final_logit_softcapping", None) or None) if gemma else None,
             local_rope=config.model_type == "gemma3_text",
             scaling=float((scalar or d) ** -0.5),
+            qk_norm_whole=config.model_type in WHOLE_QK_NORM_ARCHITECTURES,
+            clip_qkv=getattr(config, "clip_qkv", None) or None,
+            moe=Routing.of(config),
         )
 
 

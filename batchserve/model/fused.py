@@ -31,6 +31,8 @@ def why_not_fused(layers: nn.ModuleList) -> str | None:
     if not kernels.available():
         return kernels.unavailable_reason()
     for i, layer in enumerate(layers):
+        if not hasattr(layer.mlp, "gate_up_proj"):
+            return f"layer {i}'s MLP is routed experts (the layers run one by one)"
         for name in PRODUCTS:
             if type(layer.get_submodule(name)) is not BlockLinear:
                 return f"layer {i}'s {name} is not a product over GGUF blocks on our kernels"

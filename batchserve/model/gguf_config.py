@@ -20,7 +20,20 @@ from batchserve.model.gguf_read import GGUFContents
 # general.architecture -> transformers' model_type of the forward that runs it
 LLAMA_CPP_ARCHS = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
 }  # fmt: skip
+# A `llama` file with routed experts is a Mixtral (llama.cpp runs both as one architecture).
+LLAMA_WITH_EXPERTS = "mixtral"
+# `{arch}.<key>` of a routed-expert file -> the config's attribute
+EXPERT_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+# Whether llama.cpp divides the chosen experts' weights by their sum (`build_moe_ffn`'s norm_w), by
+# architecture, where the file has no `{arch}.expert_weights_norm`.
+RENORMALIZED = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 # `{arch}.<key>` -> the config's attribute (llama.cpp's names: gguf-py's `Keys.LLM`/`Keys.Attention`)
 ARCH_KEYS = {
     "context_length": "max_position_embeddings",
@@ -58,6 +71,7 @@ def config_dict(contents: GGUFContents) -> dict[str, Any]:
     for key, attr in ARCH_KEYS.items():
         if f"{arch}.{key}" in meta:
             config[attr] = meta[f"{arch}.{key}"]
+    config.update(_experts(meta, arch, names))
     config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
         config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
@@ -84,6 +98,26 @@ def config_dict(contents: GGUFContents) -> dict[str, Any]:
         if rope is not None:
             config["rope_scaling"] = rope
     return config
+
+
+def _experts(meta: Mapping[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
+    """A routed-expert file's routing as the config names it (nothing for a dense file)."""
+    if not meta.get(f"{arch}.expert_count"):
+        return {}
+    out: dict[str, Any] = {
+        attr: int(meta[f"{arch}.{key}"]) for key, attr in EXPERT_KEYS.items() if f"{arch}.{key}" in meta
+    }
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    out["norm_topk_prob"] = bool(norm) if norm is not None else RENORMALIZED.get(arch, False)
+    clamp = meta.get(f"{arch}.attention.clamp_kqv")
+    if clamp:
+        out["clip_qkv"] = float(clamp)
+    if arch == "llama":
+        out["model_type"] = LLAMA_WITH_EXPERTS
+        out["num_local_experts"] = out.pop("num_experts")
+    if arch == "qwen2moe":
+        out["qkv_bias"] = "blk.0.attn_q.bias" in names
+    return out
 
 
 def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """The native model built straight over a GGUF file's blocks (Llama, Mistral, Qwen2/3, Gemma 2/3,
-Phi-3/4 with its merged q|k|v and gate|up): no transformers model, no float32 copy, no conversion
-cache. Each product is a `BlockLinear` over the tensors' own blocks, whatever
+Phi-3/4 with its merged q|k|v and gate|up, and the routed-expert Qwen3-MoE, Qwen2-MoE, Mixtral and
+OLMoE, each expert's products over its rows of the `ffn_*_exps` tensors): no transformers model, no
+float32 copy, no conversion cache. Each product is a `BlockLinear` over the tensors' own blocks, whatever
 type each tensor has (a llama.cpp mix varies by layer and falls back per tensor); the token
 embedding looks its rows up in the mapped file; norms and biases are the file's float32 values.
 
@@ -27,11 +28,13 @@ from batchserve.model.family import local_rotary_for, rotary_for
 from batchserve.model.gguf_config import LLAMA_CPP_ARCHS
 from batchserve.model.gguf_file import PERMUTED_ARCHS, GGUFTensors, TensorView, read_meta
 from batchserve.model.llama import NativeLlamaForCausalLM, product_out_dtype, supports
+from batchserve.model.moe import SparseMoE
 
 logger = logging.getLogger("batchserve")
 
 MARGIN_BYTES = 512 << 20  # left free beside the weights and the KV pool (the runtime's own)
 FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as floats (norms, biases), never as blocks
+ROUTER = "ffn_gate_inp"  # a sparse layer's router (and, `_shexp`, its shared expert's gate)
 
 
 class GGUFRefused(ValueError):
@@ -87,10 +90,13 @@ class LoadReport:
     dequantized: list[str] = field(default_factory=list)  # tensors run as bfloat16 copies
     dequantized_bytes: int = 0  # what those copies take
     packed_bytes: int = 0  # what the packed blocks take
+    float_routers: int = 0  # routers (and shared-expert gates) kept in float32
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(self.native.items()))
         text = f"the file's own blocks on our kernels ({kinds})"
+        if self.float_routers:
+            text += f"; {self.float_routers} routers in float32 on oneDNN"
         if self.dequantized:
             names = ", ".join(self.dequantized[:4]) + (", ..." if len(self.dequantized) > 4 else "")
             mib = self.dequantized_bytes / 2**20
@@ -102,9 +108,6 @@ def refusal(tensors: GGUFTensors) -> str | None:
     """Why this file's layers cannot be built from its blocks here; None where they can."""
     if tensors.architecture not in LLAMA_CPP_ARCHS:
         return f"architecture {tensors.architecture or '(none)'} (read from blocks: {', '.join(LLAMA_CPP_ARCHS)})"
-    experts = next((name for name in tensors.tensors if "_exps." in name), None)
-    if experts is not None:  # a Mixtral is a `llama` file with routed experts
-        return f"mixture-of-experts layers ({experts}) are not read from blocks yet"
     if not kernels.available():
         return f"our kernels do not run here: {kernels.unavailable_reason()}"
     from batchserve.model.blocks import block_products_invariant
@@ -112,6 +115,21 @@ def refusal(tensors: GGUFTensors) -> str | None:
     if not block_products_invariant():
         return "our block products are not batch-invariant on this CPU"
     return None
+
+
+def _rows(view: TensorView, start: int, count: int) -> TensorView:
+    """Rows [start, start + count) of a tensor: one expert's of an `_exps` tensor (a view, no copy)."""
+    row_bytes = view.nbytes // view.shape[0]
+    return TensorView(f"{view.name}[{start}:{start + count}]", view.qtype, (count, view.shape[1]),
+                      view.data[start : start + count], view.offset + start * row_bytes, count * row_bytes)  # fmt: skip
+
+
+def _as_matrix(view: TensorView, rows: int) -> TensorView:
+    """A tensor as [rows, cols] (a shared expert's gate is stored as one vector)."""
+    if len(view.shape) == 2:
+        return view
+    cols = view.shape[0] // rows
+    return TensorView(view.name, view.qtype, (rows, cols), view.data.reshape(rows, -1), view.offset, view.nbytes)
 
 
 def bytes_needed(tensors: GGUFTensors) -> int:
@@ -125,7 +143,9 @@ def bytes_needed(tensors: GGUFTensors) -> int:
     for view in tensors.tensors.values():
         if view.name == "token_embd.weight" and "output.weight" in tensors.tensors:
             continue
-        if view.qtype in NATIVE_TYPES or len(view.shape) < 2:
+        if view.qtype in FLOAT_TYPES and ROUTER in view.name:  # kept in float32 (`_router`)
+            total += 4 * int(np.prod(view.shape))
+        elif view.qtype in NATIVE_TYPES or len(view.shape) < 2:
             total += view.nbytes
         else:
             values = int(np.prod(view.shape))
@@ -246,21 +266,16 @@ class _Builder:
         if attn.q_norm is not None and attn.k_norm is not None:  # per-head q/k norms (qwen3)
             attn.q_norm.weight = self._vector(f"{blk}attn_q_norm.weight")
             attn.k_norm.weight = self._vector(f"{blk}attn_k_norm.weight")
-            if attn.q_norm.weight.numel() != attn.head_dim:
+            if (attn.q_norm.weight.numel(), attn.k_norm.weight.numel()) != attn.norm_spans:
                 raise GGUFRefused(
-                    f"{blk}attn_q_norm has {attn.q_norm.weight.numel()} values, the head dim is {attn.head_dim}"
+                    f"{blk}attn_q_norm and attn_k_norm have {attn.q_norm.weight.numel()} and"
+                    f" {attn.k_norm.weight.numel()} values; the model's norms span {attn.norm_spans}"
                 )
         attn.o_proj = self._product(f"layers.{i}.self_attn.o_proj", [self.tensors[f"{blk}attn_output.weight"]], None)
-        up = self.tensors[f"{blk}ffn_up.weight"]
-        gate = self.tensors.get(f"{blk}ffn_gate.weight")
-        if gate is None:  # Phi-3: gate|up stored as one tensor (ffn_up), the gate's rows first
-            ff = c.intermediate_size
-            if up.shape[0] != 2 * ff:
-                raise GGUFRefused(f"{blk}ffn_up has {up.shape[0]} rows and no ffn_gate: expected gate|up, 2 x {ff}")
-            mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [up], None, (ff, ff))
+        if isinstance(mlp, SparseMoE):
+            self._experts(mlp, i)
         else:
-            mlp.gate_up_proj = self._product(f"layers.{i}.mlp.gate_up_proj", [gate, up], None)
-        mlp.down_proj = self._product(f"layers.{i}.mlp.down_proj", [self.tensors[f"{blk}ffn_down.weight"]], None)
+            self._mlp(mlp, i)
         # Norms as the file stores them: llama.cpp's converter has already added Gemma's 1 to its weights.
         layer.input_layernorm.weight = self._vector(f"{blk}attn_norm.weight")
         if layer.sandwich:  # Gemma: the attention's output normed, the MLP's input and output
@@ -269,6 +284,57 @@ class _Builder:
             layer.post_feedforward_layernorm.weight = self._vector(f"{blk}post_ffw_norm.weight")
         else:
             layer.post_attention_layernorm.weight = self._vector(f"{blk}ffn_norm.weight")
+
+    def _mlp(self, mlp: nn.Module, i: int, suffix: str = "", path: str = "mlp") -> None:
+        """A dense MLP's products (`suffix` `_shexp`: a sparse layer's shared expert, at `path`)."""
+        c, blk = self.config, f"blk.{i}."
+        up = self.tensors[f"{blk}ffn_up{suffix}.weight"]
+        gate = self.tensors.get(f"{blk}ffn_gate{suffix}.weight")
+        name = f"layers.{i}.{path}"
+        if gate is None:  # Phi-3: gate|up stored as one tensor (ffn_up), the gate's rows first
+            ff = c.intermediate_size
+            if up.shape[0] != 2 * ff:
+                raise GGUFRefused(f"{blk}ffn_up has {up.shape[0]} rows and no ffn_gate: expected gate|up, 2 x {ff}")
+            mlp.gate_up_proj = self._product(f"{name}.gate_up_proj", [up], None, (ff, ff))
+        else:
+            mlp.gate_up_proj = self._product(f"{name}.gate_up_proj", [gate, up], None)
+        mlp.down_proj = self._product(f"{name}.down_proj", [self.tensors[f"{blk}ffn_down{suffix}.weight"]], None)
+
+    def _experts(self, moe: SparseMoE, i: int) -> None:
+        """A sparse layer: its router, each expert's products over its own rows of the file's
+        `ffn_{gate,up,down}_exps` tensors (every expert's, stacked), and a shared expert where the
+        model has one."""
+        blk, routing, hidden = f"blk.{i}.", moe.routing, self.config.hidden_size
+        moe.gate = self._router(f"layers.{i}.mlp.gate", self.tensors[f"{blk}{ROUTER}.weight"], routing.experts)
+        stacked = {p: self.tensors[f"{blk}ffn_{p}_exps.weight"] for p in ("gate", "up", "down")}
+        rows = {"gate": routing.intermediate, "up": routing.intermediate, "down": hidden}
+        for part, view in stacked.items():
+            if view.shape[0] != routing.experts * rows[part]:
+                raise GGUFRefused(f"{view.name} has {view.shape[0]} rows, not {routing.experts} experts x {rows[part]}")
+        for e, expert in enumerate(moe.experts):
+            g, u, d = (_rows(stacked[p], e * rows[p], rows[p]) for p in ("gate", "up", "down"))
+            expert.gate_up_proj = self._product(f"layers.{i}.mlp.experts.{e}.gate_up_proj", [g, u], None)
+            expert.down_proj = self._product(f"layers.{i}.mlp.experts.{e}.down_proj", [d], None)
+        if moe.shared_expert is not None:
+            self._mlp(moe.shared_expert, i, "_shexp", "mlp.shared_expert")
+            gate = self.tensors[f"{blk}{ROUTER}_shexp.weight"]  # [H]: one logit
+            moe.shared_expert_gate = self._router(f"layers.{i}.mlp.shared_expert_gate", gate, 1)
+
+    def _router(self, name: str, view: TensorView, outputs: int) -> nn.Module:
+        """A router's product: float32 as llama.cpp computes it from a float tensor (which expert a
+        row takes must not move with a rounding of ours), on oneDNN's prepacked product where that
+        is batch-invariant here, else on the file's blocks or bfloat16 like any other product."""
+        from batchserve.model.layers import PackedLinear, packed_products_invariant, prepack_available
+
+        if view.qtype not in FLOAT_TYPES or not (prepack_available() and packed_products_invariant()):
+            return self._product(name, [_as_matrix(view, outputs)], None)
+        weight = torch.from_numpy(np.array(view.data, dtype=np.float32).reshape(outputs, -1))  # [E, H]
+        linear = nn.Linear(weight.shape[1], outputs, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        self.report.float_routers += 1
+        self._progress(view)
+        return PackedLinear(linear)
 
     def _unpermuted(self, view: TensorView, heads: int) -> TensorView:
         """llama.cpp's converter interleaves each head's rotary halves in attn_q/attn_k; the rows

@@ -16,9 +16,7 @@ EOG_TEXTS = frozenset({
 })  # fmt: skip
 # Metadata keys whose id ends a generation: eos, end of turn, end of message, and the fill-in-the-
 # middle pad / repo / separator tokens (llama.cpp stops on those too).
-EOG_KEYS = tuple(
-    f"tokenizer.ggml.{name}_token_id" for name in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
-)
+EOG_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep"))
 
 
 def end_of_generation_ids(metadata: Mapping[str, Any]) -> frozenset[int]:

@@ -1,4 +1,5 @@
-"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 and 3): fused
+"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3,
+and the routed-expert Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE: `model.moe`): fused
 q|k|v and gate|up projections, the residual add fused into RMSNorm, rotary at each packed row's own
 position, attention through the step's backend (with each layer's sliding window and soft-cap:
 `layer_attention`), and the LM head only for the rows kept. What sets a family apart is a
@@ -31,10 +32,11 @@ from batchserve.model.family import (
 )
 from batchserve.model.layer_kernels import TORCH_LAYERS, LayerKernels, choose_layer_kernels
 from batchserve.model.layers import GeluTanhAndMul, MergedLinear
+from batchserve.model.moe import MOE_ARCHITECTURES, SparseMoE
 from batchserve.threads import rows_whole
 
 # transformers' model_type
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES, *MOE_ARCHITECTURES)
 # Rope types whose frequencies are fixed at load. Dynamic NTK's and LongRoPE's are fixed within
 # their original context (the plain frequencies, the short factors), where the engine caps them
 # (`rope_limit`).
@@ -47,6 +49,9 @@ PACKED_MODULES = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+# transformers' stacked expert weights ([E, out, in] parameters of `mlp.experts`) -> each expert's product.
+EXPERT_PRODUCTS = ("gate_up_proj", "down_proj")
 
 # Products whose output only enters the residual add (RMSNorm's fused `x + residual`): a
 # reduced-precision product hands them over in bfloat16, which the add widens exactly.
@@ -116,23 +121,28 @@ class Attention(nn.Module):
         self.head_dim = d = head_dim(config)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.scaling = family.scaling  # what the backend is told (FlashInfer plans with it)
-        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        qkv_bias = bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False))
+        qkv_bias = qkv_bias or config.model_type == "qwen2"
         kv = self.num_kv_heads * d
         self.qkv_proj = MergedLinear(config.hidden_size, (self.num_heads * d, kv, kv), bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
+        # The values each q/k norm spans: a head (Qwen3, Gemma 3) or the whole projection (OLMoE).
+        self.norm_spans = (self.num_heads * d, kv) if family.qk_norm_whole else (d, d)
         if family.qk_norm:
-            self.q_norm, self.k_norm = kernels.norm(d, config.rms_norm_eps), kernels.norm(d, config.rms_norm_eps)
+            self.q_norm, self.k_norm = (kernels.norm(span, config.rms_norm_eps) for span in self.norm_spans)
+        self.clip = family.clip_qkv
 
     def _normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """q|k|v [T, (Hq + 2 Hkv) * D] -> the same with each head of q and of k RMS-normed over its
-        D values (row-wise: a head's result depends on that head alone)."""
+        """q|k|v [T, (Hq + 2 Hkv) * D] -> the same with q and k RMS-normed, each head over its D
+        values (or, OLMoE, each whole projection: `norm_spans`); row-wise."""
         assert self.q_norm is not None and self.k_norm is not None
         t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=1)
-        q = self.q_norm.forward(q.reshape(t * hq, d)).reshape(t, hq * d)
-        k = self.k_norm.forward(k.reshape(t * hkv, d)).reshape(t, hkv * d)
+        q_span, k_span = self.norm_spans
+        q = self.q_norm.forward(q.reshape(-1, q_span)).reshape(t, hq * d)
+        k = self.k_norm.forward(k.reshape(-1, k_span)).reshape(t, hkv * d)
         return torch.cat((q, k, v.to(q.dtype)), dim=1)
 
     def forward(self, x: torch.Tensor, rotary: Any, metadata: Any) -> torch.Tensor:
@@ -140,16 +150,21 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 Hkv) * D]
         if self.q_norm is not None:
             qkv = self._normed_heads(qkv)
+        if self.clip is not None:  # OLMoE's clip, after the norms
+            qkv = qkv.clamp(-self.clip, self.clip)
         q, k, v = rotary.split_heads(qkv, hq, self.num_kv_heads, self.head_dim)  # [heads, T, D] each, q and k rotated
         out = metadata.backend.forward(self.layer_idx, q, k, v, metadata, self.scaling)  # [T, Hq, D]
         return self.o_proj.forward(out.reshape(t, hq * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, kernels: LayerKernels = TORCH_LAYERS) -> None:
+    """gate|up in one product, the activation, down: a dense layer's MLP, or one expert's of
+    `intermediate` features (the config's by default)."""
+
+    def __init__(self, config: Any, kernels: LayerKernels = TORCH_LAYERS, intermediate: int | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        i = config.intermediate_size
+        i = intermediate or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, (i, i), bias=bias)
         self.act = GeluTanhAndMul() if Family.of(config).act == "gelu_tanh" else kernels.act()
         self.down_proj = nn.Linear(i, config.hidden_size, bias=bias)
@@ -162,7 +177,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, kernels: LayerKernels = TORCH_LAYERS) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, kernels)
-        self.mlp = MLP(config, kernels)
+        routing = Family.of(config).moe
+        self.mlp: nn.Module
+        if routing is not None and routing.sparse(layer_idx):
+            self.mlp = SparseMoE(config, routing, lambda i: MLP(config, kernels, i))
+        else:
+            self.mlp = MLP(config, kernels)
         self.input_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
         family = Family.of(config)
@@ -286,7 +306,11 @@ def native_from_hf(hf_model: Any, layer_kernels: LayerKernels | None = None) -> 
             continue
         module, _, leaf = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
-        if proj in PACKED_MODULES:
+        if leaf in EXPERT_PRODUCTS and proj == "experts":  # [E, out, in]: every expert's weight in one
+            for e, weight in enumerate(tensor):
+                model.get_submodule(f"{module}.{e}.{leaf}").weight.copy_(weight)
+                loaded.add(f"{module}.{e}.{leaf}.weight")
+        elif proj in PACKED_MODULES:
             merged, part = PACKED_MODULES[proj]
             model.get_submodule(f"{parent}.{merged}").load_part(part, leaf, tensor)
             loaded.add(f"{parent}.{merged}.{leaf}")

@@ -228,9 +228,13 @@ def _load(path: Any, directory: Path, gguf_file: str | None, dtype: str) -> tupl
 
 
 def _convert_gguf(directory: Path, gguf_file: str, dtype: str) -> tuple[Any, Any]:
-    """(model, tokenizer) converted from the GGUF file by transformers (its layers dequantized)."""
+    """(model, tokenizer) converted from the GGUF file by transformers (its layers dequantized),
+    built from the config `read_meta` reads (ours for the architectures we read: transformers' own
+    GGUF reader drops keys such as a Qwen3-MoE's expert width, and then fails on the sizes)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": gguf_file}
-    tokenizer = load_tokenizer(directory / gguf_file)
+    from batchserve.model.gguf_file import read_meta
+
+    config, tokenizer = read_meta(directory / gguf_file)
+    kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": gguf_file, "config": config}
     return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], **kwargs), tokenizer

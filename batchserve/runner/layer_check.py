@@ -70,21 +70,26 @@ def row_layers(model: nn.Module, intermediate: int | None = None) -> Iterator[Ro
     """The model's row-wise layers in the forward's order (each module once: tied ones are one)."""
     seen: set[int] = set()
     inside = "\0"  # the last product's path: its own submodules are its internals, checked through it
+    gate_up: dict[str, int] = {}  # an MLP's path -> its gate|up product's width (an expert's is its own)
     for name, m in model.named_modules():
         if id(m) in seen or name.startswith(inside + "."):
             continue
         seen.add(id(m))
+        parent = name.rpartition(".")[0]
         if isinstance(m, RMSNorm):
             width = int(m.weight.shape[0])
             yield RowLayer(name, (type(m).__name__, width, width, "float32"), width, _norm_call(m), False)
-        elif isinstance(m, (SiluAndMul, GeluTanhAndMul)) and intermediate is not None:
-            kind = (type(m).__name__, 2 * intermediate, intermediate, "float32")
-            yield RowLayer(name, kind, 2 * intermediate, m, False)
+        elif isinstance(m, (SiluAndMul, GeluTanhAndMul)) and (parent in gate_up or intermediate is not None):
+            width = gate_up.get(parent) or 2 * int(intermediate or 0)
+            kind = (type(m).__name__, width, width // 2, "float32")
+            yield RowLayer(name, kind, width, m, False)
         elif isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int):
             out = str(getattr(m, "out_dtype", "float32")).removeprefix("torch.")
             head = name.rpartition(".")[2] == "lm_head"
             kind = (getattr(m, "check_kind", type(m).__name__), int(m.in_features), int(m.out_features), out)
             inside = name
+            if name.endswith("gate_up_proj"):
+                gate_up[parent] = int(m.out_features)
             yield RowLayer(name, kind, int(m.in_features), m, head, getattr(m, "check_rows", None))
 
 

@@ -15,7 +15,10 @@ from tests.conftest import TINY_VOCAB, hf_greedy, make_tiny_tokenizer
 from tests.engine.drafters import OracleDrafter
 from tests.model.test_llama import _all_logits, _model
 
-FAMILIES = ["mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3", "phi3"]
+FAMILIES = [
+    *("mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3", "phi3"),
+    *("qwen3-moe", "qwen2-moe", "mixtral", "olmoe"),  # routed experts
+]
 NEW_TOKENS = 16
 
 

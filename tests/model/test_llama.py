@@ -81,6 +81,27 @@ def _model(kind: str) -> Any:
             **SMALL, partial_rotary_factor=0.5, original_max_position_embeddings=64, rope_scaling=longrope,
             sliding_window=16, tie_word_embeddings=False,
         )  # fmt: skip
+    elif kind == "qwen3-moe":  # q/k norms, renormalized top 2 of 8, the middle layer dense (`mlp_only_layers`)
+        config = tf.Qwen3MoeConfig(
+            **{**SMALL, "num_hidden_layers": 3}, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
+        )  # fmt: skip
+    elif kind == "qwen2-moe":  # q|k|v biases, top 2 of 8 as they are, the shared expert and its sigmoid gate
+        config = tf.Qwen2MoeConfig(  # weights a little larger: sharper logits, so sampled text repeats
+            **{**SMALL, "initializer_range": 0.4}, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=False, shared_expert_intermediate_size=48, use_sliding_window=False,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    elif kind == "mixtral":  # top 2 of 4, always renormalized
+        config = tf.MixtralConfig(
+            **SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    elif kind == "olmoe":  # q/k norms over the whole projections, q, k and v clipped, top 3 of 8
+        config = tf.OlmoeConfig(
+            **SMALL, num_experts=8, num_experts_per_tok=3, clip_qkv=1.5, norm_topk_prob=False,
+            tie_word_embeddings=False,
+        )  # fmt: skip
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
