@@ -69,6 +69,19 @@ def hf_direct_refusal(directory: Path, config: Any) -> str | None:
 
 
 FUSED_IN_FILE = ("qkv_proj", "gate_up_proj")  # products a checkpoint may store merged as ours are (Phi-3)
+# Products a checkpoint stores whole, as ours are: the attention's output, an MLP's (or an expert's)
+# down, the head, a sparse layer's router and its shared expert's gate.
+WHOLE_PRODUCTS = ("o_proj", "down_proj", "lm_head", "mlp.gate", "mlp.shared_expert_gate")
+# Mixtral's checkpoint names for the modules ours names as the other routed-expert families do.
+RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def our_name(key: str) -> str:
+    """A checkpoint key -> our parameter's name (without `model.`; Mixtral's experts renamed)."""
+    name = key.removeprefix("model.")
+    for old, new in RENAMED:
+        name = name.replace(old, new)
+    return name
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -133,7 +146,7 @@ def load_hf_native(directory: Path) -> tuple[NativeLlamaForCausalLM, Any]:
         f = SafetensorsMap(file)
         waiting: dict[str, list[str]] = {}  # a merged product's keys, released once it is packed
         for key in f.keys():
-            name = key.removeprefix("model.")
+            name = our_name(key)
             if name == "lm_head.weight" and tied:
                 continue
             tensor = f.get(key)
@@ -168,7 +181,7 @@ def _read_single(model: NativeLlamaForCausalLM, f: SafetensorsMap, key: str, ten
     whole (o, down, the head; Phi's merged q|k|v and gate|up), or a norm."""
     from batchserve.model.bf16 import KernelBf16Linear
 
-    name = key.removeprefix("model.")
+    name = our_name(key)
     module, _, leaf = name.rpartition(".")
     if name == "embed_tokens.weight":
         model.embed_tokens = FileEmbedding(tensor.clone())  # its own copy: the map's pages go
@@ -177,11 +190,11 @@ def _read_single(model: NativeLlamaForCausalLM, f: SafetensorsMap, key: str, ten
     elif leaf == "weight" and module.endswith(FUSED_IN_FILE):  # Phi's q|k|v and gate|up: already one
         sizes = model.get_submodule(module).sizes
         _set(model, module, _bf16(KernelBf16Linear, tensor, None, module, sizes))
-    elif leaf == "weight" and module.endswith(("o_proj", "down_proj", "lm_head")):
+    elif leaf == "weight" and module.endswith(WHOLE_PRODUCTS):
         bias_key = key.removesuffix("weight") + "bias"
         bias = f.get(bias_key) if bias_key in f.entries else None
         _set(model, module, _bf16(KernelBf16Linear, tensor, bias, module))
-    elif not (leaf == "bias" and module.endswith(("o_proj", "down_proj"))):  # a bias: read with its weight
+    elif not (leaf == "bias" and module.endswith(WHOLE_PRODUCTS)):  # a bias: read with its weight
         norm = stored_norm(model.config, name, tensor.float()).clone()  # Gemma's (1 + w) folded in
         _set(model, name, nn.Parameter(norm, requires_grad=False))
 

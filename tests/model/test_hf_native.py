@@ -34,13 +34,17 @@ def _config(path: str, weights: str = "bfloat16", impl: str = "auto") -> EngineC
         ("gemma2", torch.float32),  # (1 + w) norms folded as they are read
         ("gemma3", torch.float32),  # and the windowed layers' own rotary
         ("phi3", torch.float32),  # q|k|v and gate|up stored merged
+        ("qwen3-moe", torch.float32),  # each expert's products, the router, a dense layer between
+        ("qwen2-moe", torch.bfloat16),  # and the shared expert with its gate
+        ("mixtral", torch.float32),  # its checkpoint's own names (block_sparse_moe, w1/w2/w3)
+        ("olmoe", torch.float32),  # q/k norms over the whole projections
     ],
 )
 def test_a_directory_read_tensor_by_tensor_gives_the_transformers_path_bits(tmp_path, dtype, kind):
     extra = {"attention_bias": True} if kind == "llama" else {}
     model = make_tiny_model(seed=3, dtype=dtype, **extra)
-    if kind.startswith(("gemma", "phi")):
-        model = _model(kind)
+    if kind.startswith(("gemma", "phi")) or kind in ("qwen3-moe", "qwen2-moe", "mixtral", "olmoe"):
+        model = _model(kind).to(dtype)
     elif kind in ("qwen2", "qwen3"):
         import transformers
 
