@@ -82,6 +82,8 @@ def our_name(key: str) -> str:
     for old, new in RENAMED:
         name = name.replace(old, new)
     return name
+
+
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
