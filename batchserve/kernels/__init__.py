@@ -30,7 +30,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 6  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 7  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -273,6 +273,24 @@ def block_linear(x: torch.Tensor, desc: torch.Tensor, n: int) -> torch.Tensor:
     y = torch.empty(x.shape[0], n)
     library().block_linear(x.data_ptr(), x.shape[0], desc.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def moe_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, i: int
+) -> torch.Tensor:
+    """A sparse layer's routed experts (csrc/moe.cpp) over x [T, H] float32 contiguous: ids [T, k]
+    int64 and weights [T, k] float32 (contiguous) each row's experts and their weights, experts
+    [E, 2] int64 each expert's gate|up (2 `i` outputs) and down (H outputs) product descriptors'
+    addresses -> [T, H] float32: each row's weighted outputs added in ascending expert order."""
+    t, h = x.shape
+    lib, threads = library(), torch.get_num_threads()
+    work = torch.empty(int(lib.moe_workspace(t, h, ids.shape[1], i, threads)))
+    out = torch.empty(t, h)
+    lib.moe_experts(
+        x.data_ptr(), t, h, ids.shape[1], ids.data_ptr(), weights.data_ptr(), experts.data_ptr(), experts.shape[0],
+        i, work.data_ptr(), out.data_ptr(), threads,
+    )  # fmt: skip
+    return out
 
 
 def block_wide() -> bool:

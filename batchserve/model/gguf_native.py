@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from batchserve import kernels
+from batchserve.model.blocks import ALIGN
 from batchserve.model.family import local_rotary_for, rotary_for
 from batchserve.model.gguf_config import LLAMA_CPP_ARCHS
 from batchserve.model.gguf_file import PERMUTED_ARCHS, GGUFTensors, TensorView, read_meta
 from batchserve.model.llama import NativeLlamaForCausalLM, product_out_dtype, supports
-from batchserve.model.moe import SparseMoE
+from batchserve.model.moe import SparseMoE, use_kernel_experts
 
 logger = logging.getLogger("batchserve")
 
@@ -224,6 +225,7 @@ class _Builder:
         model.rotary = rotary_for(c, None if factors is None else np.array(factors.data, dtype=np.float32))
         model.rotary_local = local_rotary_for(c)  # Gemma 3's windowed layers' own
         use_kernel_layers(model)  # norms and silu*up on our kernels, beside our products
+        use_kernel_experts(model)  # each sparse layer's experts in one call of our kernel
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if left:
             raise GGUFRefused(f"the file has no weights for {left[:4]}")
@@ -305,35 +307,41 @@ class _Builder:
         `ffn_{gate,up,down}_exps` tensors (every expert's, stacked), and a shared expert where the
         model has one."""
         blk, routing, hidden = f"blk.{i}.", moe.routing, self.config.hidden_size
-        moe.gate = self._router(f"layers.{i}.mlp.gate", self.tensors[f"{blk}{ROUTER}.weight"], routing.experts)
+        router = [_as_matrix(self.tensors[f"{blk}{ROUTER}.weight"], routing.experts)]
+        if moe.shared_expert is not None:  # its gate's one logit: the router's last output
+            router.append(_as_matrix(self.tensors[f"{blk}{ROUTER}_shexp.weight"], 1))
+        moe.gate = self._router(f"layers.{i}.mlp.gate", router)
         stacked = {p: self.tensors[f"{blk}ffn_{p}_exps.weight"] for p in ("gate", "up", "down")}
         rows = {"gate": routing.intermediate, "up": routing.intermediate, "down": hidden}
         for part, view in stacked.items():
             if view.shape[0] != routing.experts * rows[part]:
                 raise GGUFRefused(f"{view.name} has {view.shape[0]} rows, not {routing.experts} experts x {rows[part]}")
-        for e, expert in enumerate(moe.experts):
-            g, u, d = (_rows(stacked[p], e * rows[p], rows[p]) for p in ("gate", "up", "down"))
-            expert.gate_up_proj = self._product(f"layers.{i}.mlp.experts.{e}.gate_up_proj", [g, u], None)
-            expert.down_proj = self._product(f"layers.{i}.mlp.experts.{e}.down_proj", [d], None)
+        parts = ("gate", "up", "down")
+        views = [[_rows(stacked[p], e * rows[p], rows[p]) for p in parts] for e in range(len(moe.experts))]
+        arena = self._arena([[g, u] for g, u, _ in views] + [[d] for _, _, d in views])
+        for e, (expert, (g, u, d)) in enumerate(zip(moe.experts, views, strict=True)):
+            expert.gate_up_proj = self._product(f"layers.{i}.mlp.experts.{e}.gate_up_proj", [g, u], None, arena=arena)
+            expert.down_proj = self._product(f"layers.{i}.mlp.experts.{e}.down_proj", [d], None, arena=arena)
         if moe.shared_expert is not None:
             self._mlp(moe.shared_expert, i, "_shexp", "mlp.shared_expert")
-            gate = self.tensors[f"{blk}{ROUTER}_shexp.weight"]  # [H]: one logit
-            moe.shared_expert_gate = self._router(f"layers.{i}.mlp.shared_expert_gate", gate, 1)
 
-    def _router(self, name: str, view: TensorView, outputs: int) -> nn.Module:
-        """A router's product: float32 as llama.cpp computes it from a float tensor (which expert a
-        row takes must not move with a rounding of ours), on oneDNN's prepacked product where that
-        is batch-invariant here, else on the file's blocks or bfloat16 like any other product."""
-        from batchserve.model.layers import PackedLinear, packed_products_invariant, prepack_available
+    def _router(self, name: str, views: list[TensorView]) -> nn.Module:
+        """A router's product (and its shared expert's gate, a last output): float32 as llama.cpp
+        computes it from a float tensor (which expert a row takes must not move with a rounding of
+        ours), on oneDNN's prepacked product where that is batch-invariant here, else on the
+        file's blocks or bfloat16 like any other product."""
+        from batchserve.model.layers import MergedLinear, PackedLinear, packed_products_invariant, prepack_available
 
-        if view.qtype not in FLOAT_TYPES or not (prepack_available() and packed_products_invariant()):
-            return self._product(name, [_as_matrix(view, outputs)], None)
-        weight = torch.from_numpy(np.array(view.data, dtype=np.float32).reshape(outputs, -1))  # [E, H]
-        linear = nn.Linear(weight.shape[1], outputs, bias=False)
+        floats = all(v.qtype in FLOAT_TYPES for v in views)
+        if not floats or not (prepack_available() and packed_products_invariant()):
+            return self._product(name, views, None)
+        weight = torch.from_numpy(np.concatenate([np.asarray(v.data, dtype=np.float32) for v in views]))  # [E(+1), H]
+        linear = MergedLinear(weight.shape[1], tuple(v.shape[0] for v in views), bias=False)
         with torch.no_grad():
             linear.weight.copy_(weight)
         self.report.float_routers += 1
-        self._progress(view)
+        for view in views:
+            self._progress(view)
         return PackedLinear(linear)
 
     def _unpermuted(self, view: TensorView, heads: int) -> TensorView:
@@ -348,17 +356,34 @@ class _Builder:
         values = view.data if view.qtype == 0 else dequantized(view)
         return nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1)), requires_grad=False)
 
+    def _arena(self, products: list[list[TensorView]]) -> Any:
+        """One huge-page buffer for these products' packed weights (a sparse layer's experts),
+        where every one of them runs on our kernels; None where some do not."""
+        from batchserve.model.blocks import NATIVE_TYPES, BlockPart, PackArena, packed_bytes
+
+        if any(v.qtype not in NATIVE_TYPES for views in products for v in views):
+            return None
+        parts = [[BlockPart(v.data, v.qtype, v.shape[1]) for v in views] for views in products]
+        return PackArena(sum(packed_bytes(p) + ALIGN for p in parts))
+
     def _product(
-        self, name: str, views: list[TensorView], bias: torch.Tensor | None, sizes: tuple[int, ...] | None = None
+        self,
+        name: str,
+        views: list[TensorView],
+        bias: torch.Tensor | None,
+        sizes: tuple[int, ...] | None = None,
+        arena: Any = None,
     ) -> nn.Module:
-        """One product over `views`' rows joined; `sizes`: its parts' rows where a view holds several."""
+        """One product over `views`' rows joined; `sizes`: its parts' rows where a view holds several;
+        `arena`: where its packed weights go (else a buffer of its own)."""
         from batchserve.model.blocks import NATIVE_TYPES, BlockLinear, BlockPart
 
         sizes = sizes or tuple(v.shape[0] for v in views)
         if sum(sizes) != sum(v.shape[0] for v in views):
             raise GGUFRefused(f"{name}: the file's {sum(v.shape[0] for v in views)} rows are not the model's {sizes}")
         if all(v.qtype in NATIVE_TYPES for v in views):
-            layer: nn.Module = BlockLinear([BlockPart(v.data, v.qtype, v.shape[1]) for v in views], bias, sizes)
+            parts = [BlockPart(v.data, v.qtype, v.shape[1]) for v in views]
+            layer: nn.Module = BlockLinear(parts, bias, sizes, arena)
             self.report.native.update(type_name(v.qtype) for v in views)
             self.report.packed_bytes += sum(v.nbytes for v in views)
         else:

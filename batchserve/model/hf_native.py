@@ -70,8 +70,8 @@ def hf_direct_refusal(directory: Path, config: Any) -> str | None:
 
 FUSED_IN_FILE = ("qkv_proj", "gate_up_proj")  # products a checkpoint may store merged as ours are (Phi-3)
 # Products a checkpoint stores whole, as ours are: the attention's output, an MLP's (or an expert's)
-# down, the head, a sparse layer's router and its shared expert's gate.
-WHOLE_PRODUCTS = ("o_proj", "down_proj", "lm_head", "mlp.gate", "mlp.shared_expert_gate")
+# down, the head.
+WHOLE_PRODUCTS = ("o_proj", "down_proj", "lm_head")
 # Mixtral's checkpoint names for the modules ours names as the other routed-expert families do.
 RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
@@ -217,7 +217,7 @@ def _pack_ready(
 ) -> bool:
     """Pack a merged product (q|k|v, gate|up) once every part's weight has been read; whether it was."""
     parts = merged.get(target, {})
-    wanted = 3 if target.endswith("qkv_proj") else 2
+    wanted = len(model.get_submodule(target).sizes)
     has_bias = getattr(model.get_submodule(target), "bias", None) is not None
     if len(parts) < wanted or (has_bias and len(biases.get(target, {})) < wanted):
         return False

@@ -48,6 +48,8 @@ PACKED_MODULES = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    "gate": ("gate", 0),  # a sparse layer's router, and its shared expert's gate as one more output
+    "shared_expert_gate": ("gate", 1),
 }
 
 # transformers' stacked expert weights ([E, out, in] parameters of `mlp.experts`) -> each expert's product.

@@ -19,11 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchserve import kernels
+from batchserve.model.blocks import BlockLinear
+from batchserve.model.layers import ROW_BUCKETS, KernelSiluAndMul, MergedLinear
 from batchserve.threads import rows_whole
 
 # transformers' model_type of the routed-expert families the native forward runs
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 ALWAYS_RENORMALIZED = ("mixtral",)  # its router divides the top-k by their sum, with no option to turn it off
+MOST_EXPERTS_PER_ROW = 64  # csrc/moe.cpp's sum
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,26 +83,29 @@ class Routing:
 
 class SparseMoE(nn.Module):
     """A sparse layer's MLP: router (`gate`, [H] -> [E] logits), `experts` (E MLPs of the routing's
-    intermediate size), and where the model has one a shared expert with its sigmoid gate."""
+    intermediate size), and where the model has one a shared expert with its sigmoid gate, whose
+    one logit is the router product's last output ([H] -> [E + 1]): one product, not a product of
+    one column (whose kernel a library may pick by the row count)."""
+
+    # The start-up check's rows (`runner.layer_check`): a row's routing and sum are its own, and
+    # an expert's products take every path of their kernels within 64 rows (`BlockLinear`'s).
+    check_rows = 64
 
     def __init__(self, config: Any, routing: Routing, mlp: Any) -> None:
         """`mlp(intermediate)`: a dense MLP of that many features (the expert's class)."""
         super().__init__()
         self.routing = routing
-        hidden = config.hidden_size
-        self.gate = nn.Linear(hidden, routing.experts, bias=False)
+        shared = routing.shared_intermediate is not None
+        self.gate = MergedLinear(config.hidden_size, (routing.experts, 1) if shared else (routing.experts,), False)
         self.experts = nn.ModuleList(mlp(routing.intermediate) for _ in range(routing.experts))
-        self.shared_expert: nn.Module | None = None
-        self.shared_expert_gate: nn.Module | None = None
-        if routing.shared_intermediate is not None:
-            self.shared_expert = mlp(routing.shared_intermediate)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert: nn.Module | None = mlp(routing.shared_intermediate) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] float32: each row's experts' outputs times their weights, added in
         ascending expert order (plus the gated shared expert's)."""
         t, k = x.shape[0], self.routing.top_k
-        weights, ids = self.routing.route(self.gate.forward(x))  # [T, k] each
+        logits = self.gate.forward(x)  # [T, E (+ 1)]
+        weights, ids = self.routing.route(logits[:, : self.routing.experts])  # [T, k] each
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
         flat = ids.reshape(-1)  # [T k]
         # One sort groups the (row, slot) picks by expert, rows ascending within each (stable).
@@ -113,13 +120,75 @@ class SparseMoE(nn.Module):
             rows = picks // k  # [n], ascending
             y = self.experts[expert].forward(x[rows]).float() * weights.reshape(-1)[picks, None]  # [n, H]
             out.index_add_(0, rows, y)  # each row once per expert: its sum runs in expert order
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert.forward(x).float()  # [T, H]
-            with rows_whole(t, shared.shape[1]):
-                out = out + torch.sigmoid(self.shared_expert_gate.forward(x).float()) * shared
-        return out
+        return self._plus_shared(x, logits, out)
+
+    def _plus_shared(self, x: torch.Tensor, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum `out` [T, H] plus the shared expert's output, if any, gated by
+        the sigmoid of the router's last logit."""
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert.forward(x).float()  # [T, H]
+        with rows_whole(x.shape[0], shared.shape[1]):
+            return out + torch.sigmoid(logits[:, self.routing.experts :].float()) * shared
 
     def extra_repr(self) -> str:
         r = self.routing
         shared = f", shared expert of {r.shared_intermediate}" if r.shared_intermediate else ""
         return f"top {r.top_k} of {r.experts} experts{' renormalized' if r.renormalize else ''}{shared}"
+
+
+class KernelSparseMoE(SparseMoE):
+    """A sparse layer whose experts all run on our kernels (`BlockLinear` products over a GGUF
+    file's blocks, our silu * up): the experts in one call of our kernel (`kernels.moe_experts`,
+    csrc/moe.cpp), the same kernels in the same order as `SparseMoE.forward`'s loop, so the same
+    bits without its Python calls per expert. The table holds the experts' descriptors' addresses:
+    their tensors must not be replaced after it is built (the loader swaps this class in last)."""
+
+    def __init__(self, moe: SparseMoE) -> None:
+        nn.Module.__init__(self)
+        why = why_not_kernel(moe)
+        if why is not None:
+            raise ValueError(why)
+        self.routing, self.gate, self.experts = moe.routing, moe.gate, moe.experts
+        self.shared_expert = moe.shared_expert
+        descs = [(e.gate_up_proj.desc, e.down_proj.desc) for e in moe.experts]  # kept alive by the products
+        self.register_buffer(
+            "table", torch.tensor([[g.data_ptr(), d.data_ptr()] for g, d in descs], dtype=torch.int64), persistent=False
+        )  # [E, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()  # [T, H]
+        logits = self.gate.forward(x)  # [T, E (+ 1)]
+        weights, ids = self.routing.route(logits[:, : self.routing.experts])  # [T, k] each
+        most = ROW_BUCKETS[-1]  # at most a checked call's rows at a time (`in_checked_rows`), each row its own
+        parts = [
+            kernels.moe_experts(x[s : s + most], ids[s : s + most].contiguous(), weights[s : s + most].contiguous(),
+                                self.table, self.routing.intermediate)
+            for s in range(0, x.shape[0], most)
+        ]  # fmt: skip
+        return self._plus_shared(x, logits, parts[0] if len(parts) == 1 else torch.cat(parts))
+
+
+def why_not_kernel(moe: SparseMoE) -> str | None:
+    """None if every expert of `moe` runs in `KernelSparseMoE`, else why not."""
+    if not kernels.available():
+        return kernels.unavailable_reason()
+    if moe.routing.top_k > MOST_EXPERTS_PER_ROW:
+        return f"{moe.routing.top_k} experts a row (the kernel sums at most {MOST_EXPERTS_PER_ROW})"
+    for e, expert in enumerate(moe.experts):
+        products = (expert.gate_up_proj, expert.down_proj)
+        if any(type(p) is not BlockLinear or p.bias is not None for p in products):
+            return f"expert {e}'s products are not bias-free products over GGUF blocks on our kernels"
+        if type(expert.act) is not KernelSiluAndMul:
+            return f"expert {e}'s activation is not our kernel's silu * up"
+    return None
+
+
+def use_kernel_experts(model: nn.Module) -> int:
+    """Swap each `SparseMoE` whose experts all run on our kernels for a `KernelSparseMoE`, in
+    place; the number swapped."""
+    swaps = [(name, m) for name, m in model.named_modules() if type(m) is SparseMoE and why_not_kernel(m) is None]
+    for name, moe in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, KernelSparseMoE(moe))
+    return len(swaps)

@@ -11,7 +11,10 @@ forward's order, that gives a row other bits is named with the call that showed 
 
 Layers of one kind (class, widths, output dtype; a `BlockLinear`'s block types too) run one kernel:
 the first of each kind is checked at every row count, the others at a few (their weights differ,
-their code does not). A layer whose rows are computed alone in small tiles says how many rows
+their code does not). A sparse layer (routed experts) is checked as one row-wise layer, router,
+experts and ordered sum together; its experts' products, thousands in a large model, beyond the
+first of each kind are called once for finite outputs (their rows were compared through the layer).
+A layer whose rows are computed alone in small tiles says how many rows
 cover its paths (`check_rows`: `BlockLinear`'s 64), and is checked up to that. The attention
 is not row-wise (it reads the KV cache), so the model-level check (`self_check`) covers it.
 """
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from batchserve.model.layers import ROW_BUCKETS, GeluTanhAndMul, RMSNorm, SiluAndMul
+from batchserve.model.moe import SparseMoE
 from batchserve.model.row_check import rows_variance
 
 # Prompt-chunk sizes between the buckets: a chunk is as long as what is left of its prompt, so any
@@ -57,6 +61,7 @@ class RowLayer:
     call: Callable[[torch.Tensor], torch.Tensor]
     head: bool  # the LM head: called with a step's kept rows only
     most: int | None = None  # the most rows its kernel's paths need (a layer's `check_rows`); None: the step's
+    expert: bool = False  # one routed expert's layer: checked through its sparse layer (see `check_layers`)
 
 
 def row_counts(max_rows: int) -> tuple[int, ...]:
@@ -76,13 +81,16 @@ def row_layers(model: nn.Module, intermediate: int | None = None) -> Iterator[Ro
             continue
         seen.add(id(m))
         parent = name.rpartition(".")[0]
-        if isinstance(m, RMSNorm):
+        if isinstance(m, SparseMoE):  # routing, the experts and their ordered sum: row-wise as a whole
+            width = int(m.gate.in_features)
+            yield RowLayer(name, (type(m).__name__, width, width, "float32"), width, m.forward, False, m.check_rows)
+        elif isinstance(m, RMSNorm):
             width = int(m.weight.shape[0])
             yield RowLayer(name, (type(m).__name__, width, width, "float32"), width, _norm_call(m), False)
         elif isinstance(m, (SiluAndMul, GeluTanhAndMul)) and (parent in gate_up or intermediate is not None):
             width = gate_up.get(parent) or 2 * int(intermediate or 0)
             kind = (type(m).__name__, width, width // 2, "float32")
-            yield RowLayer(name, kind, width, m, False)
+            yield RowLayer(name, kind, width, m, False, expert=".experts." in name)
         elif isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int):
             out = str(getattr(m, "out_dtype", "float32")).removeprefix("torch.")
             head = name.rpartition(".")[2] == "lm_head"
@@ -90,7 +98,8 @@ def row_layers(model: nn.Module, intermediate: int | None = None) -> Iterator[Ro
             inside = name
             if name.endswith("gate_up_proj"):
                 gate_up[parent] = int(m.out_features)
-            yield RowLayer(name, kind, int(m.in_features), m, head, getattr(m, "check_rows", None))
+            expert = ".experts." in name
+            yield RowLayer(name, kind, int(m.in_features), m, head, getattr(m, "check_rows", None), expert)
 
 
 def _norm_call(norm: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -118,6 +127,8 @@ def check_layers(model: nn.Module, max_rows: int, max_kept_rows: int, seed: int 
         checked.add(layer.kind)
         rows = most if full else min(most, SPOT_ROWS)
         wanted = row_counts(most) if full else tuple(c for c in SPOT_COUNTS if c <= rows)
+        if layer.expert and not full:  # its sparse layer's check ran it at every count: finite is what is left
+            rows, wanted = 1, ()
         x = torch.randn(rows, layer.width, generator=gen)  # [rows, width]
         layers += 1
         counts = max(counts, len(wanted))

@@ -56,7 +56,8 @@ class ExactBlockLinear(nn.Module):
     """A stand-in for `BlockLinear` with the dequantized weights in float32 and torch's product:
     what transformers' load computes, so the model's mapping can be checked apart from our kernels."""
 
-    def __init__(self, parts: list[blocks.BlockPart], bias: torch.Tensor | None, sizes: tuple[int, ...]) -> None:
+    def __init__(self, parts: list[blocks.BlockPart], bias: torch.Tensor | None, sizes: tuple[int, ...],
+                 arena: object = None) -> None:  # fmt: skip
         super().__init__()
         from gguf import dequantize
 

@@ -20,7 +20,7 @@ from batchserve.engine import EngineCore
 from batchserve.model import blocks
 from batchserve.model.gguf_native import load_gguf_native
 from batchserve.model.loader import load_model
-from batchserve.model.moe import Routing, SparseMoE
+from batchserve.model.moe import KernelSparseMoE, Routing, SparseMoE
 from tests.model.test_gguf_native import ExactBlockLinear, _config
 from tests.model.test_llama import _all_logits
 
@@ -132,6 +132,19 @@ def test_a_routed_expert_file_runs_on_its_blocks_batch_invariant(moe_files, name
                 start += len(p)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_blocks
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
+def test_the_experts_in_one_kernel_call_are_the_python_loops_bits(moe_files, name):
+    """`KernelSparseMoE` (csrc/moe.cpp) against `SparseMoE.forward`'s loop over the same experts."""
+    model, _ = load_gguf_native(moe_files[name])
+    moe = model.layers[1].mlp
+    assert isinstance(moe, KernelSparseMoE)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 40, 300):
+        x = torch.randn(rows, SHAPES[name].hidden_size, generator=gen)
+        assert torch.equal(moe(x), SparseMoE.forward(moe, x)), rows
 
 
 def test_the_qwen3_30b_a3b_plan_is_llama_quantizes_q4_k_m():

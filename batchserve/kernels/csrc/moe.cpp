@@ -1,0 +1,108 @@
+// A sparse layer's routed experts in one call: each expert's gate|up product, silu * up and down
+// product over the rows that chose it, each row's outputs times its weights added in ascending
+// expert order. The same kernels, in the same order, with the same arithmetic (no contraction:
+// the build's -ffp-contract=off) as `SparseMoE.forward`'s Python loop over the experts, so the
+// same bits, without the dozen Python-level calls and fresh tensors each expert costs there (a
+// one-row step of a 48-layer, 8-of-128-expert model makes about 400 expert calls).
+#include <stdint.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+// One expert over its n rows (their indices into x in `picks`, as row * k + slot): gathered, gate|up,
+// silu * up, down into y [n, H]. `scratch`: n * (H + 2I + I) floats.
+void run_expert(const float* x, int64_t H, int64_t k, const int64_t* picks, int64_t n, const int64_t* gate_up_desc,
+                const int64_t* down_desc, int64_t I, float* scratch, float* y, int threads) {
+    float* rows = scratch;             // [n, H]
+    float* gate_up = rows + n * H;     // [n, 2I]
+    float* act = gate_up + n * 2 * I;  // [n, I]
+    for (int64_t j = 0; j < n; ++j)
+        memcpy(rows + j * H, x + picks[j] / k * H, static_cast<size_t>(H) * sizeof(float));
+    bs_block_linear(rows, n, gate_up_desc, gate_up, threads);
+    bs_silu_mul(gate_up, n, I, act, threads);
+    bs_block_linear(act, n, down_desc, y, threads);
+}
+
+template <class T>
+const T* addr(int64_t v) { return reinterpret_cast<const T*>(static_cast<intptr_t>(v)); }
+
+}  // namespace
+
+extern "C" {
+
+// Floats of workspace a call over T rows with k experts each needs: every pick's output, and a
+// gathered-rows | gate|up | silu * up scratch per thread, each as large as all T rows.
+int64_t bs_moe_workspace(int64_t T, int64_t H, int64_t k, int64_t I, int threads) {
+    return T * k * H + static_cast<int64_t>(threads) * T * (H + 2 * I + I);
+}
+
+// x [T, H]; ids [T, k] (each row's experts, each in 0..E-1) and weights [T, k]; experts [E, 2]: each
+// expert's gate|up and down product descriptors (csrc/blocks.h; gate|up's N is 2 I, down's is H).
+// out [T, H] = for each row, the sum over its experts in ascending expert order of weight * down(
+// silu(gate) * up) of the row. `work`: bs_moe_workspace floats.
+//
+// Where at least as many experts are chosen as there are threads, the threads take whole experts
+// (each product on one thread: no fork and join per product, and each thread streams its own
+// expert's weights); else every thread shares each product's columns. A row's bits are the same
+// either way: each product gives a row the same bits at any thread count, and the sum's order is
+// fixed.
+void bs_moe_experts(const float* x, int64_t T, int64_t H, int64_t k, const int64_t* ids, const float* weights,
+                    const int64_t* experts, int64_t E, int64_t I, float* work, float* out, int threads) {
+    // The picks (row * k + slot) grouped by expert, rows ascending within each: a counting sort.
+    std::vector<int64_t> start(static_cast<size_t>(E + 1), 0), order(static_cast<size_t>(T * k));
+    std::vector<int64_t> place(static_cast<size_t>(T * k));  // each pick's place in `order`
+    for (int64_t i = 0; i < T * k; ++i) ++start[static_cast<size_t>(ids[i] + 1)];
+    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    std::vector<int64_t> next(start.begin(), start.end() - 1), hit;
+    for (int64_t i = 0; i < T * k; ++i) {
+        place[i] = next[ids[i]]++;
+        order[static_cast<size_t>(place[i])] = i;
+    }
+    for (int64_t e = 0; e < E; ++e)
+        if (start[e + 1] > start[e]) hit.push_back(e);
+    float* ys = work;  // [T k, H]: each pick's output, in `order`'s order
+    float* scratch = ys + T * k * H;
+    const int64_t per_thread = T * (H + 2 * I + I);
+    const int64_t n_hit = static_cast<int64_t>(hit.size());
+    auto expert = [&](int64_t h, float* own, int inner) {
+        const int64_t e = hit[h], first = start[e];
+        run_expert(x, H, k, order.data() + first, start[e + 1] - first, addr<int64_t>(experts[2 * e]),
+                   addr<int64_t>(experts[2 * e + 1]), I, own, ys + first * H, inner);
+    };
+    if (n_hit >= threads && threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t h = 0; h < n_hit; ++h) expert(h, scratch + omp_get_thread_num() * per_thread, 1);
+    } else {
+        for (int64_t h = 0; h < n_hit; ++h) expert(h, scratch, threads);
+    }
+    // Each row's outputs times its weights, added in ascending expert order: 0 + (y w) + (y w) ...
+#pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+    for (int64_t r = 0; r < T; ++r) {
+        int64_t slots[64];  // k <= 64: the caller's (`moe.why_not_kernel`)
+        const int64_t n = k < 64 ? k : 64;
+        for (int64_t j = 0; j < n; ++j) {  // the row's slots sorted by expert (insertion: k is small)
+            int64_t at = j;
+            while (at > 0 && ids[r * k + slots[at - 1]] > ids[r * k + j]) {
+                slots[at] = slots[at - 1];
+                --at;
+            }
+            slots[at] = j;
+        }
+        float* o = out + r * H;
+        memset(o, 0, static_cast<size_t>(H) * sizeof(float));
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t pick = r * k + slots[j];
+            const float w = weights[pick];
+            const float* v = ys + place[pick] * H;
+            for (int64_t h = 0; h < H; ++h) o[h] += v[h] * w;
+        }
+    }
+}
+
+}  // extern "C"
