@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,16 +15,26 @@ from batchserve.trees import ancestor_mask, spec_mask, window_layout
 
 @dataclass(frozen=True, slots=True)
 class LayerAttention:
-    """What one layer's attention applies beyond the step's mask (Gemma's, Mistral's options)."""
+    """What one layer's attention applies beyond the step's mask (Gemma's, Mistral's, gpt-oss's options)."""
 
     window: int | None = None  # sliding window: a query at position p sees keys at p - window + 1 .. p
     softcap: float | None = None  # scores s (scaled) -> softcap * tanh(s / softcap), before the mask
+    # Each query head's sink (gpt-oss): a learned logit in its softmax's max and denominator, with no value.
+    sinks: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
             raise ValueError(f"a sliding window must hold at least one key, got {self.window}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"a logit soft-cap must be positive, got {self.softcap}")
+        if self.sinks is not None and not all(math.isfinite(s) for s in self.sinks):
+            raise ValueError("attention sinks must be finite")
+
+
+def refuse_sinks(layers: tuple[LayerAttention, ...], backend: str) -> None:
+    """ValueError where a layer has sinks: `backend` does not compute them (never served without)."""
+    if any(spec.sinks is not None for spec in layers):
+        raise ValueError(f"the {backend} attention backend does not compute attention sinks: use the kernel backend")
 
 
 PLAIN = LayerAttention()

@@ -25,7 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.attention.base import PLAIN, AttentionBackend, LayerAttention, StepBucket, StepLayout, fa2_head_dim
+from batchserve.attention.base import (
+    PLAIN,
+    AttentionBackend,
+    LayerAttention,
+    StepBucket,
+    StepLayout,
+    fa2_head_dim,
+    refuse_sinks,
+)
 from batchserve.attention.flashinfer_staging import PlanStaging, pack_masks
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
@@ -171,6 +179,7 @@ class FlashInferBackend(AttentionBackend):
         """One wrapper per kind of layer: FlashInfer plans the window and the soft-cap with the step."""
         if self._buckets:
             raise ValueError("set_layers comes before the first planned step")
+        refuse_sinks(layers, "FlashInfer")
         super().set_layers(layers)
         self._kinds = tuple(dict.fromkeys(layers)) or (PLAIN,)
         make = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper

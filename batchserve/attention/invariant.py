@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchserve.attention.base import AttentionBackend, StepLayout
+from batchserve.attention.base import AttentionBackend, LayerAttention, StepLayout, refuse_sinks
 from batchserve.attention.invariant_attend import (
     SCRATCH_BYTES,
     Group,
@@ -97,6 +97,10 @@ class InvariantBackend(AttentionBackend):
         self.v_cache[:, :, :slots, head_dim] = 1.0  # the denominator's column
         # Each layer's views, made once (a step would make 150 of them).
         self.pools = [LayerPool.of(k, v, self.group, self.granule) for k, v in zip(self.k_cache, self.v_cache)]
+
+    def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
+        refuse_sinks(layers, "invariant torch-op")
+        super().set_layers(layers)
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
         members = group_requests(step.q_len, step.kv_len)

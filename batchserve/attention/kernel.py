@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from batchserve import kernels
-from batchserve.attention.base import AttentionBackend, StepLayout
+from batchserve.attention.base import AttentionBackend, LayerAttention, StepLayout
 from batchserve.attention.torch_ref import copy_pool_slots
 
 
@@ -111,6 +111,11 @@ class KernelBackend(AttentionBackend):
         slots = num_blocks * block_size
         self.k_cache = torch.zeros(num_layers, num_kv_heads, slots, head_dim)
         self.v_cache = torch.zeros(num_layers, num_kv_heads, slots, head_dim)
+        self._sinks: list[torch.Tensor | None] = []  # each layer's sinks [Hq] as the kernel reads them
+
+    def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
+        super().set_layers(layers)
+        self._sinks = [None if s.sinks is None else torch.tensor(s.sinks, dtype=torch.float32) for s in self.layers]
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> KernelMetadata:
         mapping = slot_mapping.to(torch.int64).contiguous()
@@ -138,7 +143,8 @@ class KernelBackend(AttentionBackend):
         spec = self.layer(layer_idx)
         plan = metadata.for_window(spec.window)
         pool = self.k_cache[layer_idx], self.v_cache[layer_idx]
-        out = kernels.attention(q, k, v, plan, *pool, scale, spec.softcap or 0.0)
+        sinks = self._sinks[layer_idx] if self._sinks else None
+        out = kernels.attention(q, k, v, plan, *pool, scale, spec.softcap or 0.0, sinks)
         self.seconds += time.perf_counter() - t0
         return out  # [T, Hq, D]
 

@@ -123,10 +123,10 @@ class TorchReferenceBackend(AttentionBackend):
         spec = self.layer(layer_idx)
         for s in metadata.seqs if spec.window is None else metadata.windowed[spec.window]:
             qs = q[:, s.start : s.stop]  # [Hq, q_len, D]
-            if spec.softcap is not None:  # SDPA has no soft-cap: the scores written out
+            if spec.softcap is not None or spec.sinks is not None:  # SDPA has neither: the scores written out
                 slots = s.gather if s.gather is not None else _run_slots(s.runs, self.device)
                 ks, vs = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
-                out[:, s.start : s.stop] = _attend_capped(qs, ks, vs, s.mask, scale, spec.softcap)
+                out[:, s.start : s.stop] = _attend_explicit(qs, ks, vs, s.mask, scale, spec.softcap, spec.sinks)
                 continue
             if s.gather is not None:
                 ks, vs = k_cache.index_select(1, s.gather), v_cache.index_select(1, s.gather)  # [Hkv, kv_len, D]
@@ -151,18 +151,30 @@ def _run_slots(runs: tuple[tuple[int, int], ...], device: torch.device) -> torch
     return torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in runs])).to(device)
 
 
-def _attend_capped(
-    qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+def _attend_explicit(
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: tuple[float, ...] | None,
 ) -> torch.Tensor:
     """[Hq, q_len, D]: one request's rows over its keys and values [Hkv, kv_len, D], each scaled
-    score s capped to softcap * tanh(s / softcap) before the mask (Gemma 2's attention)."""
+    score s capped to softcap * tanh(s / softcap) before the mask (Gemma 2's attention), and each
+    head's sink logit in its softmax (gpt-oss's: a column with no value, as transformers adds it)."""
     group = qs.shape[0] // ks.shape[0]
     ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)  # [Hq, kv_len, D]
     scores = torch.bmm(qs, ks.transpose(1, 2)) * scale  # [Hq, q_len, kv_len]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.bmm(torch.softmax(scores, dim=-1), vs)
+    if sinks is None:
+        return torch.bmm(torch.softmax(scores, dim=-1), vs)
+    sink = torch.tensor(sinks, dtype=scores.dtype, device=scores.device)[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # [Hq, q_len, kv_len]
+    return torch.bmm(probs, vs)
 
 
 def copy_pool_slots(caches: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:

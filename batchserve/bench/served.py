@@ -219,6 +219,7 @@ class ServedPeers:
         `servers.run_on_llama_server`; `PeerFailed` where it fails both ways)."""
         assert self.llama_server is not None
         binary, gguf = self.llama_server
+        self._make_room(gguf)
         context = max(map(len, prompts)) + max_new + 16
         log = self.logs / f"{method}-b{b}.log"
         server = servers.LlamaServer(
@@ -227,6 +228,16 @@ class ServedPeers:
         run, note = servers.run_on_llama_server(server, lambda base: run_http(base, prompts, max_new, b))
         self.no_repack = self.no_repack or note
         return run
+
+    def _make_room(self, gguf: Path) -> None:
+        """Stop our servers where llama-server could not load the file beside them (a 30B file on
+        a 24 GB machine); the next served row of ours starts them again."""
+        from batchserve.model.gguf_native import MARGIN_BYTES, available_bytes
+
+        have = available_bytes()
+        if self.ours and have is not None and gguf.stat().st_size + MARGIN_BYTES > have:
+            self.close()
+            self.stack, self.ours = ExitStack(), {}
 
     def close(self) -> None:
         self.stack.close()

@@ -30,7 +30,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 7  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 8  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -158,11 +158,13 @@ def attention(
     values: torch.Tensor,
     scale: float,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k, v [Hkv, T, D] (float32, unit stride in a row) to the layer's pool keys and values
     [Hkv, S, D] at `plan.slot_mapping`, then attend q [Hq, T, D] (likewise) over each row's keys
     as `plan` lists them (`attention.kernel.KernelMetadata`) -> [T, Hq, D] float32. `softcap` > 0:
-    each scaled score s becomes softcap * tanh(s / softcap) first."""
+    each scaled score s becomes softcap * tanh(s / softcap) first. `sinks` [Hq] float32
+    contiguous: each head's sink logit, in its softmax's max and denominator."""
     hq, t, d = q.shape
     hkv, s = keys.shape[0], keys.shape[1]
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not keys.is_contiguous():
@@ -174,7 +176,7 @@ def attention(
         plan.slot_mapping.data_ptr(), keys.data_ptr(), values.data_ptr(), s,
         plan.slots.data_ptr(), plan.prefix_at.data_ptr(), plan.prefix_len.data_ptr(),
         plan.tails.data_ptr(), plan.tail_at.data_ptr(), plan.tail_len.data_ptr(),
-        scale, softcap, out.data_ptr(), torch.get_num_threads(),
+        scale, softcap, 0 if sinks is None else sinks.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

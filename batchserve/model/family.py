@@ -7,7 +7,8 @@ attention and around the MLP, GeGLU with tanh GELU, an embedding scale of sqrt(h
 scale from `query_pre_attn_scalar`, logit soft-caps (Gemma 2) and, in Gemma 3, q/k norms and a
 rotary of its own for the sliding-window layers. The routed-expert families (Qwen3-MoE, Qwen2-MoE,
 Mixtral, OLMoE) add their `Routing` (`model.moe`); OLMoE norms q and k over the whole projection
-and may clip q, k and v."""
+and may clip q, k and v. gpt-oss adds a sink logit per query head to each attention's softmax, biases
+on the router and experts, and the experts' clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from batchserve.model.moe import Routing
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")  # an RMSNorm over each head of q and of k, before rotary
-WHOLE_QK_NORM_ARCHITECTURES = ("olmoe",)  # an RMSNorm over all of q and over all of k, before rotary
+WHOLE_QK_NORM_ARCHITECTURES = ("olmoe",)
+SINK_ARCHITECTURES = ("gpt_oss",)  # an RMSNorm over all of q and over all of k, before rotary
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> our layer's
 
 
@@ -42,6 +44,7 @@ class Family:
     qk_norm_whole: bool = False  # the q/k norms span the whole projection, not each head (OLMoE)
     clip_qkv: float | None = None  # q, k (after their norms) and v clamped to +-this (OLMoE)
     moe: Routing | None = None  # routed experts in the sparse layers' MLPs
+    sinks: bool = False  # a learned sink logit per query head in each attention's softmax (gpt-oss)
 
     @classmethod
     def of(cls, config: Any) -> Family:
@@ -60,6 +63,7 @@ class Family:
             qk_norm_whole=config.model_type in WHOLE_QK_NORM_ARCHITECTURES,
             clip_qkv=getattr(config, "clip_qkv", None) or None,
             moe=Routing.of(config),
+            sinks=config.model_type in SINK_ARCHITECTURES,
         )
 
 

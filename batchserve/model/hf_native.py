@@ -63,11 +63,14 @@ def hf_direct_refusal(directory: Path, config: Any) -> str | None:
     why = supports(config)
     if why is not None:
         return f"the native forward does not support {why}"
+    if config.model_type in TRANSFORMERS_READ:
+        return f"{config.model_type} checkpoints (MXFP4 experts) are read through transformers"
     if not our_bf16_here():
         return "our bfloat16 kernel does not run invariantly here"
     return None
 
 
+TRANSFORMERS_READ = ("gpt_oss",)  # checkpoints whose tensors are not ours as stored: transformers reads them
 FUSED_IN_FILE = ("qkv_proj", "gate_up_proj")  # products a checkpoint may store merged as ours are (Phi-3)
 # Products a checkpoint stores whole, as ours are: the attention's output, an MLP's (or an expert's)
 # down, the head.

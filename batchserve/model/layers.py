@@ -223,6 +223,26 @@ class GeluTanhAndMul(nn.Module):
             return F.gelu(gate, approximate="tanh") * up
 
 
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's experts' activation over a merged [T, 2I] gate|up output -> [T, I]: the gate
+    clamped to at most `limit`, up to +-`limit`, then (up + 1) * gate * sigmoid(alpha * gate), as
+    transformers computes it; elementwise, each row on one thread (`rows_whole`)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        with rows_whole(gate.shape[0], gate.shape[1]):
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
+
+
 class KernelSiluAndMul(SiluAndMul):
     """silu(gate) * up in one call of our kernel (its own exp: not torch's bits; beside our
     quantized products only). Row-wise, batch-invariant by construction."""

@@ -1,5 +1,5 @@
 """The native Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3,
-and the routed-expert Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE: `model.moe`): fused
+and the routed-expert Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and gpt-oss: `model.moe`): fused
 q|k|v and gate|up projections, the residual add fused into RMSNorm, rotary at each packed row's own
 position, attention through the step's backend (with each layer's sliding window and soft-cap:
 `layer_attention`), and the LM head only for the rows kept. What sets a family apart is a
@@ -31,8 +31,8 @@ from batchserve.model.family import (
     stored_norm,
 )
 from batchserve.model.layer_kernels import TORCH_LAYERS, LayerKernels, choose_layer_kernels
-from batchserve.model.layers import GeluTanhAndMul, MergedLinear
-from batchserve.model.moe import MOE_ARCHITECTURES, SparseMoE
+from batchserve.model.layers import ClampedSwiGLU, GeluTanhAndMul, MergedLinear
+from batchserve.model.moe import MOE_ARCHITECTURES, SparseMoE, expert_weights
 from batchserve.threads import rows_whole
 
 # transformers' model_type
@@ -49,11 +49,12 @@ PACKED_MODULES = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
     "gate": ("gate", 0),  # a sparse layer's router, and its shared expert's gate as one more output
+    "router": ("gate", 0),  # (gpt-oss's name)
     "shared_expert_gate": ("gate", 1),
 }
 
-# transformers' stacked expert weights ([E, out, in] parameters of `mlp.experts`) -> each expert's product.
-EXPERT_PRODUCTS = ("gate_up_proj", "down_proj")
+# transformers' stacked expert parameters of `mlp.experts` (`moe.expert_weights`: each expert's products').
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 # Products whose output only enters the residual add (RMSNorm's fused `x + residual`): a
 # reduced-precision product hands them over in bfloat16, which the add widens exactly.
@@ -93,11 +94,12 @@ def rope_limit(config: Any) -> int | None:
     return int(limit or config.max_position_embeddings)
 
 
-def layer_attention(config: Any) -> tuple[LayerAttention, ...]:
+def layer_attention(config: Any, sinks: list[tuple[float, ...] | None] | None = None) -> tuple[LayerAttention, ...]:
     """Each layer's sliding window (a query at position p sees keys p - W + 1 .. p) and attention
     soft-cap, as transformers applies them: by its per-layer kinds where the config lists them
     (Gemma's interleaved layers, Qwen2's `max_window_layers`), else one window for every layer
-    (Mistral's). Every backend applies them (`AttentionBackend.set_layers`)."""
+    (Mistral's); and each layer's sinks where the model has them (`attention_sinks`). The backends
+    apply them (`AttentionBackend.set_layers`)."""
     window = getattr(config, "sliding_window", None) or None
     softcap = getattr(config, "attn_logit_softcapping", None) or None
     types = getattr(config, "layer_types", None)
@@ -105,7 +107,15 @@ def layer_attention(config: Any) -> tuple[LayerAttention, ...]:
         windows = [window if kind == "sliding_attention" else None for kind in types]
     else:
         windows = [window if getattr(config, "use_sliding_window", True) else None] * config.num_hidden_layers
-    return tuple(LayerAttention(None if w is None else int(w), softcap) for w in windows)
+    sinks = sinks or [None] * len(windows)
+    return tuple(LayerAttention(None if w is None else int(w), softcap, s) for w, s in zip(windows, sinks, strict=True))
+
+
+def attention_sinks(model: Any) -> list[tuple[float, ...] | None] | None:
+    """Each layer's sink logits (gpt-oss's) of a native model, None for a model without them."""
+    if not getattr(model, "native", False) or not getattr(model.family, "sinks", False):
+        return None
+    return [tuple(float(v) for v in layer.self_attn.sinks.detach().float().cpu()) for layer in model.layers]
 
 
 class Output(NamedTuple):
@@ -135,6 +145,8 @@ class Attention(nn.Module):
         if family.qk_norm:
             self.q_norm, self.k_norm = (kernels.norm(span, config.rms_norm_eps) for span in self.norm_spans)
         self.clip = family.clip_qkv
+        # gpt-oss: each query head's sink logit, which the backends apply (`layer_attention`)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if family.sinks else None
 
     def _normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """q|k|v [T, (Hq + 2 Hkv) * D] -> the same with q and k RMS-normed, each head over its D
@@ -163,12 +175,22 @@ class MLP(nn.Module):
     """gate|up in one product, the activation, down: a dense layer's MLP, or one expert's of
     `intermediate` features (the config's by default)."""
 
-    def __init__(self, config: Any, kernels: LayerKernels = TORCH_LAYERS, intermediate: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        kernels: LayerKernels = TORCH_LAYERS,
+        intermediate: int | None = None,
+        bias: bool | None = None,
+        act: nn.Module | None = None,
+    ) -> None:
+        """`bias`, `act`: an expert's own (gpt-oss's biases and clamped SwiGLU), else the config's."""
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = getattr(config, "mlp_bias", False) if bias is None else bias
         i = intermediate or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, (i, i), bias=bias)
-        self.act = GeluTanhAndMul() if Family.of(config).act == "gelu_tanh" else kernels.act()
+        if act is None:
+            act = GeluTanhAndMul() if Family.of(config).act == "gelu_tanh" else kernels.act()
+        self.act = act
         self.down_proj = nn.Linear(i, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +204,11 @@ class DecoderLayer(nn.Module):
         routing = Family.of(config).moe
         self.mlp: nn.Module
         if routing is not None and routing.sparse(layer_idx):
-            self.mlp = SparseMoE(config, routing, lambda i: MLP(config, kernels, i))
+            limit, alpha = routing.swiglu_limit, routing.swiglu_alpha
+            expert = lambda i: MLP(  # noqa: E731
+                config, kernels, i, routing.expert_bias, None if limit is None else ClampedSwiGLU(alpha, limit)
+            )
+            self.mlp = SparseMoE(config, routing, expert)
         else:
             self.mlp = MLP(config, kernels)
         self.input_layernorm = kernels.norm(config.hidden_size, config.rms_norm_eps)
@@ -308,10 +334,10 @@ def native_from_hf(hf_model: Any, layer_kernels: LayerKernels | None = None) -> 
             continue
         module, _, leaf = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
-        if leaf in EXPERT_PRODUCTS and proj == "experts":  # [E, out, in]: every expert's weight in one
-            for e, weight in enumerate(tensor):
-                model.get_submodule(f"{module}.{e}.{leaf}").weight.copy_(weight)
-                loaded.add(f"{module}.{e}.{leaf}.weight")
+        if leaf in EXPERT_PARAMETERS and proj == "experts":  # every expert's in one tensor
+            for e, product, param, value in expert_weights(config.model_type, leaf, tensor):
+                getattr(model.get_submodule(f"{module}.{e}.{product}"), param).copy_(value)
+                loaded.add(f"{module}.{e}.{product}.{param}")
         elif proj in PACKED_MODULES:
             merged, part = PACKED_MODULES[proj]
             model.get_submodule(f"{parent}.{merged}").load_part(part, leaf, tensor)

@@ -1,4 +1,4 @@
-"""Routed experts for the native forward (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a family option
+"""Routed experts for the native forward (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss): a family option
 (`Routing`, read from the config), not a model class of its own. A sparse layer's MLP is a
 `SparseMoE`: a router product, the top-k experts of each row, each expert an `MLP` of its own
 products (the same layer classes as a dense MLP's: `BlockLinear` over a GGUF file's blocks,
@@ -25,7 +25,7 @@ from batchserve.model.layers import ROW_BUCKETS, KernelSiluAndMul, MergedLinear
 from batchserve.threads import rows_whole
 
 # transformers' model_type of the routed-expert families the native forward runs
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 ALWAYS_RENORMALIZED = ("mixtral",)  # its router divides the top-k by their sum, with no option to turn it off
 MOST_EXPERTS_PER_ROW = 64  # csrc/moe.cpp's sum
 
@@ -44,6 +44,13 @@ class Routing:
     shared_intermediate: int | None
     sparse_step: int  # every sparse_step-th layer is sparse (Qwen's `decoder_sparse_step`)
     dense_layers: tuple[int, ...]  # layers kept dense (Qwen's `mlp_only_layers`)
+    # gpt-oss: the top k of the router's logits first, then the softmax over them; biases on the
+    # router and the experts' products; the experts' clamped SwiGLU (`ClampedSwiGLU`).
+    softmax_first: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def of(cls, config: Any) -> Routing | None:
@@ -54,6 +61,7 @@ class Routing:
         if not experts:
             return None
         shared = getattr(config, "shared_expert_intermediate_size", None) if config.model_type == "qwen2_moe" else None
+        oss = config.model_type == "gpt_oss"
         return cls(
             experts=int(experts),
             top_k=int(config.num_experts_per_tok),
@@ -62,6 +70,11 @@ class Routing:
             shared_intermediate=int(shared) if shared else None,
             sparse_step=int(getattr(config, "decoder_sparse_step", None) or 1),
             dense_layers=tuple(getattr(config, "mlp_only_layers", None) or ()),
+            softmax_first=not oss,
+            router_bias=oss,
+            expert_bias=oss,
+            swiglu_limit=float(config.swiglu_limit) if oss else None,
+            swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
         )
 
     def sparse(self, layer_idx: int) -> bool:
@@ -71,12 +84,15 @@ class Routing:
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64), each row's
         own: softmax over every expert, the k largest (equal ones: the lower index first), divided
-        by their sum where `renormalize`."""
+        by their sum where `renormalize`; or (`softmax_first` off) the k largest logits, then the
+        softmax over those k."""
         with rows_whole(logits.shape[0], logits.shape[1]):
-            probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
-            ordered, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties keep index order
+            scores = torch.softmax(logits.float(), dim=-1) if self.softmax_first else logits.float()  # [T, E]
+            ordered, ids = torch.sort(scores, dim=-1, descending=True, stable=True)  # stable: ties keep index order
             weights, ids = ordered[:, : self.top_k], ids[:, : self.top_k]  # [T, k]
-            if self.renormalize:
+            if not self.softmax_first:
+                weights = torch.softmax(weights, dim=-1)
+            elif self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
@@ -96,7 +112,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.routing = routing
         shared = routing.shared_intermediate is not None
-        self.gate = MergedLinear(config.hidden_size, (routing.experts, 1) if shared else (routing.experts,), False)
+        sizes = (routing.experts, 1) if shared else (routing.experts,)
+        self.gate = MergedLinear(config.hidden_size, sizes, routing.router_bias)
         self.experts = nn.ModuleList(mlp(routing.intermediate) for _ in range(routing.experts))
         self.shared_expert: nn.Module | None = mlp(routing.shared_intermediate) if shared else None
 
@@ -177,7 +194,7 @@ def why_not_kernel(moe: SparseMoE) -> str | None:
         return f"{moe.routing.top_k} experts a row (the kernel sums at most {MOST_EXPERTS_PER_ROW})"
     for e, expert in enumerate(moe.experts):
         products = (expert.gate_up_proj, expert.down_proj)
-        if any(type(p) is not BlockLinear or p.bias is not None for p in products):
+        if any(type(p) is not BlockLinear or p.bias is not None for p in products):  # (gpt-oss's have biases)
             return f"expert {e}'s products are not bias-free products over GGUF blocks on our kernels"
         if type(expert.act) is not KernelSiluAndMul:
             return f"expert {e}'s activation is not our kernel's silu * up"
@@ -192,3 +209,23 @@ def use_kernel_experts(model: nn.Module) -> int:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, KernelSparseMoE(moe))
     return len(swaps)
+
+
+def expert_weights(model_type: str, leaf: str, stacked: torch.Tensor) -> list[tuple[int, str, str, torch.Tensor]]:
+    """transformers' stacked expert parameter `leaf` of `mlp.experts` -> (expert, our product, its
+    parameter, value) for each expert. Qwen's, Mixtral's and OLMoE's are [E, out, in] weights;
+    gpt-oss's gate|up is [E, in, 2I] with gate and up interleaved (ours: [2I, in], the gate's rows
+    first), its down [E, I, out], and each has a bias [E, out]."""
+    out: list[tuple[int, str, str, torch.Tensor]] = []
+    for e, value in enumerate(stacked):
+        if model_type != "gpt_oss":
+            out.append((e, leaf, "weight", value))
+        elif leaf == "gate_up_proj":
+            out.append((e, leaf, "weight", torch.cat((value[:, ::2], value[:, 1::2]), dim=1).T))
+        elif leaf == "gate_up_proj_bias":
+            out.append((e, "gate_up_proj", "bias", torch.cat((value[::2], value[1::2]))))
+        elif leaf == "down_proj":
+            out.append((e, leaf, "weight", value.T))
+        else:  # down_proj_bias
+            out.append((e, "down_proj", "bias", value))
+    return out

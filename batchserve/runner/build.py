@@ -13,7 +13,7 @@ import torch
 from batchserve.attention import INVARIANT_BACKENDS, make_backend
 from batchserve.config import EngineConfig
 from batchserve.model import has_invariant_linears
-from batchserve.model.llama import layer_attention, rope_limit
+from batchserve.model.llama import attention_sinks, layer_attention, rope_limit
 from batchserve.runner.check_cache import cached_check, check_key, store_check
 from batchserve.runner.forward import ForwardChoice
 from batchserve.runner.graphs import CaptureReport, StepGraphs
@@ -201,7 +201,7 @@ def build_runner(
         device=param.device,
         sm_scale=attention_scale(model),
         max_model_len=max_model_len,
-        layers=layer_attention(mc),
+        layers=layer_attention(mc, attention_sinks(model)),
     )
     mode = forward.graphs.choice
     graphs = step_graphs(model, backend, config, scratch_block=num_blocks + 1) if mode != "off" else None

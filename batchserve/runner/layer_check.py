@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchserve.model.layers import ROW_BUCKETS, GeluTanhAndMul, RMSNorm, SiluAndMul
+from batchserve.model.layers import ROW_BUCKETS, ClampedSwiGLU, GeluTanhAndMul, RMSNorm, SiluAndMul
 from batchserve.model.moe import SparseMoE
 from batchserve.model.row_check import rows_variance
 
@@ -37,6 +37,7 @@ from batchserve.model.row_check import rows_variance
 CHUNK_SIZES = (3, 5, 7, 13, 17, 21, 33, 100, 257)
 SPOT_COUNTS = (1, 3, 17)  # the counts the second and later layers of a kind are checked at
 SPOT_ROWS = 64  # and the rows of their whole call
+ACTIVATIONS = (SiluAndMul, GeluTanhAndMul, ClampedSwiGLU)  # row-wise over a gate|up product's output
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,9 @@ def row_layers(model: nn.Module, intermediate: int | None = None) -> Iterator[Ro
         elif isinstance(m, RMSNorm):
             width = int(m.weight.shape[0])
             yield RowLayer(name, (type(m).__name__, width, width, "float32"), width, _norm_call(m), False)
-        elif isinstance(m, (SiluAndMul, GeluTanhAndMul)) and (parent in gate_up or intermediate is not None):
+        elif isinstance(m, (SiluAndMul, GeluTanhAndMul, ClampedSwiGLU)) and (
+            parent in gate_up or intermediate is not None
+        ):
             width = gate_up.get(parent) or 2 * int(intermediate or 0)
             kind = (type(m).__name__, width, width // 2, "float32")
             yield RowLayer(name, kind, width, m, False, expert=".experts." in name)

@@ -1,7 +1,8 @@
-"""Sliding windows and logit soft-caps (`LayerAttention`) in every CPU backend: each row attends
-over the keys of its own window by position (a draft node's as much as a decoded token's), its
-scores capped before the mask; and the invariant backends keep a row's bits alone, packed, at any
-thread count, and for a draft node, those of its token decoded."""
+"""Sliding windows, logit soft-caps and attention sinks (`LayerAttention`) in every CPU backend:
+each row attends over the keys of its own window by position (a draft node's as much as a decoded
+token's), its scores capped before the mask, each head's sink in its softmax; and the invariant
+backends keep a row's bits alone, packed, at any thread count, and for a draft node, those of its
+token decoded. A backend without sinks refuses a layer that has them."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ KINDS = {
     "window": LayerAttention(window=20),
     "softcap": LayerAttention(softcap=1.5),
     "both": LayerAttention(window=7, softcap=2.0),
+    "sinks": LayerAttention(window=9, sinks=(0.5, -1.0, 2.0, 0.0, 1.5, -0.25)),  # gpt-oss's: one per query head
 }
 
 
@@ -80,7 +82,12 @@ def _exact(backend: AttentionBackend, seqs, q, k, v, kind: LayerAttention, scale
             positions = step.row_positions(i)
             keys_at = np.concatenate((np.arange(s.num_cached), positions))
             mask &= torch.from_numpy(positions[:, None] - keys_at[None, :] < kind.window)
-        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if kind.sinks is not None:  # a column with no value in each head's softmax
+            sink = torch.tensor(kind.sinks, dtype=scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+            weights = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, -1)
         out[s.q_start : s.q_start + s.q_len] = (weights @ vh).transpose(0, 1)
     return out
 
@@ -94,6 +101,10 @@ STEP = [(0, 40, 0), (60, 1, 12), (300, 3, 12), (5, 1, 0), (130, 1, 30), (3, 2, 2
 @pytest.mark.parametrize("name", ["torch", "kernel", "invariant"])
 def test_each_row_attends_over_its_window_with_capped_scores(name, kind):
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    if name == "invariant" and KINDS[kind].sinks is not None:
+        with pytest.raises(ValueError, match="sinks"):  # refused, never run without them
+            _backend(name, KINDS[kind], 120, gen)
+        return
     backend = _backend(name, KINDS[kind], 120, gen)
     seqs = _step(rng, BlockPicker(rng, 120, "scattered"), STEP)
     q, k, v = torch.randn(3, HEADS, seqs[-1].q_start + seqs[-1].q_len, D, generator=gen)
@@ -105,10 +116,10 @@ def test_each_row_attends_over_its_window_with_capped_scores(name, kind):
     assert (plain - exact).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["kernel", "invariant"])
-def test_a_rows_bits_are_the_same_alone_packed_and_at_any_thread_count(name):
+@pytest.mark.parametrize(("name", "kind_name"), [("kernel", "both"), ("invariant", "both"), ("kernel", "sinks")])
+def test_a_rows_bits_are_the_same_alone_packed_and_at_any_thread_count(name, kind_name):
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
-    kind = KINDS["both"]
+    kind = KINDS[kind_name]
     backend = _backend(name, kind, 120, gen)
     seqs = _step(rng, BlockPicker(rng, 120, "scattered"), STEP)
     q, k, v = torch.randn(3, HEADS, seqs[-1].q_start + seqs[-1].q_len, D, generator=gen)

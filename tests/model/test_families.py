@@ -17,7 +17,7 @@ from tests.model.test_llama import _all_logits, _model
 
 FAMILIES = [
     *("mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3", "phi3"),
-    *("qwen3-moe", "qwen2-moe", "mixtral", "olmoe"),  # routed experts
+    *("qwen3-moe", "qwen2-moe", "mixtral", "olmoe", "gpt-oss"),  # routed experts
 ]
 NEW_TOKENS = 16
 

@@ -102,6 +102,11 @@ def _model(kind: str) -> Any:
             **SMALL, num_experts=8, num_experts_per_tok=3, clip_qkv=1.5, norm_topk_prob=False,
             tie_word_embeddings=False,
         )  # fmt: skip
+    elif kind == "gpt-oss":  # sinks, biases everywhere, top 2 of 4 logits then softmax, a clamp that bites, YaRN
+        config = tf.GptOssConfig(
+            **{**SMALL, "intermediate_size": 32}, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, swiglu_limit=1.0, tie_word_embeddings=False,
+        )  # fmt: skip
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
@@ -114,6 +119,8 @@ def _model(kind: str) -> Any:
                 p.uniform_(-0.5, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # not ones: a dropped norm shows
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # large enough to take a share of every softmax
+                p.uniform_(-1.0, 2.0)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

@@ -165,19 +165,22 @@ def test_the_qwen3_30b_a3b_plan_is_llama_quantizes_q4_k_m():
         build_model(shape, "cpu")
 
 
-def test_a_model_with_attention_sinks_is_refused_not_served():
-    """gpt-oss adds a learned logit per head to each softmax's denominator: our attention would
-    drop it, so the model is refused at start-up with the reason (on transformers' modules too)."""
+def test_attention_sinks_run_natively_and_are_never_dropped():
+    """gpt-oss adds a learned logit per head to each softmax's denominator: our forward applies it
+    (its outputs against transformers' in test_families), and where it would be dropped, on
+    transformers' modules or a backend without it, the model is refused with the reason."""
     import transformers as tf
 
     from batchserve import LLM
-    from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
+    from tests.conftest import make_tiny_tokenizer
+    from tests.model.test_llama import _model
 
-    config = tf.GptOssConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-    )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(config).float().eval()
-    for impl in ("auto", "transformers"):
-        with pytest.raises(ValueError, match="sinks"):
-            LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl=impl)
+    model = _model("gpt-oss")
+    assert isinstance(model.config, tf.GptOssConfig)
+    with pytest.raises(ValueError, match="sinks"):
+        LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl="transformers")
+    with pytest.raises(ValueError, match="sinks"):
+        LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl="native", attention_backend="invariant")
+    llm = LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl="native", draft="none")
+    sinks = llm.engine.runner.backend.layers[0].sinks
+    assert sinks is not None and len(sinks) == model.config.num_attention_heads

@@ -9,7 +9,8 @@
 // polynomial, not libm's, so the bits do not depend on how the loop is vectorized), the
 // denominator summed key after key, and the weighted values summed key after key. A draft node
 // therefore gets the bits it gets when its token is decoded alone, whatever rows share the step,
-// wherever its keys sit in the pool and however many threads run.
+// wherever its keys sit in the pool and however many threads run. A head's sink (gpt-oss's: a
+// learned logit with no value) enters the max and the denominator only, first in each.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -44,6 +45,7 @@ struct Step {
     const int32_t* tail_len;     // [T]
     float scale;
     float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's)
+    const float* sinks;  // [Hq] each head's sink logit, or null for none
     float* out;  // [T, Hq, D]
 };
 
@@ -118,13 +120,15 @@ void attend_heads(const Step& s, int64_t t, int64_t qh0, std::vector<float>& scr
     }
     // The max and the denominator head by head in key order, the heads' chains interleaved.
     float mx[NG], den[NG];
-    for (int g = 0; g < NG; ++g) mx[g] = -INFINITY, den[g] = 0.0f;
+    for (int g = 0; g < NG; ++g) mx[g] = s.sinks != nullptr ? s.sinks[qh0 + g] : -INFINITY, den[g] = 0.0f;
     for (j = 0; j < n; ++j)
         for (int g = 0; g < NG; ++g) mx[g] = w[g][j] > mx[g] ? w[g][j] : mx[g];
     for (int g = 0; g < NG; ++g) {
         for (j = n; j < padded; ++j) w[g][j] = mx[g];  // padding: exp(0), unused
         const __m256 m = _mm256_set1_ps(mx[g]);
         for (j = 0; j < n; j += 8) _mm256_storeu_ps(&w[g][j], exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&w[g][j]), m)));
+        if (s.sinks != nullptr)  // the sink's share of the denominator, before the keys'
+            den[g] = _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(s.sinks[qh0 + g] - mx[g])));
     }
     for (j = 0; j < n; ++j)
         for (int g = 0; g < NG; ++g) den[g] += w[g][j];
@@ -163,14 +167,15 @@ extern "C" {
 
 // Write the step's k and v ([Hkv, T, D]) to their pool slots, then attend every row of q
 // ([Hq, T, D]) (see Step). q, k and v: any head and row strides, unit stride inside a row; D % 8 == 0.
+// sinks: [Hq] or null.
 void bs_attention(const float* q, int64_t q_head, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                   const float* k, int64_t k_head,
                   int64_t k_row, const float* v, int64_t v_head, int64_t v_row, const int64_t* slot_mapping,
                   float* keys, float* values, int64_t S, const int32_t* slots, const int32_t* prefix_at,
                   const int32_t* prefix_len, const int32_t* tails, const int32_t* tail_at, const int32_t* tail_len,
-                  float scale, float softcap, float* out, int threads) {
+                  float scale, float softcap, const float* sinks, float* out, int threads) {
     const Step s{q,     q_head,     q_row, T,       Hq,      Hkv,      D,     keys,    values, S,
-                 slots, prefix_at, prefix_len, tails, tail_at, tail_len, scale, softcap, out};
+                 slots, prefix_at, prefix_len, tails, tail_at, tail_len, scale, softcap, sinks, out};
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)

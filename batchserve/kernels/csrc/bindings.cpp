@@ -46,12 +46,13 @@ KERNEL(bf16_pack, "iiiii",
 KERNEL(bf16_linear, "iiiiiiii",
        bs_bf16_linear(p<const float>(a[0]), a[1], a[2], p<const uint16_t>(a[3]), a[4], p<void>(a[5]),
                       static_cast<int>(a[6]), static_cast<int>(a[7])))
-KERNEL(attention, "iiiiiiiiiiiiiiiiiiiiiiiffii",
+KERNEL(attention, "iiiiiiiiiiiiiiiiiiiiiiiffiii",
        bs_attention(p<const float>(a[0]), a[1], a[2], a[3], a[4], a[5], a[6], p<const float>(a[7]), a[8], a[9],
                     p<const float>(a[10]), a[11], a[12], p<const int64_t>(a[13]), p<float>(a[14]), p<float>(a[15]),
                     a[16], p<const int32_t>(a[17]), p<const int32_t>(a[18]), p<const int32_t>(a[19]),
                     p<const int32_t>(a[20]), p<const int32_t>(a[21]), p<const int32_t>(a[22]),
-                    static_cast<float>(f[23]), static_cast<float>(f[24]), p<float>(a[25]), static_cast<int>(a[26])))
+                    static_cast<float>(f[23]), static_cast<float>(f[24]), p<const float>(a[25]), p<float>(a[26]),
+                    static_cast<int>(a[27])))
 KERNEL(rms_norm, "iiiiifiii",
        bs_rms_norm(p<const float>(a[0]), p<const float>(a[1]), p<const float>(a[2]), a[3], a[4],
                    static_cast<float>(f[5]), p<float>(a[6]), p<float>(a[7]), static_cast<int>(a[8])))

@@ -5,7 +5,8 @@
 extern "C" {
 void bs_attention(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
                   const float*, int64_t, int64_t, const int64_t*, float*, float*, int64_t, const int32_t*,
-                  const int32_t*, const int32_t*, const int32_t*, const int32_t*, const int32_t*, float, float, float*, int);
+                  const int32_t*, const int32_t*, const int32_t*, const int32_t*, const int32_t*, float, float,
+                  const float*, float*, int);
 void bs_rms_norm(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*, int);
 void bs_silu_mul(const float*, int64_t, int64_t, float*, int);
 void bs_rotary(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*, float*, int);

@@ -58,7 +58,7 @@ extern "C" {
 int64_t bs_layer_fields() { return kFields; }
 
 // What batchserve/kernels/__init__.py's ABI_VERSION must match: bumped when a signature or the layer table changes.
-int bs_abi_version() { return 7; }
+int bs_abi_version() { return 8; }
 
 // Floats of workspace a step of T rows needs.
 int64_t bs_layers_workspace(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
@@ -104,7 +104,7 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
         const auto t0 = std::chrono::steady_clock::now();
         bs_attention(qk, T * D, D, T, Hq, Hkv, D, qk + Hq * T * D, T * D, D, qkv + (Hq + Hkv) * D, D, qkv_width,
                      slot_mapping, keys + pool, values + pool, S, slots, prefix_at, prefix_len, tails, tail_at,
-                     tail_len, scale, 0.0f, attn, threads);
+                     tail_len, scale, 0.0f, nullptr, attn, threads);
         attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         product(row, kO, attn, T, H, o, threads);
         bs_rms_norm(o, residual, at<float>(row, kPostNorm), T, H, eps, h, residual, threads);
