@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,8 @@ QUANTS: dict[str, Quant] = {
     "F16": Quant(Q.F16, LlamaFileType.MOSTLY_F16, mix=False),
     "BF16": Quant(Q.BF16, LlamaFileType.MOSTLY_BF16, mix=False),
     "F32": Quant(Q.F32, LlamaFileType.ALL_F32, mix=False),
+    # llama-quantize's MXFP4_MOE: routed experts in MXFP4, every other matrix Q8_0 (gpt-oss's).
+    "MXFP4_MOE": Quant(Q.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE, mix=False),
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # llama-quantize's `tensor_type_fallback` for a row that is not a multiple of 256.
@@ -153,7 +156,10 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
         return PlannedTensor(name, (rows, ne0), _weight_type(q, name, ne0, layer, n, is_output, gqa, s.experts))
 
     def experts(name: str, rows: int, ne0: int, layer: int) -> PlannedTensor:  # every expert's, stacked
-        return dataclasses.replace(weight(name, rows, ne0, layer), shape=(s.experts, rows, ne0))
+        planned = dataclasses.replace(weight(name, rows, ne0, layer), shape=(s.experts, rows, ne0))
+        return dataclasses.replace(planned, qtype=Q.MXFP4) if q.file_type == F.MOSTLY_MXFP4_MOE else planned
+
+    oss = s.arch == "gpt-oss"  # biases on o, the router and the experts; sinks; the MLP's norm by another name
 
     tensors = [weight("token_embd.weight", s.vocab_size, h, is_output=s.tied_embeddings)]
     for i in range(n):
@@ -168,37 +174,61 @@ def plan(shape: ModelShape | str, quant: str) -> list[PlannedTensor]:
             if s.arch == "olmoe" and proj in "qk":  # an RMSNorm over all of q and all of k
                 tensors.append(PlannedTensor(f"{b}.attn_{proj}_norm.weight", (rows,), Q.F32))
         tensors.append(weight(f"{b}.attn_output.weight", h, q_out, i))
+        if oss:
+            tensors.append(PlannedTensor(f"{b}.attn_output.bias", (h,), Q.F32))
+            tensors.append(PlannedTensor(f"{b}.attn_sinks.weight", (s.num_attention_heads,), Q.F32))
         if gemma:  # Gemma's norm of the attention's output, before the residual add
             tensors.append(PlannedTensor(f"{b}.post_attention_norm.weight", (h,), Q.F32))
-        tensors.append(PlannedTensor(f"{b}.ffn_norm.weight", (h,), Q.F32))
-        if s.experts:  # the router (llama-quantize keeps it as the converter wrote it: F32), the experts
-            e = s.expert_intermediate
-            tensors += [
-                PlannedTensor(f"{b}.ffn_gate_inp.weight", (s.experts, h), Q.F32),
-                experts(f"{b}.ffn_gate_exps.weight", e, h, i),
-                experts(f"{b}.ffn_up_exps.weight", e, h, i),
-                experts(f"{b}.ffn_down_exps.weight", h, e, i),
-            ]
-        if s.shared_expert_intermediate:  # Qwen2-MoE's shared expert and its one-logit gate
-            e = s.shared_expert_intermediate
-            tensors += [
-                PlannedTensor(f"{b}.ffn_gate_inp_shexp.weight", (h,), Q.F32),
-                weight(f"{b}.ffn_gate_shexp.weight", e, h, i),
-                weight(f"{b}.ffn_up_shexp.weight", e, h, i),
-                weight(f"{b}.ffn_down_shexp.weight", h, e, i),
-            ]
-        if not s.experts:
-            tensors += [
-                weight(f"{b}.ffn_gate.weight", s.intermediate_size, h, i),
-                weight(f"{b}.ffn_up.weight", s.intermediate_size, h, i),
-                weight(f"{b}.ffn_down.weight", h, s.intermediate_size, i),
-            ]
+        tensors.append(PlannedTensor(f"{b}.{'post_attention' if oss else 'ffn'}_norm.weight", (h,), Q.F32))
+        tensors += _ffn(s, b, i, weight, experts)
         if gemma:  # and of the MLP's output
             tensors.append(PlannedTensor(f"{b}.post_ffw_norm.weight", (h,), Q.F32))
     tensors.append(PlannedTensor("output_norm.weight", (h,), Q.F32))
     if not s.tied_embeddings:
         tensors.append(weight("output.weight", s.vocab_size, h, is_output=True))
     return tensors
+
+
+def _ffn(
+    s: ModelShape,
+    b: str,
+    i: int,
+    weight: Callable[[str, int, int, int], PlannedTensor],
+    experts: Callable[[str, int, int, int], PlannedTensor],
+) -> list[PlannedTensor]:
+    """Layer `i`'s MLP tensors (block prefix `b`): dense, or the router and the stacked experts (and
+    gpt-oss's biases, Qwen2-MoE's shared expert)."""
+    h, oss = s.hidden_size, s.arch == "gpt-oss"
+    out: list[PlannedTensor] = []
+    if s.experts:  # the router (llama-quantize keeps it as the converter wrote it: F32), the experts
+        e = s.expert_intermediate
+        out += [
+            PlannedTensor(f"{b}.ffn_gate_inp.weight", (s.experts, h), Q.F32),
+            experts(f"{b}.ffn_gate_exps.weight", e, h, i),
+            experts(f"{b}.ffn_up_exps.weight", e, h, i),
+            experts(f"{b}.ffn_down_exps.weight", h, e, i),
+        ]
+        if oss:
+            out += [
+                PlannedTensor(f"{b}.ffn_gate_inp.bias", (s.experts,), Q.F32),
+                *(PlannedTensor(f"{b}.ffn_{p}_exps.bias", (s.experts, e), Q.F32) for p in ("gate", "up")),
+                PlannedTensor(f"{b}.ffn_down_exps.bias", (s.experts, h), Q.F32),
+            ]
+    if s.shared_expert_intermediate:  # Qwen2-MoE's shared expert and its one-logit gate
+        e = s.shared_expert_intermediate
+        out += [
+            PlannedTensor(f"{b}.ffn_gate_inp_shexp.weight", (h,), Q.F32),
+            weight(f"{b}.ffn_gate_shexp.weight", e, h, i),
+            weight(f"{b}.ffn_up_shexp.weight", e, h, i),
+            weight(f"{b}.ffn_down_shexp.weight", h, e, i),
+        ]
+    if not s.experts:
+        out += [
+            weight(f"{b}.ffn_gate.weight", s.intermediate_size, h, i),
+            weight(f"{b}.ffn_up.weight", s.intermediate_size, h, i),
+            weight(f"{b}.ffn_down.weight", h, s.intermediate_size, i),
+        ]
+    return out
 
 
 def tensor_types(shape: ModelShape | str, quant: str) -> dict[str, GGMLQuantizationType]:

@@ -29,6 +29,7 @@ from gguf import (
     GGMLQuantizationType,
     GGUFValueType,
     GGUFWriter,
+    RopeScalingType,
 )
 
 from batchserve.bench.gguf_mix import (
@@ -68,6 +69,7 @@ PAD_TOKEN = "[PAD{}]"
 TOKEN_TYPE_UNUSED = 5
 CHUNK_BYTES = 32 << 20  # rows generated and written at a time
 EXPERTS_AS_FFN = ("llama", "olmoe")  # architectures whose experts' width is `feed_forward_length`
+KEY_LENGTH_ARCHS = ("qwen3", "qwen3moe", "gemma2", "gemma3", "gpt-oss")  # the head dim written whatever it is
 
 
 def _put_f16(blocks: np.ndarray, at: int, values: np.ndarray) -> None:
@@ -160,6 +162,15 @@ def _fill_q2_k(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None
     _put_f16(blocks, 82, 1.5 * d)
 
 
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+def _fill_mxfp4(rng: np.random.Generator, blocks: np.ndarray, std: float) -> None:
+    """MXFP4: w = 2^(e - 128) * table[q] (E8M0 e; the doubled E2M1 values: rms 5.85), e jittered by one."""
+    e = 128 + np.log2(std / float(np.sqrt((MXFP4_VALUES**2).mean())))
+    blocks[:, 0] = np.clip(np.rint(e) + rng.integers(-1, 2, len(blocks)), 0, 254).astype(np.uint8)
+
+
 FILLERS: dict[GGMLQuantizationType, Callable[[np.random.Generator, np.ndarray, float], None]] = {
     Q.Q4_0: _fill_legacy(16, affine=False),
     Q.Q4_1: _fill_legacy(16, affine=True),
@@ -173,6 +184,7 @@ FILLERS: dict[GGMLQuantizationType, Callable[[np.random.Generator, np.ndarray, f
     Q.Q3_K: _fill_q3_k,
     Q.IQ4_NL: _fill_iq4_nl,
     Q.IQ4_XS: _fill_iq4_xs,
+    Q.MXFP4: _fill_mxfp4,
 }
 
 
@@ -254,11 +266,15 @@ def _add_metadata(writer: GGUFWriter, s: ModelShape, quant: str, source: Path) -
     writer.add_head_count(s.num_attention_heads)
     writer.add_head_count_kv(s.num_key_value_heads)
     writer.add_rope_dimension_count(s.head_dim)
-    if s.head_dim * s.num_attention_heads != s.hidden_size or s.arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
+    if s.head_dim * s.num_attention_heads != s.hidden_size or s.arch in KEY_LENGTH_ARCHS:
         writer.add_key_length(s.head_dim)
         writer.add_value_length(s.head_dim)
     if s.sliding_window is not None:
         writer.add_sliding_window(s.sliding_window)
+    if s.yarn is not None:
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(s.yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(s.yarn[1])
     if s.experts:
         writer.add_expert_count(s.experts)
         writer.add_expert_used_count(s.experts_used)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 import uuid
@@ -230,12 +231,10 @@ class ServedPeers:
         return run
 
     def _make_room(self, gguf: Path) -> None:
-        """Stop our servers where llama-server could not load the file beside them (a 30B file on
-        a 24 GB machine); the next served row of ours starts them again."""
-        from batchserve.model.gguf_native import MARGIN_BYTES, available_bytes
-
-        have = available_bytes()
-        if self.ours and have is not None and gguf.stat().st_size + MARGIN_BYTES > have:
+        """Stop our servers where the machine cannot hold the file twice (a 30B file on a 24 GB
+        machine: llama-server could not load it beside ours); the next row of ours starts them again."""
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if self.ours and 2 * gguf.stat().st_size + (1 << 30) > memory:
             self.close()
             self.stack, self.ours = ExitStack(), {}
 

@@ -57,6 +57,7 @@ class ModelShape:
     experts_used: int = 0
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
+    yarn: tuple[float, int] | None = None  # YaRN's factor and original context, written for gpt-oss
 
     def __post_init__(self) -> None:
         sizes = (self.hidden_size, self.num_hidden_layers, self.num_attention_heads, self.head_dim)
@@ -161,6 +162,27 @@ SHAPES = {
         # Qwen3-30B-A3B's config.json (and Qwen3-Coder-30B-A3B's): 128 experts of 768, 8 per token,
         # 30.5B parameters of which 3.3B are read per token.
         _qwen3_moe("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 8, 768),
+        # gpt-oss-20b's config.json: 32 experts of 2880, 4 per token, 128-key windows on every other
+        # layer, YaRN (factor 32 over 4,096), q/k/v biases (and o's, the router's, the experts'), sinks.
+        ModelShape(
+            "gpt-oss-20b",
+            2880,
+            24,
+            64,
+            8,
+            64,
+            2880,
+            201088,
+            rope_theta=150000.0,
+            max_position_embeddings=131072,
+            arch="gpt-oss",
+            qkv_bias=True,
+            sliding_window=128,
+            experts=32,
+            experts_used=4,
+            expert_intermediate=2880,
+            yarn=(32.0, 4096),
+        ),
     )
 }
 

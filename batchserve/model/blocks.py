@@ -1,6 +1,6 @@
 """Products over a GGUF file's own weight blocks of the types llama.cpp's usual files store
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), on our kernels
-(csrc/block_gemm.cpp).
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, and gpt-oss's MXFP4),
+on our kernels (csrc/block_gemm.cpp).
 
 `BlockLinear` takes one or more parts (the file's bytes of a tensor each, any of those types, the
 same in_features) and computes them as one product: the activations are quantized once per call
@@ -31,7 +31,9 @@ from batchserve.model.row_check import rows_variance
 
 NATIVE_TYPES: frozenset[int] = frozenset(
     int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
-)
+) | {int(T.MXFP4)}
+# MXFP4's E8M0 exponents our kernel takes: its scale 2^(e - 128) exact as a float16 (csrc/block_pack.cpp).
+MXFP4_EXPONENTS = (104, 143)
 # Where a type's fp16 scale d (and min dmin, m) sit in its block, and a scale that keeps random
 # blocks' weights about the size of a real model's (random_blocks).
 D_FIELD = {T.Q6_K: 208, T.Q3_K: 108, T.Q2_K: 80}
@@ -68,6 +70,18 @@ def check_part(part: BlockPart) -> None:
     if raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[0] < 1 or raw.shape[1] != want or raw.strides[1] != 1:
         raise ValueError(f"a {T(part.qtype).name} part of {part.cols} columns is uint8 [rows >= 1, {want}], got "
                          f"{raw.dtype} {raw.shape}")  # fmt: skip
+    if not scales_fit(part.qtype, raw):
+        low, high = MXFP4_EXPONENTS
+        raise ValueError(f"MXFP4 scales past 2^{low - 128}..2^{high - 128} do not fit our kernel's float16 scale")
+
+
+def scales_fit(qtype: int, raw: np.ndarray) -> bool:
+    """Whether every block's scale of `raw` ([rows, row bytes] of `qtype`) fits our kernel: always,
+    but for MXFP4, whose E8M0 exponents must lie in MXFP4_EXPONENTS (gpt-oss's do)."""
+    if qtype != T.MXFP4:
+        return True
+    exponents = raw.reshape(-1, GGML_QUANT_SIZES[T.MXFP4][1])[:, 0]
+    return bool(((exponents >= MXFP4_EXPONENTS[0]) & (exponents <= MXFP4_EXPONENTS[1])).all())
 
 
 class BlockLinear(nn.Module):
@@ -192,6 +206,9 @@ def random_blocks(qtype: int, rows: int, cols: int, gen: torch.Generator) -> np.
     def put(offset: int, field: torch.Tensor) -> None:  # field [rows, blocks] float32
         raw[:, :, offset : offset + 2] = field.half().view(torch.uint8).view(rows, blocks, 2)
 
+    if qtype == T.MXFP4:  # E8M0 exponents: scales of 2^-8 .. 2^-5, weights about 0.01
+        raw[:, :, 0] = torch.randint(120, 124, (rows, blocks), generator=gen, dtype=torch.uint8)
+        return raw.view(rows, blocks * size).numpy()
     scale = RANDOM_SCALE.get(T(qtype), 1 / 32)
     d = (torch.rand(rows, blocks, generator=gen) + 0.05) * scale
     put(D_FIELD.get(T(qtype), 0), d)

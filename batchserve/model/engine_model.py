@@ -66,7 +66,7 @@ def check_conversion_fits(path: Path, mc: Any, kv_bytes: Callable[[Any], int] | 
     `dtype`, twice at its peak: the file's dequantized arrays and the model) and the KV pool do not
     fit in the memory available, with the bytes it needs (on the CPU; a device holds its own)."""
     from batchserve.model.gguf_file import GGUFTensors
-    from batchserve.model.gguf_native import MARGIN_BYTES, GGUFTooLarge, available_bytes
+    from batchserve.model.gguf_memory import MARGIN_BYTES, GGUFTooLarge, available_bytes
 
     device, dtype = resolve_device_dtype(mc.device, mc.dtype)
     if torch.device(device).type != "cpu":

@@ -20,7 +20,7 @@ from batchserve.model.gguf_read import GGUFContents
 # general.architecture -> transformers' model_type of the forward that runs it
 LLAMA_CPP_ARCHS = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
-    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gpt-oss": "gpt_oss",
 }  # fmt: skip
 # A `llama` file with routed experts is a Mixtral (llama.cpp runs both as one architecture).
 LLAMA_WITH_EXPERTS = "mixtral"
@@ -115,6 +115,10 @@ def _experts(meta: Mapping[str, Any], arch: str, names: set[str]) -> dict[str, A
     if arch == "llama":
         out["model_type"] = LLAMA_WITH_EXPERTS
         out["num_local_experts"] = out.pop("num_experts")
+    if arch == "gpt-oss":  # its config names the experts' count and width as Mixtral's does
+        out["num_local_experts"] = out.pop("num_experts")
+        out["intermediate_size"] = out.pop("moe_intermediate_size")
+        out.pop("norm_topk_prob")
     if arch == "qwen2moe":
         out["qkv_bias"] = "blk.0.attn_q.bias" in names
     return out

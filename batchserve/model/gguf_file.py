@@ -228,3 +228,27 @@ class GGUFTensors:
             raw.madvise(mmap.MADV_DONTNEED, start, end - start)
         except (OSError, ValueError):  # only a hint: a platform without it keeps the pages
             pass
+
+
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as floats (norms, biases), never as blocks
+
+
+def type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def dequantized(view: TensorView) -> np.ndarray:
+    """The tensor as float32 [rows, cols] (gguf-py's dequantizers: llama.cpp's formulas)."""
+    from gguf import dequantize
+
+    return np.asarray(dequantize(view.data, view.qtype), dtype=np.float32).reshape(view.shape)
+
+
+class GGUFRefused(ValueError):
+    """The file cannot be served from its own blocks here (another load may serve it); the
+    message says why."""

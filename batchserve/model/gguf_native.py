@@ -1,11 +1,13 @@
 """The native model built straight over a GGUF file's blocks (Llama, Mistral, Qwen2/3, Gemma 2/3,
-Phi-3/4 with its merged q|k|v and gate|up, and the routed-expert Qwen3-MoE, Qwen2-MoE, Mixtral and
-OLMoE, each expert's products over its rows of the `ffn_*_exps` tensors): no transformers model, no
-float32 copy, no conversion cache. Each product is a `BlockLinear` over the tensors' own blocks, whatever
-type each tensor has (a llama.cpp mix varies by layer and falls back per tensor); the token
-embedding looks its rows up in the mapped file; norms and biases are the file's float32 values.
+Phi-3/4 with its merged q|k|v and gate|up, and the routed-expert Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE
+and gpt-oss, each expert's products over its rows of the `ffn_*_exps` tensors, gpt-oss's with their
+biases and its attention's sinks): no transformers model, no float32 copy, no conversion cache.
+Each product is a `BlockLinear` over the tensors' own blocks, whatever type each tensor has (a
+llama.cpp mix varies by layer and falls back per tensor); the token embedding looks its rows up in
+the mapped file; norms and biases are the file's float32 values.
 
-A tensor whose type has no kernel of ours (IQ1-IQ3, TQ, MXFP4, float matrices) is dequantized
+A tensor whose type has no kernel of ours (IQ1-IQ3, TQ, float matrices, MXFP4 scales past what our
+kernel's float16 scale holds) is dequantized
 to bfloat16 for our bfloat16 kernel, and the start-up log names each such tensor and its cost. A
 file that cannot fit in memory beside the KV pool is refused before anything is read."""
 
@@ -24,43 +26,23 @@ import torch
 from torch import nn
 
 from batchserve import kernels
-from batchserve.model.blocks import ALIGN
 from batchserve.model.family import local_rotary_for, rotary_for
 from batchserve.model.gguf_config import LLAMA_CPP_ARCHS
-from batchserve.model.gguf_file import PERMUTED_ARCHS, GGUFTensors, TensorView, read_meta
+from batchserve.model.gguf_experts import ExpertsReader, native
+from batchserve.model.gguf_file import (
+    PERMUTED_ARCHS,
+    GGUFRefused,
+    GGUFTensors,
+    TensorView,
+    dequantized,
+    read_meta,
+    type_name,
+)
+from batchserve.model.gguf_memory import check_fits
 from batchserve.model.llama import NativeLlamaForCausalLM, product_out_dtype, supports
 from batchserve.model.moe import SparseMoE, use_kernel_experts
 
 logger = logging.getLogger("batchserve")
-
-MARGIN_BYTES = 512 << 20  # left free beside the weights and the KV pool (the runtime's own)
-FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as floats (norms, biases), never as blocks
-ROUTER = "ffn_gate_inp"  # a sparse layer's router (and, `_shexp`, its shared expert's gate)
-
-
-class GGUFRefused(ValueError):
-    """The file cannot be served from its own blocks here (another load may serve it); the
-    message says why."""
-
-
-class GGUFTooLarge(ValueError):
-    """The file's layers and the KV pool do not fit in this machine's available memory."""
-
-
-def type_name(qtype: int) -> str:
-    from gguf import GGMLQuantizationType
-
-    try:
-        return GGMLQuantizationType(qtype).name
-    except ValueError:
-        return f"type {qtype}"
-
-
-def dequantized(view: TensorView) -> np.ndarray:
-    """The tensor as float32 [rows, cols] (gguf-py's dequantizers: llama.cpp's formulas)."""
-    from gguf import dequantize
-
-    return np.asarray(dequantize(view.data, view.qtype), dtype=np.float32).reshape(view.shape)
 
 
 class GGUFEmbedding(nn.Module):
@@ -118,65 +100,6 @@ def refusal(tensors: GGUFTensors) -> str | None:
     return None
 
 
-def _rows(view: TensorView, start: int, count: int) -> TensorView:
-    """Rows [start, start + count) of a tensor: one expert's of an `_exps` tensor (a view, no copy)."""
-    row_bytes = view.nbytes // view.shape[0]
-    return TensorView(f"{view.name}[{start}:{start + count}]", view.qtype, (count, view.shape[1]),
-                      view.data[start : start + count], view.offset + start * row_bytes, count * row_bytes)  # fmt: skip
-
-
-def _as_matrix(view: TensorView, rows: int) -> TensorView:
-    """A tensor as [rows, cols] (a shared expert's gate is stored as one vector)."""
-    if len(view.shape) == 2:
-        return view
-    cols = view.shape[0] // rows
-    return TensorView(view.name, view.qtype, (rows, cols), view.data.reshape(rows, -1), view.offset, view.nbytes)
-
-
-def bytes_needed(tensors: GGUFTensors) -> int:
-    """Bytes the load needs at its peak: the blocks of every native type as packed (about the
-    file's), bfloat16 for the rest, and while such a product is built its float32 weights twice
-    (the dequantized parts joined, then the layer's own; at most two parts' worth of the largest
-    such tensor); the embedding's rows stay in the file."""
-    from batchserve.model.blocks import NATIVE_TYPES
-
-    total = largest = 0
-    for view in tensors.tensors.values():
-        if view.name == "token_embd.weight" and "output.weight" in tensors.tensors:
-            continue
-        if view.qtype in FLOAT_TYPES and ROUTER in view.name:  # kept in float32 (`_router`)
-            total += 4 * int(np.prod(view.shape))
-        elif view.qtype in NATIVE_TYPES or len(view.shape) < 2:
-            total += view.nbytes
-        else:
-            values = int(np.prod(view.shape))
-            total += 2 * values
-            largest = max(largest, values)
-    return total + 2 * 2 * 4 * largest
-
-
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def check_fits(tensors: GGUFTensors, kv_bytes: int) -> None:
-    need = bytes_needed(tensors) + kv_bytes + MARGIN_BYTES
-    have = available_bytes()
-    if have is not None and need > have:
-        raise GGUFTooLarge(
-            f"{tensors.path.name} needs {need:,} bytes ({need / 2**30:.1f} GiB: its layers, a KV pool of"
-            f" {kv_bytes / 2**30:.1f} GiB and {MARGIN_BYTES >> 20} MiB to run) and {have:,} are available;"
-            " lower --kv-cache-gb or use a smaller file"
-        )
-
-
 def load_gguf_native(path: Path, kv_bytes: Callable[[Any], int] | None = None) -> tuple[NativeLlamaForCausalLM, Any]:
     """(native model, tokenizer) for a GGUF file, its layers over the file's own blocks. Raises
     GGUFRefused where the file cannot be read so (the caller may fall back, saying why)."""
@@ -197,8 +120,9 @@ def load_gguf_native(path: Path, kv_bytes: Callable[[Any], int] | None = None) -
     return model, tokenizer
 
 
-class _Builder:
-    """Fills a native model's modules from the file, one tensor at a time."""
+class _Builder(ExpertsReader):
+    """Fills a native model's modules from the file, one tensor at a time (a sparse layer's
+    experts: `ExpertsReader`)."""
 
     def __init__(self, tensors: GGUFTensors, config: Any) -> None:
         self.tensors, self.config = tensors, config
@@ -273,7 +197,12 @@ class _Builder:
                     f"{blk}attn_q_norm and attn_k_norm have {attn.q_norm.weight.numel()} and"
                     f" {attn.k_norm.weight.numel()} values; the model's norms span {attn.norm_spans}"
                 )
-        attn.o_proj = self._product(f"layers.{i}.self_attn.o_proj", [self.tensors[f"{blk}attn_output.weight"]], None)
+        o_bias = None
+        if self.tensors.get(f"{blk}attn_output.bias") is not None:  # gpt-oss's
+            o_bias = self._vector(f"{blk}attn_output.bias").data
+        attn.o_proj = self._product(f"layers.{i}.self_attn.o_proj", [self.tensors[f"{blk}attn_output.weight"]], o_bias)
+        if attn.sinks is not None:  # gpt-oss: a sink logit per query head
+            attn.sinks = self._vector(f"{blk}attn_sinks.weight")
         if isinstance(mlp, SparseMoE):
             self._experts(mlp, i)
         else:
@@ -284,8 +213,9 @@ class _Builder:
             layer.post_attention_layernorm.weight = self._vector(f"{blk}post_attention_norm.weight")
             layer.pre_feedforward_layernorm.weight = self._vector(f"{blk}ffn_norm.weight")
             layer.post_feedforward_layernorm.weight = self._vector(f"{blk}post_ffw_norm.weight")
-        else:
-            layer.post_attention_layernorm.weight = self._vector(f"{blk}ffn_norm.weight")
+        else:  # gpt-oss's file names the MLP's input norm `post_attention_norm`
+            norm = "ffn_norm" if self.tensors.get(f"{blk}ffn_norm.weight") is not None else "post_attention_norm"
+            layer.post_attention_layernorm.weight = self._vector(f"{blk}{norm}.weight")
 
     def _mlp(self, mlp: nn.Module, i: int, suffix: str = "", path: str = "mlp") -> None:
         """A dense MLP's products (`suffix` `_shexp`: a sparse layer's shared expert, at `path`)."""
@@ -302,48 +232,6 @@ class _Builder:
             mlp.gate_up_proj = self._product(f"{name}.gate_up_proj", [gate, up], None)
         mlp.down_proj = self._product(f"{name}.down_proj", [self.tensors[f"{blk}ffn_down{suffix}.weight"]], None)
 
-    def _experts(self, moe: SparseMoE, i: int) -> None:
-        """A sparse layer: its router, each expert's products over its own rows of the file's
-        `ffn_{gate,up,down}_exps` tensors (every expert's, stacked), and a shared expert where the
-        model has one."""
-        blk, routing, hidden = f"blk.{i}.", moe.routing, self.config.hidden_size
-        router = [_as_matrix(self.tensors[f"{blk}{ROUTER}.weight"], routing.experts)]
-        if moe.shared_expert is not None:  # its gate's one logit: the router's last output
-            router.append(_as_matrix(self.tensors[f"{blk}{ROUTER}_shexp.weight"], 1))
-        moe.gate = self._router(f"layers.{i}.mlp.gate", router)
-        stacked = {p: self.tensors[f"{blk}ffn_{p}_exps.weight"] for p in ("gate", "up", "down")}
-        rows = {"gate": routing.intermediate, "up": routing.intermediate, "down": hidden}
-        for part, view in stacked.items():
-            if view.shape[0] != routing.experts * rows[part]:
-                raise GGUFRefused(f"{view.name} has {view.shape[0]} rows, not {routing.experts} experts x {rows[part]}")
-        parts = ("gate", "up", "down")
-        views = [[_rows(stacked[p], e * rows[p], rows[p]) for p in parts] for e in range(len(moe.experts))]
-        arena = self._arena([[g, u] for g, u, _ in views] + [[d] for _, _, d in views])
-        for e, (expert, (g, u, d)) in enumerate(zip(moe.experts, views, strict=True)):
-            expert.gate_up_proj = self._product(f"layers.{i}.mlp.experts.{e}.gate_up_proj", [g, u], None, arena=arena)
-            expert.down_proj = self._product(f"layers.{i}.mlp.experts.{e}.down_proj", [d], None, arena=arena)
-        if moe.shared_expert is not None:
-            self._mlp(moe.shared_expert, i, "_shexp", "mlp.shared_expert")
-
-    def _router(self, name: str, views: list[TensorView]) -> nn.Module:
-        """A router's product (and its shared expert's gate, a last output): float32 as llama.cpp
-        computes it from a float tensor (which expert a row takes must not move with a rounding of
-        ours), on oneDNN's prepacked product where that is batch-invariant here, else on the
-        file's blocks or bfloat16 like any other product."""
-        from batchserve.model.layers import MergedLinear, PackedLinear, packed_products_invariant, prepack_available
-
-        floats = all(v.qtype in FLOAT_TYPES for v in views)
-        if not floats or not (prepack_available() and packed_products_invariant()):
-            return self._product(name, views, None)
-        weight = torch.from_numpy(np.concatenate([np.asarray(v.data, dtype=np.float32) for v in views]))  # [E(+1), H]
-        linear = MergedLinear(weight.shape[1], tuple(v.shape[0] for v in views), bias=False)
-        with torch.no_grad():
-            linear.weight.copy_(weight)
-        self.report.float_routers += 1
-        for view in views:
-            self._progress(view)
-        return PackedLinear(linear)
-
     def _unpermuted(self, view: TensorView, heads: int) -> TensorView:
         """llama.cpp's converter interleaves each head's rotary halves in attn_q/attn_k; the rows
         back in transformers' order (a row is a whole run of blocks, so rows move as they are)."""
@@ -356,16 +244,6 @@ class _Builder:
         values = view.data if view.qtype == 0 else dequantized(view)
         return nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1)), requires_grad=False)
 
-    def _arena(self, products: list[list[TensorView]]) -> Any:
-        """One huge-page buffer for these products' packed weights (a sparse layer's experts),
-        where every one of them runs on our kernels; None where some do not."""
-        from batchserve.model.blocks import NATIVE_TYPES, BlockPart, PackArena, packed_bytes
-
-        if any(v.qtype not in NATIVE_TYPES for views in products for v in views):
-            return None
-        parts = [[BlockPart(v.data, v.qtype, v.shape[1]) for v in views] for views in products]
-        return PackArena(sum(packed_bytes(p) + ALIGN for p in parts))
-
     def _product(
         self,
         name: str,
@@ -376,12 +254,12 @@ class _Builder:
     ) -> nn.Module:
         """One product over `views`' rows joined; `sizes`: its parts' rows where a view holds several;
         `arena`: where its packed weights go (else a buffer of its own)."""
-        from batchserve.model.blocks import NATIVE_TYPES, BlockLinear, BlockPart
+        from batchserve.model.blocks import BlockLinear, BlockPart
 
         sizes = sizes or tuple(v.shape[0] for v in views)
         if sum(sizes) != sum(v.shape[0] for v in views):
             raise GGUFRefused(f"{name}: the file's {sum(v.shape[0] for v in views)} rows are not the model's {sizes}")
-        if all(v.qtype in NATIVE_TYPES for v in views):
+        if all(native(v) for v in views):
             parts = [BlockPart(v.data, v.qtype, v.shape[1]) for v in views]
             layer: nn.Module = BlockLinear(parts, bias, sizes, arena)
             self.report.native.update(type_name(v.qtype) for v in views)

@@ -9,9 +9,8 @@ when the model is built (`LayerKernels`: torch's ops, or FlashInfer's fused kern
 Shape of one step: ids [T] -> embeddings [T, H] -> layers -> the kept rows [K, H] -> logits
 [K, V]. No Python decision inside depends on the step's data (only on the model's shape).
 
-Inside the model a submodule runs as `m.forward(x)`, not `m(x)`: `nn.Module.__call__` costs a
-few microseconds for its hooks' bookkeeping, and a step makes about 300 such calls, a share of a
-one-row step worth saving (benchmarks/README.md). Module hooks are therefore not run inside it."""
+Inside the model a submodule runs as `m.forward(x)`, not `m(x)`: `nn.Module.__call__` costs a few
+microseconds for its hooks' bookkeeping, and a step makes about 300 such calls (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -95,11 +94,10 @@ def rope_limit(config: Any) -> int | None:
 
 
 def layer_attention(config: Any, sinks: list[tuple[float, ...] | None] | None = None) -> tuple[LayerAttention, ...]:
-    """Each layer's sliding window (a query at position p sees keys p - W + 1 .. p) and attention
-    soft-cap, as transformers applies them: by its per-layer kinds where the config lists them
-    (Gemma's interleaved layers, Qwen2's `max_window_layers`), else one window for every layer
-    (Mistral's); and each layer's sinks where the model has them (`attention_sinks`). The backends
-    apply them (`AttentionBackend.set_layers`)."""
+    """Each layer's sliding window (a query at position p sees keys p - W + 1 .. p), attention
+    soft-cap and sinks (`attention_sinks`), as transformers applies them: by its per-layer kinds
+    where the config lists them (Gemma's, Qwen2's `max_window_layers`), else one window for every
+    layer (Mistral's). The backends apply them (`AttentionBackend.set_layers`)."""
     window = getattr(config, "sliding_window", None) or None
     softcap = getattr(config, "attn_logit_softcapping", None) or None
     types = getattr(config, "layer_types", None)
@@ -113,7 +111,7 @@ def layer_attention(config: Any, sinks: list[tuple[float, ...] | None] | None = 
 
 def attention_sinks(model: Any) -> list[tuple[float, ...] | None] | None:
     """Each layer's sink logits (gpt-oss's) of a native model, None for a model without them."""
-    if not getattr(model, "native", False) or not getattr(model.family, "sinks", False):
+    if not getattr(getattr(model, "family", None), "sinks", False):  # (a transformers model has no family)
         return None
     return [tuple(float(v) for v in layer.self_attn.sinks.detach().float().cpu()) for layer in model.layers]
 

@@ -241,12 +241,15 @@ def test_q4_1_and_q8_0_give_the_bits_of_their_stated_arithmetic(qtype):
 
 
 def test_the_packed_weights_stay_within_three_percent_of_the_files_bytes():
+    """MXFP4 within 6%: its one-byte exponent is a two-byte float16 scale in the kernel's records
+    (18 bytes a block of 32 against the file's 17)."""
     gen = torch.Generator().manual_seed(11)
     for qtype in TYPES:
         raw = random_blocks(qtype, 64, 512, gen)
         layer = BlockLinear([BlockPart(raw, qtype, 512)])
         assert layer.packed.dtype == torch.uint8 and [b for b in layer.buffers()] == [layer.packed]
-        assert raw.nbytes <= layer.packed.numel() <= 1.03 * raw.nbytes, T(qtype).name
+        bound = 18 / 17 if qtype == T.MXFP4 else 1.03
+        assert raw.nbytes <= layer.packed.numel() <= bound * raw.nbytes, T(qtype).name
 
 
 def test_a_tensor_read_from_a_gguf_file(tmp_path):

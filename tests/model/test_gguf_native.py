@@ -17,8 +17,9 @@ from batchserve.bench.gguf_write import tensor_types, write_gguf
 from batchserve.bench.shapes import ModelShape
 from batchserve.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.engine import EngineCore
-from batchserve.model import blocks, gguf_file, gguf_native
-from batchserve.model.gguf_native import GGUFEmbedding, GGUFTooLarge, load_gguf_native
+from batchserve.model import blocks, gguf_file, gguf_memory, gguf_native
+from batchserve.model.gguf_memory import GGUFTooLarge
+from batchserve.model.gguf_native import GGUFEmbedding, load_gguf_native
 from batchserve.model.gguf_read import read_gguf
 from batchserve.model.gguf_tokenizer import match_llama_cpp
 from batchserve.model.loader import default_model_path, load_model
@@ -138,7 +139,7 @@ def test_a_type_without_our_kernel_runs_as_bfloat16_and_says_so(tmp_path, caplog
 
 
 def test_a_file_that_cannot_fit_is_refused_with_the_bytes_it_needs(tiny_files, monkeypatch):
-    monkeypatch.setattr(gguf_native, "available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(gguf_memory, "available_bytes", lambda: 1 << 20)
     with pytest.raises(GGUFTooLarge, match=r"needs [\d,]+ bytes .* and 1,048,576 are available"):
         EngineCore(_config(tiny_files["llama-Q4_0"]))
 
@@ -152,10 +153,10 @@ def test_a_file_read_through_transformers_is_checked_for_memory_and_caches_nothi
     path = write_gguf(tmp_path / "q4.gguf", TINY, "Q4_0")
     monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(gguf_native, "refusal", lambda tensors: "not read from blocks here (a test)")
-    monkeypatch.setattr(gguf_native, "available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(gguf_memory, "available_bytes", lambda: 1 << 20)
     with pytest.raises(GGUFTooLarge, match=r"transformers' load of it dequantizes every weight to float32: it needs"):
         engine_model.load_engine_model(ModelConfig(path=str(path)))
-    monkeypatch.setattr(gguf_native, "available_bytes", lambda: None)
+    monkeypatch.setattr(gguf_memory, "available_bytes", lambda: None)
     model, _ = engine_model.load_engine_model(ModelConfig(path=str(path)))
     assert next(model.parameters()).dtype == torch.float32
     assert loader._cached_entry(path, "float32") is None  # 4x the file: not cached

@@ -111,11 +111,11 @@ void tile(const Acts& x, const uint8_t* w, int64_t gs, float* y, int64_t yo, int
     using I = typename V::I;
     using F = typename V::F;
     constexpr bool kq = kquant(Q), five = Q == Q5_0 || Q == Q5_1 || Q == Q5_K;
-    constexpr bool table = Q == IQ4_NL || Q == IQ4_XS, crumbed = Q == Q2_K || Q == Q3_K;
+    constexpr bool table = Q == IQ4_NL || Q == IQ4_XS || Q == MXFP4, crumbed = Q == Q2_K || Q == Q3_K;
     [[maybe_unused]] constexpr bool halves = Q == Q6_K || crumbed;  // a scale for each 16 values
     constexpr int per = kq ? 8 : 1;  // blocks of 32 a record
     const I low = V::bytes(0x0F), sixteen = V::bytes(16), top = V::bytes(0x30), three = V::bytes(3);
-    [[maybe_unused]] const I values = V::table(kIQ4Values);
+    [[maybe_unused]] const I values = V::table(Q == MXFP4 ? kMXFP4Values : kIQ4Values);
     // A paired type's vector i (of 32 bytes a group) at 64 i + vh, its d at 2 d32 + dh (blocks.h).
     constexpr bool pr = paired(Q);
     [[maybe_unused]] const int64_t vh = pr && V::kCols == 8 ? 32 * gs : 0, dh = pr && V::kCols == 8 ? 16 * gs : 0;
@@ -353,6 +353,7 @@ void run_part(int64_t t, const Acts& x, int64_t T, const uint8_t* w, int64_t row
         case Q2_K: part<Q2_K>(x, T, w, rows, y, ys); break;
         case Q3_K: part<Q3_K>(x, T, w, rows, y, ys); break;
         case IQ4_NL: part<IQ4_NL>(x, T, w, rows, y, ys); break;
+        case MXFP4: part<MXFP4>(x, T, w, rows, y, ys); break;
         case IQ4_XS: part<IQ4_XS>(x, T, w, rows, y, ys); break;
         default: break;
     }

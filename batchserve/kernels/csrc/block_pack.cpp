@@ -114,6 +114,17 @@ void pack_low_bits(int64_t t, const uint8_t* const* src, uint8_t* rec) {
     }
 }
 
+// The float16 bits of 2^(e - 128) (MXFP4's scale as ggml applies it to its doubled values): a
+// normal float16 for e in 113..143, a subnormal (still exact: a power of two) for 104..112, zero
+// for the all-zero padding; other exponents never reach here (`mxfp4_fits` in Python refuses them).
+uint16_t e8m0_half(uint8_t e) {
+    const int p = static_cast<int>(e) - 128;
+    if (p >= -14) return static_cast<uint16_t>((p + 15) << 10);
+    return p >= -24 ? static_cast<uint16_t>(1u << (p + 24)) : 0;
+}
+
+void put16(uint8_t* at, uint16_t v) { memcpy(at, &v, 2); }
+
 // Group g's record of unit u; rows past N (the padding) are zero blocks.
 void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int64_t g, int64_t u, uint8_t* rec) {
     static const uint8_t zero[256] = {0};
@@ -125,6 +136,11 @@ void pack_unit(int64_t t, const uint8_t* raw, int64_t N, int64_t row_stride, int
     uint32_t H[8];
     if (!kquant(t)) {
         for (int j = 0; j < 8; ++j) {
+            if (t == MXFP4) {  // d = 2^(e - 128) as float16: exact for e in 104..143 (`mxfp4_fits`)
+                put16(rec + d32(t) + 2 * j, e8m0_half(src[j][0]));
+                chunks_32(src[j] + 1, rec + kNibbles, j);
+                continue;
+            }
             memcpy(rec + d32(t) + 2 * j, src[j], 2);                                    // d
             if (t == Q4_1 || t == Q5_1) memcpy(rec + m32(t) + 2 * j, src[j] + 2, 2);    // m
             if (t == Q8_0) {  // step s, bytes 4j..4j+3: values 4s..4s+3, made unsigned

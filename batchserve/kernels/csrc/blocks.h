@@ -44,7 +44,7 @@ namespace blocks {
 // GGMLQuantizationType values.
 enum Type : int64_t {
     Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-    IQ4_NL = 20, IQ4_XS = 23,
+    IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39,
 };
 
 // One row per type: its unit of values, its bytes a unit in the file and in a group's record, and
@@ -56,6 +56,7 @@ constexpr Traits kTraits[] = {
     {Q4_0, 32, 18, 288, 16},    {Q4_1, 32, 20, 160, 8},     {Q5_0, 32, 22, 176, 8},    {Q5_1, 32, 24, 192, 8},
     {Q8_0, 32, 34, 544, 16},    {IQ4_NL, 32, 18, 288, 16},  {Q2_K, 256, 84, 672, 8},   {Q3_K, 256, 110, 896, 8},
     {Q4_K, 256, 144, 1152, 8},  {Q5_K, 256, 176, 1408, 8},  {Q6_K, 256, 210, 1680, 8}, {IQ4_XS, 256, 136, 1104, 8},
+    {MXFP4, 32, 17, 288, 16},
 };
 constexpr Traits traits(int64_t t) {
     for (const Traits& r : kTraits)
@@ -72,6 +73,9 @@ constexpr int64_t record_bytes(int64_t t) { return traits(t).record; }
 // Output columns a record holds: 8, or 16 for a paired type.
 constexpr int64_t record_cols(int64_t t) { return traits(t).cols; }
 constexpr bool paired(int64_t t) { return record_cols(t) == 16; }
+// MXFP4's E2M1 values times two (ggml's kvalues_mxfp4: its scale is 2^(e - 128), half of OCP's
+// 2^(e - 127)), looked up as IQ4_NL's are.
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 // The 4-bit index -> int8 value table of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
