@@ -5,8 +5,9 @@ real files fill their blocks, the IQ types' least of all).
     python scripts/llama_quantize_blocks.py OUT.npz FILE.gguf [FILE.gguf ...]
 
 The files are SmolLM2's weights written by `llama-quantize --allow-requantize` in each mix
-(Q2_K with `--pure`, so that its 1536-wide rows hold Q2_K). From each file, the first tensor of
-every type not taken yet gives ROWS rows: an odd count, so that a row group is padded."""
+(Q2_K with `--pure`, so that its 1536-wide rows hold Q2_K; MXFP4, which llama-quantize writes
+only for experts or asked, as `Q8_0 --tensor-type ffn_up=mxfp4`). From each file, the first tensor
+of every type not taken yet gives ROWS rows: an odd count, so that a row group is padded."""
 
 from __future__ import annotations
 
