@@ -52,6 +52,12 @@ class Routing:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.experts or self.intermediate < 1:
+            raise ValueError(
+                f"routing {self.top_k} of {self.experts} experts of {self.intermediate} features (1 <= k <= experts)"
+            )
+
     @classmethod
     def of(cls, config: Any) -> Routing | None:
         """The config's routing; None for a dense model."""

@@ -83,6 +83,12 @@ def test_a_rows_output_is_the_same_bits_alone_and_among_any_others():
     assert torch.equal(moe(x[5:30]), together[5:30])
 
 
+def test_a_routing_that_cannot_choose_is_refused():
+    for bad in ({"top_k": 0}, {"top_k": 5}, {"intermediate": 0}):
+        with pytest.raises(ValueError, match="routing"):
+            _routing(**bad)
+
+
 def test_sparse_and_dense_layers_follow_the_config():
     r = _routing(sparse_step=2, dense_layers=(3,))
     assert [r.sparse(i) for i in range(6)] == [False, True, False, False, False, True]
