@@ -7,7 +7,8 @@ same in_features) and computes them as one product: the activations are quantize
 and each part writes its own output columns, so q|k|v and gate|up run as one call even where the
 file stores attn_v as Q6_K and attn_q as Q4_K. The file's bytes are repacked once, in C++, into
 the kernels' column-interleaved layout (csrc/blocks.h): the same values, scales and mins (a
-K-quant's 6-bit scales unpacked to bytes), within 3% of the file's size; nothing float is kept.
+K-quant's 6-bit scales unpacked to bytes), within 3% of the file's size (MXFP4: 6%, its exponent
+a float16); nothing float is kept.
 
 A row's output has the same bits whatever the call's row count, the row's place in it and the
 thread count (`block_products_invariant` checks it once per process)."""
