@@ -30,7 +30,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 8  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 9  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -286,7 +286,7 @@ def moe_experts(
     addresses -> [T, H] float32: each row's weighted outputs added in ascending expert order."""
     t, h = x.shape
     lib, threads = library(), torch.get_num_threads()
-    work = torch.empty(int(lib.moe_workspace(t, h, ids.shape[1], i, threads)))
+    work = torch.empty(int(lib.moe_workspace(t, h, ids.shape[1])))
     out = torch.empty(t, h)
     lib.moe_experts(
         x.data_ptr(), t, h, ids.shape[1], ids.data_ptr(), weights.data_ptr(), experts.data_ptr(), experts.shape[0],

@@ -89,8 +89,8 @@ PyObject* py_layers_workspace(PyObject*, PyObject* const* args, Py_ssize_t n) {
 PyObject* py_moe_workspace(PyObject*, PyObject* const* args, Py_ssize_t n) {
     int64_t a[32] = {0};
     double f[32] = {0};
-    if (!parse(args, n, "iiiii", a, f)) return nullptr;
-    return PyLong_FromLongLong(bs_moe_workspace(a[0], a[1], a[2], a[3], static_cast<int>(a[4])));
+    if (!parse(args, n, "iii", a, f)) return nullptr;
+    return PyLong_FromLongLong(bs_moe_workspace(a[0], a[1], a[2]));
 }
 
 PyObject* py_bf16_packed_size(PyObject*, PyObject* const* args, Py_ssize_t n) {

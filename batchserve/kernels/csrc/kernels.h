@@ -25,7 +25,7 @@ void bs_block_pack(int64_t, const uint8_t*, int64_t, int64_t, int64_t, uint8_t*,
 void bs_block_linear(const float*, int64_t, const int64_t*, float*, int);
 int bs_block_wide();
 int bs_abi_version();
-int64_t bs_moe_workspace(int64_t, int64_t, int64_t, int64_t, int);
+int64_t bs_moe_workspace(int64_t, int64_t, int64_t);
 void bs_moe_experts(const float*, int64_t, int64_t, int64_t, const int64_t*, const float*, const int64_t*, int64_t,
                     int64_t, float*, float*, int);
 }

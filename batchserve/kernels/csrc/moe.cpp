@@ -7,8 +7,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <omp.h>
-
 #include <vector>
 
 #include "kernels.h"
@@ -16,10 +14,13 @@
 namespace {
 
 // One expert over its n rows (their indices into x in `picks`, as row * k + slot): gathered, gate|up,
-// silu * up, down into y [n, H]. `scratch`: n * (H + 2I + I) floats.
+// silu * up, down into y [n, H]. The intermediates live in the calling thread's own buffer, kept
+// between calls and grown to the largest expert it has run (not sized by the step's rows each call).
 void run_expert(const float* x, int64_t H, int64_t k, const int64_t* picks, int64_t n, const int64_t* gate_up_desc,
-                const int64_t* down_desc, int64_t I, float* scratch, float* y, int threads) {
-    float* rows = scratch;             // [n, H]
+                const int64_t* down_desc, int64_t I, float* y, int threads) {
+    static thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(n * (H + 2 * I + I)));
+    float* rows = scratch.data();      // [n, H]
     float* gate_up = rows + n * H;     // [n, 2I]
     float* act = gate_up + n * 2 * I;  // [n, I]
     for (int64_t j = 0; j < n; ++j)
@@ -36,11 +37,8 @@ const T* addr(int64_t v) { return reinterpret_cast<const T*>(static_cast<intptr_
 
 extern "C" {
 
-// Floats of workspace a call over T rows with k experts each needs: every pick's output, and a
-// gathered-rows | gate|up | silu * up scratch per thread, each as large as all T rows.
-int64_t bs_moe_workspace(int64_t T, int64_t H, int64_t k, int64_t I, int threads) {
-    return T * k * H + static_cast<int64_t>(threads) * T * (H + 2 * I + I);
-}
+// Floats of workspace a call over T rows with k experts each needs: every pick's output.
+int64_t bs_moe_workspace(int64_t T, int64_t H, int64_t k) { return T * k * H; }
 
 // x [T, H]; ids [T, k] (each row's experts, each in 0..E-1) and weights [T, k]; experts [E, 2]: each
 // expert's gate|up and down product descriptors (csrc/blocks.h; gate|up's N is 2 I, down's is H).
@@ -67,19 +65,17 @@ void bs_moe_experts(const float* x, int64_t T, int64_t H, int64_t k, const int64
     for (int64_t e = 0; e < E; ++e)
         if (start[e + 1] > start[e]) hit.push_back(e);
     float* ys = work;  // [T k, H]: each pick's output, in `order`'s order
-    float* scratch = ys + T * k * H;
-    const int64_t per_thread = T * (H + 2 * I + I);
     const int64_t n_hit = static_cast<int64_t>(hit.size());
-    auto expert = [&](int64_t h, float* own, int inner) {
+    auto expert = [&](int64_t h, int inner) {
         const int64_t e = hit[h], first = start[e];
         run_expert(x, H, k, order.data() + first, start[e + 1] - first, addr<int64_t>(experts[2 * e]),
-                   addr<int64_t>(experts[2 * e + 1]), I, own, ys + first * H, inner);
+                   addr<int64_t>(experts[2 * e + 1]), I, ys + first * H, inner);
     };
     if (n_hit >= threads && threads > 1) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (int64_t h = 0; h < n_hit; ++h) expert(h, scratch + omp_get_thread_num() * per_thread, 1);
+        for (int64_t h = 0; h < n_hit; ++h) expert(h, 1);
     } else {
-        for (int64_t h = 0; h < n_hit; ++h) expert(h, scratch, threads);
+        for (int64_t h = 0; h < n_hit; ++h) expert(h, threads);
     }
     // Each row's outputs times its weights, added in ascending expert order: 0 + (y w) + (y w) ...
 #pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
