@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchserve.attention.base import AttentionBackend, LayerAttention, StepLayout, refuse_sinks
+from batchserve.attention.base import AttentionBackend, LayerAttention, StepLayout
 from batchserve.attention.invariant_attend import (
     SCRATCH_BYTES,
     Group,
@@ -97,10 +97,15 @@ class InvariantBackend(AttentionBackend):
         self.v_cache[:, :, :slots, head_dim] = 1.0  # the denominator's column
         # Each layer's views, made once (a step would make 150 of them).
         self.pools = [LayerPool.of(k, v, self.group, self.granule) for k, v in zip(self.k_cache, self.v_cache)]
+        self._sinks: list[torch.Tensor | None] = []  # each layer's sinks [Hq] (`set_layers`)
 
     def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
-        refuse_sinks(layers, "invariant torch-op")
         super().set_layers(layers)
+        # Each layer's sinks [Hq] as `attend` reads them (gpt-oss), made once.
+        self._sinks = [
+            None if s.sinks is None else torch.tensor(s.sinks, dtype=self.k_cache.dtype, device=self.device)
+            for s in layers
+        ]
 
     def build_metadata(self, step: StepLayout, slot_mapping: torch.Tensor) -> InvariantMetadata:
         members = group_requests(step.q_len, step.kv_len)
@@ -214,11 +219,12 @@ class InvariantBackend(AttentionBackend):
         pool.new_values.index_copy_(1, metadata.slot_mapping, v)
         spec = self.layer(layer_idx)
         groups = metadata.groups if spec.window is None else metadata.windowed[spec.window]
+        sinks = self._sinks[layer_idx] if self._sinks else None
         if metadata.in_order:  # one group, the step's rows in order (decode steps): no scatter
-            out = attend(q, pool, groups[0], scale, spec.softcap)
+            out = attend(q, pool, groups[0], scale, spec.softcap, sinks)
         else:
             out = q.new_empty(metadata.num_tokens, q.shape[0], q.shape[2])  # [T, Hq, D]
             for g in groups:
-                out[g.out_rows] = attend(q, pool, g, scale, spec.softcap)
+                out[g.out_rows] = attend(q, pool, g, scale, spec.softcap, sinks)
         self.seconds += time.perf_counter() - t0
         return out  # [T, Hq, D], contiguous

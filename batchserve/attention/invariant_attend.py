@@ -244,11 +244,30 @@ def make_scratch(g: Group, storage: dict[str, torch.Tensor], pool: LayerPool) ->
     )
 
 
-def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float, softcap: float | None = None) -> torch.Tensor:
+def sink_rows(sinks: torch.Tensor, g: Group, pool: LayerPool) -> torch.Tensor:
+    """[Hkv, 1, P, 1]: each product row's sink (`sinks` [Hq], head-major as q's rows are laid out:
+    KV head, then its G query heads, each R rows); -inf on padding rows."""
+    kv_heads, group = pool.num_kv_heads, pool.group
+    padded, r = g.hidden.shape[1], g.num_rows
+    rows = sinks.view(kv_heads, group, 1).expand(kv_heads, group, r).reshape(kv_heads, group * r)
+    out = rows.new_full((kv_heads, 1, padded, 1), float("-inf"))
+    out[:, 0, : group * r, 0] = rows
+    return out
+
+
+def attend(
+    q: torch.Tensor,
+    pool: LayerPool,
+    g: Group,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[n, Hq, D]: the group's real rows of q [Hq, T, D] attended over its keys in one layer's
     pool, into the group's scratch (see `Scratch`; the products write into it). `softcap`: each
     scaled score s becomes softcap * tanh(s / softcap) before the mask (elementwise: a score's
-    bits are its own)."""
+    bits are its own). `sinks` [Hq] (gpt-oss): each head's logit joins its rows' max and adds
+    exp(sink - max) to their denominators, with no value (row by row: the bits stay a row's own)."""
     kv_heads, group, d = pool.num_kv_heads, pool.group, pool.head_dim
     b, r = g.hidden.shape[0], g.num_rows
     sc = g.scratch
@@ -273,7 +292,12 @@ def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float, softcap: fl
             weights.add_(g.hidden)
             if not exact_scale:
                 weights.mul_(scale)
-        weights.sub_(weights.amax(-1, keepdim=True)).exp_()
+        top = weights.amax(-1, keepdim=True)  # [Hkv, B, P, 1]
+        if sinks is not None:
+            sink = sink_rows(sinks, g, pool)
+            top = torch.maximum(top, sink)
+            sink = (sink - top).exp_()  # [Hkv, B, P, 1]: the sink's share of each row's denominator
+        weights.sub_(top).exp_()
     if sc.by_granule is not None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
         t = sc.by_granule
         torch.index_select(pool.value_granules, 1, t.granules, out=t.values)
@@ -289,6 +313,8 @@ def attend(q: torch.Tensor, pool: LayerPool, g: Group, scale: float, softcap: fl
     acc, *rest = sc.tile_parts  # summed in tile (logical) order into the first, in place: the same
     for part in rest:  # sums as decoding one row at a time, in a decode group and a tree group alike
         acc.add_(part)
+    if sinks is not None:  # after the keys' sum, in every group alike
+        sc.den.add_(sink[:, :, : group * r].view(kv_heads, b, group, r, 1))
     # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D]
     # (a new tensor each layer: a caller may keep every layer's output).
     out = q.new_empty(b * r, kv_heads * group, d)

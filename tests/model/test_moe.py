@@ -194,12 +194,14 @@ def test_the_gpt_oss_20b_plan_is_llama_quantizes_mxfp4_moe():
 
 def test_attention_sinks_run_natively_and_are_never_dropped():
     """gpt-oss adds a learned logit per head to each softmax's denominator: our forward applies it
-    (its outputs against transformers' in test_families), and where it would be dropped, on
-    transformers' modules or a backend without it, the model is refused with the reason."""
+    on both CPU invariant backends (the C++ kernel's and the torch-op one's greedy output is
+    transformers'), and where it would be dropped, on transformers' modules or FlashInfer, the
+    model is refused with the reason."""
     import transformers as tf
 
-    from batchserve import LLM
-    from tests.conftest import make_tiny_tokenizer
+    from batchserve import LLM, SamplingParams
+    from batchserve.attention.base import LayerAttention, refuse_sinks
+    from tests.conftest import hf_greedy, make_tiny_tokenizer
     from tests.model.test_llama import _model
 
     model = _model("gpt-oss")
@@ -207,10 +209,16 @@ def test_attention_sinks_run_natively_and_are_never_dropped():
     with pytest.raises(ValueError, match="sinks"):
         LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl="transformers")
     with pytest.raises(ValueError, match="sinks"):
-        LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl="native", attention_backend="invariant")
-    llm = LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl="native", draft="none")
-    sinks = llm.engine.runner.backend.layers[0].sinks
-    assert sinks is not None and len(sinks) == model.config.num_attention_heads
+        refuse_sinks((LayerAttention(sinks=(0.5,) * 4),), "FlashInfer")  # FlashInfer's: not computed there
+    prompts = [[5, 9, 2, 7] * 3, [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+    expected = [hf_greedy(model, p, 8, ignore_eos=True) for p in prompts]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for backend in ("kernel", "invariant"):  # the C++ kernel and the torch-op invariant backend
+        llm = LLM(hf_model=model, tokenizer=make_tiny_tokenizer(), model_impl="native", draft="none",
+                  attention_backend=backend)  # fmt: skip
+        sinks = llm.engine.runner.backend.layers[0].sinks
+        assert sinks is not None and len(sinks) == model.config.num_attention_heads
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected, backend
 
 
 def _write_gpt_oss(model: torch.nn.Module, path: Path) -> Path:
