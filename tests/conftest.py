@@ -48,6 +48,7 @@ def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **shape: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sizes = {
+        "vocab_size": TINY_VOCAB,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 4,
@@ -56,7 +57,6 @@ def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **shape: 
         **shape,
     }
     config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
         num_hidden_layers=2,
         max_position_embeddings=1024,
         initializer_range=0.3,  # spread logits: random weights must not produce near-ties

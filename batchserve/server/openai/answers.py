@@ -12,6 +12,7 @@ from typing import Any
 
 from batchserve.request import FinishReason, RequestOutput, TokenLogprob
 from batchserve.server.frontend import EngineFailed
+from batchserve.server.openai.channels import ChannelSplit, Split, split_channels
 from batchserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchserve.server.openai.tools import ChatTools, ToolStream
 from batchserve.text import TextCodec
@@ -143,6 +144,7 @@ class AnswerView:
     echoes: tuple[EchoPrompt, ...] | None = None  # each prompt's, for a list of prompts
     tools: ChatTools | None = None
     per_prompt: int = 1  # samples of each prompt: sample i answers prompt i // per_prompt
+    channels: bool = False  # gpt-oss's harmony markup: `analysis` is reasoning_content (`channels.py`)
 
     def echo(self, sample: int) -> EchoPrompt | None:
         """The echoed prompt that sample `sample` (its index in the call) answers."""
@@ -155,6 +157,7 @@ class _Streamed:
 
     offset: int = 0  # characters of its tokens' text so far (completions' text_offset)
     tools: ToolStream | None = None
+    channels: ChannelSplit | None = None
     last: RequestOutput | None = None
 
 
@@ -187,11 +190,14 @@ class Answer:
             echo = self.view.echo(s.index)
             if self.view.chat:
                 choice["logprobs"] = self._logprobs(s.logprobs)
-                choice["message"] = {"role": "assistant", "content": s.text}
+                split = split_channels(s.text) if self.view.channels else Split(content=s.text)
+                choice["message"] = {"role": "assistant", "content": split.content}
                 if self.view.tools is not None:
-                    parsed = self.view.tools.parse(s.text)
+                    parsed = self.view.tools.parse(split.content)
                     choice["message"] = parsed.message()
                     choice["finish_reason"] = parsed.finish_reason(choice["finish_reason"])
+                if self.view.channels:
+                    choice["message"]["reasoning_content"] = split.reasoning or None
             elif echo is not None:
                 choice["text"] = echo.text + s.text
                 if id(s.last) not in echoed:
@@ -243,7 +249,10 @@ class Answer:
         """The chunks of one output of choice `i`: its opening chunks if it is the first."""
         events = []
         if i not in states:
-            states[i] = _Streamed(tools=self.view.tools.stream() if self.view.tools is not None else None)
+            states[i] = _Streamed(
+                tools=self.view.tools.stream() if self.view.tools is not None else None,
+                channels=ChannelSplit() if self.view.channels else None,
+            )
             events = self._opening(i, out, states[i])
         return events + self._events(i, out, states[i])
 
@@ -264,13 +273,19 @@ class Answer:
         finish = finish_reason(out)
         logprobs = self._logprobs(out.new_logprobs, state.offset) if out.new_logprobs else None
         state.offset += sum(len(self.token_text(e.token_id)) for e in out.new_logprobs or ())
-        text, calls = out.new_text, None
+        text, calls, reasoning = out.new_text, None, ""
+        if state.channels is not None:  # gpt-oss: its analysis apart, the markup out
+            split = state.channels.feed(text)
+            if finish is not None:
+                tail = state.channels.flush()
+                split = Split(split.reasoning + tail.reasoning, split.content + tail.content)
+            text, reasoning = split.content, split.reasoning
         if state.tools is not None:
             text = state.tools.feed(text)
             if finish is not None:
                 tail = state.tools.flush()
                 text, calls, finish = text + tail.content, tail.tool_calls, tail.parse.finish_reason(finish)
-        events = []
+        events = [self._chunk(i, "", None, reasoning=reasoning)] if reasoning else []
         if calls:  # the text first, then the calls with the finish reason
             if text or logprobs is not None:
                 events.append(self._chunk(i, text, None, logprobs))
@@ -280,11 +295,20 @@ class Answer:
         return events
 
     def _chunk(
-        self, i: int, text: str, finish: str | None, logprobs: Any = None, role: bool = False, calls: Any = None
+        self,
+        i: int,
+        text: str,
+        finish: str | None,
+        logprobs: Any = None,
+        role: bool = False,
+        calls: Any = None,
+        reasoning: str = "",
     ) -> str:
         choice: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": logprobs}
         if self.view.chat:
             choice["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+            if reasoning:  # gpt-oss's analysis channel, in chunks of its own
+                choice["delta"] = {"reasoning_content": reasoning}
             if calls:
                 choice["delta"] = {"tool_calls": calls}
             elif finish is not None and not text:

@@ -24,6 +24,7 @@ from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sam
 from batchserve.server.openai.auth import KeyCheck, http_tenant
 from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai.calls import check_utf8, install_error_handlers, unless_gone
+from batchserve.server.openai.channels import harmony_markup
 from batchserve.server.openai.errors import ApiError, error_response, param_of
 from batchserve.server.openai.logprobs import TokenText
 from batchserve.server.openai.responses import ResponseAnswer
@@ -56,6 +57,8 @@ class OpenAIServer:
         self.tenant_source = tenant_source
         self.created = int(time.time())
         self.token_text = TokenText(frontend.engine.core.tokenizer)
+        # gpt-oss: chat answers keep the harmony markup's text, split into reasoning and content.
+        self.channels = harmony_markup(frontend.engine.core.tokenizer)
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -129,7 +132,9 @@ class OpenAIServer:
         offered = tools.prompt_tools if tools is not None else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         _, per_prompt = body.samples(self.frontend.engine.core.config.limits)  # usage: the prompt once for n
-        view = AnswerView(chat=True, logprobs=bool(body.logprobs), tools=tools, per_prompt=per_prompt)
+        view = AnswerView(
+            chat=True, logprobs=bool(body.logprobs), tools=tools, per_prompt=per_prompt, channels=self.channels
+        )
         return await self._respond(body, request, lambda text: [text.render_chat(messages, offered)], max_tokens, view)
 
     async def _responses(self, body: ResponsesRequest, request: Request) -> Any:
@@ -149,8 +154,8 @@ class OpenAIServer:
             lambda text: [text.render_chat(messages, offered)]
         )  # fmt: skip
         chat.stream = body.stream
-        answer = ResponseAnswer(body, self.model_name, tools)
-        run = await self._run(chat, request, prepare, chat.max_completion_tokens, answer.id, 1)
+        answer = ResponseAnswer(body, self.model_name, tools, self.channels)
+        run = await self._run(chat, request, prepare, chat.max_completion_tokens, answer.id, 1, markup=self.channels)
         if run is None:
             return None
         first, outputs, samples = run
@@ -209,7 +214,8 @@ class OpenAIServer:
         a prompt's samples would all be one answer, so one request runs and its answer is each choice."""
         rid = ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex
         n, total = body.samples(self.frontend.engine.core.config.limits)
-        run = await self._run(body, request, prepare, max_tokens, rid, 1 if shared else total, num_prompts)
+        each = 1 if shared else total
+        run = await self._run(body, request, prepare, max_tokens, rid, each, num_prompts, markup=view.channels)
         if run is None:
             return None  # nobody to answer; the requests were aborted and their KV freed
         first, outputs, samples = run
@@ -236,16 +242,21 @@ class OpenAIServer:
         rid: str,
         total: int,
         num_prompts: int = 1,
+        markup: bool = False,
     ) -> Run | None:
         """Submit a call's requests (`total` samples of each prompt): its first output and the rest
         to stream (`body.stream`), or every sample collected; None where the client left, which
         aborts its requests at once (waiting, during its prefill, or decoding). Refusals and engine
-        failures before the first output are ApiErrors."""
+        failures before the first output are ApiErrors. `markup`: the text keeps the special
+        tokens' (gpt-oss's channels, split by the answer)."""
         tenant = self._tenant(request, body.user)
         core = self.frontend.engine.core
         outputs = self.frontend.generate_n(
             prepare,
-            lambda: body.sampling_params(max_tokens, core.facts.max_model_len, core.config.limits),
+            lambda: replace(
+                body.sampling_params(max_tokens, core.facts.max_model_len, core.config.limits),
+                skip_special_tokens=not markup,
+            ),
             rid,
             tenant,
             fit_context=max_tokens is not None,

@@ -15,6 +15,7 @@ from typing import Any
 from batchserve.request import FinishReason, RequestOutput
 from batchserve.server.frontend import EngineFailed
 from batchserve.server.openai.answers import constraint_failure, usage
+from batchserve.server.openai.channels import ChannelSplit, split_channels
 from batchserve.server.openai.responses_bodies import ResponsesRequest
 from batchserve.server.openai.tools import ChatTools, ToolParse
 
@@ -48,6 +49,7 @@ class ResponseAnswer:
     body: ResponsesRequest
     model: str
     tools: ChatTools | None
+    channels: bool = False  # gpt-oss's harmony markup: the `final` channel is the output text, the analysis left out
     id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
@@ -81,6 +83,8 @@ class ResponseAnswer:
         return obj
 
     def _parse(self, text: str) -> ToolParse:
+        if self.channels:
+            text = split_channels(text).content
         return self.tools.parse(text) if self.tools is not None else ToolParse(text, ())
 
     def whole(self, text: str, last: RequestOutput) -> dict[str, Any]:
@@ -104,11 +108,15 @@ class ResponseAnswer:
         yield self._event("response.in_progress", response=self._object("in_progress", [], None))
         state = _TextState(_id("msg"))
         parser = self.tools.stream() if self.tools is not None else None
+        channels = ChannelSplit() if self.channels else None
         out: RequestOutput | None = first
         try:
             while out is not None:
                 last = out
-                delta = parser.feed(out.new_text) if parser is not None else out.new_text
+                delta = out.new_text
+                if channels is not None:
+                    delta = channels.feed(delta).content + (channels.flush().content if out.finished else "")
+                delta = parser.feed(delta) if parser is not None else delta
                 for event in state.text(self, delta):
                     yield event
                 if (failure := constraint_failure(out)) is not None:

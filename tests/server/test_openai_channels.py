@@ -1,0 +1,171 @@
+"""gpt-oss through the OpenAI API: its chat template (llama.cpp's copy of the model's) renders, its
+harmony output's `analysis` channel is `reasoning_content` and `final` is `content`, whole and
+streamed (the two never in one delta), with the markup out of both whatever the pieces it comes
+in; a chat call on a harmony vocabulary keeps the special tokens' text for that split."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from batchserve.detokenize import Detokenizer
+from batchserve.request import FinishReason, RequestOutput, RequestStats
+from batchserve.server.openai.answers import Answer, AnswerView, Sample
+from batchserve.server.openai.channels import MOST_HEADER_CHARS, ChannelSplit, harmony_markup, split_channels
+from batchserve.server.openai.logprobs import TokenText
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from tests.model.test_gguf_tokenizer import VOCAB_DIR
+from tests.server.test_openai_api import _client
+
+MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+THINKING, ANSWER = "The user greets; answer < 5 words | <| kindly.", "Hello <there>!"
+HARMONY = (
+    f"<|channel|>analysis<|message|>{THINKING}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}<|return|>"
+)
+
+
+def harmony_tokenizer() -> Any:
+    """The tiny byte tokenizer with gpt-oss's markers as special tokens of their own."""
+    tok = make_tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": MARKERS})
+    return tok
+
+
+def _pieces(text: str, every: int) -> list[str]:
+    return [text[i : i + every] for i in range(0, len(text), every)]
+
+
+def test_the_analysis_is_reasoning_and_the_final_channel_content_in_any_pieces():
+    assert split_channels(HARMONY) == split_channels(HARMONY)  # a dataclass: compared by value
+    whole = split_channels(HARMONY)
+    assert (whole.reasoning, whole.content) == (THINKING, ANSWER)
+    for every in (1, 2, 3, 7, len(HARMONY)):  # markers cut anywhere
+        split, reasoning, content = ChannelSplit(), "", ""
+        for piece in [*_pieces(HARMONY, every), None]:
+            out = split.flush() if piece is None else split.feed(piece)
+            reasoning, content = reasoning + out.reasoning, content + out.content
+        assert (reasoning, content) == (THINKING, ANSWER), every
+
+
+def test_text_without_harmony_is_content_and_a_cut_header_is_dropped():
+    assert split_channels("plain <b>text</b> <|not a marker|>").content == "plain <b>text</b> <|not a marker|>"
+    long = "x" * (MOST_HEADER_CHARS + 10)  # a header that never opens a message is not held unbounded
+    split = ChannelSplit()
+    assert split.feed(long).content == long and split.feed("more").content == "more"
+    # Cut by max_tokens inside the next header: what the header held is never shown.
+    cut = split_channels("<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>fin")
+    assert (cut.reasoning, cut.content) == ("hm", "")
+    # A preamble to the user, and a tool call's recipient and content type kept out of the text.
+    call = split_channels('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>')
+    assert (call.reasoning, call.content) == ("", '{"a": 1}')
+
+
+def _output(text: str, finished: bool) -> RequestOutput:
+    reason = FinishReason.EOS if finished else None
+    return RequestOutput("r", [1], text, finished, reason, 3, 1, RequestStats())
+
+
+async def _aiter(items: list[Any]) -> Any:
+    for item in items:
+        yield item
+
+
+async def test_chat_answers_carry_reasoning_content_whole_and_streamed_apart():
+    tok = harmony_tokenizer()
+    answer = Answer("chatcmpl-1", "m", AnswerView(chat=True, channels=True), TokenText(tok))
+    sample = Sample(0, texts=[HARMONY], last=_output("", True))
+    message = answer.whole([sample], [sample])["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": ANSWER, "reasoning_content": THINKING}
+
+    outputs = [(0, _output(p, False)) for p in _pieces(HARMONY, 5)]
+    outputs[-1] = (0, _output(outputs[-1][1].new_text, True))
+    events = [e async for e in answer.stream(outputs[0], _aiter(outputs[1:]), include_usage=False)]
+    deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["delta"] for e in events[:-1]]
+    assert events[-1] == "data: [DONE]\n\n"
+    assert all(not ("reasoning_content" in d and "content" in d) for d in deltas)  # never in one delta
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == THINKING
+    assert "".join(d.get("content", "") for d in deltas) == ANSWER
+
+
+def test_a_harmony_vocabulary_keeps_the_markups_text_only_when_asked():
+    tok = harmony_tokenizer()
+    assert harmony_markup(tok) and not harmony_markup(make_tiny_tokenizer())
+    ids = tok(HARMONY, add_special_tokens=False).input_ids
+    assert {tok.convert_tokens_to_ids(m) for m in MARKERS} & set(ids)  # one id a marker
+    detok = Detokenizer(tok)
+    for request_id, skip in (("kept", False), ("skipped", True)):
+        detok.start(request_id, (), skip_special=skip)
+        for i in ids:
+            detok.on_token(request_id, i)
+    assert detok.take("kept", True) == HARMONY
+    plain = HARMONY
+    for marker in MARKERS:
+        plain = plain.replace(marker, "")
+    assert detok.take("skipped", True) == plain
+
+
+def test_the_models_own_chat_template_renders():
+    path = VOCAB_DIR / "openai-gpt-oss-120b.jinja"
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's gpt-oss template is not at {VOCAB_DIR} (scripts/llama_vocab.py fetches it)")
+    from batchserve.config import LimitsConfig
+    from batchserve.text import TextCodec
+
+    tok = harmony_tokenizer()
+    tok.chat_template = path.read_text()
+    codec = TextCodec(tok, vocab_size=len(tok), max_model_len=4096, limits=LimitsConfig())
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    text = tok.decode(list(codec.render_chat(messages)), skip_special_tokens=False)
+    assert text.startswith("<|start|>system<|message|>") and "<|start|>developer<|message|># Instructions" in text
+    assert "Be brief." in text and text.endswith("<|start|>user<|message|>Bye<|end|><|start|>assistant")
+
+
+@pytest.fixture
+async def harmony_api():
+    """A server whose tokenizer speaks harmony, over the tiny model (its vocabulary grown to the markers)."""
+    from batchserve.config import CacheConfig, DraftConfig, EngineConfig, SchedulerConfig
+    from batchserve.engine import EngineCore
+    from tests.server.conftest import CHAT_TEMPLATE, start_server
+
+    tok = harmony_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+        draft=DraftConfig(decoding_length=8, adaptive=False),
+    )
+    r = await start_server(EngineCore(config, make_tiny_model(vocab_size=len(tok)), tok), http=True, metrics_port=0)
+    yield r
+    await r.channel.close()
+    await r.server.shutdown()
+
+
+async def test_a_chat_call_keeps_the_markup_a_completion_does_not(harmony_api):
+    """The chat answer is split from the text with the special tokens' (every marker the model
+    writes: here forced by a logit bias, so the whole answer is markup and nothing is shown); a
+    legacy completion's text is the model's text without them, as before."""
+    engine, seen = harmony_api.server.engine, []
+    generate = engine.generate
+
+    def spy(sub: Any) -> Any:
+        seen.append(sub.params.skip_special_tokens)
+        return generate(sub)
+
+    engine.generate = spy
+    client, tok = _client(harmony_api), harmony_tokenizer()
+    bias = {str(tok.convert_tokens_to_ids("<|end|>")): 100}
+    chat = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, logit_bias=bias
+    )
+    message = chat.choices[0].message
+    assert message.content == "" and getattr(message, "reasoning_content", "missing") is None
+    done = await client.completions.create(model="tiny", prompt="hi", max_tokens=4, logit_bias=bias)
+    assert done.choices[0].text == ""
+    assert seen == [False, True]
