@@ -57,36 +57,64 @@ def step_of(runner: ModelRunner, contexts: list[int], num_tokens: int) -> Schedu
     `num_tokens` rows in all (split as evenly as possible)."""
     n = len(contexts)
     rows = [num_tokens // n + (1 if i < num_tokens % n else 0) for i in range(n)]
-    return _requests(runner, contexts, [_chain(r - 1) for r in rows])
+    vocab = vocab_of(runner)
+    return _requests(runner, contexts, [_chain(r - 1, vocab, i) for i, r in enumerate(rows)])
 
 
-def _tokens(n: int) -> tuple[int, ...]:
-    """n distinct draft tokens (siblings must differ)."""
-    return tuple((7 * j + 3) % 97 + 1 for j in range(n))
+# The stride between a step's token ids: a prime, so that ids taken in turn modulo the vocabulary
+# are distinct (siblings must differ) and spread over all of it.
+STRIDE = 7919
 
 
-def _chain(n: int) -> DraftTree | None:
-    return DraftTree.chain(_tokens(n)) if n > 0 else None
+def vocab_of(runner: ModelRunner) -> int:
+    """The model's vocabulary size (its config's; 256 where it names none)."""
+    config = getattr(runner.model, "config", None)
+    return int(getattr(config, "vocab_size", 0) or 256)
 
 
-def _tree(n: int) -> DraftTree | None:
+def spread_tokens(n: int, vocab: int, start: int = 0) -> tuple[int, ...]:
+    """n token ids spread over the vocabulary, distinct while n <= vocab: the rows of a mixture of
+    experts then route as text's varied tokens do. Ids from a narrow range, all the step's roots
+    one id, route alike: 16 requests would read one token's k experts where text reads about 16 k,
+    and the profile would price a row of an MoE step far below its cost."""
+    stride = STRIDE if vocab % STRIDE else STRIDE + 2
+    return tuple((start + j) * stride % vocab for j in range(n))
+
+
+# Where request r's draft ids start in `spread_tokens`' order: past the requests' own last
+# tokens (the first ROOTS), then DRAFT_SPAN a request.
+ROOTS, DRAFT_SPAN = 64, 512
+
+
+def _draft_tokens(n: int, vocab: int, request: int) -> tuple[int, ...]:
+    return spread_tokens(n, vocab, ROOTS + DRAFT_SPAN * request)
+
+
+def _chain(n: int, vocab: int, request: int) -> DraftTree | None:
+    return DraftTree.chain(_draft_tokens(n, vocab, request)) if n > 0 else None
+
+
+def _tree(n: int, vocab: int, request: int) -> DraftTree | None:
     """n draft nodes shaped as a trie proposes them: two branches off the root, the first one deep."""
     if n < 2:
-        return _chain(n)
-    return DraftTree(_tokens(n), (None, None, 0, *range(2, n - 1))[:n])
+        return _chain(n, vocab, request)
+    return DraftTree(_draft_tokens(n, vocab, request), (None, None, 0, *range(2, n - 1))[:n])
 
 
 def _draft_step(runner: ModelRunner, contexts: list[int]) -> SchedulerOutput:
     """One request per entry of `contexts` with `DRAFT_PATTERN`'s trees (`_pattern_rows` draft rows)."""
     drafts = [DRAFT_PATTERN[i % len(DRAFT_PATTERN)] for i in range(len(contexts))]
-    return _requests(runner, contexts, [_tree(d) for d in drafts])
+    vocab = vocab_of(runner)
+    return _requests(runner, contexts, [_tree(d, vocab, i) for i, d in enumerate(drafts)])
 
 
 def _requests(runner: ModelRunner, contexts: list[int], drafts: list[DraftTree | None]) -> SchedulerOutput:
-    """One request per entry of `contexts`, each computing 1 token plus its draft."""
+    """One request per entry of `contexts`, each computing 1 token (its own id: `spread_tokens`)
+    plus its draft."""
     bs = runner.backend.block_size
     reqs = []
     next_block = 0
+    roots = spread_tokens(len(contexts), vocab_of(runner))
     for i, (ctx, draft) in enumerate(zip(contexts, drafts)):
         rows = 1 + (len(draft) if draft is not None else 0)
         num_blocks = -(-(ctx + rows) // bs)
@@ -95,7 +123,7 @@ def _requests(runner: ModelRunner, contexts: list[int], drafts: list[DraftTree |
         reqs.append(
             ScheduledRequest(
                 request_id=f"calibrate-{i}",
-                token_ids=(1,),
+                token_ids=(roots[i],),
                 num_computed_tokens=ctx,
                 block_ids=blocks,
                 draft=draft,

@@ -190,3 +190,24 @@ def test_the_quick_profile_measures_what_its_budget_affords_and_extrapolates_the
     assert "the rest extrapolated" in caplog.text
     last = profile.token_counts[-1]
     assert profile.time_ms(64, 64) > profile.time_ms(last, 64) > profile.time_ms(1, 64)  # the last segment, on
+
+
+def test_a_steps_rows_carry_distinct_ids_spread_over_the_vocabulary():
+    """A mixture of experts routes each row by its token: rows of one id (every request's root
+    the same token, as the steps had) read one token's experts where text reads many, and the
+    profile priced an MoE step's rows far below their cost."""
+    runner = _core().runner
+    vocab = cal.vocab_of(runner)
+    assert vocab == 256
+    many = cal.step_of(runner, [8] * 16, 16)  # 16 requests, a row each
+    roots = [r.token_ids[0] for r in many.requests]
+    assert len(set(roots)) == 16 and max(roots) - min(roots) > vocab // 2
+    one = cal.step_of(runner, [8], 40)  # one request's chain
+    chain = one.requests[0].draft
+    assert chain is not None and len(set(chain.tokens)) == 39 and set(chain.tokens).isdisjoint(roots[:1])
+    trees = cal._draft_step(runner, [8] * 8)
+    for r in trees.requests:
+        if r.draft is not None and len(r.draft) > 1:  # the root's two branches differ
+            assert r.draft.tokens[0] != r.draft.tokens[1]
+    assert all(0 <= t < vocab for t in cal.spread_tokens(5000, vocab))
+    assert len(set(cal.spread_tokens(vocab, vocab))) == vocab  # distinct up to the vocabulary's size
