@@ -139,6 +139,9 @@ class SchedulerConfig:
     tenant_slack: float = setting(
         0.1, "how much longer a tenant's prompts over a step's budget may make a step serving other tenants"
     )
+    prompt_stall: float = setting(
+        1.0, "how much longer prompt chunks may make a step that carries decodes (measured; inf: no bound)"
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -150,6 +153,8 @@ class SchedulerConfig:
             )
         if not 0 <= self.tenant_slack <= 1000:
             raise ValueError(f"tenant_slack must be in [0, 1000], got {self.tenant_slack}")
+        if not self.prompt_stall > 0:  # NaN too; inf: no bound
+            raise ValueError(f"prompt_stall must be positive (inf: no bound), got {self.prompt_stall}")
 
 
 @dataclass(frozen=True, slots=True)

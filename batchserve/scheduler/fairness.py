@@ -151,6 +151,11 @@ class PromptSlack:
             self._seen[tenant] = now
         self._last = (out, background_tokens) if shared else None
 
+    def rebind(self, scheduled: SchedulerOutput, runs: SchedulerOutput) -> None:
+        """The step scheduled last runs as `runs` (its drafts hung off it): measured as that."""
+        if self._last is not None and self._last[0] is scheduled:
+            self._last = (runs, self._last[1])
+
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
         """The measured wall time of a step this scheduled (others are ignored)."""
         last, self._last = self._last, None

@@ -28,6 +28,7 @@ from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.chunks import committed_chunk, with_drafts
 from batchserve.scheduler.commit import StepCommit, TokenHook, commit_request
 from batchserve.scheduler.fairness import PromptSlack, background_tenants, background_victim, victim_for_blocks
+from batchserve.scheduler.pacing import PromptPacing
 from batchserve.scheduler.prefix_cache import PrefixCache
 from batchserve.scheduler.seats import SeatShares
 
@@ -63,6 +64,8 @@ class Scheduler:
         self.num_preemptions = 0  # since start
         self.prefix = PrefixCache(allocator, scope, enabled=prefix_caching)
         self.slack = PromptSlack(config.tenant_slack, config.max_num_batched_tokens)
+        self.pacing = PromptPacing(config.prompt_stall, config.max_num_batched_tokens)
+        self._room: int | None = None  # this step's prompt tokens left beside its decodes (`PromptPacing`)
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []  # for the runner, since the last schedule()
         self._failed: list[Request] = []  # ended by schedule() itself: their final outputs are owed
@@ -132,6 +135,8 @@ class Scheduler:
         for victim in self._seats.victims(self.running):  # a tenant over its seats while others wait
             self._preempt(victim)
         scheduled: list[ScheduledRequest] = []
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        self._room = self.pacing.room(decodes)
         # Running requests first, oldest first; background tenants' prompt chunks wait for last.
         budget, held = self._schedule_running(scheduled, self.config.max_num_batched_tokens, background)
         # Then admit waiting requests while there are seats, tokens and blocks.
@@ -147,6 +152,8 @@ class Scheduler:
         out = SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished, draft_budget=budget)
         tenants = {self.requests[s.request_id].tenant for s in scheduled if s.request_id in self.requests}
         self.slack.scheduled(out, tenants, shared and bool(background), joined)
+        prompt = sum(s.num_tokens for s in scheduled if s.num_tokens > 1)
+        self.pacing.scheduled(out, sum(1 for s in scheduled if s.num_tokens == 1), prompt)
         return out
 
     def reserve(self, out: SchedulerOutput, drafts: StepDrafts) -> SchedulerOutput:
@@ -167,11 +174,17 @@ class Scheduler:
             items.append(item)
         for rid, error in self.grammar.failed.items():  # left out of the step: it ends here
             self._failed += self.fail([rid], error, FinishReason.CONSTRAINT_FAILED)
-        return replace(out, requests=tuple(items))
+        reserved = replace(out, requests=tuple(items))
+        # The step is measured as the engine runs it: this object (`observe_step`).
+        self.slack.rebind(out, reserved)
+        self.pacing.rebind(out, reserved)
+        return reserved
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's measured wall time: background tenants' share of the next ones follows it."""
+        """A step's measured wall time: background tenants' share of the next ones follows it, and
+        so do the prompt tokens a step beside decodes may take."""
         self.slack.observe(out, seconds)
+        self.pacing.observe(out, seconds)
 
     def _schedule_running(
         self, scheduled: list[ScheduledRequest], budget: int, background: frozenset[str]
@@ -190,6 +203,8 @@ class Scheduler:
             if req.tenant in background and req.num_tokens - req.num_computed_tokens > 1:
                 held.append(req)
                 continue
+            if self._paced(req) == 0:
+                continue  # its prompt waits: this step's decodes have their share of prompt work
             item = self._try_schedule(req, budget)
             while item is None:
                 victim = victim_for_blocks(self.running, taken, background)
@@ -223,6 +238,9 @@ class Scheduler:
                     break
                 self._preempt(victim)
             cached = self.prefix.reuse(req)
+            if self._paced(req) == 0:
+                self._drop_blocks(req)
+                break  # FCFS: it is admitted when a step has room for its prompt
             if self.prefix.should_wait(req, in_flight):
                 self._drop_blocks(req)
                 continue  # it keeps its place in the queue
@@ -319,12 +337,23 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------
 
+    def _paced(self, req: Request) -> int | None:
+        """The prompt tokens `req` may compute this step beside decodes (None: no bound; a
+        request at its last token is a decode, never bounded)."""
+        if self._room is None or req.num_tokens - req.num_computed_tokens <= 1:
+            return None
+        return max(0, self._room)
+
     def _try_schedule(self, req: Request, budget: int) -> ScheduledRequest | None:
-        """Plan `req`'s committed tokens for this step within `budget`, or None if out of blocks."""
+        """Plan `req`'s committed tokens for this step within `budget` (and the prompt tokens
+        `PromptPacing` leaves beside decodes), or None if out of blocks."""
         num_pending = req.num_tokens - req.num_computed_tokens
-        chunk = min(num_pending, budget)
+        room = self._paced(req)
+        chunk = min(num_pending, budget, num_pending if room is None else room)
         if not self.allocator.grow(req.block_ids, req.num_computed_tokens + chunk):
             return None
+        if room is not None:
+            self._room = room - chunk
         return committed_chunk(req, chunk, sample=chunk == num_pending)
 
     def trim_blocks(self, req: Request) -> None:
