@@ -101,9 +101,7 @@ class SamplingParams:
     # A resumed generation: the tokens already generated for this request (elsewhere, before a
     # failure). The engine continues as if it had produced them (`batchserve/resume.py`).
     resume_token_ids: tuple[int, ...] = ()
-    # Whether the output's text leaves out special tokens' text (False: gpt-oss's channel markup,
-    # which the chat API splits into reasoning and content).
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = True  # False: the text keeps them (gpt-oss's channels, split by the chat API)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:

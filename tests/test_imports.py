@@ -118,7 +118,8 @@ def test_the_analysis_sees_what_it_must() -> None:
 
 # What `scheduler/` may hold: batching (admission, chunks, preemption, blocks, the prefix cache).
 SCHEDULER_MODULES = {
-    "__init__", "scheduler", "chunks", "commit", "fairness", "seats", "block_allocator", "prefix_cache"
+    "__init__", "scheduler", "book", "chunks", "commit", "fairness", "pacing", "seats", "block_allocator",
+    "prefix_cache",
 }  # fmt: skip
 
 

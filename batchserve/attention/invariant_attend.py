@@ -255,6 +255,21 @@ def sink_rows(sinks: torch.Tensor, g: Group, pool: LayerPool) -> torch.Tensor:
     return out
 
 
+def _softmax_numerators(
+    weights: torch.Tensor, g: Group, pool: LayerPool, sinks: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Each row's scores [Hkv, B, P, Lk] into exp(s - max) in place, the max over its keys and
+    its head's sink (`sinks` [Hq]); the sink's exp(sink - max) [Hkv, B, P, 1] (None without)."""
+    top = weights.amax(-1, keepdim=True)  # [Hkv, B, P, 1]
+    sink = None
+    if sinks is not None:
+        sink = sink_rows(sinks, g, pool)
+        top = torch.maximum(top, sink)
+        sink = (sink - top).exp_()  # the sink's share of each row's denominator
+    weights.sub_(top).exp_()
+    return sink
+
+
 def attend(
     q: torch.Tensor,
     pool: LayerPool,
@@ -292,12 +307,7 @@ def attend(
             weights.add_(g.hidden)
             if not exact_scale:
                 weights.mul_(scale)
-        top = weights.amax(-1, keepdim=True)  # [Hkv, B, P, 1]
-        if sinks is not None:
-            sink = sink_rows(sinks, g, pool)
-            top = torch.maximum(top, sink)
-            sink = (sink - top).exp_()  # [Hkv, B, P, 1]: the sink's share of each row's denominator
-        weights.sub_(top).exp_()
+        sink = _softmax_numerators(weights, g, pool, sinks)
     if sc.by_granule is not None:  # tile t: keys [t*KEY_TILE, (t+1)*KEY_TILE) as they stand
         t = sc.by_granule
         torch.index_select(pool.value_granules, 1, t.granules, out=t.values)
@@ -313,7 +323,7 @@ def attend(
     acc, *rest = sc.tile_parts  # summed in tile (logical) order into the first, in place: the same
     for part in rest:  # sums as decoding one row at a time, in a decode group and a tree group alike
         acc.add_(part)
-    if sinks is not None:  # after the keys' sum, in every group alike
+    if sink is not None:  # after the keys' sum, in every group alike
         sc.den.add_(sink[:, :, : group * r].view(kv_heads, b, group, r, 1))
     # Divided straight into the layout the output projection reads: [B, R, Hkv, G, D] = [B*R, Hq, D]
     # (a new tensor each layer: a caller may keep every layer's output).
