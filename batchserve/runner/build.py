@@ -14,7 +14,15 @@ from batchserve.attention import INVARIANT_BACKENDS, make_backend
 from batchserve.config import EngineConfig
 from batchserve.model import has_invariant_linears
 from batchserve.model.llama import attention_sinks, layer_attention, rope_limit
-from batchserve.runner.check_cache import cached_check, check_key, store_check
+from batchserve.runner.check_cache import (
+    cached_check,
+    check_key,
+    memo_key,
+    remember_check,
+    remembered_check,
+    shape_key,
+    store_check,
+)
 from batchserve.runner.forward import ForwardChoice
 from batchserve.runner.graphs import CaptureReport, StepGraphs
 from batchserve.runner.layer_check import check_layers
@@ -69,7 +77,12 @@ class ModelFacts:
 
 
 def build_checked_runner(
-    model: Any, tokenizer: Any, config: EngineConfig, forward: ForwardChoice, cache_check: bool = False
+    model: Any,
+    tokenizer: Any,
+    config: EngineConfig,
+    forward: ForwardChoice,
+    cache_check: bool = False,
+    source: Any = None,
 ) -> tuple[ModelRunner, ModelFacts]:
     """`build_runner`, then the contract checked on the native CPU model (`check_contract`) where
     the invariant attention claims it, or where auto chose no invariant attention because the
@@ -78,7 +91,8 @@ def build_checked_runner(
     broke. Where nothing was claimed (the probe had failed) the server says `batch_invariant: false`
     with the layer to blame. `cache_check`: the engine read the model from its file
     itself, so the check's verdict may be cached by file and CPU (`check_cache`); a model handed in
-    may be any object, and is checked every time."""
+    (`source`, before the forward was built over it) may be any object: its verdict is kept in this
+    process for that object as it stands (`remembered_check`)."""
     runner, facts = build_runner(model, tokenizer, config, forward)
     claimed = facts.attention_backend in INVARIANT_BACKENDS
     # auto took the torch attention because the products' probe failed: check a float32 model
@@ -89,13 +103,18 @@ def build_checked_runner(
     if runner.device.type != "cpu" or not getattr(model, "native", False) or not (claimed or probed):
         return runner, facts
     key = check_key(runner, config, facts) if cache_check else None
-    check = cached_check(key)
+    handed = source is not None and not cache_check
+    memo = memo_key(source, forward, shape_key(runner, config, facts)) if handed else None
+    check = cached_check(key) if memo is None else remembered_check(source, memo)
     if check is not None:
         refuse(model, check, claimed)
-        logger.info("batch invariance: %s (%.2f s when checked; cached by file and CPU)", check.detail, check.seconds)
+        where = "cached by file and CPU" if memo is None else "this model object's, unchanged, this process"
+        logger.info("batch invariance: %s (%.2f s when checked; %s)", check.detail, check.seconds, where)
         return runner, dataclasses.replace(facts, check=check)
     check = check_contract(runner, facts, config, claimed)
     store_check(key, check)
+    if memo is not None:
+        remember_check(source, memo, check)
     refuse(model, check, claimed)
     if check.invariant:
         logger.info("batch invariance: %s (%.2f s)", check.detail, check.seconds)
