@@ -1,16 +1,21 @@
-"""Prompt chunks beside decodes: a step that carries both is at most (1 + `prompt_stall`) times as
-long as the same decodes alone, so streams stay smooth while prompts are computed.
+"""Prompt chunks beside decodes: a step that carries both takes at most (1 + `prompt_stall`) times
+as long as the same decodes alone, or `UNNOTICED_MS`, whichever is more, so that streams stay
+smooth while prompts are computed.
 
-On a big model a prompt chunk costs seconds (a 30B mixture of experts on 2 cores computes about a
+On a big model a prompt chunk costs seconds (a 30B mixture of experts on 2 cores computes a few
 hundred prompt tokens a second), and every request decoding in that step waits for it: a whole
-token budget of prompt made the decodes' time per token (TPOT) p99 several times their median.
+token budget of prompt made the decodes' time per token (TPOT) p99 nearly twice their median.
 `PromptPacing` bounds the prompt tokens of such a step by feedback on measured wall time, as
 `PromptSlack` (fairness.py) bounds a background tenant's: steps of decodes alone keep a baseline;
-after a step with prompt tokens their allowance is scaled by how far the step overran (1 + stall)
-times that baseline (at most halved or doubled a step). One step in `REFRESH_EVERY` with decodes
-carries no prompt, so the baseline follows the batch and the contexts as they grow (and is
-measured at all: until it is, steps are unbounded). Steps without
-decodes take the whole budget: nobody waits on them. Pure Python.
+after a step with prompt tokens their allowance is scaled by how far the step overran its bound
+(at most halved or doubled a step).
+
+A step within `UNNOTICED_MS` is never bounded: a small model's whole budget of prompt costs less
+than a stream would notice, and it keeps prefilling at full speed. Only once a step with prompt
+tokens has run past that does the baseline matter: then, where no step of decodes alone has
+measured it yet, or while the allowance binds, one step in `REFRESH_EVERY` with decodes carries no
+prompt, so the baseline follows the batch and the contexts as they grow. Steps without decodes
+take the whole budget: nobody waits on them. Pure Python.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from batchserve.records import SchedulerOutput
 _BASELINE_WEIGHT = 0.25
 # The allowance grows or shrinks by at most this factor from one measured step to the next.
 _MAX_STEP_CHANGE = 2.0
-# Steps with decodes between two that carry no prompt (the baseline's refresh).
+# Steps with decodes between two that carry no prompt (the baseline's refresh), while it matters.
 REFRESH_EVERY = 8
+# A pause a stream does not notice: steps up to this long are never bounded.
+UNNOTICED_MS = 500.0
 
 
 @dataclass(slots=True)
@@ -33,25 +40,27 @@ class PromptPacing:
     """How many prompt tokens a step that carries decodes may take (see the module doc)."""
 
     stall: float  # SchedulerConfig.prompt_stall; inf: no bound
-    budget: int  # tokens a step: the most the allowance grows to
+    budget: int  # tokens a step: the most the allowance grows to, and where it starts
     floor: int = 16  # the least it shrinks to: prompts always progress
-    tokens: int = 0  # the allowance; starts at the floor
+    tokens: int = 0  # the allowance (0: the budget)
     baseline_ms: float | None = None
-    _steps: int = 0  # steps with decodes since the last one without prompt tokens
+    _steps: int = 0  # steps with prompt tokens beside decodes since the last decode-only one
+    _slow: bool = False  # a step with prompt tokens beside decodes ran past UNNOTICED_MS
     _last: tuple[SchedulerOutput, int] | None = None  # the step scheduled last, its prompt tokens
 
     def __post_init__(self) -> None:
         self.floor = max(1, min(self.floor, self.budget))
-        self.tokens = max(self.tokens, self.floor)
+        self.tokens = self.tokens or self.budget
 
     def room(self, decodes: int) -> int | None:
         """Prompt tokens allowed in the step being scheduled, which carries `decodes` decode rows
         (None: no bound). 0 where the step measures the baseline."""
-        if decodes == 0 or math.isinf(self.stall):
+        if decodes == 0 or math.isinf(self.stall) or not self._slow:
             return None
-        if self._steps >= REFRESH_EVERY:
+        binding = self.baseline_ms is None or self.tokens < self.budget
+        if binding and self._steps >= REFRESH_EVERY:
             return 0
-        return None if self.baseline_ms is None else self.tokens  # unbounded until a baseline is measured
+        return None if self.baseline_ms is None else self.tokens
 
     def scheduled(self, out: SchedulerOutput, decodes: int, prompt_tokens: int) -> None:
         """The step just scheduled: its decode rows and prompt tokens (steps with decodes are measured)."""
@@ -76,8 +85,11 @@ class PromptPacing:
             base = self.baseline_ms
             self.baseline_ms = ms if base is None else base + _BASELINE_WEIGHT * (ms - base)
             return
-        base = self.baseline_ms or ms
-        excess, room = ms - base, self.stall * base
+        self._slow = self._slow or ms > UNNOTICED_MS
+        if self.baseline_ms is None:
+            return  # unbounded until a step of decodes alone is measured
+        base = self.baseline_ms
+        excess, room = ms - base, max(self.stall * base, UNNOTICED_MS - base)
         scale = _MAX_STEP_CHANGE if excess <= room / _MAX_STEP_CHANGE else max(1 / _MAX_STEP_CHANGE, room / excess)
         sized = round(prompt * scale)
         if excess <= room:  # room left: never below what was allowed (the chunk may have been short)
