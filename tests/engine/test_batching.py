@@ -150,14 +150,8 @@ def test_preemption_recomputes_and_stays_lossless(tiny_model):
     prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(20, 40))] for _ in range(8)]
     # 8 requests of up to 40 + 40 tokens, 4-token blocks: 30 blocks hold about one and a half.
     # Without the prefix cache: a readmitted request recomputes everything (cached: test_prefix_cache.py).
-    # Prompts unpaced beside decodes (`prompt_stall`): each admission is one chunk, as counted below.
     llm = tiny_llm(
-        RandomTreeDrafter(1, TINY_VOCAB, 16),
-        block_size=4,
-        num_blocks=30,
-        max_num_seqs=8,
-        prefix_caching=False,
-        prompt_stall=float("inf"),
+        RandomTreeDrafter(1, TINY_VOCAB, 16), block_size=4, num_blocks=30, max_num_seqs=8, prefix_caching=False
     )
     fresh = _recomputes(llm.engine)
     results = llm.generate(prompts, SamplingParams(max_new_tokens=40))
