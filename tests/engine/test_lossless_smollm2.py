@@ -41,7 +41,9 @@ def engine_model(smollm2):
 def _config(method: str, layout: str = "hierarchical", **cache) -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(block_size=16, kv_cache_memory_gb=0.25, **cache),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+        # Prompts unpaced beside decodes: the batch grows by step count whatever this machine's
+        # speed (where a step with prompt runs past half a second they would be: test_pacing.py).
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, prompt_stall=float("inf")),
         draft=DraftConfig(method=method, decoding_length=16, layout=layout, adaptive=False),  # type: ignore[arg-type]
     )
 

@@ -150,10 +150,11 @@ def test_the_settings_build_the_guard():
 def _guarded_scheduler(period: int, slope: float, seats: int = 2) -> tuple[DraftingScheduler, SpeedGuard]:
     """Two long requests "a" and "b" on a policy with a guard; `seats` running at most."""
     guard = SpeedGuard(period=period)
-    # No margin: what these tests see is the guard's doing alone.
+    # No margin: what these tests see is the guard's doing alone (and prompts are not paced beside
+    # decodes, which would leave a step of the slow "machine" without its prompt: test_pacing.py).
     policy = DraftBudgetPolicy(cpu_like(base=80.0, slope=slope), AcceptanceTracker(8), guard=guard, min_speedup=0.0)
     s = DraftingScheduler(
-        SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=256),
+        SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=256, prompt_stall=float("inf")),
         DraftConfig(decoding_length=8, adaptive=True),
         BlockAllocator(1024, 4),
         TruthDrafter(),
