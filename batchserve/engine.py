@@ -54,8 +54,7 @@ class EngineCore:
             model, tokenizer = load_engine_model(config.model, functools.partial(kv_pool_bytes, config.cache))
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
-        source = None if loaded_here else model  # a model handed in: its verdict kept for it, this process
-        model, forward = choose_forward(model, config, loaded_here)
+        model, forward = choose_forward(source := model, config, loaded_here)  # source: the check's memo key
         self.runner, facts = build_checked_runner(model, tokenizer, config, forward, loaded_here, source)
         # What the loaded model is and how it runs: its vocabulary and context, the forward (and why,
         # after any fallback), cuda_graphs as resolved, the start-up invariance check's verdict.

@@ -100,7 +100,7 @@ def memo_key(source: Any, forward: Any, key_of_shape: dict[str, Any]) -> str:
     each parameter's and buffer's storage and version: an in-place change bumps it), the forward
     chosen over it, and the engine's shape (`shape_key`)."""
     tensors = chain(source.parameters(), source.buffers())
-    state = [[type(m).__name__ for m in source.modules()], [[id(t), t.data_ptr(), t._version] for t in tensors]]
+    state = [[type(m).__name__ for m in source.modules()], [[id(t), _address(t), t._version] for t in tensors]]
     return json.dumps({"state": state, "forward": repr(forward), **key_of_shape}, sort_keys=True)
 
 
@@ -117,3 +117,11 @@ def remember_check(source: Any, key: str, result: CheckResult) -> None:
         _REMEMBERED.setdefault(source, {})[key] = result
     except TypeError:
         pass
+
+
+def _address(t: Any) -> int:
+    """Where a tensor's data lives; -1 for one without storage of its own (a wrapper subclass)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return -1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import grpc
 import httpx
@@ -128,11 +129,13 @@ async def test_grpc_constraints_and_their_refusals(api):
 async def test_a_grammar_failing_mid_answer_ends_it_with_an_error_finish_not_a_500(api, monkeypatch):
     """A grammar that admits no continuation after some tokens (an llguidance limit met mid-text)
     ends that request with its text so far and an error finish: never a 500 or parser internals."""
-    real, calls = GrammarSteps.advance, {"n": 0}
+    real, calls = GrammarSteps.advance, Counter()
 
     def failing(self, req, token):
-        calls["n"] += 1
-        if calls["n"] % 3 == 0:
+        # Each request's second token (one counter for all calls left a short answer, as the
+        # Responses call's `{}` can be, ending before its turn came: a flaky pass as "completed").
+        calls[req.request_id] += 1
+        if calls[req.request_id] == 2:
             return "structured output failed: the grammar admits no continuation here (injected)"
         return real(self, req, token)
 
@@ -158,5 +161,5 @@ async def test_a_grammar_failing_mid_answer_ends_it_with_an_error_finish_not_a_5
     assert kinds[-1] == "error" and "response.completed" not in kinds and "injected" in got.text
     # gRPC has an error finish of its own: the text so far and FINISH_REASON_ERROR.
     got = await api.stub.Generate(build_request("x", max_new_tokens=20, constraint=Constraint("regex", "[a-z]{8}")))
-    assert got.finish_reason == pb.FINISH_REASON_ERROR and len(got.token_ids) == 2
+    assert got.finish_reason == pb.FINISH_REASON_ERROR and len(got.token_ids) == 1  # the token before the failing one
     assert not api.core.has_work()
