@@ -57,9 +57,10 @@ def test_text_without_harmony_is_content_and_a_cut_header_is_dropped():
     # Cut by max_tokens inside the next header: what the header held is never shown.
     cut = split_channels("<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>fin")
     assert (cut.reasoning, cut.content) == ("hm", "")
-    # A preamble to the user, and a tool call's recipient and content type kept out of the text.
+    # A preamble to the user is content; a message to a function is a call, never text.
+    assert split_channels("<|channel|>commentary<|message|>Checking.<|end|>").content == "Checking."
     call = split_channels('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>')
-    assert (call.reasoning, call.content) == ("", '{"a": 1}')
+    assert (call.reasoning, call.content, call.calls) == ("", "", [("f", '{"a": 1}')])
 
 
 def _output(text: str, finished: bool) -> RequestOutput:
@@ -169,3 +170,55 @@ async def test_a_chat_call_keeps_the_markup_a_completion_does_not(harmony_api):
     done = await client.completions.create(model="tiny", prompt="hi", max_tokens=4, logit_bias=bias)
     assert done.choices[0].text == ""
     assert seen == [False, True]
+
+
+CALL = (
+    "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+    "<|call|>"
+)
+
+
+async def test_a_message_to_a_function_is_a_tool_call_whole_and_streamed():
+    assert split_channels(CALL).calls == [("get_weather", '{"city": "Paris"}')]
+    # The recipient may stand after the role instead; a call cut by max_tokens keeps what it had.
+    cut = split_channels('<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": ')
+    assert (cut.content, cut.calls) == ("", [("f", '{"a": ')])
+    answer = Answer("chatcmpl-2", "m", AnswerView(chat=True, channels=True), TokenText(harmony_tokenizer()))
+    sample = Sample(0, texts=[CALL], last=_output("", True))
+    choice = answer.whole([sample], [sample])["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "The user wants the weather."
+
+    outputs = [(0, _output(p, False)) for p in _pieces(CALL, 4)]
+    outputs[-1] = (0, _output(outputs[-1][1].new_text, True))
+    events = [e async for e in answer.stream(outputs[0], _aiter(outputs[1:]), include_usage=False)]
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
+    calls = [c for chunk in chunks for c in chunk["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (0, "get_weather", '{"city": "Paris"}')
+    ]
+    assert chunks[-1]["finish_reason"] == "tool_calls" and not "".join(c["delta"].get("content") or "" for c in chunks)
+
+
+async def test_the_responses_api_gives_the_final_text_and_the_calls_as_items():
+    from batchserve.server.openai.responses import ResponseAnswer
+    from batchserve.server.openai.responses_bodies import ResponsesRequest
+
+    answer = ResponseAnswer(ResponsesRequest(model="m", input="x"), "m", None, channels=True)
+    items = answer.whole(CALL, _output("", True))["output"]
+    assert [i["type"] for i in items] == ["function_call"]
+    assert (items[0]["name"], items[0]["arguments"]) == ("get_weather", '{"city": "Paris"}')
+    (message,) = ResponseAnswer(ResponsesRequest(model="m", input="x"), "m", None, True).whole(
+        HARMONY, _output("", True)
+    )["output"]
+    assert message["content"][0]["text"] == ANSWER
+    outputs = [(0, _output(p, False)) for p in _pieces(CALL, 6)]
+    outputs[-1] = (0, _output(outputs[-1][1].new_text, True))
+    events = [e async for e in answer.stream(outputs[0][1], _aiter(outputs[1:]))]
+    done = [json.loads(e.split("data: ", 1)[1]) for e in events if e.startswith("event: response.output_item.done")]
+    assert [d["item"]["name"] for d in done if d["item"]["type"] == "function_call"] == ["get_weather"]
+    assert not any("output_text.delta" in e for e in events)  # nothing of the markup or the call as text

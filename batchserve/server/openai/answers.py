@@ -12,9 +12,9 @@ from typing import Any
 
 from batchserve.request import FinishReason, RequestOutput, TokenLogprob
 from batchserve.server.frontend import EngineFailed
-from batchserve.server.openai.channels import ChannelSplit, Split, split_channels
+from batchserve.server.openai.channels import ChannelSplit, Split, joined, split_channels
 from batchserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
-from batchserve.server.openai.tools import ChatTools, ToolStream
+from batchserve.server.openai.tools import ChatTools, ToolStream, as_call
 from batchserve.text import TextCodec
 
 # Runs a rendering beside the event loop (`Frontend.render`).
@@ -158,6 +158,7 @@ class _Streamed:
     offset: int = 0  # characters of its tokens' text so far (completions' text_offset)
     tools: ToolStream | None = None
     channels: ChannelSplit | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)  # gpt-oss's, sent with the finish
     last: RequestOutput | None = None
 
 
@@ -196,8 +197,13 @@ class Answer:
                     parsed = self.view.tools.parse(split.content)
                     choice["message"] = parsed.message()
                     choice["finish_reason"] = parsed.finish_reason(choice["finish_reason"])
-                if self.view.channels:
+                if self.view.channels:  # gpt-oss: its analysis, and its calls to functions
                     choice["message"]["reasoning_content"] = split.reasoning or None
+                    if split.calls:
+                        message = choice["message"]
+                        message["tool_calls"] = message.get("tool_calls", []) + [as_call(*c) for c in split.calls]
+                        message["content"] = message["content"] or None
+                        choice["finish_reason"] = _called(choice["finish_reason"])
             elif echo is not None:
                 choice["text"] = echo.text + s.text
                 if id(s.last) not in echoed:
@@ -274,18 +280,22 @@ class Answer:
         logprobs = self._logprobs(out.new_logprobs, state.offset) if out.new_logprobs else None
         state.offset += sum(len(self.token_text(e.token_id)) for e in out.new_logprobs or ())
         text, calls, reasoning = out.new_text, None, ""
-        if state.channels is not None:  # gpt-oss: its analysis apart, the markup out
+        if state.channels is not None:  # gpt-oss: its analysis apart, the markup out, its calls kept
             split = state.channels.feed(text)
             if finish is not None:
-                tail = state.channels.flush()
-                split = Split(split.reasoning + tail.reasoning, split.content + tail.content)
+                split = joined(split, state.channels.flush())
             text, reasoning = split.content, split.reasoning
+            state.calls += [as_call(*c) for c in split.calls]
         if state.tools is not None:
             text = state.tools.feed(text)
             if finish is not None:
                 tail = state.tools.flush()
                 text, calls, finish = text + tail.content, tail.tool_calls, tail.parse.finish_reason(finish)
         events = [self._chunk(i, "", None, reasoning=reasoning)] if reasoning else []
+        if finish is not None and state.calls:  # gpt-oss's calls, after any the tools parser found
+            first = len(calls or [])
+            calls = [*(calls or []), *({"index": first + k, **c} for k, c in enumerate(state.calls))]
+            finish = _called(finish)
         if calls:  # the text first, then the calls with the finish reason
             if text or logprobs is not None:
                 events.append(self._chunk(i, text, None, logprobs))
@@ -320,6 +330,11 @@ class Answer:
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _called(reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" where the model stopped after calling (a cut call keeps "length")."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _sse(data: Any) -> str:

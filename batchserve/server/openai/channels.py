@@ -10,7 +10,7 @@ markup needs the special tokens' text, so such a call's output is detokenized wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
@@ -39,6 +39,9 @@ class Split:
 
     reasoning: str = ""
     content: str = ""
+    # Calls the model addressed to a function (`to=functions.NAME`): (name, arguments), each whole
+    # at its message's end (or the answer's, where max_tokens cut it).
+    calls: list[tuple[str, str]] = field(default_factory=list)
 
 
 class ChannelSplit:
@@ -52,6 +55,9 @@ class ChannelSplit:
         self._header = ""
         self._channel: str | None = None  # the open message's; None between messages
         self._opened = False  # whether a message has opened (the model writes harmony)
+        self._recipient: str | None = None  # the header's `to=` (a role's or a channel's part)
+        self._call: str | None = None  # the open message's function, where it is a call
+        self._arguments = ""
 
     def feed(self, text: str) -> Split:
         out = Split()
@@ -70,7 +76,7 @@ class ChannelSplit:
                 self._text(rest[:2], out)  # "<|" that begins no marker is text
                 self._pending = rest[2:]
                 continue
-            self._marker(marker)
+            self._marker(marker, out)
             self._pending = rest[len(marker) :]
         return out
 
@@ -82,15 +88,19 @@ class ChannelSplit:
             tail = "" if self._opened else self._header + self._pending
             self._send(tail, out, None)
         else:
-            self._send(self._pending, out, self._channel)
+            self._text(self._pending, out)
         self._pending, self._header = "", ""
+        self._end_call(out)  # cut short by max_tokens: its arguments as far as they got
         return out
 
     def _text(self, text: str, out: Split) -> None:
         if not text:
             return
         if not self._in_header:
-            self._send(text, out, self._channel)
+            if self._call is not None:
+                self._arguments += text
+            else:
+                self._send(text, out, self._channel)
             return
         self._header += text
         if len(self._header) > MOST_HEADER_CHARS:  # no header: what it held is the answer's text
@@ -98,18 +108,34 @@ class ChannelSplit:
             self._send(self._header, out, None)
             self._header = ""
 
-    def _marker(self, marker: str) -> None:
+    def _marker(self, marker: str, out: Split) -> None:
         if marker == START:
-            self._in_header, self._header, self._channel = True, "", None
+            self._in_header, self._header, self._channel, self._recipient = True, "", None, None
         elif marker == CHANNEL:
+            self._scan()
             self._in_header, self._header = True, ""  # the channel's name comes next
         elif marker == MESSAGE:
-            words = self._header.split()
+            self._scan()
+            words = [w for w in self._header.split() if not w.startswith("to=")]
             self._channel = words[0] if words else None
+            recipient = self._recipient or ""
+            self._call = recipient.removeprefix("functions.") if recipient.startswith("functions.") else None
             self._in_header, self._header, self._opened = False, "", True
         elif marker in ENDS:
+            self._end_call(out)
             self._in_header, self._channel = False, None
         # `<|constrain|>` (a tool call's content type) stays inside the header
+
+    def _scan(self) -> None:
+        """The header's recipient so far (`to=...`: after the role or after the channel)."""
+        for word in self._header.split():
+            if word.startswith("to="):
+                self._recipient = word[3:]
+
+    def _end_call(self, out: Split) -> None:
+        if self._call is not None:
+            out.calls.append((self._call, self._arguments))
+        self._call, self._arguments = None, ""
 
     @staticmethod
     def _send(text: str, out: Split, channel: str | None) -> None:
@@ -120,8 +146,10 @@ class ChannelSplit:
 
 
 def split_channels(text: str) -> Split:
-    """A whole answer's reasoning and content."""
+    """A whole answer's reasoning, content and calls."""
     split = ChannelSplit()
-    out = split.feed(text)
-    tail = split.flush()
-    return Split(out.reasoning + tail.reasoning, out.content + tail.content)
+    return joined(split.feed(text), split.flush())
+
+
+def joined(first: Split, then: Split) -> Split:
+    return Split(first.reasoning + then.reasoning, first.content + then.content, first.calls + then.calls)

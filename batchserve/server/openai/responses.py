@@ -9,15 +9,15 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchserve.request import FinishReason, RequestOutput
 from batchserve.server.frontend import EngineFailed
 from batchserve.server.openai.answers import constraint_failure, usage
-from batchserve.server.openai.channels import ChannelSplit, split_channels
+from batchserve.server.openai.channels import ChannelSplit, joined, split_channels
 from batchserve.server.openai.responses_bodies import ResponsesRequest
-from batchserve.server.openai.tools import ChatTools, ToolParse
+from batchserve.server.openai.tools import ChatTools, ToolParse, as_call
 
 
 def _id(prefix: str) -> str:
@@ -83,9 +83,12 @@ class ResponseAnswer:
         return obj
 
     def _parse(self, text: str) -> ToolParse:
-        if self.channels:
-            text = split_channels(text).content
-        return self.tools.parse(text) if self.tools is not None else ToolParse(text, ())
+        called: tuple[dict[str, Any], ...] = ()
+        if self.channels:  # gpt-oss: the final channel is the text, a message to a function a call
+            split = split_channels(text)
+            text, called = split.content, tuple(as_call(*c) for c in split.calls)
+        parsed = self.tools.parse(text) if self.tools is not None else ToolParse(text, ())
+        return replace(parsed, tool_calls=parsed.tool_calls + called) if called else parsed
 
     def whole(self, text: str, last: RequestOutput) -> dict[str, Any]:
         """The response object of a finished call whose output is `text`."""
@@ -109,13 +112,15 @@ class ResponseAnswer:
         state = _TextState(_id("msg"))
         parser = self.tools.stream() if self.tools is not None else None
         channels = ChannelSplit() if self.channels else None
+        called: list[dict[str, Any]] = []  # gpt-oss's calls to functions
         out: RequestOutput | None = first
         try:
             while out is not None:
                 last = out
                 delta = out.new_text
                 if channels is not None:
-                    delta = channels.feed(delta).content + (channels.flush().content if out.finished else "")
+                    split = joined(channels.feed(delta), channels.flush()) if out.finished else channels.feed(delta)
+                    delta, called = split.content, [*called, *(as_call(*c) for c in split.calls)]
                 delta = parser.feed(delta) if parser is not None else delta
                 for event in state.text(self, delta):
                     yield event
@@ -135,7 +140,7 @@ class ResponseAnswer:
         output = [item for item in [state.close_item(self)] if item is not None]
         for event in state.close_events:
             yield event
-        calls = list(tail.parse.tool_calls) if tail is not None else []
+        calls = [*(tail.parse.tool_calls if tail is not None else ()), *called]
         for n, call in enumerate(calls):
             index = len(output)
             yield self._event("response.output_item.added", output_index=index, item=_function_call(call, ""))

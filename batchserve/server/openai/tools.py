@@ -143,7 +143,7 @@ class ChatTools:
         if self.forced:
             names = [self.function] if self.function is not None else [t.name for t in self.tools]
             cut = cut_call(text[last:].lstrip("\n"), names) if text[last:].strip() else None
-            kept = [*calls, _as_call(*cut)] if cut is not None else calls
+            kept = [*calls, as_call(*cut)] if cut is not None else calls
             kept = kept if self.parallel else kept[:1]
             return ToolParse(None, tuple(kept), cut is not None and len(kept) > len(calls))
         if not calls:
@@ -263,10 +263,10 @@ def _call(body: str, known: set[str]) -> dict[str, Any] | None:
             return None
     if not isinstance(args, dict):
         return None
-    return _as_call(obj["name"], json.dumps(args, ensure_ascii=False))
+    return as_call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _as_call(name: str, arguments: str) -> dict[str, Any]:
+def as_call(name: str, arguments: str) -> dict[str, Any]:
     function = {"name": name, "arguments": arguments}
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
 
