@@ -208,13 +208,15 @@ def _affinity(c: Checks, target: str, replicas: list[Replica], keys: dict[str, s
 def _failover(c: Checks, target: str, replicas: list[Replica], keys: dict[str, str], homes: dict[str, int]) -> None:
     tenant = "tenant3"
     home = replicas[homes[tenant]]
-    kwargs = {"max_new_tokens": 48, "ignore_eos": True}
+    # One token a step and far more steps than a message's trip through the proxy takes: the
+    # replica cannot have sent the whole answer before the kill lands (48 drafted tokens could).
+    kwargs = {"max_new_tokens": 600, "ignore_eos": True, "lookahead": False}
     with Client(target, timeout=300, api_key=keys[tenant]) as client:
         whole = list(client.generate(PROMPT, request_id="whole", **kwargs).token_ids)
         got: list[int] = []
         for msg in client.stream(PROMPT, request_id="broken", **kwargs):
             got.extend(msg.token_ids)
-            if len(got) >= 6 and home.proc.poll() is None:
+            if home.proc.poll() is None:
                 home.proc.send_signal(signal.SIGKILL)  # its replica dies mid-stream
         c.check(client.failovers >= 1, f"the broken stream was resumed ({client.failovers} failovers)")
         c.check(got == whole, f"the resumed stream equals the undisturbed one ({len(got)} vs {len(whole)} tokens)")
