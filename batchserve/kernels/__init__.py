@@ -203,6 +203,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU [T, I] for gate|up [T, 2I] float32 contiguous, I % 8 == 0
+    (`layers.ClampedSwiGLU`'s operations in its order, the sigmoid from our exp)."""
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, i)
+    library().clamped_swiglu(gate_up.data_ptr(), t, i, alpha, limit, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [heads, T, D] (unit stride in a row, D % 16 == 0) rotated by cos and signed sin [T, D]
     (contiguous) -> contiguous [heads, T, D], the bits of `Rotary.apply`'s torch ops."""
@@ -278,19 +287,27 @@ def block_linear(x: torch.Tensor, desc: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def moe_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, i: int
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    i: int,
+    clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """A sparse layer's routed experts (csrc/moe.cpp) over x [T, H] float32 contiguous: ids [T, k]
     int64 and weights [T, k] float32 (contiguous) each row's experts and their weights, experts
-    [E, 2] int64 each expert's gate|up (2 `i` outputs) and down (H outputs) product descriptors'
-    addresses -> [T, H] float32: each row's weighted outputs added in ascending expert order."""
+    [E, 4] int64 each expert's gate|up (2 `i` outputs) and down (H outputs) product descriptors'
+    addresses and their float32 biases' (0: none) -> [T, H] float32: each row's weighted outputs
+    added in ascending expert order. The activation: silu(gate) * up, or with `clamp` (alpha,
+    limit) the clamped SwiGLU (`clamped_swiglu`)."""
+    alpha, limit = clamp if clamp is not None else (0.0, 0.0)
     t, h = x.shape
     lib, threads = library(), torch.get_num_threads()
     work = torch.empty(int(lib.moe_workspace(t, h, ids.shape[1])))
     out = torch.empty(t, h)
     lib.moe_experts(
         x.data_ptr(), t, h, ids.shape[1], ids.data_ptr(), weights.data_ptr(), experts.data_ptr(), experts.shape[0],
-        i, work.data_ptr(), out.data_ptr(), threads,
+        i, alpha, limit, work.data_ptr(), out.data_ptr(), threads,
     )  # fmt: skip
     return out
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from batchserve import kernels
 from batchserve.model.blocks import BlockLinear
-from batchserve.model.layers import ROW_BUCKETS, KernelSiluAndMul, MergedLinear
+from batchserve.model.layers import ROW_BUCKETS, KernelClampedSwiGLU, KernelSiluAndMul, MergedLinear
 from batchserve.threads import rows_whole
 
 # transformers' model_type of the routed-expert families the native forward runs
@@ -162,10 +162,11 @@ class SparseMoE(nn.Module):
 
 class KernelSparseMoE(SparseMoE):
     """A sparse layer whose experts all run on our kernels (`BlockLinear` products over a GGUF
-    file's blocks, our silu * up): the experts in one call of our kernel (`kernels.moe_experts`,
-    csrc/moe.cpp), the same kernels in the same order as `SparseMoE.forward`'s loop, so the same
-    bits without its Python calls per expert. The table holds the experts' descriptors' addresses:
-    their tensors must not be replaced after it is built (the loader swaps this class in last)."""
+    file's blocks, with or without float32 biases; our silu * up or clamped SwiGLU): the experts in
+    one call of our kernel (`kernels.moe_experts`, csrc/moe.cpp), the same kernels in the same
+    order as `SparseMoE.forward`'s loop, so the same bits without its Python calls per expert. The
+    table holds the experts' descriptors' and biases' addresses: their tensors must not be replaced
+    after it is built (the loader swaps this class in last)."""
 
     def __init__(self, moe: SparseMoE) -> None:
         nn.Module.__init__(self)
@@ -174,10 +175,11 @@ class KernelSparseMoE(SparseMoE):
             raise ValueError(why)
         self.routing, self.gate, self.experts = moe.routing, moe.gate, moe.experts
         self.shared_expert = moe.shared_expert
-        descs = [(e.gate_up_proj.desc, e.down_proj.desc) for e in moe.experts]  # kept alive by the products
-        self.register_buffer(
-            "table", torch.tensor([[g.data_ptr(), d.data_ptr()] for g, d in descs], dtype=torch.int64), persistent=False
-        )  # [E, 2]
+        rows = [[_address(t) for t in (e.gate_up_proj.desc, e.down_proj.desc, e.gate_up_proj.bias, e.down_proj.bias)]
+                for e in moe.experts]  # fmt: skip  # each tensor kept alive by its product
+        self.register_buffer("table", torch.tensor(rows, dtype=torch.int64), persistent=False)  # [E, 4]
+        act = moe.experts[0].act
+        self.clamp = (act.alpha, act.limit) if isinstance(act, KernelClampedSwiGLU) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()  # [T, H]
@@ -186,7 +188,7 @@ class KernelSparseMoE(SparseMoE):
         most = ROW_BUCKETS[-1]  # at most a checked call's rows at a time (`in_checked_rows`), each row its own
         parts = [
             kernels.moe_experts(x[s : s + most], ids[s : s + most].contiguous(), weights[s : s + most].contiguous(),
-                                self.table, self.routing.intermediate)
+                                self.table, self.routing.intermediate, self.clamp)
             for s in range(0, x.shape[0], most)
         ]  # fmt: skip
         return self._plus_shared(x, logits, parts[0] if len(parts) == 1 else torch.cat(parts))
@@ -198,13 +200,26 @@ def why_not_kernel(moe: SparseMoE) -> str | None:
         return kernels.unavailable_reason()
     if moe.routing.top_k > MOST_EXPERTS_PER_ROW:
         return f"{moe.routing.top_k} experts a row (the kernel sums at most {MOST_EXPERTS_PER_ROW})"
+    acts = {(type(x.act), getattr(x.act, "alpha", None), getattr(x.act, "limit", None)) for x in moe.experts}
     for e, expert in enumerate(moe.experts):
         products = (expert.gate_up_proj, expert.down_proj)
-        if any(type(p) is not BlockLinear or p.bias is not None for p in products):  # (gpt-oss's have biases)
-            return f"expert {e}'s products are not bias-free products over GGUF blocks on our kernels"
-        if type(expert.act) is not KernelSiluAndMul:
-            return f"expert {e}'s activation is not our kernel's silu * up"
+        if any(type(p) is not BlockLinear or not _kernel_bias(p) for p in products):
+            return f"expert {e}'s products are not products over GGUF blocks on our kernels with float32 biases"
+        if type(expert.act) not in (KernelSiluAndMul, KernelClampedSwiGLU):
+            return f"expert {e}'s activation is not our kernel's silu * up or clamped SwiGLU"
+    if len(acts) > 1:
+        return "the experts' activations differ (the kernel runs one for all)"
     return None
+
+
+def _kernel_bias(product: BlockLinear) -> bool:
+    """Whether the kernel adds `product`'s bias as its forward does: none, or float32 [N] contiguous."""
+    b = product.bias
+    return b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.shape == (product.out_features,))
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def use_kernel_experts(model: nn.Module) -> int:

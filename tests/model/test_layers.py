@@ -1,5 +1,5 @@
 """The native forward's layers: norm and rotary with transformers' arithmetic bit for bit, row by row;
-the bfloat16 products row-invariant."""
+the bfloat16 products row-invariant; gpt-oss's clamped SwiGLU on our kernel."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from batchserve.model.layers import Bf16Linear, RMSNorm, Rotary, bf16_prepack_available, packed_products_invariant
+from batchserve import kernels
+from batchserve.model.layers import (
+    Bf16Linear,
+    ClampedSwiGLU,
+    KernelClampedSwiGLU,
+    RMSNorm,
+    Rotary,
+    bf16_prepack_available,
+    packed_products_invariant,
+)
 
 
 def test_the_fused_norm_has_transformers_bits_and_a_row_never_depends_on_the_others():
@@ -131,3 +140,28 @@ def test_a_product_past_the_last_bucket_is_computed_in_checked_calls():
     assert out.shape == (rows, 96)
     for i in (0, ROW_BUCKETS[-1] - 1, ROW_BUCKETS[-1], rows - 1):
         assert torch.equal(out[i], packed(x[i : i + 8])[0])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="our kernels do not build here")
+def test_the_clamped_swiglu_kernel_computes_gpt_oss_activation_row_by_row():
+    """`KernelClampedSwiGLU` against `ClampedSwiGLU` (transformers' gpt-oss expert activation in
+    torch ops; our exp: near, not its bits): the gate clamped above, up on both sides, a NaN kept,
+    and each row's bits its own at any row and thread count."""
+    alpha, limit, inter = 1.702, 7.0, 64
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(33, 2 * inter, generator=gen) * 6  # past the limit on both sides
+    gate_up[3, 5] = gate_up[4, inter + 7] = float("nan")
+    ours = KernelClampedSwiGLU(alpha, limit)(gate_up)
+    theirs = ClampedSwiGLU(alpha, limit)(gate_up)
+    assert ours.shape == (33, inter)
+    assert torch.isnan(ours[3, 5]) and torch.isnan(ours[4, 7]) and torch.isnan(ours).sum() == 2
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, equal_nan=True)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 7):
+                got = KernelClampedSwiGLU(alpha, limit)(gate_up[:rows])
+                torch.testing.assert_close(got, ours[:rows], rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.set_num_threads(before)

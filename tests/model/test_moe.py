@@ -149,12 +149,14 @@ def test_a_routed_expert_file_runs_on_its_blocks_batch_invariant(moe_files, name
 
 
 @needs_blocks
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "gpt-oss"])
 def test_the_experts_in_one_kernel_call_are_the_python_loops_bits(moe_files, name):
-    """`KernelSparseMoE` (csrc/moe.cpp) against `SparseMoE.forward`'s loop over the same experts."""
+    """`KernelSparseMoE` (csrc/moe.cpp) against `SparseMoE.forward`'s loop over the same experts
+    (gpt-oss's: biases on both products and the clamped SwiGLU)."""
     model, _ = load_gguf_native(moe_files[name])
     moe = model.layers[1].mlp
     assert isinstance(moe, KernelSparseMoE)
+    assert (moe.clamp is not None) == (moe.experts[0].down_proj.bias is not None) == (name == "gpt-oss")
     gen = torch.Generator().manual_seed(0)
     for rows in (1, 5, 40, 300):
         x = torch.randn(rows, SHAPES[name].hidden_size, generator=gen)

@@ -56,10 +56,14 @@ KERNEL(attention, "iiiiiiiiiiiiiiiiiiiiiiiffiii",
 KERNEL(rms_norm, "iiiiifiii",
        bs_rms_norm(p<const float>(a[0]), p<const float>(a[1]), p<const float>(a[2]), a[3], a[4],
                    static_cast<float>(f[5]), p<float>(a[6]), p<float>(a[7]), static_cast<int>(a[8])))
-KERNEL(moe_experts, "iiiiiiiiiiii",
+KERNEL(moe_experts, "iiiiiiiiiffiii",
        bs_moe_experts(p<const float>(a[0]), a[1], a[2], a[3], p<const int64_t>(a[4]), p<const float>(a[5]),
-                      p<const int64_t>(a[6]), a[7], a[8], p<float>(a[9]), p<float>(a[10]), static_cast<int>(a[11])))
+                      p<const int64_t>(a[6]), a[7], a[8], static_cast<float>(f[9]), static_cast<float>(f[10]),
+                      p<float>(a[11]), p<float>(a[12]), static_cast<int>(a[13])))
 KERNEL(silu_mul, "iiiii", bs_silu_mul(p<const float>(a[0]), a[1], a[2], p<float>(a[3]), static_cast<int>(a[4])))
+KERNEL(clamped_swiglu, "iiiffii",
+       bs_clamped_swiglu(p<const float>(a[0]), a[1], a[2], static_cast<float>(f[3]), static_cast<float>(f[4]),
+                         p<float>(a[5]), static_cast<int>(a[6])))
 KERNEL(rotary, "iiiiiiiiii",
        bs_rotary(p<const float>(a[0]), a[1], a[2], a[3], a[4], a[5], p<const float>(a[6]), p<const float>(a[7]),
                  p<float>(a[8]), static_cast<int>(a[9])))
@@ -115,7 +119,7 @@ PyObject* py_abi_version(PyObject*, PyObject*) { return PyLong_FromLong(bs_abi_v
 #define METHOD(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_##name)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
     METHOD(bf16_pack), METHOD(bf16_linear),
-    METHOD(bf16_packed_size), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(rotary),
+    METHOD(bf16_packed_size), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(clamped_swiglu), METHOD(rotary),
     METHOD(decoder_layers), METHOD(moe_experts), METHOD(moe_workspace), METHOD(block_pack), METHOD(block_linear), METHOD(block_packed_size),
     {"block_wide", py_block_wide, METH_NOARGS, nullptr}, METHOD(layers_workspace), {"layer_fields", py_layer_fields, METH_NOARGS, nullptr},
     {"bf16_columns", py_bf16_columns, METH_NOARGS, nullptr}, {"abi_version", py_abi_version, METH_NOARGS, nullptr},

@@ -9,6 +9,7 @@ void bs_attention(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int
                   const float*, float*, int);
 void bs_rms_norm(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*, int);
 void bs_silu_mul(const float*, int64_t, int64_t, float*, int);
+void bs_clamped_swiglu(const float*, int64_t, int64_t, float, float, float*, int);
 void bs_rotary(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*, float*, int);
 double bs_decoder_layers(const int64_t*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          float, const float*, const float*, const int64_t*, float*, float*, int64_t, const int32_t*,
@@ -27,5 +28,5 @@ int bs_block_wide();
 int bs_abi_version();
 int64_t bs_moe_workspace(int64_t, int64_t, int64_t);
 void bs_moe_experts(const float*, int64_t, int64_t, int64_t, const int64_t*, const float*, const int64_t*, int64_t,
-                    int64_t, float*, float*, int);
+                    int64_t, float, float, float*, float*, int);
 }

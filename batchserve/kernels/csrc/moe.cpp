@@ -13,25 +13,40 @@
 
 namespace {
 
-// One expert over its n rows (their indices into x in `picks`, as row * k + slot): gathered, gate|up,
-// silu * up, down into y [n, H]. The intermediates live in the calling thread's own buffer, kept
-// between calls and grown to the largest expert it has run (not sized by the step's rows each call).
-void run_expert(const float* x, int64_t H, int64_t k, const int64_t* picks, int64_t n, const int64_t* gate_up_desc,
-                const int64_t* down_desc, int64_t I, float* y, int threads) {
-    static thread_local std::vector<float> scratch;
-    scratch.resize(static_cast<size_t>(n * (H + 2 * I + I)));
-    float* rows = scratch.data();      // [n, H]
-    float* gate_up = rows + n * H;     // [n, 2I]
-    float* act = gate_up + n * 2 * I;  // [n, I]
+// The experts' activation: silu(gate) * up, or where `limit` > 0 gpt-oss's clamped SwiGLU.
+struct Activation {
+    float alpha, limit;
+};
+
+// y [n, N] += bias [N] where there is one: torch's `out + bias`, one add a value, so its bits.
+void add_bias(float* y, int64_t n, int64_t N, const float* bias) {
+    if (bias == nullptr) return;
     for (int64_t j = 0; j < n; ++j)
-        memcpy(rows + j * H, x + picks[j] / k * H, static_cast<size_t>(H) * sizeof(float));
-    bs_block_linear(rows, n, gate_up_desc, gate_up, threads);
-    bs_silu_mul(gate_up, n, I, act, threads);
-    bs_block_linear(act, n, down_desc, y, threads);
+        for (int64_t c = 0; c < N; ++c) y[j * N + c] += bias[c];
 }
 
-template <class T>
-const T* addr(int64_t v) { return reinterpret_cast<const T*>(static_cast<intptr_t>(v)); }
+// One expert over its n rows (their indices into x in `picks`, as row * k + slot): gathered, gate|up
+// (+ its bias), the activation, down (+ its bias) into y [n, H]. `expert`: the table's row (gate|up
+// and down descriptors, then their biases' addresses, 0 for none). The intermediates live in the
+// calling thread's own buffer, kept between calls and grown to the largest expert it has run.
+void run_expert(const float* x, int64_t H, int64_t k, const int64_t* picks, int64_t n, const int64_t* expert,
+                int64_t I, Activation act, float* y, int threads) {
+    static thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(n * (H + 2 * I + I)));
+    float* rows = scratch.data();        // [n, H]
+    float* gate_up = rows + n * H;       // [n, 2I]
+    float* glu = gate_up + n * 2 * I;    // [n, I]
+    for (int64_t j = 0; j < n; ++j)
+        memcpy(rows + j * H, x + picks[j] / k * H, static_cast<size_t>(H) * sizeof(float));
+    bs_block_linear(rows, n, reinterpret_cast<const int64_t*>(static_cast<intptr_t>(expert[0])), gate_up, threads);
+    add_bias(gate_up, n, 2 * I, reinterpret_cast<const float*>(static_cast<intptr_t>(expert[2])));
+    if (act.limit > 0)
+        bs_clamped_swiglu(gate_up, n, I, act.alpha, act.limit, glu, threads);
+    else
+        bs_silu_mul(gate_up, n, I, glu, threads);
+    bs_block_linear(glu, n, reinterpret_cast<const int64_t*>(static_cast<intptr_t>(expert[1])), y, threads);
+    add_bias(y, n, H, reinterpret_cast<const float*>(static_cast<intptr_t>(expert[3])));
+}
 
 }  // namespace
 
@@ -40,10 +55,11 @@ extern "C" {
 // Floats of workspace a call over T rows with k experts each needs: every pick's output.
 int64_t bs_moe_workspace(int64_t T, int64_t H, int64_t k) { return T * k * H; }
 
-// x [T, H]; ids [T, k] (each row's experts, each in 0..E-1) and weights [T, k]; experts [E, 2]: each
-// expert's gate|up and down product descriptors (csrc/blocks.h; gate|up's N is 2 I, down's is H).
-// out [T, H] = for each row, the sum over its experts in ascending expert order of weight * down(
-// silu(gate) * up) of the row. `work`: bs_moe_workspace floats.
+// x [T, H]; ids [T, k] (each row's experts, each in 0..E-1) and weights [T, k]; experts [E, 4]: each
+// expert's gate|up and down product descriptors (csrc/blocks.h; gate|up's N is 2 I, down's is H) and
+// their float32 biases' addresses (0: none). out [T, H] = for each row, the sum over its experts in
+// ascending expert order of weight * down(act(gate|up)) of the row, act silu(gate) * up or, where
+// `limit` > 0, the clamped SwiGLU (`bs_clamped_swiglu`). `work`: bs_moe_workspace floats.
 //
 // Where at least as many experts are chosen as there are threads, the threads take whole experts
 // (each product on one thread: no fork and join per product, and each thread streams its own
@@ -51,7 +67,8 @@ int64_t bs_moe_workspace(int64_t T, int64_t H, int64_t k) { return T * k * H; }
 // either way: each product gives a row the same bits at any thread count, and the sum's order is
 // fixed.
 void bs_moe_experts(const float* x, int64_t T, int64_t H, int64_t k, const int64_t* ids, const float* weights,
-                    const int64_t* experts, int64_t E, int64_t I, float* work, float* out, int threads) {
+                    const int64_t* experts, int64_t E, int64_t I, float alpha, float limit, float* work, float* out,
+                    int threads) {
     // The picks (row * k + slot) grouped by expert, rows ascending within each: a counting sort.
     std::vector<int64_t> start(static_cast<size_t>(E + 1), 0), order(static_cast<size_t>(T * k));
     std::vector<int64_t> place(static_cast<size_t>(T * k));  // each pick's place in `order`
@@ -68,8 +85,8 @@ void bs_moe_experts(const float* x, int64_t T, int64_t H, int64_t k, const int64
     const int64_t n_hit = static_cast<int64_t>(hit.size());
     auto expert = [&](int64_t h, int inner) {
         const int64_t e = hit[h], first = start[e];
-        run_expert(x, H, k, order.data() + first, start[e + 1] - first, addr<int64_t>(experts[2 * e]),
-                   addr<int64_t>(experts[2 * e + 1]), I, ys + first * H, inner);
+        run_expert(x, H, k, order.data() + first, start[e + 1] - first, experts + 4 * e, I, Activation{alpha, limit},
+                   ys + first * H, inner);
     };
     if (n_hit >= threads && threads > 1) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

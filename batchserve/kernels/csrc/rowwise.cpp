@@ -37,20 +37,46 @@ void bs_rms_norm(const float* x, const float* residual, const float* weight, int
     }
 }
 
-// out [T, I] = silu(gate) * up for gate|up [T, 2I] (I % 8 == 0); silu(g) = g * sigmoid(g), the
-// sigmoid from exp(-|g|) (our polynomial), so both signs take the same path.
+namespace {
+
+// sigmoid(v) from exp(-|v|) (our polynomial), so both signs take the same path.
+inline __m256 sigmoid(__m256 v) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(v, _mm256_set1_ps(-0.0f)));  // exp(-|v|)
+    const __m256 positive = _mm256_div_ps(one, _mm256_add_ps(one, e));  // sigmoid(|v|)
+    const __m256 negative = _mm256_div_ps(e, _mm256_add_ps(one, e));  // sigmoid(-|v|)
+    return _mm256_blendv_ps(positive, negative, v);  // by v's sign bit
+}
+
+}  // namespace
+
+// out [T, I] = silu(gate) * up for gate|up [T, 2I] (I % 8 == 0); silu(g) = g * sigmoid(g).
 void bs_silu_mul(const float* gate_up, int64_t T, int64_t I, float* out, int threads) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
 #pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; ++t) {
         const float* g = gate_up + t * 2 * I;
         for (int64_t c = 0; c < I; c += 8) {
             const __m256 v = _mm256_loadu_ps(g + c);
-            const __m256 e = exp_nonpositive(_mm256_or_ps(v, sign));  // exp(-|g|)
-            const __m256 positive = _mm256_div_ps(one, _mm256_add_ps(one, e));  // sigmoid(|g|)
-            const __m256 negative = _mm256_div_ps(e, _mm256_add_ps(one, e));  // sigmoid(-|g|)
-            const __m256 sig = _mm256_blendv_ps(positive, negative, v);  // by g's sign bit
-            _mm256_storeu_ps(out + t * I + c, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(g + I + c)));
+            _mm256_storeu_ps(out + t * I + c, _mm256_mul_ps(_mm256_mul_ps(v, sigmoid(v)), _mm256_loadu_ps(g + I + c)));
+        }
+    }
+}
+
+// gpt-oss's experts' activation: out [T, I] = (clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha g)),
+// g = min(gate, limit), for gate|up [T, 2I] (I % 8 == 0), in transformers' order of operations. A
+// NaN stays NaN, as through torch's clamp (min/max return their second operand on a NaN).
+void bs_clamped_swiglu(const float* gate_up, int64_t T, int64_t I, float alpha, float limit, float* out,
+                       int threads) {
+    const __m256 a = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+    const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+    for (int64_t t = 0; t < T; ++t) {
+        const float* row = gate_up + t * 2 * I;
+        for (int64_t c = 0; c < I; c += 8) {
+            const __m256 g = _mm256_min_ps(hi, _mm256_loadu_ps(row + c));
+            const __m256 u = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(row + I + c)));
+            const __m256 glu = _mm256_mul_ps(g, sigmoid(_mm256_mul_ps(g, a)));
+            _mm256_storeu_ps(out + t * I + c, _mm256_mul_ps(_mm256_add_ps(u, one), glu));
         }
     }
 }
