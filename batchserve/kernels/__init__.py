@@ -30,7 +30,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 9  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 10  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -310,6 +310,32 @@ def moe_experts(
         i, alpha, limit, work.data_ptr(), out.data_ptr(), threads,
     )  # fmt: skip
     return out
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A router's float32 product (csrc/router.cpp): x [T, H] float32 contiguous, weight [N, H]
+    float32 contiguous (H % 8 == 0), bias [N] or None -> [T, N], each logit one fixed-order sum."""
+    t, h = x.shape
+    out = torch.empty(t, weight.shape[0])
+    library().router_logits(
+        x.data_ptr(), t, h, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), weight.shape[0],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def moe_route(
+    logits: torch.Tensor, experts: int, k: int, softmax_first: bool, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k experts of the first `experts` of logits [T, N >= experts] float32 contiguous
+    (`moe.Routing.route`'s rules, csrc/router.cpp) -> (weights [T, k] float32, ids [T, k] int64)."""
+    t = logits.shape[0]
+    ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k)
+    library().moe_route(
+        logits.data_ptr(), t, logits.shape[1], experts, k, int(softmax_first), int(renormalize), ids.data_ptr(),
+        weights.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return weights, ids
 
 
 def block_wide() -> bool:

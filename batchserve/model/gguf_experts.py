@@ -13,7 +13,8 @@ from torch import nn
 
 from batchserve.model.gguf_file import FLOAT_TYPES, GGUFRefused, GGUFTensors, TensorView, dequantized
 from batchserve.model.gguf_memory import ROUTER
-from batchserve.model.moe import SparseMoE
+from batchserve import kernels
+from batchserve.model.moe import KernelRouter, SparseMoE
 
 
 def native(view: TensorView) -> bool:
@@ -99,14 +100,20 @@ class ExpertsReader:
     def _router(self, name: str, views: list[TensorView], bias: torch.Tensor | None = None) -> nn.Module:
         """A router's product (and its shared expert's gate, a last output): float32 as llama.cpp
         computes it from a float tensor (which expert a row takes must not move with a rounding of
-        ours), on oneDNN's prepacked product where that is batch-invariant here, else on the
-        file's blocks or bfloat16 like any other product."""
+        ours), on our kernel (`KernelRouter`), else oneDNN's prepacked product where that is
+        batch-invariant here, else on the file's blocks or bfloat16 like any other product."""
         from batchserve.model.layers import MergedLinear, PackedLinear, packed_products_invariant, prepack_available
 
         floats = all(v.qtype in FLOAT_TYPES for v in views)
-        if not floats or not (prepack_available() and packed_products_invariant()):
+        ours = kernels.available() and views[0].shape[1] % 8 == 0
+        if not floats or not (ours or (prepack_available() and packed_products_invariant())):
             return self._product(name, views, bias)
         weight = torch.from_numpy(np.concatenate([np.asarray(v.data, dtype=np.float32) for v in views]))  # [E(+1), H]
+        if ours:
+            self.report.float_routers += 1
+            for view in views:
+                self._progress(view)
+            return KernelRouter(weight, bias, tuple(v.shape[0] for v in views))
         linear = MergedLinear(weight.shape[1], tuple(v.shape[0] for v in views), bias=bias is not None)
         with torch.no_grad():
             linear.weight.copy_(weight)

@@ -79,7 +79,7 @@ class LoadReport:
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(self.native.items()))
         text = f"the file's own blocks on our kernels ({kinds})"
         if self.float_routers:
-            text += f"; {self.float_routers} routers in float32 on oneDNN"
+            text += f"; {self.float_routers} routers in float32"
         if self.dequantized:
             names = ", ".join(self.dequantized[:4]) + (", ..." if len(self.dequantized) > 4 else "")
             mib = self.dequantized_bytes / 2**20

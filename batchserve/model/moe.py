@@ -128,7 +128,7 @@ class SparseMoE(nn.Module):
         ascending expert order (plus the gated shared expert's)."""
         t, k = x.shape[0], self.routing.top_k
         logits = self.gate.forward(x)  # [T, E (+ 1)]
-        weights, ids = self.routing.route(logits[:, : self.routing.experts])  # [T, k] each
+        weights, ids = self._route(logits)  # [T, k] each
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
         flat = ids.reshape(-1)  # [T k]
         # One sort groups the (row, slot) picks by expert, rows ascending within each (stable).
@@ -144,6 +144,10 @@ class SparseMoE(nn.Module):
             y = self.experts[expert].forward(x[rows]).float() * weights.reshape(-1)[picks, None]  # [n, H]
             out.index_add_(0, rows, y)  # each row once per expert: its sum runs in expert order
         return self._plus_shared(x, logits, out)
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logits [T, E (+ 1)] -> each row's (weights, expert ids) [T, k]."""
+        return self.routing.route(logits[:, : self.routing.experts])
 
     def _plus_shared(self, x: torch.Tensor, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum `out` [T, H] plus the shared expert's output, if any, gated by
@@ -184,7 +188,7 @@ class KernelSparseMoE(SparseMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()  # [T, H]
         logits = self.gate.forward(x)  # [T, E (+ 1)]
-        weights, ids = self.routing.route(logits[:, : self.routing.experts])  # [T, k] each
+        weights, ids = self._route(logits)  # [T, k] each
         most = ROW_BUCKETS[-1]  # at most a checked call's rows at a time (`in_checked_rows`), each row its own
         parts = [
             kernels.moe_experts(x[s : s + most], ids[s : s + most].contiguous(), weights[s : s + most].contiguous(),
@@ -192,6 +196,32 @@ class KernelSparseMoE(SparseMoE):
             for s in range(0, x.shape[0], most)
         ]  # fmt: skip
         return self._plus_shared(x, logits, parts[0] if len(parts) == 1 else torch.cat(parts))
+
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Routing.route`'s rules in one call of our kernel (csrc/router.cpp), each row on one thread."""
+        r = self.routing
+        return kernels.moe_route(logits.float().contiguous(), r.experts, r.top_k, r.softmax_first, r.renormalize)
+
+
+class KernelRouter(nn.Module):
+    """A router's product (and a shared expert's gate, its last output) in float32 on our kernel
+    (csrc/router.cpp): each logit one fixed-order sum over the file's own floats, so a row's
+    logits are its own in a call of any row count; one call where oneDNN's product pads rows to
+    a bucket and costs ~100 us a layer at one row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape  # [E (+ 1), H]
+        self.sizes = sizes
+        self.register_buffer("weight", weight.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.router_logits(x.float().contiguous(), self.weight, self.bias)  # [T, E (+ 1)]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float32, our kernel"
 
 
 def why_not_kernel(moe: SparseMoE) -> str | None:

@@ -43,6 +43,7 @@ _PRODUCTS = {
     "KernelBf16Linear": "bfloat16 copies on our kernel",
     "Bf16Linear": "bfloat16 copies on oneDNN's prepacked kernel",
     "PackedLinear": "float32 on oneDNN's prepacked kernel",
+    "KernelRouter": "float32 routers on our kernel",
     "OneDNNLinear": "oneDNN's linear kernel, rows padded to buckets",
     "MergedLinear": "torch's own kernel",
     "Linear": "torch's own kernel",

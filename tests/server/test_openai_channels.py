@@ -1,11 +1,13 @@
 """gpt-oss through the OpenAI API: its chat template (llama.cpp's copy of the model's) renders, its
 harmony output's `analysis` channel is `reasoning_content` and `final` is `content`, whole and
 streamed (the two never in one delta), with the markup out of both whatever the pieces it comes
-in; a chat call on a harmony vocabulary keeps the special tokens' text for that split."""
+in; a chat call on a harmony vocabulary keeps the special tokens' text for that split; a forced
+call is written in harmony's markup."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -222,3 +224,70 @@ async def test_the_responses_api_gives_the_final_text_and_the_calls_as_items():
     done = [json.loads(e.split("data: ", 1)[1]) for e in events if e.startswith("event: response.output_item.done")]
     assert [d["item"]["name"] for d in done if d["item"]["type"] == "function_call"] == ["get_weather"]
     assert not any("output_text.delta" in e for e in events)  # nothing of the markup or the call as text
+
+
+MODE_SCHEMA = {"type": "object", "properties": {"mode": {"enum": ["fast", "slow"]}}, "required": ["mode"]}
+COLOR_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "set_mode", "parameters": MODE_SCHEMA}},
+    {"type": "function", "function": {"name": "pick_color", "parameters": COLOR_SCHEMA}},
+]
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Pick one.\n<|end|><|start|>assistant"
+    '<|channel|>commentary to=functions.set_mode <|constrain|>json<|message|>{"mode": "fast"}<|call|>'
+)
+
+
+@pytest.mark.parametrize(
+    ("choice", "text", "ok"),
+    [
+        ("required", HARMONY_CALL, True),
+        ("required", HARMONY_CALL[HARMONY_CALL.index("<|start|>") + len("<|start|>assistant") :], True),  # no analysis
+        ("required", HARMONY_CALL.replace('"fast"', '"warp"'), False),  # arguments outside the schema
+        ("required", HARMONY_CALL.replace("set_mode", "reboot"), False),  # no such function
+        ("required", HARMONY_CALL.replace("<|call|>", ""), False),  # not ended yet
+        ("required", '<tool_call>\n{"name": "set_mode", "arguments": {"mode": "fast"}}\n</tool_call>', False),
+        ("required", HARMONY.replace("<|return|>", ""), False),  # an answer, not a call
+        ("pick_color", HARMONY_CALL, False),
+        ("pick_color", HARMONY_CALL.replace("set_mode", "pick_color").replace('"mode": "fast"', '"color": "red"'), True),
+    ],
+)
+def test_a_forced_call_on_a_harmony_model_is_a_harmony_message_to_the_function(choice, text, ok):
+    """On a harmony model "required" and a named function force one call in gpt-oss's own markup
+    (its markers as special tokens), after an analysis if the model writes one; never our
+    `<tool_call>` layout, never an answer."""
+    from batchserve.grammar.compiler import GrammarCompiler
+    from batchserve.grammar.matcher import GrammarError
+    from batchserve.server.openai.tools import parse_tool_request
+
+    tok = harmony_tokenizer()
+    named = {"type": "function", "function": {"name": choice}}
+    tools = parse_tool_request(TOOLS, choice if choice == "required" else named, None, 65536)
+    assert tools is not None
+    constraint = replace(tools, harmony=True).constraint()
+    assert constraint is not None and "<tool_call>" not in constraint.spec
+    assert "<tool_call>" in (tools.constraint() or constraint).spec  # elsewhere: our layout, as before
+    compiler = GrammarCompiler(tok, len(tok), max_chars=65536)
+    g = compiler.matcher(compiler.compile(constraint))
+    try:
+        g.commit(tok.encode(text, add_special_tokens=False))
+    except GrammarError:
+        assert not ok
+        return
+    assert g.done == ok
+
+
+async def test_a_harmony_model_forced_to_call_answers_with_tool_calls(harmony_api):
+    client, tok = _client(harmony_api), harmony_tokenizer()
+    bias = {str(tok.convert_tokens_to_ids("<|end|>")): 100}  # an analysis, where one is written, ends at once
+    for choice, want in (("required", None), ({"type": "function", "function": {"name": "pick_color"}}, "pick_color")):
+        chat = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "go"}], tools=TOOLS, tool_choice=choice,
+            max_tokens=96, logit_bias=bias, temperature=0,
+        )  # fmt: skip
+        choice0 = chat.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.content is None, choice0
+        (call,) = choice0.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == (want or call.function.name) and call.function.name in ("set_mode", "pick_color")
+        assert args in ({"mode": "fast"}, {"mode": "slow"}, {"color": "red"}, {"color": "blue"})

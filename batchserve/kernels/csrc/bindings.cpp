@@ -60,6 +60,12 @@ KERNEL(moe_experts, "iiiiiiiiiffiii",
        bs_moe_experts(p<const float>(a[0]), a[1], a[2], a[3], p<const int64_t>(a[4]), p<const float>(a[5]),
                       p<const int64_t>(a[6]), a[7], a[8], static_cast<float>(f[9]), static_cast<float>(f[10]),
                       p<float>(a[11]), p<float>(a[12]), static_cast<int>(a[13])))
+KERNEL(router_logits, "iiiiiiii",
+       bs_router_logits(p<const float>(a[0]), a[1], a[2], p<const float>(a[3]), p<const float>(a[4]), a[5],
+                        p<float>(a[6]), static_cast<int>(a[7])))
+KERNEL(moe_route, "iiiiiiiiii",
+       bs_moe_route(p<const float>(a[0]), a[1], a[2], a[3], a[4], static_cast<int>(a[5]), static_cast<int>(a[6]),
+                    p<int64_t>(a[7]), p<float>(a[8]), static_cast<int>(a[9])))
 KERNEL(silu_mul, "iiiii", bs_silu_mul(p<const float>(a[0]), a[1], a[2], p<float>(a[3]), static_cast<int>(a[4])))
 KERNEL(clamped_swiglu, "iiiffii",
        bs_clamped_swiglu(p<const float>(a[0]), a[1], a[2], static_cast<float>(f[3]), static_cast<float>(f[4]),
@@ -120,7 +126,7 @@ PyObject* py_abi_version(PyObject*, PyObject*) { return PyLong_FromLong(bs_abi_v
 PyMethodDef methods[] = {
     METHOD(bf16_pack), METHOD(bf16_linear),
     METHOD(bf16_packed_size), METHOD(attention), METHOD(rms_norm), METHOD(silu_mul), METHOD(clamped_swiglu), METHOD(rotary),
-    METHOD(decoder_layers), METHOD(moe_experts), METHOD(moe_workspace), METHOD(block_pack), METHOD(block_linear), METHOD(block_packed_size),
+    METHOD(decoder_layers), METHOD(moe_experts), METHOD(moe_workspace), METHOD(router_logits), METHOD(moe_route), METHOD(block_pack), METHOD(block_linear), METHOD(block_packed_size),
     {"block_wide", py_block_wide, METH_NOARGS, nullptr}, METHOD(layers_workspace), {"layer_fields", py_layer_fields, METH_NOARGS, nullptr},
     {"bf16_columns", py_bf16_columns, METH_NOARGS, nullptr}, {"abi_version", py_abi_version, METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},

@@ -27,6 +27,8 @@ void bs_block_linear(const float*, int64_t, const int64_t*, float*, int);
 int bs_block_wide();
 int bs_abi_version();
 int64_t bs_moe_workspace(int64_t, int64_t, int64_t);
+void bs_router_logits(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int);
+void bs_moe_route(const float*, int64_t, int64_t, int64_t, int64_t, int, int, int64_t*, float*, int);
 void bs_moe_experts(const float*, int64_t, int64_t, int64_t, const int64_t*, const float*, const int64_t*, int64_t,
                     int64_t, float, float, float*, float*, int);
 }

@@ -58,7 +58,7 @@ extern "C" {
 int64_t bs_layer_fields() { return kFields; }
 
 // What batchserve/kernels/__init__.py's ABI_VERSION must match: bumped when a signature or the layer table changes.
-int bs_abi_version() { return 9; }
+int bs_abi_version() { return 10; }
 
 // Floats of workspace a step of T rows needs.
 int64_t bs_layers_workspace(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {

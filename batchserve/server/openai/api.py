@@ -29,7 +29,7 @@ from batchserve.server.openai.errors import ApiError, error_response, param_of
 from batchserve.server.openai.logprobs import TokenText
 from batchserve.server.openai.responses import ResponseAnswer
 from batchserve.server.openai.responses_bodies import ResponsesRequest
-from batchserve.server.openai.tools import parse_tool_request
+from batchserve.server.openai.tools import ChatTools, parse_tool_request
 from batchserve.text import TextCodec
 
 logger = logging.getLogger("batchserve")
@@ -125,7 +125,7 @@ class OpenAIServer:
         body.unsupported()
         self._check_model(body.model)
         limit = self.frontend.engine.core.config.limits.max_constraint_chars
-        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, limit)
+        tools = self._harmony(parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, limit))
         body.use_tools(tools)
         body.constraint()  # its 400 (a grammar response_format beside tools under auto) before anything is queued
         messages = [m.rendered(i) for i, m in enumerate(body.messages)]
@@ -144,7 +144,7 @@ class OpenAIServer:
         chat = body.chat()
         chat.unsupported()
         limit = self.frontend.engine.core.config.limits.max_constraint_chars
-        tools = parse_tool_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls, limit)
+        tools = self._harmony(parse_tool_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls, limit))
         chat.use_tools(tools)
         chat.constraint()
         messages = [m.rendered(i) for i, m in enumerate(chat.messages)]
@@ -163,6 +163,10 @@ class OpenAIServer:
             return _sse_response(answer.stream(first[1], outputs))
         assert samples is not None and samples[0].last is not None
         return await self.frontend.render(lambda: JSONResponse(answer.whole(samples[0].text, samples[0].last)))
+
+    def _harmony(self, tools: ChatTools | None) -> ChatTools | None:
+        """The request's tools, a forced call written in harmony markup where the model speaks it."""
+        return replace(tools, harmony=True) if tools is not None and self.channels else tools
 
     def _tenant(self, request: Request, user: str | None) -> str:
         try:

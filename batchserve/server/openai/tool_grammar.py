@@ -53,6 +53,26 @@ def calls_grammar(tools: Sequence[Tool], parallel: bool, answer: str | None = No
     return "\n".join(lines) + "\n"
 
 
+def harmony_calls_grammar(tools: Sequence[Tool]) -> str:
+    """A Lark grammar of one call in gpt-oss's harmony markup (`channels.py` reads it back as a
+    tool call): the model's `analysis` message if it writes one, then a `commentary` message to
+    one of `tools` (`to=functions.NAME <|constrain|>json`) with arguments valid for its (strict)
+    schema, ended by `<|call|>`. The markers are the vocabulary's special tokens, never their text;
+    the analysis is any text. Harmony calls one function a turn: `parallel_tool_calls` changes nothing."""
+    alternatives = " | ".join(f"f{i}" for i in range(len(tools)))
+    lines = [
+        "start: analysis? call",
+        'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"',
+        "THOUGHT: /(.|\\n)*/",
+        f'call: <|channel|> "commentary to=functions." ({alternatives}) <|call|>',
+    ]
+    for i, t in enumerate(tools):
+        schema = {**strict_schema(t.parameters), "x-guidance": JSON_OPTIONS}
+        lines.append(f'f{i}: {json.dumps(t.name)} " " <|constrain|> "json" <|message|> a{i}')
+        lines.append(f"a{i}: %json {json.dumps(schema)}")
+    return "\n".join(lines) + "\n"
+
+
 def answer_rule(fmt: Constraint) -> str:
     """The body of a Lark rule for an answer in the response format `fmt` (beside calls, "auto")."""
     if fmt.kind == "json_object":

@@ -41,7 +41,7 @@ from typing import Any
 from batchserve.request import Constraint
 from batchserve.server.openai.errors import ApiError
 from batchserve.server.openai.options import MAX_SCHEMA_DEPTH, too_deep
-from batchserve.server.openai.tool_grammar import answer_rule, calls_grammar, cut_call
+from batchserve.server.openai.tool_grammar import answer_rule, calls_grammar, cut_call, harmony_calls_grammar
 from batchserve.text import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_TOOLS = 128  # each one is in the prompt and in a forced call's grammar
@@ -101,6 +101,7 @@ class ChatTools:
     choice: str  # none | auto | required | function (the one in `function`)
     function: str | None = None  # the function tool_choice names
     parallel: bool = True  # parallel_tool_calls
+    harmony: bool = False  # the model writes gpt-oss's harmony markup: a forced call is written in it
 
     @property
     def forced(self) -> bool:
@@ -115,7 +116,11 @@ class ChatTools:
     def constraint(self, response_format: Constraint | None = None) -> Constraint | None:
         """What the output must match: under "required" or a named function, the calls (a
         `response_format` is the next turn's answer, after the tool results); under "auto" with a
-        `response_format`, either calls or an answer in that format; else the format alone."""
+        `response_format`, either calls or an answer in that format; else the format alone. On a
+        harmony model a forced call is written in its own markup (`harmony_calls_grammar`)."""
+        if self.forced and self.harmony:
+            chosen = [t for t in self.tools if self.choice != "function" or t.name == self.function]
+            return Constraint("grammar", harmony_calls_grammar(chosen))
         if self.choice == "function":
             return Constraint("grammar", calls_grammar([t for t in self.tools if t.name == self.function], False))
         if self.forced:
