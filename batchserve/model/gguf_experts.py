@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from batchserve import kernels
 from batchserve.model.gguf_file import FLOAT_TYPES, GGUFRefused, GGUFTensors, TensorView, dequantized
 from batchserve.model.gguf_memory import ROUTER
-from batchserve import kernels
 from batchserve.model.moe import KernelRouter, SparseMoE
 
 

@@ -197,7 +197,6 @@ class KernelSparseMoE(SparseMoE):
         ]  # fmt: skip
         return self._plus_shared(x, logits, parts[0] if len(parts) == 1 else torch.cat(parts))
 
-
     def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`Routing.route`'s rules in one call of our kernel (csrc/router.cpp), each row on one thread."""
         r = self.routing

@@ -249,7 +249,11 @@ HARMONY_CALL = (
         ("required", '<tool_call>\n{"name": "set_mode", "arguments": {"mode": "fast"}}\n</tool_call>', False),
         ("required", HARMONY.replace("<|return|>", ""), False),  # an answer, not a call
         ("pick_color", HARMONY_CALL, False),
-        ("pick_color", HARMONY_CALL.replace("set_mode", "pick_color").replace('"mode": "fast"', '"color": "red"'), True),
+        (
+            "pick_color",
+            HARMONY_CALL.replace("set_mode", "pick_color").replace('"mode": "fast"', '"color": "red"'),
+            True,
+        ),
     ],
 )
 def test_a_forced_call_on_a_harmony_model_is_a_harmony_message_to_the_function(choice, text, ok):
