@@ -24,6 +24,7 @@ from batchserve.model.llama import (
     product_out_dtype,
     supports,
 )
+from batchserve.model.moe import Routing
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -61,9 +62,9 @@ def choose_impl(
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
-    transformers elsewhere. On CPU the native model's linear layers are `PackedLinear`
-    (batch-invariant) unless `cpu_linear` is `torch` (torch's own kernels); with
-    `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel), or where ours
+    transformers elsewhere and for a mixture of experts off the CPU (logged). On CPU the native
+    model's linear layers are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`
+    (torch's own kernels); with `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel), or where ours
     cannot be built oneDNN's `Bf16Linear`, the token embedding read row by row from the GGUF file
     the model came from; with `gguf` the model is the same file read from its own blocks
     (`gguf_native`: what the engine serves; the bench shares one transformers-loaded model among
@@ -86,6 +87,12 @@ def choose_impl(
         return _read_from_blocks(model, on_cpu, impl, cpu_linear)
     if cpu_weights == "bfloat16":
         _check_bf16(on_cpu, impl, unsupported, cpu_linear, next(model.parameters()).dtype)
+    if impl == "auto" and not on_cpu and unsupported is None and Routing.of(model.config) is not None:
+        logger.info(
+            "%s: mixture-of-experts layers on %s run on transformers' modules (no MoE kernels of ours off the CPU yet)",
+            model.config.model_type, device,
+        )  # fmt: skip
+        return model
     if impl == "native" or (impl == "auto" and device in NATIVE_DEVICES and unsupported is None):
         native = native_from_hf(model)
         weights, native.cpu_weights_reason = _weights_for(cpu_weights, on_cpu, path, loaded_from_path)

@@ -4,6 +4,7 @@ engine's greedy output equal to HF `generate` with drafts on."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -225,6 +226,21 @@ def test_what_the_native_forward_does_not_run_exactly_is_refused_by_name():
     assert supports(_model("llama").config) is None
     assert isinstance(choose_impl(_model("llama"), "auto"), NativeLlamaForCausalLM)  # the CPU default
     assert not isinstance(choose_impl(_model("llama"), "transformers"), NativeLlamaForCausalLM)
+
+
+def test_a_mixture_of_experts_off_the_cpu_runs_on_transformers_modules_and_says_so(caplog):
+    """No MoE kernels of ours off the CPU: `auto` keeps transformers' modules there and logs it
+    (the meta device stands in for a GPU here); on the CPU the native forward runs it."""
+    moe = _model("qwen3-moe")
+    assert isinstance(choose_impl(moe, "auto"), NativeLlamaForCausalLM)
+    off = moe.to("meta")
+    with caplog.at_level(logging.INFO, logger="batchserve"):
+        assert choose_impl(off, "auto") is off
+    assert "mixture-of-experts layers on meta run on transformers' modules" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="batchserve"):
+        choose_impl(_model("llama").to("meta"), "auto")  # a dense model: no such line
+    assert "mixture-of-experts" not in caplog.text
 
 
 def test_a_native_model_handed_in_is_reused_as_it_is():
