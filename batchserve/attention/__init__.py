@@ -44,7 +44,12 @@ def resolve_backend(
 
 
 def backend_choice(
-    name: str, device: torch.device, dtype: torch.dtype, invariant_model: bool = False, head_dim: int = 64
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    invariant_model: bool = False,
+    head_dim: int = 64,
+    sinks: bool = False,
 ) -> tuple[str, str]:
     """The backend for the setting `name`, and why. `auto`: FlashInfer on CUDA in float16/bfloat16
     when the package is installed and its kernels take the head dim (64 or more); on CPU, for a
@@ -52,17 +57,20 @@ def backend_choice(
     layers), our kernel (`kernel`: invariant by construction) where it builds and runs the
     model (float32, a head dim divisible by 8), else the torch-op batch-invariant backend (the
     fallback where ours cannot be built) where this CPU's kernels pass `kernels_invariant` (at the
-    model's `head_dim`); the torch reference otherwise. Forcing a backend where it cannot run is
-    an error."""
+    model's `head_dim`); the torch reference otherwise, and on CUDA for a model with attention
+    `sinks` (which FlashInfer does not compute here). Forcing a backend where it cannot run is an
+    error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and fa2_head_dim(head_dim)
     installed = importlib.util.find_spec("flashinfer") is not None
     if name == "auto":
-        if usable and installed:
+        if usable and installed and not sinks:
             return "flashinfer", "auto: CUDA in 16-bit floats with flashinfer installed"
         if device.type != "cpu":
-            return "torch", "auto: " + ("flashinfer is not installed" if usable else f"flashinfer cannot run {dtype}")
+            why = "flashinfer is not installed" if usable else f"flashinfer cannot run {dtype}"
+            return "torch", "auto: " + ("the model's attention sinks (FlashInfer's paged prefill computes none)"
+                                        if sinks and usable and installed else why)  # fmt: skip
         if not invariant_model:
             return "torch", "auto: the model's products are not batch-invariant, so no attention need be"
         if kernel_backend_runs(device, dtype, head_dim):

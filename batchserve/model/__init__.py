@@ -10,6 +10,7 @@ from torch import nn
 
 from batchserve import kernels
 from batchserve.model.bf16 import KernelBf16Linear, kernel_bf16_variance, our_bf16_here
+from batchserve.model.family import SINK_ARCHITECTURES
 from batchserve.model.layers import (
     Bf16Linear,
     PackedLinear,
@@ -62,7 +63,8 @@ def choose_impl(
     """The model the runner drives: `native` (raises ValueError where it is not supported),
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
-    transformers elsewhere and for a mixture of experts off the CPU (logged). On CPU the native
+    transformers elsewhere and for a mixture of experts off the CPU but gpt-oss (whose sinks need
+    our forward; logged either way). On CPU the native
     model's linear layers are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`
     (torch's own kernels); with `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel), or where ours
     cannot be built oneDNN's `Bf16Linear`, the token embedding read row by row from the GGUF file
@@ -88,11 +90,17 @@ def choose_impl(
     if cpu_weights == "bfloat16":
         _check_bf16(on_cpu, impl, unsupported, cpu_linear, next(model.parameters()).dtype)
     if impl == "auto" and not on_cpu and unsupported is None and Routing.of(model.config) is not None:
+        if model.config.model_type not in SINK_ARCHITECTURES:
+            logger.info(
+                "%s: mixture-of-experts layers on %s run on transformers' modules (no MoE kernels of ours off"
+                " the CPU yet)", model.config.model_type, device,
+            )  # fmt: skip
+            return model
+        # transformers' attention modules would drop the sinks (refused): our forward computes them
         logger.info(
-            "%s: mixture-of-experts layers on %s run on transformers' modules (no MoE kernels of ours off the CPU yet)",
+            "%s: its sinks need our forward on %s; its experts run there one by one on torch's products",
             model.config.model_type, device,
         )  # fmt: skip
-        return model
     if impl == "native" or (impl == "auto" and device in NATIVE_DEVICES and unsupported is None):
         native = native_from_hf(model)
         weights, native.cpu_weights_reason = _weights_for(cpu_weights, on_cpu, path, loaded_from_path)

@@ -111,7 +111,8 @@ def choose_forward(model: Any, config: EngineConfig, loaded_from_path: bool) -> 
     invariant = has_invariant_linears(model)
     mc_ = model.config
     head_dim = getattr(mc_, "head_dim", None) or mc_.hidden_size // mc_.num_attention_heads
-    attention = Part(*backend_choice(mc.attention_backend, param.device, param.dtype, invariant, head_dim))
+    sinks = bool(getattr(getattr(model, "family", None), "sinks", False))  # gpt-oss: computed by our forward only
+    attention = Part(*backend_choice(mc.attention_backend, param.device, param.dtype, invariant, head_dim, sinks))
     graphs = Part(*graphs_choice(mc.cuda_graphs, param.device, native, backend_class(attention.choice)))
     choice = ForwardChoice(impl, weights, _linear_part(model, invariant), attention, graphs, _fused_part(model))
     return model, choice

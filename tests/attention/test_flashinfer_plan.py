@@ -105,6 +105,22 @@ def test_plan_refuses_unpacked_rows_and_short_block_tables():
         build_plan_of([SeqLayout(0, 1, 8, 1, (), (0,))], page_size=4)
 
 
+def test_auto_serves_attention_sinks_off_flashinfer_on_the_reference(monkeypatch):
+    """FlashInfer's paged prefill computes no sinks here: on CUDA `auto` takes the torch reference,
+    which does, for a model that has them (the choice alone: no GPU needed)."""
+    import importlib.util
+
+    from batchserve.attention import backend_choice
+
+    find = importlib.util.find_spec
+    installed = lambda name, *a: object() if name == "flashinfer" else find(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", installed)
+    cuda = torch.device("cuda")
+    assert backend_choice("auto", cuda, torch.bfloat16, head_dim=64)[0] == "flashinfer"
+    name, why = backend_choice("auto", cuda, torch.bfloat16, head_dim=64, sinks=True)
+    assert name == "torch" and "sinks" in why
+
+
 def test_backend_choice_on_this_machine():
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, torch.float32) == "torch"

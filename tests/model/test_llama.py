@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import batchserve.model
 from batchserve import LLM, SamplingParams
 from batchserve.attention import LayerAttention
 from batchserve.engine import EngineCore
@@ -228,19 +229,21 @@ def test_what_the_native_forward_does_not_run_exactly_is_refused_by_name():
     assert not isinstance(choose_impl(_model("llama"), "transformers"), NativeLlamaForCausalLM)
 
 
-def test_a_mixture_of_experts_off_the_cpu_runs_on_transformers_modules_and_says_so(caplog):
+def test_a_mixture_of_experts_off_the_cpu_runs_on_transformers_modules_and_says_so(caplog, monkeypatch):
     """No MoE kernels of ours off the CPU: `auto` keeps transformers' modules there and logs it
-    (the meta device stands in for a GPU here); on the CPU the native forward runs it."""
+    (the meta device stands in for a GPU here), but for gpt-oss, whose sinks only our forward
+    computes; on the CPU the native forward runs them all."""
     moe = _model("qwen3-moe")
     assert isinstance(choose_impl(moe, "auto"), NativeLlamaForCausalLM)
     off = moe.to("meta")
     with caplog.at_level(logging.INFO, logger="batchserve"):
         assert choose_impl(off, "auto") is off
     assert "mixture-of-experts layers on meta run on transformers' modules" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="batchserve"):
-        choose_impl(_model("llama").to("meta"), "auto")  # a dense model: no such line
-    assert "mixture-of-experts" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="batchserve"), monkeypatch.context() as m:  # gpt-oss: sinks
+        m.setattr(batchserve.model, "NATIVE_DEVICES", ("cpu", "meta"))  # meta as the native forward's GPU
+        assert isinstance(choose_impl(_model("gpt-oss").to("meta"), "auto"), NativeLlamaForCausalLM)
+        choose_impl(_model("llama").to("meta"), "auto")  # a dense model: no line
+    assert "its sinks need our forward on meta" in caplog.text and caplog.text.count("mixture-of-experts") == 1
 
 
 def test_a_native_model_handed_in_is_reused_as_it_is():
