@@ -30,7 +30,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' instructions need
-ABI_VERSION = 10  # bs_abi_version() of the source this module's signatures describe
+ABI_VERSION = 11  # bs_abi_version() of the source this module's signatures describe
 MODULE = "_batchserve_cpu"  # the extension module's name (bindings.cpp)
 
 
@@ -233,6 +233,7 @@ def decoder_layers(
     table: torch.Tensor,
     x: torch.Tensor,
     shape: tuple[int, int, int, int, int],
+    routing: tuple[int, int, int],
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -242,16 +243,17 @@ def decoder_layers(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Every decoder layer of `table` ([L, layer_fields()] int64: the layers' tensors' addresses)
-    over x [T, H] float32 contiguous, with `shape` = (H, Hq, Hkv, D, I), cos and sin [T, D]
+    over x [T, H] float32 contiguous, with `shape` = (H, Hq, Hkv, D, I), `routing` = (E, k, route
+    flags) of the sparse layers (E 0: none; csrc/layers.cpp), cos and sin [T, D]
     contiguous, `plan` the step's attention plan (`attention.kernel.KernelMetadata`) and keys,
     values the pool [L, Hkv, S, D] -> (the last layer's output [T, H], the residual beside it,
     the seconds attention took)."""
     t = x.shape[0]
     lib = library()
-    work = torch.empty(int(lib.layers_workspace(t, *shape)))
+    work = torch.empty(int(lib.layers_workspace(t, *shape, *routing[:2])))
     out, residual = torch.empty(t, shape[0]), torch.empty(t, shape[0])
     seconds = lib.decoder_layers(
-        table.data_ptr(), table.shape[0], x.data_ptr(), t, *shape, eps, cos.data_ptr(), sin.data_ptr(),
+        table.data_ptr(), table.shape[0], x.data_ptr(), t, *shape, *routing, eps, cos.data_ptr(), sin.data_ptr(),
         plan.slot_mapping.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
         plan.slots.data_ptr(), plan.prefix_at.data_ptr(), plan.prefix_len.data_ptr(),
         plan.tails.data_ptr(), plan.tail_at.data_ptr(), plan.tail_len.data_ptr(),

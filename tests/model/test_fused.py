@@ -69,7 +69,9 @@ def _forward(model: Any, backend: Any, seqs: list, ids: torch.Tensor) -> torch.T
 
 
 def _pools(num_blocks: int, gen: torch.Generator, config: Any = None) -> tuple[KernelBackend, KernelBackend]:
-    a, b = (KernelBackend(LAYERS, num_blocks, BS, 2, 16) for _ in range(2))
+    shape = (LAYERS, 2, 16) if config is None else (config.num_hidden_layers, config.num_key_value_heads,
+                                                     config.head_dim)  # fmt: skip
+    a, b = (KernelBackend(shape[0], num_blocks, BS, *shape[1:]) for _ in range(2))
     if config is not None:  # each layer's window, as the engine gives them
         a.set_layers(layer_attention(config))
         b.set_layers(layer_attention(config))

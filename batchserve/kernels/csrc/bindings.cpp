@@ -78,22 +78,23 @@ KERNEL(rotary, "iiiiiiiiii",
 PyObject* py_decoder_layers(PyObject*, PyObject* const* args, Py_ssize_t n) {
     int64_t a[32] = {0};
     double f[32] = {0};
-    if (!parse(args, n, "iiiiiiiiifiiiiiiiiiiiifiiii", a, f)) return nullptr;
+    if (!parse(args, n, "iiiiiiiiiiiifiiiiiiiiiiiifiiii", a, f)) return nullptr;
     double seconds = 0.0;
     Py_BEGIN_ALLOW_THREADS seconds = bs_decoder_layers(
-        p<const int64_t>(a[0]), a[1], p<const float>(a[2]), a[3], a[4], a[5], a[6], a[7], a[8],
-        static_cast<float>(f[9]), p<const float>(a[10]), p<const float>(a[11]), p<const int64_t>(a[12]), p<float>(a[13]),
-        p<float>(a[14]), a[15], p<const int32_t>(a[16]), p<const int32_t>(a[17]), p<const int32_t>(a[18]),
-        p<const int32_t>(a[19]), p<const int32_t>(a[20]), p<const int32_t>(a[21]), static_cast<float>(f[22]),
-        p<float>(a[23]), p<float>(a[24]), p<float>(a[25]), static_cast<int>(a[26]));
+        p<const int64_t>(a[0]), a[1], p<const float>(a[2]), a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10],
+        static_cast<int>(a[11]), static_cast<float>(f[12]), p<const float>(a[13]), p<const float>(a[14]),
+        p<const int64_t>(a[15]), p<float>(a[16]), p<float>(a[17]), a[18], p<const int32_t>(a[19]),
+        p<const int32_t>(a[20]), p<const int32_t>(a[21]), p<const int32_t>(a[22]), p<const int32_t>(a[23]),
+        p<const int32_t>(a[24]), static_cast<float>(f[25]), p<float>(a[26]), p<float>(a[27]), p<float>(a[28]),
+        static_cast<int>(a[29]));
     Py_END_ALLOW_THREADS return PyFloat_FromDouble(seconds);
 }
 
 PyObject* py_layers_workspace(PyObject*, PyObject* const* args, Py_ssize_t n) {
     int64_t a[32] = {0};
     double f[32] = {0};
-    if (!parse(args, n, "iiiiii", a, f)) return nullptr;
-    return PyLong_FromLongLong(bs_layers_workspace(a[0], a[1], a[2], a[3], a[4], a[5]));
+    if (!parse(args, n, "iiiiiiii", a, f)) return nullptr;
+    return PyLong_FromLongLong(bs_layers_workspace(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
 }
 
 PyObject* py_moe_workspace(PyObject*, PyObject* const* args, Py_ssize_t n) {

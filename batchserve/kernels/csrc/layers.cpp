@@ -23,6 +23,9 @@ enum Field : int64_t {
     kGateUp, kGateUpBias,
     kDown, kDownBias,
     kQNorm, kKNorm,  // RMSNorm weights over each head of q and of k (Qwen3's), 0 for none
+    // A sparse layer (its gate|up and down 0): its float32 router [E, H] and bias (0 for none), and
+    // its experts' table [E, 4] (csrc/moe.cpp's); 0 for a dense layer.
+    kRouter, kRouterBias, kExperts,
     kFields,
 };
 
@@ -58,20 +61,25 @@ extern "C" {
 int64_t bs_layer_fields() { return kFields; }
 
 // What batchserve/kernels/__init__.py's ABI_VERSION must match: bumped when a signature or the layer table changes.
-int bs_abi_version() { return 10; }
+int bs_abi_version() { return 11; }
 
-// Floats of workspace a step of T rows needs.
-int64_t bs_layers_workspace(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
-    return T * (H + (Hq + 2 * Hkv) * D + (Hq + Hkv) * D + Hq * D + H + 2 * I + I);
+// Floats of workspace a step of T rows needs (E routed experts, k a row, for sparse layers; E 0: none).
+int64_t bs_layers_workspace(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, int64_t E,
+                            int64_t k) {
+    const int64_t sparse = E > 0 ? T * (E + 3 * k) + bs_moe_workspace(T, H, k) : 0;  // logits, ids (2 each), weights
+    return T * (H + (Hq + 2 * Hkv) * D + (Hq + Hkv) * D + Hq * D + H + 2 * I + I) + sparse;
 }
 
 // Run L layers (their `table` [L, kFields]) over x [T, H] (the embeddings): `out` [T, H] gets the
 // last layer's output and `residual` [T, H] the residual stream beside it (the model adds the two
 // in its final norm). cos, sin [T, D]: each row's rotation. The pool's keys and values are
 // [L, Hkv, S, D]; the plan (slot_mapping .. tail_len) is `bs_attention`'s, the same for every
-// layer. Returns the seconds spent in attention (the engine reports them apart).
+// layer. A sparse layer routes each row to k of its E experts of I features by `route` (bit 0:
+// softmax first, bit 1: renormalize; `bs_moe_route`'s), through the same kernels as
+// `KernelSparseMoE.forward`. Returns the seconds spent in attention (the engine reports them apart).
 double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_t T, int64_t H, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t I, float eps, const float* cos, const float* sin,
+                         int64_t Hkv, int64_t D, int64_t I, int64_t E, int64_t k, int route, float eps,
+                         const float* cos, const float* sin,
                          const int64_t* slot_mapping, float* keys, float* values, int64_t S, const int32_t* slots,
                          const int32_t* prefix_at, const int32_t* prefix_len, const int32_t* tails,
                          const int32_t* tail_at, const int32_t* tail_len, float scale, float* work, float* out,
@@ -84,6 +92,10 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
     float* o = attn + T * Hq * D;               // [T, H]
     float* gate_up = o + T * H;                 // [T, 2I]
     float* act = gate_up + T * 2 * I;           // [T, I]
+    float* logits = act + T * I;                // [T, E] (sparse layers)
+    int64_t* ids = reinterpret_cast<int64_t*>(logits + T * E);  // [T, k]
+    float* weights = logits + T * E + 2 * T * k;  // [T, k]
+    float* moe_work = weights + T * k;          // bs_moe_workspace
     double attention_s = 0.0;
     for (int64_t l = 0; l < L; ++l) {
         const int64_t* row = table + l * kFields;
@@ -108,6 +120,13 @@ double bs_decoder_layers(const int64_t* table, int64_t L, const float* x, int64_
         attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         product(row, kO, attn, T, H, o, threads);
         bs_rms_norm(o, residual, at<float>(row, kPostNorm), T, H, eps, h, residual, threads);
+        if (row[kExperts] != 0) {
+            bs_router_logits(h, T, H, at<float>(row, kRouter), at<float>(row, kRouterBias), E, logits, threads);
+            bs_moe_route(logits, T, E, E, k, route & 1, (route >> 1) & 1, ids, weights, threads);
+            bs_moe_experts(h, T, H, k, ids, weights, at<int64_t>(row, kExperts), E, I, 0.0f, 0.0f, moe_work, out,
+                           threads);
+            continue;
+        }
         product(row, kGateUp, h, T, 2 * I, gate_up, threads);
         bs_silu_mul(gate_up, T, I, act, threads);
         product(row, kDown, act, T, H, out, threads);
