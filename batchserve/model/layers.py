@@ -251,17 +251,9 @@ class KernelSiluAndMul(SiluAndMul):
         return kernels.silu_mul(gate_up.contiguous())
 
 
-class KernelClampedSwiGLU(ClampedSwiGLU):
-    """gpt-oss's clamped SwiGLU in one call of our kernel (its own exp, as `KernelSiluAndMul`'s;
-    beside our quantized products only). Row-wise, batch-invariant by construction."""
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return kernels.clamped_swiglu(gate_up.contiguous(), self.alpha, self.limit)
-
-
 def use_kernel_layers(model: nn.Module) -> int:
-    """Swap the model's RMSNorms, SiluAndMuls and clamped SwiGLUs for our kernels' (whole groups
-    of 8 values only), in place; the number swapped."""
+    """Swap the model's RMSNorms and SiluAndMuls for our kernels' (whole groups of 8 values only),
+    in place; the number swapped."""
     swaps: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
         if type(m) is RMSNorm and m.weight.shape[0] % 8 == 0:
@@ -270,8 +262,6 @@ def use_kernel_layers(model: nn.Module) -> int:
             swaps.append((name, norm))
         elif type(m) is SiluAndMul:
             swaps.append((name, KernelSiluAndMul()))
-        elif type(m) is ClampedSwiGLU:
-            swaps.append((name, KernelClampedSwiGLU(m.alpha, m.limit)))
     for name, layer in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)

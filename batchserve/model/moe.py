@@ -21,7 +21,7 @@ from torch import nn
 
 from batchserve import kernels
 from batchserve.model.blocks import BlockLinear
-from batchserve.model.layers import ROW_BUCKETS, KernelClampedSwiGLU, KernelSiluAndMul, MergedLinear
+from batchserve.model.layers import ROW_BUCKETS, ClampedSwiGLU, KernelSiluAndMul, MergedLinear
 from batchserve.threads import rows_whole
 
 # transformers' model_type of the routed-expert families the native forward runs
@@ -164,6 +164,14 @@ class SparseMoE(nn.Module):
         return f"top {r.top_k} of {r.experts} experts{' renormalized' if r.renormalize else ''}{shared}"
 
 
+class KernelClampedSwiGLU(ClampedSwiGLU):
+    """gpt-oss's clamped SwiGLU in one call of our kernel (its own exp, as `KernelSiluAndMul`'s;
+    beside our quantized products only). Row-wise, batch-invariant by construction."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return kernels.clamped_swiglu(gate_up.contiguous(), self.alpha, self.limit)
+
+
 class KernelSparseMoE(SparseMoE):
     """A sparse layer whose experts all run on our kernels (`BlockLinear` products over a GGUF
     file's blocks, with or without float32 biases; our silu * up or clamped SwiGLU): the experts in
@@ -253,7 +261,13 @@ def _address(t: torch.Tensor | None) -> int:
 
 def use_kernel_experts(model: nn.Module) -> int:
     """Swap each `SparseMoE` whose experts all run on our kernels for a `KernelSparseMoE`, in
-    place; the number swapped."""
+    place; the number swapped. The experts' clamped SwiGLUs (gpt-oss's) go on our kernel first:
+    the kernel runs that one, and the layer-by-layer path must give its bits."""
+    if kernels.available():
+        for moe in [m for m in model.modules() if type(m) is SparseMoE]:
+            for expert in moe.experts:
+                if type(expert.act) is ClampedSwiGLU:
+                    expert.act = KernelClampedSwiGLU(expert.act.alpha, expert.act.limit)
     swaps = [(name, m) for name, m in model.named_modules() if type(m) is SparseMoE and why_not_kernel(m) is None]
     for name, moe in swaps:
         parent, _, child = name.rpartition(".")

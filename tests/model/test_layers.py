@@ -11,12 +11,12 @@ from batchserve import kernels
 from batchserve.model.layers import (
     Bf16Linear,
     ClampedSwiGLU,
-    KernelClampedSwiGLU,
     RMSNorm,
     Rotary,
     bf16_prepack_available,
     packed_products_invariant,
 )
+from batchserve.model.moe import KernelClampedSwiGLU
 
 
 def test_the_fused_norm_has_transformers_bits_and_a_row_never_depends_on_the_others():
