@@ -68,9 +68,11 @@ def backend_choice(
         if usable and installed and not sinks:
             return "flashinfer", "auto: CUDA in 16-bit floats with flashinfer installed"
         if device.type != "cpu":
-            why = "flashinfer is not installed" if usable else f"flashinfer cannot run {dtype}"
-            return "torch", "auto: " + ("the model's attention sinks (FlashInfer's paged prefill computes none)"
-                                        if sinks and usable and installed else why)  # fmt: skip
+            if not usable:
+                return "torch", f"auto: flashinfer cannot run {dtype}"
+            if not installed:
+                return "torch", "auto: flashinfer is not installed"
+            return "torch", "auto: the model's attention sinks (FlashInfer's paged prefill computes none)"
         if not invariant_model:
             return "torch", "auto: the model's products are not batch-invariant, so no attention need be"
         if kernel_backend_runs(device, dtype, head_dim):

@@ -64,9 +64,9 @@ def choose_impl(
     `transformers` (the model as loaded), or `auto`: native for the supported architectures on
     CPU and CUDA (its GPU tests passed on an H100: benchmarks/results/gpu-h100-native),
     transformers elsewhere and for a mixture of experts off the CPU but gpt-oss (whose sinks need
-    our forward; logged either way). On CPU the native
-    model's linear layers are `PackedLinear` (batch-invariant) unless `cpu_linear` is `torch`
-    (torch's own kernels); with `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel), or where ours
+    our forward; logged either way). On CPU the native model's linear layers are `PackedLinear`
+    (batch-invariant) unless `cpu_linear` is `torch` (torch's own kernels); with
+    `cpu_weights=bfloat16` every product is a `KernelBf16Linear` (our kernel), or where ours
     cannot be built oneDNN's `Bf16Linear`, the token embedding read row by row from the GGUF file
     the model came from; with `gguf` the model is the same file read from its own blocks
     (`gguf_native`: what the engine serves; the bench shares one transformers-loaded model among

@@ -42,8 +42,8 @@ def why_not_fused(layers: nn.ModuleList) -> str | None:
             if type(layer.get_submodule(name)) is not BlockLinear:
                 return f"layer {i}'s {name} is not a product over GGUF blocks on our kernels"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        act = KernelSiluAndMul if sparse else type(getattr(layer.mlp, "act", None))  # (the experts': checked)
-        if any(type(n) is not KernelRMSNorm for n in norms) or act is not KernelSiluAndMul:
+        dense_act = not sparse and type(layer.mlp.act) is not KernelSiluAndMul  # (the experts': `_why_not_fused_moe`)
+        if any(type(n) is not KernelRMSNorm for n in norms) or dense_act:
             return f"layer {i}'s norms or activation are not our kernels'"
         head_norms = (layer.self_attn.q_norm, layer.self_attn.k_norm)
         if head_norms[0] is not None and any(type(n) is not KernelRMSNorm or n.eps != norms[0].eps for n in head_norms):
@@ -100,14 +100,9 @@ class KernelDecoderLayers(nn.Module):
         row += [0, 0] if attn.q_norm is None else [self._address(attn.q_norm.weight), self._address(attn.k_norm.weight)]
         if moe is None:
             return [*row, 0, 0, 0]
-        self.kept += list(moe.experts)  # the table's descriptors and biases live in them
-        bias = moe.gate.bias
-        return [
-            *row,
-            self._address(moe.gate.weight),
-            0 if bias is None else self._address(bias),
-            self._address(moe.table),
-        ]
+        bias = moe.gate.bias  # (the experts' table points into their products, which the model keeps)
+        router = [self._address(moe.gate.weight), 0 if bias is None else self._address(bias)]
+        return [*row, *router, self._address(moe.table)]
 
     def _address(self, t: torch.Tensor) -> int:
         t = t.detach()

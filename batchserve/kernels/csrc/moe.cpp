@@ -13,6 +13,9 @@
 
 namespace {
 
+template <class T>
+const T* addr(int64_t v) { return reinterpret_cast<const T*>(static_cast<intptr_t>(v)); }
+
 // The experts' activation: silu(gate) * up, or where `limit` > 0 gpt-oss's clamped SwiGLU.
 struct Activation {
     float alpha, limit;
@@ -38,14 +41,14 @@ void run_expert(const float* x, int64_t H, int64_t k, const int64_t* picks, int6
     float* glu = gate_up + n * 2 * I;    // [n, I]
     for (int64_t j = 0; j < n; ++j)
         memcpy(rows + j * H, x + picks[j] / k * H, static_cast<size_t>(H) * sizeof(float));
-    bs_block_linear(rows, n, reinterpret_cast<const int64_t*>(static_cast<intptr_t>(expert[0])), gate_up, threads);
-    add_bias(gate_up, n, 2 * I, reinterpret_cast<const float*>(static_cast<intptr_t>(expert[2])));
+    bs_block_linear(rows, n, addr<int64_t>(expert[0]), gate_up, threads);
+    add_bias(gate_up, n, 2 * I, addr<float>(expert[2]));
     if (act.limit > 0)
         bs_clamped_swiglu(gate_up, n, I, act.alpha, act.limit, glu, threads);
     else
         bs_silu_mul(gate_up, n, I, glu, threads);
-    bs_block_linear(glu, n, reinterpret_cast<const int64_t*>(static_cast<intptr_t>(expert[1])), y, threads);
-    add_bias(y, n, H, reinterpret_cast<const float*>(static_cast<intptr_t>(expert[3])));
+    bs_block_linear(glu, n, addr<int64_t>(expert[1]), y, threads);
+    add_bias(y, n, H, addr<float>(expert[3]));
 }
 
 }  // namespace
