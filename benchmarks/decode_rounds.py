@@ -5,8 +5,9 @@ alike: the median tok/s of each and the ratios, per file.
     python benchmarks/decode_rounds.py FILE [FILE ...] [--rounds 3] [--tokens 32] [--old-tree DIR]
         [--llama-bin DIR]
 
-Ours is `benchmarks/model_files.py FILE --in-flight 1 --tokens N`'s measuring process (its tok_s_1:
-load, warm, the median of 3 runs of N tokens); `--old-tree DIR` runs the same with DIR (a copy of
+Ours is `benchmarks/model_files.py FILE --in-flight 1 --tokens N`'s measuring process (its
+decode_tok_s_1: load, warm, the median of 3 runs of N tokens, the prompt's prefill left out as
+llama-bench's tg leaves it out); `--old-tree DIR` runs the same with DIR (a copy of
 the package, e.g. with other kernel sources) first on PYTHONPATH. llama.cpp's is `llama-bench -m FILE
 -t 2 -p 0 -n N -r 3` (its avg_ts)."""
 
@@ -30,7 +31,7 @@ def ours(path: str, tokens: int, tree: Path | None) -> float:
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
     out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env, cwd=tree or None)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["tok_s_1"])
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s_1"])
 
 
 def llama(path: str, tokens: int, bin_dir: Path) -> float:

@@ -7,7 +7,12 @@ engine on a GGUF (or HF directory), in one process, and the same file on llama.c
 Real-shaped files come from `batchserve bench --write-gguf PATH --shape NAME --quant Q4_K_M`
 (random blocks: real speed and memory, noise for text). Each file is measured in a fresh
 process (peak RSS is the process's), twice: the first start reads and checks, the second finds
-the metadata and the invariance verdict cached (by file and CPU)."""
+the metadata and the invariance verdict cached (by file and CPU).
+
+Rates, medians of 3 runs of prompts no earlier run saw: `tok_s_N`, N requests of 32 prompt tokens
+each decoding `--tokens` + 1 tokens, the prefill included; `decode_tok_s_N`, the decoding alone (that
+time less a run of one token each), which is what llama-bench's tg and llama-batched-bench's S_TG
+time."""
 
 from __future__ import annotations
 
@@ -37,16 +42,30 @@ def measure(path: str, in_flight: list[int], tokens: int) -> dict[str, object]:
     prompt = list(range(1000, 1032))  # 32 tokens, as llama-batched-bench's -npp 32 below
     for n in in_flight:
         llm.generate([prompt] * n, SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm
-        rates = []
-        for _ in range(REPEATS):  # the first run after a load is the slowest (pages still coming in)
-            t = time.perf_counter()
-            results = llm.generate(
-                [[p + i for p in prompt] for i in range(n)], SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-            )
-            rates.append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - t))
+        rates, decode_rates = [], []
+        for rep in range(REPEATS):  # the first run after a load is the slowest (pages still coming in)
+            t_full = _timed(llm, _prompts(prompt, n, 2 * rep + 1), tokens + 1)
+            t_first = _timed(llm, _prompts(prompt, n, 2 * rep + 2), 1)
+            rates.append(n * (tokens + 1) / t_full)
+            decode_rates.append(n * tokens / (t_full - t_first))
         out[f"tok_s_{n}"] = round(statistics.median(rates), 2)
+        out[f"decode_tok_s_{n}"] = round(statistics.median(decode_rates), 2)
     out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
     return out
+
+
+def _prompts(prompt: list[int], n: int, salt: int) -> list[list[int]]:
+    """n prompts no earlier run saw (the prefix cache must not shorten a timed prefill)."""
+    return [[p + 97 * salt + i for p in prompt] for i in range(n)]
+
+
+def _timed(llm: object, prompts: list[list[int]], tokens: int) -> float:
+    from batchserve import SamplingParams
+
+    t = time.perf_counter()
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=tokens, ignore_eos=True))  # type: ignore[attr-defined]
+    assert all(len(r.token_ids) == tokens for r in results)
+    return time.perf_counter() - t
 
 
 def llama_cpp(path: str, in_flight: list[int], tokens: int, bin_dir: Path) -> dict[str, object]:

@@ -58,8 +58,9 @@ def backend_choice(
     model (float32, a head dim divisible by 8), else the torch-op batch-invariant backend (the
     fallback where ours cannot be built) where this CPU's kernels pass `kernels_invariant` (at the
     model's `head_dim`); the torch reference otherwise, and on CUDA for a model with attention
-    `sinks` (which FlashInfer does not compute here). Forcing a backend where it cannot run is an
-    error."""
+    `sinks` until the GPU check has compared FlashInfer's (added from its log-sum-exp,
+    `flashinfer_backend.add_sinks`) with the reference's on a device: `flashinfer` forced runs them.
+    Forcing a backend where it cannot run is an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and fa2_head_dim(head_dim)
@@ -72,7 +73,7 @@ def backend_choice(
                 return "torch", f"auto: flashinfer cannot run {dtype}"
             if not installed:
                 return "torch", "auto: flashinfer is not installed"
-            return "torch", "auto: the model's attention sinks (FlashInfer's paged prefill computes none)"
+            return "torch", "auto: the model's attention sinks (FlashInfer's not yet checked on a device)"
         if not invariant_model:
             return "torch", "auto: the model's products are not batch-invariant, so no attention need be"
         if kernel_backend_runs(device, dtype, head_dim):

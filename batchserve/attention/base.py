@@ -31,12 +31,6 @@ class LayerAttention:
             raise ValueError("attention sinks must be finite")
 
 
-def refuse_sinks(layers: tuple[LayerAttention, ...], backend: str) -> None:
-    """ValueError where a layer has sinks: `backend` does not compute them (never served without)."""
-    if any(spec.sinks is not None for spec in layers):
-        raise ValueError(f"the {backend} attention backend does not compute attention sinks: use the kernel backend")
-
-
 PLAIN = LayerAttention()
 
 

@@ -9,6 +9,11 @@ The wrapper is planned once per step and created with `backend="fa2"`: custom ma
 on the FA2 kernels. RoPE stays in the HF model (positions from tree depth), so the kernel
 runs with `pos_encoding_mode="NONE"`.
 
+Attention sinks (gpt-oss: a learned logit per query head in the softmax's denominator, with no
+value) are added after the kernel from the log-sum-exp it returns (`add_sinks`), so every kernel
+variant (mask, window, soft-cap, graph buckets) takes them without a variant of its own, and a
+row's result is still its own (an elementwise scale).
+
 Planning never waits for the device: the mask is bit-packed on the host (`build_plan`), and the
 plan's arrays reach plan() as pinned host indptrs and device page indices and packed mask, filled
 by non-blocking copies (`flashinfer_staging`, which says what plan() does with each).
@@ -19,7 +24,8 @@ plain torch so that the index and mask construction is tested on any machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,11 +38,25 @@ from batchserve.attention.base import (
     StepBucket,
     StepLayout,
     fa2_head_dim,
-    refuse_sinks,
 )
 from batchserve.attention.flashinfer_staging import PlanStaging, pack_masks
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV workspace
+LN2 = math.log(2.0)
+
+
+def add_sinks(out: torch.Tensor, lse2: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The attention `out` [T, Hq, D] (computed without sinks) with each head's sink logit `sinks`
+    [Hq] float32 in its softmax's denominator, from the rows' log-sum-exp `lse2` [T, Hq] float32 in
+    base 2 (FlashInfer's): with L = lse2 * ln 2, softmax over [scores, s] keeps e^L / (e^L + e^s)
+    of each row's mass, sigmoid(L - s). A row that sees no key (L = -inf) stays 0."""
+    keep = torch.sigmoid(lse2 * LN2 - sinks)  # [T, Hq] float32
+    return (out.float() * keep.unsqueeze(-1)).to(out.dtype)  # [T, Hq, D]
+
+
+def planned_kind(spec: LayerAttention) -> LayerAttention:
+    """What a wrapper is planned for: the window and the soft-cap; the sinks are `add_sinks`'s."""
+    return replace(spec, sinks=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +188,7 @@ class FlashInferBackend(AttentionBackend):
         self._flashinfer = library
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._kinds: tuple[LayerAttention, ...] = (PLAIN,)  # the distinct kinds of layer (`set_layers`)
+        self._sinks: list[torch.Tensor | None] = []  # each layer's sinks [Hq] (`set_layers`)
         self._wrappers = {PLAIN: library.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")}
         # Graph-replayed steps: one wrapper per bucket over its own fixed buffers (they share the
         # workspace: one step runs at a time).
@@ -176,12 +197,19 @@ class FlashInferBackend(AttentionBackend):
         self._staging: dict[Any, PlanStaging] = {}  # per wrapper: its inputs' host and device buffers
 
     def set_layers(self, layers: tuple[LayerAttention, ...]) -> None:
-        """One wrapper per kind of layer: FlashInfer plans the window and the soft-cap with the step."""
+        """One wrapper per kind of layer (FlashInfer plans the window and the soft-cap with the step),
+        and each layer's sinks [Hq] float32 on the device, made once (fixed inputs of a graph)."""
         if self._buckets:
             raise ValueError("set_layers comes before the first planned step")
-        refuse_sinks(layers, "FlashInfer")
+        for spec in layers:
+            if spec.sinks is not None and len(spec.sinks) != self.num_qo_heads:
+                raise ValueError(f"{len(spec.sinks)} attention sinks for {self.num_qo_heads} query heads")
         super().set_layers(layers)
-        self._kinds = tuple(dict.fromkeys(layers)) or (PLAIN,)
+        self._sinks = [
+            None if spec.sinks is None else torch.tensor(spec.sinks, dtype=torch.float32, device=self.device)
+            for spec in layers
+        ]
+        self._kinds = tuple(dict.fromkeys(planned_kind(spec) for spec in layers)) or (PLAIN,)
         make = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper
         self._wrappers = {kind: make(self._workspace, "NHD", backend="fa2") for kind in self._kinds}
 
@@ -290,9 +318,13 @@ class FlashInferBackend(AttentionBackend):
         self.k_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, k.transpose(0, 1).to(self.dtype))  # [T, Hkv, D]
         self.v_cache[layer_idx].view(-1, hkv, d).index_copy_(0, slots, v.transpose(0, 1).to(self.dtype))
         qt = q.transpose(0, 1).contiguous().to(self.dtype)  # [T, Hq, D]
-        wrapper = metadata.wrappers[self.layer(layer_idx)]  # planned for this kind of layer
-        out = wrapper.run(qt, (self.k_cache[layer_idx], self.v_cache[layer_idx]))  # [T, Hq, D]
-        return out.to(q.dtype)  # [T, Hq, D]
+        wrapper = metadata.wrappers[planned_kind(self.layer(layer_idx))]  # planned for this kind of layer
+        cache = (self.k_cache[layer_idx], self.v_cache[layer_idx])
+        sinks = self._sinks[layer_idx] if self._sinks else None
+        if sinks is None:
+            return wrapper.run(qt, cache).to(q.dtype)  # [T, Hq, D]
+        out, lse2 = wrapper.run(qt, cache, return_lse=True)  # [T, Hq, D], [T, Hq] float32 (base 2)
+        return add_sinks(out, lse2, sinks).to(q.dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         src, dst = src.to(self.device), dst.to(self.device)

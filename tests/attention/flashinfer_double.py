@@ -25,12 +25,12 @@ Not modelled: head dims above 64 (below, FA2 fails "Invalid configuration", as h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 # Storage data pointers of host tensors, each kept alive so that no later "device" tensor takes its
 # address; PINNED: those of them in page-locked memory.
@@ -265,7 +265,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         assert all(b is not None for b in buffers)
         return buffers  # type: ignore[return-value]
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def run(
+        self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[T, Hq, D] in q's dtype; with `return_lse`, also each row's log-sum-exp of its scaled
+        (capped) scores, [T, Hq] float32 in base 2 as the kernels write it (-inf where no key)."""
         plan = self._plan
         _require(plan is not None, "run() before plan()")
         assert plan is not None
@@ -286,6 +290,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         indices = all_indices[: kv_ptr[-1]].astype(np.int64)
         _require(((indices >= 0) & (indices < k_pages.shape[0])).all(), "a page index is outside the cache")
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
         for i in range(len(qo) - 1):
             q0, q1 = int(qo[i]), int(qo[i + 1])
             if q0 == q1:
@@ -294,11 +299,15 @@ class BatchPrefillWithPagedKVCacheWrapper:
             kv_len = (len(pages) - 1) * plan.page_size + int(last[i])
             k = k_pages[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()  # [kv, Hkv, D]
             v = v_pages[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()
-            out[q0:q1] = self._attend(plan, q[q0:q1], k, v, i).transpose(0, 1)
-        return out.to(q.dtype)  # [T, Hq, D]
+            o, row_lse = self._attend(plan, q[q0:q1], k, v, i)
+            out[q0:q1], lse[q0:q1] = o.transpose(0, 1), row_lse.T
+        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
-    def _attend(self, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int) -> torch.Tensor:
-        """Request i: q [q_len, Hq, D], k and v [kv_len, Hkv, D] float32 -> [Hq, q_len, D] float32."""
+    def _attend(
+        self, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i: q [q_len, Hq, D], k and v [kv_len, Hkv, D] float32 -> [Hq, q_len, D] float32
+        and the rows' base-2 log-sum-exp [Hq, q_len]."""
         q_len, kv_len = len(q), len(k)
         pos, keys = kv_len - q_len + torch.arange(q_len), torch.arange(kv_len)[None, :]  # rows' places in the KV
         # MaskMode.CUSTOM whenever the wrapper holds a mask buffer (a graph wrapper's always does), a mask
@@ -310,13 +319,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if plan.window_left >= 0:  # by the row's place in the KV, as the kernel counts it
             mask &= keys >= (pos - plan.window_left)[:, None]
         qh, kh, vh = q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, D]
+        group = qh.shape[0] // kh.shape[0]
+        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+        scores = qh @ kh.transpose(1, 2) * plan.sm_scale  # [Hq, q_len, kv_len]
         if plan.logits_soft_cap:
-            group = qh.shape[0] // kh.shape[0]
-            kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
-            scores = torch.tanh(qh @ kh.transpose(1, 2) * plan.sm_scale / plan.logits_soft_cap)
-            scores = (scores * plan.logits_soft_cap).masked_fill(~mask, float("-inf"))
-            return torch.softmax(scores, -1) @ vh
-        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=plan.sm_scale, enable_gqa=True)
+            scores = torch.tanh(scores / plan.logits_soft_cap) * plan.logits_soft_cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, -1) / math.log(2.0)  # [Hq, q_len]
+        return torch.softmax(scores, -1).nan_to_num(0.0) @ vh, lse  # a row with no key: 0, as the kernel's
 
     def mask(self, i: int, q_len: int, kv_len: int) -> torch.Tensor:
         """Request i's [q_len, kv_len] mask as the kernel reads it (`variants.cuh`): element (r, c) is bit

@@ -11,6 +11,7 @@ double and the real library can disagree is written in the double's docstring.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -137,6 +138,56 @@ def test_windowed_and_capped_layers_plan_their_own_wrappers_eager_and_in_a_bucke
     torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-5)
     plain = ref.forward(1, q.float(), k.float(), v.float(), ref_meta, scale)
     assert (plain - expected).abs().max() > 1e-2  # the window and cap made a difference
+
+
+def test_attention_sinks_are_added_from_the_kernels_log_sum_exp_eager_and_in_a_bucket():
+    """gpt-oss's sinks (a logit per query head in the softmax's denominator): each layer's own, added
+    from the base-2 log-sum-exp the kernel returns, as the reference computes them, on a tree step
+    (masked, one layer windowed) and in a decode bucket. Layers that differ only in their sinks
+    share one wrapper: the sinks are not planned."""
+    layers = (LayerAttention(window=9, sinks=(0.5, -1.0, 2.0, 0.0)), LayerAttention(sinks=(3.0, 1.0, -2.0, 0.25)))
+    backend, ref = _paired(400, 4, layers)
+    assert set(backend._kinds) == {LayerAttention(window=9), LayerAttention()}
+    plain, _ = _paired(400, 4, (LayerAttention(window=9), LayerAttention()))
+    plain.k_cache.copy_(backend.k_cache)
+    plain.v_cache.copy_(backend.v_cache)
+    seqs = random_step(random.Random(7), 4, 400, cached=(0, 7, 33, 200))
+    step, slots = StepLayout.from_seqs(seqs), slot_mapping(seqs, 4)
+    total = sum(s.q_len for s in seqs)
+    q, k, v = (torch.randn(h, total, HEAD_DIM).bfloat16() for h in (4, 2, 2))
+    decode = _decode_step([tuple(range(10)), tuple(range(20, 40))], [30, 70])
+    decode_slots = torch.tensor([30, 4 * 20 + 70], dtype=torch.long)
+    qd, kd, vd = (torch.randn(h, 2, HEAD_DIM).bfloat16() for h in (4, 2, 2))
+    scale = HEAD_DIM**-0.5
+    for layer in (0, 1):
+        metadata, ref_meta = backend.build_metadata(step, slots), ref.build_metadata(step, slots)
+        got = backend.forward(layer, q, k, v, metadata, scale)
+        expected = ref.forward(layer, q.float(), k.float(), v.float(), ref_meta, scale)
+        # Rounded to bf16 twice (the kernel's output, then the scaled one): within a bf16 ulp, 2^-7.
+        torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-5)
+        unsunk = plain.forward(layer, q, k, v, plain.build_metadata(step, slots), scale)
+        assert (unsunk.float() - expected).abs().max() > 1e-2  # the sinks made a difference
+        metadata = backend.plan(decode, decode_slots, StepBucket(2, 2, tree=False))
+        got = backend.forward(layer, qd, kd, vd, metadata, scale)
+        expected = ref.forward(layer, qd.float(), kd.float(), vd.float(), ref.build_metadata(decode, decode_slots), scale)
+        torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-5)
+    with pytest.raises(ValueError, match="3 attention sinks for 4 query heads"):
+        _backend(8, 4).set_layers((LayerAttention(sinks=(1.0, 2.0, 3.0)),))
+
+
+def test_add_sinks_keeps_a_rows_share_and_leaves_an_empty_row_empty():
+    """sigmoid(L - s) of each row, L its natural log-sum-exp: a sink equal to L halves the row, a
+    row that saw no key (L = -inf) stays 0, never NaN."""
+    from batchserve.attention.flashinfer_backend import add_sinks
+
+    out = torch.ones(3, 2, 4, dtype=torch.bfloat16)  # [T, Hq, D]
+    lse2 = torch.tensor([[1.0, 1.0], [float("-inf"), 0.0], [3.0, -3.0]])  # [T, Hq], base 2
+    sinks = torch.tensor([math.log(2.0), -50.0])  # [Hq]: head 0's sink equals row 0's L
+    got = add_sinks(out, lse2, sinks).float()
+    assert torch.isfinite(got).all()
+    assert got[0, 0].eq(0.5).all() and got[1, 0].eq(0).all() and got[1, 1].eq(1).all()
+    assert got[2, 0].eq(torch.tensor(0.8).bfloat16().float()).all()  # sigmoid(3 ln 2 - ln 2) = 4/5
+    assert got[2, 1].eq(1).all()  # a sink far below the row's mass takes nothing
 
 
 def test_a_step_without_drafts_plans_causal_and_hands_no_mask():

@@ -124,6 +124,32 @@ def test_windows_and_soft_caps_match_the_reference_bf16_hd64(block_size):
         _close_rows(fi.forward(layer, qc, kc, vc, fi_meta, head_dim**-0.5), want)
 
 
+# In the GPU check's `-k "bf16 and hd64"`: gpt-oss's sinks, added from the base-2 log-sum-exp the
+# kernel returns (`add_sinks`), on the modules the test above builds (plain; window with soft-cap).
+def test_attention_sinks_match_the_reference_bf16_hd64():
+    from batchserve.attention import LayerAttention
+    from batchserve.attention.base import StepBucket
+
+    dtype, head_dim, dev = torch.bfloat16, 64, torch.device("cuda")
+    sinks = tuple(float(x) for x in torch.linspace(-2.0, 4.0, 12))
+    layers = (LayerAttention(sinks=sinks), LayerAttention(window=37, softcap=30.0, sinks=sinks[::-1]))
+    ref, fi, seqs = _cuda_pair(16, 2, 16, layers)
+    step, slots, total = StepLayout.from_seqs(seqs), slot_mapping(seqs, 16), sum(s.q_len for s in seqs)
+    q, k, v = (torch.randn(h, total, head_dim, device=dev).to(dtype) for h in (12, 4, 4))
+    ref_meta, fi_meta = ref.build_metadata(step, slots), fi.build_metadata(step, slots)
+    for layer in range(2):
+        want = ref.forward(layer, q.float(), k.float(), v.float(), ref_meta, head_dim**-0.5)
+        _close_rows(fi.forward(layer, q, k, v, fi_meta, head_dim**-0.5), want)
+    roots = [dataclasses.replace(s, q_start=j) for j, s in enumerate(x for x in seqs if x.q_len == 1)]
+    decode, rows = StepLayout.from_seqs(roots), slot_mapping(roots, 16)
+    qd, kd, vd = (torch.randn(h, len(roots), head_dim, device=dev).to(dtype) for h in (12, 4, 4))
+    fi_meta = fi.plan(decode, rows.to(dev), StepBucket(len(roots), len(roots), tree=False))
+    ref_meta = ref.build_metadata(decode, rows)
+    for layer in range(2):
+        want = ref.forward(layer, qd.float(), kd.float(), vd.float(), ref_meta, head_dim**-0.5)
+        _close_rows(fi.forward(layer, qd, kd, vd, fi_meta, head_dim**-0.5), want)
+
+
 def _cuda_pair(seed: int, torch_seed: int, block_size: int, layers: tuple[Any, ...]) -> tuple[Any, Any, list[Any]]:
     """The float32 reference and FlashInfer (bf16, head dim 64, 12/4 heads) on the same random pool,
     both told `layers`, and a random step's requests over it."""

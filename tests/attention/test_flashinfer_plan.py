@@ -106,8 +106,9 @@ def test_plan_refuses_unpacked_rows_and_short_block_tables():
 
 
 def test_auto_serves_attention_sinks_off_flashinfer_on_the_reference(monkeypatch):
-    """FlashInfer's paged prefill computes no sinks here: on CUDA `auto` takes the torch reference,
-    which does, for a model that has them (the choice alone: no GPU needed)."""
+    """FlashInfer's sinks come from its log-sum-exp (`add_sinks`), which only a device can compare
+    with the reference's: on CUDA `auto` takes the torch reference for a model that has them, and
+    `flashinfer` forced runs them (the choice alone: no GPU needed)."""
     import importlib.util
 
     from batchserve.attention import backend_choice
@@ -119,6 +120,7 @@ def test_auto_serves_attention_sinks_off_flashinfer_on_the_reference(monkeypatch
     assert backend_choice("auto", cuda, torch.bfloat16, head_dim=64)[0] == "flashinfer"
     name, why = backend_choice("auto", cuda, torch.bfloat16, head_dim=64, sinks=True)
     assert name == "torch" and "sinks" in why
+    assert backend_choice("flashinfer", cuda, torch.bfloat16, head_dim=64, sinks=True)[0] == "flashinfer"
 
 
 def test_backend_choice_on_this_machine():
