@@ -169,7 +169,8 @@ def test_attention_sinks_are_added_from_the_kernels_log_sum_exp_eager_and_in_a_b
         assert (unsunk.float() - expected).abs().max() > 1e-2  # the sinks made a difference
         metadata = backend.plan(decode, decode_slots, StepBucket(2, 2, tree=False))
         got = backend.forward(layer, qd, kd, vd, metadata, scale)
-        expected = ref.forward(layer, qd.float(), kd.float(), vd.float(), ref.build_metadata(decode, decode_slots), scale)
+        ref_meta = ref.build_metadata(decode, decode_slots)
+        expected = ref.forward(layer, qd.float(), kd.float(), vd.float(), ref_meta, scale)
         torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-5)
     with pytest.raises(ValueError, match="3 attention sinks for 4 query heads"):
         _backend(8, 4).set_layers((LayerAttention(sinks=(1.0, 2.0, 3.0)),))
