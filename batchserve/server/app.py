@@ -22,6 +22,7 @@ from batchserve.engine import EngineCore
 from batchserve.server.frontend import Frontend, ServiceInfo
 from batchserve.server.grpc.decode import GuardedRegistration
 from batchserve.server.grpc.servicer import TextGenerationServicer
+from batchserve.server.guard import ConnectionLimits
 from batchserve.server.http import HttpServer, listen
 from batchserve.server.keys import ApiKeys
 from batchserve.server.metrics import Metrics
@@ -91,6 +92,14 @@ class ServerConfig:
     tls_cert: str | None = setting(None, "PEM certificate chain: serve TLS instead of plaintext")
     tls_key: str | None = setting(None, "PEM private key of --tls-cert")
     tls_client_ca: str | None = setting(None, "PEM CA bundle: require client certificates signed by it (mTLS)")
+    max_connections_per_source: int = setting(
+        64, "HTTP connections one address may hold open (behind a proxy, which is one address: raise it)"
+    )
+    max_connections: int = setting(4096, "HTTP connections open in all; past it new ones are closed unread")
+    request_head_seconds: float = setting(
+        10.0, "an HTTP connection must send a request's head within this of opening (or of its last response)"
+    )
+    request_body_seconds: float = setting(30.0, "and the request's body within this of its head")
     keepalive_time_ms: int = 20_000
     keepalive_timeout_ms: int = 10_000
 
@@ -111,6 +120,7 @@ class ServerConfig:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
         if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        self.connection_limits()  # ValueError for limits that cannot hold
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -119,6 +129,11 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: no file {path}")
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            self.max_connections_per_source, self.max_connections, self.request_head_seconds, self.request_body_seconds
+        )
 
     def credentials(self) -> grpc.ServerCredentials | None:
         """grpc's TLS credentials from the PEM files, or None for plaintext."""
@@ -210,9 +225,11 @@ class BatchServer:
             await server.start()
             if http_socket is not None:
                 served = c.served_model_name or Path(self.model_name).stem or "model"
-                api = OpenAIServer(self.frontend, served, self.max_message_bytes, c.tenant_source, self.keys)
+                api = OpenAIServer(
+                    self.frontend, served, self.max_message_bytes, c.tenant_source, self.keys, self.max_calls
+                )
                 tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
-                self._http = HttpServer(api.app, http_socket, tls, limit_concurrency=self.max_calls)
+                self._http = HttpServer(api.app, http_socket, tls, c.connection_limits())
                 self.http_port = http_socket.getsockname()[1]
         except BaseException:
             self.metrics.close()

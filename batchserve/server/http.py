@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from batchserve.server.guard import ConnectionLimits, Connections, guarded_protocol
 from batchserve.server.openai.errors import ApiError, error_response
 
 FLUSH_SECONDS = 2.0  # at shutdown: open connections get this long to finish their responses
@@ -32,7 +33,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(1024)  # a burst of connects waits here, not in SYN retries
         sock.setblocking(False)
     except OSError:
         sock.close()
@@ -48,14 +49,16 @@ class HttpServer:
         app: Any,
         sock: socket.socket,
         tls: tuple[str, str, str | None] | None = None,
-        limit_concurrency: int | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
-        """`tls`: (certificate, key, client CA or None) PEM files, the same as gRPC's;
-        `limit_concurrency`: connections and requests at once, beyond which uvicorn answers 503."""
+        """`tls`: (certificate, key, client CA or None) PEM files, the same as gRPC's; `limits`: the
+        connections per source and in all, and the deadlines for a request's head and body
+        (`guard`; the call limit is the app's own, `CallLimit`)."""
         cert, key, ca = tls or (None, None, None)
+        self.connections = Connections(limits or ConnectionLimits())
         config = uvicorn.Config(
             app,
-            limit_concurrency=limit_concurrency,
+            http=guarded_protocol(self.connections),
             log_level="warning",
             lifespan="off",
             access_log=False,

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
+from batchserve.server.guard import CallLimit, HealthFirst
 from batchserve.server.http import BodyLimit
 from batchserve.server.keys import ApiKeys
 from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best, constraint_failure
@@ -25,7 +26,7 @@ from batchserve.server.openai.auth import KeyCheck, http_tenant
 from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai.calls import check_utf8, install_error_handlers, unless_gone
 from batchserve.server.openai.channels import harmony_markup
-from batchserve.server.openai.errors import ApiError, error_response, param_of
+from batchserve.server.openai.errors import ApiError, param_of
 from batchserve.server.openai.logprobs import TokenText
 from batchserve.server.openai.responses import ResponseAnswer
 from batchserve.server.openai.responses_bodies import ResponsesRequest
@@ -46,10 +47,12 @@ class OpenAIServer:
         max_body_bytes: int,
         tenant_source: str = "header",
         keys: ApiKeys | None = None,
+        max_calls: int = 1 << 20,
     ) -> None:
         """`tenant_source`: where a request's tenant key comes from (ServerConfig.tenant_source)
-        without API keys; `keys`: the key file's keys, which every /v1 call must then present
-        (`KeyCheck`)."""
+        without API keys; `keys`: the key file's keys, which every call but /health must then
+        present (`KeyCheck`); `max_calls`: calls at once, beyond which a 503 (`CallLimit`)."""
+        self.max_calls = max_calls
         self.frontend = frontend
         self.keys = keys
         self.model_name = model_name
@@ -70,16 +73,13 @@ class OpenAIServer:
             app, on_invalid=lambda: self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
         )
 
+        # The last added runs first: /health (no key, no body, no place taken), then the key (an
+        # unknown one refused unread, before it takes a place), the call limit, the body's size.
         app.add_middleware(BodyLimit, limit=self.max_body_bytes, on_refuse=self._count_too_large)
-        if self.keys is not None:  # added last, so it runs first: an unknown key is refused unread
+        app.add_middleware(CallLimit, limit=self.max_calls, on_refuse=self._count_busy)
+        if self.keys is not None:
             app.add_middleware(KeyCheck, keys=self.keys, on_refuse=self._count_unauthenticated)
-
-        @app.get("/health")
-        async def health() -> JSONResponse:
-            # 503 from the moment gRPC health says NOT_SERVING (shutdown or a dead engine).
-            if not self.frontend.healthy:
-                return error_response(503, "server is shutting down")
-            return JSONResponse({"status": "ok"})
+        app.add_middleware(HealthFirst, healthy=lambda: self.frontend.healthy)
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -177,6 +177,9 @@ class OpenAIServer:
 
     def _count_invalid(self) -> None:
         self.frontend.metrics.rejected.labels(Refusal.INVALID.value).inc()
+
+    def _count_busy(self) -> None:
+        self.frontend.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
 
     def _count_unauthenticated(self) -> None:
         self.frontend.metrics.rejected.labels("UNAUTHENTICATED").inc()

@@ -30,15 +30,16 @@ def http_tenant(request: Request, user: str | None, keys: ApiKeys | None, source
 
 
 class KeyCheck:
-    """ASGI middleware: every /v1 call presents an API key (`Authorization: Bearer KEY`) or gets a
-    401 OpenAI error object before its body is read; the key's tenant is left in the request's
-    state (`request.state.tenant`). Pure ASGI, as `BodyLimit`. /health and other paths are open."""
+    """ASGI middleware: every call presents an API key (`Authorization: Bearer KEY`) or gets a 401
+    OpenAI error object before its body is read; the key's tenant is left in the request's state
+    (`request.state.tenant`). Pure ASGI, as `BodyLimit`. The API, its OpenAPI schema and /docs are
+    all behind it; only /health, answered before it (`HealthFirst`), is open."""
 
     def __init__(self, app: Any, keys: ApiKeys, on_refuse: Any) -> None:
         self.app, self.keys, self.on_refuse = app, keys, on_refuse
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         values = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
