@@ -139,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from batchserve.server.app import PortInUse, ServerConfig, check_ports
+    from batchserve.server.settings import PortInUse, ServerConfig, check_ports
 
     try:
         config = engine_config(args)

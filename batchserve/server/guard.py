@@ -1,14 +1,13 @@
 """What holds on the HTTP port before a caller is known: open connections per source address and
-in all, deadlines for a request's head and body, calls (not connections) at once, and `/health`
-answered ahead of all of them.
+in all, and deadlines for a request's head and body (`SourceCounts` also caps gRPC's streams).
 
 uvicorn's own `limit_concurrency` counts every open connection from accept, with no timer before
 the first request: 500 sockets that send nothing made `/health` and every keyed call 503. Here a
 connection over its source's share or the server's total is closed unread; a connection must
 deliver a request's head within `head_seconds` of opening (or of its last response) and its body
 within `body_seconds` of the head, or it is closed; and the call limit counts calls in the app
-(`CallLimit`), after the key check, so traffic without a key never holds a place a keyed call
-needs."""
+(`openai.door.CallLimit`), after the key check, so traffic without a key never holds a place a
+keyed call needs."""
 
 from __future__ import annotations
 
@@ -18,10 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from batchserve.server.openai.errors import error_response
 
 logger = logging.getLogger("batchserve.server")
 
@@ -41,17 +37,19 @@ class ConnectionLimits:
 
 
 @dataclass(slots=True)
-class Connections:
-    """Open connections by source address, shared by one server's protocol instances."""
+class SourceCounts:
+    """What is open (connections, streams) by source address, at most `per_source` each and `total`
+    in all; shared by the protocol instances or calls it caps."""
 
-    limits: ConnectionLimits
+    per_source: int
+    total: int
     by_source: Counter[str] = field(default_factory=Counter)
     open: int = 0
-    refused: int = 0  # connections closed unread: over a share or the total
-    expired: int = 0  # connections closed at a head or body deadline
+    refused: int = 0  # refused for a share or the total
+    expired: int = 0  # closed at a deadline
 
     def take(self, source: str) -> bool:
-        if self.open >= self.limits.total or self.by_source[source] >= self.limits.per_source:
+        if self.open >= self.total or self.by_source[source] >= self.per_source:
             self.refused += 1
             return False
         self.by_source[source] += 1
@@ -72,7 +70,8 @@ class GuardedH11Protocol(H11Protocol):
     head), the app's time (none). A response sent before the body is whole (a refusal, /health)
     closes the connection: the rest of the body is never read."""
 
-    connections_of: Connections
+    connections_of: SourceCounts
+    limits_of: ConnectionLimits
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -84,7 +83,7 @@ class GuardedH11Protocol(H11Protocol):
         if not self._held:
             transport.abort()  # unread: connection_lost follows
             return
-        self._arm(self.connections_of.limits.head_seconds)
+        self._arm(self.limits_of.head_seconds)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -103,7 +102,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _track(self) -> None:
         """The phase the connection is in now, and its deadline."""
-        cycle, limits = self.cycle, self.connections_of.limits
+        cycle, limits = self.cycle, self.limits_of
         if self.transport.is_closing() or cycle is None:
             return
         if cycle is not self._seen:  # a new request's head is in: its body is due
@@ -134,48 +133,9 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.abort()  # an app reading the body sees the client gone
 
 
-def guarded_protocol(connections: Connections) -> type[GuardedH11Protocol]:
-    """The protocol class for one server (uvicorn builds one instance a connection)."""
-    return type("ServerH11Protocol", (GuardedH11Protocol,), {"connections_of": connections})
-
-
-class HealthFirst:
-    """ASGI middleware, outermost: `GET /health` answered from `healthy()` before any other
-    middleware, no body read, no key asked and no call counted; 503 once the server stops serving."""
-
-    def __init__(self, app: Any, healthy: Any) -> None:
-        self.app, self.healthy = app, healthy
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] != "/health":
-            await self.app(scope, receive, send)
-            return
-        if scope["method"] not in ("GET", "HEAD"):
-            response = error_response(405, "/health takes GET")
-        elif not self.healthy():
-            response = error_response(503, "server is shutting down")
-        else:
-            response = JSONResponse({"status": "ok"})
-        await response(scope, receive, send)
-
-
-class CallLimit:
-    """ASGI middleware: a 503 for a call beyond `limit` at once. It runs after the key check, so
-    only keyed calls (or every call, without keys) take a place."""
-
-    def __init__(self, app: Any, limit: int, on_refuse: Any) -> None:
-        self.app, self.limit, self.on_refuse, self.active = app, limit, on_refuse, 0
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.active >= self.limit:
-            self.on_refuse()
-            await error_response(503, f"server busy: {self.limit} calls at once")(scope, receive, send)
-            return
-        self.active += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.active -= 1
+def guarded_protocol(limits: ConnectionLimits) -> tuple[type[GuardedH11Protocol], SourceCounts]:
+    """The protocol class for one server (uvicorn builds one instance a connection) and the counts
+    its instances share."""
+    counts = SourceCounts(limits.per_source, limits.total)
+    cls = type("ServerH11Protocol", (GuardedH11Protocol,), {"connections_of": counts, "limits_of": limits})
+    return cls, counts

@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from batchserve.server.guard import ConnectionLimits, Connections, guarded_protocol
+from batchserve.server.guard import ConnectionLimits, guarded_protocol
 from batchserve.server.openai.errors import ApiError, error_response
 
 FLUSH_SECONDS = 2.0  # at shutdown: open connections get this long to finish their responses
@@ -55,10 +55,10 @@ class HttpServer:
         connections per source and in all, and the deadlines for a request's head and body
         (`guard`; the call limit is the app's own, `CallLimit`)."""
         cert, key, ca = tls or (None, None, None)
-        self.connections = Connections(limits or ConnectionLimits())
+        protocol, self.connections = guarded_protocol(limits or ConnectionLimits())
         config = uvicorn.Config(
             app,
-            http=guarded_protocol(self.connections),
+            http=protocol,
             log_level="warning",
             lifespan="off",
             access_log=False,

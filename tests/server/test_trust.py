@@ -255,38 +255,6 @@ async def test_a_caller_that_leaves_keeps_its_place_until_its_tokenizing_ends(mo
         await _stop(r)
 
 
-async def test_both_front_ends_cap_their_calls_from_the_same_numbers():
-    r = await start_server(tiny_core(max_num_seqs=3), http=True, max_waiting_requests=5)
-    health = health_pb2_grpc.HealthStub(r.channel)
-    watches = []
-    try:
-        assert r.server.max_calls == 3 + 5 + 64
-        assert r.server._http._server.config.limit_concurrency == r.server.max_calls
-        # gRPC: max_calls open calls (health Watch streams stay open and skip admission) are
-        # taken; one more is refused by grpc's own limit, and taken again once one closes.
-        for _ in range(r.server.max_calls):
-            watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
-            await watch.read()  # the first status: the call is open on the server
-            watches.append(watch)
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await health.Check(health_pb2.HealthCheckRequest(service=""))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in e.value.details()
-        watches.pop().cancel()
-        for _ in range(100):
-            try:
-                await health.Check(health_pb2.HealthCheckRequest(service=""))
-                break
-            except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                await asyncio.sleep(0.02)
-        else:
-            raise AssertionError("a closed call never gave its place back")
-    finally:
-        for watch in watches:
-            watch.cancel()
-        await _stop(r)
-
-
 # ---- 8: leaving clients ---------------------------------------------------------------------
 
 

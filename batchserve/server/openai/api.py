@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from batchserve.request import RequestOutput
 from batchserve.server.frontend import EngineFailed, Frontend, Refusal, Refused
-from batchserve.server.guard import CallLimit, HealthFirst
 from batchserve.server.http import BodyLimit
 from batchserve.server.keys import ApiKeys
 from batchserve.server.openai.answers import Answer, AnswerView, EchoPrompt, Sample, best, constraint_failure
@@ -26,6 +25,7 @@ from batchserve.server.openai.auth import KeyCheck, http_tenant
 from batchserve.server.openai.bodies import ChatRequest, CommonFields, CompletionRequest
 from batchserve.server.openai.calls import check_utf8, install_error_handlers, unless_gone
 from batchserve.server.openai.channels import harmony_markup
+from batchserve.server.openai.door import CallLimit, HealthFirst
 from batchserve.server.openai.errors import ApiError, param_of
 from batchserve.server.openai.logprobs import TokenText
 from batchserve.server.openai.responses import ResponseAnswer
