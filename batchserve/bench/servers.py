@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -142,7 +143,7 @@ def _exit_code(proc: subprocess.Popen[bytes], grace: float) -> int | None:
         return None
 
 
-ADMIN_TOKEN = "batchserve-bench-warm-up"  # the bench server takes its warm-up corpus through AddCorpus
+ADMIN_TOKEN = secrets.token_urlsafe(24)  # the bench server takes its warm-up corpus through AddCorpus
 
 
 @contextmanager
@@ -155,7 +156,10 @@ def batchserve_server(
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(grpc_port)]
     cmd += ["--http-port", str(http_port), "--metrics-port", str(free_port()), "--max-num-seqs", str(max(16, seats))]
-    cmd += ["--max-waiting-requests", str(max(256, 4 * seats)), "--admin-token", ADMIN_TOKEN]
+    token_file = log.with_name(log.name + ".admin-token")
+    token_file.touch(mode=0o600)
+    token_file.write_text(ADMIN_TOKEN + "\n")
+    cmd += ["--max-waiting-requests", str(max(256, 4 * seats)), "--admin-token-file", str(token_file)]
     if model is not None:
         cmd += ["--model", model]
     if draft is not None:

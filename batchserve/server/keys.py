@@ -5,7 +5,15 @@ The file holds one `TENANT KEY` pair a line, the key given plainly or as `sha256
 SHA-256, so the file need not hold the secret); blank lines and `#` comments are skipped. Only
 digests are kept in memory. A presented key is hashed and compared with every entry in constant
 time (`hmac.compare_digest`, no early exit), so the time of a refusal says nothing of how close
-a guess was. The file is re-read on SIGHUP; a file that fails to parse leaves the keys in force.
+a guess was. A plain key must hold 128 bits or more by its alphabet (`key_bits`): 32 hex digits,
+22 base64 characters, 20 of any printable ASCII.
+
+The file is re-read on SIGHUP, and a reload fails closed: a file that is missing, empty or does
+not parse revokes every key (each call gets 401 / UNAUTHENTICATED until a good file is read), so
+that no removed key outlives its removal because the new file was broken; write it whole (a
+rename) before the signal. The calls running under a key that is gone, or now names another
+tenant, end at the reload (`live`). A file that others than its owner may read or write is
+warned of in the log.
 
 With keys on, the tenant is the key's and nothing the client sends names another (the tenant
 header and request fields are ignored); a missing or unknown key is refused before any work.
@@ -15,14 +23,21 @@ instead of replacing the client's must not leave the client's in force."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import re
+import stat
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 logger = logging.getLogger("batchserve")
+T = TypeVar("T")
 
 TENANT_HEADER = "x-batchserve-tenant"  # HTTP header and gRPC metadata key alike
 MAX_KEY_LINES = 100_000
@@ -72,12 +87,30 @@ class KeyRing:
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant `key` stands for, or None; every entry compared, in constant time each."""
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        return self.tenant_of_digest(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest())
+
+    def tenant_of_digest(self, digest: bytes) -> str | None:
+        """The tenant of the key whose SHA-256 is `digest` (`tenant_of`)."""
         found = None
         for stored, tenant in self.entries:
             if hmac.compare_digest(stored, digest) and found is None:
                 found = tenant
         return found
+
+
+MIN_KEY_BITS = 128
+_HEX = frozenset("0123456789abcdefABCDEF")
+_BASE64 = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_+/=")
+
+
+def key_bits(key: str) -> float:
+    """What a random key of this length from its alphabet holds: hex digits 4 bits each, base64's
+    6, any printable ASCII 6.55. A key with fewer than 8 distinct characters counts as none."""
+    if len(set(key)) < 8:
+        return 0.0
+    chars = set(key)
+    per_char = 4.0 if chars <= _HEX else 6.0 if chars <= _BASE64 else math.log2(94)
+    return len(key) * per_char
 
 
 def _digest_of(key: str, where: str) -> bytes:
@@ -86,39 +119,94 @@ def _digest_of(key: str, where: str) -> bytes:
         return bytes.fromhex(hashed.group(1))
     if key.startswith("sha256:"):
         raise ValueError(f"{where}: `sha256:` takes 64 hex digits")
-    if len(key) < 16:
-        raise ValueError(f"{where}: a key of {len(key)} characters is too easy to guess (at least 16)")
+    if key_bits(key) < MIN_KEY_BITS:
+        raise ValueError(
+            f"{where}: a key of {key_bits(key):.0f} bits is too easy to guess (at least {MIN_KEY_BITS}: 32 hex"
+            " digits, 22 base64 characters; `openssl rand -hex 32` makes one)"
+        )
     return hashlib.sha256(key.encode()).digest()
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """A file holding a secret: its text (ValueError naming the file where it cannot be read), and a
+    warning in the log where anyone but its owner may read or write it."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("%s %s is open to others (mode %o): chmod 600 it", what, path, stat.S_IMODE(mode))
+    return text
+
+
+class Revoked(Exception):
+    """The call's key was removed from the file, or given to another tenant, while the call ran."""
+
+
+class KeyedCall:
+    """One call under a key: what it awaits through `run` is a task that `end` (a reload that
+    removed the key) cancels, and `run` then raises Revoked instead of CancelledError."""
+
+    def __init__(self) -> None:
+        self.revoked = False
+        self._task: asyncio.Future[Any] | None = None
+
+    def end(self) -> None:
+        self.revoked = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def run(self, step: Awaitable[T]) -> T:
+        if self.revoked:
+            raise Revoked("the call's API key was revoked")
+        self._task = task = asyncio.ensure_future(step)
+        try:
+            return await task  # the caller cancelled: so is the task
+        except asyncio.CancelledError:
+            if self.revoked:
+                raise Revoked("the call's API key was revoked") from None
+            raise
+        finally:
+            self._task = None
 
 
 class ApiKeys:
     """The server's key file: read at start (an error then stops the server), re-read by `reload`
-    (SIGHUP), where an error keeps the keys in force and is logged."""
+    (SIGHUP), which fails closed; the calls running under each key (`live`)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.ring = self._read()
+        self.ring: KeyRing | None = self._read()
+        self._live: dict[bytes, dict[int, tuple[str, Callable[[], object]]]] = {}  # digest -> call -> (tenant, end)
 
     def _read(self) -> KeyRing:
-        try:
-            text = self.path.read_text()
-        except OSError as e:
-            raise ValueError(f"api key file {self.path}: {e.strerror or e}") from None
-        return KeyRing.parse(text, f"api key file {self.path}")
+        return KeyRing.parse(read_secret_file(self.path, "api key file"), f"api key file {self.path}")
 
     def reload(self) -> bool:
-        """Re-read the file; whether the new keys took effect."""
+        """Re-read the file; whether it took. One that cannot be read or parsed revokes every key.
+        Then every call whose key is gone or names another tenant now is ended."""
         try:
             self.ring = self._read()
         except ValueError as e:
-            logger.error("keys not reloaded, the previous ones stay in force: %s", e)
-            return False
-        logger.info("api keys reloaded from %s: %d keys", self.path, len(self.ring.entries))
-        return True
+            self.ring = None
+            logger.error("api keys revoked, every call is refused until the file reads: %s", e)
+        else:
+            logger.info("api keys reloaded from %s: %d keys", self.path, len(self.ring.entries))
+        ended = 0
+        for digest, calls in list(self._live.items()):
+            tenant = self.ring.tenant_of_digest(digest) if self.ring is not None else None
+            for tenant_then, end in list(calls.values()):
+                if tenant != tenant_then:
+                    end()
+                    ended += 1
+        if ended:
+            logger.warning("%d calls under removed or changed keys ended", ended)
+        return self.ring is not None
 
-    def authenticate(self, authorization: list[str]) -> str:
-        """The tenant of a request's `Authorization` values (`Bearer KEY`); Unauthenticated if
-        there is not exactly one or its key is unknown."""
+    def identify(self, authorization: list[str]) -> tuple[str, bytes]:
+        """The tenant of a request's `Authorization` values (`Bearer KEY`) and its key's digest;
+        Unauthenticated if there is not exactly one or its key is unknown."""
         if not authorization:
             raise Unauthenticated("missing API key: send `Authorization: Bearer KEY`")
         if len(authorization) > 1:
@@ -126,10 +214,29 @@ class ApiKeys:
         scheme, _, key = authorization[0].strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthenticated("the Authorization header takes `Bearer KEY`")
-        tenant = self.ring.tenant_of(key.strip())
+        digest = hashlib.sha256(key.strip().encode("utf-8", "surrogatepass")).digest()
+        tenant = self.ring.tenant_of_digest(digest) if self.ring is not None else None
         if tenant is None:
             raise Unauthenticated("invalid API key")
-        return tenant
+        return tenant, digest
+
+    def authenticate(self, authorization: list[str]) -> str:
+        """The tenant of a request's `Authorization` values (`identify`)."""
+        return self.identify(authorization)[0]
+
+    @contextmanager
+    def live(self, authorization: list[str], end: Callable[[], object]) -> Iterator[str]:
+        """A call under the key of `authorization` while the block runs (its tenant given):
+        `end()` is called if a reload removes the key or gives it to another tenant."""
+        tenant, digest = self.identify(authorization)
+        calls = self._live.setdefault(digest, {})
+        calls[id(end)] = (tenant, end)
+        try:
+            yield tenant
+        finally:
+            calls.pop(id(end), None)
+            if not calls:
+                self._live.pop(digest, None)
 
 
 def request_tenant(

@@ -9,6 +9,7 @@ from pathlib import Path
 from batchserve.config import setting
 from batchserve.server.guard import ConnectionLimits
 from batchserve.server.http import listen
+from batchserve.server.keys import MIN_KEY_BITS, key_bits, read_secret_file
 from batchserve.v1 import generation_pb2 as pb
 
 TENANT_SOURCES = ("header", "request", "both")
@@ -37,8 +38,10 @@ class ServerConfig:
     port: int = setting(50051, "gRPC port (0: any free port)")
     metrics_port: int | None = setting(None, "Prometheus endpoint port (0 or unset: off, as for --http-port)")
     http_port: int = setting(8000, "OpenAI-compatible HTTP API port, same host (0: off)")
-    admin_token: str | None = setting(
-        None, "enables operator calls (AddCorpus) for clients that send it as x-batchserve-admin-token"
+    admin_token_file: str | None = setting(
+        None,
+        "a file holding the token (128 bits or more) that enables operator calls (AddCorpus) for clients that"
+        " send it as x-batchserve-admin-token (a file: a flag's value shows in ps)",
     )
     # Tenant keys are capabilities: whoever knows one drafts from (and hits the prefix cache of)
     # that tenant's scope. Behind a gateway only the header it sets can be trusted.
@@ -90,8 +93,7 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.admin_token is not None and len(self.admin_token) < 16:
-            raise ValueError("admin_token must be at least 16 characters (an empty or short token opens AddCorpus)")
+        self.admin_token()  # ValueError for a file that is missing or holds a weak token
         if self.tenant_source not in TENANT_SOURCES:
             raise ValueError(f"tenant_source must be one of {TENANT_SOURCES}, got {self.tenant_source!r}")
         if self.max_waiting_requests < 1:
@@ -113,6 +115,19 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: no file {path}")
+
+    def admin_token(self) -> str | None:
+        """The admin token from `admin_token_file` (None: operator calls are off); ValueError for a
+        file that cannot be read, is not one line, or holds fewer than 128 bits (`key_bits`)."""
+        if self.admin_token_file is None:
+            return None
+        path = Path(self.admin_token_file)
+        lines = [line.strip() for line in read_secret_file(path, "admin token file").splitlines() if line.strip()]
+        if len(lines) != 1:
+            raise ValueError(f"admin token file {path}: one line, the token (got {len(lines)})")
+        if key_bits(lines[0]) < MIN_KEY_BITS:
+            raise ValueError(f"admin token file {path}: the token is too easy to guess (at least {MIN_KEY_BITS} bits)")
+        return lines[0]
 
     def connection_limits(self) -> ConnectionLimits:
         return ConnectionLimits(

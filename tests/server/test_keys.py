@@ -9,13 +9,15 @@ import asyncio
 import hashlib
 import http.client
 import json
+import threading
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from batchserve.server.client import build_request
-from batchserve.server.keys import ApiKeys, BadTenantHeader, KeyRing, Unauthenticated, request_tenant
+from batchserve.server.keys import ApiKeys, BadTenantHeader, KeyRing, Unauthenticated, key_bits, request_tenant
 from batchserve.v1 import generation_pb2 as pb
 from tests.server.conftest import start_server
 from tests.server.test_trust import _tenants
@@ -38,7 +40,7 @@ def test_the_file_takes_plain_and_hashed_keys_and_names_the_line_of_anything_els
     for text, error in [
         ("alice", "line 1: expected `TENANT KEY`"),
         (f"alice {ALICE} extra", "line 1: expected `TENANT KEY`"),
-        ("alice short", "at least 16"),
+        ("alice short", "too easy to guess"),
         ("alice sha256:abc", "64 hex digits"),
         (f"al ice {ALICE}", "line 1"),
         (f"a/b {ALICE}", "a tenant is"),
@@ -49,7 +51,9 @@ def test_the_file_takes_plain_and_hashed_keys_and_names_the_line_of_anything_els
             KeyRing.parse(text)
 
 
-def test_a_reload_takes_a_good_file_and_keeps_the_keys_when_the_file_is_broken(tmp_path):
+def test_a_reload_takes_a_good_file_and_a_broken_empty_or_missing_one_revokes_every_key(tmp_path):
+    """Fail closed: a reload that does not read leaves no key in force (a removed key must never
+    outlive its removal because the new file was broken), until a good file is read again."""
     path = _key_file(tmp_path)
     keys = ApiKeys(path)
     assert keys.authenticate([f"Bearer {ALICE}"]) == "alice"
@@ -57,12 +61,42 @@ def test_a_reload_takes_a_good_file_and_keeps_the_keys_when_the_file_is_broken(t
     assert keys.reload() and keys.authenticate([f"Bearer {ALICE}"]) == "carol"
     with pytest.raises(Unauthenticated, match="invalid API key"):
         keys.authenticate([f"Bearer {BOB}"])
-    path.write_text("broken\n")
-    assert not keys.reload() and keys.authenticate([f"bearer {ALICE}"]) == "carol"
+    for broken in ("broken\n", "", "# only a comment\n", None):
+        if broken is None:
+            path.unlink()
+        else:
+            path.write_text(broken)
+        assert not keys.reload()
+        for key in (ALICE, BOB):
+            with pytest.raises(Unauthenticated, match="invalid API key"):
+                keys.authenticate([f"Bearer {key}"])
+    path.write_text(f"alice {ALICE}\n")
+    assert keys.reload() and keys.authenticate([f"Bearer {ALICE}"]) == "alice"
     path.unlink()
-    assert not keys.reload() and keys.authenticate([f"Bearer {ALICE}"]) == "carol"
     with pytest.raises(ValueError, match="api key file"):
         ApiKeys(path)
+
+
+def test_keys_under_128_bits_by_their_alphabet_are_refused():
+    for key, bits in [("0123456789abcdef" * 2, 128), ("Zm9vYmFyYmF6cXV4cXV1eA", 132), ("a-b_c" * 5, 0)]:
+        assert key_bits(key) == bits
+    for weak in ["0123456789abcdef0123456789abcde", "Zm9vYmFyYmF6cXV4cXV1e", "correct-horse-battery", "a" * 64]:
+        with pytest.raises(ValueError, match="too easy to guess"):
+            KeyRing.parse(f"alice {weak}")
+    for strong in ["0123456789abcdef" * 2, "Zm9vYmFyYmF6cXV4cXV1eA", "p@ss~w0rd!#$%^&*()?<"]:
+        assert KeyRing.parse(f"alice {strong}").tenant_of(strong) == "alice"
+
+
+def test_a_key_file_others_may_read_is_warned_of(tmp_path, caplog):
+    path = _key_file(tmp_path)
+    path.chmod(0o600)
+    with caplog.at_level("WARNING", logger="batchserve"):
+        ApiKeys(path)
+    assert "open to others" not in caplog.text
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="batchserve"):
+        ApiKeys(path)
+    assert "open to others (mode 644)" in caplog.text
 
 
 def test_the_tenant_is_the_keys_whatever_the_call_claims_and_a_header_counts_once():
@@ -142,6 +176,81 @@ async def test_without_keys_a_tenant_header_sent_twice_is_refused(monkeypatch):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         code, _, _ = await asyncio.to_thread(_http, r.server.http_port, "/v1/completions", body, twice[:1])
         assert code == 200 and seen == ["client"]
+    finally:
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+async def _tokens_to_end(call: grpc.aio.UnaryStreamCall) -> int:
+    n = 0
+    while (message := await call.read()) is not grpc.aio.EOF:
+        n += len(message.token_ids)
+    return n
+
+
+def _stream_until_cut(port: int, key: str, first: threading.Event) -> tuple[bool, float]:
+    """A streamed completion under `key`: sets `first` at its first event, then reads on; whether it
+    ended with [DONE], and the seconds from `first` to its end."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 600, "stream": True})  # no EOS: all 600
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", body=body, headers=headers)
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    resp.readline()
+    first.set()
+    t, done = time.monotonic(), False
+    try:
+        for line in resp:
+            done = done or line.startswith(b"data: [DONE]")
+    except (http.client.IncompleteRead, ConnectionError):
+        pass
+    conn.close()
+    return done, time.monotonic() - t
+
+
+async def test_removing_a_key_ends_its_running_calls_on_both_front_ends_at_the_reload(tmp_path, monkeypatch):
+    """Alice's gRPC stream, her unary call and her HTTP stream end when a reload removes her key
+    (UNAUTHENTICATED; the HTTP stream stops short of [DONE]), and their engine requests are freed;
+    Bob's stream, whose key stays, runs to its end."""
+    from tests.server.conftest import tiny_core
+
+    path = _key_file(tmp_path)
+    r = await start_server(tiny_core(max_num_seqs=4), http=True, api_key_file=str(path))
+    execute = r.core.execute
+    monkeypatch.setattr(r.core, "execute", lambda step: (time.sleep(0.02), execute(step))[1])  # steps of 20 ms
+    alice, bob = (("authorization", f"Bearer {ALICE}"),), (("authorization", f"Bearer {BOB}"),)
+    long = build_request([1, 2, 3], max_new_tokens=600, ignore_eos=True)
+    try:
+        stream = r.stub.StreamGenerate(long, metadata=alice)
+        await stream.read()
+        unary = asyncio.ensure_future(r.stub.Generate(long, metadata=alice))
+        kept = r.stub.StreamGenerate(build_request([4, 5], max_new_tokens=200, ignore_eos=True), metadata=bob)
+        await kept.read()
+        first = threading.Event()
+        cut = asyncio.ensure_future(asyncio.to_thread(_stream_until_cut, r.server.http_port, ALICE, first))
+        for _ in range(500):
+            if first.is_set():
+                break
+            await asyncio.sleep(0.02)
+        assert first.is_set() and r.core.scheduler.num_running == 4
+        path.write_text(f"bob sha256:{hashlib.sha256(BOB.encode()).hexdigest()}\n")
+        assert r.server.keys.reload()
+        t = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await _tokens_to_end(stream)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await unary
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        done, seconds = await cut
+        assert not done and seconds < 5 and time.monotonic() - t < 5
+        assert await _tokens_to_end(kept) >= 150  # Bob's runs on to its end
+        for _ in range(100):
+            if not r.core.scheduler.num_running and not r.core.scheduler.num_waiting:
+                break
+            await asyncio.sleep(0.05)
+        assert not r.core.scheduler.num_running and not r.core.scheduler.num_waiting
     finally:
         await r.channel.close()
         await r.server.shutdown()

@@ -542,23 +542,25 @@ def test_jacobi_options_reach_the_sampling_params_unset_ones_stay_the_servers():
     assert sampling_params(build_request([1])).jacobi is None
 
 
-async def test_add_corpus_needs_the_admin_token_and_feeds_the_tenants_trie():
+async def test_add_corpus_needs_the_admin_token_and_feeds_the_tenants_trie(tmp_path):
+    from tests.server.test_trust import admin_token_file
+
     plain = await start_server()
     try:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await plain.stub.AddCorpus(pb.AddCorpusRequest(texts=["x"]))
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--admin-token" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--admin-token-file" in e.value.details()
     finally:
         await plain.channel.close()
         await plain.server.shutdown()
 
-    r = await start_server(admin_token="a-long-enough-s3cret")
+    r = await start_server(admin_token_file=admin_token_file(tmp_path, "a-long-enough-s3cret-token"))
     try:
         call = r.stub.AddCorpus
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call(pb.AddCorpusRequest(texts=["x"]), metadata=(("x-batchserve-admin-token", "guess"),))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        auth = (("x-batchserve-admin-token", "a-long-enough-s3cret"),)
+        auth = (("x-batchserve-admin-token", "a-long-enough-s3cret-token"),)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call(pb.AddCorpusRequest(token_ids=[pb.TokenIds(ids=[1, 999])]), metadata=auth)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -351,17 +352,30 @@ async def test_http_health_is_503_from_the_moment_grpc_health_is_not_serving():
         await r.channel.close()
 
 
-def test_an_empty_or_short_admin_token_is_refused_at_start():
-    for token in ("", "short"):
-        with pytest.raises(ValueError, match="admin_token"):
-            ServerConfig(admin_token=token)
+def admin_token_file(tmp_path: Path, token: str) -> str:
+    path = tmp_path / "admin-token"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_an_empty_weak_or_missing_admin_token_file_is_refused_at_start(tmp_path):
+    for token, why in [("", "one line"), ("short", "too easy"), ("a" * 40, "too easy"), ("x" * 30 + "\ny", "one line")]:
+        with pytest.raises(ValueError, match=f"admin token file .*{why}"):
+            ServerConfig(admin_token_file=admin_token_file(tmp_path, token))
+    with pytest.raises(ValueError, match="admin token file"):
+        ServerConfig(admin_token_file=str(tmp_path / "absent"))
+    assert ServerConfig(admin_token_file=admin_token_file(tmp_path, ADMIN)).admin_token() == ADMIN
     with pytest.raises(ValueError, match="tenant_source"):
         ServerConfig(tenant_source="cookie")
 
 
-async def test_add_corpus_validates_its_tenant_and_yields_the_loop_while_inserting():
-    token = "a-long-enough-admin-token"
-    r = await start_server(admin_token=token)
+ADMIN = "a-long-enough-admin-token"
+
+
+async def test_add_corpus_validates_its_tenant_and_yields_the_loop_while_inserting(tmp_path):
+    token = ADMIN
+    r = await start_server(admin_token_file=admin_token_file(tmp_path, token))
     auth = (("x-batchserve-admin-token", token),)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -6,8 +6,8 @@ without a key made `Health.Check` and every keyed `Generate` RESOURCE_EXHAUSTED.
 - `Health.Watch` and reflection streams are capped per source address and in all (`SourceCounts`).
 - A TextGeneration call (AddCorpus aside: the admin token's) without a valid key is refused from
   its metadata, before its message is read: the refusal's handler reads no request.
-- Keyed TextGeneration calls are counted against the server's call limit; reflection needs the
-  key too where keys are on.
+- Keyed TextGeneration calls are counted against the server's call limit, and end with
+  UNAUTHENTICATED when a reload of the key file removes their key; reflection needs the key too.
 The servicer still checks the key itself (this is the door, not the only lock)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from batchserve.server.guard import SourceCounts
-from batchserve.server.keys import ApiKeys, Unauthenticated
+from batchserve.server.keys import ApiKeys, KeyedCall, Revoked, Unauthenticated
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
@@ -62,16 +62,19 @@ class CallGuard(grpc.aio.ServerInterceptor):
         if method == HEALTH_WATCH or method.startswith(REFLECTION):
             return _wrapped(handler, self._capped)
         if method.startswith(self.prefix):
-            return _wrapped(handler, self._counted)
+            handler = _wrapped(handler, self._counted)
+            if keyed and self.keys is not None:
+                values = _authorization(details)
+                handler = _wrapped(handler, lambda inner: self._revocable(inner, values))
+            return handler
         return handler
 
     def _unkeyed(self, details: grpc.HandlerCallDetails) -> str | None:
         """Why the call's metadata holds no valid key (None: it does, or keys are off)."""
         if self.keys is None:
             return None
-        values = [str(v) for k, v in details.invocation_metadata or () if k == "authorization"]
         try:
-            self.keys.authenticate(values)
+            self.keys.authenticate(_authorization(details))
         except Unauthenticated as e:
             return str(e)
         return None
@@ -89,6 +92,43 @@ class CallGuard(grpc.aio.ServerInterceptor):
 
         return _around(inner, enter, leave)
 
+    def _revocable(self, inner: Callable[..., Any], authorization: list[str]) -> Callable[..., Any]:
+        """`inner` ended with UNAUTHENTICATED where a reload removes its key while it runs (each
+        of a stream's messages is awaited as a task the reload cancels: `KeyedCall`)."""
+        keys = self.keys
+        assert keys is not None
+        refuse = grpc.StatusCode.UNAUTHENTICATED
+        if inspect.isasyncgenfunction(inner):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                call = KeyedCall()
+                try:
+                    with keys.live(authorization, call.end):
+                        messages = inner(request, context)
+                        try:
+                            while True:
+                                try:
+                                    message = await call.run(messages.__anext__())
+                                except StopAsyncIteration:
+                                    return
+                                yield message
+                        finally:
+                            await messages.aclose()
+                except (Revoked, Unauthenticated) as e:
+                    await context.abort(refuse, str(e))
+
+            return stream
+
+        async def one(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call = KeyedCall()
+            try:
+                with keys.live(authorization, call.end):
+                    return await call.run(inner(request, context))
+            except (Revoked, Unauthenticated) as e:
+                await context.abort(refuse, str(e))
+
+        return one
+
     def _capped(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         """`inner` holding one of its source's stream places while it runs."""
 
@@ -101,6 +141,10 @@ class CallGuard(grpc.aio.ServerInterceptor):
             self.streams.give(peer_host(context.peer()))
 
         return _around(inner, enter, leave)
+
+
+def _authorization(details: grpc.HandlerCallDetails) -> list[str]:
+    return [str(v) for k, v in details.invocation_metadata or () if k == "authorization"]
 
 
 def _around(inner: Callable[..., Any], enter: Callable[..., Any], leave: Callable[..., Any]) -> Callable[..., Any]:

@@ -134,7 +134,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         token = self.frontend.admin_token
         given = _metadata(context, ADMIN_METADATA) or ""
         if token is None:
-            await context.abort(denied, "AddCorpus is off: start the server with --admin-token")
+            await context.abort(denied, "AddCorpus is off: start the server with --admin-token-file")
         if not hmac.compare_digest(given.encode(), token.encode()):
             await context.abort(denied, f"AddCorpus needs the admin token in {ADMIN_METADATA}")
         if len(request.texts) + len(request.token_ids) > MAX_CORPUS_SEQUENCES:
