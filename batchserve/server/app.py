@@ -91,6 +91,7 @@ class BatchServer:
     async def start(self) -> int:
         c = self.config
         self.max_message_bytes = c.max_message_bytes or message_limit(self.engine.core)
+        self.servicer.max_message_bytes = self.max_message_bytes
         # NOTE: the metrics port is bound first, so that a port in use fails start() before any
         # listener or engine thread exists; every later failure stops what was started.
         if c.metrics_port:  # 0 turns metrics off, as it does the HTTP API

@@ -115,3 +115,28 @@ async def test_bad_values_are_invalid_argument_naming_the_field_and_nothing_is_q
     assert rejected == len(cases)
     ok = await running.stub.Generate(build_request(PROMPT, max_new_tokens=2, logprobs=20, repetition_penalty=10.0))
     assert len(ok.logprobs) == 2 and all(len(e.top) == 20 for e in ok.logprobs)  # the bounds themselves are taken
+
+
+async def test_logprob_amplification_is_refused_before_queueing_as_over_http(running, monkeypatch):
+    """4,096 tokens with 20 alternatives each: a unary answer that could outgrow the message limit is
+    INVALID_ARGUMENT at once (it failed after the whole generation); past HTTP's bound
+    (MAX_OUTPUT_LOGPROBS, made small here) unary and streamed calls refuse it alike; nothing is
+    queued, and a call within both bounds runs."""
+    from batchserve.server.grpc import convert
+
+    submitted = []
+    generate = running.server.engine.generate
+    monkeypatch.setattr(running.server.engine, "generate", lambda sub: (submitted.append(sub), generate(sub))[1])
+    big = build_request(PROMPT, max_new_tokens=4096, ignore_eos=True, logprobs=20)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await running.stub.Generate(big)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "message limit" in e.value.details()
+    assert not submitted
+    monkeypatch.setattr(convert, "MAX_OUTPUT_LOGPROBS", 1000)
+    for call in (running.stub.Generate, _stream):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call(running.stub, big) if call is _stream else await call(big)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1000" in e.value.details()
+    assert not submitted
+    small = build_request(PROMPT, max_new_tokens=40, ignore_eos=True, logprobs=20)  # 840 entries
+    assert len((await running.stub.Generate(small)).logprobs) == 40

@@ -9,6 +9,7 @@ from batchserve.admission import client_id
 from batchserve.config import LimitsConfig
 from batchserve.request import (
     MAX_LOGIT_BIAS,
+    MAX_OUTPUT_LOGPROBS,
     Constraint,
     FinishReason,
     RequestOutput,
@@ -91,10 +92,14 @@ LOOKAHEAD_FIELDS = ("enable", "decoding_length", "layout", "jacobi_window", "jac
 
 
 def sampling_params(
-    request: pb.GenerateRequest, limits: LimitsConfig | None = None, max_model_len: int | None = None
+    request: pb.GenerateRequest,
+    limits: LimitsConfig | None = None,
+    max_model_len: int | None = None,
+    answer_bytes: int | None = None,
 ) -> SamplingParams:
     """The request's sampling parameters. `max_model_len`: the model's context, which bounds
-    `resume_token_ids` before they are copied (they and a new token must fit in it)."""
+    `resume_token_ids` before they are copied (they and a new token must fit in it); `answer_bytes`:
+    the message limit of a unary answer (`check_logprobs`)."""
     s, la = request.sampling, request.lookahead
     limits = limits or LimitsConfig()
     # Counts first: the lists are copied and checked item by item below.
@@ -133,9 +138,37 @@ def sampling_params(
     elif kind is not None:
         kwargs["constraint"] = _constraint(kind, getattr(request, kind))
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
     except ValueError as e:
         raise ValueError(f"sampling: {e}") from None
+    check_logprobs(params, answer_bytes)
+    return params
+
+
+LOGPROB_BYTES = 13  # a TokenLogprob's or TopLogprob's id and float as protobuf writes them, at most
+TOKEN_BYTES = 16  # a token's own entry in a logprob list, its tag and length
+
+
+def check_logprobs(params: SamplingParams, answer_bytes: int | None = None) -> None:
+    """ValueError, before the call is queued, where its output logprobs could pass HTTP's bound
+    (MAX_OUTPUT_LOGPROBS), or, for a unary answer of at most `answer_bytes` (the message limit),
+    could not fit in it: found only after the whole generation otherwise."""
+    k = params.logprobs
+    if k is None:
+        return
+    entries = params.max_new_tokens * (k + 1)
+    if entries > MAX_OUTPUT_LOGPROBS:
+        raise ValueError(
+            f"sampling.logprobs: {params.max_new_tokens} tokens x ({k} top logprobs + 1) = {entries} logprobs, at"
+            f" most {MAX_OUTPUT_LOGPROBS} a call; ask for fewer tokens or top logprobs"
+        )
+    need = params.max_new_tokens * (TOKEN_BYTES + (k + 1) * LOGPROB_BYTES)
+    if answer_bytes is not None and need > answer_bytes:
+        raise ValueError(
+            f"sampling.logprobs: {params.max_new_tokens} tokens with {k} top logprobs each could need {need} bytes,"
+            f" over the {answer_bytes}-byte message limit of one answer; use StreamGenerate, or fewer tokens or"
+            " top logprobs"
+        )
 
 
 def _constraint(kind: str, spec: str) -> Constraint:

@@ -49,6 +49,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self.engine = frontend.engine
         self.tenant_source = tenant_source
         self.keys = keys
+        self.max_message_bytes: int | None = None  # the largest message, once the server knows it
 
     async def _tenant(self, context: grpc.aio.ServicerContext, field: str = "") -> str:
         """The call's tenant (`keys.request_tenant`); the call aborted where it has none."""
@@ -70,7 +71,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         last: RequestOutput | None = None
-        async for out in self._run(request, context):
+        async for out in self._run(request, context, self.max_message_bytes):
             text.append(out.new_text)
             token_ids.extend(out.new_token_ids)
             logprobs.extend(out.new_logprobs or ())
@@ -159,14 +160,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     # ---- one request ---------------------------------------------------------------------
 
     async def _run(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, answer_bytes: int | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """One request through the shared front end; its refusals and failures as gRPC statuses."""
+        """One request through the shared front end; its refusals and failures as gRPC statuses.
+        `answer_bytes`: a unary answer's message limit, which its logprobs must fit."""
         limits, max_model_len = self.engine.core.config.limits, self.engine.core.facts.max_model_len
         tenant = await self._tenant(context, request.tenant)
         outputs = self.frontend.generate(
             lambda text: convert.prompt_of(request, text),
-            lambda: convert.sampling_params(request, limits, max_model_len),
+            lambda: convert.sampling_params(request, limits, max_model_len, answer_bytes),
             request.request_id,
             tenant,
             references=lambda text: convert.references_of(request, text),

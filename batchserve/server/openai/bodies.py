@@ -13,6 +13,8 @@ from batchserve.request import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_OUTPUT_LOGPROBS,
+    MAX_PROMPT_SCORES,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
@@ -34,12 +36,6 @@ from batchserve.server.openai.options import (
 )
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
-# Echo with logprobs holds each scored prompt position's alternatives (about 0.2 KB of objects and
-# 35 bytes of JSON apiece); a call scores at most this many: prompt tokens x (logprobs + 1) x samples.
-MAX_PROMPT_SCORES = 1 << 19
-# Output logprobs a call may ask for: samples x max_tokens x (top logprobs + 1), each a rendered
-# object (about 400 bytes and microseconds of the one render thread): about 200 MB at most.
-MAX_OUTPUT_LOGPROBS = 1 << 19
 
 
 class CommonFields(BaseModel):
