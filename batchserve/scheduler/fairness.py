@@ -8,10 +8,14 @@ for more than a step can give, so giving it first come, first served would hand 
 while everyone else waits. Then:
 
 - its prompt chunks run after every other tenant's decodes, prompt chunks and admissions;
-- in a step that serves another tenant they may lengthen that step by at most
+- if it is also a *flood*, holding more requests than its even share of the seats (`floods`): in
+  a step that serves another tenant its chunks may lengthen that step by at most
   `SchedulerConfig.tenant_slack` of its time, and join only every other such step (the steps
   without them measure what "its time" is). `PromptSlack` sizes them from the measured step
-  times, so the bound holds on any device, at any context length, without a cost model;
+  times, so the bound holds on any device, at any context length, without a cost model. Whether
+  a tenant is held to the slack depends on the load it puts on the server, never on another
+  tenant's presence alone: a lone long prompt beside another tenant's single tiny decode takes
+  the rest of every step (the steps beside decodes are still paced, `pacing`);
 - seats and KV blocks: out of either, the scheduler preempts a background tenant's youngest
   request before anyone else's.
 
@@ -97,6 +101,16 @@ def background_tenants(
             count[r.tenant] += 1
             longest[r.tenant] = max(longest[r.tenant], r.num_tokens - r.num_computed_tokens)
     return frozenset(t for t in heavy if count[t] > fair or longest[t] > step_tokens)
+
+
+def floods(background: frozenset[str], requests: Iterable[Request], seats: int, tenants: int) -> frozenset[str]:
+    """The background tenants that hold more requests than their even share of `seats` among
+    `tenants` present: the load that is held to the slack (`PromptSlack`)."""
+    if not background:
+        return frozenset()
+    count = Counter(r.tenant for r in requests if r.tenant in background)
+    fair = max(1, seats // max(1, tenants))
+    return frozenset(t for t in background if count[t] > fair)
 
 
 @dataclass(slots=True)

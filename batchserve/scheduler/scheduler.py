@@ -25,7 +25,13 @@ from batchserve.scheduler.block_allocator import BlockAllocator
 from batchserve.scheduler.book import RequestBook
 from batchserve.scheduler.chunks import committed_chunk, with_drafts
 from batchserve.scheduler.commit import StepCommit, TokenHook, commit_request
-from batchserve.scheduler.fairness import PromptSlack, background_tenants, background_victim, victim_for_blocks
+from batchserve.scheduler.fairness import (
+    PromptSlack,
+    background_tenants,
+    background_victim,
+    floods,
+    victim_for_blocks,
+)
 from batchserve.scheduler.pacing import PromptPacing
 from batchserve.scheduler.prefix_cache import PrefixCache
 from batchserve.scheduler.seats import SeatShares
@@ -72,6 +78,8 @@ class Scheduler(RequestBook):
         self.grammar.reset()
         cfg, recent = self.config, self.slack.recent()
         background = background_tenants(self.requests.values(), cfg.max_num_batched_tokens, recent, cfg.max_num_seqs)
+        present = len({r.tenant for r in self.requests.values()} | recent)
+        flooding = floods(background, self.requests.values(), cfg.max_num_seqs, present)
         self._seats = SeatShares.of(self.running, self.waiting, cfg.max_num_seqs, background)
         for victim in self._seats.victims(self.running):  # a tenant over its seats while others wait
             self._preempt(victim)
@@ -82,9 +90,10 @@ class Scheduler(RequestBook):
         budget, held = self._schedule_running(scheduled, self.config.max_num_batched_tokens, background)
         # Then admit waiting requests while there are seats, tokens and blocks.
         budget = self._admit(scheduled, budget, [r for r in self.waiting if r.tenant not in background], background)
-        # Background prompts: beside other tenants' work, only what the slack allows.
+        # Background prompts: the rest of the step; a flood's, beside other tenants' work, only
+        # what the slack allows.
         shared = any(self.requests[s.request_id].tenant not in background for s in scheduled)
-        cap = self.slack.cap(shared, background)
+        cap = self.slack.cap(shared, flooding)
         cap = budget if cap is None else min(budget, cap)
         joined = self._schedule_background(scheduled, cap, held, background)
         budget -= joined
@@ -92,7 +101,7 @@ class Scheduler(RequestBook):
         # Drafts last: committed tokens and admissions come before speculation.
         out = SchedulerOutput(requests=tuple(scheduled), finished_request_ids=finished, draft_budget=budget)
         tenants = {self.requests[s.request_id].tenant for s in scheduled if s.request_id in self.requests}
-        self.slack.scheduled(out, tenants, shared and bool(background), joined)
+        self.slack.scheduled(out, tenants, shared and bool(flooding), joined if flooding else 0)
         prompt = sum(s.num_tokens for s in scheduled if s.num_tokens > 1)
         self.pacing.scheduled(out, sum(1 for s in scheduled if s.num_tokens == 1), prompt)
         return out

@@ -43,6 +43,13 @@ def _run(s: Scheduler, ms_per_token: float = 0.0, base_ms: float = 10.0) -> Sche
     return out
 
 
+def _flood(s: Scheduler, n: int, tenant: str = "hostile", max_new: int = 1000) -> None:
+    """`n` more one-token prompts of `tenant`: with them it holds more requests than its even share
+    of the seats, a flood, whose prompts beside other tenants take only the slack."""
+    for i in range(n):
+        s.add_request(_req(f"extra{i}", 1, tenant, max_new))
+
+
 def _tokens(out: SchedulerOutput, prefix: str) -> int:
     return sum(r.num_tokens for r in out.requests if r.request_id.startswith(prefix))
 
@@ -84,11 +91,13 @@ def test_a_new_tenant_is_not_queued_behind_a_long_prompt() -> None:
 
 
 def test_background_chunks_beside_others_take_the_slack_of_every_other_step() -> None:
-    """A step costs 10 ms plus 1 ms per prompt token: with slack 0.25 a background chunk is worth
-    2.5 ms, so it settles at 2-3 tokens, in every other step that serves the other tenant."""
+    """A flood (more requests than its share of the seats) beside another tenant: a step costs
+    10 ms plus 1 ms per prompt token, so with slack 0.25 a background chunk is worth 2.5 ms and
+    settles at 2-3 tokens, in every other step that serves the other tenant."""
     s = _sched(budget=64, slack=0.25)
     s.add_request(_req("good", 4, "good"))
     s.add_request(_req("hog", 3000, "hostile"))
+    _flood(s, 4)
     chunks = [_tokens(_run(s, ms_per_token=1.0), "hog") for _ in range(200)]
     assert all(a == 0 or b == 0 for a, b in itertools.pairwise(chunks[1:]))  # never two in a row
     settled = [c for c in chunks[100:] if c]
@@ -102,6 +111,7 @@ def test_background_takes_whole_steps_once_no_one_else_was_served_lately() -> No
     s.slack.clock = lambda: now[0]
     s.add_request(_req("good", 4, "good", max_new=8))
     s.add_request(_req("hog", 3000, "hostile"))
+    _flood(s, 4)
     for _ in range(8):
         _run(s, ms_per_token=1.0)  # good's 8 tokens: it is done
         now[0] += 0.01
@@ -143,17 +153,19 @@ def test_out_of_seats_a_background_prompt_gives_its_seat() -> None:
 
 
 def test_out_of_blocks_a_background_request_is_preempted_first() -> None:
-    s = _sched(budget=16, num_blocks=60)  # 240 slots of 4
+    s = _sched(budget=16, num_blocks=60, max_num_seqs=4)  # 240 slots of 4
     s.add_request(_req("hog", 220, "hostile", max_new=1))
     for _ in range(10):
         _run(s)  # alone: 160 of its prompt, 40 blocks
     s.add_request(_req("good", 8, "good", max_new=100))
     s.add_request(_req("good2", 6, "good", max_new=100))  # FCFS would preempt it, the youngest
+    _flood(s, 2, max_new=100)  # three requests, over its two seats: a flood, its prompt beside others held to the slack
     for _ in range(60):  # a prompt token beyond one costs 10 ms: the hog's chunks stay at a token or two
         _run(s, ms_per_token=10.0)
         assert s.requests["good"].stats.num_preemptions == 0
         assert s.requests["good2"].stats.num_preemptions == 0
-    assert s.requests["hog"].stats.num_preemptions >= 1
+    hostile = [r for r in s.requests.values() if r.tenant == "hostile"]
+    assert sum(r.stats.num_preemptions for r in hostile) >= 1
 
 
 def test_a_background_tenants_short_prompt_goes_before_its_own_flood() -> None:
@@ -182,3 +194,25 @@ def test_a_new_request_out_of_blocks_takes_them_from_a_background_tenant() -> No
     assert ("good", 16) in [(r.request_id, r.num_tokens) for r in out.requests]  # admitted at once
     assert s.requests["hog"].status is RequestStatus.WAITING and s.requests["hog"].stats.num_preemptions == 1
     s.allocator.free(held)
+
+
+def test_a_lone_long_prompt_beside_another_tenants_tiny_decode_takes_whole_steps() -> None:
+    """2,000 prompt tokens beside another tenant's single 4-token request: one request, within its
+    share of the seats, is no flood, so its first token comes within 1.25x of its time alone (held to
+    the 10% slack of every other step it took about 10 times as long: the other tenant's presence
+    alone made it background). Steps cost 10 ms plus 0.07 ms a token beyond one a request."""
+
+    def first_token_ms(beside: bool) -> float:
+        s = _sched(budget=512, max_num_seqs=16, num_blocks=4096, slack=0.1)
+        if beside:
+            s.add_request(_req("other", 4, "other", max_new=1000))
+            _run(s)
+        s.add_request(_req("long", 2000, "lone", max_new=4))
+        elapsed = 0.0
+        while not s.requests["long"].output_token_ids:
+            out = _run(s, ms_per_token=0.07, base_ms=10.0)
+            elapsed += 10.0 + 0.07 * sum(r.num_tokens - 1 for r in out.requests)
+        return elapsed
+
+    alone, beside = first_token_ms(False), first_token_ms(True)
+    assert beside <= 1.25 * alone, (alone, beside)
