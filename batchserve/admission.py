@@ -104,10 +104,11 @@ class Admission:
         check_resume(req, facts.vocab_size)  # a resumed generation's tokens become its output so far
         return req
 
-    def compile(self, constraint: Constraint) -> CompiledGrammar:
-        """`constraint` compiled (or found compiled); thread-safe: front ends call it off the loop
-        and hand the result in as `Submission.grammar`. ConstraintError, a ValueError, refuses it."""
-        return self.grammars.compile(constraint)
+    def compile(self, constraint: Constraint, tenant: str = "") -> CompiledGrammar:
+        """`constraint` compiled (or found compiled by `tenant` before); thread-safe: front ends call
+        it off the loop and hand the result in as `Submission.grammar`. ConstraintError, a
+        ValueError, refuses it."""
+        return self.grammars.compile(constraint, tenant)
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Refuse a constraint over the size bound before anything is tokenized or compiled."""
@@ -121,7 +122,7 @@ class Admission:
             return None
         if sub.grammar is not None and sub.grammar.constraint != constraint:
             raise ValueError("grammar: compiled from another constraint than params.constraint")
-        return self.grammars.matcher(sub.grammar or self.grammars.compile(constraint))
+        return self.grammars.matcher(sub.grammar or self.grammars.compile(constraint, sub.tenant))
 
     def check_tenant(self, tenant: str) -> None:
         """Raise ValueError unless `tenant` is "" (none) or a valid key."""

@@ -31,13 +31,6 @@ MAX_INT32 = 2**31 - 1  # counts and lengths (max_new_tokens, top_k, decoding_len
 MAX_TEMPERATURE = 100.0  # far past uniform for any model's logits; inf would make NaN probabilities
 SEED_RANGE = (-(2**63), 2**64)  # [low, high): torch's generator range; a negative s means s + 2**64
 MAX_LOGPROBS = 20  # top alternatives a token's logprobs may list (OpenAI's bound)
-# Output logprobs a call may ask for: samples x max_tokens x (top logprobs + 1), each a rendered
-# object (about 400 bytes and microseconds of the one render thread): about 200 MB at most. Both
-# front ends check it before a call is queued.
-MAX_OUTPUT_LOGPROBS = 1 << 19
-# Echo with logprobs holds each scored prompt position's alternatives (about 0.2 KB of objects and
-# 35 bytes of JSON apiece); a call scores at most this many: prompt tokens x (logprobs + 1) x samples.
-MAX_PROMPT_SCORES = 1 << 19
 PENALTY_RANGE = (-2.0, 2.0)  # frequency and presence penalties (OpenAI's bounds)
 MAX_REPETITION_PENALTY = 10.0  # repetition_penalty in [1 / this, this]; 1 is none
 # A factor of at most 10 either way: a logit divided by much less than 1/10 overflows float16's

@@ -69,10 +69,12 @@ class GrammarCompiler:
         self._cached_chars = 0
         self._lock = threading.Lock()
         self._lltokenizer: Any = None
-        self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
+        # Keyed by (scope, constraint): a tenant finds only what its own scope compiled, so how fast
+        # its call starts says nothing of which schemas another tenant sent.
+        self._cache: OrderedDict[tuple[str, Constraint], CompiledGrammar] = OrderedDict()
         # Every compiled grammar still referenced somewhere (a front end between compiling it and
         # submitting its requests), cached or not: found again, never built again.
-        self._held: weakref.WeakValueDictionary[Constraint, CompiledGrammar] = weakref.WeakValueDictionary()
+        self._held: weakref.WeakValueDictionary[tuple[str, Constraint], CompiledGrammar] = weakref.WeakValueDictionary()
         self.num_builds = 0  # matchers built from a grammar (cache misses that compiled)
 
     @property
@@ -91,32 +93,32 @@ class GrammarCompiler:
     def eos_token_id(self) -> int:
         return int(self.lltokenizer.eos_token)
 
-    def compile(self, constraint: Constraint) -> CompiledGrammar:
+    def compile(self, constraint: Constraint, scope: str = "") -> CompiledGrammar:
         """The constraint's grammar and matcher, from the cache (or from whoever still holds
-        them) when the same text was compiled before. Raises ConstraintError for a constraint
-        that is too long or invalid."""
+        them) when the same text was compiled before in `scope` (a tenant's). Raises
+        ConstraintError for a constraint that is too long or invalid."""
+        key = (scope, constraint)
         with self._lock:
-            hit = self._cache.get(constraint) or self._held.get(constraint)
+            hit = self._cache.get(key) or self._held.get(key)
             if hit is not None:
-                self._remember(hit)
+                self._remember(key, hit)
                 return hit
         self.check_size(constraint)
         compiled = self._build(constraint)
         with self._lock:
-            self._remember(compiled)
+            self._remember(key, compiled)
         return compiled
 
-    def _remember(self, compiled: CompiledGrammar) -> None:
+    def _remember(self, key: tuple[str, Constraint], compiled: CompiledGrammar) -> None:
         """`compiled` the most recently used in the cache, the least recently used let go past
         its bounds (call with the lock held)."""
-        key = compiled.constraint
         if key in self._cache:
             self._cache.move_to_end(key)
             return
         self._cache[key] = self._held[key] = compiled
-        self._cached_chars += len(key.spec)
+        self._cached_chars += len(key[1].spec)
         while len(self._cache) > self.cache_size or self._cached_chars > self.cache_chars:
-            evicted, _ = self._cache.popitem(last=False)
+            (_, evicted), _ = self._cache.popitem(last=False)
             self._cached_chars -= len(evicted.spec)
 
     def check_size(self, constraint: Constraint) -> None:

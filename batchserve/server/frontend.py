@@ -16,12 +16,14 @@ from batchserve.admission import Admission, Submission, id_namespace
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.grammar import CompiledGrammar
 from batchserve.request import FinishReason, RequestOutput, RequestStatus, SamplingParams
+from batchserve.server.fair_work import FairWork
 from batchserve.server.metrics import Metrics, log_end
 from batchserve.server.queue_shares import QueuedCall, TenantQueues
 from batchserve.server.samples import merged_outputs, samples_of, share_prompt_scores
 from batchserve.text import TextCodec
 
 FULL = "waiting queue is full"
+DISPLACED = f"{FULL} and this tenant holds over its share; retry later"
 T = TypeVar("T")
 
 
@@ -69,7 +71,6 @@ class Frontend:
         self.serving = True
         self.draining = False
         self.admin_token = info.admin_token
-        self._preparing = 0  # admitted requests still being tokenized or templated
         self.queues = TenantQueues(info.max_waiting_requests, info.max_waiting_per_tenant)
         # Tokenizing and chat templates run here, never on the event loop (an input at the size
         # limit takes tens of ms to tokenize; every other stream would stall meanwhile). Its
@@ -82,11 +83,19 @@ class Frontend:
         # Whole answers are built and rendered here: one with echo's prompt logprobs is a few MB of
         # JSON, seconds of Python that would stall every stream on the loop.
         self._render = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-render")
+        # Each thread takes the tenants' jobs in turn (`fair_work`): no tenant's queue of large
+        # prompts or schemas holds another tenant's call behind all of it.
+        self._prepare_work, self._grammar_work = FairWork(self._prepare), FairWork(self._grammar)
 
     def close(self) -> None:
         self._prepare.shutdown(wait=False, cancel_futures=True)
         self._grammar.shutdown(wait=False, cancel_futures=True)
         self._render.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def _preparing(self) -> int:
+        """Admitted requests whose tokenizing, templating or compiling is queued or running."""
+        return self._prepare_work.preparing + self._grammar_work.preparing
 
     @property
     def healthy(self) -> bool:
@@ -136,6 +145,8 @@ class Frontend:
             self.queues.release(call)
             for rid in call.request_ids:
                 self.engine.abort(rid)
+            for work in (self._prepare_work, self._grammar_work):  # still in preparation: never started
+                work.drop(call, self.refuse(Refusal.QUEUE_FULL, DISPLACED))
         return victims is not None
 
     async def prepare(self, fn: Callable[..., T], *args: Any, count: int = 1, tenant: str = "") -> T:
@@ -145,33 +156,27 @@ class Frontend:
         bounded like the queue."""
         call = self.admit(count, tenant)
         try:
-            return await self._held(self._prepare, count, fn, *args)
+            result = await self._prepare_work.run(tenant, call, count, fn, *args)
+            self._check_displaced(call)
+            return result
         finally:
             self.queues.release(call)
 
-    async def _held(self, executor: ThreadPoolExecutor, count: int, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in `executor`, `count` places in the waiting queue held until it ends."""
-        loop = asyncio.get_running_loop()
-        self._preparing += count
-        try:
-            job = executor.submit(fn, *args)
-        except BaseException:
-            self._preparing -= count
-            raise
-        job.add_done_callback(lambda _: _call_soon(loop, lambda: self._prepared(count)))
-        return await asyncio.wrap_future(job)
+    def _check_displaced(self, call: QueuedCall) -> None:
+        """Refused where `call`'s places went to another tenant's while it was prepared."""
+        if call.displaced:
+            raise self.refuse(Refusal.QUEUE_FULL, DISPLACED)
 
-    async def compile(self, sampling: SamplingParams, count: int) -> CompiledGrammar | None:
-        """`sampling.constraint` compiled in the grammar thread (or found compiled), for `count`
-        requests: whoever holds the result until they are submitted has the engine copy it,
-        never build it, on the loop (`Admission.compile`). None without a constraint.
-        Raises ConstraintError, a ValueError, for a constraint the engine refuses."""
+    async def compile(self, sampling: SamplingParams, call: QueuedCall, count: int) -> CompiledGrammar | None:
+        """`sampling.constraint` compiled in the grammar thread in its tenant's turn (or found
+        compiled by that tenant), for `count` requests of `call`: whoever holds the result until
+        they are submitted has the engine copy it, never build it, on the loop (`Admission.compile`).
+        None without a constraint. Raises ConstraintError, a ValueError, for a constraint the
+        engine refuses."""
         if sampling.constraint is None:
             return None
-        return await self._held(self._grammar, count, self.engine.core.admission.compile, sampling.constraint)
-
-    def _prepared(self, count: int) -> None:
-        self._preparing -= count
+        compile_ = self.engine.core.admission.compile
+        return await self._grammar_work.run(call.tenant, call, count, compile_, sampling.constraint, call.tenant)
 
     async def generate(
         self,
@@ -227,8 +232,11 @@ class Frontend:
         """`generate_n` once its places are held (`call`): prepare, compile, submit, watch."""
         request_id, core = request_id or uuid.uuid4().hex, self.engine.core
         try:
-            sampling, subs = await self._held(self._prepare, call.count, _prepare, *job, core.text, core.admission)
-            compiled = await self.compile(sampling, n * len(subs))  # held until every sample is in
+            work = self._prepare_work
+            sampling, subs = await work.run(call.tenant, call, call.count, _prepare, *job, core.text, core.admission)
+            self._check_displaced(call)
+            compiled = await self.compile(sampling, call, n * len(subs))  # held until every sample is in
+            self._check_displaced(call)
         except ValueError as e:
             raise self.refuse(Refusal.INVALID, str(e)) from None
         if self.draining:  # shutdown began while this one was tokenized: a retryable refusal
@@ -278,8 +286,7 @@ class Frontend:
             merged = share_prompt_scores(merged, share_scores)
         try:
             async for i, out in merged:
-                if call.displaced:
-                    raise self.refuse(Refusal.QUEUE_FULL, f"{FULL} and this tenant holds over its share; retry later")
+                self._check_displaced(call)
                 self.queues.release(call)
                 trackers[i].observe(out)
                 last[i] = out
@@ -302,14 +309,6 @@ class Frontend:
         load = self.engine.load()
         waiting = load.num_waiting + self._preparing + count - load.free_seats
         return max(0, waiting - self.info.max_waiting_requests)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
-    """`fn` on `loop`'s thread, from any thread; nothing once the loop is closed (shutdown)."""
-    try:
-        loop.call_soon_threadsafe(fn)
-    except RuntimeError:
-        pass
 
 
 def _prepare(

@@ -3,7 +3,7 @@
 A call holds places in the waiting queue from admission (its samples, tokenized or not) until its
 first output. With the queue full, a call of a tenant within its share (the limit divided evenly
 among the tenants holding places, the caller's included) takes the places of the youngest calls of
-a tenant over its share that are still waiting, never started: those end with the refusal the
+a tenant over its share that are still in preparation or waiting, never started: those end with the refusal the
 newcomer would have had (RESOURCE_EXHAUSTED, HTTP 429), before any byte of an answer was sent, so
 their clients retry as from any full queue. A tenant over its share is refused itself. One
 flooding tenant then never keeps another out of the queue, and no tenant loses work it has begun.
@@ -69,8 +69,9 @@ class TenantQueues:
         self, tenant: str, count: int, need: int, waiting: Callable[[str], bool]
     ) -> list[QueuedCall] | None:
         """Calls whose places make `need` places for `count` requests of `tenant`: the youngest
-        still wholly `waiting` (submitted, never run) of tenants that stay over their share before
-        each is taken. None where `tenant` itself would be over its share, or too few can go."""
+        still in preparation (tokenizing, compiling: no ids yet) or wholly `waiting` (submitted,
+        never run), of tenants that stay over their share before each is taken. None where
+        `tenant` itself would be over its share, or too few can go."""
         share = self.share(tenant)
         if self.held[tenant] + count > share:
             return None
@@ -78,9 +79,9 @@ class TenantQueues:
         for call in reversed(self.calls):
             if freed >= need:
                 break
-            if call.tenant == tenant or call.displaced or not call.request_ids or held[call.tenant] <= share:
+            if call.tenant == tenant or call.displaced or held[call.tenant] <= share:
                 continue
-            if all(waiting(rid) for rid in call.request_ids):
+            if all(waiting(rid) for rid in call.request_ids):  # none yet: still in preparation
                 out.append(call)
                 held[call.tenant] -= call.count
                 freed += call.count

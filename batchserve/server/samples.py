@@ -10,6 +10,14 @@ from dataclasses import replace
 from batchserve.async_engine import RequestStream
 from batchserve.request import RequestOutput, SamplingParams, TokenLogprob
 
+# Output logprobs a call may ask for: samples x max_tokens x (top logprobs + 1), each a rendered
+# object (about 400 bytes and microseconds of the one render thread): about 200 MB at most. Both
+# front ends check it before a call is queued.
+MAX_OUTPUT_LOGPROBS = 1 << 19
+# Echo with logprobs holds each scored prompt position's alternatives (about 0.2 KB of objects and
+# 35 bytes of JSON apiece); a call scores at most this many: prompt tokens x (logprobs + 1) x samples.
+MAX_PROMPT_SCORES = 1 << 19
+
 
 def samples_of(request_id: str, sampling: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
     """The request id and parameters of each of `n` samples (one: the request itself). Sample i

@@ -189,3 +189,13 @@ def test_a_compiled_grammar_still_held_is_found_after_the_cache_let_it_go(builds
     gc.collect()  # and held by no one now
     small.compile(Constraint("regex", "a+"))
     assert len(builds.threads) == 4
+
+
+def test_a_tenant_finds_only_what_its_own_scope_compiled(compiler: GrammarCompiler):
+    """A hit would tell a tenant (by its call's speed) that another sent the same schema lately."""
+    c = Constraint("regex", "[d-f]{3}")
+    builds = compiler.num_builds
+    mine = compiler.compile(c, "alice")
+    assert compiler.compile(c, "alice") is mine and compiler.num_builds == builds + 1
+    theirs = compiler.compile(c, "bob")
+    assert theirs is not mine and compiler.num_builds == builds + 2

@@ -89,7 +89,7 @@ async def test_idle_and_trickling_sockets_take_no_call_place_and_are_closed_at_t
                 break
         assert await _closed_within(reader, 5) + (time.monotonic() - t) < 4
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+        writer.write(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model"')
         assert await _closed_within(reader, 5) < 3
         assert r.server._http.connections.expired >= 202
         assert r.server._http.connections.open <= 1  # every one given back (this test's last may close now)

@@ -9,7 +9,6 @@ from batchserve.admission import client_id
 from batchserve.config import LimitsConfig
 from batchserve.request import (
     MAX_LOGIT_BIAS,
-    MAX_OUTPUT_LOGPROBS,
     Constraint,
     FinishReason,
     RequestOutput,
@@ -19,6 +18,7 @@ from batchserve.request import (
     tokens_per_step,
 )
 from batchserve.server.mapping import check_stop_token_count, lookahead_fields
+from batchserve.server.samples import MAX_OUTPUT_LOGPROBS
 from batchserve.text import TextCodec
 from batchserve.v1 import generation_pb2 as pb
 

@@ -13,8 +13,6 @@ from batchserve.request import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
-    MAX_OUTPUT_LOGPROBS,
-    MAX_PROMPT_SCORES,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
@@ -34,6 +32,7 @@ from batchserve.server.openai.options import (
     StreamOptions,
     count_field,
 )
+from batchserve.server.samples import MAX_OUTPUT_LOGPROBS, MAX_PROMPT_SCORES
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 

@@ -1,0 +1,104 @@
+"""Preparation (tokenizing, grammar compiling) one job at a time, taken from the tenants in turn: a
+tenant's wait is at most one job of each other tenant, a caller that leaves takes its job out of the
+queue, and a call in preparation gives its places to a tenant within its share."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from batchserve.server.client import build_request
+from batchserve.server.fair_work import FairWork
+from tests.server.conftest import start_server, tiny_core
+from tests.server.test_queue_shares import _as, _until
+
+
+async def test_a_tenant_waits_for_one_job_of_each_other_tenant_not_for_their_queues():
+    work = FairWork(ThreadPoolExecutor(max_workers=1))
+    gate, order = threading.Event(), []
+
+    def job(name: str) -> str:
+        gate.wait(10)
+        order.append(name)
+        return name
+
+    flood = [asyncio.ensure_future(work.run("flood", object(), 1, job, f"f{i}")) for i in range(5)]
+    await asyncio.sleep(0.05)  # f0 is running: the rest queue behind it
+    other = asyncio.ensure_future(work.run("other", object(), 1, job, "o"))
+    await asyncio.sleep(0.05)
+    assert work.preparing == 6
+    gate.set()
+    assert await other == "o" and await asyncio.gather(*flood) == [f"f{i}" for i in range(5)]
+    assert order[:2] == ["f0", "o"]  # the other tenant's one job right after the running one
+    assert work.preparing == 0
+
+
+async def test_a_job_whose_caller_left_or_whose_call_was_dropped_never_starts():
+    work = FairWork(ThreadPoolExecutor(max_workers=1))
+    gate, ran = threading.Event(), []
+
+    def job(name: str) -> None:
+        gate.wait(10)
+        ran.append(name)
+
+    owner = object()
+    first = asyncio.ensure_future(work.run("a", object(), 1, job, "first"))
+    left = asyncio.ensure_future(work.run("a", object(), 2, job, "left"))
+    dropped = asyncio.ensure_future(work.run("b", owner, 3, job, "dropped"))
+    await asyncio.sleep(0.05)
+    assert work.preparing == 6
+    left.cancel()
+    await asyncio.sleep(0)
+    work.drop(owner, RuntimeError("its places went to another call"))
+    assert work.preparing == 1  # the running job alone
+    with pytest.raises(RuntimeError, match="another call"):
+        await dropped
+    gate.set()
+    await first
+    assert ran == ["first"] and work.preparing == 0
+
+
+async def test_a_call_in_preparation_gives_its_places_to_a_tenant_within_its_share(monkeypatch):
+    """A flood holding the whole queue with calls stuck in tokenizing: another tenant still gets in,
+    on the places of the flood's youngest call in preparation, which is refused as from a full queue
+    without ever being tokenized."""
+    r = await start_server(tiny_core(max_num_seqs=1), max_waiting_requests=3)
+    gate, seen = threading.Event(), []
+    from batchserve.server.grpc import convert
+
+    prompt_of = convert.prompt_of
+
+    def slow(request, text):
+        ids = prompt_of(request, text)
+        seen.append(ids)
+        if ids[0] == 1:
+            gate.wait(30)
+        return ids
+
+    monkeypatch.setattr(convert, "prompt_of", slow)
+    calls = []
+    try:
+        running = r.stub.StreamGenerate(build_request([9], max_new_tokens=2000, ignore_eos=True), metadata=_as("x"))
+        await running.read()  # the one seat is taken: every new call waits
+        for i in range(3):  # the queue's 3 places: the first is tokenized (stuck), the rest wait their turn
+            calls.append(r.stub.Generate(build_request([1, i], max_new_tokens=2), metadata=_as("flood")))
+            await asyncio.sleep(0.05)
+        await _until(lambda: len(r.server.frontend.queues.calls) == 3)
+        ok = asyncio.ensure_future(r.stub.Generate(build_request([5], max_new_tokens=2), metadata=_as("b")))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(calls[-1], 10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "share" in e.value.details()
+        assert [1, 2] not in seen  # displaced before its turn came: never tokenized
+        gate.set()
+        running.cancel()
+        assert (await asyncio.wait_for(ok, 60)).usage.completion_tokens == 2
+    finally:
+        gate.set()
+        for call in calls:
+            call.cancel()
+        await r.channel.close()
+        await r.server.shutdown()
