@@ -31,7 +31,9 @@ one of them goes. A scope is proven when a request that started after it was mad
 tenant came back; a corpus warm-up proves it at once); the proven hold the rest, and past that
 the least recently used idle proven scope goes. So a flood of one-off tenants (fresh keys, one
 request each) evicts only its own kind, never a tenant that came back, and the drafter holds at
-most `trie_max_scopes` x `trie_scope_bytes`.
+most `trie_max_scopes` x `trie_scope_bytes`. Two requests per fresh key prove a scope, though:
+where clients choose their keys (no API keys), about 3/4 x `trie_max_scopes` x 2 requests under
+fresh strings evict an idle proven tenant's scope. With API keys the scopes are at most the keys.
 
 A tree is built from, in order: a *copy chain* (what followed the most recent occurrence of
 the longest run the request's text ends with, in its own text or its scope's recent outputs,
