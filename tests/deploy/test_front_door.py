@@ -5,8 +5,11 @@ replica dies (load_tests/front_door.py, also `make front-door`)."""
 
 from __future__ import annotations
 
+import http.client
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from tests.deploy.test_replicas import model_dir  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE_CFG = ROOT / "deploy" / "kubernetes" / "overlays" / "front-door" / "haproxy.cfg"
+KEY, OTHER = "0123456789abcdef" * 2, "fedcba9876543210" * 2
 NO_HAPROXY = "HAProxy is not installed (`apt-get install haproxy`; `make setup` installs it where it can)"
 
 
@@ -40,13 +44,13 @@ def test_render_refuses_no_replicas_and_a_bad_key_file(tmp_path) -> None:
         render.config("/k", [], None, ":1", ":2")
     with pytest.raises(ValueError, match="line 1"):
         render.keys("acme short\n")
-    assert render.keys(f"acme {'k' * 20}\n") == f"{render.sha256_hex('k' * 20)} acme\n"
+    assert render.keys(f"acme {KEY}\n") == f"{render.sha256_hex(KEY)} acme\n"
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason=NO_HAPROXY)
 def test_haproxy_takes_both_configs(tmp_path) -> None:
     keys = tmp_path / "keys.map"
-    keys.write_text(render.keys(f"acme {'k' * 20}\n"))
+    keys.write_text(render.keys(f"acme {KEY}\n"))
     for name, text in (
         ("kube.cfg", _kube_config().replace("/etc/haproxy/keys/keys.map", str(keys))),
         ("loopback.cfg", render.config(str(keys), ["127.0.0.1:1:2", "127.0.0.1:3:4"], None, ":18080", ":18051")),
@@ -62,3 +66,114 @@ def test_the_front_door_on_loopback(model_dir, tmp_path, capsys) -> None:  # noq
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert printed.count("\nok ") + printed.startswith("ok ") >= 20 and "FAILED" not in printed
+
+
+def _status(port: int, key: str, source: str = "127.0.0.1") -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the proxy closed `sock` (EOF or reset); fails past `seconds`."""
+    sock.settimeout(seconds)
+    t = time.monotonic()
+    try:
+        while sock.recv(1024):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason=NO_HAPROXY)
+def test_the_proxy_reloads_its_key_map_in_place_and_limits_each_address(tmp_path) -> None:
+    """keys_sync.py swaps the map through the admin socket (a removed key is refused, an added one
+    taken, a broken file revokes every key) with no restart; one address holds at most its share
+    of connections, and a connection that never completes its request is closed at the deadline.
+    No replica runs: a known key's call reaches the empty backend (503), an unknown one is 401."""
+    from deploy.haproxy import keys_sync
+
+    keys = tmp_path / "keys.map"
+    keys.write_text(render.keys(f"acme {KEY}\n"))
+    (http_port, grpc_port), sock = front_door.free_ports(2), str(tmp_path / "admin.sock")
+    limits = render.Limits(conn_per_source=4, rate_per_source=1000, admin_socket=sock, request_seconds=1)
+    cfg = render.config(str(keys), ["127.0.0.1:1:2"], None, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", limits)
+    (tmp_path / "haproxy.cfg").write_text(cfg)
+    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "haproxy.cfg")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        for _ in range(100):  # the admin socket comes after the listeners
+            if Path(sock).exists():
+                break
+            time.sleep(0.05)
+        assert _status(http_port, KEY) == 503 and _status(http_port, OTHER) == 401
+        keys.write_text(render.keys(f"other {OTHER}\n"))  # KEY removed, OTHER added
+        last = keys_sync.sync_once(sock, keys, None)
+        assert _status(http_port, KEY) == 401 and _status(http_port, OTHER) == 503
+        assert keys_sync.sync_once(sock, keys, last) == last  # unchanged: nothing sent
+        keys.write_text("not a map\n")
+        keys_sync.sync_once(sock, keys, last)
+        assert _status(http_port, OTHER) == 401  # fail closed
+        held = [socket.create_connection(("127.0.0.1", http_port), source_address=("127.0.0.2", 0)) for _ in range(4)]
+        extra = socket.create_connection(("127.0.0.1", http_port), source_address=("127.0.0.2", 0))
+        assert _closed_within(extra, 5) < 3  # the fifth from that address: closed unread
+        assert _status(http_port, KEY) == 401  # another address is served meanwhile
+        assert max(_closed_within(s, 5) for s in held) < 4  # no request within the 1 s deadline
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None or shutil.which("openssl") is None, reason=NO_HAPROXY)
+async def test_the_proxy_talks_mutual_tls_to_a_replica_that_requires_it(tmp_path) -> None:
+    """render.py's --replica-ca and --replica-client-cert: a replica that takes only clients with a
+    certificate of its CA (--tls-client-ca) passes the proxy's health checks and answers its calls
+    over HTTP and gRPC; without the proxy's certificate it would refuse them."""
+    import asyncio
+
+    import grpc
+
+    from batchserve.server.client import build_request
+    from batchserve.v1 import generation_pb2_grpc as pb_grpc
+    from tests.server.conftest import start_server
+    from tests.server.test_shutdown_tls import _certificate
+
+    cert, key = _certificate(tmp_path, "replica")
+    client_cert, client_key = _certificate(tmp_path, "proxy")
+    proxy_pem = tmp_path / "proxy.pem"
+    proxy_pem.write_text(Path(client_cert).read_text() + Path(client_key).read_text())
+    keys = tmp_path / "keys.map"
+    keys.write_text(render.keys(f"acme {KEY}\n"))
+    r = await start_server(http=True, tls_cert=cert, tls_key=key, tls_client_ca=client_cert)
+    http_port, grpc_port = front_door.free_ports(2)
+    replica = f"127.0.0.1:{r.server.port}:{r.server.http_port}"
+    limits = render.Limits(admin_socket=str(tmp_path / "admin.sock"))
+    cfg = render.config(str(keys), [replica], None, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", limits,
+                        tls=(cert, str(proxy_pem)))  # fmt: skip
+    (tmp_path / "haproxy.cfg").write_text(cfg)
+    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "haproxy.cfg")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        status = 0
+        for _ in range(100):  # until the proxy listens, and a health check over mTLS put the replica in
+            try:
+                status = await asyncio.to_thread(_status, http_port, KEY)
+            except ConnectionRefusedError:
+                status = 0
+            if status == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert status == 200
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            reply = await pb_grpc.TextGenerationStub(channel).Generate(
+                build_request([1, 2], max_new_tokens=3), metadata=(("authorization", f"Bearer {KEY}"),), timeout=30
+            )
+        assert reply.usage.completion_tokens == 3
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+        await r.channel.close()
+        await r.server.shutdown()
