@@ -140,8 +140,9 @@ def run(model: str | None, out: Path, extra: list[str]) -> int:
         for r in replicas:
             r.wait_healthy()
         front_grpc, front_http = free_ports(2)
+        limits = render.Limits(conn_per_source=16, admin_socket=str(out / "admin.sock"), request_seconds=2)
         cfg = render.config(str(out / "keys.map"), [f"127.0.0.1:{r.grpc}:{r.http}" for r in replicas], None,
-                            f"127.0.0.1:{front_http}", f"127.0.0.1:{front_grpc}")  # fmt: skip
+                            f"127.0.0.1:{front_http}", f"127.0.0.1:{front_grpc}", limits)  # fmt: skip
         (out / "haproxy.cfg").write_text(cfg)
         log = open(out / "haproxy.log", "w")
         proxy = subprocess.Popen(
@@ -152,6 +153,7 @@ def run(model: str | None, out: Path, extra: list[str]) -> int:
         _refusals(c, target, front_http, replicas, keys)
         _spoofing(c, target, front_http, replicas, keys)
         homes = _affinity(c, target, replicas, keys)
+        _door(c, target, front_http, keys, out)
         _failover(c, target, replicas, keys, homes)
     finally:
         if proxy is not None:
@@ -203,6 +205,56 @@ def _affinity(c: Checks, target: str, replicas: list[Replica], keys: dict[str, s
     spread = sorted(set(homes.values()))
     c.check(len(spread) >= 2, f"tenants spread over the replicas ({spread})")
     return homes
+
+
+def _door(c: Checks, target: str, http_port: int, keys: dict[str, str], out: Path) -> None:
+    """Before any key: an address past its share of connections is closed unread, a trickled head
+    is closed at the deadline, health streams without a key do not stop a keyed call; then a key
+    removed from the map (keys_sync.py, no restart) is refused within 5 s."""
+    from deploy.haproxy import keys_sync
+
+    attacker = ("127.0.0.2", 0)
+    held = [socket.create_connection(("127.0.0.1", http_port), source_address=attacker) for _ in range(16)]
+    extra = socket.create_connection(("127.0.0.1", http_port), source_address=attacker, timeout=5)
+    c.check(_closed(extra, 5), "a connection past its address's share is closed unread")
+    held[0].sendall(b"GET /health HTTP/1.1\r\n")  # a head that never ends
+    c.check(all(_closed(sock, 6) for sock in held), "idle and trickling connections are closed at the deadline")
+    health = grpc.insecure_channel(target)
+    watches = [health.unary_stream("/grpc.health.v1.Health/Watch")(b"") for _ in range(50)]
+    with Client(target, timeout=60, api_key=keys["tenant1"]) as client:
+        ok = len(client.generate(PROMPT, max_new_tokens=2, request_id="door-1").token_ids) == 2
+    c.check(ok, "a keyed call is served beside 50 health streams without a key")
+    for watch in watches:
+        watch.cancel()
+    health.close()
+    (out / "keys.map").write_text(render.keys("".join(f"{t} {k}\n" for t, k in keys.items() if t != "tenant2")))
+    t = time.monotonic()
+    keys_sync.sync_once(str(out / "admin.sock"), out / "keys.map", None)
+    with Client(target, timeout=30, failover=0, api_key=keys["tenant2"]) as client:
+        try:
+            client.generate(PROMPT, max_new_tokens=2, request_id="revoked-1")
+            code = None
+        except grpc.RpcError as e:
+            code = e.code()
+    seconds = time.monotonic() - t
+    c.check(
+        code == grpc.StatusCode.UNAUTHENTICATED and seconds < 5, f"a removed key is refused ({code}, {seconds:.1f} s)"
+    )
+
+
+def _closed(sock: socket.socket, seconds: float) -> bool:
+    """Whether the proxy closes `sock` (EOF or reset) within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(1024):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return False
+    finally:
+        sock.close()
+    return True
 
 
 def _failover(c: Checks, target: str, replicas: list[Replica], keys: dict[str, str], homes: dict[str, int]) -> None:

@@ -10,7 +10,10 @@ floods in bursts of concurrent calls:
 - slow readers: a long stream read a little at a time; cancels: streams dropped at once;
 - key rotation (issue 89): a burst of calls each under a fresh tenant string, one-token answers
   on prompts of a few hundred tokens: never "background", and each a new draft scope;
-- a seat hog (issue 89): as many long decodes at once as the server has seats, read to their end.
+- a seat hog (issue 89): as many long decodes at once as the server has seats, read to their end;
+- before any key (issue 100): idle sockets (a burst that sends nothing), a body trickled a byte at a
+  time, gRPC health Watch streams held open, and a preparation flood (prompts at the context's
+  size, each to be tokenized, with distinct large schemas to compile).
 
 Hostile calls are expected to be refused or limited: none is a Locust failure. Every call's
 outcome ("http 413", "grpc INVALID_ARGUMENT", "error ReadTimeout") goes to the call log, where
@@ -30,14 +33,17 @@ import itertools
 import json
 import os
 import random
+import socket
 import string
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import gevent
 import grpc
 import locustfile as base  # the plain load: its prompts, and grpc made to cooperate with gevent
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from locust import HttpUser, between, task
 from soak_hostile import FIELDS, UNFINISHED
 
@@ -107,7 +113,8 @@ class HostileUser(HttpUser):
         self.body_limit = BODY_LIMIT or self.max_len * 32 * 4 + 64 * 1024
         self.model = self.client.get("/v1/models", name="hostile models").json()["data"][0]["id"]
         attacks = [self.grammar_flood, self.resume_flood, self.echo_logprobs, self.huge_body, self.slow_reader]
-        attacks += [self.cancel, self.key_rotation, self.seat_hog]
+        attacks += [self.cancel, self.key_rotation, self.seat_hog, self.idle_sockets, self.slow_body]
+        attacks += [self.health_watch, self.prep_flood]
         if ATTACKS:  # only these, in this order (a run that looks at one attack)
             attacks = [getattr(self, name) for name in ATTACKS.split(",")]
         self.seats = info.max_batch_size or 8
@@ -294,3 +301,75 @@ class HostileUser(HttpUser):
             return self._generate(build_request(prompt, max_new_tokens=384, ignore_eos=True))
 
         self._burst("seat-hog", call, self.seats)
+
+    def _held_until_closed(self, sock: socket.socket, trickle: bytes = b"") -> str:
+        """Keep `sock` open (sending `trickle` a byte a second) until the server closes it, or 60 s:
+        how long the server let it live. Without a trickle it waits in one read (no wakeups)."""
+        start = time.monotonic()
+        sock.settimeout(1.0 if trickle else 60.0)
+        try:
+            while time.monotonic() - start < 60:
+                if trickle:
+                    sock.sendall(trickle[:1])
+                    trickle = trickle[1:] or b" "
+                try:
+                    if not sock.recv(4096):
+                        return f"closed by the server after {time.monotonic() - start:.0f} s"
+                except TimeoutError:
+                    continue
+            return "held 60 s"
+        except OSError as e:
+            return f"closed by the server after {time.monotonic() - start:.0f} s ({type(e).__name__})"
+        finally:
+            sock.close()
+
+    def _connect(self) -> socket.socket:
+        """A raw connection to the HTTP port; on loopback from 127.0.0.2, another address than the
+        well-behaved users' (the server's connection caps are per address)."""
+        url = urlsplit(HTTP_HOST)
+        host = url.hostname or "127.0.0.1"
+        source = ("127.0.0.2", 0) if host.startswith("127.") else None
+        return socket.create_connection((host, url.port or 80), timeout=10, source_address=source)
+
+    def idle_sockets(self) -> None:
+        """Connections that send nothing at all, 16 times a burst at once."""
+        self._burst("idle-socket", lambda: ("http", self._held_until_closed(self._connect())), 16 * BURST)
+
+    def slow_body(self) -> None:
+        """A completion whose body of a declared 100 kB comes a byte a second."""
+
+        def call() -> tuple[str, str]:
+            sock = self._connect()
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall((head + f"x-batchserve-tenant: {TENANT}\r\nContent-Length: 100000\r\n\r\n").encode())
+            return "http", self._held_until_closed(sock, b'{"model": "m", "prompt": "' + b"x" * 200)
+
+        self._burst("slow-body", call, BURST)
+
+    def health_watch(self) -> None:
+        """gRPC health Watch streams without a key, held open for 10 s each."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+
+        def call() -> tuple[str, str]:
+            stream = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            try:
+                for _ in stream:
+                    pass
+            except grpc.RpcError as e:
+                return "grpc", _grpc_outcome(e)
+            return "grpc", "grpc OK"
+
+        self._burst("health-watch", call, 8 * BURST)
+
+    def prep_flood(self) -> None:
+        """Work before the engine: text prompts near the context's size (tokenized one by one) and
+        distinct large schemas (compiled one by one), as many at once as a burst allows."""
+
+        def call() -> tuple[str, str]:
+            if self.rng.random() < 0.5:
+                text = " ".join(self.rng.choice(("lorem", "ipsum", "dolor", "amet")) for _ in range(self.max_len - 64))
+                return self._generate(build_request(text, max_new_tokens=1))
+            constraint = Constraint("json_schema", json.dumps(schema(self.rng, 400, True)))
+            return self._generate(build_request("Fill in the form.", max_new_tokens=1, constraint=constraint))
+
+        self._burst("prep-flood", call, 4 * BURST)

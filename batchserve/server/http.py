@@ -55,7 +55,9 @@ class HttpServer:
         connections per source and in all, and the deadlines for a request's head and body
         (`guard`; the call limit is the app's own, `CallLimit`)."""
         cert, key, ca = tls or (None, None, None)
-        protocol, self.connections = guarded_protocol(limits or ConnectionLimits())
+        limits = limits or ConnectionLimits()
+        room_for_connections(limits.total)
+        protocol, self.connections = guarded_protocol(limits)
         config = uvicorn.Config(
             app,
             http=protocol,
@@ -79,6 +81,21 @@ class HttpServer:
             await self._task
         finally:
             self._socket.close()
+
+
+def room_for_connections(total: int) -> None:
+    """The process's open-file limit raised (to its hard limit at most) so that `total` connections
+    and the model's files fit: a default of 1,024 would refuse connections long before the cap."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = total + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if new > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 class BodyLimit:

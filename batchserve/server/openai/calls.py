@@ -33,9 +33,11 @@ async def check_utf8(request: Request) -> None:
         return
     try:
         data = json.loads(body)
+        path = _first_bad(data, "")
     except ValueError:
         return  # not JSON: the route's own parsing refuses it
-    path = _first_bad(data, "")
+    except RecursionError:
+        raise ApiError(400, "the body nests its JSON too deep") from None
     if path is not None:
         raise ApiError(400, f"{path or 'body'}: not valid UTF-8 (a lone surrogate)", path or None)
 

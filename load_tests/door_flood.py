@@ -1,0 +1,135 @@
+"""No key, no denial of service: a keyed tenant's calls and the probes beside a flood of idle and
+trickling connections and of gRPC health streams that send no key (`make door-flood`).
+
+    .venv/bin/python load_tests/door_flood.py [--idle 1000] [--watches 500] [--calls 20] [-- SERVER_ARGS...]
+
+Starts `batchserve serve` with an API key file, measures a keyed client's streamed calls (TTFT)
+and the probes (`GET /health`, `Health.Check`) on the idle server, then opens the flood and
+measures them again. The idle sockets come from 127.0.0.2-127.0.0.254 (64 an address: the
+server's per-address share), half of them trickling a request head a byte a second; the Watch
+streams from one channel (the server started with a share that takes them all: the worst case).
+Prints one JSON line: the latencies both ways and the ratios; exits 1 where a target is missed
+(probes within 1 s, the keyed p99 TTFT within 1.5x of the idle server's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchserve.server.client import build_request
+from batchserve.v1 import generation_pb2_grpc as pb_grpc
+from load_tests.front_door import free_ports, wait_serving
+
+PROBE_S, TTFT_RATIO = 1.0, 1.5
+
+
+def _probes(http_port: int, health: health_pb2_grpc.HealthStub) -> tuple[float, float]:
+    """Seconds for `GET /health` on a new connection, and for `Health.Check`."""
+    t = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", http_port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 200"), "health"
+    http_s = time.perf_counter() - t
+    t = time.perf_counter()
+    health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    return http_s, time.perf_counter() - t
+
+
+def _ttfts(stub: pb_grpc.TextGenerationStub, key: str, calls: int) -> list[float]:
+    out = []
+    for i in range(calls):
+        t = time.perf_counter()
+        request = build_request([1 + i, 2, 3], max_new_tokens=8)
+        stream = stub.StreamGenerate(request, metadata=(("authorization", f"Bearer {key}"),))
+        next(stream)
+        out.append(time.perf_counter() - t)
+        stream.cancel()
+    return out
+
+
+def _measure(http_port: int, channel: grpc.Channel, key: str, calls: int) -> dict[str, float]:
+    health, stub = health_pb2_grpc.HealthStub(channel), pb_grpc.TextGenerationStub(channel)
+    probes = [_probes(http_port, health) for _ in range(5)]
+    ttft = sorted(_ttfts(stub, key, calls))
+    return {
+        "health_max_s": max(p[0] for p in probes), "check_max_s": max(p[1] for p in probes),
+        "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * len(ttft)))],
+    }  # fmt: skip
+
+
+def _flood(http_port: int, idle: int, stop: threading.Event) -> list[socket.socket]:
+    socks = []
+    for i in range(idle):
+        source = (f"127.0.0.{2 + i // 64}", 0)
+        sock = socket.create_connection(("127.0.0.1", http_port), timeout=10, source_address=source)
+        if i % 2:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+        socks.append(sock)
+
+    def trickle() -> None:
+        while not stop.wait(1.0):
+            for sock in socks[1::2]:
+                try:
+                    sock.sendall(b"X")
+                except OSError:
+                    pass
+
+    threading.Thread(target=trickle, daemon=True).start()
+    return socks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--idle", type=int, default=1000)
+    parser.add_argument("--watches", type=int, default=500)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("server_args", nargs="*")
+    args = parser.parse_args(argv)
+    key = secrets.token_urlsafe(24)
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "keys").write_text(f"tenant {key}\n")
+    (tmp / "keys").chmod(0o600)
+    grpc_port, http_port = free_ports(2)
+    cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
+           "--api-key-file", str(tmp / "keys"), "--max-streams-per-source", str(max(8, args.watches)),
+           "--request-head-seconds", "30", *args.server_args]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT)
+    stop = threading.Event()
+    try:
+        wait_serving(f"127.0.0.1:{grpc_port}", 600, server)
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        _ttfts(pb_grpc.TextGenerationStub(channel), key, 3)  # warm
+        idle = _measure(http_port, channel, key, args.calls)
+        socks = _flood(http_port, args.idle, stop)
+        attacker = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        watch = health_pb2_grpc.HealthStub(attacker)
+        watches = [watch.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(args.watches)]
+        held = sum(1 for w in watches if next(w, None) is not None)
+        flooded = _measure(http_port, channel, key, args.calls)
+        open_socks = sum(1 for s in socks if s.fileno() >= 0)
+    finally:
+        stop.set()
+        server.terminate()
+        server.wait(timeout=60)
+    row = {"idle": idle, "flooded": flooded, "watches_held": held, "sockets_opened": open_socks,
+           "ttft_p99_ratio": round(flooded["ttft_p99_s"] / idle["ttft_p99_s"], 2)}  # fmt: skip
+    print(json.dumps(row), flush=True)
+    ok = max(flooded["health_max_s"], flooded["check_max_s"]) <= PROBE_S and row["ttft_p99_ratio"] <= TTFT_RATIO
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
