@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast fuzz lint serve proto load soak soak-faults soak-hostile front-door simulate gpu-check clean
+.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast fuzz lint serve proto load soak soak-faults soak-hostile door-flood front-door simulate gpu-check clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,11 @@ soak-faults: bench-setup
 front-door: setup
 	@command -v haproxy >/dev/null 2>&1 || { echo "HAProxy is needed: apt-get install haproxy"; exit 1; }
 	$(BIN)/python load_tests/front_door.py --out front_door_out -- --kv-cache-gb 0.1 $(LOAD_ARGS)
+
+# A keyed tenant and the probes beside 1,000 idle or trickling connections and 500 health streams
+# without a key (load_tests/door_flood.py; load_tests/results/door-flood.md).
+door-flood: setup
+	PYTHONPATH=. $(BIN)/python load_tests/door_flood.py --calls 100 $(LOAD_ARGS)
 
 soak-hostile: bench-setup
 	$(BIN)/python load_tests/soak_hostile.py --duration 120 --users 8 --hostile 2 --out soak_hostile_out $(LOAD_ARGS)
