@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -17,15 +18,20 @@ from tests.server.conftest import start_server, tiny_core
 from tests.server.test_queue_shares import _as, _until
 
 
-async def test_a_tenant_waits_for_one_job_of_each_other_tenant_not_for_their_queues():
-    work = FairWork(ThreadPoolExecutor(max_workers=1))
-    gate, order = threading.Event(), []
+def _gated() -> tuple[FairWork, threading.Event, list[str], Any]:
+    """A FairWork on one thread, and a job that waits for the gate, then logs and returns its name."""
+    gate, ran = threading.Event(), []
 
     def job(name: str) -> str:
         gate.wait(10)
-        order.append(name)
+        ran.append(name)
         return name
 
+    return FairWork(ThreadPoolExecutor(max_workers=1)), gate, ran, job
+
+
+async def test_a_tenant_waits_for_one_job_of_each_other_tenant_not_for_their_queues():
+    work, gate, order, job = _gated()
     flood = [asyncio.ensure_future(work.run("flood", object(), 1, job, f"f{i}")) for i in range(5)]
     await asyncio.sleep(0.05)  # f0 is running: the rest queue behind it
     other = asyncio.ensure_future(work.run("other", object(), 1, job, "o"))
@@ -38,13 +44,7 @@ async def test_a_tenant_waits_for_one_job_of_each_other_tenant_not_for_their_que
 
 
 async def test_a_job_whose_caller_left_or_whose_call_was_dropped_never_starts():
-    work = FairWork(ThreadPoolExecutor(max_workers=1))
-    gate, ran = threading.Event(), []
-
-    def job(name: str) -> None:
-        gate.wait(10)
-        ran.append(name)
-
+    work, gate, ran, job = _gated()
     owner = object()
     first = asyncio.ensure_future(work.run("a", object(), 1, job, "first"))
     left = asyncio.ensure_future(work.run("a", object(), 2, job, "left"))
