@@ -151,7 +151,7 @@ class BatchServer:
         # No grpc-wide call limit: it counted health streams too. The guard counts TextGeneration
         # calls, caps Watch and reflection streams per address, and leaves Health.Check free.
         streams = SourceCounts(c.max_streams_per_source, MAX_STREAMS)
-        self.guard = CallGuard(SERVICE_NAME, self.keys, self.max_calls, streams)
+        self.guard = CallGuard(SERVICE_NAME, self.keys, self.max_calls, streams, c.request_body_seconds)
         server = grpc.aio.server(
             interceptors=[self.guard],
             options=[

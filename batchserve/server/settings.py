@@ -83,7 +83,9 @@ class ServerConfig:
     request_head_seconds: float = setting(
         10.0, "an HTTP connection must send a request's head within this of opening (or of its last response)"
     )
-    request_body_seconds: float = setting(30.0, "and the request's body within this of its head")
+    request_body_seconds: float = setting(
+        30.0, "and the request's body within this of its head (gRPC: a call's request message, of the call's start)"
+    )
     max_streams_per_source: int = setting(8, "gRPC health Watch and reflection streams one address may hold")
     keepalive_time_ms: int = 20_000
     keepalive_timeout_ms: int = 10_000

@@ -245,3 +245,22 @@ def test_peer_addresses_lose_their_ports_and_limits_are_checked():
         ConnectionLimits(per_source=0)
     with pytest.raises(ValueError, match="deadlines"):
         ConnectionLimits(head_seconds=0)
+
+
+async def test_a_grpc_request_that_never_arrives_ends_at_the_deadline_holding_no_place():
+    """A Generate whose message never comes (or trickles in): DEADLINE_EXCEEDED after the body
+    deadline, never a place of the call limit; a StreamGenerate the same; a real call still runs."""
+    r = await start_server(request_body_seconds=0.5)
+    try:
+        for method in ("Generate", "StreamGenerate"):
+            rpc = r.channel.stream_unary if method == "Generate" else r.channel.stream_stream
+            call = rpc(f"/batchserve.v1.TextGeneration/{method}")()
+            await asyncio.sleep(0.2)
+            assert r.server.guard.active == 0  # waiting for its message: no place taken
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(call if method == "Generate" else call.read(), 5)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "did not arrive" in e.value.details()
+        assert (await r.stub.Generate(build_request([1, 2], max_new_tokens=2))).token_ids
+        assert len([m async for m in r.stub.StreamGenerate(build_request([1, 2], max_new_tokens=3))]) >= 1
+    finally:
+        await _stop(r)

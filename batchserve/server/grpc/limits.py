@@ -8,10 +8,13 @@ without a key made `Health.Check` and every keyed `Generate` RESOURCE_EXHAUSTED.
   its metadata, before its message is read: the refusal's handler reads no request.
 - Keyed TextGeneration calls are counted against the server's call limit, and end with
   UNAUTHENTICATED when a reload of the key file removes their key; reflection needs the key too.
+- A TextGeneration call's request must arrive within `message_seconds` (the HTTP port's body
+  deadline): one trickled or never sent ends DEADLINE_EXCEEDED, having held no call place.
 The servicer still checks the key itself (this is the door, not the only lock)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -41,9 +44,12 @@ def peer_host(peer: str) -> str:
 class CallGuard(grpc.aio.ServerInterceptor):
     """The door of the gRPC port (see the module's docstring)."""
 
-    def __init__(self, service: str, keys: ApiKeys | None, max_calls: int, streams: SourceCounts) -> None:
+    def __init__(
+        self, service: str, keys: ApiKeys | None, max_calls: int, streams: SourceCounts, message_seconds: float = 30.0
+    ) -> None:
         self.prefix = f"/{service}/"
         self.keys, self.max_calls, self.streams = keys, max_calls, streams
+        self.message_seconds = message_seconds  # a call's request message must arrive within this
         self.active = 0  # TextGeneration calls in their handlers
 
     async def intercept_service(
@@ -66,7 +72,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
             if keyed and self.keys is not None:
                 values = _authorization(details)
                 handler = _wrapped(handler, lambda inner: self._revocable(inner, values))
-            return handler
+            return _message_within(handler, self.message_seconds)
         return handler
 
     def _unkeyed(self, details: grpc.HandlerCallDetails) -> str | None:
@@ -178,6 +184,39 @@ def _wrapped(handler: Any, wrap: Callable[[Callable[..., Any]], Callable[..., An
         behavior = getattr(handler, kind)
         if behavior is not None:
             return handler._replace(**{kind: wrap(behavior)})
+    return handler
+
+
+def _message_within(handler: Any, seconds: float) -> Any:
+    """A unary-request handler as a streaming-request one that reads the request itself, at most
+    `seconds` after the call began (grpc waits for a unary request without end): a client that
+    trickles its message, or never sends it, ends DEADLINE_EXCEEDED and never held a call place."""
+
+    async def first(context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = await asyncio.wait_for(context.read(), seconds)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not arrive within {seconds:g} s")
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+        return request
+
+    parse, write = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary is not None:
+        one = handler.unary_unary
+
+        async def single(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await one(await first(context), context)
+
+        return grpc.stream_unary_rpc_method_handler(single, request_deserializer=parse, response_serializer=write)
+    if handler.unary_stream is not None:
+        many = handler.unary_stream
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for message in many(await first(context), context):
+                yield message
+
+        return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=parse, response_serializer=write)
     return handler
 
 
