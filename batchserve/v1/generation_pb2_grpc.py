@@ -96,7 +96,7 @@ class TextGenerationServicer:
 
     def AddCorpus(self, request, context):
         """Operators: load earlier outputs into the draft trie of a tenant's scope at runtime, e.g.
-        the same corpus on every replica. Needs the server's --admin-token in the
+        the same corpus on every replica. Needs the token of the server's --admin-token-file in the
         x-batchserve-admin-token metadata; without one configured, the call is refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
