@@ -8,14 +8,15 @@ for more than a step can give, so giving it first come, first served would hand 
 while everyone else waits. Then:
 
 - its prompt chunks run after every other tenant's decodes, prompt chunks and admissions;
-- if it is also a *flood*, holding more requests than its even share of the seats (`floods`): in
-  a step that serves another tenant its chunks may lengthen that step by at most
+- while the server is busy (other tenants run more than an eighth of the seats), or if it is a
+  *flood*, holding more requests than its even share of the seats (`held_to_slack`): in a step
+  that serves another tenant its chunks may lengthen that step by at most
   `SchedulerConfig.tenant_slack` of its time, and join only every other such step (the steps
   without them measure what "its time" is). `PromptSlack` sizes them from the measured step
   times, so the bound holds on any device, at any context length, without a cost model. Whether
-  a tenant is held to the slack depends on the load it puts on the server, never on another
-  tenant's presence alone: a lone long prompt beside another tenant's single tiny decode takes
-  the rest of every step (the steps beside decodes are still paced, `pacing`);
+  a tenant is held to the slack depends on the server's load, never on another tenant's presence
+  alone: a lone long prompt beside another tenant's single tiny decode takes the rest of every
+  step (the steps beside decodes are still paced, `pacing`);
 - seats and KV blocks: out of either, the scheduler preempts a background tenant's youngest
   request before anyone else's.
 
@@ -103,11 +104,17 @@ def background_tenants(
     return frozenset(t for t in heavy if count[t] > fair or longest[t] > step_tokens)
 
 
-def floods(background: frozenset[str], requests: Iterable[Request], seats: int, tenants: int) -> frozenset[str]:
-    """The background tenants that hold more requests than their even share of `seats` among
-    `tenants` present: the load that is held to the slack (`PromptSlack`)."""
+def held_to_slack(
+    background: frozenset[str], requests: Iterable[Request], seats: int, tenants: int, others_running: int
+) -> frozenset[str]:
+    """The background tenants held to the slack (`PromptSlack`): all of them while the server is
+    busy (other tenants run more than an eighth of the `seats`, at least 1), else only floods, which
+    hold more requests than their even share of `seats` among `tenants` present. So one long prompt
+    beside another tenant's single decode on a mostly idle server takes the rest of every step."""
     if not background:
         return frozenset()
+    if others_running > max(1, seats // 8):
+        return background
     count = Counter(r.tenant for r in requests if r.tenant in background)
     fair = max(1, seats // max(1, tenants))
     return frozenset(t for t in background if count[t] > fair)

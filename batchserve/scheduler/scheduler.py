@@ -29,7 +29,7 @@ from batchserve.scheduler.fairness import (
     PromptSlack,
     background_tenants,
     background_victim,
-    floods,
+    held_to_slack,
     victim_for_blocks,
 )
 from batchserve.scheduler.pacing import PromptPacing
@@ -79,7 +79,8 @@ class Scheduler(RequestBook):
         cfg, recent = self.config, self.slack.recent()
         background = background_tenants(self.requests.values(), cfg.max_num_batched_tokens, recent, cfg.max_num_seqs)
         present = len({r.tenant for r in self.requests.values()} | recent)
-        flooding = floods(background, self.requests.values(), cfg.max_num_seqs, present)
+        others = sum(1 for r in self.running if r.tenant not in background)
+        flooding = held_to_slack(background, self.requests.values(), cfg.max_num_seqs, present, others)
         self._seats = SeatShares.of(self.running, self.waiting, cfg.max_num_seqs, background)
         for victim in self._seats.victims(self.running):  # a tenant over its seats while others wait
             self._preempt(victim)
