@@ -8,9 +8,9 @@ for more than a step can give, so giving it first come, first served would hand 
 while everyone else waits. Then:
 
 - its prompt chunks run after every other tenant's decodes, prompt chunks and admissions;
-- while the server is busy (other tenants run more than an eighth of the seats), or if it is a
-  *flood*, holding more requests than its even share of the seats (`held_to_slack`): in a step
-  that serves another tenant its chunks may lengthen that step by at most
+- while the server is busy (other tenants run more than an eighth of the seats), or if it holds
+  more than one request (`held_to_slack`): in a step that serves another tenant its chunks may
+  lengthen that step by at most
   `SchedulerConfig.tenant_slack` of its time, and join only every other such step (the steps
   without them measure what "its time" is). `PromptSlack` sizes them from the measured step
   times, so the bound holds on any device, at any context length, without a cost model. Whether
@@ -105,19 +105,19 @@ def background_tenants(
 
 
 def held_to_slack(
-    background: frozenset[str], requests: Iterable[Request], seats: int, tenants: int, others_running: int
+    background: frozenset[str], requests: Iterable[Request], seats: int, others_running: int
 ) -> frozenset[str]:
     """The background tenants held to the slack (`PromptSlack`): all of them while the server is
-    busy (other tenants run more than an eighth of the `seats`, at least 1), else only floods, which
-    hold more requests than their even share of `seats` among `tenants` present. So one long prompt
-    beside another tenant's single decode on a mostly idle server takes the rest of every step."""
+    busy (other tenants run more than an eighth of the `seats`, at least 1), else those with more
+    than one request (a burst of long prompts, a prompt's samples). So one long prompt beside
+    another tenant's single decode on a mostly idle server takes the rest of every step, and
+    several never do."""
     if not background:
         return frozenset()
     if others_running > max(1, seats // 8):
         return background
     count = Counter(r.tenant for r in requests if r.tenant in background)
-    fair = max(1, seats // max(1, tenants))
-    return frozenset(t for t in background if count[t] > fair)
+    return frozenset(t for t in background if count[t] > 1)
 
 
 @dataclass(slots=True)

@@ -78,9 +78,8 @@ class Scheduler(RequestBook):
         self.grammar.reset()
         cfg, recent = self.config, self.slack.recent()
         background = background_tenants(self.requests.values(), cfg.max_num_batched_tokens, recent, cfg.max_num_seqs)
-        present = len({r.tenant for r in self.requests.values()} | recent)
         others = sum(1 for r in self.running if r.tenant not in background)
-        flooding = held_to_slack(background, self.requests.values(), cfg.max_num_seqs, present, others)
+        flooding = held_to_slack(background, self.requests.values(), cfg.max_num_seqs, others)
         self._seats = SeatShares.of(self.running, self.waiting, cfg.max_num_seqs, background)
         for victim in self._seats.victims(self.running):  # a tenant over its seats while others wait
             self._preempt(victim)

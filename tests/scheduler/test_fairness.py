@@ -44,8 +44,8 @@ def _run(s: Scheduler, ms_per_token: float = 0.0, base_ms: float = 10.0) -> Sche
 
 
 def _flood(s: Scheduler, n: int, tenant: str = "hostile", max_new: int = 1000) -> None:
-    """`n` more one-token prompts of `tenant`: with them it holds more requests than its even share
-    of the seats, a flood, whose prompts beside other tenants take only the slack."""
+    """`n` more one-token prompts of `tenant`: with them it holds several requests, and its long
+    prompt beside other tenants takes only the slack even on a server that is not busy."""
     for i in range(n):
         s.add_request(_req(f"extra{i}", 1, tenant, max_new))
 
@@ -91,7 +91,7 @@ def test_a_new_tenant_is_not_queued_behind_a_long_prompt() -> None:
 
 
 def test_background_chunks_beside_others_take_the_slack_of_every_other_step() -> None:
-    """A flood (more requests than its share of the seats) beside another tenant: a step costs
+    """A tenant with several requests, one a long prompt, beside another tenant: a step costs
     10 ms plus 1 ms per prompt token, so with slack 0.25 a background chunk is worth 2.5 ms and
     settles at 2-3 tokens, in every other step that serves the other tenant."""
     s = _sched(budget=64, slack=0.25)
@@ -159,7 +159,7 @@ def test_out_of_blocks_a_background_request_is_preempted_first() -> None:
         _run(s)  # alone: 160 of its prompt, 40 blocks
     s.add_request(_req("good", 8, "good", max_new=100))
     s.add_request(_req("good2", 6, "good", max_new=100))  # FCFS would preempt it, the youngest
-    _flood(s, 2, max_new=100)  # three requests, over its two seats: a flood, its prompt beside others held to the slack
+    _flood(s, 2, max_new=100)  # three requests: its prompt beside others held to the slack
     for _ in range(60):  # a prompt token beyond one costs 10 ms: the hog's chunks stay at a token or two
         _run(s, ms_per_token=10.0)
         assert s.requests["good"].stats.num_preemptions == 0
