@@ -58,17 +58,20 @@ class FairWork:
                     del self._queues[tenant]
             raise
 
-    def drop(self, owner: object, error: BaseException) -> None:
-        """End `owner`'s jobs that have not started with `error` (the one running runs on)."""
+    def drop(self, owner: object, error: BaseException) -> int:
+        """End `owner`'s jobs that have not started with `error` (the one running runs on); how many."""
+        dropped = 0
         for tenant in list(self._queues):
             queue = self._queues[tenant]
             for job in [j for j in queue if j.owner is owner]:
                 queue.remove(job)
                 self._end(job)
+                dropped += 1
                 if not job.future.done():
                     job.future.set_exception(error)
             if not queue:
                 del self._queues[tenant]
+        return dropped
 
     def _start_next(self) -> None:
         """The next tenant's next job onto the thread, unless one is running."""

@@ -145,8 +145,11 @@ class Frontend:
             self.queues.release(call)
             for rid in call.request_ids:
                 self.engine.abort(rid)
-            for work in (self._prepare_work, self._grammar_work):  # still in preparation: never started
-                work.drop(call, self.refuse(Refusal.QUEUE_FULL, DISPLACED))
+            # Still in preparation: its jobs never start, and it ends refused there (counted once);
+            # else it finds itself displaced where it goes next (`_check_displaced`).
+            refused = Refused(Refusal.QUEUE_FULL, DISPLACED)
+            if sum(work.drop(call, refused) for work in (self._prepare_work, self._grammar_work)):
+                self.metrics.rejected.labels(Refusal.QUEUE_FULL.value).inc()
         return victims is not None
 
     async def prepare(self, fn: Callable[..., T], *args: Any, count: int = 1, tenant: str = "") -> T:
