@@ -154,9 +154,9 @@ class Frontend:
 
     async def prepare(self, fn: Callable[..., T], *args: Any, count: int = 1, tenant: str = "") -> T:
         """Admission (of `count` requests of `tenant`), then `fn(*args)` in the preparation thread
-        (tokenizing, templating). The job holds their places in the waiting queue from admission
-        until it ends, even when its caller leaves first, so the work queued before the engine is
-        bounded like the queue."""
+        in `tenant`'s turn (tokenizing, templating). A job once started counts as waiting until it
+        ends, even when its caller leaves first (one not started leaves with its caller), so the
+        work queued before the engine is bounded like the queue."""
         call = self.admit(count, tenant)
         try:
             result = await self._prepare_work.run(tenant, call, count, fn, *args)
