@@ -233,7 +233,7 @@ def _door(c: Checks, target: str, http_port: int, keys: dict[str, str], out: Pat
     health.close()
     (out / "keys.map").write_text(render.keys("".join(f"{t} {k}\n" for t, k in keys.items() if t != "tenant2")))
     t = time.monotonic()
-    keys_sync.sync_once(str(out / "admin.sock"), out / "keys.map", None)
+    keys_sync.sync_file(str(out / "admin.sock"), out / "keys.map")
     with Client(target, timeout=30, failover=0, api_key=keys["tenant2"]) as client:
         try:
             client.generate(PROMPT, max_new_tokens=2, request_id="revoked-1")

@@ -22,7 +22,7 @@ from batchserve.server.grpc.decode import GuardedRegistration
 from batchserve.server.grpc.limits import CallGuard
 from batchserve.server.grpc.servicer import TextGenerationServicer
 from batchserve.server.guard import SourceCounts
-from batchserve.server.http import HttpServer, listen
+from batchserve.server.http import HttpServer, listen, room_for_connections
 from batchserve.server.keys import ApiKeys
 from batchserve.server.metrics import Metrics
 from batchserve.server.openai.api import OpenAIServer
@@ -150,7 +150,10 @@ class BatchServer:
         c = self.config
         # No grpc-wide call limit: it counted health streams too. The guard counts TextGeneration
         # calls, caps Watch and reflection streams per address, and leaves Health.Check free.
+        # Connections: a cap in all (grpc has no per-address one; the front door has), HTTP/2's
+        # settings within the head deadline of accept, and none idle for long.
         streams = SourceCounts(c.max_streams_per_source, MAX_STREAMS)
+        room_for_connections(2 * c.max_connections)  # this port's and the HTTP port's
         self.guard = CallGuard(SERVICE_NAME, self.keys, self.max_calls, streams, c.request_body_seconds)
         server = grpc.aio.server(
             interceptors=[self.guard],
@@ -163,6 +166,8 @@ class BatchServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
+                ("grpc.max_allowed_incoming_connections", c.max_connections),
+                ("grpc.server_handshake_timeout_ms", int(c.request_head_seconds * 1000)),
             ],
         )
         pb_grpc.add_TextGenerationServicer_to_server(self.servicer, GuardedRegistration(server))  # bad bytes: 400s

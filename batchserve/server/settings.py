@@ -79,9 +79,11 @@ class ServerConfig:
     max_connections_per_source: int = setting(
         64, "HTTP connections one address may hold open (behind a proxy, which is one address: raise it)"
     )
-    max_connections: int = setting(4096, "HTTP connections open in all; past it new ones are closed unread")
+    max_connections: int = setting(4096, "connections open in all on each port; past it new ones are closed")
     request_head_seconds: float = setting(
-        10.0, "an HTTP connection must send a request's head within this of opening (or of its last response)"
+        10.0,
+        "an HTTP connection must send a request's head within this of opening (or of its last response); "
+        "a gRPC one its HTTP/2 settings",
     )
     request_body_seconds: float = setting(
         30.0, "and the request's body within this of its head (gRPC: a call's request message, of the call's start)"

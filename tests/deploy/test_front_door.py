@@ -99,11 +99,11 @@ def test_the_proxy_reloads_its_key_map_in_place_and_limits_each_address(tmp_path
             time.sleep(0.05)
         assert _status(http_port, KEY) == 503 and _status(http_port, OTHER) == 401
         keys.write_text(render.keys(f"other {OTHER}\n"))  # KEY removed, OTHER added
-        last = keys_sync.sync_once(sock, keys, None)
+        assert keys_sync.sync_file(sock, keys)
         assert _status(http_port, KEY) == 401 and _status(http_port, OTHER) == 503
-        assert keys_sync.sync_once(sock, keys, last) == last  # unchanged: nothing sent
+        assert not keys_sync.sync_file(sock, keys)  # the same as HAProxy holds: nothing sent
         keys.write_text("not a map\n")
-        keys_sync.sync_once(sock, keys, last)
+        assert keys_sync.sync_file(sock, keys)
         assert _status(http_port, OTHER) == 401  # fail closed
         held = [socket.create_connection(("127.0.0.1", http_port), source_address=("127.0.0.2", 0)) for _ in range(4)]
         extra = socket.create_connection(("127.0.0.1", http_port), source_address=("127.0.0.2", 0))

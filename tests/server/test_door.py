@@ -264,3 +264,24 @@ async def test_a_grpc_request_that_never_arrives_ends_at_the_deadline_holding_no
         assert len([m async for m in r.stub.StreamGenerate(build_request([1, 2], max_new_tokens=3))]) >= 1
     finally:
         await _stop(r)
+
+
+async def test_grpc_connections_are_capped_in_all_and_a_silent_one_is_closed_at_the_head_deadline():
+    """grpc has no per-address cap (the front door has): a cap in all, and a connection that sends
+    no HTTP/2 settings within the head deadline closed, so sockets that say nothing leave."""
+    r = await start_server(max_connections=4, max_connections_per_source=4, request_head_seconds=1.0)
+    health = health_pb2_grpc.HealthStub(r.channel)
+    try:
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+        silent = [await asyncio.open_connection("127.0.0.1", r.server.port) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        reader, _ = await asyncio.open_connection("127.0.0.1", r.server.port)  # the fifth: over the cap
+        assert await _closed_within(reader, 5) < 1
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+        waits = await asyncio.gather(*(_closed_within(reader, 10) for reader, _ in silent))
+        assert 0.5 < min(waits) and max(waits) < 6  # at the 1 s deadline, generous for a loaded machine
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{r.server.port}") as channel:  # room again
+            check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert (await check).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await _stop(r)
