@@ -106,6 +106,11 @@ class AsyncEngine:
         return self.core.config
 
     @property
+    def device_type(self) -> str:
+        """Where the model runs: "cpu", "cuda", ..."""
+        return self.core.runner.device.type
+
+    @property
     def cost_profile(self) -> CostProfile | None:
         """The profile the adaptive policy plans with (None when drafting is fixed)."""
         return self.core.cost_profile

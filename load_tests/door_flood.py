@@ -8,15 +8,20 @@ and the probes (`GET /health`, `Health.Check`) on the idle server, then opens th
 measures them again. The idle sockets come from 127.0.0.2-127.0.0.254 (64 an address: the
 server's per-address share), half of them trickling a request head a byte a second; the Watch
 streams from one channel (the server started with a share that takes them all: the worst case).
-Prints one JSON line: the latencies both ways and the ratios; exits 1 where a target is missed
-(probes within 1 s, the keyed p99 TTFT within 1.5x of the idle server's).
+Then, with the flood still open, a second key is removed from the file while two long streams run
+under it (gRPC and HTTP) and the server gets SIGHUP: how long until both streams end and a new
+call under that key is refused. Prints one JSON line: the latencies both ways, the ratios and the
+revocation's seconds; exits 1 where a target is missed (probes within 1 s, the keyed p99 TTFT
+within 1.5x of the idle server's, the removed key's streams and calls ended within 5 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -33,7 +38,7 @@ from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
 from load_tests.front_door import free_ports, wait_serving
 
-PROBE_S, TTFT_RATIO = 1.0, 1.5
+PROBE_S, TTFT_RATIO, REVOKED_S = 1.0, 1.5, 5.0
 
 
 def _probes(http_port: int, health: health_pb2_grpc.HealthStub) -> tuple[float, float]:
@@ -91,6 +96,61 @@ def _flood(http_port: int, idle: int, stop: threading.Event) -> list[socket.sock
     return socks
 
 
+def _revoke(server: subprocess.Popen, keys: Path, kept: str, grpc_port: int, http_port: int, doomed: str) -> float:
+    """Seconds from SIGHUP (the file without `doomed`) until a gRPC and an HTTP stream under
+    `doomed` have both ended and a new call under it is refused; inf if one is still going at 30 s."""
+    ended: dict[str, float] = {}
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    auth = (("authorization", f"Bearer {doomed}"),)
+    stub = pb_grpc.TextGenerationStub(channel)
+    stream = stub.StreamGenerate(
+        build_request([5, 6, 7], max_new_tokens=4000, ignore_eos=True), metadata=auth, timeout=120
+    )
+    next(stream)
+    conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+    body = json.dumps({"model": "m", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    conn.request(
+        "POST", "/v1/completions", body, {"Authorization": f"Bearer {doomed}", "Content-Type": "application/json"}
+    )
+    answer = conn.getresponse()
+    answer.read1(64)
+
+    def drain(name: str, chunks: object) -> None:
+        try:
+            for _ in chunks:  # type: ignore[attr-defined]
+                pass
+        except (grpc.RpcError, OSError, http.client.HTTPException):
+            pass
+        ended[name] = time.monotonic()
+
+    chunks = iter(lambda: answer.read1(64), b"")
+    readers = [
+        threading.Thread(target=drain, args=(name, it), daemon=True)
+        for name, it in (("grpc", stream), ("http", chunks))
+    ]
+    for reader in readers:
+        reader.start()
+    keys.write_text(f"tenant {kept}\n")
+    t = time.monotonic()
+    server.send_signal(signal.SIGHUP)
+    for reader in readers:
+        reader.join(timeout=30)
+    refused = None
+    while refused is None and time.monotonic() - t < 30:
+        try:
+            pb_grpc.TextGenerationStub(channel).Generate(
+                build_request([1], max_new_tokens=1), metadata=auth, timeout=10
+            )
+            time.sleep(0.1)
+        except grpc.RpcError as e:
+            refused = time.monotonic() if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    channel.close()
+    conn.close()
+    if len(ended) < 2 or refused is None:
+        return float("inf")
+    return max(*ended.values(), refused) - t
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle", type=int, default=1000)
@@ -98,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("server_args", nargs="*")
     args = parser.parse_args(argv)
-    key = secrets.token_urlsafe(24)
+    key, doomed = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     tmp = Path(tempfile.mkdtemp())
-    (tmp / "keys").write_text(f"tenant {key}\n")
+    (tmp / "keys").write_text(f"tenant {key}\nleaving {doomed}\n")
     (tmp / "keys").chmod(0o600)
     grpc_port, http_port = free_ports(2)
     cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
@@ -120,14 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         held = sum(1 for w in watches if next(w, None) is not None)
         flooded = _measure(http_port, channel, key, args.calls)
         open_socks = sum(1 for s in socks if s.fileno() >= 0)
+        revoked_s = _revoke(server, tmp / "keys", key, grpc_port, http_port, doomed)
     finally:
         stop.set()
         server.terminate()
         server.wait(timeout=60)
     row = {"idle": idle, "flooded": flooded, "watches_held": held, "sockets_opened": open_socks,
-           "ttft_p99_ratio": round(flooded["ttft_p99_s"] / idle["ttft_p99_s"], 2)}  # fmt: skip
+           "ttft_p99_ratio": round(flooded["ttft_p99_s"] / idle["ttft_p99_s"], 2),
+           "removed_key_ended_s": round(revoked_s, 3)}  # fmt: skip
     print(json.dumps(row), flush=True)
     ok = max(flooded["health_max_s"], flooded["check_max_s"]) <= PROBE_S and row["ttft_p99_ratio"] <= TTFT_RATIO
+    ok = ok and revoked_s <= REVOKED_S
     return 0 if ok else 1
 
 

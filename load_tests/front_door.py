@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from batchserve.server.client import Client  # noqa: E402
+from batchserve.server.client import Client, build_request  # noqa: E402
 from deploy.haproxy import render  # noqa: E402
 
 TENANTS = [f"tenant{i}" for i in range(12)]
@@ -231,9 +231,24 @@ def _door(c: Checks, target: str, http_port: int, keys: dict[str, str], out: Pat
     for watch in watches:
         watch.cancel()
     health.close()
+    channel = grpc.insecure_channel(target)  # a long stream under the key about to go
+    running = channel.unary_stream("/batchserve.v1.TextGeneration/StreamGenerate")(
+        build_request(PROMPT, max_new_tokens=4000, ignore_eos=True).SerializeToString(),
+        metadata=(("authorization", f"Bearer {keys['tenant2']}"),),
+        timeout=120,
+    )
+    next(running)
     (out / "keys.map").write_text(render.keys("".join(f"{t} {k}\n" for t, k in keys.items() if t != "tenant2")))
     t = time.monotonic()
     keys_sync.sync_file(str(out / "admin.sock"), out / "keys.map")
+    try:
+        for _ in running:
+            pass
+        cut = "ran to its end"
+    except grpc.RpcError as e:
+        cut = f"{e.code().name} after {time.monotonic() - t:.1f} s"
+    channel.close()
+    c.check(cut.endswith(" s") and time.monotonic() - t < 5, f"a stream under the removed key is ended ({cut})")
     with Client(target, timeout=30, failover=0, api_key=keys["tenant2"]) as client:
         try:
             client.generate(PROMPT, max_new_tokens=2, request_id="revoked-1")

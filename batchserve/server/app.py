@@ -73,7 +73,12 @@ class BatchServer:
         self.metrics = Metrics(engine)
         self.model_name = model_name
         info = ServiceInfo(
-            model_name, dtype, config.max_waiting_requests, config.admin_token(), config.max_waiting_per_tenant
+            model_name,
+            dtype,
+            config.max_waiting_requests,
+            config.admin_token(),
+            config.max_waiting_per_tenant,
+            config.preparation_share,
         )
         self.frontend = Frontend(engine, self.metrics, info)
         # The key file is read here: one that does not parse stops the server before it listens.

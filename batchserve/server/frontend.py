@@ -7,6 +7,7 @@ import asyncio
 import enum
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -16,7 +17,7 @@ from batchserve.admission import Admission, Submission, id_namespace
 from batchserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from batchserve.grammar import CompiledGrammar
 from batchserve.request import FinishReason, RequestOutput, RequestStatus, SamplingParams
-from batchserve.server.fair_work import FairWork
+from batchserve.server.fair_work import FairWork, Pacing, preparation_share
 from batchserve.server.metrics import Metrics, log_end
 from batchserve.server.queue_shares import QueuedCall, TenantQueues
 from batchserve.server.samples import merged_outputs, samples_of, share_prompt_scores
@@ -57,6 +58,7 @@ class ServiceInfo:
     max_waiting_requests: int
     admin_token: str | None = None  # operator calls (AddCorpus) need it; None: they are off
     max_waiting_per_tenant: int | None = None  # None: a tenant's share when the queue is full
+    preparation_share: float | None = None  # a tenant's pace on the preparation threads; None: by device
 
 
 class Frontend:
@@ -84,8 +86,11 @@ class Frontend:
         # JSON, seconds of Python that would stall every stream on the loop.
         self._render = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-render")
         # Each thread takes the tenants' jobs in turn (`fair_work`): no tenant's queue of large
-        # prompts or schemas holds another tenant's call behind all of it.
-        self._prepare_work, self._grammar_work = FairWork(self._prepare), FairWork(self._grammar)
+        # prompts or schemas holds another tenant's call behind all of it; and while others have
+        # calls, a tenant's time on both is paced, as on a CPU server it is the engine's time.
+        self.active: Counter[str] = Counter()  # each tenant's calls, from admission to their end
+        pacing = Pacing(preparation_share(info.preparation_share, engine.device_type), contended=self._others_active)
+        self._prepare_work, self._grammar_work = FairWork(self._prepare, pacing), FairWork(self._grammar, pacing)
 
     def close(self) -> None:
         self._prepare.shutdown(wait=False, cancel_futures=True)
@@ -109,6 +114,16 @@ class Frontend:
         """`fn()` (an answer built and rendered) in the render thread, beside the loop."""
         return await asyncio.get_running_loop().run_in_executor(self._render, fn)
 
+    def _others_active(self, tenant: str) -> bool:
+        return len(self.active) > (tenant in self.active)
+
+    def _leave(self, call: QueuedCall) -> None:
+        """`call` ended: its places given back, and it no longer counts as its tenant's."""
+        self.queues.release(call)
+        self.active[call.tenant] -= 1
+        if self.active[call.tenant] <= 0:
+            del self.active[call.tenant]
+
     def refuse(self, kind: Refusal, message: str) -> Refused:
         """Count a refusal in the metrics and return it to raise."""
         self.metrics.rejected.labels(kind.value).inc()
@@ -128,6 +143,7 @@ class Frontend:
         need = self._queue_excess(count)
         if need > 0 and not self._make_room(tenant, count, need):
             raise self.refuse(Refusal.QUEUE_FULL, f"{FULL} ({self.info.max_waiting_requests} requests); retry later")
+        self.active[tenant] += 1  # until `_leave`
         return self.queues.hold(tenant, count)
 
     def _make_room(self, tenant: str, count: int, need: int) -> bool:
@@ -163,7 +179,7 @@ class Frontend:
             self._check_displaced(call)
             return result
         finally:
-            self.queues.release(call)
+            self._leave(call)
 
     def _check_displaced(self, call: QueuedCall) -> None:
         """Refused where `call`'s places went to another tenant's while it was prepared."""
@@ -227,7 +243,7 @@ class Frontend:
             async for item in self._generate_n(call, job, request_id, fit_context, n):
                 yield item
         finally:
-            self.queues.release(call)
+            self._leave(call)
 
     async def _generate_n(
         self, call: QueuedCall, job: tuple[Any, ...], request_id: str, fit_context: bool, n: int

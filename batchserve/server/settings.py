@@ -89,6 +89,11 @@ class ServerConfig:
         30.0, "and the request's body within this of its head (gRPC: a call's request message, of the call's start)"
     )
     max_streams_per_source: int = setting(8, "gRPC health Watch and reflection streams one address may hold")
+    preparation_share: float | None = setting(
+        None,
+        "while other tenants have calls, a tenant's tokenizing and grammar compiling take at most this "
+        "of a second each second (default: 0.2 on a CPU, where it is the engine's time; unpaced on a GPU)",
+    )
     keepalive_time_ms: int = 20_000
     keepalive_timeout_ms: int = 10_000
 
@@ -109,6 +114,8 @@ class ServerConfig:
         if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         self.connection_limits()  # ValueError for limits that cannot hold
+        if self.preparation_share is not None and not 0 <= self.preparation_share <= 1:
+            raise ValueError(f"preparation_share must be in [0, 1], got {self.preparation_share}")
         if not 1 <= self.max_streams_per_source <= MAX_STREAMS:
             raise ValueError(f"max_streams_per_source must be in [1, {MAX_STREAMS}], got {self.max_streams_per_source}")
         if (self.tls_cert is None) != (self.tls_key is None):

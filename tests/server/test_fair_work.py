@@ -1,11 +1,13 @@
 """Preparation (tokenizing, grammar compiling) one job at a time, taken from the tenants in turn: a
 tenant's wait is at most one job of each other tenant, a caller that leaves takes its job out of the
-queue, and a call in preparation gives its places to a tenant within its share."""
+queue, a call in preparation gives its places to a tenant within its share, and while others have
+calls a tenant's time on the threads is paced."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,7 +15,7 @@ import grpc
 import pytest
 
 from batchserve.server.client import build_request
-from batchserve.server.fair_work import FairWork
+from batchserve.server.fair_work import FairWork, Pacing, preparation_share
 from tests.server.conftest import start_server, tiny_core
 from tests.server.test_queue_shares import _as, _until
 
@@ -100,5 +102,61 @@ async def test_a_call_in_preparation_gives_its_places_to_a_tenant_within_its_sha
         gate.set()
         for call in calls:
             call.cancel()
+        await r.channel.close()
+        await r.server.shutdown()
+
+
+def test_pacing_owes_time_only_beside_others_and_at_most_one_burst():
+    others = {"on": True}
+    pacing = Pacing(share=0.5, burst=1.0, contended=lambda tenant: others["on"])
+    assert pacing.wait("a", 0.0) == 0
+    pacing.charge("a", 3.0, 0.0)  # 3 s beside others: owes them, down to one burst's worth
+    assert pacing.balance("a", 0.0) == -1.0 and pacing.wait("a", 0.0) == 2.0
+    assert pacing.wait("a", 1.0) == 1.0 and pacing.wait("a", 2.0) == 0
+    assert pacing.wait("b", 1.0) == 0  # another tenant owes nothing
+    others["on"] = False
+    assert pacing.wait("a", 1.0) == 0  # alone: never paced
+    pacing.charge("c", 5.0, 1.0)  # and nothing charged
+    assert "c" not in pacing._owed
+    assert pacing.wait("a", 10.0) == 0 and "a" not in pacing._owed  # refilled: forgotten
+    assert preparation_share(None, "cpu") > 0 and preparation_share(None, "cuda") == 0
+    assert preparation_share(0.5, "cuda") == 0.5
+
+
+async def _flood_seconds(work: FairWork, jobs: int) -> float:
+    t = time.monotonic()
+    await asyncio.gather(*(work.run("flood", object(), 1, time.sleep, 0.02) for _ in range(jobs)))
+    return time.monotonic() - t
+
+
+async def test_a_paced_tenant_waits_for_its_time_and_another_tenant_goes_first():
+    """Ten jobs of 20 ms: at once while the tenant is alone; beside another tenant's calls at
+    0.1 s a second after a 20 ms burst (so 1.8 s at least), with the other tenant's job run
+    at once meanwhile."""
+    others = {"on": False}
+    pacing = Pacing(share=0.1, burst=0.02, contended=lambda tenant: others["on"] and tenant == "flood")
+    work = FairWork(ThreadPoolExecutor(max_workers=1), pacing)
+    assert await _flood_seconds(work, 10) < 1.0  # alone: back to back
+    others["on"] = True
+    flood = asyncio.ensure_future(_flood_seconds(work, 10))
+    await asyncio.sleep(0.3)  # the flood has spent its burst and waits for its time
+    t = time.monotonic()
+    assert await work.run("other", object(), 1, lambda: "o") == "o"
+    assert time.monotonic() - t < 0.25
+    assert await flood >= 1.8 - 0.3
+    assert work.preparing == 0
+
+
+async def test_the_frontend_counts_each_tenants_calls_until_they_end():
+    r = await start_server(tiny_core(max_num_seqs=2))
+    try:
+        stream = r.stub.StreamGenerate(build_request([9], max_new_tokens=2000, ignore_eos=True), metadata=_as("x"))
+        await stream.read()
+        frontend = r.server.frontend
+        assert dict(frontend.active) == {"x": 1} and not frontend._others_active("x") and frontend._others_active("y")
+        assert (await r.stub.Generate(build_request([5], max_new_tokens=2), metadata=_as("y"))).token_ids
+        stream.cancel()
+        await _until(lambda: not frontend.active)
+    finally:
         await r.channel.close()
         await r.server.shutdown()
