@@ -128,17 +128,22 @@ def outcomes(calls: Sequence[Call]) -> dict[str, Counter[str]]:
     return dict(sorted(table.items()))
 
 
-def overlaps(calls: Sequence[Call]) -> dict[str, tuple[int, float | None]]:
-    """For each attack kind, the well-behaved streams whose wait for a first token overlapped one
-    of its calls: (how many, their TTFT p99); "none" for those that overlapped no hostile call."""
-    streams = [c for c in calls if c.role == "good" and c.ok and c.kind in STREAM_KINDS and c.ttft_ms is not None]
+def overlaps(calls: Sequence[Call], tpot: bool = False) -> dict[str, tuple[int, float | None]]:
+    """For each attack kind, the well-behaved streams whose wait for a first token (`tpot`: whose
+    decoding, from the first token to the end) overlapped one of its calls: (how many, their TTFT
+    p99, or TPOT p99); "none" for those that overlapped no hostile call."""
+    metric = "tpot_ms" if tpot else "ttft_ms"
+    streams = [
+        c for c in calls if c.role == "good" and c.ok and c.kind in STREAM_KINDS and getattr(c, metric) is not None
+    ]
     attacks = [c for c in calls if c.role == "hostile"]
     by_kind: dict[str, list[float]] = {}
     for s in streams:
-        end = s.start + (s.ttft_ms or 0) / 1000
-        kinds = {a.kind for a in attacks if a.start < end and s.start < a.start + a.ms / 1000}
+        first = s.start + (s.ttft_ms or 0) / 1000
+        begin, end = (first, s.start + s.ms / 1000) if tpot else (s.start, first)
+        kinds = {a.kind for a in attacks if a.start < end and begin < a.start + a.ms / 1000}
         for kind in kinds or {"none"}:
-            by_kind.setdefault(kind, []).append(s.ttft_ms or 0)
+            by_kind.setdefault(kind, []).append(getattr(s, metric) or 0)
     return {k: (len(v), percentile(v, 0.99)) for k, v in sorted(by_kind.items())}
 
 
@@ -210,9 +215,12 @@ def render(alone: Phase, hostile: Phase, header: Sequence[str]) -> tuple[str, bo
         ms = percentile([c.ms for c in hostile.calls if c.role == "hostile" and f"{c.kind}/{c.proto}" == kind], 0.5)
         seen = ", ".join(f"{o} x{n}" for o, n in counts.most_common())
         lines.append(f"- {kind}: {sum(counts.values())} sent (p50 {_ms(ms)} ms): {seen}")
-    lines += ["", "## Attacks in flight while a well-behaved stream waited for its first token", ""]
-    lines += ["| attack | streams | TTFT p99 ms |", "|---|---|---|"]
-    lines += [f"| {k} | {n} | {_ms(p99)} |" for k, (n, p99) in overlaps(hostile.calls).items()]
+    lines += ["", "## Attacks in flight while a well-behaved stream waited for its first token, or decoded", ""]
+    lines += ["| attack | streams waiting | TTFT p99 ms | streams decoding | TPOT p99 ms |", "|---|---|---|---|---|"]
+    waiting, decoding = overlaps(hostile.calls), overlaps(hostile.calls, tpot=True)
+    for k in sorted(waiting.keys() | decoding.keys()):
+        (n, ttft), (m, tpot) = waiting.get(k, (0, None)), decoding.get(k, (0, None))
+        lines.append(f"| {k} | {n} | {_ms(ttft)} | {m} | {_ms(tpot)} |")
     lines += ["", "## Server memory (RSS, MB) and the machine's load", ""]
     lines += ["| | start | peak | end | end/start | load average (1 min), mean |", "|---|---|---|---|---|---|"]
     for p in (alone, hostile):

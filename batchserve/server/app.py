@@ -101,7 +101,7 @@ class BatchServer:
         # listener or engine thread exists; every later failure stops what was started.
         if c.metrics_port:  # 0 turns metrics off, as it does the HTTP API
             try:
-                self.metrics_port = self.metrics.serve(c.metrics_port, c.host)
+                self.metrics_port = self.metrics.serve(c.metrics_port, c.host, lambda: self.frontend.healthy)
             except OSError as e:
                 raise PortInUse("metrics", c.host, c.metrics_port, "--metrics-port") from e
         try:

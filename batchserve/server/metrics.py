@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import logging
+import socketserver
+import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from batchserve.async_engine import AsyncEngine
 from batchserve.records import SchedulerOutput, StepPhases
 from batchserve.request import RequestOutput
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # a scrape a few seconds: not a log line each
+        pass
+
 
 request_log = logging.getLogger("batchserve.server")  # the front ends' log, one line a request
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -131,10 +145,23 @@ class Metrics:
             if item.sample:
                 self.decoding_length.observe(len(item.draft) if item.draft is not None else 0)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the HTTP endpoint (port 0: any free port) and return the port it listens on."""
+    def serve(self, port: int, host: str = "127.0.0.1", healthy: Callable[[], bool] = lambda: True) -> int:
+        """Start the HTTP endpoint (port 0: any free port) and return the port it listens on:
+        `/metrics`, and `/health` as the API's (200, or 503 once `healthy()` is False). Plaintext
+        whatever the API's TLS, so that probes that present no client certificate (the kubelet's)
+        can reach a replica that requires one."""
         self.close()
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        metrics = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") == "/health":
+                ok = healthy()
+                start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
+                return [b'{"status":"ok"}' if ok else b'{"status":"unavailable"}']
+            return metrics(environ, start_response)
+
+        self._http = make_server(host, port, app, _ThreadingServer, handler_class=_Quiet)
+        threading.Thread(target=self._http.serve_forever, daemon=True, name="batchserve-metrics").start()
         return self._http.server_port
 
     def close(self) -> None:

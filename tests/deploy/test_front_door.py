@@ -31,6 +31,7 @@ def _kube_config() -> str:
         "batchserve-headless.default.svc.cluster.local:50051:8000:16",
         ":8080",
         ":50051",
+        tls=("/etc/haproxy/replica-tls/ca.crt", "/etc/haproxy/replica-tls/proxy.pem"),
     )
 
 
@@ -47,12 +48,18 @@ def test_render_refuses_no_replicas_and_a_bad_key_file(tmp_path) -> None:
     assert render.keys(f"acme {KEY}\n") == f"{render.sha256_hex(KEY)} acme\n"
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason=NO_HAPROXY)
+@pytest.mark.skipif(shutil.which("haproxy") is None or shutil.which("openssl") is None, reason=NO_HAPROXY)
 def test_haproxy_takes_both_configs(tmp_path) -> None:
+    from tests.server.test_shutdown_tls import _certificate
+
     keys = tmp_path / "keys.map"
     keys.write_text(render.keys(f"acme {KEY}\n"))
+    cert, key = _certificate(tmp_path, "proxy")
+    (tmp_path / "proxy.pem").write_text(Path(cert).read_text() + Path(key).read_text())
+    kube = _kube_config().replace("/etc/haproxy/keys/keys.map", str(keys))
+    kube = kube.replace("/etc/haproxy/replica-tls/ca.crt", cert).replace("/etc/haproxy/replica-tls/", f"{tmp_path}/")
     for name, text in (
-        ("kube.cfg", _kube_config().replace("/etc/haproxy/keys/keys.map", str(keys))),
+        ("kube.cfg", kube),
         ("loopback.cfg", render.config(str(keys), ["127.0.0.1:1:2", "127.0.0.1:3:4"], None, ":18080", ":18051")),
     ):
         (tmp_path / name).write_text(text)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ KUBE = ROOT / "deploy" / "kubernetes"
 K8S_VERSION = "1.31.0"  # gRPC probes are GA since 1.27
 CRDS = {"ServiceMonitor"}  # the Prometheus operator's; checked against our Service below
 PATCHES = {"overlays/gpu/gpu.yaml", "overlays/mounted-model/model.yaml"}
+JSON_PATCHES = {"overlays/front-door/replica-tls.yaml"}  # RFC 6902 operations on the base Deployment
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -56,15 +59,40 @@ def _merge(base: Any, patch: Any) -> Any:
     return copy.deepcopy(patch)
 
 
+def _json_patch(doc: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    """`doc` with RFC 6902 `add` and `replace` operations applied, as kustomize does (the two
+    kinds the overlays use; `/-` appends to a list); KeyError or IndexError for a missing path."""
+    out = copy.deepcopy(doc)
+    for op in operations:
+        *parents, last = op["path"].lstrip("/").split("/")
+        node: Any = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if op["op"] == "add" and isinstance(node, list):
+            node.insert(len(node) if last == "-" else int(last), copy.deepcopy(op["value"]))
+        elif op["op"] in ("add", "replace"):
+            if op["op"] == "replace" and (last not in node if isinstance(node, dict) else int(last) >= len(node)):
+                raise KeyError(f"replace {op['path']}: nothing there")
+            node[int(last) if isinstance(node, list) else last] = copy.deepcopy(op["value"])
+        else:
+            raise ValueError(f"unsupported operation {op['op']}")
+    return out
+
+
 def _deployments() -> list[tuple[str, dict[str, Any]]]:
     """The base Deployment and each overlay's, patched."""
     base = _base("Deployment")
-    return [("base", base)] + [(p, _merge(base, _docs(KUBE / p)[0])) for p in sorted(PATCHES)]
+    merged = [(p, _merge(base, _docs(KUBE / p)[0])) for p in sorted(PATCHES)]
+    patched = [(p, _json_patch(base, yaml.safe_load((KUBE / p).read_text()))) for p in sorted(JSON_PATCHES)]
+    return [("base", base), *merged, *patched]
 
 
 @pytest.mark.parametrize("path", _resources(), ids=lambda p: str(p.relative_to(KUBE)))
 def test_every_builtin_resource_is_valid_against_the_kubernetes_schema(path):
     rel = str(path.relative_to(KUBE))
+    if rel in JSON_PATCHES:  # operations, not a resource: valid once applied to the base
+        kubernetes_validate.validate(dict(_deployments())[rel], K8S_VERSION, strict=True)
+        return
     for doc in _docs(path):
         if doc["kind"] in CRDS:
             continue
@@ -109,7 +137,10 @@ def test_the_container_runs_the_server_as_the_probes_and_grace_period_expect(nam
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (ports["grpc"], ports["http"], ports["metrics"]) == (args.port, args.http_port, args.metrics_port)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == args.port  # the standard health service
+        if args.tls_cert is None:
+            assert container[probe]["grpc"]["port"] == args.port  # the standard health service
+        else:  # the kubelet's gRPC probes speak no TLS, nor present a client certificate
+            assert container[probe]["httpGet"] == {"path": "/health", "port": "metrics"}
     # The pod outlives the drain, the grace period and the final flush.
     assert pod["terminationGracePeriodSeconds"] >= args.drain_seconds + args.grace_seconds + 5
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
@@ -244,3 +275,22 @@ def test_torch_threads_come_from_the_pods_cpu_limit(name, deployment):
     assert ref["resource"] == "limits.cpu" and ref["containerName"] == container["name"]
     resources = container["resources"]
     assert _cpus(resources["limits"]["cpu"]) >= _cpus(resources["requests"]["cpu"]) >= 1
+
+
+def test_the_json_patch_applies_as_kustomize_does():
+    """Checked against `kubectl kustomize` where kubectl is installed; a path that is not there
+    fails either way."""
+    with pytest.raises(KeyError):
+        _json_patch(_base("Deployment"), [{"op": "replace", "path": "/spec/nothing", "value": 1}])
+    if shutil.which("kubectl") is None:
+        return
+    built = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / "front-door")], capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    deployed = next(
+        d for d in yaml.safe_load_all(built) if d["kind"] == "Deployment" and d["metadata"]["name"] == "batchserve"
+    )
+    ours = dict(_deployments())["overlays/front-door/replica-tls.yaml"]
+    pod, theirs = ours["spec"]["template"]["spec"], deployed["spec"]["template"]["spec"]
+    assert pod["containers"][0]["args"] == theirs["containers"][0]["args"]
+    assert pod["containers"][0]["readinessProbe"] == theirs["containers"][0]["readinessProbe"]
+    assert sorted(v["name"] for v in pod["volumes"]) == sorted(v["name"] for v in theirs["volumes"])

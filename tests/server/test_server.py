@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -363,14 +364,19 @@ async def test_health_reflection_metrics_tokenize_and_model_info(running):
 
 
 async def test_shutdown_not_serving_then_in_flight_completes():
-    r = await start_server(drain_seconds=0.5, grace_seconds=30)
+    r = await start_server(drain_seconds=0.5, grace_seconds=30, metrics_port=0)
     health = health_pb2_grpc.HealthStub(r.channel)
+    probe = f"http://127.0.0.1:{r.server.metrics_port}/health"  # plaintext probes beside a TLS API
+    assert urllib.request.urlopen(probe, timeout=5).read() == b'{"status":"ok"}'
     call = r.stub.StreamGenerate(build_request([1, 2, 3], max_new_tokens=60, ignore_eos=True))
     await call.read()
     shutdown = asyncio.create_task(r.server.shutdown())
     await asyncio.sleep(0.1)
     resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        await asyncio.to_thread(urllib.request.urlopen, probe, timeout=5)
+    assert refused.value.code == 503
     # Within the drain window calls are still served (load balancers are routing away) ...
     assert (await r.stub.Generate(build_request([1], max_new_tokens=2))).usage.completion_tokens == 2
     await asyncio.sleep(0.6)
