@@ -108,11 +108,13 @@ def _revoke(server: subprocess.Popen, keys: Path, kept: str, grpc_port: int, htt
     )
     next(stream)
     conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
-    body = json.dumps({"model": "m", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True})
-    conn.request(
-        "POST", "/v1/completions", body, {"Authorization": f"Bearer {doomed}", "Content-Type": "application/json"}
-    )
+    headers = {"Authorization": f"Bearer {doomed}", "Content-Type": "application/json"}
+    conn.request("GET", "/v1/models", headers=headers)
+    model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, headers)
     answer = conn.getresponse()
+    assert answer.status == 200, f"the stream under the key to remove: HTTP {answer.status}"
     answer.read1(64)
 
     def drain(name: str, chunks: object) -> None:
@@ -130,6 +132,8 @@ def _revoke(server: subprocess.Popen, keys: Path, kept: str, grpc_port: int, htt
     ]
     for reader in readers:
         reader.start()
+    time.sleep(0.5)
+    assert not ended, f"a stream under the key to remove ended before it was removed: {sorted(ended)}"
     keys.write_text(f"tenant {kept}\n")
     t = time.monotonic()
     server.send_signal(signal.SIGHUP)

@@ -13,7 +13,12 @@ floods in bursts of concurrent calls:
 - a seat hog (issue 89): as many long decodes at once as the server has seats, read to their end;
 - before any key (issue 100): idle sockets (a burst that sends nothing), a body trickled a byte at a
   time, gRPC health Watch streams held open, and a preparation flood (prompts at the context's
-  size, each to be tokenized, with distinct large schemas to compile).
+  size, each to be tokenized, with distinct large schemas to compile);
+- key revocation (issue 100), where the server has keys: a stream under a key of its own that the
+  operator then removes (the key file rewritten, SIGHUP): how long until the stream ends.
+
+With keys (BATCHSERVE_HOSTILE_KEY), every call but the health streams and the raw sockets' carries
+the hostile key, and the key names the tenant: key rotation's tenant strings are then ignored.
 
 Hostile calls are expected to be refused or limited: none is a Locust failure. Every call's
 outcome ("http 413", "grpc INVALID_ARGUMENT", "error ReadTimeout") goes to the call log, where
@@ -23,20 +28,25 @@ Environment: BATCHSERVE_GRPC_HOST, BATCHSERVE_HTTP_HOST, BATCHSERVE_CALL_LOG (se
 BATCHSERVE_HOSTILE_USERS (0: no hostile user), BATCHSERVE_HOSTILE_BURST (calls of a flood, 4),
 BATCHSERVE_HOSTILE_PROMPT_TOKENS (echo prompts, 2048), BATCHSERVE_SLOW_READ_S (20),
 BATCHSERVE_BODY_LIMIT (bytes; default: what the server computes for its model),
-BATCHSERVE_HOSTILE_ATTACKS (method names, comma-separated: only those, in that order).
+BATCHSERVE_HOSTILE_ATTACKS (method names, comma-separated: only those, in that order),
+BATCHSERVE_HOSTILE_KEY, BATCHSERVE_KEY_FILE and BATCHSERVE_SERVER_PID (keys on: set by the driver).
 """
 
 from __future__ import annotations
 
 import csv
+import fcntl
 import itertools
 import json
 import os
 import random
+import secrets
+import signal
 import socket
 import string
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -64,10 +74,14 @@ BODY_LIMIT = int(os.environ.get("BATCHSERVE_BODY_LIMIT", "0"))
 ATTACKS = os.environ.get("BATCHSERVE_HOSTILE_ATTACKS", "")  # e.g. "seat_hog,key_rotation": only these, in turn
 TIMEOUT = 120.0
 FIRST_PLAIN_ID = 256  # random ids above the special tokens (an EOS among resumed ids is refused)
-HEADERS = {"x-batchserve-tenant": TENANT}
+KEY = os.environ.get("BATCHSERVE_HOSTILE_KEY", "")
+KEY_FILE = os.environ.get("BATCHSERVE_KEY_FILE", "")
+SERVER_PID = int(os.environ.get("BATCHSERVE_SERVER_PID", "0"))
+AUTH = (("authorization", f"Bearer {KEY}"),) if KEY else ()
+HEADERS = {"x-batchserve-tenant": TENANT} | dict(AUTH)
 HTTP_OPTIONS: dict[str, Any] = {"headers": HEADERS, "timeout": TIMEOUT, "catch_response": True}
 STREAM_OPTIONS = HTTP_OPTIONS | {"stream": True}
-METADATA = (("x-batchserve-tenant", TENANT),)
+METADATA = (("x-batchserve-tenant", TENANT), *AUTH)
 _TYPES = ({"type": "string", "maxLength": 12}, {"type": "integer"}, {"enum": ["a", "b", "c"]}, {"type": "boolean"})
 
 
@@ -107,14 +121,14 @@ class HostileUser(HttpUser):
         self.rng = random.Random()
         self.channel = grpc.insecure_channel(GRPC_HOST)
         self.stub = pb_grpc.TextGenerationStub(self.channel)
-        info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=METADATA)
         self.max_len, self.vocab = info.max_model_len, info.vocab_size
         # The server's limit (app.message_limit): a full context of text at 32 characters a token, 4 bytes each.
         self.body_limit = BODY_LIMIT or self.max_len * 32 * 4 + 64 * 1024
-        self.model = self.client.get("/v1/models", name="hostile models").json()["data"][0]["id"]
+        self.model = self.client.get("/v1/models", name="hostile models", headers=HEADERS).json()["data"][0]["id"]
         attacks = [self.grammar_flood, self.resume_flood, self.echo_logprobs, self.huge_body, self.slow_reader]
         attacks += [self.cancel, self.key_rotation, self.seat_hog, self.idle_sockets, self.slow_body]
-        attacks += [self.health_watch, self.prep_flood]
+        attacks += [self.health_watch, self.prep_flood] + ([self.key_revocation] if KEY_FILE else [])
         if ATTACKS:  # only these, in this order (a run that looks at one attack)
             attacks = [getattr(self, name) for name in ATTACKS.split(",")]
         self.seats = info.max_batch_size or 8
@@ -286,7 +300,7 @@ class HostileUser(HttpUser):
             prompt = self._ids(self.rng.randrange(200, 500))
             request = build_request(prompt, max_new_tokens=self.rng.choice((1, 4, 16)))
             try:
-                self.stub.Generate(request, timeout=TIMEOUT, metadata=(("x-batchserve-tenant", tenant),))
+                self.stub.Generate(request, timeout=TIMEOUT, metadata=(("x-batchserve-tenant", tenant), *AUTH))
             except grpc.RpcError as e:
                 return "grpc", _grpc_outcome(e)
             return "grpc", "grpc OK"
@@ -341,7 +355,8 @@ class HostileUser(HttpUser):
         def call() -> tuple[str, str]:
             sock = self._connect()
             head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            sock.sendall((head + f"x-batchserve-tenant: {TENANT}\r\nContent-Length: 100000\r\n\r\n").encode())
+            auth = "".join(f"{name}: {value}\r\n" for name, value in AUTH)
+            sock.sendall((head + f"x-batchserve-tenant: {TENANT}\r\n{auth}Content-Length: 100000\r\n\r\n").encode())
             return "http", self._held_until_closed(sock, b'{"model": "m", "prompt": "' + b"x" * 200)
 
         self._burst("slow-body", call, BURST)
@@ -373,3 +388,55 @@ class HostileUser(HttpUser):
             return self._generate(build_request("Fill in the form.", max_new_tokens=1, constraint=constraint))
 
         self._burst("prep-flood", call, 4 * BURST)
+
+    def key_revocation(self) -> None:
+        """A key of its own added to the server's key file, a long stream under it, then the key
+        removed (the file rewritten whole, SIGHUP, as an operator does): the outcome says how long
+        the stream ran on after the signal, and whether a new call under the key is refused."""
+
+        def call() -> tuple[str, str]:
+            tenant, key = f"leaving-{self.rng.getrandbits(32):08x}", secrets.token_hex(16)
+            auth = (("authorization", f"Bearer {key}"),)
+            _edit_keys(lambda lines: [*lines, f"{tenant} {key}"])
+            request = build_request(self.rng.choice(base.PROMPTS)[0], max_new_tokens=4000, ignore_eos=True)
+            deadline = time.monotonic() + 10
+            while True:  # the reload is asynchronous: until the new key is taken
+                try:
+                    stream = self.stub.StreamGenerate(request, timeout=TIMEOUT, metadata=auth)
+                    next(stream)
+                    break
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline:
+                        _edit_keys(lambda lines: [line for line in lines if not line.endswith(key)])
+                        return "grpc", _grpc_outcome(e)
+                    gevent.sleep(0.1)
+            t = _edit_keys(lambda lines: [line for line in lines if not line.endswith(key)])
+            try:
+                for _ in stream:
+                    pass
+                return "grpc", "ran to its end after the key was removed"
+            except grpc.RpcError as e:
+                ended, code = time.monotonic() - t, e.code().name
+            try:
+                self.stub.Generate(build_request("x", max_new_tokens=1), timeout=30, metadata=auth)
+                refused = "a new call still taken"
+            except grpc.RpcError as e:
+                refused = f"a new call {e.code().name}"
+            return "grpc", f"ended {code} after {ended:.1f} s; {refused}"
+
+        self._burst("key-revocation", call, 1)
+
+
+def _edit_keys(change: Callable[[list[str]], list[str]]) -> float:
+    """The key file rewritten whole by `change` (of its lines) under a lock (both hostile users
+    edit it), renamed into place, and the server told (SIGHUP); when the signal went."""
+    path = Path(KEY_FILE)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        new = path.with_suffix(".new")
+        new.write_text("".join(f"{line}\n" for line in change(lines)))
+        new.chmod(0o600)
+        new.replace(path)
+        os.kill(SERVER_PID, signal.SIGHUP)
+        return time.monotonic()

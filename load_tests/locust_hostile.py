@@ -8,7 +8,8 @@ again greedily ("repeat": their tokens a step show the drafter state its tenant 
 unary calls and walks away from some streams after two chunks. Every call is a row of the call
 log; one that did not end as it should (an error, a refusal, a stream cut short) is a failure.
 
-Environment: BATCHSERVE_GOOD_USERS (8), BATCHSERVE_GOOD_TENANT ("good"), and hostile.py's.
+Environment: BATCHSERVE_GOOD_USERS (8), BATCHSERVE_GOOD_TENANT ("good"), BATCHSERVE_GOOD_KEY (its API
+key, where the server has keys: then the key names the tenant), and hostile.py's.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ __all__ = ["GoodGrpcUser", "GoodHttpUser", "HostileUser"]  # the users Locust ru
 GOOD_USERS = int(os.environ.get("BATCHSERVE_GOOD_USERS", "8"))
 METRICS_HOST = os.environ.get("BATCHSERVE_METRICS_HOST", "")  # host:port; empty: the probe waits for nothing
 TENANT = os.environ.get("BATCHSERVE_GOOD_TENANT", "good")
-METADATA = (("x-batchserve-tenant", TENANT),)
-HEADERS = {"x-batchserve-tenant": TENANT}
+KEY = os.environ.get("BATCHSERVE_GOOD_KEY", "")
+METADATA = (("x-batchserve-tenant", TENANT),) + ((("authorization", f"Bearer {KEY}"),) if KEY else ())
+HEADERS = dict(METADATA)
 REPEAT_TOKENS = 64
 # Code prompts sent again and again, greedily and to a fixed length: their drafts come from what the
 # tenant's earlier answers taught its trie and recent outputs, which no other tenant may take away.
@@ -227,7 +229,7 @@ class GoodHttpUser(HttpUser):
 
     def on_start(self) -> None:
         self.rng = random.Random()
-        self.model = self.client.get("/v1/models", name="good models").json()["data"][0]["id"]
+        self.model = self.client.get("/v1/models", name="good models", headers=HEADERS).json()["data"][0]["id"]
 
     def _call(self, max_tokens: int | None = None) -> tuple[str, dict[str, Any]]:
         prompt, chat = self.rng.choice(base.PROMPTS)

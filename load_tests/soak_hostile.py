@@ -1,14 +1,20 @@
 """The hostile-tenant soak (`make soak-hostile`): the same well-behaved load twice, each time on a
 fresh server, alone and then beside a hostile tenant (load_tests/hostile.py: grammar and resume
-floods, echo + logprobs on long prompts, huge bodies, slow readers, cancels, key rotation and a
-seat hog).
+floods, echo + logprobs on long prompts, huge bodies, slow readers, cancels, key rotation, a seat
+hog, idle sockets, trickled bodies, health streams, a preparation flood and key revocation).
 
     .venv/bin/python load_tests/soak_hostile.py [--duration 120] [--users 8] [--hostile 2] [--burst 4]
-        [--out soak_hostile_out] [--report load_tests/results/hostile-report.md] [-- SERVER_ARGS...]
+        [--no-keys] [--out soak_hostile_out] [--report load_tests/results/hostile-report.md] [-- SERVER_ARGS...]
+
+By default the server has API keys, one a tenant, as a server shared by tenants should: key
+rotation's tenant strings are then ignored, and key revocation removes keys of the hostile user's
+own from the file (SIGHUP) under its running streams. `--no-keys` takes tenants from a header,
+where a client may claim as many as it likes (docs/serving.md: what holds without keys).
 
 Reports (OUT/report.md and --report) the well-behaved users' TTFT and TPOT p50/p99 both ways,
 their failed calls and tokens a step on repeated greedy prompts (their tenant's drafter state),
-the hostile calls' outcomes by kind and the server's RSS; exits 1 when a target is missed.
+the hostile calls' outcomes by kind, which attacks were in flight while streams waited or
+decoded, and the server's RSS; exits 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import contextlib
 import csv
 import math
 import os
+import re
+import secrets
 import statistics
 import subprocess
 import sys
@@ -35,6 +43,8 @@ STREAM_KINDS = ("stream", "repeat")  # the well-behaved calls whose TTFT and TPO
 SLOWDOWN = 1.25  # p99 TTFT and TPOT beside the hostile tenant, at most this times alone
 TPS_RATIO = 0.90  # tokens a step on repeated prompts beside it, at least this times alone (noise)
 RSS_GROWTH = 0.10  # the server's peak RSS beside it, at most this above alone
+REVOKED_S = 5.0  # a stream under a key removed from the file (SIGHUP) ends within this
+_REVOKED = re.compile(r"ended UNAUTHENTICATED after ([0-9.]+) s; a new call UNAUTHENTICATED")
 RSS_EVERY_S = 2.0
 UNFINISHED = "unfinished when the run ended"  # cut by Locust's stop: neither a success nor a failure
 
@@ -169,6 +179,9 @@ def targets(alone: Phase, hostile: Phase) -> list[tuple[str, bool, str]]:
     for phase in (alone, hostile):
         failed = len(failures(phase.calls))
         checks.append((f"well-behaved calls failed ({phase.name}) == 0", failed == 0, str(failed)))
+        protos = sorted({c.proto for c in phase.calls if c.role == "good"})
+        checks.append((f"well-behaved users called over gRPC and HTTP ({phase.name})", protos == ["grpc", "http"],
+                       ", ".join(protos) or "none"))  # fmt: skip
     r = ratio(tokens_a_step(hostile.calls, "probe")[0], tokens_a_step(alone.calls, "probe")[0])
     checks.append((f"tokens a step (repeated prompts, idle probe) hostile/alone >= {TPS_RATIO}",
                    r is not None and r >= TPS_RATIO, _x(r)))  # fmt: skip
@@ -176,6 +189,13 @@ def targets(alone: Phase, hostile: Phase) -> list[tuple[str, bool, str]]:
     growth = None if (r := ratio(peak_h, peak_a)) is None else r - 1
     checks.append((f"server peak RSS hostile vs alone < +{RSS_GROWTH:.0%}", growth is not None and growth < RSS_GROWTH,
                    "?" if growth is None else f"{growth:+.1%}"))  # fmt: skip
+    sent = sum(1 for c in hostile.calls if c.role == "hostile")
+    checks.append(("the hostile users sent calls", sent > 0, str(sent)))  # else the rest measured nothing
+    revoked = [c for c in hostile.calls if c.kind == "key-revocation" and c.outcome != UNFINISHED]
+    if revoked:  # keys on: each stream ends within REVOKED_S of the signal, and its key is refused
+        seconds = [float(m.group(1)) if (m := _REVOKED.fullmatch(c.outcome)) else math.inf for c in revoked]
+        checks.append((f"a removed key's stream ends within {REVOKED_S:.0f} s and the key is refused",
+                       max(seconds) <= REVOKED_S, f"{len(revoked)} removed, slowest {max(seconds):.1f} s"))  # fmt: skip
     died = [f"{p.name}: {p.died}" for p in (alone, hostile) if p.died]
     checks.append(("server alive through both runs", not died, "; ".join(died) or "yes"))
     return checks
@@ -239,8 +259,8 @@ def render(alone: Phase, hostile: Phase, header: Sequence[str]) -> tuple[str, bo
 class Server:
     """One `batchserve serve` process: gRPC on `port`, metrics on port + 1, HTTP on port + 2."""
 
-    def __init__(self, port: int, out: Path, extra: Sequence[str]) -> None:
-        self.port, self.out = port, out
+    def __init__(self, port: int, out: Path, extra: Sequence[str], warm_key: str = "") -> None:
+        self.port, self.out, self.warm_key = port, out, warm_key
         args = [PY, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(port + 1), "--http-port", str(port + 2), *extra]  # fmt: skip
         log = open(out / "server.log", "w", encoding="utf-8")
@@ -258,7 +278,8 @@ class Server:
         request, deadline = build_request("def fibonacci(n):", max_new_tokens=32), time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:
             try:
-                stub.Generate(request, timeout=300, metadata=(("x-batchserve-tenant", "warm-up"),))
+                auth = (("authorization", f"Bearer {self.warm_key}"),) if self.warm_key else ()
+                stub.Generate(request, timeout=300, metadata=(("x-batchserve-tenant", "warm-up"), *auth))
                 return
             except grpc.RpcError:
                 time.sleep(0.5)  # not listening yet (loading the model)
@@ -291,7 +312,13 @@ def run_phase(name: str, hostile_users: int, args: argparse.Namespace, out: Path
     out, phase = out / name, Phase(name)
     out.mkdir(parents=True, exist_ok=True)
     (log := out / "calls.csv").write_text("", encoding="utf-8")
-    server = Server(port, out, args.server_args)
+    keys = {who: secrets.token_hex(16) for who in ("good", "hostile", "warm-up")} if args.keys else {}
+    extra = list(args.server_args)
+    if keys:  # the key names the tenant; key revocation edits this file and signals the server
+        (out / "keys").write_text("".join(f"{who} {key}\n" for who, key in keys.items()))
+        (out / "keys").chmod(0o600)
+        extra += ["--api-key-file", str(out / "keys")]
+    server = Server(port, out, extra, keys.get("warm-up", ""))
     try:
         server.wait_ready()
         stop = threading.Event()
@@ -302,6 +329,10 @@ def run_phase(name: str, hostile_users: int, args: argparse.Namespace, out: Path
             "BATCHSERVE_CALL_LOG": str(log), "BATCHSERVE_GOOD_USERS": str(args.users),
             "BATCHSERVE_HOSTILE_USERS": str(hostile_users), "BATCHSERVE_HOSTILE_BURST": str(args.burst),
         }  # fmt: skip
+        if keys:
+            env |= {"BATCHSERVE_GOOD_KEY": keys["good"], "BATCHSERVE_HOSTILE_KEY": keys["hostile"],
+                    "BATCHSERVE_KEY_FILE": str(out / "keys"),
+                    "BATCHSERVE_SERVER_PID": str(server.proc.pid)}  # fmt: skip
         print(f"{time.strftime('%H:%M:%S')} {name}: {args.users} well-behaved users, {hostile_users} hostile, "
               f"{args.duration:.0f} s", flush=True)  # fmt: skip
         # Each tenant is its own client: the hostile users get a Locust process of their own, so
@@ -330,11 +361,13 @@ def run_phase(name: str, hostile_users: int, args: argparse.Namespace, out: Path
 def _header(args: argparse.Namespace) -> list[str]:
     cpu = next((x.split(":")[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     flags = f"--duration {args.duration:.0f} --users {args.users} --hostile {args.hostile} --burst {args.burst}"
+    flags += "" if args.keys else " --no-keys"
     extra = " ".join(args.server_args)
     return [
         f"# make soak-hostile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
         f"{os.cpu_count()} cores of {cpu}; one server, default model{' (' + extra + ')' if extra else ''}; "
         f"{args.duration:.0f} s per run; {args.users} well-behaved users (tenant `good`, half gRPC, half HTTP), "
+        f"{'each tenant with its API key' if args.keys else 'tenants by header (no keys)'}, "
         f"then the same beside {args.hostile} hostile users (tenant `hostile`, bursts of {args.burst}).", "",
         f"command: `load_tests/soak_hostile.py {flags}{' -- ' + extra if extra else ''}`",
     ]  # fmt: skip
@@ -347,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hostile", type=int, default=2, help="hostile users in the second run")
     parser.add_argument("--burst", type=int, default=4, help="concurrent calls in a hostile flood")
     parser.add_argument("--port", type=int, default=50371, help="gRPC port (metrics, HTTP: +1, +2; 2nd run: +3)")
+    parser.add_argument("--keys", action=argparse.BooleanOptionalAction, default=True,
+                        help="API keys (each tenant its key; key revocation among the attacks); "
+                        "--no-keys: tenants by header, as a keyless server takes them")  # fmt: skip
     parser.add_argument("--out", default="soak_hostile_out")
     parser.add_argument("--report", default=str(ROOT / "load_tests" / "results" / "hostile-report.md"))
     parser.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for `batchserve serve`")

@@ -208,13 +208,12 @@ def _as_served(methods: list[str], model: str | None) -> list[str]:
     return served
 
 
-def bench_command(args: argparse.Namespace) -> int:
+def _checked(args: argparse.Namespace) -> tuple[str | None, list[str], list[str]]:
+    """(what the bench refuses in these arguments, or None; the datasets; the methods as served),
+    before anything loads. Fills in `args.batch_sizes`' default."""
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-    if args.write_gguf is not None or args.shape is not None:
-        return _shape_commands(args)
     if args.curve is not None and not args.simulate:
-        print("batchserve bench: --curve goes with --simulate (it predicts from a measured curve)", file=sys.stderr)
-        return 2
+        return "--curve goes with --simulate (it predicts from a measured curve)", datasets, []
     if args.batch_sizes is None and args.curve is None:
         args.batch_sizes = list(BENCH_BATCH_SIZES)
     problem = dataset_problem(datasets)
@@ -227,6 +226,21 @@ def bench_command(args: argparse.Namespace) -> int:
         problem = _ceiling_problem(args)
     elif problem is None and not args.simulate:
         problem = _bench_problem(args, methods)
+    return problem, datasets, methods
+
+
+def bench_problem(args: argparse.Namespace) -> str | None:
+    """What `bench_command` would refuse in these parsed arguments (None: they run); the GPU check's
+    dry run asks it of every bench step (scripts/gpu_dry_step.py)."""
+    if args.write_gguf is not None or args.shape is not None:
+        return None
+    return _checked(args)[0]
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if args.write_gguf is not None or args.shape is not None:
+        return _shape_commands(args)
+    problem, datasets, methods = _checked(args)
     if problem is not None:
         print(f"batchserve bench: {problem}", file=sys.stderr)
         return 2
