@@ -64,12 +64,13 @@ soak: bench-setup
 soak-faults: bench-setup
 	$(BIN)/python load_tests/soak_faults.py --duration 600 --users 32 --every 120 --out soak_faults_out $(LOAD_ARGS)
 
-# The same well-behaved load (8 users, tenant `good`, gRPC and HTTP) twice on a fresh server:
-# alone, then beside 2 hostile users (tenant `hostile`: grammar and resume floods, echo + logprobs
-# on long prompts, huge bodies, slow readers, cancels, key rotation: a fresh tenant string a call,
-# and a seat hog: long decodes on every seat). Targets: their p99 TTFT and TPOT within
-# 1.25x, none of their calls failed, tokens a step on repeated prompts kept, peak RSS under +10%
-# (load_tests/soak_hostile.py; report in soak_hostile_out/ and load_tests/results/hostile-report.md).
+# The same well-behaved load (8 users, tenant `good`, gRPC and HTTP) twice on a fresh server with
+# API keys: alone, then beside 2 hostile users (tenant `hostile`: grammar and resume floods, echo +
+# logprobs on long prompts, huge bodies, slow readers, cancels, key rotation, a seat hog, idle
+# sockets, trickled bodies, health streams, a preparation flood, key revocation). Targets: their p99
+# TTFT and TPOT within 1.25x, none of their calls failed, tokens a step on repeated prompts kept,
+# peak RSS under +10%, a removed key's stream ended within 5 s (load_tests/soak_hostile.py; report
+# in soak_hostile_out/ and load_tests/results/hostile-report.md). LOAD_ARGS=--no-keys: tenants by header.
 # The front door on loopback: the real HAProxy (deploy/haproxy) before three replicas: keys refused
 # or mapped to tenants, a spoofed tenant header replaced, each tenant on one replica, a stream
 # resumed exactly when its replica is killed (load_tests/front_door.py; logs in front_door_out/).
