@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -96,9 +97,10 @@ def _flood(http_port: int, idle: int, stop: threading.Event) -> list[socket.sock
     return socks
 
 
-def _revoke(server: subprocess.Popen, keys: Path, kept: str, grpc_port: int, http_port: int, doomed: str) -> float:
-    """Seconds from SIGHUP (the file without `doomed`) until a gRPC and an HTTP stream under
-    `doomed` have both ended and a new call under it is refused; inf if one is still going at 30 s."""
+def _revoke(remove: Callable[[], None], grpc_port: int, http_port: int, doomed: str) -> float:
+    """Seconds from `remove()` (the key `doomed` taken out: the file and SIGHUP, or the proxy's map)
+    until a gRPC and an HTTP stream under `doomed` have both ended and a new call under it is
+    refused; inf if one is still going at 30 s."""
     ended: dict[str, float] = {}
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     auth = (("authorization", f"Bearer {doomed}"),)
@@ -134,9 +136,8 @@ def _revoke(server: subprocess.Popen, keys: Path, kept: str, grpc_port: int, htt
         reader.start()
     time.sleep(0.5)
     assert not ended, f"a stream under the key to remove ended before it was removed: {sorted(ended)}"
-    keys.write_text(f"tenant {kept}\n")
     t = time.monotonic()
-    server.send_signal(signal.SIGHUP)
+    remove()
     for reader in readers:
         reader.join(timeout=30)
     refused = None
@@ -155,11 +156,30 @@ def _revoke(server: subprocess.Popen, keys: Path, kept: str, grpc_port: int, htt
     return max(*ended.values(), refused) - t
 
 
+def _front_door(tmp: Path, grpc_port: int, http_port: int) -> tuple[subprocess.Popen, int, int]:
+    """HAProxy (deploy/haproxy) before the server, its key map from tmp/keys: (the proxy, its gRPC
+    port, its HTTP port). Its per-address share is the server's default, 64; its request rate
+    share is out of the way of the probes and calls measured."""
+    from deploy.haproxy import render
+
+    (tmp / "keys.map").write_text(render.keys((tmp / "keys").read_text()))
+    front_grpc, front_http = free_ports(2)
+    limits = render.Limits(conn_per_source=64, rate_per_source=100_000, admin_socket=str(tmp / "admin.sock"))
+    cfg = render.config(str(tmp / "keys.map"), [f"127.0.0.1:{grpc_port}:{http_port}"], None,
+                        f"127.0.0.1:{front_http}", f"127.0.0.1:{front_grpc}", limits)  # fmt: skip
+    (tmp / "haproxy.cfg").write_text(cfg)
+    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp / "haproxy.cfg")], stdout=open(tmp / "haproxy.log", "w"),
+                             stderr=subprocess.STDOUT)  # fmt: skip
+    wait_serving(f"127.0.0.1:{front_grpc}", 30, proxy)
+    return proxy, front_grpc, front_http
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle", type=int, default=1000)
     parser.add_argument("--watches", type=int, default=500)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--front-door", action="store_true", help="everything through HAProxy (deploy/haproxy)")
     parser.add_argument("server_args", nargs="*")
     args = parser.parse_args(argv)
     key, doomed = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
@@ -167,29 +187,51 @@ def main(argv: list[str] | None = None) -> int:
     (tmp / "keys").write_text(f"tenant {key}\nleaving {doomed}\n")
     (tmp / "keys").chmod(0o600)
     grpc_port, http_port = free_ports(2)
+    # Behind the proxy the replica has no keys (the proxy maps them) and every connection is the proxy's.
+    guard = ["--max-connections-per-source", "4096"] if args.front_door else ["--api-key-file", str(tmp / "keys")]
     cmd = [sys.executable, "-m", "batchserve.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
-           "--api-key-file", str(tmp / "keys"), "--max-streams-per-source", str(max(8, args.watches)),
-           "--request-head-seconds", "30", *args.server_args]  # fmt: skip
+           *guard, "--max-streams-per-source", str(max(8, args.watches)), "--request-head-seconds", "30",
+           *args.server_args]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT)
+    proxy: subprocess.Popen | None = None
     stop = threading.Event()
     try:
         wait_serving(f"127.0.0.1:{grpc_port}", 600, server)
+        if args.front_door:
+            proxy, grpc_port, http_port = _front_door(tmp, grpc_port, http_port)
+
+        def remove() -> None:  # the key file without `doomed`: SIGHUP, or the proxy's map replaced in place
+            (tmp / "keys").write_text(f"tenant {key}\n")
+            if proxy is None:
+                server.send_signal(signal.SIGHUP)
+                return
+            from deploy.haproxy import keys_sync, render
+
+            (tmp / "keys.map").write_text(render.keys((tmp / "keys").read_text()))
+            keys_sync.sync_file(str(tmp / "admin.sock"), tmp / "keys.map")
+
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         _ttfts(pb_grpc.TextGenerationStub(channel), key, 3)  # warm
         idle = _measure(http_port, channel, key, args.calls)
         socks = _flood(http_port, args.idle, stop)
-        attacker = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        watch = health_pb2_grpc.HealthStub(attacker)
-        watches = [watch.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(args.watches)]
+        # 100 streams a connection (HTTP/2's usual concurrency, HAProxy's too): a channel each, not shared.
+        attackers = [grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                     for _ in range(-(-args.watches // 100))]  # fmt: skip
+        watches = [health_pb2_grpc.HealthStub(attackers[i // 100]).Watch(health_pb2.HealthCheckRequest(service=""))
+                   for i in range(args.watches)]  # fmt: skip
         held = sum(1 for w in watches if next(w, None) is not None)
         flooded = _measure(http_port, channel, key, args.calls)
         open_socks = sum(1 for s in socks if s.fileno() >= 0)
-        revoked_s = _revoke(server, tmp / "keys", key, grpc_port, http_port, doomed)
+        revoked_s = _revoke(remove, grpc_port, http_port, doomed)
     finally:
         stop.set()
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(timeout=10)
         server.terminate()
         server.wait(timeout=60)
-    row = {"idle": idle, "flooded": flooded, "watches_held": held, "sockets_opened": open_socks,
+    row = {"through": "front door" if args.front_door else "server", "idle": idle, "flooded": flooded,
+           "watches_held": held, "sockets_opened": open_socks,
            "ttft_p99_ratio": round(flooded["ttft_p99_s"] / idle["ttft_p99_s"], 2),
            "removed_key_ended_s": round(revoked_s, 3)}  # fmt: skip
     print(json.dumps(row), flush=True)

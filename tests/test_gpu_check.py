@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,10 @@ def test_the_dry_run_walks_every_step_into_four_files_within_the_budget(tmp_path
     summary = (out / "summary.txt").read_text()
     lines = [line.split()[0] for line in summary.splitlines()[1:] if line.split() and line.split()[0] in STEPS]
     assert tuple(lines) == STEPS and "every step passed" in summary
+    for step in ("graphs", "parity-kernels", "parity-engine"):  # real pytest runs: counted, skipped without a device
+        line = next(line for line in summary.splitlines() if line.startswith(step))
+        ran, of = re.search(r"(\d+) of (\d+) tests ran, (\d+) skipped", line).group(1, 2)
+        assert ran == of and int(of) > 0, line
     timeouts = [int(line.rsplit("timeout ", 1)[1].split()[0]) for line in summary.splitlines() if "timeout" in line]
     assert all(0 < t <= 420 for t in timeouts)
     report = (out / "report.md").read_text()
@@ -56,8 +61,9 @@ def test_the_dry_run_walks_every_step_into_four_files_within_the_budget(tmp_path
 
 def test_a_run_killed_mid_step_leaves_the_steps_before_it_packed(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    env = _env(out, GPU_CHECK_DRY_SECONDS="1", GPU_CHECKS="bench peer shape")
     proc = subprocess.Popen(
-        ["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=_env(out, GPU_CHECK_DRY_SECONDS="1"),
+        ["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
@@ -81,3 +87,44 @@ def test_the_dry_run_refuses_a_flag_the_real_run_would_refuse() -> None:
     assert good.returncode == 0, good.stderr
     bad = subprocess.run([*step, "--peers-repeats", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --peers-repeats" in bad.stderr
+
+
+def test_a_pytest_step_passes_only_with_every_collected_test_in_its_junit(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_judge import Junit, main, verdict
+
+    assert verdict(4, Junit(4), 0) == (True, "ok (4 of 4 tests ran)")
+    assert verdict(4, Junit(2), 124) == (False, "TIMEOUT (2 of 4 tests ran)")  # cut: pytest wrote what finished
+    assert verdict(4, None, 137) == (False, "TIMEOUT (0 of 4 tests ran)")  # killed before any junit
+    assert verdict(4, Junit(4), 124)[0]  # every test ran; the interpreter's exit overran
+    assert verdict(4, Junit(3), 0) == (False, "FAILED (3 of 4 tests ran: the junit xml misses some)")
+    assert not verdict(4, Junit(4, skipped=1), 0)[0]  # a skip on a device: nothing was checked
+    assert not verdict(4, Junit(4, failures=1), 124)[0] and not verdict(0, Junit(0), 0)[0]
+    assert not verdict(None, Junit(4), 0)[0]  # no count: the run cannot be judged
+    assert verdict(4, Junit(4, skipped=4), 0, dry=True)[0]  # the dry run, without a device
+    assert not verdict(4, Junit(4, errors=1, skipped=3), 0, dry=True)[0]
+    (tmp_path / "n").write_text("3\n")
+    suites = '<testsuite tests="1" failures="0" errors="0" skipped="0"/><testsuite tests="1" skipped="0"/>'
+    (tmp_path / "j.xml").write_text(f"<testsuites>{suites}</testsuites>")
+    assert main([str(tmp_path / "n"), str(tmp_path / "j.xml"), "0"]) == 1  # two suites, 2 of 3
+    (tmp_path / "n").write_text("2\n")
+    assert main([str(tmp_path / "n"), str(tmp_path / "j.xml"), "0"]) == 0
+
+
+def test_a_step_that_overruns_its_share_is_a_timeout_and_the_run_fails(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = _env(out, GPU_CHECKS="bench", GPU_CHECK_CAPS="bench=4 versions=4", GPU_CHECK_MINS="bench=1 versions=1",
+               GPU_CHECK_GRACE="1", GPU_CHECK_DRY_SECONDS="20")  # fmt: skip
+    run = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    summary = (out / "summary.txt").read_text()
+    assert run.returncode == 1, run.stdout + run.stderr
+    bench = next(line for line in summary.splitlines() if line.startswith("bench"))
+    assert "TIMEOUT" in bench and "failed or timed out" in summary and "every step passed" not in summary
+
+
+def test_the_dry_run_asks_the_bench_what_it_would_refuse_once_parsed() -> None:
+    step = [sys.executable, "scripts/gpu_dry_step.py", sys.executable, "-m", "batchserve.cli", "bench"]
+    bad = subprocess.run([*step, "--num-prompts", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--num-prompts" in bad.stderr
