@@ -79,9 +79,12 @@ front-door: setup
 	$(BIN)/python load_tests/front_door.py --out front_door_out -- --kv-cache-gb 0.1 $(LOAD_ARGS)
 
 # A keyed tenant and the probes beside 1,000 idle or trickling connections and 500 health streams
-# without a key (load_tests/door_flood.py; load_tests/results/door-flood.md).
+# without a key, then a key removed under its streams: on the server, then through the front door
+# where HAProxy is installed (load_tests/door_flood.py; load_tests/results/door-flood.md).
 door-flood: setup
 	PYTHONPATH=. $(BIN)/python load_tests/door_flood.py --calls 100 $(LOAD_ARGS)
+	@if command -v haproxy >/dev/null 2>&1; then PYTHONPATH=. $(BIN)/python load_tests/door_flood.py --calls 100 --front-door $(LOAD_ARGS); \
+	else echo "door-flood: HAProxy is not installed, the front door's run skipped (apt-get install haproxy)"; fi
 
 soak-hostile: bench-setup
 	$(BIN)/python load_tests/soak_hostile.py --duration 120 --users 8 --hostile 2 --out soak_hostile_out $(LOAD_ARGS)
