@@ -222,7 +222,10 @@ def _door(c: Checks, target: str, http_port: int, keys: dict[str, str], out: Pat
         refused = True
     c.check(refused, "a connection past its address's share is closed unread")
     held[0].sendall(b"GET /health HTTP/1.1\r\n")  # a head that never ends
-    c.check(all(_closed(sock, 6) for sock in held), "idle and trickling connections are closed at the deadline")
+    held[1].sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model"')  # nor a body
+    c.check(
+        all(_closed(sock, 6) for sock in held), "idle, trickling and slow-body connections are closed at the deadline"
+    )
     health = grpc.insecure_channel(target)
     watches = [health.unary_stream("/grpc.health.v1.Health/Watch")(b"") for _ in range(50)]
     with Client(target, timeout=60, api_key=keys["tenant1"]) as client:
