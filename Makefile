@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast fuzz lint serve proto load soak soak-faults soak-hostile door-flood front-door simulate gpu-check clean
+.PHONY: setup bench-setup bench-llamacpp bench-llama-server test test-fast fuzz lint serve proto load soak soak-faults soak-hostile door-flood front-door simulate gpu-check gpu-kit clean
 
 setup: $(STAMP)
 
@@ -99,6 +99,11 @@ simulate: bench-setup
 # report.md, logs.tgz and summary.txt in gpu_out/ (OUT=... elsewhere; see scripts/gpu_check.sh).
 gpu-check: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gpu_check.sh
+
+# The GPU check's kit for a bare CUDA machine without network: .gpu/1, .gpu/2, ... each under the
+# device tool's carry limit beside the tree, with checksums its unstage.sh verifies (scripts/gpu_kit.py).
+gpu-kit: $(STAMP)
+	$(BIN)/python scripts/gpu_kit.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check batchserve tests benchmarks load_tests deploy

