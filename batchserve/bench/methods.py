@@ -7,6 +7,7 @@ settings (drafter, trie layout, warm trie or not, fixed or adaptive decoding len
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,8 @@ class Row:
     # hf-static: what torch.compile did, as `compile_stats` (`CompileStats`, bench/compiled.py) in a line
     note: str | None = None
     compile_stats: dict[str, int] | None = None
+    # a provisional row (more runs to come: a sweep cut at its limit keeps it): how many ran; None: final
+    runs_done: int | None = None
 
 
 def load_point(r: Row) -> str:
@@ -313,6 +316,11 @@ def pick_run(runs: list[Row], keep: str) -> Row:
     if len(runs) > 1:
         row = replace(row, run_tokens_per_s=[r.tokens_per_s for r in runs])
     return row
+
+
+def provisional_rows(runs: Iterable[list[Row]], keep: str) -> list[Row]:
+    """The rows repeated runs stand at before their last round: each the `keep` one so far."""
+    return [replace(pick_run(rs, keep), runs_done=len(rs)) for rs in runs if rs]
 
 
 def _severity(r: Row) -> int:

@@ -17,9 +17,17 @@ from batchserve.cost_profile import CostProfile
 from batchserve.records import StepPhases
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`path` replaced by `text` in one rename: a process killed mid-write (a device's time limit)
+    leaves the last whole file, never a cut one."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    part.replace(path)
+
+
 def save_results(rows: list[Row], out_dir: Path) -> None:
     """DIR/results.json: every row as a JSON object."""
-    (out_dir / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    write_whole(out_dir / "results.json", json.dumps([asdict(r) for r in rows], indent=1))
 
 
 def _header(num_prompts: int, max_new: int, decoding_length: int, repeats: int, keep: str, waves: int) -> str:
@@ -150,6 +158,8 @@ def write_report(
     lines = [_header(num_prompts, max_new, decoding_length, repeats, keep, waves)]
     if skipped:
         lines.append(f"{skipped}\n")
+    if early := [f"{r.method} b={r.batch_size} ({r.runs_done} runs so far)" for r in rows if r.runs_done]:
+        lines.append(f"**Provisional** (more runs were to come when this was written): {', '.join(early)}.\n")
     for kernels, profile in (profiles or {}).items():
         lines.extend(row_price_table(profile, kernels))
     for dataset in dict.fromkeys(r.dataset for r in rows):
@@ -171,7 +181,7 @@ def write_report(
             lines.extend(adaptive_summary(rs, suffix))
         lines.extend(phase_table(rs))
         lines.extend(loop_table(rs))
-    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    write_whole(out_dir / "report.md", "\n".join(lines) + "\n")
 
 
 def _short_of_prompts(rows: list[Row], num_prompts: int, waves: int) -> list[str]:

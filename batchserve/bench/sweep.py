@@ -3,8 +3,8 @@
 Batch size b: b requests in flight (a closed loop). Every batchserve output is compared with HF
 `generate` greedy (`lossless`); on a GPU with the same engine's `none`, where a difference at a
 near-tie of `none`'s logits is rounding (`near_ties`) and one beyond it a bug. Writes
-DIR/results.json and DIR/report.md as each row finishes (a sweep stopped by a time limit keeps
-every finished row), and DIR/throughput.png at the end.
+DIR/results.json and DIR/report.md as each row finishes, and a repeated run's row after each round
+(a sweep stopped by a time limit keeps what it measured), and DIR/throughput.png at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from batchserve.bench.methods import (
     expected_outputs,
     make_row,
     pick_run,
+    provisional_rows,
 )
 from batchserve.bench.near_ties import divergences, judge
 from batchserve.bench.peers import peer_row, run_hf, run_hf_batch
@@ -68,23 +69,23 @@ class _Sweep:
     on_device: bool = False  # the engine runs on a GPU: each method is judged against its own `none`
     own_references: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)  # `none-gguf`'s
     rows: list[Row] = field(default_factory=list)  # the finished rows, in the order they finished
+    provisional: list[Row] = field(default_factory=list)  # repeated runs' rows as they stand (`add`)
     write: Callable[[list[Row]], None] | None = None  # results.json and report.md of the rows so far
     served: ServedPeers | None = None  # the served rows' servers (bench/served.py)
     failures: list[str] = field(default_factory=list)  # the peers that failed (llama.cpp's: on both kernels)
     hf_static: StaticPeer = HF_STATIC  # its runs and its decode limit
 
-    def add(self, row: Row) -> None:
-        """A finished row: kept, and everything finished so far written out."""
-        self.rows.append(row)
+    def add(self, row: Row | None = None, provisional: list[Row] | None = None) -> None:
+        """A finished row kept, `provisional` (repeated runs' rows so far) beside until the next call; all written."""
+        self.rows, self.provisional = self.rows + ([row] if row is not None else []), provisional or []
         if self.write is not None:
-            self.write(self.rows)
+            self.write(self.rows + self.provisional)
 
     def fail(self, method: str, dataset: str, error: PeerFailed) -> None:
         """A peer's run that failed: said now and in the report, and the sweep goes on."""
         self.failures.append(f"`{method}` on {dataset} failed: {error}.")
         tqdm.write(self.failures[-1])
-        if self.write is not None:
-            self.write(self.rows)
+        self.add(provisional=self.provisional)
 
     def close(self) -> None:
         """Stop llama.cpp's child process, if one runs (the next dataset's starts its own)."""
@@ -96,9 +97,8 @@ class _Sweep:
 def _peer_rows(
     s: _Sweep, dataset: str, prompts: list[list[int]], num_prompts: int, constrained: bool = False
 ) -> list[list[int]]:
-    """HF greedy for every prompt where a row is judged against it (else empty lists); the peers
-    that run at batch 1 add their rows as each finishes. Structured output: no peer runs (they do
-    not constrain; each method checks against its own weights' plain decoding, constrained alike)."""
+    """HF greedy for every prompt where a row is judged against it (else empty lists); batch-1 peers add
+    their rows. Structured output: no peer runs (each method checks against its own plain decoding)."""
     eos, first, none = s.tokenizer.eos_token_id, prompts[:num_prompts], [[] for _ in prompts]
     s.close()  # the last dataset's llama.cpp
     judged = _needs_hf(s.methods, s.on_device)
@@ -123,8 +123,10 @@ def _peer_rows(
                 outs, *_ = run
                 same = outs == reference[:num_prompts] if reference else None
                 runs.append(peer_row("hf-static", dataset, 1, run, 1.0, same))
+                s.add(provisional=provisional_rows([runs], s.keep))
             s.add(pick_run(runs, s.keep))
         except PeerFailed as e:
+            s.provisional = []
             s.fail("hf-static", dataset, e)
     if "hf-prompt-lookup" in s.methods:
         run = run_hf(s.ref_model, first, s.max_new, eos, 10, f"{dataset} hf-prompt-lookup")
@@ -248,6 +250,8 @@ def _batch_rows(
                 runs.setdefault(m, []).append(row)
                 if s.repeats == 1:
                     s.add(row)
+        if s.repeats > 1:  # a sweep cut in a later round keeps this one's rows
+            s.add(provisional=provisional_rows(runs.values(), s.keep))
     if s.repeats > 1:
         for rs in runs.values():
             s.add(pick_run(rs, s.keep))

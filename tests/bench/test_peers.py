@@ -253,3 +253,36 @@ def test_the_bench_hands_the_peers_repeats_and_limit_to_the_sweep(monkeypatch, t
     argv = ["--methods", "hf-static", "--peer-repeats", "2", "--hf-static-max-ms", "7.5", "--out", str(tmp_path)]
     assert main(["bench", *argv]) == 0
     assert seen["peer"] == StaticPeer(2, 7.5)
+
+
+def test_a_repeated_peer_writes_its_row_after_each_run_so_a_cut_sweep_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each of hf-static's runs the row as it stands is written (provisional, with how many
+    ran); the final row replaces it. A sweep cut in its third run (SIGINT) leaves the second's."""
+    written: list[list[Any]] = []
+    real = sweep._peer_rows
+
+    def recording(s: Any, *args: Any) -> Any:
+        s.write = lambda rows: written.append([(r.runs_done, r.tokens_per_s) for r in rows])
+        return real(s, *args)
+
+    monkeypatch.setattr(sweep, "_peer_rows", recording)
+    s, _ = _static_sweep(monkeypatch, None, repeats=3)
+    assert written == [[(1, 10.0)], [(2, 10.0)], [(3, 20.0)], [(None, 20.0)]] and s.rows[0].runs_done is None
+    written.clear()
+    monkeypatch.setattr(sweep, "_peer_rows", recording)
+    calls = 0
+
+    def cut(*args: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt  # the device's time limit: SIGINT
+        return PeerRun([[7] * 5, [8] * 5], 1.0, [0.1, 0.1], [0.1], None, CompileStats(graphs=1, compiled_steps=8))
+
+    tokenizer, bar = SimpleNamespace(eos_token_id=0), SimpleNamespace(update=lambda n: None)
+    s = sweep._Sweep(["hf-static"], 5, 16, 1, "median", None, None, tokenizer, {}, bar)
+    s.hf_static = StaticPeer(repeats=3)
+    monkeypatch.setattr(sweep, "run_hf", cut)
+    with pytest.raises(KeyboardInterrupt):
+        sweep._peer_rows(s, "d", [[1, 2], [3, 4]], 2)
+    assert written[-1] == [(2, 10.0)]  # what the two runs measured stays on disk
