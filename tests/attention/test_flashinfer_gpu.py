@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -193,6 +194,36 @@ def _syncs_raise() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# In the GPU check's `-k "bf16 and hd64"`: sync debug mode sees only syncs made through torch; a
+# copy from pageable host memory inside FlashInfer's plan() (its sequence lengths, computed on the
+# host) may wait for the stream without it. So plan() is timed behind a kernel that keeps the
+# device busy for about a second: a plan that waited for the stream would take that long.
+def test_plans_do_not_wait_for_the_device_bf16_hd64():
+    from batchserve.attention import LayerAttention
+    from batchserve.attention.base import StepBucket
+
+    dev = torch.device("cuda")
+    layers = (LayerAttention(window=37), LayerAttention())
+    _, fi, seqs = _cuda_pair(26, 2, 16, layers)
+    step, slots = StepLayout.from_seqs(seqs), slot_mapping(seqs, 16).to(dev)
+    bucket = StepBucket(step.num_tokens, len(seqs) + 2, tree=True)
+    for _ in range(2):  # modules built, buffers allocated
+        fi.build_metadata(step, slots)
+        fi.plan(step, slots, bucket)
+    torch.cuda.synchronize()
+    busy = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    busy[0].record()
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time at 1.5-2 GHz
+    busy[1].record()
+    t = time.perf_counter()
+    fi.build_metadata(step, slots)
+    fi.plan(step, slots, bucket)
+    planned = time.perf_counter() - t
+    torch.cuda.synchronize()
+    slept = busy[0].elapsed_time(busy[1]) / 1000
+    assert slept > 0.3 and planned < slept / 4, (planned, slept)
 
 
 # In the GPU check's `-k "bf16 and hd64"`: the mask packed on the host against FlashInfer's own
