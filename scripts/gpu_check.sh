@@ -167,6 +167,7 @@ run_step() {
     return 0
   fi
   local limit=$((t - GRACE))
+  ((limit >= 1)) || limit=1  # `timeout 0` would be no limit at all
   echo "== $name: up to ${limit} s (+${GRACE} s to stop), $(date -u +%H:%M:%S) UTC"
   local t0=$SECONDS status
   if ((DRY)); then set -- "$PY" scripts/gpu_dry_step.py "$@"; fi

@@ -45,7 +45,11 @@ def engine_modules() -> str:
     native.library()
     load_model(None, "bfloat16")
     sys.argv = ["scripts/count_kernels.py"]
-    runpy.run_path(str(ROOT / "scripts" / "count_kernels.py"), run_name="__main__")
+    try:
+        runpy.run_path(str(ROOT / "scripts" / "count_kernels.py"), run_name="__main__")
+    except SystemExit as e:  # the script's own exit: a status, not the job's end
+        if e.code not in (0, None):
+            raise RuntimeError(f"count_kernels.py exited with {e.code}") from None
     return "drafter, model, norm/activation/rope"
 
 
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             name, seconds = futures[done], time.monotonic() - t0
             try:
                 print(f"prebuild {name}: ok ({done.result()}) at {seconds:.0f} s", flush=True)
-            except Exception as e:  # the step that needs it builds it in its own time
+            except BaseException as e:  # a job's SystemExit too: the step that needs it builds it
                 failed += 1
                 print(f"prebuild {name}: FAILED at {seconds:.0f} s: {type(e).__name__}: {e}", flush=True)
     return failed

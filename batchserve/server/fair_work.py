@@ -63,12 +63,15 @@ def _never(tenant: str) -> bool:
 class Pacing:
     """Each tenant's time on the preparation threads while others have calls: `share` of a
     second each second, after `burst` seconds (share 0: never paced). Only tenants that owe time
-    are kept, so the table is bounded by those that recently did heavy work."""
+    are kept, and those that never come back are swept once repaid (within 2 bursts / share
+    seconds), so the table is bounded by the work of that long, whatever tenant strings arrive. A
+    paced tenant left alone goes on at its timer (at most 2 bursts / share), not at once."""
 
     share: float = 0.0
     burst: float = 1.0
     contended: Callable[[str], bool] = _never  # whether tenants other than this one have calls
     _owed: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (balance, at)
+    _swept: int = 64  # the table's size after its last sweep
 
     def balance(self, tenant: str, now: float) -> float:
         balance, at = self._owed.get(tenant, (self.burst, now))
@@ -84,6 +87,9 @@ class Pacing:
             self._owed.pop(tenant, None)
         else:
             self._owed[tenant] = (balance, now)
+        if len(self._owed) > 2 * self._swept:  # tenants that never came back: forgotten once repaid
+            self._owed = {t: owed for t, owed in self._owed.items() if self.balance(t, now) < self.burst}
+            self._swept = max(64, len(self._owed))
 
     def wait(self, tenant: str, now: float) -> float:
         """Seconds until `tenant`'s next job may start (0: now)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import socketserver
 import threading
 import time
@@ -160,7 +161,9 @@ class Metrics:
                 return [b'{"status":"ok"}' if ok else b'{"status":"unavailable"}']
             return metrics(environ, start_response)
 
-        self._http = make_server(host, port, app, _ThreadingServer, handler_class=_Quiet)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # make_server's class fixes it
+        server = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+        self._http = make_server(host, port, app, server, handler_class=_Quiet)
         threading.Thread(target=self._http.serve_forever, daemon=True, name="batchserve-metrics").start()
         return self._http.server_port
 

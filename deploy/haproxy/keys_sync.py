@@ -49,6 +49,7 @@ _HELD = re.compile(r"^0x[0-9a-f]+ ([0-9a-f]{64}) (\S+)$", re.M)  # `show map` li
 _CALL = re.compile(r"key=([0-9a-f]{64})\\? (\d+) ")  # `show table calls` lines: the key's digest, the call's id
 _STREAM = re.compile(r"^(0x[0-9a-f]+): \[[^\]]*\] id=(\d+) ", re.M)  # `show sess all`: stream pointer, call id
 CALLS_TABLE = "calls"  # haproxy.cfg.in's table of running calls
+ADD_AT_ONCE = 50  # map entries a runtime API command (about 200 bytes each at most)
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
@@ -83,8 +84,9 @@ def replace_map(path: str, map_name: str, entries: dict[str, str]) -> None:
     version = re.search(r"New version created: (\d+)", answer)
     if version is None:
         raise RuntimeError(f"prepare map {map_name}: {answer.strip()}")
-    if entries:
-        payload = "".join(f"{key} {tenant}\n" for key, tenant in entries.items())
+    lines = [f"{key} {tenant}\n" for key, tenant in entries.items()]
+    for i in range(0, len(lines), ADD_AT_ONCE):  # a payload fits the CLI's buffer (tune.bufsize, 16 KiB)
+        payload = "".join(lines[i : i + ADD_AT_ONCE])
         answer = runtime(path, f"add map @{version.group(1)} {map_name} <<\n{payload}\n")
         if answer.strip():
             raise RuntimeError(f"add map: {answer.strip()}")
@@ -104,10 +106,13 @@ def end_calls(path: str, digests: set[str]) -> int:
     return len(streams)
 
 
-def sync(path: str, map_name: str, data: bytes | None, source: str) -> bool:
+def sync(path: str, map_name: str, data: bytes | None, source: str, to_end: set[str] | None = None) -> bool:
     """HAProxy's map made equal to `data` (None: missing) and the calls of keys it no longer
     holds, or holds for another tenant, ended. A source that does not parse commits an empty
-    map (every key revoked). Whether anything changed."""
+    map (every key revoked). `to_end`: digests whose calls are still to be ended, kept across
+    calls (an error after the commit leaves them there, and the next sync ends them). Whether
+    the map changed."""
+    to_end = set() if to_end is None else to_end
     try:
         entries = parse_map(data.decode("utf-8", "replace")) if data is not None else None
         error = None if entries is not None else f"{source} is missing"
@@ -116,9 +121,14 @@ def sync(path: str, map_name: str, data: bytes | None, source: str) -> bool:
     wanted = entries or {}
     held = dict(_HELD.findall(runtime(path, f"show map {map_name}\n")))
     if held == wanted:
+        if to_end:
+            end_calls(path, to_end)
+            to_end.clear()
         return False
     replace_map(path, map_name, wanted)
-    ended = end_calls(path, {digest for digest, tenant in held.items() if wanted.get(digest) != tenant})
+    to_end |= {digest for digest, tenant in held.items() if wanted.get(digest) != tenant}
+    ended = end_calls(path, to_end)
+    to_end.clear()
     if error is not None or not wanted:
         logger.error("every key revoked at the proxy: %s", error or f"{source} holds no keys")
     else:
@@ -199,8 +209,8 @@ class SecretSource:
                             break
                         deleted = event.get("type") == "DELETED"
                         desired.set(None if deleted else self._data(event.get("object")))
-            except (OSError, ValueError, KeyError) as e:
-                logger.warning("watching secret %s/%s: %s", self.namespace, self.name, e)
+            except Exception as e:  # a watch cut mid-chunk (IncompleteRead) too: the thread must go on
+                logger.warning("watching secret %s/%s: %s: %s", self.namespace, self.name, type(e).__name__, e)
                 stop.wait(2.0)
 
 
@@ -210,15 +220,15 @@ def run(sock: str, map_file: Path, secret: SecretSource | None, every: float, re
     if secret is not None:
         threading.Thread(target=secret.follow, args=(desired, stop), daemon=True, name="secret-watch").start()
     source = f"secret {secret.namespace}/{secret.name}" if secret else str(map_file)
-    last_data, last_sync = b"\0never", 0.0
+    last_data, last_sync, to_end = b"\0never", 0.0, set[str]()
     while True:
         if secret is None:
             desired.set(read_file(map_file), wake=False)
         due = time.monotonic() - last_sync >= resync
-        if desired.known and (desired.data != last_data or due):
+        if desired.known and (desired.data != last_data or due or to_end):
             try:
                 data = desired.data
-                sync(sock, str(map_file), data, source)
+                sync(sock, str(map_file), data, source, to_end)
                 last_data, last_sync = data, time.monotonic()
             except (OSError, RuntimeError) as e:  # HAProxy not up yet, or restarting: try again
                 logger.warning("key map not synced yet: %s", e)

@@ -160,3 +160,15 @@ async def test_the_frontend_counts_each_tenants_calls_until_they_end():
     finally:
         await r.channel.close()
         await r.server.shutdown()
+
+
+def test_tenants_that_never_come_back_leave_the_pacing_table_once_repaid():
+    """Without keys a client may send a fresh tenant string a call: the table of what tenants owe
+    is swept as it grows, keeping only those still owing."""
+    pacing = Pacing(share=0.5, burst=1.0, contended=lambda tenant: True)
+    for i in range(1000):
+        pacing.charge(f"rotated-{i}", 2.0, now=i * 0.001)  # each owes a burst, repaid 4 s later
+    assert len(pacing._owed) <= 1000
+    for i in range(200):
+        pacing.charge(f"later-{i}", 2.0, now=100.0 + i * 0.001)
+    assert len(pacing._owed) <= 400 and all(not t.startswith("rotated") for t in pacing._owed)

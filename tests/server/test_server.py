@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -591,3 +592,16 @@ async def test_metrics_port_zero_turns_metrics_off_as_the_http_port_does():
         assert server.metrics_port is None and server.metrics._http is None  # nothing listens for metrics
     finally:
         await server.shutdown()
+
+
+async def test_metrics_and_their_health_serve_on_an_ipv6_host(running):
+    """The metrics port takes the host's address family (`--host ::` serves both)."""
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    port = running.server.metrics.serve(0, "::1", lambda: True)
+    assert urllib.request.urlopen(f"http://[::1]:{port}/health", timeout=5).read() == b'{"status":"ok"}'
+    assert (
+        b"batchserve_num_requests_running" in urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5).read()
+    )
