@@ -4,6 +4,7 @@ computed from the call log, without a server."""
 from __future__ import annotations
 
 import csv
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,18 @@ from load_tests.soak_hostile import (
 )
 
 
-def _stream(start: float, ttft: float, tpot: float, kind: str = "stream", **kw: object) -> Call:
-    return Call(start, "good", "grpc", kind, "ok", True, ttft + 63 * tpot, ttft, tpot, 64, **kw)  # type: ignore[arg-type]
+def _stream(start: float, ttft: float, tpot: float, kind: str = "stream", proto: str = "grpc", **kw: object) -> Call:
+    return Call(start, "good", proto, kind, "ok", True, ttft + 63 * tpot, ttft, tpot, 64, **kw)  # type: ignore[arg-type]
 
 
 def _phase(name: str, ttft: float, tpot: float, tps: float = 4.0, rss_kb: int = 1_000_000) -> Phase:
-    """100 streams with TTFT/TPOT 1x..2x the given (p99: 1.98x, with the repeats at 1x), repeated
-    prompts at `tps` tokens a step during the load and in the idle probe after it."""
-    calls = [_stream(float(i), ttft * (1 + i / 100), tpot * (1 + i / 100)) for i in range(100)]
+    """100 streams with TTFT/TPOT 1x..2x the given (p99: 1.98x, with the repeats at 1x), half of
+    them over HTTP, repeated prompts at `tps` tokens a step during the load and in the idle probe
+    after it; beside the hostile tenant, one of its calls."""
+    calls = [_stream(float(i), ttft * (1 + i / 100), tpot * (1 + i / 100), proto=("grpc", "http")[i % 2])
+             for i in range(100)]  # fmt: skip
+    if name == "hostile":
+        calls.append(Call(0.5, "hostile", "http", "idle-socket", "closed by the server after 10 s", True, 10_000))
     calls += [_stream(100.0 + i, ttft, tpot, "repeat", tps=tps, key=str(i % 2)) for i in range(10)]
     calls += [Call(200.0 + i, "good", "grpc", "probe", "ok", True, 900, tps=tps, key=str(i)) for i in range(2)]
     return Phase(name, calls, [(0.0, rss_kb), (2.0, rss_kb + 10_000), (4.0, rss_kb)])
@@ -152,3 +157,28 @@ def test_calls_the_run_cut_short_are_neither_successes_nor_failures():
     assert all(met for _, met, _ in targets(alone, hostile))
     assert latency(hostile.calls) == latency(hostile.calls[:-1])
     assert "unfinished 1" in render(alone, hostile, [])[0]
+
+
+def test_a_soak_whose_users_sent_nothing_or_one_protocol_only_fails():
+    """A hostile user that never started (its key refused at start-up, say) measured nothing: the
+    report fails rather than pass; so do well-behaved users of one protocol only."""
+    alone, hostile = _phase("alone", 200, 20), _phase("hostile", 200, 20)
+    hostile.calls = [c for c in hostile.calls if c.role == "good"]
+    missed = [name for name, met, _ in targets(alone, hostile) if not met]
+    assert missed == ["the hostile users sent calls"]
+    alone.calls = [c for c in alone.calls if c.proto == "grpc"]
+    missed = [name for name, met, _ in targets(alone, hostile) if not met]
+    assert "well-behaved users called over gRPC and HTTP (alone)" in missed
+
+
+def test_a_removed_keys_stream_must_end_within_the_bound():
+    alone, hostile = _phase("alone", 200, 20), _phase("hostile", 200, 20)
+    ok = "ended UNAUTHENTICATED after 0.1 s; a new call UNAUTHENTICATED"
+    hostile.calls.append(Call(9, "hostile", "grpc", "key-revocation", ok, True, 30))
+    assert all(met for _, met, _ in targets(alone, hostile))
+    for outcome in ("ended UNAUTHENTICATED after 6.2 s; a new call UNAUTHENTICATED",
+                    "ran to its end after the key was removed",
+                    "ended UNAUTHENTICATED after 0.1 s; a new call still taken"):  # fmt: skip
+        late = replace(hostile, calls=[*hostile.calls, Call(10, "hostile", "grpc", "key-revocation", outcome, True, 9)])
+        missed = [name for name, met, _ in targets(alone, late) if not met]
+        assert missed == ["a removed key's stream ends within 5 s and the key is refused"], outcome
