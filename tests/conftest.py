@@ -147,7 +147,7 @@ FILE_SECONDS = {
     "tests/tune/test_tune.py": 21,
     "tests/draft/test_native.py": 17,
     "tests/engine/test_verification.py": 17,
-    "tests/test_gpu_check.py": 45,
+    "tests/test_gpu_check.py": 90,
     "tests/model/test_loader.py": 16,
     "tests/engine/test_sampling.py": 16,
     "tests/bench/test_llamacpp_child.py": 14,
