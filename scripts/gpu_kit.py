@@ -9,8 +9,10 @@ Fills OUT/1, OUT/2, ... with
   version pyproject.toml pins, which the FlashInfer staging was read against), downloaded for
   CPython 3.12 on manylinux x86_64; or the files of `--wheels DIR` as they are;
 - the default model's GGUF in 40 MiB parts;
-- `unstage.sh` (scripts/gpu_unstage.sh) and three checksum lists in every piece: `piece.sha256`
-  (this piece's files), `all.sha256` (every staged file) and `model.sha256` (the model whole).
+- a file larger than a piece (flashinfer-python's wheel, about 59 MiB) in 40 MiB parts too;
+- `unstage.sh` (scripts/gpu_unstage.sh) and four checksum lists in every piece: `piece.sha256`
+  (this piece's files), `all.sha256` (every staged file), `whole.sha256` (the split files, put
+  back together) and `model.sha256` (the model whole).
 
 Each piece holds at most the carry limit less the project tree (tracked and untracked files that
 git does not ignore travel with every call) less `--margin-mib`; the largest files go first. On
@@ -93,11 +95,12 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def split_model(model: Path, into: Path) -> list[Path]:
+def split(path: Path, into: Path, name: str, size: int = PART_BYTES) -> list[Path]:
+    """`path` in parts of `size` bytes, `into/name.part-NN` (unstage.sh puts them back together)."""
     parts = []
-    with open(model, "rb") as f:
-        while chunk := f.read(PART_BYTES):
-            parts.append(into / f"model.gguf.part-{len(parts):02d}")
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            parts.append(into / f"{name}.part-{len(parts):02d}")
             parts[-1].write_bytes(chunk)
     return parts
 
@@ -128,10 +131,16 @@ def build(out: Path, wheels: Path | None, model: Path, carry: int, margin: int) 
     else:
         for f in wheels.iterdir():
             shutil.copy2(f, staged / f.name)
-    split_model(model, staged)
+    limit = carry - tree_bytes() - margin
+    split(model, staged, "model.gguf", min(PART_BYTES, limit))
+    whole = ""  # files too large for a piece (flashinfer's wheel is about 59 MiB): split, checked whole again
+    for f in sorted(staged.iterdir()):
+        if f.stat().st_size > limit and ".part-" not in f.name:
+            whole += f"{sha256(f)}  {f.name}\n"
+            split(f, staged, f.name, min(PART_BYTES, limit))
+            f.unlink()
     files = sorted(staged.iterdir())
     listing = "".join(f"{sha256(f)}  {f.name}\n" for f in files)
-    limit = carry - tree_bytes() - margin
     folders = []
     for n, names in enumerate(pack(files, limit), 1):
         folder = out / str(n)
@@ -143,6 +152,7 @@ def build(out: Path, wheels: Path | None, model: Path, carry: int, margin: int) 
                                                      if line.split("  ", 1)[1].strip() in here))  # fmt: skip
         (folder / "all.sha256").write_text(listing)
         (folder / "model.sha256").write_text(f"{sha256(model)}  {model.name}\n")
+        (folder / "whole.sha256").write_text(whole)
         shutil.copy2(ROOT / "scripts" / "gpu_unstage.sh", folder / "unstage.sh")
         folders.append(folder)
     staged.rmdir()

