@@ -7,11 +7,11 @@
 #
 # The first lease's timeline (15 minutes of device time, 2 of them kept spare: 780 s):
 #   machine start, first call      about 90 s (a minute or more, the device tool's notes)
-#   carries: 5 pieces, back to back about 20 s each (55 MiB in, a checksum, a copy), 100 s
+#   carries: 4 pieces, back to back about 20 s each (55 MiB in, a checksum, a copy), 80 s
 #                                  (the machine goes back after 30 s idle: no pause between them)
 #   install, in the last call      about 30 s (pip from the staged wheels, the model reassembled)
 #   gpu_check.sh in the last call  540 s at most: with the install 570 s, under the 600 s a command
-#                                  may run; in all about 760 s, 140 s to spare
+#                                  may run; in all about 740 s, 160 s to spare
 # Steps, in the order of what a short lease must bring back first; a failed step does not stop the
 # others, and what a lease cannot fit goes from the end (kernels, shape), never the peer:
 #   versions        python, torch (CUDA), flashinfer, transformers, nvcc, the device (first: a run
