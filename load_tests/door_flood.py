@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchserve.server.client import build_request
 from batchserve.v1 import generation_pb2_grpc as pb_grpc
-from load_tests.front_door import free_ports, wait_serving
+from load_tests.front_door import free_ports, start_proxy, wait_serving
 
 PROBE_S, TTFT_RATIO, REVOKED_S = 1.0, 1.5, 5.0
 
@@ -163,13 +163,8 @@ def _front_door(tmp: Path, grpc_port: int, http_port: int) -> tuple[subprocess.P
     from deploy.haproxy import render
 
     (tmp / "keys.map").write_text(render.keys((tmp / "keys").read_text()))
-    front_grpc, front_http = free_ports(2)
     limits = render.Limits(conn_per_source=64, rate_per_source=100_000, admin_socket=str(tmp / "admin.sock"))
-    cfg = render.config(str(tmp / "keys.map"), [f"127.0.0.1:{grpc_port}:{http_port}"], None,
-                        f"127.0.0.1:{front_http}", f"127.0.0.1:{front_grpc}", limits)  # fmt: skip
-    (tmp / "haproxy.cfg").write_text(cfg)
-    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp / "haproxy.cfg")], stdout=open(tmp / "haproxy.log", "w"),
-                             stderr=subprocess.STDOUT)  # fmt: skip
+    proxy, front_grpc, front_http = start_proxy(tmp, tmp / "keys.map", [f"127.0.0.1:{grpc_port}:{http_port}"], limits)
     wait_serving(f"127.0.0.1:{front_grpc}", 30, proxy)
     return proxy, front_grpc, front_http
 

@@ -82,6 +82,24 @@ class Replica:
                 self.proc.kill()
 
 
+def start_proxy(
+    out: Path, keys_map: Path, replicas: list[str], limits: render.Limits, tls: tuple[str, str | None] | None = None
+) -> tuple[subprocess.Popen, int, int]:
+    """HAProxy on free loopback ports before `replicas` (HOST:GRPC:HTTP), its config and log in
+    `out`, once its admin socket is up (after its listeners): (the proxy, its gRPC port, its HTTP
+    port). Whether it serves depends on its replicas' health: `wait_serving` for that."""
+    front_grpc, front_http = free_ports(2)
+    cfg = render.config(str(keys_map), replicas, None, f"127.0.0.1:{front_http}", f"127.0.0.1:{front_grpc}",
+                        limits, tls)  # fmt: skip
+    (out / "haproxy.cfg").write_text(cfg)
+    log = open(out / "haproxy.log", "w")
+    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(out / "haproxy.cfg")], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while not Path(limits.admin_socket).exists() and proxy.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proxy, front_grpc, front_http
+
+
 def wait_serving(target: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     deadline = time.monotonic() + timeout
@@ -139,15 +157,9 @@ def run(model: str | None, out: Path, extra: list[str]) -> int:
     try:
         for r in replicas:
             r.wait_healthy()
-        front_grpc, front_http = free_ports(2)
         limits = render.Limits(conn_per_source=16, admin_socket=str(out / "admin.sock"), request_seconds=2)
-        cfg = render.config(str(out / "keys.map"), [f"127.0.0.1:{r.grpc}:{r.http}" for r in replicas], None,
-                            f"127.0.0.1:{front_http}", f"127.0.0.1:{front_grpc}", limits)  # fmt: skip
-        (out / "haproxy.cfg").write_text(cfg)
-        log = open(out / "haproxy.log", "w")
-        proxy = subprocess.Popen(
-            ["haproxy", "-db", "-f", str(out / "haproxy.cfg")], stdout=log, stderr=subprocess.STDOUT
-        )
+        servers = [f"127.0.0.1:{r.grpc}:{r.http}" for r in replicas]
+        proxy, front_grpc, front_http = start_proxy(out, out / "keys.map", servers, limits)
         wait_serving(f"127.0.0.1:{front_grpc}", 30, proxy)
         target = f"127.0.0.1:{front_grpc}"
         _refusals(c, target, front_http, replicas, keys)

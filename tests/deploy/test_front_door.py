@@ -9,7 +9,6 @@ import http.client
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -93,17 +92,10 @@ def test_the_proxy_reloads_its_key_map_in_place_and_limits_each_address(tmp_path
 
     keys = tmp_path / "keys.map"
     keys.write_text(render.keys(f"acme {KEY}\n"))
-    (http_port, grpc_port), sock = front_door.free_ports(2), str(tmp_path / "admin.sock")
+    sock = str(tmp_path / "admin.sock")
     limits = render.Limits(conn_per_source=4, rate_per_source=1000, admin_socket=sock, request_seconds=1)
-    cfg = render.config(str(keys), ["127.0.0.1:1:2"], None, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", limits)
-    (tmp_path / "haproxy.cfg").write_text(cfg)
-    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "haproxy.cfg")], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
+    proxy, _, http_port = front_door.start_proxy(tmp_path, keys, ["127.0.0.1:1:2"], limits)
     try:
-        for _ in range(100):  # the admin socket comes after the listeners
-            if Path(sock).exists():
-                break
-            time.sleep(0.05)
         assert _status(http_port, KEY) == 503 and _status(http_port, OTHER) == 401
         keys.write_text(render.keys(f"other {OTHER}\n"))  # KEY removed, OTHER added
         assert keys_sync.sync_file(sock, keys)
@@ -143,14 +135,9 @@ async def test_the_proxy_talks_mutual_tls_to_a_replica_that_requires_it(tmp_path
     keys = tmp_path / "keys.map"
     keys.write_text(render.keys(f"acme {KEY}\n"))
     r = await start_server(http=True, tls_cert=cert, tls_key=key, tls_client_ca=client_cert)
-    http_port, grpc_port = front_door.free_ports(2)
     replica = f"127.0.0.1:{r.server.port}:{r.server.http_port}"
     limits = render.Limits(admin_socket=str(tmp_path / "admin.sock"))
-    cfg = render.config(str(keys), [replica], None, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", limits,
-                        tls=(cert, str(proxy_pem)))  # fmt: skip
-    (tmp_path / "haproxy.cfg").write_text(cfg)
-    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "haproxy.cfg")], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
+    proxy, grpc_port, http_port = front_door.start_proxy(tmp_path, keys, [replica], limits, (cert, str(proxy_pem)))
     try:
         status = 0
         for _ in range(100):  # until the proxy listens, and a health check over mTLS put the replica in

@@ -11,7 +11,6 @@ import json
 import queue
 import secrets
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -65,20 +64,11 @@ def test_a_removed_key_has_its_running_calls_ended_and_another_key_runs_on(tmp_p
     threading.Thread(target=backend.serve_forever, daemon=True).start()
     keys = tmp_path / "keys.map"
     keys.write_text(render.keys(f"acme {KEY}\nother {OTHER}\n"))
-    (http_port, grpc_port), sock = front_door.free_ports(2), str(tmp_path / "admin.sock")
-    limits = render.Limits(admin_socket=sock)
+    sock = str(tmp_path / "admin.sock")
     servers = [f"127.0.0.1:1:{backend.server_address[1]}"]
-    (tmp_path / "haproxy.cfg").write_text(
-        render.config(str(keys), servers, None, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", limits)
-    )
-    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "haproxy.cfg")], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
+    proxy, _, http_port = front_door.start_proxy(tmp_path, keys, servers, render.Limits(admin_socket=sock))
     done: dict[str, float] = {}
     try:
-        for _ in range(100):  # the admin socket comes after the listeners
-            if Path(sock).exists():
-                break
-            time.sleep(0.05)
         readers = []
         for name, key in (("acme", KEY), ("other", OTHER)):
             conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
