@@ -160,7 +160,7 @@ class FairWork:
             waits = {tenant: self.pacing.wait(tenant, now) for tenant in self._queues}
             tenant = next((t for t in self._queues if waits[t] <= 0), None)
             if tenant is None:
-                self._wake_in(min(waits.values()), self._queues[next(iter(self._queues))][0])
+                self._wake_in(min(waits.values()))
                 return
             queue = self._queues.pop(tenant)
             self._last = tenant
@@ -180,10 +180,10 @@ class FairWork:
             work.add_done_callback(self._on_done(loop, job))
             return
 
-    def _wake_in(self, seconds: float, job: _Job) -> None:
+    def _wake_in(self, seconds: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = job.future.get_loop().call_later(seconds, self._woken)
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._woken)  # always on the loop
 
     def _woken(self) -> None:
         self._timer = None
